@@ -1,0 +1,37 @@
+# mqorder: `make test` and `make demo` work on a fresh machine (they install what they need).
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo chaos bench lint install redis clean
+
+$(STAMP): pyproject.toml
+	@command -v redis-server >/dev/null || { echo "installing redis-server"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
+	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(BIN)/ruff check mqorder workers tasks config tests bench
+	$(BIN)/python -m pytest -q tests
+
+demo: $(STAMP)
+	$(BIN)/mqorder demo
+
+chaos: $(STAMP)
+	$(BIN)/python -m bench.chaos
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+lint: $(STAMP)
+	$(BIN)/ruff check mqorder workers tasks config tests bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

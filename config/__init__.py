@@ -1,0 +1,1 @@
+"""Configuration of the reference application (settings, Celery config, beat schedule)."""

@@ -1,0 +1,65 @@
+"""mqorder: RocketMQ-style orderly message consumption for Python, on Celery and Redis.
+
+::
+
+    from mqorder import Producer, orderly_listener, ConsumeOrderlyStatus
+
+    producer = Producer()
+    producer.create_topic("orders", queues=8)
+    producer.send_orderly("orders", body=b'{"order": 42}', sharding_key="42")
+
+    @orderly_listener(topic="orders", group="billing")
+    def on_order(msgs, ctx):
+        return ConsumeOrderlyStatus.SUCCESS
+
+This package's core (model, store, locks, allocation, ProcessQueue, engine) imports nothing from
+Celery; ``mqorder.celery`` holds the Celery tasks and the worker bootstep.
+"""
+
+from mqorder.client.producer import Producer
+from mqorder.consumer.context import ConsumeOrderlyContext
+from mqorder.consumer.hooks import ConsumeMessageContext, ConsumeMessageHook, register_consume_message_hook
+from mqorder.consumer.listener import orderly_listener
+from mqorder.errors import (
+    BrokerUnavailableError,
+    ConfigError,
+    InvalidNameError,
+    MessageError,
+    MessageTooLargeError,
+    MQOrderError,
+    TopicNotFoundError,
+)
+from mqorder.model import (
+    ConsumeOrderlyStatus,
+    Message,
+    MessageExt,
+    MessageModel,
+    MessageQueue,
+    SendResult,
+    SendStatus,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BrokerUnavailableError",
+    "ConfigError",
+    "ConsumeMessageContext",
+    "ConsumeMessageHook",
+    "ConsumeOrderlyContext",
+    "ConsumeOrderlyStatus",
+    "InvalidNameError",
+    "MQOrderError",
+    "Message",
+    "MessageError",
+    "MessageExt",
+    "MessageModel",
+    "MessageQueue",
+    "MessageTooLargeError",
+    "Producer",
+    "SendResult",
+    "SendStatus",
+    "TopicNotFoundError",
+    "orderly_listener",
+    "register_consume_message_hook",
+]

@@ -1,0 +1,13 @@
+"""Celery integration: tasks, the worker bootstep and the beat schedule.
+
+``install(app)`` is all an application needs::
+
+    app = Celery("workers")
+    mqorder.celery.install(app)
+
+(the stock ``workers.app`` does exactly this).
+"""
+
+from mqorder.celery.setup import install
+
+__all__ = ["install"]

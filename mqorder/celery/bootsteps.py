@@ -1,0 +1,39 @@
+"""The worker bootstep that turns a Celery worker into an mqorder consumer client."""
+
+from __future__ import annotations
+
+import logging
+
+from celery import bootsteps
+
+from mqorder.celery.client import WorkerClient
+from mqorder.settings import get_settings
+
+log = logging.getLogger(__name__)
+
+
+class ConsumerClientStep(bootsteps.StartStopStep):
+    """Starts the ``WorkerClient`` after the pool exists; stops it first on shutdown.
+
+    Requiring the Pool means the client's threads start after the prefork children are forked,
+    and stop (unregister, rebalance the queues away, unlock) before the pool is torn down, while
+    running ConsumeRequests can still hand their queues over cleanly.
+    """
+
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, worker, **kwargs) -> None:  # noqa: ANN001
+        super().__init__(worker, **kwargs)
+        self.client: WorkerClient | None = None
+
+    def start(self, worker) -> None:  # noqa: ANN001
+        self.client = WorkerClient(worker.app, worker.hostname, get_settings())
+        self.client.start()
+
+    def stop(self, worker) -> None:  # noqa: ANN001
+        if self.client is not None:
+            self.client.stop()
+            self.client = None
+
+    def shutdown(self, worker) -> None:  # noqa: ANN001
+        self.stop(worker)

@@ -1,0 +1,219 @@
+"""The consumer client living in a worker's main process (RocketMQ's ``MQClientInstance``).
+
+It registers the worker (client id = its Celery hostname) with a heartbeat, subscribes its
+listeners, and runs the background duties a RocketMQ client runs in its scheduled executors:
+
+* heartbeat every ``heartbeat_interval``; a change in the set of live clients (a join, a leave, a
+  heartbeat lapsing) triggers a rebalance right here, not 20 s later on beat;
+* ``lock_all`` of its own queues every ``lock_interval`` (so leases never depend on beat);
+* the sweep every ``sweep_interval``: owned queues with a backlog and no live ConsumeRequest get
+  one (a task deleted from the Celery broker costs one sweep, never a stall);
+* wake-ups: producers publish on ``mqorder:wake:<client>`` when an idle queue gets a message, and
+  this client turns that into a ConsumeRequest on its own direct queue.
+
+All of it runs in two daemon threads, not in the worker's event loop, so a slow Redis call never
+stalls Celery's own message handling.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import zlib
+
+import redis
+from celery import Celery
+
+from mqorder import keys
+from mqorder.celery.dispatch import dispatch
+from mqorder.consumer.listener import registered_listeners
+from mqorder.model import MessageModel, MessageQueue
+from mqorder.names import check_client_id
+from mqorder.rebalance.membership import Subscription
+from mqorder.rebalance.service import Dispatch, RebalanceService
+from mqorder.settings import Settings
+from mqorder.store.brokers import BrokerRegistry
+
+log = logging.getLogger(__name__)
+
+#: If no rebalance ran for this many rebalance intervals (beat down), a worker runs one itself.
+REBALANCE_STALE_FACTOR = 2.0
+LAST_REBALANCE_KEY = f"{keys.PREFIX}:rebalance:last"
+
+
+class WorkerClient:
+    def __init__(self, app: Celery, client_id: str, settings: Settings) -> None:
+        self.app = app
+        self.client_id = check_client_id(client_id)
+        self.settings = settings
+        self.brokers = BrokerRegistry(settings.redis_url, settings.brokers)
+        self.service = RebalanceService(self.brokers, settings)
+        self.subscriptions = [
+            Subscription(spec.group, spec.topic, spec.message_model) for spec in registered_listeners()
+        ]
+        self.lanes = sorted(
+            {
+                keys.broadcast_sub(s.group, client_id) if s.model is MessageModel.BROADCASTING else s.group
+                for s in self.subscriptions
+            }
+        )
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._fingerprint = ""
+        self._registered = False
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if not self.subscriptions:
+            log.warning(
+                "mqorder: worker %s has no orderly listeners; set MQORDER_LISTENERS to the modules "
+                "that define them", self.client_id,
+            )
+        try:
+            self._register()
+        except redis.RedisError as exc:
+            log.error(
+                "mqorder: cannot reach Redis at %s (%s); the worker keeps retrying and starts "
+                "consuming when it answers", self.brokers.default.safe_url, exc,
+            )
+        for target, name in ((self._duty_loop, "mqorder-duties"), (self._wake_loop, "mqorder-wake")):
+            t = threading.Thread(target=target, name=f"{name}-{self.client_id}", daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def stop(self) -> None:
+        """Leave the group: unregister, rebalance the queues away, unlock what is idle."""
+        self._stop.set()
+        for t in self._threads:
+            t.join(timeout=5)
+        if not self._registered:
+            return
+        try:
+            self.service.registry.unregister(self.client_id)
+            self._rebalance_now()
+            for sub in self.lanes:
+                mqs = self._owned_or_assigned(sub)
+                if mqs:
+                    self.service.locks.unlock_batch(sub, mqs, self.client_id)
+                if keys.BROADCAST_SEP in sub:
+                    for s in self.subscriptions:
+                        if keys.broadcast_sub(s.group, self.client_id) == sub:
+                            self.service.topics.remove_sub(s.topic, sub)
+            log.info("mqorder: client %s left; queues rebalanced", self.client_id)
+        except redis.RedisError as exc:
+            log.warning("mqorder: clean leave of %s failed (%s); its leases will lapse", self.client_id, exc)
+
+    # -- registration ----------------------------------------------------------------------------
+
+    def _register(self) -> None:
+        for s in self.subscriptions:
+            self.service.topics.subscribe(s.group, s.topic, s.model)
+            if s.model is MessageModel.BROADCASTING:
+                self.service.topics.add_sub(s.topic, keys.broadcast_sub(s.group, self.client_id))
+        # A new incarnation under the same name must not inherit the old one's run marks: force
+        # its locks free so the rebalance below re-takes them with a new epoch (which also fences
+        # any straggler of the old incarnation).
+        for sub in self.lanes:
+            mqs = self._owned_or_assigned(sub)
+            if mqs:
+                self.service.locks.unlock_batch(sub, mqs, self.client_id, force=True)
+        self.service.registry.register(self.client_id, self.subscriptions)
+        self._registered = True
+        self._rebalance_now()
+        self._fingerprint = self.service.registry.membership_fingerprint()
+        log.info("mqorder: client %s joined lanes %s", self.client_id, ", ".join(self.lanes) or "-")
+
+    def _owned_or_assigned(self, sub: str) -> list[MessageQueue]:
+        return self.service.assigned_queues(sub, self.client_id)
+
+    # -- duties ----------------------------------------------------------------------------------
+
+    def _rebalance_now(self) -> None:
+        report = self.service.rebalance()
+        self.brokers.meta.set(LAST_REBALANCE_KEY, int(time.time() * 1000))
+        self._dispatch_all(report.dispatches or [])
+        log.info(
+            "mqorder: rebalance by %s: %d clients, %d dead, %d queues assigned, %d moved, %d busy, %.1f ms",
+            self.client_id, len(report.clients), len(report.dead), report.assigned, report.moved,
+            report.busy, report.took_ms,
+        )
+
+    def _dispatch_all(self, dispatches: list[Dispatch]) -> None:
+        for d in dispatches:
+            dispatch(self.app, d.sub, d.mq.key, d.token, d.client)
+
+    def _duty_loop(self) -> None:
+        s = self.settings
+        next_hb = next_lock = next_sweep = 0.0
+        backoff = 0.5
+        while not self._stop.is_set():
+            now = time.monotonic()
+            try:
+                if not self._registered:
+                    self._register()
+                if now >= next_hb:
+                    next_hb = now + s.heartbeat_interval
+                    self.service.registry.heartbeat(self.client_id)
+                    self._watch_membership()
+                if now >= next_lock:
+                    next_lock = now + s.lock_interval
+                    self.service.lock_all(self.client_id, self.lanes)
+                if now >= next_sweep:
+                    next_sweep = now + s.sweep_interval
+                    self._dispatch_all(self.service.sweep(self.lanes, self.client_id))
+                backoff = 0.5
+            except redis.RedisError as exc:
+                log.warning("mqorder: Redis error in client duties (%s); retrying in %.1fs", exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+                continue
+            except Exception:  # noqa: BLE001 - the duties must survive anything
+                log.exception("mqorder: client duty failed")
+            wait = min(next_hb, next_lock, next_sweep) - time.monotonic()
+            self._stop.wait(max(wait, 0.01))
+
+    def _watch_membership(self) -> None:
+        fp = self.service.registry.membership_fingerprint()
+        stale = False
+        last = self.brokers.meta.get(LAST_REBALANCE_KEY)
+        if last is None or time.time() * 1000 - int(last) > REBALANCE_STALE_FACTOR * self.settings.ms(
+            self.settings.rebalance_interval
+        ):
+            stale = True
+        if fp != self._fingerprint or stale:
+            # One worker per membership change does the work; the others see the key and skip.
+            marker = f"{keys.PREFIX}:rebalance:seen:{zlib.crc32(fp.encode()):08x}"
+            if stale or self.brokers.meta.set(marker, self.client_id, nx=True, px=2000):
+                self._rebalance_now()
+            self._fingerprint = fp
+
+    def _wake_loop(self) -> None:
+        backoff = 0.5
+        channel = keys.wake_channel(self.client_id)
+        while not self._stop.is_set():
+            pubsub = None
+            try:
+                pubsub = self.brokers.meta.pubsub(ignore_subscribe_messages=True)
+                pubsub.subscribe(channel)
+                backoff = 0.5
+                while not self._stop.is_set():
+                    msg = pubsub.get_message(timeout=0.5)
+                    if msg is None or msg.get("type") != "message":
+                        continue
+                    sub, mq_key, token = msg["data"].decode().split("\x1f")
+                    dispatch(self.app, sub, mq_key, token, self.client_id)
+            except redis.RedisError as exc:
+                log.warning("mqorder: wake channel lost (%s); resubscribing in %.1fs", exc, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            except Exception:  # noqa: BLE001
+                log.exception("mqorder: wake loop failed")
+                self._stop.wait(1.0)
+            finally:
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:  # noqa: BLE001
+                        pass

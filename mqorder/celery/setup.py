@@ -1,0 +1,59 @@
+"""``install(app)``: wire mqorder into a Celery application."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+from celery import Celery
+
+from mqorder.celery.bootsteps import ConsumerClientStep
+from mqorder.errors import ConfigError
+from mqorder.settings import Settings, get_settings
+
+log = logging.getLogger(__name__)
+
+
+def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
+    """``rebalance`` and ``lock_all`` every 20 s (RocketMQ's rebalance and lock intervals)."""
+    return {
+        "mqorder-rebalance": {"task": "mqorder.rebalance", "schedule": settings.rebalance_interval},
+        "mqorder-lock-all": {"task": "mqorder.lock_all", "schedule": settings.lock_interval},
+    }
+
+
+def import_listeners(modules: list[str]) -> None:
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except ImportError as exc:
+            raise ConfigError(
+                f"MQORDER_LISTENERS names {name!r}, which cannot be imported ({exc}); give "
+                "comma-separated module paths importable from the worker's working directory"
+            ) from exc
+
+
+def install(app: Celery, settings: Settings | None = None) -> Celery:
+    """Configure ``app`` for mqorder: JSON only, direct queues, tasks, bootstep, beat schedule."""
+    settings = settings or get_settings()
+    import mqorder.celery.tasks  # noqa: F401 - registers the shared tasks
+
+    app.conf.update(
+        broker_url=app.conf.broker_url or settings.effective_celery_broker_url,
+        task_serializer="json",
+        result_serializer="json",
+        accept_content=["json"],
+        event_serializer="json",
+        worker_direct=True,
+        task_ignore_result=True,
+        # Tasks are short re-dispatching runs; prefetching many would only delay other queues.
+        worker_prefetch_multiplier=1,
+        broker_connection_retry_on_startup=True,
+        broker_transport_options={"visibility_timeout": 3600},
+    )
+    schedule = dict(app.conf.beat_schedule or {})
+    schedule.update(beat_schedule(settings))
+    app.conf.beat_schedule = schedule
+    app.steps["worker"].add(ConsumerClientStep)
+    import_listeners(settings.listener_modules)
+    return app

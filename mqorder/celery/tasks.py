@@ -1,0 +1,90 @@
+"""The Celery tasks: ``consume_request``, ``rebalance``, ``lock_all`` and ``sweep``.
+
+All take JSON-serialisable arguments only (strings), ignore results, and do their real work in
+the Celery-free engine; a task only carries the engine's outcome to the right worker.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from celery import shared_task
+
+from mqorder import keys
+from mqorder.celery.dispatch import CONSUME_REQUEST, dispatch
+from mqorder.celery.runtime import engine_for
+from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.listener import get_listener
+from mqorder.model import MessageQueue
+from mqorder.rebalance.service import RebalanceService
+from mqorder.settings import get_settings
+from mqorder.store.brokers import BrokerRegistry
+
+log = logging.getLogger(__name__)
+
+_service: RebalanceService | None = None
+
+
+def rebalance_service() -> RebalanceService:
+    global _service
+    if _service is None:
+        s = get_settings()
+        _service = RebalanceService(BrokerRegistry(s.redis_url, s.brokers), s)
+    return _service
+
+
+@shared_task(name=CONSUME_REQUEST, bind=True, ignore_result=True, acks_late=False)
+def consume_request(self, sub: str, mq_key: str, token: str) -> dict:  # noqa: ANN001
+    """One ConsumeRequest run over one queue (see ``mqorder.consumer.consume_request``)."""
+    client_id = self.request.hostname
+    mq = MessageQueue.from_key(mq_key)
+    spec = get_listener(keys.group_of_sub(sub), mq.topic)
+    if spec is None:
+        log.error(
+            "worker %s has no orderly listener for group %r topic %r; import the module that "
+            "defines it (MQORDER_LISTENERS) on every worker of the group",
+            client_id, keys.group_of_sub(sub), mq.topic,
+        )
+        return {"verb": "NO_LISTENER"}
+    engine = engine_for(client_id)
+    try:
+        outcome = ConsumeRequest(engine, spec, sub, mq, token).run()
+    except redis.RedisError as exc:
+        # Redis went away mid-run: nothing was committed past the last fenced commit. Retry the
+        # same token with backoff; if that cannot be published either, the sweep re-dispatches.
+        retries = self.request.retries
+        log.warning("ConsumeRequest %s %s: Redis error (%s); retry %d", sub, mq_key, exc, retries + 1)
+        raise self.retry(countdown=min(0.5 * 2**retries, 5.0), max_retries=None, exc=exc) from exc
+    if outcome.needs_dispatch:
+        dispatch(self.app, sub, mq_key, outcome.token, outcome.target, outcome.countdown)
+    return {"verb": outcome.verb, "consumed": outcome.consumed, "target": outcome.target}
+
+
+@shared_task(name="mqorder.rebalance", bind=True, ignore_result=True)
+def rebalance(self) -> dict:  # noqa: ANN001
+    """Recompute the assignment of every group and apply it (beat, and on join/leave)."""
+    report = rebalance_service().rebalance()
+    for d in report.dispatches or []:
+        dispatch(self.app, d.sub, d.mq.key, d.token, d.client)
+    # A central sweep too: recovers queues whose owner's own sweep is not running.
+    svc = rebalance_service()
+    for d in svc.sweep(svc.all_lanes()):
+        dispatch(self.app, d.sub, d.mq.key, d.token, d.client)
+    return {
+        "clients": report.clients,
+        "dead": report.dead,
+        "assigned": report.assigned,
+        "moved": report.moved,
+        "busy": report.busy,
+        "took_ms": round(report.took_ms, 2),
+    }
+
+
+@shared_task(name="mqorder.lock_all", ignore_result=True)
+def lock_all() -> dict:
+    """Renew the leases of every live client's assigned queues (RocketMQ's 20 s ``lockAll``).
+
+    Workers also renew their own leases from their bootstep, so leases never depend on beat alone.
+    """
+    return {"locked": rebalance_service().lock_all_clients()}

@@ -1,0 +1,1 @@
+"""Client side: the producer and its queue selectors."""

@@ -1,0 +1,317 @@
+"""``Producer``: RocketMQ's ``DefaultMQProducer`` on Redis.
+
+A send is one Lua call (``send.lua``) that assigns contiguous offsets, appends to the queue's log
+and, in the same atomic step, wakes the owner of every subscribing group whose queue has no
+ConsumeRequest pending. So a message is never left behind by a ConsumeRequest that was just
+finishing, and a busy queue costs no extra wake-ups.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import redis
+
+from mqorder import keys
+from mqorder.client.selector import Selector, resolve, select_by_hash
+from mqorder.codec import MsgIdGenerator, check_body, encode_header
+from mqorder.errors import BrokerUnavailableError, MessageError
+from mqorder.model import MessageQueue, SendResult, SendStatus
+from mqorder.names import check_topic
+from mqorder.settings import Settings, get_settings, load_settings
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.topics import TopicManager, TopicRoute
+
+#: How long a topic route is cached (RocketMQ polls the NameServer every 30 s).
+ROUTE_TTL = 30.0
+#: How long the list of subscribing groups is cached; a group that subscribes later is woken by
+#: the sweep until then.
+SUBS_TTL = 1.0
+#: At most this many messages per send script call in a batch.
+BATCH_CHUNK = 256
+
+_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+
+
+class Producer:
+    """Sends messages to topics; ``send_orderly`` keeps all messages of one sharding key in order.
+
+    Ordering holds for one producer sending sequentially (RocketMQ's own rule: a single producer,
+    synchronous sends). The producer is thread safe, but sends from several threads interleave.
+    """
+
+    def __init__(
+        self,
+        redis_url: str | None = None,
+        *,
+        settings: Settings | None = None,
+        brokers: BrokerRegistry | None = None,
+        producer_group: str = "DEFAULT_PRODUCER",
+        max_message_size: int | None = None,
+        send_msg_timeout: float | None = None,
+        retry_times_when_send_failed: int | None = None,
+    ) -> None:
+        overrides: dict[str, Any] = {}
+        if redis_url is not None:
+            overrides["redis_url"] = redis_url
+        if max_message_size is not None:
+            overrides["max_message_size"] = max_message_size
+        if send_msg_timeout is not None:
+            overrides["send_msg_timeout"] = send_msg_timeout
+        if retry_times_when_send_failed is not None:
+            overrides["retry_times_when_send_failed"] = retry_times_when_send_failed
+        if settings is None:
+            settings = load_settings(**overrides) if overrides else get_settings()
+        elif overrides:
+            settings = settings.model_copy(update=overrides)
+            load_settings(**settings.model_dump(exclude_unset=False))  # re-validate
+        self.settings = settings
+        self.producer_group = producer_group
+        self._own_brokers = brokers is None
+        self.brokers = brokers or BrokerRegistry(
+            settings.redis_url, settings.brokers, socket_timeout=settings.send_msg_timeout
+        )
+        self.topics = TopicManager(self.brokers)
+        self._ids = MsgIdGenerator()
+        self._rr = itertools.count()
+        self._lock = threading.Lock()
+        self._routes: dict[str, tuple[float, TopicRoute, list[MessageQueue]]] = {}
+        self._subs: dict[str, tuple[float, list[str]]] = {}
+        self._pending_ttl = settings.ms(settings.pending_ttl)
+
+    # -- admin -----------------------------------------------------------------------------------
+
+    def create_topic(self, topic: str, queues: int = 8, *, brokers: list[str] | None = None) -> TopicRoute:
+        """Create ``topic`` with ``queues`` queues on each broker (idempotent for the same layout)."""
+        try:
+            route = self.topics.create_topic(topic, queues, brokers=brokers)
+        except _TRANSIENT as exc:
+            raise self._unavailable(self.brokers.default_name, exc) from exc
+        with self._lock:
+            self._routes.pop(topic, None)
+        return route
+
+    def describe_topic(self, topic: str) -> TopicRoute:
+        return self._route(topic)[0]
+
+    # -- sending ---------------------------------------------------------------------------------
+
+    def send(
+        self,
+        topic: str,
+        body: bytes,
+        *,
+        keys: str | list[str] | None = None,
+        tags: str | None = None,
+        properties: dict[str, str] | None = None,
+    ) -> SendResult:
+        """Send to the next queue round-robin; on a broker failure retry elsewhere.
+
+        Like RocketMQ's ``sendDefaultImpl``: up to ``retry_times_when_send_failed`` more attempts,
+        each on a queue of a different broker than the one that just failed, when there is one.
+        """
+        route, queues = self._route(topic)
+        header, msg_id, body = self._prepare(body, keys, tags, properties)
+        attempts = 1 + self.settings.retry_times_when_send_failed
+        last_broker: str | None = None
+        last_exc: Exception | None = None
+        for _ in range(attempts):
+            mq = self._select_round_robin(queues, avoid=last_broker)
+            try:
+                return self._send_to_queue(mq, [(header, body)], [msg_id])[0]
+            except BrokerUnavailableError as exc:
+                last_broker, last_exc = mq.broker_name, exc
+        assert last_exc is not None
+        raise last_exc
+
+    def send_orderly(
+        self,
+        topic: str,
+        body: bytes,
+        *,
+        sharding_key: object,
+        selector: Selector | None = None,
+        keys: str | list[str] | None = None,
+        tags: str | None = None,
+        properties: dict[str, str] | None = None,
+    ) -> SendResult:
+        """Send to the queue the selector picks for ``sharding_key`` (default: crc32 mod n).
+
+        No retry on another queue: that would break the order of the key (RocketMQ's
+        ``sendSelectImpl`` does not retry either). A failure raises; the caller decides.
+        """
+        _, queues = self._route(topic)
+        header, msg_id, body = self._prepare(body, keys, tags, properties)
+        mq = self._select(queues, sharding_key, body, selector)
+        return self._send_to_queue(mq, [(header, body)], [msg_id])[0]
+
+    def send_orderly_batch(
+        self,
+        topic: str,
+        items: Iterable[tuple[object, bytes]],
+        *,
+        selector: Selector | None = None,
+        tags: str | None = None,
+    ) -> list[SendResult]:
+        """Send many ``(sharding_key, body)`` pairs; per-key order is the order of ``items``.
+
+        All pairs are validated before anything is written, so a bad item refuses the whole batch
+        and nothing is half-sent. Messages are grouped per queue and written with one script call
+        per queue chunk, pipelined per broker.
+        """
+        _, queues = self._route(topic)
+        prepared: list[tuple[MessageQueue, bytes, bytes, str]] = []
+        for i, item in enumerate(items):
+            if not (isinstance(item, tuple) and len(item) == 2):
+                raise MessageError(f"item {i} must be a (sharding_key, body) tuple, got {item!r}"[:200])
+            key, body = item
+            try:
+                header, msg_id, body = self._prepare(body, key, tags, None)
+                mq = self._select(queues, key, body, selector)
+            except MessageError as exc:
+                raise MessageError(f"item {i}: {exc}; nothing of this batch was sent") from None
+            prepared.append((mq, header, body, msg_id))
+        by_queue: dict[MessageQueue, list[int]] = defaultdict(list)
+        for i, (mq, _, _, _) in enumerate(prepared):
+            by_queue[mq].append(i)
+        results: list[SendResult | None] = [None] * len(prepared)
+        by_broker: dict[str, list[tuple[MessageQueue, list[int]]]] = defaultdict(list)
+        for mq, idxs in by_queue.items():
+            for c in range(0, len(idxs), BATCH_CHUNK):
+                by_broker[mq.broker_name].append((mq, idxs[c : c + BATCH_CHUNK]))
+        for broker_name, chunks in by_broker.items():
+            broker = self.brokers.get(broker_name)
+            try:
+                pipe = broker.client.pipeline(transaction=False)
+                for mq, idxs in chunks:
+                    self._call_send(
+                        broker.scripts.send,
+                        mq,
+                        [(prepared[i][1], prepared[i][2]) for i in idxs],
+                        [prepared[i][3] for i in idxs],
+                        client=pipe,
+                    )
+                replies = pipe.execute()
+            except _TRANSIENT as exc:
+                raise self._unavailable(broker_name, exc) from exc
+            for (mq, idxs), reply in zip(chunks, replies, strict=True):
+                first, store_ms = int(reply[0]), int(reply[1])
+                for j, i in enumerate(idxs):
+                    results[i] = SendResult(SendStatus.SEND_OK, prepared[i][3], mq, first + j, store_ms)
+        return [r for r in results if r is not None]
+
+    def close(self) -> None:
+        if self._own_brokers:
+            self.brokers.close()
+
+    def __enter__(self) -> Producer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _prepare(
+        self, body: object, keys_: object, tags: object, properties: object
+    ) -> tuple[bytes, str, bytes]:
+        body_b = check_body(body, self.settings.max_message_size)
+        msg_id = self._ids.next()
+        if keys_ is not None and not isinstance(keys_, (str, list, tuple)):
+            keys_ = str(keys_)
+        header = encode_header(msg_id, keys_, tags, properties)
+        return header, msg_id, body_b
+
+    def _select(
+        self, queues: Sequence[MessageQueue], key: object, body: bytes, selector: Selector | None
+    ) -> MessageQueue:
+        if key is None:
+            raise MessageError("send_orderly needs a sharding_key (e.g. the order id)")
+        if selector is None:
+            return select_by_hash(queues, key, body)
+        if not callable(selector):
+            raise MessageError(f"selector must be callable, got {type(selector).__name__}")
+        return resolve(selector(queues, key, body), queues)
+
+    def _select_round_robin(self, queues: Sequence[MessageQueue], avoid: str | None) -> MessageQueue:
+        n = len(queues)
+        for _ in range(n):
+            mq = queues[next(self._rr) % n]
+            if mq.broker_name != avoid:
+                return mq
+        return queues[next(self._rr) % n]
+
+    def _route(self, topic: str) -> tuple[TopicRoute, list[MessageQueue]]:
+        check_topic(topic, allow_dlq=True)
+        now = time.monotonic()
+        cached = self._routes.get(topic)
+        if cached and now - cached[0] < ROUTE_TTL:
+            return cached[1], cached[2]
+        try:
+            route = self.topics.describe_topic(topic)
+        except _TRANSIENT as exc:
+            raise self._unavailable(self.brokers.default_name, exc) from exc
+        queues = route.message_queues
+        with self._lock:
+            self._routes[topic] = (now, route, queues)
+        return route, queues
+
+    def _subscriptions(self, topic: str) -> list[str]:
+        now = time.monotonic()
+        cached = self._subs.get(topic)
+        if cached and now - cached[0] < SUBS_TTL:
+            return cached[1]
+        subs = self.topics.subs_of_topic(topic)
+        self._subs[topic] = (now, subs)
+        return subs
+
+    def _call_send(
+        self,
+        script: Any,
+        mq: MessageQueue,
+        msgs: list[tuple[bytes, bytes]],
+        msg_ids: list[str],
+        client: Any = None,
+    ) -> Any:
+        subs = self._subscriptions(mq.topic)
+        tag = mq.tag
+        kl = [keys.queue_log(tag), keys.queue_next(tag)]
+        kl.extend(keys.sub_state(tag, s) for s in subs)
+        args: list[Any] = [len(msgs)]
+        for h, b in msgs:
+            args.append(h)
+            args.append(b)
+        args.append(self._pending_ttl)
+        args.append(keys.wake_channel(""))
+        token = msg_ids[-1]
+        for i, s in enumerate(subs):
+            t = f"{token}.{i}"
+            args.append(t)
+            args.append(f"{s}\x1f{mq.key}\x1f{t}")
+        return script(keys=kl, args=args, client=client)
+
+    def _send_to_queue(
+        self, mq: MessageQueue, msgs: list[tuple[bytes, bytes]], msg_ids: list[str]
+    ) -> list[SendResult]:
+        broker = self.brokers.get(mq.broker_name)
+        try:
+            reply = self._call_send(broker.scripts.send, mq, msgs, msg_ids)
+        except _TRANSIENT as exc:
+            raise self._unavailable(mq.broker_name, exc) from exc
+        first, store_ms = int(reply[0]), int(reply[1])
+        return [
+            SendResult(SendStatus.SEND_OK, mid, mq, first + i, store_ms) for i, mid in enumerate(msg_ids)
+        ]
+
+    def _unavailable(self, broker_name: str, exc: Exception) -> BrokerUnavailableError:
+        b = self.brokers.get(broker_name)
+        return BrokerUnavailableError(
+            f"send failed: Redis broker {broker_name!r} at {b.safe_url} did not answer within "
+            f"{self.settings.send_msg_timeout}s ({type(exc).__name__}: {exc}). The message may or may "
+            "not be stored; check the broker and retry"
+        )

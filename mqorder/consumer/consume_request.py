@@ -1,0 +1,440 @@
+"""``ConsumeRequest``: one run of orderly consumption of one queue, in named steps.
+
+RocketMQ's ``ConsumeMessageOrderlyService.ConsumeRequest.run`` is one 200-line method with five
+exits. Here the same loop is split into *check* (``begin.lua``: token, lock, lease, first pull),
+*take* (``ProcessQueue.take_messages`` and the poison-message split), *consume* (hooks, listener,
+stats) and *settle* (commit / suspend / DLQ), and the run ends with ``finish.lua``, which decides
+atomically who consumes next. Redis sees one read and one fenced commit per *pulled* batch
+(the commit script also reads the next batch), never a round trip per message.
+
+The run returns an ``Outcome``; the Celery task turns it into ``apply_async`` to the right worker
+(a re-queue with a countdown is RocketMQ's ``submitConsumeRequestLater``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from mqorder import keys
+from mqorder.codec import decode_entries, encode_header
+from mqorder.consumer.context import ConsumeOrderlyContext
+from mqorder.consumer.hooks import ConsumeMessageContext, global_hooks, run_after, run_before
+from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.stats import ConsumerStatsManager
+from mqorder.model import ConsumeOrderlyStatus, MessageExt, MessageQueue
+from mqorder.process_queue import ProcessQueue
+from mqorder.settings import Settings
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.topics import TopicManager
+
+log = logging.getLogger(__name__)
+
+SUCCESS = ConsumeOrderlyStatus.SUCCESS
+SUSPEND = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+COMMIT = ConsumeOrderlyStatus.COMMIT
+ROLLBACK = ConsumeOrderlyStatus.ROLLBACK
+
+#: RocketMQ re-submits after the time budget 10 ms later, and after a failed lock 100 ms later.
+BUDGET_REQUEUE_S = 0.01
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What the caller must do after a run: verb, the client to dispatch to, token, countdown (s).
+
+    Verbs: ``IDLE`` (nothing), ``STALE``/``BUSY`` (this task was a duplicate), ``FENCED`` (the lock
+    moved away; its new owner was dispatched by whoever moved it), ``REQUEUE``/``HANDOVER``/
+    ``DISPATCH`` (send a ConsumeRequest with ``token`` to ``target`` after ``countdown``).
+    """
+
+    verb: str
+    target: str = ""
+    token: str = ""
+    countdown: float = 0.0
+    consumed: int = 0
+
+    @property
+    def needs_dispatch(self) -> bool:
+        return self.verb in ("REQUEUE", "HANDOVER", "DISPATCH")
+
+
+def new_token() -> str:
+    return uuid.uuid4().hex
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class ConsumerEngine:
+    """Per-process consumer state: Redis clients, the ProcessQueue table, stats, the DLQ writer."""
+
+    def __init__(self, settings: Settings, client_id: str, brokers: BrokerRegistry | None = None) -> None:
+        self.settings = settings
+        self.client_id = client_id
+        self.brokers = brokers or BrokerRegistry(settings.redis_url, settings.brokers)
+        self.topics = TopicManager(self.brokers)
+        self.stats = ConsumerStatsManager()
+        self.process_queue_table: dict[tuple[str, MessageQueue], ProcessQueue] = {}
+        self._dlq_ready: set[str] = set()
+
+    def process_queue(self, sub: str, mq: MessageQueue) -> ProcessQueue:
+        pq = self.process_queue_table.get((sub, mq))
+        if pq is None:
+            pq = ProcessQueue(self.settings.ms(self.settings.client_lock_expire))
+            self.process_queue_table[(sub, mq)] = pq
+        return pq
+
+    def send_to_dlq(self, group: str, msg: MessageExt, reason: str, epoch: int) -> None:
+        """``sendMessageBack`` to ``%DLQ%group``: the original body and metadata, plus why."""
+        topic = keys.dlq_topic(group)
+        if topic not in self._dlq_ready:
+            self.topics.ensure_dlq_topic(group)
+            self._dlq_ready.add(topic)
+        props = dict(msg.properties) if isinstance(msg.properties, dict) else {}
+        props.update(
+            {
+                "ORIGIN_TOPIC": msg.topic,
+                "ORIGIN_BROKER": msg.broker_name,
+                "ORIGIN_QUEUE_ID": str(msg.queue_id),
+                "ORIGIN_QUEUE_OFFSET": str(msg.queue_offset),
+                "ORIGIN_MSG_ID": str(msg.msg_id),
+                "RECONSUME_TIMES": str(msg.reconsume_times),
+                "DLQ_REASON": reason[:1000],
+                "DLQ_EPOCH": str(epoch),
+                "DLQ_CLIENT": self.client_id,
+            }
+        )
+        keys_ = msg.keys if isinstance(msg.keys, list) and all(isinstance(k, str) for k in msg.keys) else []
+        tags = msg.tags if isinstance(msg.tags, str) else None
+        header = encode_header(f"DLQ-{msg.msg_id or msg.queue_offset}", keys_, tags, props)
+        mq = MessageQueue(topic, self.brokers.default_name, 0)
+        body = msg.body if isinstance(msg.body, bytes) else b""
+        broker = self.brokers.get(mq.broker_name)
+        subs = self.topics.subs_of_topic(topic)
+        kl = [keys.queue_log(mq.tag), keys.queue_next(mq.tag), *(keys.sub_state(mq.tag, s) for s in subs)]
+        args: list[Any] = [1, header, body, self.settings.ms(self.settings.pending_ttl), keys.wake_channel("")]
+        for i, s in enumerate(subs):
+            t = f"{new_token()}.{i}"
+            args += [t, f"{s}\x1f{mq.key}\x1f{t}"]
+        broker.scripts.send(keys=kl, args=args)
+        log.warning(
+            "message %s of %s offset %d sent to %s after %d reconsume(s): %s",
+            msg.msg_id, msg.message_queue.key, msg.queue_offset, topic, msg.reconsume_times, reason,
+        )
+
+
+class ConsumeRequest:
+    """One run over (subscription, queue), started with the dispatch ``token`` it was given."""
+
+    def __init__(self, engine: ConsumerEngine, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str) -> None:
+        s = engine.settings
+        self.engine = engine
+        self.spec = spec
+        self.sub = sub
+        self.mq = mq
+        self.token = token
+        self.client_id = engine.client_id
+        broker = engine.brokers.get(mq.broker_name)
+        self.redis = broker.client
+        self.scripts = broker.scripts
+        tag = mq.tag
+        self.k_state = keys.sub_state(tag, sub)
+        self.k_log = keys.queue_log(tag)
+        self.k_next = keys.queue_next(tag)
+        self.k_retries = keys.sub_retries(tag, sub)
+        self.batch_max = spec.consume_message_batch_max_size or s.consume_message_batch_max_size
+        self.pull_n = spec.pull_batch_size or s.pull_batch_size
+        self.max_reconsume = spec.max_reconsume_times if spec.max_reconsume_times is not None else s.max_reconsume_times
+        self.suspend_ms = spec.suspend_current_queue_time_millis or s.suspend_current_queue_time_millis
+        self.run_lease_ms = s.ms(s.run_lease)
+        self.lock_ms = s.ms(s.lock_max_live_time)
+        self.pending_ttl_ms = s.ms(s.pending_ttl)
+        self.budget = s.max_time_consume_continuously
+        self.max_size = s.max_message_size
+        self.hooks = [*global_hooks(), *spec.hooks]
+        self.stats = engine.stats
+        self.pq = engine.process_queue(sub, mq)
+        self.epoch = 0
+        self.committed = 0  # offset persisted in Redis
+        self.commit_point = 0  # offset the ProcessQueue says may be persisted
+        self.pulled_to = 0  # one past the highest offset pulled
+        self.retry_updates: dict[int, int] = {}
+        self.consumed = 0
+
+    # -- the run ---------------------------------------------------------------------------------
+
+    def run(self) -> Outcome:
+        begun = self._check()
+        if begun is not None:
+            return begun
+        action, countdown = self._consume_loop()
+        if action == "FENCED":
+            return Outcome("FENCED", consumed=self.consumed)
+        return self._finish(action, countdown)
+
+    # -- check -----------------------------------------------------------------------------------
+
+    def _check(self) -> Outcome | None:
+        """``begin.lua``: claim the run, verify/take the lock, first pull. None means "go on"."""
+        res = self.scripts.begin(
+            keys=[self.k_state, self.k_log, self.k_next, self.k_retries],
+            args=[self.client_id, self.token, self.run_lease_ms, self.lock_ms, self.pull_n],
+        )
+        verb = _s(res[0])
+        if verb in ("STALE", "BUSY"):
+            return Outcome(verb)
+        if verb in ("NOT_LOCKED", "REVOKED"):
+            # tryLockLaterAndReconsume / removeUnnecessaryMessageQueue: finish.lua knows where the
+            # queue should be consumed now and hands it there.
+            return self._finish("done", 0.0)
+        self.epoch = int(res[1])
+        self.committed = self.commit_point = int(res[2])
+        self.pulled_to = self.committed
+        pq = self.pq
+        pq.clear()  # the truth is the committed offset in Redis; another process may have moved it
+        pq.dropped = False
+        pq.mark_locked()
+        self._put(res[4], res[5])
+        return None
+
+    def _put(self, entries: list[Any], raw_retries: list[Any]) -> None:
+        retries = None
+        if raw_retries:
+            retries = {int(raw_retries[i]): int(raw_retries[i + 1]) for i in range(0, len(raw_retries), 2)}
+        msgs = decode_entries(self.mq, entries, retries, self.max_size)
+        if msgs:
+            self.pulled_to = msgs[-1].queue_offset + 1
+            self.pq.put_messages(msgs)
+
+    # -- the loop: take, consume, settle ----------------------------------------------------------
+
+    def _consume_loop(self) -> tuple[str, float]:
+        pq = self.pq
+        deadline = time.monotonic() + self.budget
+        threshold = self.engine.settings.pull_threshold_for_queue
+        while True:
+            if pq.dropped:
+                return "done", 0.0
+            if time.monotonic() > deadline:
+                return "requeue", BUDGET_REQUEUE_S  # MAX_TIME_CONSUME_CONTINUOUSLY
+            if pq.is_lock_expired() and not self._touch():
+                return "FENCED", 0.0
+            msgs = pq.take_messages(self.batch_max)
+            if not msgs:
+                pulled = self._commit_and_pull(pull=not pq.is_full(threshold))
+                if pulled is None:
+                    return "FENCED", 0.0
+                if not pulled:
+                    return "done", 0.0
+                continue
+            msgs = self._split_poison(msgs)
+            if not msgs:
+                continue
+            status = self._consume(msgs)
+            stop = self._settle(msgs, status)
+            if stop is not None:
+                return stop
+
+    def _split_poison(self, msgs: list[MessageExt]) -> list[MessageExt]:
+        """Send an undecodable head message to the DLQ; never hand one to the listener."""
+        for i, m in enumerate(msgs):
+            if m.decode_error is None:
+                continue
+            if i == 0:
+                self.engine.send_to_dlq(self.spec.group, m, m.decode_error, self.epoch)
+                self.pq.make_message_to_consume_again(msgs[1:])
+                self._commit_in_memory()
+                return []
+            self.pq.make_message_to_consume_again(msgs[i:])
+            return msgs[:i]
+        return msgs
+
+    def _consume(self, msgs: list[MessageExt]) -> ConsumeOrderlyStatus:
+        ctx = ConsumeOrderlyContext(
+            self.mq,
+            epoch=self.epoch,
+            client_id=self.client_id,
+            group=self.spec.group,
+            still_owner=self._still_owner,
+            suspend_current_queue_time_millis=self.suspend_ms,
+        )
+        hook_ctx = None
+        if self.hooks:
+            hook_ctx = ConsumeMessageContext(self.spec.group, self.mq, msgs, self.epoch, self.client_id)
+            run_before(self.hooks, hook_ctx)
+        t0 = time.perf_counter()
+        try:
+            status = self.spec.func(msgs, ctx)
+        except Exception:  # noqa: BLE001 - RocketMQ: an exception is a suspend
+            log.exception("listener %s raised on %s offsets %d..%d; suspending the queue",
+                          self.spec.name, self.mq.key, msgs[0].queue_offset, msgs[-1].queue_offset)
+            status = SUSPEND
+        rt = (time.perf_counter() - t0) * 1000
+        if status is None:
+            log.warning("listener %s returned None for %s; treating it as SUSPEND", self.spec.name, self.mq.key)
+            status = SUSPEND
+        elif not isinstance(status, ConsumeOrderlyStatus):
+            log.warning("listener %s returned %r, not a ConsumeOrderlyStatus; treating it as SUSPEND",
+                        self.spec.name, status)
+            status = SUSPEND
+        self.stats.inc_consume_rt(self.sub, self.mq.key, rt)
+        self._ctx = ctx
+        if hook_ctx is not None:
+            hook_ctx.status = status.value
+            hook_ctx.success = status in (SUCCESS, COMMIT)
+            hook_ctx.rt_ms = rt
+            run_after(self.hooks, hook_ctx)
+        return status
+
+    def _settle(self, msgs: list[MessageExt], status: ConsumeOrderlyStatus) -> tuple[str, float] | None:
+        """``processConsumeResult``: commit, suspend (with DLQ after max reconsume), rollback."""
+        ctx = self._ctx
+        n = len(msgs)
+        if ctx.auto_commit:
+            if status in (SUCCESS, COMMIT, ROLLBACK):
+                if status is not SUCCESS:
+                    log.warning("%s returned %s with auto_commit on; treated as SUCCESS", self.spec.name, status.value)
+                self.stats.inc_consume_ok(self.sub, self.mq.key, n)
+                self.consumed += n
+                self._commit_in_memory()
+                return None
+            self.stats.inc_consume_failed(self.sub, self.mq.key, n)
+            return self._suspend(msgs, ctx.suspend_current_queue_time_millis)
+        if status is SUCCESS:
+            self.stats.inc_consume_ok(self.sub, self.mq.key, n)
+            self.consumed += n
+            return None
+        if status is COMMIT:
+            self.stats.inc_consume_ok(self.sub, self.mq.key, n)
+            self.consumed += n
+            self._commit_in_memory()
+            return None
+        self.stats.inc_consume_failed(self.sub, self.mq.key, n)
+        if status is ROLLBACK:
+            self.pq.rollback()
+            return self._stop_for_retry(ctx.suspend_current_queue_time_millis)
+        return self._suspend(msgs, ctx.suspend_current_queue_time_millis)
+
+    def _suspend(self, msgs: list[MessageExt], suspend_ms: int) -> tuple[str, float] | None:
+        """``checkReconsumeTimes``: messages past ``max_reconsume_times`` go to the DLQ (a prefix
+        only, so nothing overtakes); the rest are made to consume again after ``suspend_ms``."""
+        limit = self.max_reconsume
+        dead = 0
+        if limit != -1:
+            while dead < len(msgs) and msgs[dead].reconsume_times >= limit:
+                dead += 1
+        if dead:
+            if not self._touch():
+                return "FENCED", 0.0
+            for m in msgs[:dead]:
+                self.engine.send_to_dlq(
+                    self.spec.group, m, f"max reconsume times {limit} reached (listener kept suspending)", self.epoch
+                )
+        rest = msgs[dead:]
+        if not rest:
+            self._commit_in_memory()
+            return None
+        self.pq.make_message_to_consume_again(rest)
+        if dead:
+            self._commit_in_memory()
+        for m in rest:
+            m.reconsume_times += 1
+            self.retry_updates[m.queue_offset] = m.reconsume_times
+        return self._stop_for_retry(suspend_ms)
+
+    def _stop_for_retry(self, suspend_ms: int) -> tuple[str, float]:
+        if self._persist(pull=False) is None:
+            return "FENCED", 0.0
+        return "requeue", suspend_ms / 1000.0
+
+    # -- Redis calls -----------------------------------------------------------------------------
+
+    def _commit_in_memory(self) -> None:
+        offset = self.pq.commit()
+        if offset > self.commit_point:
+            self.commit_point = offset
+
+    def _commit_and_pull(self, pull: bool) -> bool | None:
+        """Fenced commit of the batch just consumed, and the next pull; None when fenced."""
+        res = self._persist(pull=pull)
+        if res is None:
+            return None
+        return bool(res)
+
+    def _persist(self, pull: bool) -> int | None:
+        """Run ``commit.lua``; return how many messages it pulled, or None when refused."""
+        args: list[Any] = [
+            self.client_id, self.epoch, self.token, self.commit_point, self.run_lease_ms,
+            self.lock_ms, self.pull_n if pull else 0, self.pulled_to,
+        ]
+        for off, n in self.retry_updates.items():
+            args.append(off)
+            args.append(n)
+        res = self.scripts.commit(keys=[self.k_state, self.k_log, self.k_next, self.k_retries], args=args)
+        verb = _s(res[0])
+        if verb != "OK":
+            self._on_refused(verb, res)
+            return None
+        self.retry_updates.clear()
+        self.committed = self.commit_point
+        self.pq.mark_locked()
+        if _s(res[2]):
+            self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else
+            return 0
+        self._put(res[3], res[4])
+        return len(res[3])
+
+    def _on_refused(self, verb: str, res: list[Any]) -> None:
+        self.pq.dropped = True
+        self.pq.clear()
+        if verb == "FENCED":
+            log.warning(
+                "commit refused on %s for %s: epoch %d is stale (now epoch %s held by %r); "
+                "stopping this ConsumeRequest, the new owner redelivers from the last commit",
+                self.mq.key, self.sub, self.epoch, _s(res[1]), _s(res[2]),
+            )
+        else:
+            log.warning("commit refused on %s for %s: %s", self.mq.key, self.sub, verb)
+
+    def _touch(self) -> bool:
+        res = self.scripts.touch(
+            keys=[self.k_state], args=[self.client_id, self.epoch, self.token, self.run_lease_ms, self.lock_ms]
+        )
+        if int(res[0]):
+            self.pq.mark_locked()
+            return True
+        self._on_refused("FENCED", res)
+        return False
+
+    def _still_owner(self) -> bool:
+        res = self.scripts.touch(keys=[self.k_state], args=[self.client_id, self.epoch, "", 0, 0])
+        return bool(int(res[0]))
+
+    def _finish(self, action: str, countdown: float) -> Outcome:
+        if action != "FENCED" and self.epoch and self.commit_point > self.committed:
+            if self._persist(pull=False) is None:
+                return Outcome("FENCED", consumed=self.consumed)
+        token = new_token()
+        res = self.scripts.finish(
+            keys=[self.k_state, self.k_next],
+            args=[self.client_id, self.token, action, token,
+                  self.pending_ttl_ms + int(countdown * 1000), self.lock_ms],
+        )
+        self.pq.clear()
+        self._flush_stats()
+        verb = _s(res[0])
+        if verb in ("IDLE", "STALE"):
+            return Outcome(verb, consumed=self.consumed)
+        target = _s(res[1])
+        return Outcome(verb, target, _s(res[2]), countdown if target == self.client_id else 0.0, self.consumed)
+
+    def _flush_stats(self) -> None:
+        try:
+            self.stats.flush(self.engine.brokers.meta)
+        except Exception:  # noqa: BLE001 - stats must never break consumption
+            log.debug("stats flush failed", exc_info=True)

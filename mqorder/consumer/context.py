@@ -1,0 +1,55 @@
+"""``ConsumeOrderlyContext``: what a listener may read and set during one call."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from mqorder.model import MessageQueue
+
+
+class ConsumeOrderlyContext:
+    """RocketMQ's ``ConsumeOrderlyContext`` plus the fencing epoch.
+
+    ``epoch`` is the lock epoch this call runs under. ``still_owner()`` asks Redis (one cheap
+    script) whether the epoch is still current: a listener writing to another system can pass the
+    epoch along, or check before an irreversible write, so a holder that was paused past its lease
+    fences its own side effects too.
+    """
+
+    __slots__ = (
+        "message_queue",
+        "auto_commit",
+        "suspend_current_queue_time_millis",
+        "epoch",
+        "client_id",
+        "group",
+        "_still_owner",
+    )
+
+    def __init__(
+        self,
+        message_queue: MessageQueue,
+        *,
+        epoch: int,
+        client_id: str,
+        group: str,
+        still_owner: Callable[[], bool],
+        suspend_current_queue_time_millis: int = 1000,
+        auto_commit: bool = True,
+    ) -> None:
+        self.message_queue = message_queue
+        self.auto_commit = auto_commit
+        self.suspend_current_queue_time_millis = suspend_current_queue_time_millis
+        self.epoch = epoch
+        self.client_id = client_id
+        self.group = group
+        self._still_owner = still_owner
+
+    def still_owner(self) -> bool:
+        return self._still_owner()
+
+    def __repr__(self) -> str:
+        return (
+            f"ConsumeOrderlyContext(mq={self.message_queue.key}, epoch={self.epoch}, "
+            f"auto_commit={self.auto_commit}, suspend_ms={self.suspend_current_queue_time_millis})"
+        )

@@ -1,0 +1,47 @@
+"""Every error mqorder raises on purpose.
+
+Each message says what was wrong *and* what to do about it, because the people reading these are
+operators at a terminal, not the author of the code.
+"""
+
+from __future__ import annotations
+
+
+class MQOrderError(Exception):
+    """Base class of every error raised by mqorder on purpose."""
+
+
+class ConfigError(MQOrderError, ValueError):
+    """A setting (``MQORDER_*`` variable or keyword argument) has a bad value."""
+
+
+class InvalidNameError(MQOrderError, ValueError):
+    """A topic, group, broker or client name is not allowed (charset or length)."""
+
+
+class TopicNotFoundError(MQOrderError, LookupError):
+    """The topic has no route in Redis: it was never created (or was deleted)."""
+
+
+class TopicExistsError(MQOrderError):
+    """``create_topic`` was called with a queue layout different from the stored one."""
+
+
+class MessageError(MQOrderError, ValueError):
+    """A message is refused at send time (body type, size, keys, properties)."""
+
+
+class MessageTooLargeError(MessageError):
+    """The body (or body plus header) is bigger than ``max_message_size``."""
+
+
+class BrokerUnavailableError(MQOrderError, ConnectionError):
+    """A Redis broker could not be reached (after the configured retries)."""
+
+
+class LockNotOwnedError(MQOrderError):
+    """A fenced operation was refused: the caller no longer holds the queue's current epoch."""
+
+
+class ListenerError(MQOrderError):
+    """A listener was registered wrongly (bad signature, duplicate group/topic pair...)."""

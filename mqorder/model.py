@@ -1,0 +1,132 @@
+"""The data model, in RocketMQ's names: ``MessageQueue``, ``Message``, ``MessageExt``, ``SendResult``.
+
+Bodies are always ``bytes``: mqorder never guesses an encoding and never pickles.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from mqorder import keys
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class MessageQueue:
+    """One ordered queue of a topic on a named broker (RocketMQ's ``MessageQueue``).
+
+    Frozen and ordered so it can key dicts, live in sets and be sorted deterministically by the
+    allocation strategies, exactly like the Java class with its ``compareTo``.
+    """
+
+    topic: str
+    broker_name: str
+    queue_id: int
+
+    @property
+    def tag(self) -> str:
+        """The Redis Cluster hash tag of every key of this queue."""
+        return keys.queue_tag(self.topic, self.broker_name, self.queue_id)
+
+    @property
+    def key(self) -> str:
+        """A compact string form, used in task arguments and assignment hashes."""
+        return f"{self.topic}:{self.broker_name}:{self.queue_id}"
+
+    @classmethod
+    def from_key(cls, key: str) -> MessageQueue:
+        topic, broker, qid = key.rsplit(":", 2)
+        return cls(topic, broker, int(qid))
+
+    def __str__(self) -> str:
+        return f"MessageQueue[topic={self.topic}, brokerName={self.broker_name}, queueId={self.queue_id}]"
+
+
+@dataclass(slots=True)
+class Message:
+    """A message to send: body bytes plus optional keys, tags and string properties."""
+
+    topic: str
+    body: bytes
+    keys: list[str] = field(default_factory=list)
+    tags: str | None = None
+    properties: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class MessageExt:
+    """A stored message as a listener sees it (RocketMQ's ``MessageExt``).
+
+    ``decode_error`` is set (and ``body`` may be empty) when the stored entry could not be decoded;
+    such a message is never handed to a listener: it goes to the DLQ with that reason.
+    """
+
+    msg_id: str
+    topic: str
+    broker_name: str
+    queue_id: int
+    queue_offset: int
+    body: bytes
+    keys: list[str]
+    tags: str | None
+    properties: dict[str, str]
+    born_timestamp: int
+    store_timestamp: int
+    reconsume_times: int = 0
+    decode_error: str | None = None
+
+    @property
+    def message_queue(self) -> MessageQueue:
+        return MessageQueue(self.topic, self.broker_name, self.queue_id)
+
+    @property
+    def store_size(self) -> int:
+        return len(self.body)
+
+    def __repr__(self) -> str:
+        return (
+            f"MessageExt(topic={self.topic!r}, queue_id={self.queue_id}, offset={self.queue_offset}, "
+            f"msg_id={self.msg_id!r}, keys={self.keys!r}, tags={self.tags!r}, "
+            f"reconsume_times={self.reconsume_times}, body={len(self.body)} bytes)"
+        )
+
+
+class SendStatus(enum.Enum):
+    SEND_OK = "SEND_OK"
+
+
+@dataclass(frozen=True, slots=True)
+class SendResult:
+    """What ``Producer.send``/``send_orderly`` return once the broker has stored the message."""
+
+    send_status: SendStatus
+    msg_id: str
+    message_queue: MessageQueue
+    queue_offset: int
+    store_timestamp: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "send_status": self.send_status.value,
+            "msg_id": self.msg_id,
+            "message_queue": self.message_queue.key,
+            "queue_offset": self.queue_offset,
+            "store_timestamp": self.store_timestamp,
+        }
+
+
+class ConsumeOrderlyStatus(enum.Enum):
+    """What an orderly listener returns (RocketMQ's ``ConsumeOrderlyStatus``)."""
+
+    SUCCESS = "SUCCESS"
+    SUSPEND_CURRENT_QUEUE_A_MOMENT = "SUSPEND_CURRENT_QUEUE_A_MOMENT"
+    #: Only meaningful with ``ctx.auto_commit = False``.
+    COMMIT = "COMMIT"
+    #: Only meaningful with ``ctx.auto_commit = False``.
+    ROLLBACK = "ROLLBACK"
+
+
+class MessageModel(enum.Enum):
+    CLUSTERING = "CLUSTERING"
+    BROADCASTING = "BROADCASTING"

@@ -1,0 +1,152 @@
+"""``ProcessQueue``: the client-side snapshot of one message queue (RocketMQ's ``ProcessQueue``).
+
+Two sorted maps keyed by queue offset, as in Java's ``TreeMap`` pair:
+
+* ``msg_tree`` holds pulled messages not yet handed to the listener;
+* ``consuming`` (``consumingMsgOrderlyTreeMap``) holds messages handed out but not yet committed.
+
+``take_messages`` moves the lowest offsets from the first to the second; ``commit`` forgets the
+consuming ones and returns the next offset to persist; ``rollback`` and
+``make_message_to_consume_again`` put them back so they are handed out again *first*, which is
+what keeps a retried message ahead of every later offset (invariant 1).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterable
+
+from sortedcontainers import SortedDict
+
+from mqorder.model import MessageExt
+
+#: RocketMQ's ``REBALANCE_LOCK_MAX_LIVE_TIME``: the client stops trusting its lock after 30 s
+#: without a successful lock or fenced commit.
+DEFAULT_LOCK_EXPIRE_MS = 30_000
+#: RocketMQ's ``PULL_MAX_IDLE_TIME``.
+DEFAULT_PULL_EXPIRE_MS = 120_000
+
+
+def _now_ms() -> int:
+    return int(time.monotonic() * 1000)
+
+
+class ProcessQueue:
+    def __init__(self, lock_expire_ms: int = DEFAULT_LOCK_EXPIRE_MS) -> None:
+        self.msg_tree: SortedDict = SortedDict()
+        self.consuming: SortedDict = SortedDict()
+        self.tree_lock = threading.RLock()
+        self.msg_count = 0
+        self.msg_size = 0
+        self.queue_offset_max = -1
+        self.dropped = False
+        self.locked = False
+        self.consuming_flag = False
+        self.lock_expire_ms = lock_expire_ms
+        self.last_lock_timestamp = _now_ms()
+        self.last_pull_timestamp = _now_ms()
+        self.last_consume_timestamp = _now_ms()
+
+    # -- lock bookkeeping (the truth is in Redis; this is the client's view) --------------------
+
+    def mark_locked(self) -> None:
+        self.locked = True
+        self.last_lock_timestamp = _now_ms()
+
+    def is_lock_expired(self) -> bool:
+        return _now_ms() - self.last_lock_timestamp > self.lock_expire_ms
+
+    def is_pull_expired(self) -> bool:
+        return _now_ms() - self.last_pull_timestamp > DEFAULT_PULL_EXPIRE_MS
+
+    # -- filling ---------------------------------------------------------------------------------
+
+    def put_messages(self, msgs: Iterable[MessageExt]) -> bool:
+        """Add pulled messages; returns True when a consumer should be dispatched for them."""
+        with self.tree_lock:
+            added = 0
+            for m in msgs:
+                if m.queue_offset in self.msg_tree or m.queue_offset in self.consuming:
+                    continue
+                self.msg_tree[m.queue_offset] = m
+                added += 1
+                self.msg_size += len(m.body)
+                if m.queue_offset > self.queue_offset_max:
+                    self.queue_offset_max = m.queue_offset
+            self.msg_count += added
+            self.last_pull_timestamp = _now_ms()
+            dispatch = bool(self.msg_tree) and not self.consuming_flag
+            if dispatch:
+                self.consuming_flag = True
+            return dispatch
+
+    # -- consuming -------------------------------------------------------------------------------
+
+    def take_messages(self, batch_size: int) -> list[MessageExt]:
+        """Hand out up to ``batch_size`` messages with the lowest offsets."""
+        with self.tree_lock:
+            self.last_consume_timestamp = _now_ms()
+            out: list[MessageExt] = []
+            tree, consuming = self.msg_tree, self.consuming
+            while tree and len(out) < batch_size:
+                offset, msg = tree.popitem(0)
+                consuming[offset] = msg
+                out.append(msg)
+            if not out:
+                self.consuming_flag = False
+            return out
+
+    def commit(self) -> int:
+        """Forget the consuming messages; return the next offset to persist, or -1 if none."""
+        with self.tree_lock:
+            if not self.consuming:
+                return -1
+            offset = self.consuming.keys()[-1]
+            self.msg_count -= len(self.consuming)
+            for m in self.consuming.values():
+                self.msg_size -= len(m.body)
+            self.consuming.clear()
+            return offset + 1
+
+    def rollback(self) -> None:
+        """Put every consuming message back (``ROLLBACK``, or a stop before commit)."""
+        with self.tree_lock:
+            self.msg_tree.update(self.consuming)
+            self.consuming.clear()
+
+    def make_message_to_consume_again(self, msgs: Iterable[MessageExt]) -> None:
+        """Put ``msgs`` back so they are handed out again before any later offset."""
+        with self.tree_lock:
+            for m in msgs:
+                self.consuming.pop(m.queue_offset, None)
+                self.msg_tree[m.queue_offset] = m
+
+    def clear(self) -> None:
+        with self.tree_lock:
+            self.msg_tree.clear()
+            self.consuming.clear()
+            self.msg_count = 0
+            self.msg_size = 0
+            self.queue_offset_max = -1
+            self.consuming_flag = False
+
+    # -- flow control and views ------------------------------------------------------------------
+
+    def is_full(self, threshold_count: int, threshold_size: int | None = None) -> bool:
+        """Flow control: RocketMQ stops pulling at ``pullThresholdForQueue`` messages."""
+        if self.msg_count >= threshold_count:
+            return True
+        return threshold_size is not None and self.msg_size >= threshold_size
+
+    @property
+    def has_temp_message(self) -> bool:
+        return bool(self.msg_tree)
+
+    def first_offset(self) -> int | None:
+        with self.tree_lock:
+            if self.consuming:
+                return self.consuming.keys()[0]
+            if self.msg_tree:
+                return self.msg_tree.keys()[0]
+            return None

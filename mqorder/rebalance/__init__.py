@@ -1,0 +1,1 @@
+"""Rebalance: allocation strategies, the broker-side lock manager, client membership."""

@@ -1,0 +1,124 @@
+"""``RebalanceLockManager``: per-(group, queue) leases with fencing epochs, in Redis.
+
+RocketMQ keeps this table in the broker's memory (``ConcurrentHashMap<group, Map<mq, LockEntry>>``,
+60 s ``lockMaxLiveTime``) and a consumer paused past its lease can go on consuming beside the new
+owner. Here every change of owner increments the queue's *epoch*, and every commit of progress
+names the epoch it was granted (``commit.lua``), so the race goes like this and ends safely:
+
+1. worker A holds queue q at epoch 7 and is paused (GC, SIGSTOP) longer than the lease;
+2. the lease runs out by Redis's clock (or A's heartbeat lapses); B takes q at epoch 8;
+3. A wakes up and finishes its listener call; its commit names epoch 7 and is refused;
+4. A's ConsumeRequest stops; B redelivers from the last committed offset, in order.
+
+Leases are judged by Redis ``TIME`` inside the scripts, never by a worker's clock.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from mqorder import keys
+from mqorder.model import MessageQueue
+from mqorder.store.brokers import BrokerRegistry
+
+
+@dataclass(frozen=True)
+class LockEntry:
+    owner: str
+    epoch: int
+    lease_until_ms: int
+    assignee: str
+    running: bool
+
+
+class RebalanceLockManager:
+    def __init__(self, brokers: BrokerRegistry, lock_max_live_time_ms: int = 60_000) -> None:
+        self.brokers = brokers
+        self.lock_max_live_time_ms = lock_max_live_time_ms
+
+    @staticmethod
+    def _by_broker(mqs: Iterable[MessageQueue]) -> dict[str, list[MessageQueue]]:
+        out: dict[str, list[MessageQueue]] = defaultdict(list)
+        for mq in mqs:
+            out[mq.broker_name].append(mq)
+        return out
+
+    def try_lock_batch(self, sub: str, mqs: Iterable[MessageQueue], client_id: str) -> dict[MessageQueue, int]:
+        """Lock what can be locked; return the locked queues with their epochs.
+
+        Renews the caller's own locks, takes free or expired ones (new epoch) unless assigned to
+        someone else, refuses live locks of other clients. One script call per broker.
+        """
+        locked: dict[MessageQueue, int] = {}
+        for broker_name, group_mqs in self._by_broker(mqs).items():
+            broker = self.brokers.get(broker_name)
+            epochs = broker.scripts.lock_batch(
+                keys=[keys.sub_state(mq.tag, sub) for mq in group_mqs],
+                args=[client_id, self.lock_max_live_time_ms],
+            )
+            for mq, epoch in zip(group_mqs, epochs, strict=True):
+                if int(epoch):
+                    locked[mq] = int(epoch)
+        return locked
+
+    def unlock_batch(
+        self, sub: str, mqs: Iterable[MessageQueue], client_id: str, *, force: bool = False
+    ) -> set[MessageQueue]:
+        """Release the caller's locks where nothing is consuming (or all of them with ``force``)."""
+        unlocked: set[MessageQueue] = set()
+        for broker_name, group_mqs in self._by_broker(mqs).items():
+            broker = self.brokers.get(broker_name)
+            res = broker.scripts.unlock_batch(
+                keys=[keys.sub_state(mq.tag, sub) for mq in group_mqs],
+                args=[client_id, "1" if force else "0"],
+            )
+            unlocked.update(mq for mq, r in zip(group_mqs, res, strict=True) if int(r))
+        return unlocked
+
+    def lock_entry(self, sub: str, mq: MessageQueue) -> LockEntry:
+        client = self.brokers.get(mq.broker_name).client
+        pipe = client.pipeline(transaction=False)
+        pipe.time()
+        pipe.hmget(keys.sub_state(mq.tag, sub), "owner", "epoch", "lease", "assignee", "run")
+        (sec, usec), (owner, epoch, lease, assignee, run) = pipe.execute()
+        now = sec * 1000 + usec // 1000
+        lease_ms = int(lease or 0)
+        return LockEntry(
+            owner=(owner or b"").decode() if lease_ms > now else "",
+            epoch=int(epoch or 0),
+            lease_until_ms=lease_ms,
+            assignee=(assignee or b"").decode(),
+            running=int(run or 0) > now,
+        )
+
+    def is_locked(self, sub: str, mq: MessageQueue, client_id: str) -> bool:
+        """True if ``client_id`` holds a live lease on ``mq`` for ``sub``."""
+        return self.lock_entry(sub, mq).owner == client_id
+
+    def assign(
+        self,
+        sub: str,
+        assignment: Sequence[tuple[MessageQueue, str, str]],
+        dead_clients: Sequence[str] = (),
+        pending_ttl_ms: int = 30_000,
+    ) -> dict[MessageQueue, str]:
+        """Apply a rebalance: ``(mq, assignee, token)`` triples; returns each queue's outcome."""
+        out: dict[MessageQueue, str] = {}
+        per_broker: dict[str, list[tuple[MessageQueue, str, str]]] = defaultdict(list)
+        for item in assignment:
+            per_broker[item[0].broker_name].append(item)
+        for broker_name, items in per_broker.items():
+            broker = self.brokers.get(broker_name)
+            kl: list[str] = []
+            args: list[object] = [self.lock_max_live_time_ms, pending_ttl_ms, len(dead_clients), *dead_clients]
+            for mq, assignee, token in items:
+                kl.append(keys.sub_state(mq.tag, sub))
+                kl.append(keys.queue_next(mq.tag))
+                args.append(assignee)
+                args.append(token)
+            res = broker.scripts.assign(keys=kl, args=args)
+            for (mq, _, _), r in zip(items, res, strict=True):
+                out[mq] = r.decode() if isinstance(r, bytes) else str(r)
+        return out

@@ -1,0 +1,196 @@
+"""The rebalance itself: allocate, apply to the lock table, and say whom to dispatch to.
+
+RocketMQ runs rebalance inside every client, each one computing its own share from its own view
+of the group. mqorder computes the whole assignment in one place (the ``rebalance`` task, under a
+Redis mutex), so two racing rebalances, or two beats started by mistake, apply the same
+deterministic answer through atomic scripts and can never assign one queue twice.
+
+Queues move as soon as it is safe: at once when the old owner is idle or its heartbeat lapsed
+(fencing covers a paused holder), or at the end of the old owner's ConsumeRequest run otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from mqorder import keys
+from mqorder.consumer.consume_request import new_token
+from mqorder.errors import TopicNotFoundError
+from mqorder.model import MessageModel, MessageQueue
+from mqorder.rebalance.allocate import AllocateMessageQueueStrategy, allocate_all, strategy_from_settings
+from mqorder.rebalance.lock_manager import RebalanceLockManager
+from mqorder.rebalance.membership import ClientInfo, ClientRegistry
+from mqorder.settings import Settings
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.topics import TopicManager
+
+log = logging.getLogger(__name__)
+
+#: The assignee of a queue that no live client consumes (the lock is then released).
+NOBODY = "~"
+
+
+@dataclass(frozen=True)
+class Dispatch:
+    """Send a ConsumeRequest for (sub, mq) carrying ``token`` to ``client``."""
+
+    sub: str
+    mq: MessageQueue
+    client: str
+    token: str
+
+
+@dataclass
+class RebalanceReport:
+    clients: list[str]
+    dead: list[str]
+    assigned: int = 0
+    moved: int = 0
+    busy: int = 0
+    dispatches: list[Dispatch] | None = None
+    took_ms: float = 0.0
+
+
+def subscriptions_by_lane(clients: list[ClientInfo]) -> dict[tuple[str, str], list[str]]:
+    """(sub, topic) -> client ids: one lane per clustering group, one per broadcast client."""
+    lanes: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for c in clients:
+        for s in c.subscriptions:
+            if s.model is MessageModel.BROADCASTING:
+                lanes[(keys.broadcast_sub(s.group, c.client_id), s.topic)].append(c.client_id)
+            else:
+                lanes[(s.group, s.topic)].append(c.client_id)
+    return lanes
+
+
+class RebalanceService:
+    def __init__(
+        self, brokers: BrokerRegistry, settings: Settings, strategy: AllocateMessageQueueStrategy | None = None
+    ) -> None:
+        self.brokers = brokers
+        self.settings = settings
+        self.strategy = strategy or strategy_from_settings(settings)
+        self.topics = TopicManager(brokers)
+        self.locks = RebalanceLockManager(brokers, settings.ms(settings.lock_max_live_time))
+        self.registry = ClientRegistry(brokers.meta, settings.ms(settings.heartbeat_timeout))
+
+    def rebalance(self, wait_s: float = 5.0) -> RebalanceReport:
+        """Recompute and apply the assignment of every subscribed topic, under a mutex."""
+        meta = self.brokers.meta
+        token = new_token()
+        deadline = time.monotonic() + wait_s
+        while not meta.set(keys.rebalance_mutex(), token, nx=True, px=30_000):
+            if time.monotonic() > deadline:
+                log.warning("rebalance skipped: another rebalance holds the mutex for over %.0fs", wait_s)
+                return RebalanceReport([], [])
+            time.sleep(0.02)
+        try:
+            return self._rebalance()
+        finally:
+            # Release only our own mutex (compare-and-delete).
+            meta.eval(
+                "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
+                1, keys.rebalance_mutex(), token,
+            )
+
+    def _rebalance(self) -> RebalanceReport:
+        t0 = time.perf_counter()
+        clients, dead, now = self.registry.clients()
+        report = RebalanceReport(sorted(c.client_id for c in clients), dead, dispatches=[])
+        lanes = subscriptions_by_lane(clients)
+        # Lanes of groups whose every client is gone still need their dead owners' locks released.
+        for group, topics in self.topics.groups().items():
+            for topic, model in topics.items():
+                if model is MessageModel.CLUSTERING:
+                    lanes.setdefault((group, topic), [])
+        pending_ttl = self.settings.ms(self.settings.pending_ttl)
+        for (sub, topic), cids in sorted(lanes.items()):
+            try:
+                mqs = self.topics.describe_topic(topic).message_queues
+            except TopicNotFoundError:
+                log.warning("group lane %s subscribes to %r, which does not exist yet", sub, topic)
+                continue
+            if keys.BROADCAST_SEP in sub:
+                assignment = {mq: cids[0] for mq in mqs}
+            else:
+                assignment = allocate_all(self.strategy, keys.group_of_sub(sub), mqs, cids)
+            triples = [(mq, assignment.get(mq, NOBODY), new_token()) for mq in mqs]
+            results = self.locks.assign(sub, triples, dead, pending_ttl)
+            hint = {mq.key: assignee for mq, assignee, _ in triples if assignee != NOBODY}
+            pipe = self.brokers.meta.pipeline(transaction=False)
+            pipe.delete(keys.assignment(sub))
+            if hint:
+                pipe.hset(keys.assignment(sub), mapping=hint)
+            pipe.execute()
+            for mq, assignee, tok in triples:
+                r = results[mq]
+                if assignee != NOBODY:
+                    report.assigned += 1
+                if r in ("MOVED", "DISPATCH"):
+                    report.moved += 1
+                if r == "BUSY":
+                    report.busy += 1
+                if r == "DISPATCH":
+                    report.dispatches.append(Dispatch(sub, mq, assignee, tok))
+        # Forget heartbeats that lapsed more than a lease ago: their locks are gone by now.
+        self.registry.forget_dead(dead, now - self.settings.ms(self.settings.lock_max_live_time))
+        report.took_ms = (time.perf_counter() - t0) * 1000
+        return report
+
+    # -- lease renewal and sweeping ------------------------------------------------------------------
+
+    def assigned_queues(self, sub: str, client_id: str | None = None) -> list[MessageQueue]:
+        raw = self.brokers.meta.hgetall(keys.assignment(sub))
+        return sorted(
+            MessageQueue.from_key(k.decode()) for k, v in raw.items() if client_id is None or v.decode() == client_id
+        )
+
+    def lanes_of(self, client: ClientInfo) -> list[str]:
+        out = []
+        for s in client.subscriptions:
+            out.append(keys.broadcast_sub(s.group, client.client_id) if s.model is MessageModel.BROADCASTING else s.group)
+        return sorted(set(out))
+
+    def lock_all(self, client_id: str, subs: list[str]) -> int:
+        """RocketMQ's ``lockAll`` for one client: renew (or take) every queue assigned to it."""
+        n = 0
+        for sub in subs:
+            mqs = self.assigned_queues(sub, client_id)
+            if mqs:
+                n += len(self.locks.try_lock_batch(sub, mqs, client_id))
+        return n
+
+    def lock_all_clients(self) -> int:
+        clients, _, _ = self.registry.clients()
+        return sum(self.lock_all(c.client_id, self.lanes_of(c)) for c in clients)
+
+    def sweep(self, subs: list[str], client_id: str = "") -> list[Dispatch]:
+        """Queues with a backlog, a live owner and no live ConsumeRequest: dispatch them again."""
+        out: list[Dispatch] = []
+        for sub in subs:
+            mqs = self.assigned_queues(sub, client_id or None)
+            per_broker: dict[str, list[MessageQueue]] = defaultdict(list)
+            for mq in mqs:
+                per_broker[mq.broker_name].append(mq)
+            for broker_name, bmqs in per_broker.items():
+                broker = self.brokers.get(broker_name)
+                kl: list[str] = []
+                for mq in bmqs:
+                    kl += [keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)]
+                tokens = [new_token() for _ in bmqs]
+                res = broker.scripts.sweep(
+                    keys=kl, args=[client_id, self.settings.ms(self.settings.pending_ttl), *tokens]
+                )
+                for i in range(0, len(res), 3):
+                    mq = bmqs[int(res[i]) - 1]
+                    out.append(Dispatch(sub, mq, res[i + 1].decode(), res[i + 2].decode()))
+        return out
+
+    def all_lanes(self) -> list[str]:
+        clients, _, _ = self.registry.clients()
+        subs = {s for c in clients for s in self.lanes_of(c)}
+        subs.update(self.topics.groups())
+        return sorted(subs)

@@ -1,0 +1,155 @@
+"""Settings, read from ``MQORDER_*`` environment variables, with RocketMQ's defaults.
+
+Every value is validated once at start; a bad one raises ``ConfigError`` naming the variable, the
+value given and what is allowed, instead of failing deep inside a worker an hour later.
+"""
+
+from __future__ import annotations
+
+import json
+from functools import lru_cache
+from typing import Any
+
+from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from mqorder.errors import ConfigError
+from mqorder.store.brokers import check_redis_url, redact_url
+
+ALLOCATE_STRATEGIES = ("averagely", "averagely_by_circle", "by_config", "by_machine_room", "consistent_hash")
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="MQORDER_", extra="ignore", validate_default=True)
+
+    # -- where things are ------------------------------------------------------------------------
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    #: Celery's own broker; defaults to ``redis_url``.
+    celery_broker_url: str | None = None
+    #: More named brokers, as JSON: ``{"broker-b": "redis://host:6380/0"}``.
+    brokers: dict[str, str] = Field(default_factory=dict)
+    #: Comma-separated import paths of modules holding ``@orderly_listener`` functions.
+    listeners: str = ""
+
+    # -- rebalance and locks (RocketMQ defaults) ------------------------------------------------
+    allocate_strategy: str = "averagely"
+    #: ByConfig: JSON ``{"client id": ["topic:broker:qid", ...]}``.
+    allocate_config: dict[str, list[str]] = Field(default_factory=dict)
+    #: ByMachineRoom: JSON list of consuming machine rooms; a broker named ``room@name`` is in ``room``.
+    allocate_machine_rooms: list[str] = Field(default_factory=list)
+    consistent_hash_virtual_nodes: int = Field(10, ge=1, le=1000)
+    lock_max_live_time: float = Field(60.0, gt=0, le=3600)  # broker lockMaxLiveTime
+    lock_interval: float = Field(20.0, gt=0, le=3600)  # REBALANCE_LOCK_INTERVAL
+    client_lock_expire: float = Field(30.0, gt=0, le=3600)  # REBALANCE_LOCK_MAX_LIVE_TIME
+    rebalance_interval: float = Field(20.0, gt=0, le=3600)
+    heartbeat_interval: float = Field(1.0, gt=0, le=60)
+    heartbeat_timeout: float = Field(5.0, gt=0, le=600)
+    sweep_interval: float = Field(2.0, gt=0, le=600)
+    #: How long a dispatched but not yet started ConsumeRequest may wait before the sweep replaces it.
+    pending_ttl: float = Field(30.0, gt=0, le=3600)
+    #: How long a running ConsumeRequest's claim lives without a fenced call renewing it.
+    run_lease: float = Field(60.0, gt=0, le=3600)
+
+    # -- consumption (RocketMQ defaults) --------------------------------------------------------
+    pull_batch_size: int = Field(32, ge=1, le=1024)
+    consume_message_batch_max_size: int = Field(1, ge=1, le=1024)
+    pull_threshold_for_queue: int = Field(1000, ge=1)
+    suspend_current_queue_time_millis: int = Field(1000, ge=10, le=30000)
+    max_time_consume_continuously: float = Field(60.0, gt=0, le=3600)
+    max_reconsume_times: int = Field(16, ge=-1)
+
+    # -- producing -------------------------------------------------------------------------------
+    max_message_size: int = Field(4 * 1024 * 1024, ge=1, le=512 * 1024 * 1024)
+    send_msg_timeout: float = Field(3.0, gt=0, le=600)
+    retry_times_when_send_failed: int = Field(2, ge=0, le=16)
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, v: str) -> str:
+        return check_redis_url(v, "MQORDER_REDIS_URL")
+
+    @field_validator("celery_broker_url")
+    @classmethod
+    def _celery_url(cls, v: str | None) -> str | None:
+        if v is None or v == "":
+            return None
+        return check_redis_url(v, "MQORDER_CELERY_BROKER_URL")
+
+    @field_validator("brokers")
+    @classmethod
+    def _brokers(cls, v: dict[str, str]) -> dict[str, str]:
+        for name, url in v.items():
+            check_redis_url(url, f"MQORDER_BROKERS[{name!r}]")
+        return v
+
+    @field_validator("allocate_strategy")
+    @classmethod
+    def _strategy(cls, v: str) -> str:
+        v = v.strip().lower().replace("-", "_")
+        if v not in ALLOCATE_STRATEGIES:
+            raise ValueError(f"unknown strategy {v!r}; choose one of {', '.join(ALLOCATE_STRATEGIES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _relations(self) -> Settings:
+        if self.heartbeat_timeout <= self.heartbeat_interval:
+            raise ValueError(
+                f"heartbeat_timeout ({self.heartbeat_timeout}s) must be longer than heartbeat_interval "
+                f"({self.heartbeat_interval}s), or every client looks dead between two beats"
+            )
+        if self.lock_interval >= self.lock_max_live_time:
+            raise ValueError(
+                f"lock_interval ({self.lock_interval}s) must be shorter than lock_max_live_time "
+                f"({self.lock_max_live_time}s), or leases lapse between renewals"
+            )
+        return self
+
+    @property
+    def effective_celery_broker_url(self) -> str:
+        return self.celery_broker_url or self.redis_url
+
+    @property
+    def listener_modules(self) -> list[str]:
+        return [m.strip() for m in self.listeners.split(",") if m.strip()]
+
+    def ms(self, seconds: float) -> int:
+        return int(seconds * 1000)
+
+    def describe(self) -> dict[str, Any]:
+        """Settings as a dict with every password redacted (what ``mqorder config`` prints)."""
+        d = self.model_dump()
+        d["redis_url"] = redact_url(self.redis_url)
+        if self.celery_broker_url:
+            d["celery_broker_url"] = redact_url(self.celery_broker_url)
+        d["brokers"] = {k: redact_url(u) for k, u in self.brokers.items()}
+        return d
+
+
+def _explain(exc: ValidationError) -> str:
+    lines = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err.get("loc", ())) or "settings"
+        var = f"MQORDER_{loc.upper()}" if loc != "settings" else "settings"
+        given = err.get("input")
+        shown = "" if isinstance(given, dict) else f" (got {given!r})"
+        if "url" in loc:
+            shown = ""
+        msg = err.get("msg", "invalid").removeprefix("Value error, ")
+        lines.append(f"{var}: {msg}{shown}")
+    return "invalid mqorder settings:\n  " + "\n  ".join(lines)
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Build settings from the environment plus keyword overrides; raise ``ConfigError`` if bad."""
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc)) from None
+    except (json.JSONDecodeError, ValueError) as exc:  # a malformed JSON env var
+        raise ConfigError(f"invalid mqorder settings: {exc}") from None
+
+
+@lru_cache(maxsize=1)
+def get_settings() -> Settings:
+    """The process-wide settings (read once; call ``get_settings.cache_clear()`` in tests)."""
+    return load_settings()

@@ -1,0 +1,127 @@
+"""Named Redis brokers: RocketMQ's broker names mapped onto Redis URLs.
+
+The default broker (``broker-a``) is ``MQORDER_REDIS_URL`` and also plays the NameServer's role:
+topic routes, group subscriptions and client heartbeats live there. More brokers may be named with
+``MQORDER_BROKERS`` (a JSON object of name to URL); a topic's queues can then be spread over them.
+"""
+
+from __future__ import annotations
+
+import threading
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+
+from mqorder.errors import BrokerUnavailableError, ConfigError
+from mqorder.names import check_name
+from mqorder.store.scripts import Scripts
+
+DEFAULT_BROKER_NAME = "broker-a"
+_SCHEMES = ("redis", "rediss", "unix")
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password replaced by ``***``: safe to log and to put in errors."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable url>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    netloc = f"{user}:***@{host}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def check_redis_url(url: object, what: str = "MQORDER_REDIS_URL") -> str:
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"{what} must be a non-empty redis:// or rediss:// URL, got {url!r}")
+    scheme = urlsplit(url).scheme
+    if scheme not in _SCHEMES:
+        raise ConfigError(
+            f"{what}={redact_url(url)!r} has scheme {scheme!r}; use redis://host:port/db, "
+            "rediss:// for TLS, or unix:///path/to/socket"
+        )
+    return url
+
+
+class Broker:
+    """One named Redis with its registered scripts."""
+
+    def __init__(self, name: str, url: str, *, socket_timeout: float = 3.0) -> None:
+        self.name = check_name("broker", name)
+        self.url = check_redis_url(url, f"broker {name!r} URL")
+        self.client: redis.Redis = redis.Redis.from_url(
+            url,
+            socket_timeout=socket_timeout,
+            socket_connect_timeout=socket_timeout,
+            health_check_interval=30,
+        )
+        self.scripts = Scripts(self.client)
+
+    @property
+    def safe_url(self) -> str:
+        return redact_url(self.url)
+
+    def ping(self) -> None:
+        try:
+            self.client.ping()
+        except redis.RedisError as exc:
+            raise BrokerUnavailableError(
+                f"cannot reach Redis broker {self.name!r} at {self.safe_url}: {exc}. "
+                "Start redis-server or point MQORDER_REDIS_URL at a running one"
+            ) from exc
+
+    def close(self) -> None:
+        self.client.close()
+
+
+class BrokerRegistry:
+    """All brokers by name; the first one is the default (the NameServer's stand-in)."""
+
+    def __init__(
+        self,
+        default_url: str,
+        extra: dict[str, str] | None = None,
+        *,
+        default_name: str = DEFAULT_BROKER_NAME,
+        socket_timeout: float = 3.0,
+    ) -> None:
+        self._lock = threading.Lock()
+        self.default_name = default_name
+        self._brokers: dict[str, Broker] = {
+            default_name: Broker(default_name, default_url, socket_timeout=socket_timeout)
+        }
+        for name, url in (extra or {}).items():
+            if name in self._brokers:
+                continue
+            self._brokers[name] = Broker(name, url, socket_timeout=socket_timeout)
+
+    @property
+    def default(self) -> Broker:
+        return self._brokers[self.default_name]
+
+    @property
+    def meta(self) -> redis.Redis:
+        """The Redis holding topic routes, subscriptions and heartbeats."""
+        return self.default.client
+
+    @property
+    def names(self) -> list[str]:
+        return sorted(self._brokers)
+
+    def get(self, name: str) -> Broker:
+        try:
+            return self._brokers[name]
+        except KeyError:
+            raise ConfigError(
+                f"unknown broker {name!r}; known brokers: {', '.join(self.names)}. "
+                "Name more brokers with MQORDER_BROKERS='{\"broker-b\": \"redis://...\"}'"
+            ) from None
+
+    def close(self) -> None:
+        for b in self._brokers.values():
+            b.close()

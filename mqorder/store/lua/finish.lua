@@ -1,0 +1,48 @@
+-- finish.lua: the end of a ConsumeRequest run: clear its run mark and decide, atomically with
+-- the producer's send script, who consumes this queue next. This is what keeps "at most one
+-- pending ConsumeRequest per queue" and "a queue with a backlog and an owner always gets one".
+--
+-- KEYS[1] state HASH  KEYS[2] next counter
+-- ARGV[1] client  ARGV[2] token  ARGV[3] action ('done' | 'requeue')  ARGV[4] new token
+-- ARGV[5] pending_ttl_ms (already including any countdown)  ARGV[6] lock_lease_ms
+-- An assignee of '~' means "assigned to nobody" (no live client consumes the lane).
+-- Returns {'IDLE'}, {'STALE'}, or {verb, target client, token} with verb one of
+--   'REQUEUE' (to the caller), 'HANDOVER' (lock moved to the assignee), 'DISPATCH' (to the owner)
+local st = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'pending', 'offset', 'assignee')
+if st[3] ~= ARGV[2] then return {'STALE'} end
+local client = ARGV[1]
+local owner, assignee = st[1] or '', st[5] or ''
+local ttl = tonumber(ARGV[5])
+local nxt = tonumber(redis.call('GET', KEYS[2]) or 0)
+local backlog = nxt > tonumber(st[4] or 0)
+local function pend(target, verb)
+  redis.call('HSET', KEYS[1], 'run', 0, 'pending', ARGV[4], 'pend_until', now + ttl)
+  return {verb, target, ARGV[4]}
+end
+local function idle()
+  redis.call('HSET', KEYS[1], 'run', 0, 'pending', '', 'pend_until', 0)
+  return {'IDLE'}
+end
+if owner == client and tonumber(st[2] or 0) > now then
+  if assignee == '~' then
+    -- No client consumes this lane any more (the last worker left): release the lock.
+    redis.call('HSET', KEYS[1], 'owner', '', 'lease', 0, 'run', 0, 'pending', '', 'pend_until', 0)
+    return {'IDLE'}
+  end
+  if assignee ~= '' and assignee ~= client then
+    -- removeUnnecessaryMessageQueue: consumption has stopped, so the lock may move now.
+    redis.call('HSET', KEYS[1], 'owner', assignee, 'lease', now + tonumber(ARGV[6]))
+    redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+    if backlog then return pend(assignee, 'HANDOVER') end
+    return idle()
+  end
+  if ARGV[3] == 'requeue' or backlog then return pend(client, 'REQUEUE') end
+  return idle()
+end
+-- The caller does not hold a live lock.
+if owner ~= '' and tonumber(st[2] or 0) > now then
+  if backlog then return pend(owner, 'DISPATCH') end
+  return idle()
+end
+if assignee ~= '' and assignee ~= '~' and backlog then return pend(assignee, 'DISPATCH') end
+return idle()

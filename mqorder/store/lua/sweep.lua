@@ -1,0 +1,24 @@
+-- sweep.lua: re-dispatch owned queues that have a backlog and no live ConsumeRequest (a task lost
+-- from the Celery broker, a pool process killed mid-run): invariant 5, "no stall".
+--
+-- KEYS        pairs (state HASH, next counter), one pair per queue
+-- ARGV[1]     client ('' = any owner)   ARGV[2] pending_ttl_ms   ARGV[3..] one token per queue
+-- Returns     flat list of (queue index (1-based), owner, token) for each queue to dispatch
+local out = {}
+for i = 1, #KEYS, 2 do
+  local q = (i + 1) / 2
+  local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'pending', 'pend_until', 'offset', 'run')
+  local owner = st[1] or ''
+  if owner ~= '' and tonumber(st[2] or 0) > now and (ARGV[1] == '' or owner == ARGV[1])
+      and tonumber(st[6] or 0) <= now
+      and ((not st[3]) or st[3] == '' or tonumber(st[4] or 0) < now) then
+    local nxt = tonumber(redis.call('GET', KEYS[i + 1]) or 0)
+    if nxt > tonumber(st[5] or 0) then
+      redis.call('HSET', KEYS[i], 'pending', ARGV[2 + q], 'pend_until', now + tonumber(ARGV[2]))
+      out[#out + 1] = q
+      out[#out + 1] = owner
+      out[#out + 1] = ARGV[2 + q]
+    end
+  end
+end
+return out

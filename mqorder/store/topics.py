@@ -1,0 +1,127 @@
+"""Topic routes (RocketMQ's NameServer route table) and group subscriptions, stored in Redis.
+
+A topic has ``queues`` queues on each of its brokers (RocketMQ's per-broker ``writeQueueNums``);
+its ``MessageQueue`` list is sorted by (broker, queue id) so every process sees the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+from mqorder import keys
+from mqorder.errors import ConfigError, TopicExistsError, TopicNotFoundError
+from mqorder.model import MessageModel, MessageQueue
+from mqorder.names import check_name, check_topic
+from mqorder.store.brokers import BrokerRegistry
+
+MAX_QUEUES_PER_BROKER = 1024
+
+
+@dataclass(frozen=True)
+class TopicRoute:
+    topic: str
+    queues_per_broker: dict[str, int]
+    created_ms: int
+
+    @property
+    def message_queues(self) -> list[MessageQueue]:
+        return [
+            MessageQueue(self.topic, broker, qid)
+            for broker in sorted(self.queues_per_broker)
+            for qid in range(self.queues_per_broker[broker])
+        ]
+
+    @property
+    def queue_count(self) -> int:
+        return sum(self.queues_per_broker.values())
+
+
+def _check_queue_count(queues: object) -> int:
+    if isinstance(queues, bool) or not isinstance(queues, int):
+        raise ConfigError(f"queues must be an int from 1 to {MAX_QUEUES_PER_BROKER}, got {queues!r}")
+    if not 1 <= queues <= MAX_QUEUES_PER_BROKER:
+        raise ConfigError(
+            f"queues={queues} is out of range: a topic needs 1 to {MAX_QUEUES_PER_BROKER} queues per broker"
+        )
+    return queues
+
+
+class TopicManager:
+    """Creates and describes topics; records which groups subscribe to which topics."""
+
+    def __init__(self, brokers: BrokerRegistry) -> None:
+        self.brokers = brokers
+
+    def create_topic(
+        self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, allow_dlq: bool = False
+    ) -> TopicRoute:
+        check_topic(topic, allow_dlq=allow_dlq)
+        n = _check_queue_count(queues)
+        names = sorted(set(brokers or [self.brokers.default_name]))
+        for b in names:
+            self.brokers.get(b)  # refuses unknown broker names with the list of known ones
+        layout = {b: n for b in names}
+        meta = self.brokers.meta
+        created = int(time.time() * 1000)
+        route_key = keys.topic_route(topic)
+        # HSETNX makes concurrent creators agree on one layout.
+        if meta.hsetnx(route_key, "layout", json.dumps(layout, sort_keys=True)):
+            meta.hset(route_key, "created_ms", created)
+            meta.sadd(keys.topics(), topic)
+        existing = self.describe_topic(topic)
+        if existing.queues_per_broker != layout:
+            raise TopicExistsError(
+                f"topic {topic!r} already exists with layout {existing.queues_per_broker}, not {layout}; "
+                "queue counts cannot change under an ordered topic (keys would move between queues)"
+            )
+        return existing
+
+    def describe_topic(self, topic: str) -> TopicRoute:
+        if not isinstance(topic, str):
+            raise TopicNotFoundError(f"topic must be a str, got {type(topic).__name__}")
+        raw = self.brokers.meta.hmget(keys.topic_route(topic), "layout", "created_ms")
+        if raw[0] is None:
+            raise TopicNotFoundError(
+                f"topic {topic!r} does not exist; create it first with "
+                f"Producer().create_topic({topic!r}, queues=8) or `mqorder topic create {topic} --queues 8`"
+            )
+        return TopicRoute(topic, json.loads(raw[0]), int(raw[1] or 0))
+
+    def list_topics(self) -> list[str]:
+        return sorted(t.decode() for t in self.brokers.meta.smembers(keys.topics()))
+
+    def ensure_dlq_topic(self, group: str) -> TopicRoute:
+        """``%DLQ%{group}``: one queue on the default broker, created on first use as RocketMQ does."""
+        return self.create_topic(keys.dlq_topic(group), 1, allow_dlq=True)
+
+    # -- subscriptions ---------------------------------------------------------------------------
+
+    def subscribe(self, group: str, topic: str, model: MessageModel) -> None:
+        """Record that ``group`` consumes ``topic`` (what producers wake and rebalance allocates)."""
+        check_name("group", group)
+        check_topic(topic)
+        meta = self.brokers.meta
+        raw = meta.hget(keys.groups(), group)
+        subs = json.loads(raw) if raw else {}
+        subs[topic] = model.value
+        meta.hset(keys.groups(), group, json.dumps(subs, sort_keys=True))
+        if model is MessageModel.CLUSTERING:
+            meta.sadd(keys.topic_subs(topic), group)
+        self.ensure_dlq_topic(group)
+
+    def add_sub(self, topic: str, sub: str) -> None:
+        self.brokers.meta.sadd(keys.topic_subs(topic), sub)
+
+    def remove_sub(self, topic: str, sub: str) -> None:
+        self.brokers.meta.srem(keys.topic_subs(topic), sub)
+
+    def subs_of_topic(self, topic: str) -> list[str]:
+        return sorted(s.decode() for s in self.brokers.meta.smembers(keys.topic_subs(topic)))
+
+    def groups(self) -> dict[str, dict[str, MessageModel]]:
+        out: dict[str, dict[str, MessageModel]] = {}
+        for g, raw in self.brokers.meta.hgetall(keys.groups()).items():
+            out[g.decode()] = {t: MessageModel(m) for t, m in json.loads(raw).items()}
+        return out

@@ -1,0 +1,1 @@
+"""The reference Celery application: ``celery -A workers.app worker|beat|flower``."""

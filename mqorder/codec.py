@@ -133,7 +133,8 @@ def decode_entries(
             if len(fields) == 6 and fields[0] == b"h" and fields[2] == b"b" and fields[4] == b"s":
                 raw_h, body, raw_s = fields[1], fields[3], fields[5]
             else:
-                f = dict(zip(fields[::2], fields[1::2], strict=False))
+                # redis-py's XRANGE callback gives a dict; Lua replies give a flat list.
+                f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=False))
                 raw_h, body, raw_s = f[b"h"], f[b"b"], f.get(b"s", b"0")
             h = _loads(raw_h)
             msg.msg_id = h["i"]

@@ -1,0 +1,78 @@
+"""Listeners loaded by the test workers (``MQORDER_LISTENERS=tests.listeners``).
+
+Every call appends one ledger line per message to ``ledger:<group>`` in Redis:
+``key|seq|queue_id|offset|epoch|client|pid|start_us|end_us|reconsume`` — the raw material every
+end-to-end assertion (order, loss, duplicates, overlap) is computed from. Behaviour is steered
+per group through the Redis hash ``ctl:<group>`` so a test changes it without restarting workers:
+
+* ``sleep_ms``: sleep inside every call (to widen overlap windows);
+* ``suspend:<key>:<seq>``: how many more times to return SUSPEND for that message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import redis
+
+from mqorder import ConsumeOrderlyStatus, MessageModel, orderly_listener
+
+_r: redis.Redis | None = None
+
+
+def r() -> redis.Redis:
+    global _r
+    if _r is None or _r.connection_pool.pid != os.getpid():
+        _r = redis.Redis.from_url(os.environ["MQORDER_REDIS_URL"])
+    return _r
+
+
+def _record(group: str, msgs, ctx, status: ConsumeOrderlyStatus) -> ConsumeOrderlyStatus:  # noqa: ANN001
+    c = r()
+    ctl = {k.decode(): v.decode() for k, v in c.hgetall(f"ctl:{group}").items()}
+    start = time.time_ns() // 1000
+    sleep_ms = float(ctl.get("sleep_ms", 0))
+    if sleep_ms:
+        time.sleep(sleep_ms / 1000)
+    lines = []
+    for m in msgs:
+        body = json.loads(m.body)
+        key, seq = str(body["k"]), int(body["s"])
+        sk = f"suspend:{key}:{seq}"
+        if int(ctl.get(sk, 0)) > 0:
+            c.hincrby(f"ctl:{group}", sk, -1)
+            status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        lines.append((key, seq, m))
+    end = time.time_ns() // 1000
+    pipe = c.pipeline(transaction=False)
+    for key, seq, m in lines:
+        verdict = "S" if status is ConsumeOrderlyStatus.SUCCESS else "X"
+        pipe.rpush(
+            f"ledger:{group}",
+            f"{key}|{seq}|{m.queue_id}|{m.queue_offset}|{ctx.epoch}|{ctx.client_id}|{os.getpid()}|{start}|{end}|{m.reconsume_times}|{verdict}",
+        )
+    pipe.execute()
+    return status
+
+
+@orderly_listener(topic="t-order", group="g-order")
+def ordered(msgs, ctx):  # noqa: ANN001, ANN201
+    return _record("g-order", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
+
+
+@orderly_listener(topic="t-excl", group="g-excl", consume_message_batch_max_size=2)
+def exclusive(msgs, ctx):  # noqa: ANN001, ANN201
+    return _record("g-excl", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
+
+
+@orderly_listener(topic="t-suspend", group="g-suspend", max_reconsume_times=2,
+                  suspend_current_queue_time_millis=300)
+def suspending(msgs, ctx):  # noqa: ANN001, ANN201
+    return _record("g-suspend", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
+
+
+@orderly_listener(topic="t-bcast", group="g-bcast", message_model=MessageModel.BROADCASTING)
+def broadcast(msgs, ctx):  # noqa: ANN001, ANN201
+    return _record("g-bcast", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)

@@ -1,0 +1,163 @@
+"""End to end: real redis-server, real ``celery worker`` subprocesses (prefork), real listeners.
+
+Every assertion is computed from the ledger the listeners in ``tests/listeners.py`` append to.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+
+import redis
+
+from mqorder import Producer, keys
+from mqorder.model import MessageQueue
+from mqorder.store.log import MessageLog
+from tests.conftest import Cluster, body, check_order, ledger, wait_for
+
+
+def _handled(r: redis.Redis, group: str, n: int) -> bool:
+    return len({(e["key"], e["seq"]) for e in ledger(r, group) if e["ok"]}) >= n
+
+
+def test_two_workers_eight_queues_2000_keys_every_key_in_order_none_lost(cluster: Cluster, r: redis.Redis) -> None:
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=8)
+    cluster.start_worker("w1")
+    cluster.start_worker("w2")
+    keys_ = [f"order-{i}" for i in range(2000)]
+    for seq in range(1, 5):  # interleaved: step 1 of every key, then step 2...
+        p.send_orderly_batch("t-order", [(k, body(k, seq)) for k in keys_])
+    wait_for(lambda: _handled(r, "g-order", 8000), timeout=120, what="8000 messages handled")
+    entries = ledger(r, "g-order")
+    violations, handled, dups = check_order(entries)
+    assert violations == []
+    assert handled == 8000
+    assert {e["client"] for e in entries} == {cluster.workers["w1"].hostname, cluster.workers["w2"].hostname}
+    log = MessageLog(p.brokers)
+    assert sum(log.lag("g-order", mq) for mq in p.describe_topic("t-order").message_queues) == 0
+
+
+def _calls(entries: list[dict]) -> dict[int, list[tuple[int, int, str]]]:
+    """Listener calls per queue: (start, end, who), one per call (a batch shares start/end)."""
+    calls: dict[int, set[tuple[int, int, str]]] = defaultdict(set)
+    for e in entries:
+        calls[e["queue"]].add((e["start"], e["end"], f"{e['client']}/{e['pid']}"))
+    return {q: sorted(c) for q, c in calls.items()}
+
+
+def test_no_two_listener_calls_of_one_queue_overlap_on_prefork_c4(cluster: Cluster, r: redis.Redis) -> None:
+    p = Producer(cluster.url)
+    p.create_topic("t-excl", queues=4)
+    r.hset("ctl:g-excl", "sleep_ms", 3)
+    cluster.start_worker("w1", concurrency=4)
+    cluster.start_worker("w2", concurrency=4)
+    items = [(f"k{i % 40}", body(f"k{i % 40}", i // 40 + 1)) for i in range(800)]
+    p.send_orderly_batch("t-excl", items)
+    wait_for(lambda: _handled(r, "g-excl", 800), timeout=120, what="800 handled")
+    entries = ledger(r, "g-excl")
+    assert check_order(entries)[0] == []
+    per_queue = _calls(entries)
+    assert len(per_queue) == 4
+    processes = set()
+    for q, calls in per_queue.items():
+        for (_, e1, w1), (s2, _, w2) in zip(calls, calls[1:], strict=False):
+            assert s2 >= e1, f"queue {q}: call by {w2} started at {s2} before the call by {w1} ended at {e1}"
+        processes.update(w for _, _, w in calls)
+    assert len(processes) >= 3  # the calls really were spread over several pool processes
+
+
+def test_suspended_message_is_retried_after_countdown_then_dlq_and_queue_moves_on(cluster: Cluster, r: redis.Redis) -> None:
+    p = Producer(cluster.url)
+    p.create_topic("t-suspend", queues=1)
+    r.hset("ctl:g-suspend", mapping={"suspend:a:2": 2, "suspend:b:1": 99})
+    cluster.start_worker("w1")
+    for k, seq in [("a", 1), ("a", 2), ("a", 3), ("b", 1), ("c", 1)]:
+        p.send_orderly("t-suspend", body(k, seq), sharding_key="same-queue", keys=[f"{k}{seq}"])
+    wait_for(lambda: any(e["key"] == "c" and e["ok"] for e in ledger(r, "g-suspend")), timeout=60, what="c handled")
+    entries = ledger(r, "g-suspend")
+    seq = [(e["key"], e["seq"], e["reconsume"], e["ok"]) for e in entries]
+    assert seq == [
+        ("a", 1, 0, True),
+        ("a", 2, 0, False), ("a", 2, 1, False), ("a", 2, 2, True),  # suspended twice, then success
+        ("a", 3, 0, True),
+        ("b", 1, 0, False), ("b", 1, 1, False), ("b", 1, 2, False),  # 1 + max_reconsume_times(2)
+        ("c", 1, 0, True),
+    ]
+    a2 = [e for e in entries if (e["key"], e["seq"]) == ("a", 2)]
+    gaps = [(y["start"] - x["end"]) / 1e6 for x, y in zip(a2, a2[1:], strict=False)]
+    assert all(g >= 0.25 for g in gaps), gaps  # suspend_current_queue_time_millis=300
+    dlq = MessageLog(p.brokers).read(MessageQueue(keys.dlq_topic("g-suspend"), "broker-a", 0), 0, 10)
+    assert [m.keys for m in dlq] == [["b1"]]
+    assert "max reconsume" in dlq[0].properties["DLQ_REASON"]
+
+
+def test_undecodable_stored_message_goes_to_dlq_and_does_not_block_its_queue(cluster: Cluster, r: redis.Redis) -> None:
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=1)
+    mq = MessageQueue("t-order", "broker-a", 0)
+    p.send_orderly("t-order", body("x", 1), sharding_key="x")
+    r.xadd(keys.queue_log(mq.tag), {"h": b"\x00garbage", "b": b""}, id="1-1")
+    r.incr(keys.queue_next(mq.tag))
+    p.send_orderly("t-order", body("x", 2), sharding_key="x")
+    cluster.start_worker("w1")
+    wait_for(lambda: _handled(r, "g-order", 2), timeout=60, what="both good messages handled")
+    dlq = MessageLog(p.brokers).read(MessageQueue(keys.dlq_topic("g-order"), "broker-a", 0), 0, 10)
+    assert len(dlq) == 1 and dlq[0].properties["ORIGIN_QUEUE_OFFSET"] == "1"
+    assert "undecodable" in dlq[0].properties["DLQ_REASON"]
+
+
+def test_worker_joining_and_leaving_mid_stream_keeps_order_and_loses_nothing(cluster: Cluster, r: redis.Redis) -> None:
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=8)
+    r.hset("ctl:g-order", "sleep_ms", 1)
+    cluster.start_worker("w1")
+    cluster.start_worker("w2")
+    n_keys, steps = 300, 10
+    done = threading.Event()
+
+    def produce() -> None:
+        prod = Producer(cluster.url)
+        for seq in range(1, steps + 1):
+            prod.send_orderly_batch("t-order", [(f"k{i}", body(f"k{i}", seq)) for i in range(n_keys)])
+            time.sleep(0.4)
+        done.set()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    time.sleep(1.0)
+    cluster.start_worker("w3")
+    time.sleep(1.5)
+    cluster.workers["w1"].stop(timeout=60)  # graceful leave while messages keep coming
+    t.join()
+    total = n_keys * steps
+    wait_for(lambda: _handled(r, "g-order", total), timeout=120, what=f"{total} handled")
+    entries = ledger(r, "g-order")
+    violations, handled, _ = check_order(entries)
+    assert violations == []
+    assert handled == total
+    clients = {e["client"] for e in entries}
+    assert cluster.workers["w3"].hostname in clients  # the newcomer got queues
+    assert cluster.workers["w1"].hostname in clients  # the leaver consumed before leaving
+
+
+def test_broadcast_group_delivers_every_message_to_every_worker_in_order(cluster: Cluster, r: redis.Redis) -> None:
+    p = Producer(cluster.url)
+    p.create_topic("t-bcast", queues=2)
+    w1 = cluster.start_worker("w1")
+    w2 = cluster.start_worker("w2")
+    for seq in range(1, 21):
+        p.send_orderly_batch("t-bcast", [(f"k{i}", body(f"k{i}", seq)) for i in range(10)])
+
+    def per_client() -> dict[str, list[dict]]:
+        out: dict[str, list[dict]] = defaultdict(list)
+        for e in ledger(r, "g-bcast"):
+            out[e["client"]].append(e)
+        return out
+
+    wait_for(lambda: all(check_order(per_client().get(w.hostname, []))[1] == 200 for w in (w1, w2)),
+             timeout=60, what="both clients handled all 200")
+    for w in (w1, w2):
+        violations, handled, _ = check_order(per_client()[w.hostname])
+        assert violations == [] and handled == 200

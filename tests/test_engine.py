@@ -1,0 +1,240 @@
+"""The Celery-free ConsumeRequest engine against a real redis-server (no workers needed here;
+the end-to-end tests run the same engine inside real Celery workers)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mqorder import ConsumeOrderlyStatus, Producer, keys
+from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest, Outcome
+from mqorder.consumer.hooks import ConsumeMessageHook
+from mqorder.consumer.listener import ListenerSpec
+from mqorder.model import MessageQueue
+from mqorder.rebalance.lock_manager import RebalanceLockManager
+from mqorder.store.log import MessageLog
+
+S = ConsumeOrderlyStatus
+
+
+@pytest.fixture
+def env(settings):  # noqa: ANN001, ANN201
+    p = Producer(settings=settings)
+    p.create_topic("t", queues=1)
+    eng = ConsumerEngine(settings, "c1")
+    yield p, eng
+    p.close()
+    eng.brokers.close()
+
+
+MQ = MessageQueue("t", "broker-a", 0)
+
+
+def drain(eng: ConsumerEngine, spec: ListenerSpec, sub: str = "g", max_runs: int = 200) -> list[Outcome]:
+    """Assign the queue to c1 and follow the outcomes as the Celery task would."""
+    locks = RebalanceLockManager(eng.brokers)
+    res = locks.assign(sub, [(MQ, "c1", "tok0")])
+    token = "tok0"
+    if res[MQ] != "DISPATCH":
+        return []
+    outcomes = []
+    for _ in range(max_runs):
+        out = ConsumeRequest(eng, spec, sub, MQ, token).run()
+        outcomes.append(out)
+        if not out.needs_dispatch or out.target != "c1":
+            break
+        time.sleep(out.countdown)
+        token = out.token
+    return outcomes
+
+
+def test_messages_are_delivered_in_offset_order_and_committed(env) -> None:  # noqa: ANN001
+    p, eng = env
+    for i in range(100):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    seen: list[int] = []
+
+    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+        seen.extend(m.queue_offset for m in msgs)
+        assert [int(m.body) for m in msgs] == [m.queue_offset for m in msgs]
+        return S.SUCCESS
+
+    outs = drain(eng, ListenerSpec(listener, "t", "g"))
+    assert seen == list(range(100))
+    assert outs[-1].verb == "IDLE"
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 100
+
+
+def test_suspended_message_blocks_later_offsets_until_it_succeeds(env) -> None:  # noqa: ANN001
+    p, eng = env
+    for i in range(5):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    calls: list[tuple[int, int]] = []
+    fails = {2: 2}
+
+    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+        (m,) = msgs
+        calls.append((m.queue_offset, m.reconsume_times))
+        if fails.get(m.queue_offset, 0) > 0:
+            fails[m.queue_offset] -= 1
+            ctx.suspend_current_queue_time_millis = 50
+            return S.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        return S.SUCCESS
+
+    drain(eng, ListenerSpec(listener, "t", "g"))
+    assert calls == [(0, 0), (1, 0), (2, 0), (2, 1), (2, 2), (3, 0), (4, 0)]
+
+
+def test_message_goes_to_dlq_after_max_reconsume_times_and_queue_moves_on(env) -> None:  # noqa: ANN001
+    p, eng = env
+    for i in range(3):
+        p.send_orderly("t", str(i).encode(), sharding_key="k", keys=[f"key{i}"])
+    calls: list[int] = []
+
+    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+        calls.append(msgs[0].queue_offset)
+        return S.SUSPEND_CURRENT_QUEUE_A_MOMENT if msgs[0].queue_offset == 1 else S.SUCCESS
+
+    drain(eng, ListenerSpec(listener, "t", "g", max_reconsume_times=2, suspend_current_queue_time_millis=10))
+    assert calls == [0, 1, 1, 1, 2]  # first attempt + 2 reconsumes, then DLQ
+    dlq = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
+    assert len(dlq) == 1
+    assert dlq[0].body == b"1" and dlq[0].keys == ["key1"]
+    assert dlq[0].properties["ORIGIN_QUEUE_OFFSET"] == "1"
+    assert "max reconsume" in dlq[0].properties["DLQ_REASON"]
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 3
+
+
+def test_listener_exception_and_none_count_as_suspend(env) -> None:  # noqa: ANN001
+    p, eng = env
+    p.send_orderly("t", b"x", sharding_key="k")
+    results = iter([RuntimeError("boom"), None, S.SUCCESS])
+    calls = []
+
+    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+        calls.append(msgs[0].reconsume_times)
+        r = next(results)
+        if isinstance(r, Exception):
+            raise r
+        return r
+
+    drain(eng, ListenerSpec(listener, "t", "g", suspend_current_queue_time_millis=10))
+    assert calls == [0, 1, 2]
+
+
+def test_undecodable_stored_message_goes_to_dlq_without_blocking(env) -> None:  # noqa: ANN001
+    p, eng = env
+    p.send_orderly("t", b"a", sharding_key="k")
+    c = eng.brokers.default.client
+    # A corrupt entry written behind the producer's back (offset 1).
+    c.xadd(keys.queue_log(MQ.tag), {"h": b"\xff{not json", "b": b"?", "s": b"0"}, id="1-1")
+    c.incr(keys.queue_next(MQ.tag))
+    p.send_orderly("t", b"c", sharding_key="k")
+    seen = []
+
+    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+        seen.extend(m.body for m in msgs)
+        return S.SUCCESS
+
+    drain(eng, ListenerSpec(listener, "t", "g", consume_message_batch_max_size=8))
+    assert seen == [b"a", b"c"]
+    dlq = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
+    assert len(dlq) == 1 and "undecodable" in dlq[0].properties["DLQ_REASON"]
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 3
+
+
+def test_manual_commit_and_rollback(env) -> None:  # noqa: ANN001
+    p, eng = env
+    for i in range(4):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    calls: list[int] = []
+    rolled = {"done": False}
+
+    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+        ctx.auto_commit = False
+        ctx.suspend_current_queue_time_millis = 10
+        off = msgs[0].queue_offset
+        calls.append(off)
+        if off == 1:
+            return S.COMMIT
+        if off == 2 and not rolled["done"]:
+            rolled["done"] = True
+            return S.ROLLBACK
+        return S.SUCCESS if off != 3 else S.COMMIT
+
+    drain(eng, ListenerSpec(listener, "t", "g"))
+    # 0 (uncommitted), 1 COMMIT (commits 0..1), 2 ROLLBACK -> 2 again, 3 COMMIT (commits 2..3)
+    assert calls == [0, 1, 2, 2, 3]
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 4
+
+
+def test_commit_of_a_replaced_holder_is_fenced_and_ctx_sees_it(env) -> None:  # noqa: ANN001
+    p, eng = env
+    for i in range(3):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    observed = []
+    locks = RebalanceLockManager(eng.brokers)
+
+    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+        if msgs[0].queue_offset == 1:
+            # Another client takes the queue while this call runs (a pause past the lease).
+            locks.assign("g", [(MQ, "c2", "other")], dead_clients=["c1"])
+            observed.append(ctx.still_owner())
+        return S.SUCCESS
+
+    outs = drain(eng, ListenerSpec(listener, "t", "g"))
+    assert observed == [False]
+    assert outs[-1].verb == "FENCED"
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 0  # nothing committed by the stale holder
+    assert locks.lock_entry("g", MQ).owner == "c2"
+
+
+def test_hooks_run_before_and_after_each_call(env) -> None:  # noqa: ANN001
+    p, eng = env
+    for i in range(3):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    events = []
+
+    class Recorder(ConsumeMessageHook):
+        def consume_message_before(self, context):  # noqa: ANN001, ANN202
+            events.append(("before", context.msg_list[0].queue_offset))
+
+        def consume_message_after(self, context):  # noqa: ANN001, ANN202
+            events.append(("after", context.msg_list[0].queue_offset, context.status, context.success))
+
+    drain(eng, ListenerSpec(lambda m, c: S.SUCCESS, "t", "g", hooks=[Recorder()]))
+    assert events == [
+        ("before", 0), ("after", 0, "SUCCESS", True),
+        ("before", 1), ("after", 1, "SUCCESS", True),
+        ("before", 2), ("after", 2, "SUCCESS", True),
+    ]
+
+
+def test_time_budget_requeues_the_request(settings) -> None:  # noqa: ANN001
+    s = settings.model_copy(update={"max_time_consume_continuously": 0.05})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1)
+    eng = ConsumerEngine(s, "c1")
+    for i in range(50):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+
+    def slow(msgs, ctx):  # noqa: ANN001, ANN202
+        time.sleep(0.01)
+        return S.SUCCESS
+
+    outs = drain(eng, ListenerSpec(slow, "t", "g"))
+    assert any(o.verb == "REQUEUE" and o.countdown == pytest.approx(0.01) for o in outs)
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 50
+
+
+def test_stale_or_duplicate_token_does_nothing(env) -> None:  # noqa: ANN001
+    p, eng = env
+    p.send_orderly("t", b"x", sharding_key="k")
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    called = []
+    spec = ListenerSpec(lambda m, c: called.append(1) or S.SUCCESS, "t", "g")
+    assert ConsumeRequest(eng, spec, "g", MQ, "not-the-token").run().verb == "STALE"
+    eng.brokers.default.client.hset(keys.sub_state(MQ.tag, "g"), "run", 2**50)
+    assert ConsumeRequest(eng, spec, "g", MQ, "tok0").run().verb == "BUSY"
+    assert called == []

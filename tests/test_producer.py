@@ -1,0 +1,160 @@
+"""Producer and topic routes against a real redis-server: sends, selectors, and bad input."""
+
+from __future__ import annotations
+
+import time
+import zlib
+
+import pytest
+import redis
+
+from mqorder import Producer, keys
+from mqorder.errors import (
+    BrokerUnavailableError,
+    ConfigError,
+    InvalidNameError,
+    MessageError,
+    MessageTooLargeError,
+    TopicExistsError,
+    TopicNotFoundError,
+)
+from mqorder.model import MessageModel, MessageQueue
+from mqorder.store.log import MessageLog
+
+
+@pytest.fixture
+def producer(settings):  # noqa: ANN001, ANN201
+    p = Producer(settings=settings)
+    p.create_topic("orders", queues=8)
+    yield p
+    p.close()
+
+
+def test_send_orderly_uses_crc32_mod_queue_count_and_contiguous_offsets(producer: Producer) -> None:
+    results = [producer.send_orderly("orders", f"{i}".encode(), sharding_key="order-42") for i in range(5)]
+    expected = zlib.crc32(b"order-42") % 8
+    assert {r.message_queue.queue_id for r in results} == {expected}
+    assert [r.queue_offset for r in results] == [0, 1, 2, 3, 4]
+    assert len({r.msg_id for r in results}) == 5
+    stored = MessageLog(producer.brokers).read(results[0].message_queue, 0, 10)
+    assert [m.body for m in stored] == [b"0", b"1", b"2", b"3", b"4"]
+    assert stored[0].store_timestamp >= stored[0].born_timestamp - 5000
+
+
+def test_send_round_robins_over_queues(producer: Producer) -> None:
+    qids = [producer.send("orders", b"x").message_queue.queue_id for _ in range(16)]
+    assert sorted(set(qids)) == list(range(8))
+
+
+def test_custom_selector_may_return_a_queue_or_an_index(producer: Producer) -> None:
+    r1 = producer.send_orderly("orders", b"x", sharding_key="a", selector=lambda qs, k, b: qs[3])
+    r2 = producer.send_orderly("orders", b"x", sharding_key="a", selector=lambda qs, k, b: 5)
+    assert (r1.message_queue.queue_id, r2.message_queue.queue_id) == (3, 5)
+    with pytest.raises(MessageError, match="index 99"):
+        producer.send_orderly("orders", b"x", sharding_key="a", selector=lambda qs, k, b: 99)
+
+
+def test_keys_tags_and_properties_are_stored(producer: Producer) -> None:
+    r = producer.send_orderly("orders", b"x", sharding_key="k", keys=["k1", "k2"], tags="paid",
+                              properties={"trace": "abc"})
+    (m,) = MessageLog(producer.brokers).read(r.message_queue, r.queue_offset, 1)
+    assert (m.keys, m.tags, m.properties, m.msg_id) == (["k1", "k2"], "paid", {"trace": "abc"}, r.msg_id)
+
+
+def test_batch_keeps_per_key_order_and_refuses_whole_batch_on_bad_item(producer: Producer) -> None:
+    items = [(f"k{i % 3}", f"{i}".encode()) for i in range(30)]
+    results = producer.send_orderly_batch("orders", items)
+    assert len(results) == 30
+    log = MessageLog(producer.brokers)
+    for key in ("k0", "k1", "k2"):
+        mq = MessageQueue("orders", "broker-a", zlib.crc32(key.encode()) % 8)
+        bodies = [int(m.body) for m in log.read(mq, 0, 100) if int(m.body) % 3 == int(key[1])]
+        assert bodies == sorted(bodies) and len(bodies) == 10
+    before = sum(log.max_offset(mq) for mq in producer.describe_topic("orders").message_queues)
+    with pytest.raises(MessageError, match="item 2"):
+        producer.send_orderly_batch("orders", [("a", b"1"), ("b", b"2"), ("c", "not bytes")])
+    after = sum(log.max_offset(mq) for mq in producer.describe_topic("orders").message_queues)
+    assert before == after  # nothing half-written
+
+
+def test_unknown_topic_is_refused_with_how_to_create_it(producer: Producer) -> None:
+    with pytest.raises(TopicNotFoundError, match="create_topic"):
+        producer.send_orderly("nope", b"x", sharding_key="k")
+
+
+@pytest.mark.parametrize("queues", [0, -1, 1025, "8", 2.5, True])
+def test_bad_queue_counts_are_refused(producer: Producer, queues: object) -> None:
+    with pytest.raises(ConfigError, match="queues"):
+        producer.create_topic("other", queues=queues)  # type: ignore[arg-type]
+
+
+def test_recreating_a_topic_with_another_layout_is_refused(producer: Producer) -> None:
+    assert producer.create_topic("orders", queues=8).queue_count == 8
+    with pytest.raises(TopicExistsError, match="already exists"):
+        producer.create_topic("orders", queues=4)
+
+
+@pytest.mark.parametrize("name", ["", "has space", "a{b}", "x" * 200, "%DLQ%mine"])
+def test_bad_topic_names_are_refused(producer: Producer, name: str) -> None:
+    with pytest.raises(InvalidNameError):
+        producer.create_topic(name, queues=1)
+
+
+def test_oversized_body_is_refused_and_nothing_is_written(settings) -> None:  # noqa: ANN001
+    p = Producer(settings=settings, max_message_size=1024)
+    p.create_topic("orders", queues=1)
+    with pytest.raises(MessageTooLargeError, match="1,025 bytes"):
+        p.send_orderly("orders", b"x" * 1025, sharding_key="k")
+    assert MessageLog(p.brokers).max_offset(MessageQueue("orders", "broker-a", 0)) == 0
+    assert p.send_orderly("orders", b"x" * 1024, sharding_key="k").queue_offset == 0
+
+
+@pytest.mark.parametrize("body", ["text", 42, None, {"a": 1}])
+def test_non_bytes_body_is_refused_with_a_hint(producer: Producer, body: object) -> None:
+    with pytest.raises(MessageError, match="must be bytes"):
+        producer.send_orderly("orders", body, sharding_key="k")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", [None, 1.5, ["a"], True])
+def test_bad_sharding_keys_are_refused(producer: Producer, key: object) -> None:
+    with pytest.raises(MessageError):
+        producer.send_orderly("orders", b"x", sharding_key=key)
+
+
+def test_unreachable_redis_gives_a_clear_error() -> None:
+    from mqorder.embedded import free_port
+
+    p = Producer(f"redis://127.0.0.1:{free_port()}/0", send_msg_timeout=0.5)
+    with pytest.raises(BrokerUnavailableError, match="did not answer"):
+        p.create_topic("orders", queues=1)
+
+
+def test_password_never_appears_in_errors(redis_server) -> None:  # noqa: ANN001
+    from mqorder.embedded import free_port
+
+    p = Producer(f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0", send_msg_timeout=0.5)
+    with pytest.raises(BrokerUnavailableError) as exc:
+        p.create_topic("orders", queues=1)
+    assert "s3cret-pw" not in str(exc.value) and "***" in str(exc.value)
+
+
+def test_send_wakes_the_owner_once_per_idle_queue(producer: Producer, r: redis.Redis) -> None:
+    mq = MessageQueue("orders", "broker-a", zlib.crc32(b"k") % 8)
+    producer.topics.subscribe("g", "orders", MessageModel.CLUSTERING)
+    sec, _ = r.time()
+    r.hset(keys.sub_state(mq.tag, "g"), mapping={"owner": "w1", "lease": (sec + 60) * 1000})
+    ps = r.pubsub(ignore_subscribe_messages=True)
+    ps.subscribe(keys.wake_channel("w1"))
+    producer._subs.clear()
+    for _ in range(5):
+        producer.send_orderly("orders", b"x", sharding_key="k")
+    wakes = []
+    deadline = time.monotonic() + 0.5
+    while time.monotonic() < deadline:
+        m = ps.get_message(timeout=0.1)
+        if m is not None:
+            wakes.append(m)
+    assert len(wakes) == 1  # one pending ConsumeRequest per queue, not one per message
+    sub, mq_key, token = wakes[0]["data"].decode().split("\x1f")
+    assert (sub, mq_key) == ("g", mq.key)
+    assert r.hget(keys.sub_state(mq.tag, "g"), "pending").decode() == token

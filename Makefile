@@ -18,20 +18,20 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 test: $(STAMP)
-	$(BIN)/ruff check mqorder workers tasks config tests bench
+	$(BIN)/ruff check mqorder workers tasks config tests bench chaos
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
 	$(BIN)/mqorder demo
 
 chaos: $(STAMP)
-	$(BIN)/python -m bench.chaos
+	$(BIN)/python -m chaos
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run
 
 lint: $(STAMP)
-	$(BIN)/ruff check mqorder workers tasks config tests bench
+	$(BIN)/ruff check mqorder workers tasks config tests bench chaos
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

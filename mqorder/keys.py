@@ -17,6 +17,8 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:client:<client>                         HASH  client info (groups JSON, pid, host, started)
     mqorder:assign:<sub>                            HASH  queue key -> assigned client (a read hint)
     mqorder:rebalance:mutex                         STR   serialises concurrent rebalances
+    mqorder:rebalance:last                          STR   ms of the last rebalance (stale -> workers run one)
+    mqorder:rebalance:seen:<crc>                    STR   one worker reacts to a membership change
     mqorder:wake:<client>                           CHAN  pub/sub: "a queue of yours has new messages"
     mqorder:stats:<sub>                             HASH  per-queue consume counters
     mqorder:{t:b:q}:log                             STREAM message log, entry id "<offset>-1"
@@ -74,6 +76,16 @@ def assignment(sub: str) -> str:
 
 def rebalance_mutex() -> str:
     return f"{PREFIX}:rebalance:mutex"
+
+
+def rebalance_last() -> str:
+    """Wall-clock ms of the last completed rebalance (workers rebalance themselves if it is old)."""
+    return f"{PREFIX}:rebalance:last"
+
+
+def rebalance_seen(fingerprint_crc: int) -> str:
+    """Set once per membership change so that only one worker reacts to it."""
+    return f"{PREFIX}:rebalance:seen:{fingerprint_crc:08x}"
 
 
 def wake_channel(client_id: str) -> str:

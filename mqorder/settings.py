@@ -43,10 +43,10 @@ class Settings(BaseSettings):
     client_lock_expire: float = Field(30.0, gt=0, le=3600)  # REBALANCE_LOCK_MAX_LIVE_TIME
     rebalance_interval: float = Field(20.0, gt=0, le=3600)
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
-    heartbeat_timeout: float = Field(5.0, gt=0, le=600)
+    heartbeat_timeout: float = Field(3.0, gt=0, le=600)
     sweep_interval: float = Field(2.0, gt=0, le=600)
     #: How long a dispatched but not yet started ConsumeRequest may wait before the sweep replaces it.
-    pending_ttl: float = Field(30.0, gt=0, le=3600)
+    pending_ttl: float = Field(10.0, gt=0, le=3600)
     #: How long a running ConsumeRequest's claim lives without a fenced call renewing it.
     run_lease: float = Field(60.0, gt=0, le=3600)
 

@@ -309,9 +309,7 @@ def test_strategy_from_settings_passes_strategy_options() -> None:
     by_room = strategy_from_settings(
         load_settings(allocate_strategy="by_machine_room", allocate_machine_rooms=["room2"])
     )
-    assert {mq.broker_name for mq in by_room.allocate(GROUP, "cid-00", room_queues(), clients(1))} == {
-        "room2@broker-b"
-    }
+    assert {mq.broker_name for mq in by_room.allocate(GROUP, "cid-00", room_queues(), clients(1))} == {"room2@broker-b"}
     ch = strategy_from_settings(load_settings(allocate_strategy="consistent_hash", consistent_hash_virtual_nodes=3))
     assert ch.virtual_nodes == 3
 

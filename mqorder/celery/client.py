@@ -39,7 +39,6 @@ log = logging.getLogger(__name__)
 
 #: If no rebalance ran for this many rebalance intervals (beat down), a worker runs one itself.
 REBALANCE_STALE_FACTOR = 2.0
-LAST_REBALANCE_KEY = f"{keys.PREFIX}:rebalance:last"
 
 
 class WorkerClient:
@@ -132,7 +131,6 @@ class WorkerClient:
 
     def _rebalance_now(self) -> None:
         report = self.service.rebalance()
-        self.brokers.meta.set(LAST_REBALANCE_KEY, int(time.time() * 1000))
         self._dispatch_all(report.dispatches or [])
         log.info(
             "mqorder: rebalance by %s: %d clients, %d dead, %d queues assigned, %d moved, %d busy, %.1f ms",
@@ -177,14 +175,14 @@ class WorkerClient:
     def _watch_membership(self) -> None:
         fp = self.service.registry.membership_fingerprint()
         stale = False
-        last = self.brokers.meta.get(LAST_REBALANCE_KEY)
+        last = self.brokers.meta.get(keys.rebalance_last())
         if last is None or time.time() * 1000 - int(last) > REBALANCE_STALE_FACTOR * self.settings.ms(
             self.settings.rebalance_interval
         ):
             stale = True
         if fp != self._fingerprint or stale:
             # One worker per membership change does the work; the others see the key and skip.
-            marker = f"{keys.PREFIX}:rebalance:seen:{zlib.crc32(fp.encode()):08x}"
+            marker = keys.rebalance_seen(zlib.crc32(fp.encode()))
             if stale or self.brokers.meta.set(marker, self.client_id, nx=True, px=2000):
                 self._rebalance_now()
             self._fingerprint = fp

@@ -85,7 +85,11 @@ class ConsumerEngine:
     def process_queue(self, sub: str, mq: MessageQueue) -> ProcessQueue:
         pq = self.process_queue_table.get((sub, mq))
         if pq is None:
-            pq = ProcessQueue(self.settings.ms(self.settings.client_lock_expire))
+            s = self.settings
+            # Re-check the lock before a listener call once the last confirmation is older than half
+            # a heartbeat timeout (RocketMQ: 30 s): a holder resumed after a pause notices it was
+            # replaced before it calls the listener again, not 30 s later.
+            pq = ProcessQueue(s.ms(min(s.client_lock_expire, s.heartbeat_timeout / 2)))
             self.process_queue_table[(sub, mq)] = pq
         return pq
 
@@ -131,13 +135,17 @@ class ConsumerEngine:
 class ConsumeRequest:
     """One run over (subscription, queue), started with the dispatch ``token`` it was given."""
 
-    def __init__(self, engine: ConsumerEngine, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str) -> None:
+    def __init__(
+        self, engine: ConsumerEngine, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str = ""
+    ) -> None:
         s = engine.settings
         self.engine = engine
         self.spec = spec
         self.sub = sub
         self.mq = mq
         self.token = token
+        #: Unique per task execution (kept across in-process retries after a Redis outage).
+        self.runner = runner or new_token()
         self.client_id = engine.client_id
         broker = engine.brokers.get(mq.broker_name)
         self.redis = broker.client
@@ -183,7 +191,7 @@ class ConsumeRequest:
         """``begin.lua``: claim the run, verify/take the lock, first pull. None means "go on"."""
         res = self.scripts.begin(
             keys=[self.k_state, self.k_log, self.k_next, self.k_retries],
-            args=[self.client_id, self.token, self.run_lease_ms, self.lock_ms, self.pull_n],
+            args=[self.client_id, self.token, self.run_lease_ms, self.lock_ms, self.pull_n, self.runner],
         )
         verb = _s(res[0])
         if verb in ("STALE", "BUSY"):

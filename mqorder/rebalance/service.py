@@ -88,7 +88,9 @@ class RebalanceService:
                 return RebalanceReport([], [])
             time.sleep(0.02)
         try:
-            return self._rebalance()
+            report = self._rebalance()
+            meta.set(keys.rebalance_last(), int(time.time() * 1000))
+            return report
         finally:
             # Release only our own mutex (compare-and-delete).
             meta.eval(

@@ -6,12 +6,14 @@
 --
 -- KEYS[1] state HASH  KEYS[2] log STREAM  KEYS[3] next counter  KEYS[4] retries HASH
 -- ARGV[1] client id   ARGV[2] token   ARGV[3] run_lease_ms   ARGV[4] lock_lease_ms   ARGV[5] pull_n
+-- ARGV[6] runner id: unique per task execution; the same execution may re-enter its own live run
+--         (after a Redis outage interrupted it), a duplicate delivery of the task may not
 -- Returns {'OK', epoch, offset, next, entries, retries}
 --      or {'STALE'} (token superseded), {'BUSY'} (this token already running),
 --         {'NOT_LOCKED', owner, assignee}, {'REVOKED', assignee}
-local st = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'epoch', 'assignee', 'offset', 'pending', 'run')
+local st = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'epoch', 'assignee', 'offset', 'pending', 'run', 'runner')
 if st[6] ~= ARGV[2] then return {'STALE'} end
-if tonumber(st[7] or 0) > now then return {'BUSY'} end
+if tonumber(st[7] or 0) > now and st[8] ~= ARGV[6] then return {'BUSY'} end
 local client = ARGV[1]
 local owner, assignee = st[1] or '', st[4] or ''
 local epoch = tonumber(st[3] or 0)
@@ -27,7 +29,8 @@ if owner ~= client or tonumber(st[2] or 0) <= now then
 end
 if assignee ~= '' and assignee ~= client then return {'REVOKED', assignee} end
 local run_until = now + tonumber(ARGV[3])
-redis.call('HSET', KEYS[1], 'owner', client, 'lease', now + lock_ttl, 'run', run_until, 'pend_until', run_until)
+redis.call('HSET', KEYS[1], 'owner', client, 'lease', now + lock_ttl, 'run', run_until, 'pend_until', run_until,
+  'runner', ARGV[6])
 local offset = tonumber(st[5] or 0)
 local nxt = tonumber(redis.call('GET', KEYS[3]) or 0)
 local entries = {}

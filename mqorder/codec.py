@@ -107,13 +107,32 @@ def encode_header(
     p = _check_props(properties)
     if p:
         header["p"] = p
-    raw = _dumps(header).encode("utf-8")
+    try:
+        raw = _dumps(header).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise MessageError(f"keys, tags or properties hold text that is not valid UTF-8 ({exc.reason})") from None
     if len(raw) > MAX_HEADER_SIZE:
         raise MessageTooLargeError(
             f"keys, tags and properties take {len(raw):,} bytes, over {MAX_HEADER_SIZE:,}; "
             "put large data in the body"
         )
     return raw
+
+
+def _header_type_error(msg: MessageExt) -> str | None:
+    """Why a JSON-valid header still cannot be handed to a listener, or None if it can."""
+    if not isinstance(msg.msg_id, str):
+        return "header field 'i' (msg id) is not a string"
+    if not isinstance(msg.keys, list) or not all(isinstance(k, str) for k in msg.keys):
+        return "header field 'k' (keys) is not a list of strings"
+    if msg.tags is not None and not isinstance(msg.tags, str):
+        return "header field 't' (tags) is not a string"
+    props = msg.properties
+    if not isinstance(props, dict) or not all(isinstance(v, str) for v in props.values()):
+        return "header field 'p' (properties) is not an object of strings"
+    if isinstance(msg.born_timestamp, bool) or not isinstance(msg.born_timestamp, int):
+        return "header field 'b' (born timestamp) is not an integer"
+    return None
 
 
 def decode_entries(
@@ -148,8 +167,8 @@ def decode_entries(
                 msg.decode_error = (
                     f"stored body is {len(body):,} bytes, over max_message_size {max_message_size:,}"
                 )
-            elif not isinstance(msg.msg_id, str) or not isinstance(msg.keys, list):
-                msg.decode_error = "header has wrong field types"
+            else:
+                msg.decode_error = _header_type_error(msg)
         except Exception as exc:  # noqa: BLE001 - any decode failure is a poison message
             msg.decode_error = f"undecodable entry: {type(exc).__name__}: {exc}"[:500]
         if rget is not None:

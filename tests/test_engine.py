@@ -238,3 +238,18 @@ def test_stale_or_duplicate_token_does_nothing(env) -> None:  # noqa: ANN001
     eng.brokers.default.client.hset(keys.sub_state(MQ.tag, "g"), "run", 2**50)
     assert ConsumeRequest(eng, spec, "g", MQ, "tok0").run().verb == "BUSY"
     assert called == []
+
+
+def test_message_with_unencodable_metadata_still_reaches_the_dlq(env) -> None:  # noqa: ANN001
+    p, eng = env
+    c = eng.brokers.default.client
+    # Valid JSON, wrong types, and a lone surrogate in a key: nothing about it can be re-encoded.
+    c.xadd(keys.queue_log(MQ.tag), {"h": b'{"i":"x","k":["\\ud800"],"p":{"a":1}}', "b": b"payload", "s": b"0"},
+           id="0-1")
+    c.incr(keys.queue_next(MQ.tag))
+    p.send_orderly("t", b"next", sharding_key="k")
+    seen = []
+    drain(eng, ListenerSpec(lambda msgs, ctx: seen.extend(m.body for m in msgs) or S.SUCCESS, "t", "g"))
+    assert seen == [b"next"]
+    (dead,) = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
+    assert dead.body == b"payload" and dead.properties["ORIGIN_QUEUE_OFFSET"] == "0"

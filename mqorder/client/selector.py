@@ -22,7 +22,10 @@ def key_bytes(sharding_key: object) -> bytes:
     if isinstance(sharding_key, bool):
         raise MessageError("sharding_key must be a str, bytes or int, not bool")
     if isinstance(sharding_key, str):
-        return sharding_key.encode("utf-8")
+        try:
+            return sharding_key.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise MessageError(f"sharding_key is not valid UTF-8 text ({exc.reason})") from None
     if isinstance(sharding_key, bytes):
         return sharding_key
     if isinstance(sharding_key, int):

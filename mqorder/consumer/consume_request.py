@@ -13,6 +13,7 @@ The run returns an ``Outcome``; the Celery task turns it into ``apply_async`` to
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 import uuid
@@ -25,6 +26,7 @@ from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.hooks import ConsumeMessageContext, global_hooks, run_after, run_before
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.stats import ConsumerStatsManager
+from mqorder.errors import MessageError
 from mqorder.model import ConsumeOrderlyStatus, MessageExt, MessageQueue
 from mqorder.process_queue import ProcessQueue
 from mqorder.settings import Settings
@@ -99,7 +101,10 @@ class ConsumerEngine:
         if topic not in self._dlq_ready:
             self.topics.ensure_dlq_topic(group)
             self._dlq_ready.add(topic)
-        props = dict(msg.properties) if isinstance(msg.properties, dict) else {}
+        # The original may be the very message that failed to decode: copy only what is valid.
+        props = {}
+        if isinstance(msg.properties, dict):
+            props = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in msg.properties.items()}
         props.update(
             {
                 "ORIGIN_TOPIC": msg.topic,
@@ -115,7 +120,17 @@ class ConsumerEngine:
         )
         keys_ = msg.keys if isinstance(msg.keys, list) and all(isinstance(k, str) for k in msg.keys) else []
         tags = msg.tags if isinstance(msg.tags, str) else None
-        header = encode_header(f"DLQ-{msg.msg_id or msg.queue_offset}", keys_, tags, props)
+        dlq_id = f"DLQ-{msg.msg_id if isinstance(msg.msg_id, str) else ''}-{msg.queue_offset}"
+        try:
+            header = encode_header(dlq_id, keys_, tags, props)
+        except MessageError:
+            # Even a message whose metadata cannot be re-encoded must reach the DLQ: keep the body
+            # and where it came from, drop the unencodable metadata.
+            keep = {k: props[k] for k in props if k.startswith(("ORIGIN_", "DLQ_", "RECONSUME"))}
+            keep["ORIGIN_METADATA_DROPPED"] = "1"
+            keep["DLQ_REASON"] = keep["DLQ_REASON"].encode("utf-8", "replace").decode("utf-8")
+            keep["ORIGIN_MSG_ID"] = keep["ORIGIN_MSG_ID"].encode("utf-8", "replace").decode("utf-8")
+            header = encode_header(dlq_id.encode("utf-8", "replace").decode("utf-8"), [], None, keep)
         mq = MessageQueue(topic, self.brokers.default_name, 0)
         body = msg.body if isinstance(msg.body, bytes) else b""
         broker = self.brokers.get(mq.broker_name)

@@ -46,6 +46,7 @@ class RedisServer:
         appendfsync: str = "everysec",
         password: str | None = None,
         workdir: str | None = None,
+        tls: bool = False,
     ) -> None:
         self.port = port or free_port()
         self.appendonly = appendonly
@@ -53,12 +54,27 @@ class RedisServer:
         self.password = password
         self._own_dir = workdir is None
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="mqorder-redis-"))
+        self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_cert_reqs=required&ssl_ca_certs={self.dir / 'ca.crt'}"
         return f"redis://{auth}127.0.0.1:{self.port}/0"
+
+    def _make_certs(self) -> None:
+        """A self-signed CA and a server certificate for 127.0.0.1 (openssl, for TLS tests)."""
+        d = str(self.dir)
+        run = lambda *a: subprocess.run(a, cwd=d, check=True, capture_output=True)  # noqa: E731
+        run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=mqorder-test-ca",
+            "-keyout", "ca.key", "-out", "ca.crt")
+        run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1", "-keyout", "server.key",
+            "-out", "server.csr")
+        (self.dir / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+        run("openssl", "x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+            "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
 
     def start(self, timeout: float = 10.0) -> RedisServer:
         args = [
@@ -75,8 +91,18 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.tls:
+            if not (self.dir / "server.crt").exists():
+                self._make_certs()
+            i = args.index("--port")
+            args[i + 1] = "0"
+            args += [
+                "--tls-port", str(self.port), "--tls-cert-file", str(self.dir / "server.crt"),
+                "--tls-key-file", str(self.dir / "server.key"), "--tls-ca-cert-file", str(self.dir / "ca.crt"),
+                "--tls-auth-clients", "no",
+            ]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        client = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=1)
+        client = redis.Redis.from_url(self.url, socket_timeout=1)
         deadline = time.monotonic() + timeout
         while True:
             try:

@@ -1,0 +1,409 @@
+"""Shared plumbing of the benchmark sections: servers, workers, statistics, polling, RSS.
+
+Every process a section starts is registered on a ``contextlib.ExitStack`` the section owns, so
+it is stopped on success, on error and on Ctrl-C alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from mqorder import keys
+from mqorder.embedded import RedisServer
+from mqorder.launcher import WorkerProcess, project_env
+from mqorder.model import MessageQueue
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH_DIR = ROOT / "bench"
+#: Worker logs and raw per-run data (git-ignored).
+RUNS_DIR = BENCH_DIR / "runs"
+HOST = os.uname().nodename
+
+
+# -- configuration of one invocation ------------------------------------------------------------------
+
+
+@dataclass
+class Config:
+    quick: bool = False
+    runs: int = 3
+    logdir: Path = RUNS_DIR
+    #: Filled by the mqorder drain section, read by latency/memory/growth/failover.
+    best_concurrency: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def n(self, full: int, quick: int) -> int:
+        return quick if self.quick else full
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[bench {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+# -- statistics ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    median: float
+    lo: float
+    hi: float
+    n: int
+    values: list[float]
+
+    def fmt(self, digits: int = 0, unit: str = "") -> str:
+        f = f"{{:,.{digits}f}}"
+        u = f" {unit}" if unit else ""
+        if self.n == 1:
+            return f"{f.format(self.median)}{u} (1 run)"
+        return f"{f.format(self.median)}{u} ({f.format(self.lo)}–{f.format(self.hi)}, {self.n} runs)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"median": self.median, "min": self.lo, "max": self.hi, "n": self.n, "values": self.values}
+
+
+def summarize(values: Iterable[float]) -> Summary:
+    v = [float(x) for x in values]
+    if not v:
+        return Summary(float("nan"), float("nan"), float("nan"), 0, [])
+    return Summary(statistics.median(v), min(v), max(v), len(v), v)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (q in 0..100) of an unsorted sequence."""
+    if not values:
+        return float("nan")
+    s = sorted(values)
+    k = max(0, min(len(s) - 1, int(round(q / 100 * len(s) + 0.5)) - 1))
+    return s[k]
+
+
+# -- processes ------------------------------------------------------------------------------------------
+
+
+def redis_server(stack: contextlib.ExitStack) -> RedisServer:
+    """A fresh ``redis-server`` on a free loopback port, stopped when ``stack`` closes."""
+    srv = RedisServer().start()
+    stack.callback(srv.stop)
+    return srv
+
+
+def client(url: str) -> redis.Redis:
+    return redis.Redis.from_url(url, socket_timeout=30)
+
+
+def mq_env(url: str, *, topic: str, group: str, mode: str = "noop", lanes: int = 1, **extra: str) -> dict[str, str]:
+    """Environment of a stock mqorder worker running the bench listeners."""
+    env = project_env(
+        url,
+        MQORDER_LISTENERS="bench.listeners",
+        BENCH_TOPIC=topic,
+        BENCH_GROUP=group,
+        BENCH_MODE=mode,
+        BENCH_LANES=str(lanes),
+    )
+    env.update(extra)
+    return env
+
+
+def start_mq_workers(
+    stack: contextlib.ExitStack,
+    url: str,
+    names: Sequence[str],
+    env: dict[str, str],
+    concurrency: int,
+    logdir: Path,
+    timeout: float = 90.0,
+) -> list[WorkerProcess]:
+    """Start stock workers (``celery -A workers.app worker``) and wait until they registered."""
+    logdir.mkdir(parents=True, exist_ok=True)
+    ws = []
+    for name in names:
+        w = WorkerProcess(name, env=env, concurrency=concurrency, logfile=logdir / f"{name}.log", cwd=ROOT)
+        w.start()
+        stack.callback(w.stop, 30)
+        ws.append(w)
+    c = client(url)
+    try:
+        for w in ws:
+            w.wait_registered(c, timeout=timeout)
+    finally:
+        c.close()
+    return ws
+
+
+class CeleryWorker:
+    """A plain ``python -m celery -A <app> worker`` subprocess (the Celery baselines)."""
+
+    def __init__(self, app: str, name: str, env: dict[str, str], *, concurrency: int, queues: str,
+                 logfile: Path, pool: str = "prefork") -> None:
+        self.hostname = f"{name}@{HOST}"
+        self.args = [
+            sys.executable, "-m", "celery", "-A", app, "worker", "-n", f"{name}@%h", "-P", pool,
+            "-c", str(concurrency), "-Q", queues, "--loglevel", "WARNING", "--without-mingle",
+            "--without-gossip",
+        ]
+        self.env = env
+        self.logfile = logfile
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> CeleryWorker:
+        self.logfile.parent.mkdir(parents=True, exist_ok=True)
+        out = open(self.logfile, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = subprocess.Popen(self.args, env=self.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        finally:
+            out.close()
+        return self
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, 9)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+def baseline_env(url: str, **extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
+    env["BENCH_BROKER_URL"] = url
+    env.update(extra)
+    return env
+
+
+def wait_celery_ready(app: Any, hostnames: Sequence[str], timeout: float = 90.0) -> None:
+    """Block until every named Celery worker answers a ``ping`` control command."""
+    deadline = time.monotonic() + timeout
+    want = set(hostnames)
+    while time.monotonic() < deadline:
+        replies = app.control.ping(destination=list(want), timeout=0.5) or []
+        for r in replies:
+            want -= set(r)
+        if not want:
+            return
+    raise TimeoutError(f"celery workers {sorted(want)} did not answer a ping within {timeout}s")
+
+
+# -- mqorder helpers ------------------------------------------------------------------------------------
+
+
+def ctl_app(url: str) -> Any:
+    """A Celery app publishing to the workers' broker (to dispatch ConsumeRequests from here)."""
+    from celery import Celery
+
+    app = Celery("bench-ctl", broker=url, set_as_current=False)
+    app.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json",
+                    task_ignore_result=True, broker_connection_retry_on_startup=True)
+    return app
+
+
+def kick(url: str, app: Any) -> int:
+    """Run one rebalance from here and dispatch what it asks for: "start consuming now".
+
+    Used after a backlog was written to a topic the (already running, idle) workers subscribe to
+    but which did not exist when they joined, so nothing was assigned yet.
+    """
+    from mqorder.celery.client import LAST_REBALANCE_KEY
+    from mqorder.celery.dispatch import dispatch
+    from mqorder.rebalance.service import RebalanceService
+    from mqorder.settings import load_settings
+    from mqorder.store.brokers import BrokerRegistry
+
+    brokers = BrokerRegistry(url)
+    try:
+        svc = RebalanceService(brokers, load_settings(redis_url=url))
+        report = svc.rebalance()
+        brokers.meta.set(LAST_REBALANCE_KEY, int(time.time() * 1000))
+        for d in report.dispatches or []:
+            dispatch(app, d.sub, d.mq.key, d.token, d.client)
+        return len(report.dispatches or [])
+    finally:
+        brokers.close()
+
+
+def queues_of(topic: str, n: int, broker: str = "broker-a") -> list[MessageQueue]:
+    return [MessageQueue(topic, broker, i) for i in range(n)]
+
+
+def total_lag(r: redis.Redis, group: str, mqs: Sequence[MessageQueue]) -> int:
+    """Sum over queues of (next offset - consume offset): ``MessageLog.lag`` in one pipeline."""
+    pipe = r.pipeline(transaction=False)
+    for mq in mqs:
+        pipe.get(keys.queue_next(mq.tag))
+        pipe.hget(keys.sub_state(mq.tag, group), "offset")
+    res = pipe.execute()
+    return sum(int(res[i] or 0) - int(res[i + 1] or 0) for i in range(0, len(res), 2))
+
+
+def wait_lag_zero(r: redis.Redis, group: str, mqs: Sequence[MessageQueue], timeout: float,
+                  interval: float = 0.02, on_poll: Callable[[], None] | None = None,
+                  alive: Callable[[], bool] | None = None) -> float:
+    """Poll until the group's total lag is 0; returns ``time.perf_counter()`` at that moment."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if total_lag(r, group, mqs) == 0:
+            return time.perf_counter()
+        if on_poll is not None:
+            on_poll()
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"group {group}: lag still {total_lag(r, group, mqs)} after {timeout}s")
+        if alive is not None and not alive():
+            raise RuntimeError(f"a worker died while group {group} was draining")
+        time.sleep(interval)
+
+
+def orderly_items(n: int, n_keys: int, body: Callable[[int, int], bytes] | None = None,
+                  start: int = 0) -> list[tuple[str, bytes]]:
+    """``n`` (key, body) pairs over ``n_keys`` keys, interleaved: step 1 of every key, then step 2..."""
+    out = []
+    for i in range(start, start + n):
+        k, s = i % n_keys, i // n_keys
+        out.append((f"key-{k}", body(k, s) if body else b'{"k":%d,"s":%d}' % (k, s)))
+    return out
+
+
+def produce_backlog(url: str, topic: str, queues: int, n: int, n_keys: int, chunk: int = 10_000) -> float:
+    """Create ``topic`` and write ``n`` messages with ``send_orderly_batch``; returns seconds taken."""
+    from mqorder import Producer
+
+    p = Producer(url)
+    try:
+        p.create_topic(topic, queues=queues)
+        t0 = time.perf_counter()
+        for c in range(0, n, chunk):
+            p.send_orderly_batch(topic, orderly_items(min(chunk, n - c), n_keys, start=c))
+        return time.perf_counter() - t0
+    finally:
+        p.close()
+
+
+def commandstats(r: redis.Redis) -> dict[str, int]:
+    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
+
+
+def celery_task_totals(app: Any, hostnames: Sequence[str]) -> dict[str, int]:
+    """Tasks executed per name, summed over the given workers (``inspect stats`` → ``total``)."""
+    out: dict[str, int] = {}
+    try:
+        stats = app.control.inspect(destination=list(hostnames), timeout=2.0).stats() or {}
+    except Exception as exc:  # noqa: BLE001 - a statistic, not a result
+        log(f"inspect stats failed: {exc}")
+        return out
+    for s in stats.values():
+        for name, n in (s.get("total") or {}).items():
+            out[name] = out.get(name, 0) + int(n)
+    return out
+
+
+# -- memory ------------------------------------------------------------------------------------------
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{tid}/children") as f:
+                out.extend(int(x) for x in f.read().split())
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        pass
+    return out
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+    return 0
+
+
+def tree_rss_kib(pid: int) -> tuple[int, int]:
+    """(summed VmRSS in KiB of ``pid`` and all its descendants, number of processes)."""
+    todo, seen, total = [pid], set(), 0
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        total += rss_kib(p)
+        todo.extend(_children(p))
+    return total, len(seen)
+
+
+# -- machine facts ----------------------------------------------------------------------------------
+
+
+def machine_facts() -> dict[str, str]:
+    def _run(args: list[str]) -> str:
+        try:
+            return subprocess.run(args, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return "?"
+
+    cpu = "?"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    mem = "?"
+    with contextlib.suppress(OSError, ValueError, IndexError):
+        kb = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
+        mem = f"{kb / 1024 / 1024:.1f} GiB"
+    from importlib.metadata import version
+
+    def _v(pkg: str) -> str:
+        try:
+            return version(pkg)
+        except Exception:  # noqa: BLE001
+            return "?"
+
+    load = "?"
+    with contextlib.suppress(OSError):
+        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "nproc": _run(["nproc"]),
+        "cpu": cpu,
+        "memory": mem,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+        "redis-server": _run(["redis-server", "--version"]),
+        "packages": ", ".join(f"{p} {_v(p)}" for p in ("celery", "kombu", "redis", "hiredis")),
+        "loadavg at start": load,
+    }
+
+
+def dump_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, default=str))

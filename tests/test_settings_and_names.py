@@ -1,0 +1,137 @@
+"""Settings and names: every invalid value gets a clear error naming what to fix."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mqorder import orderly_listener
+from mqorder.errors import ConfigError, InvalidNameError, ListenerError
+from mqorder.keys import NAME_RE
+from mqorder.names import check_client_id, check_name, check_topic
+from mqorder.settings import load_settings
+from mqorder.store.brokers import redact_url
+from tests.conftest import ROOT
+
+
+def test_defaults_are_rocketmqs() -> None:
+    s = load_settings(redis_url="redis://127.0.0.1:1/0")
+    assert (s.lock_max_live_time, s.lock_interval, s.client_lock_expire) == (60, 20, 30)
+    assert (s.suspend_current_queue_time_millis, s.max_time_consume_continuously) == (1000, 60)
+    assert (s.consume_message_batch_max_size, s.pull_batch_size, s.max_reconsume_times) == (1, 32, 16)
+    assert (s.pull_threshold_for_queue, s.max_message_size) == (1000, 4 * 1024 * 1024)
+    assert (s.send_msg_timeout, s.retry_times_when_send_failed) == (3, 2)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("pull_batch_size", 0, "MQORDER_PULL_BATCH_SIZE"),
+        ("max_reconsume_times", -2, "MQORDER_MAX_RECONSUME_TIMES"),
+        ("lock_max_live_time", 0, "MQORDER_LOCK_MAX_LIVE_TIME"),
+        ("redis_url", "http://x", "redis://"),
+        ("redis_url", "", "MQORDER_REDIS_URL"),
+        ("allocate_strategy", "random", "choose one of"),
+        ("suspend_current_queue_time_millis", 5, "MQORDER_SUSPEND_CURRENT_QUEUE_TIME_MILLIS"),
+        ("heartbeat_timeout", 0.5, "longer than heartbeat_interval"),
+        ("lock_interval", 90, "shorter than lock_max_live_time"),
+        ("brokers", {"b": "ftp://x"}, "MQORDER_BROKERS"),
+    ],
+)
+def test_bad_settings_name_the_variable_and_the_rule(field: str, value: object, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_settings(**{field: value})
+
+
+def test_bad_environment_variable_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MQORDER_PULL_BATCH_SIZE", "lots")
+    with pytest.raises(ConfigError, match="MQORDER_PULL_BATCH_SIZE"):
+        load_settings()
+
+
+def test_bad_url_errors_never_echo_the_password() -> None:
+    with pytest.raises(ConfigError) as exc:
+        load_settings(redis_url="http://user:hunter2@host:1/0")
+    assert "hunter2" not in str(exc.value)
+
+
+@given(st.integers(min_value=-10**6, max_value=10**6))
+def test_any_integer_pull_batch_size_is_accepted_or_clearly_refused(n: int) -> None:
+    try:
+        s = load_settings(redis_url="redis://h:1/0", pull_batch_size=n)
+    except ConfigError as exc:
+        assert "MQORDER_PULL_BATCH_SIZE" in str(exc)
+        assert not 1 <= n <= 1024
+    else:
+        assert s.pull_batch_size == n and 1 <= n <= 1024
+
+
+@given(st.text(max_size=200))
+def test_names_are_accepted_iff_they_match_the_documented_charset(name: str) -> None:
+    ok = bool(NAME_RE.match(name)) and "%BC%" not in name
+    try:
+        check_name("group", name)
+    except InvalidNameError as exc:
+        assert not ok
+        assert "group" in str(exc)
+    else:
+        assert ok
+
+
+@given(st.one_of(st.integers(), st.none(), st.binary(), st.lists(st.text())))
+def test_non_string_names_are_refused(value: object) -> None:
+    with pytest.raises(InvalidNameError, match="must be a str"):
+        check_name("topic", value)
+
+
+def test_dlq_prefix_is_reserved_for_dead_letter_topics() -> None:
+    with pytest.raises(InvalidNameError, match="reserved"):
+        check_topic("%DLQ%billing")
+    assert check_topic("%DLQ%billing", allow_dlq=True) == "%DLQ%billing"
+
+
+@given(st.text(max_size=300))
+def test_client_ids_refuse_whitespace_and_braces(cid: str) -> None:
+    bad = not cid or len(cid) > 255 or any(c.isspace() or c in "{}\x00" for c in cid)
+    if bad:
+        with pytest.raises(InvalidNameError):
+            check_client_id(cid)
+    else:
+        try:
+            assert check_client_id(cid) == cid
+        except InvalidNameError:
+            # The regex's \s is narrower than str.isspace for a few code points; refusal is safe.
+            assert any(not c.isprintable() for c in cid)
+
+
+@given(st.text(alphabet=st.characters(blacklist_characters="@/:"), min_size=1, max_size=30))
+def test_redact_url_hides_any_password(pw: str) -> None:
+    from urllib.parse import quote
+
+    url = f"redis://user:{quote(pw, safe='')}@host:6379/0"
+    out = redact_url(url)
+    assert out == "redis://user:***@host:6379/0"
+
+
+def test_listener_registration_refuses_bad_arguments() -> None:
+    with pytest.raises(ListenerError, match="two arguments"):
+        orderly_listener(topic="t", group="g-bad-sig")(lambda msgs: None)
+    with pytest.raises(ListenerError, match="consume_message_batch_max_size"):
+        orderly_listener(topic="t", group="g", consume_message_batch_max_size=0)
+    with pytest.raises(ListenerError, match="BROADCASTING"):
+        orderly_listener(topic="t", group="g", message_model="fanout")
+    with pytest.raises(InvalidNameError):
+        orderly_listener(topic="bad topic", group="g")
+
+
+def test_cli_config_reports_bad_settings_and_exits_2() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "mqorder.cli", "config"], cwd=ROOT, capture_output=True, text=True,
+        env={"PATH": "/usr/bin:/bin", "MQORDER_PULL_BATCH_SIZE": "0", "PYTHONPATH": str(ROOT)},
+    )
+    assert proc.returncode == 2
+    assert "MQORDER_PULL_BATCH_SIZE" in proc.stdout + proc.stderr

@@ -230,7 +230,6 @@ def kick(url: str, app: Any) -> int:
     Used after a backlog was written to a topic the (already running, idle) workers subscribe to
     but which did not exist when they joined, so nothing was assigned yet.
     """
-    from mqorder.celery.client import LAST_REBALANCE_KEY
     from mqorder.celery.dispatch import dispatch
     from mqorder.rebalance.service import RebalanceService
     from mqorder.settings import load_settings
@@ -239,8 +238,7 @@ def kick(url: str, app: Any) -> int:
     brokers = BrokerRegistry(url)
     try:
         svc = RebalanceService(brokers, load_settings(redis_url=url))
-        report = svc.rebalance()
-        brokers.meta.set(LAST_REBALANCE_KEY, int(time.time() * 1000))
+        report = svc.rebalance()  # also records keys.rebalance_last(), so no worker re-runs it
         for d in report.dispatches or []:
             dispatch(app, d.sub, d.mq.key, d.token, d.client)
         return len(report.dispatches or [])

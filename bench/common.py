@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -128,6 +129,7 @@ def start_mq_workers(
     concurrency: int,
     logdir: Path,
     timeout: float = 90.0,
+    settle: float = 2.5,
 ) -> list[WorkerProcess]:
     """Start stock workers (``celery -A workers.app worker``) and wait until they registered."""
     logdir.mkdir(parents=True, exist_ok=True)
@@ -143,6 +145,9 @@ def start_mq_workers(
             w.wait_registered(c, timeout=timeout)
     finally:
         c.close()
+    # Every worker reacts to the others' joins at its next heartbeat (a rebalance); let that pass
+    # so it cannot happen in the middle of a measurement.
+    time.sleep(settle)
     return ws
 
 
@@ -261,7 +266,7 @@ def total_lag(r: redis.Redis, group: str, mqs: Sequence[MessageQueue]) -> int:
 
 
 def wait_lag_zero(r: redis.Redis, group: str, mqs: Sequence[MessageQueue], timeout: float,
-                  interval: float = 0.02, on_poll: Callable[[], None] | None = None,
+                  interval: float = 0.01, on_poll: Callable[[], None] | None = None,
                   alive: Callable[[], bool] | None = None) -> float:
     """Poll until the group's total lag is 0; returns ``time.perf_counter()`` at that moment."""
     deadline = time.monotonic() + timeout
@@ -277,14 +282,27 @@ def wait_lag_zero(r: redis.Redis, group: str, mqs: Sequence[MessageQueue], timeo
         time.sleep(interval)
 
 
-def orderly_items(n: int, n_keys: int, body: Callable[[int, int], bytes] | None = None,
-                  start: int = 0) -> list[tuple[str, bytes]]:
-    """``n`` (key, body) pairs over ``n_keys`` keys, interleaved: step 1 of every key, then step 2..."""
-    out = []
-    for i in range(start, start + n):
-        k, s = i % n_keys, i // n_keys
-        out.append((f"key-{k}", body(k, s) if body else b'{"k":%d,"s":%d}' % (k, s)))
-    return out
+class Workload:
+    """Messages over ``n_keys`` keys: each message picks a key at random (seeded, the same in every
+    run and every system), and carries that key's next sequence number (1, 2, 3...)."""
+
+    def __init__(self, n_keys: int, seed: int = 42) -> None:
+        self.n_keys = n_keys
+        self.rng = random.Random(seed)
+        self.seq = [0] * n_keys
+
+    def next(self) -> tuple[int, int]:
+        k = self.rng.randrange(self.n_keys)
+        self.seq[k] += 1
+        return k, self.seq[k]
+
+    def items(self, n: int) -> list[tuple[str, bytes]]:
+        """``n`` (sharding key, body) pairs for ``send_orderly_batch``."""
+        out = []
+        for _ in range(n):
+            k, s = self.next()
+            out.append((f"key-{k}", b'{"k":%d,"s":%d}' % (k, s)))
+        return out
 
 
 def produce_backlog(url: str, topic: str, queues: int, n: int, n_keys: int, chunk: int = 10_000) -> float:
@@ -292,11 +310,12 @@ def produce_backlog(url: str, topic: str, queues: int, n: int, n_keys: int, chun
     from mqorder import Producer
 
     p = Producer(url)
+    w = Workload(n_keys)
     try:
         p.create_topic(topic, queues=queues)
         t0 = time.perf_counter()
         for c in range(0, n, chunk):
-            p.send_orderly_batch(topic, orderly_items(min(chunk, n - c), n_keys, start=c))
+            p.send_orderly_batch(topic, w.items(min(chunk, n - c)))
         return time.perf_counter() - t0
     finally:
         p.close()

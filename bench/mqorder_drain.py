@@ -30,6 +30,7 @@ from bench.common import (
     queues_of,
     redis_server,
     start_mq_workers,
+    total_lag,
     wait_lag_zero,
 )
 from bench.listeners import lane_names
@@ -82,6 +83,10 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0) -> list[dict[
             mqs = queues_of(t, spec.queues)
             tasks_before = celery_task_totals(app, hostnames).get(CONSUME_TASK, 0)
             time.sleep(0.3)  # let the producer's CPU burst settle
+            before = total_lag(r, g, mqs)
+            if before != spec.messages:
+                raise RuntimeError(f"drain {spec.tag} run {run}: {spec.messages - before} messages were consumed "
+                                   "before the clock started (a rebalance ran early)")
             r.config_resetstat()
             t0 = time.perf_counter()
             kick(srv.url, app)

@@ -479,6 +479,10 @@ class Cluster:
     # -- teardown -------------------------------------------------------------------------------
 
     def stop(self) -> None:
+        self.stop_processes()
+        self.cleanup()
+
+    def stop_processes(self) -> None:
         if self.producer is not None:
             self.producer.stop_event.set()
             self.producer.join(10)
@@ -507,6 +511,8 @@ class Cluster:
                 srv.stop()
             except OSError:
                 pass
+
+    def cleanup(self) -> None:
         if self.keep_logs:
             log(f"{self.name}: logs kept in {self.tmp}")
         else:

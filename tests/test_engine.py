@@ -253,3 +253,18 @@ def test_message_with_unencodable_metadata_still_reaches_the_dlq(env) -> None:  
     assert seen == [b"next"]
     (dead,) = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
     assert dead.body == b"payload" and dead.properties["ORIGIN_QUEUE_OFFSET"] == "0"
+
+
+def test_oversized_stored_message_goes_to_dlq_with_reason(settings) -> None:  # noqa: ANN001
+    big = Producer(settings=settings)  # default 4 MiB limit: this producer may write 64 bytes
+    big.create_topic("t", queues=1)
+    big.send_orderly("t", b"x" * 64, sharding_key="k")
+    big.send_orderly("t", b"ok", sharding_key="k")
+    small = settings.model_copy(update={"max_message_size": 16})  # the consumer's limit is lower
+    eng = ConsumerEngine(small, "c1")
+    seen = []
+    drain(eng, ListenerSpec(lambda msgs, ctx: seen.extend(m.body for m in msgs) or S.SUCCESS, "t", "g"))
+    assert seen == [b"ok"]
+    (dead,) = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
+    assert dead.body == b"x" * 64
+    assert "over max_message_size 16" in dead.properties["DLQ_REASON"]

@@ -1,0 +1,527 @@
+"""The checker: reads the ledger (and the producer's acks, the fault log, state samples, worker
+logs and the DLQ) of one scenario and reports order violations, losses, duplicates, overlaps and
+failover times. It only reads; nothing here is tuned to make a run pass.
+
+Definitions (all per the chaos issue):
+
+* **order violation**: for a key, a successful handling of seq n+1 before seq n was ever handled
+  (which covers a gap: n+2 handled while n+1 never was); or, inside one ConsumeRequest run, an
+  offset handed out that is not above the previous one;
+* **lost**: an acknowledged send never handled successfully (poison: never reaching the DLQ);
+  with ``appendfsync everysec`` a loss within the last second of acknowledged sends before a
+  Redis kill is reported apart (``lost_fsync``), and so is the gap it leaves in its key;
+* **duplicate**: a successful handling of a (key, seq) already handled. A second stored copy of a
+  send that raised (``unknown``) is a *copy*; a redelivery of the same offset must start within
+  ``DUP_WINDOW`` s after the end of a fault and number at most one pull batch per queue per fault;
+* **overlap**: two listener calls on one queue from different processes at the same time. Allowed
+  only when their epochs differ and the stale (lower) epoch's commit was refused (the worker log
+  says ``commit refused ... epoch N is stale``);
+* **stale call**: a call that started after a newer epoch of its queue had already been used;
+  ``ctx.still_owner()`` must have said False in it, and its commit must have been refused;
+* **failover**: for each queue a killed worker owned, the time from the kill to the start of the
+  first listener call on that queue by another client.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from chaos.runner import Ack, Event
+
+#: A redelivery must start within this many seconds after the end of a fault to be "after" it.
+DUP_WINDOW = 30.0
+#: Everysec may lose the acknowledged sends of this last second before a Redis kill.
+FSYNC_WINDOW = 1.0
+#: Extra time allowed, beyond retries x suspend, for a poison message to stop blocking its queue.
+POISON_SLACK = 3.0
+#: A queue must not go this long without a listener call while beat is down.
+BEAT_OUTAGE_MAX_GAP = 5.0
+
+REFUSED_RE = re.compile(r"commit refused on (\S+):(\d+) for (\S+): epoch (\d+) is stale")
+REFUSED_ANY_RE = re.compile(r"commit refused on ")
+
+
+@dataclass(frozen=True)
+class Entry:
+    key: str
+    seq: int
+    queue: int
+    offset: int
+    epoch: int
+    client: str
+    pid: int
+    start: float
+    end: float
+    reconsume: int
+    ok: bool
+    owner: str
+    run: str
+
+    @property
+    def poison(self) -> bool:
+        return self.key.startswith("poison-")
+
+    @property
+    def proc(self) -> tuple[str, int]:
+        return (self.client, self.pid)
+
+
+def parse_ledger(lines: list[str]) -> list[Entry]:
+    out = []
+    for line in lines:
+        f = line.split("|")
+        out.append(Entry(
+            f[0], int(f[1]), int(f[2]), int(f[3]), int(f[4]), f[5], int(f[6]), int(f[7]) / 1e6, int(f[8]) / 1e6,
+            int(f[9]), f[10] == "S", f[11], f[12],
+        ))
+    return out
+
+
+@dataclass
+class RunData:
+    scenario: str
+    fsync: str
+    entries: list[Entry]
+    acks: list[Ack]
+    unknown: list[tuple[str, int, float, str]]
+    poison: list[tuple[int, int, int, float]]
+    dlq: list[dict[str, str]]
+    events: list[Event]
+    samples: list[tuple[float, int, str, int, int, int, int]]
+    worker_log: str
+    beat_logs: list[str]
+    drained: bool
+    batch: int
+    max_reconsume: int
+    suspend_s: float
+    #: Scenario-specific checks to enforce: "failover_target", "poison_bound", "beat".
+    enforce: set[str] = field(default_factory=set)
+    failover_target: float = 5.0
+
+
+@dataclass
+class Result:
+    scenario: str
+    fsync: str = ""
+    produced: int = 0
+    unknown_sends: int = 0
+    handled: int = 0
+    faults: int = 0
+    fault_kinds: dict[str, int] = field(default_factory=dict)
+    violations: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)
+    lost_fsync: list[str] = field(default_factory=list)
+    fsync_gaps: int = 0
+    duplicates: int = 0
+    dup_copies: int = 0
+    dup_redeliveries: int = 0
+    dup_unexplained: list[str] = field(default_factory=list)
+    dup_max_per_fault_queue: int = 0
+    dup_by_fault: dict[str, int] = field(default_factory=dict)
+    overlaps: int = 0
+    overlaps_allowed: int = 0
+    overlaps_forbidden: list[str] = field(default_factory=list)
+    stale_calls: int = 0
+    stale_saw_stale_epoch: int = 0
+    stale_commit_refused: int = 0
+    refused_log_lines: int = 0
+    failovers: list[float] = field(default_factory=list)
+    takeovers_after_sigstop: list[float] = field(default_factory=list)
+    no_failover: list[str] = field(default_factory=list)
+    epoch_double_owner: list[str] = field(default_factory=list)
+    offset_backward: list[str] = field(default_factory=list)
+    max_stall: float = 0.0
+    poison: list[dict[str, Any]] = field(default_factory=list)
+    beat: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    @staticmethod
+    def pct(values: list[float], p: float) -> float | None:
+        if not values:
+            return None
+        v = sorted(values)
+        return v[max(0, math.ceil(p / 100 * len(v)) - 1)]
+
+    @property
+    def failover_max(self) -> float | None:
+        return max(self.failovers) if self.failovers else None
+
+    @property
+    def failover_p99(self) -> float | None:
+        return self.pct(self.failovers, 99)
+
+    def summary(self) -> dict[str, Any]:
+        d = {k: v for k, v in self.__dict__.items()}
+        d["failover_max"] = self.failover_max
+        d["failover_p99"] = self.failover_p99
+        d["passed"] = self.passed
+        return d
+
+
+def _fault_events(events: list[Event]) -> list[Event]:
+    return [e for e in events if e.fault]
+
+
+def check(data: RunData) -> Result:
+    r = Result(data.scenario, data.fsync)
+    faults = _fault_events(data.events)
+    r.faults = len(faults)
+    kinds: dict[str, int] = defaultdict(int)
+    for e in faults:
+        kinds[e.kind] += 1
+    r.fault_kinds = dict(kinds)
+    r.produced = len(data.acks) + len(data.poison)
+    r.unknown_sends = len(data.unknown)
+    entries = sorted(data.entries, key=lambda e: (e.start, e.end))
+    regular = [e for e in entries if e.ok and not e.poison]
+    handled = {(e.key, e.seq) for e in regular}
+    r.handled = len(handled)
+
+    lost_fsync = _losses(data, handled, r)
+    _order(data, regular, lost_fsync, r)
+    _runs(entries, r)
+    _duplicates(data, regular, faults, r)
+    refused = _refused(data.worker_log, r)
+    _overlaps_and_stale(entries, refused, r)
+    _failover(data, entries, r)
+    _samples(data, r)
+    _stall(data, entries, r)
+    _poison(data, entries, r)
+    _beat(data, entries, r)
+    if not data.drained:
+        r.problems.append("the queues did not drain to lag 0 before the deadline")
+    return r
+
+
+# -- loss and order -------------------------------------------------------------------------------
+
+
+def _losses(data: RunData, handled: set[tuple[str, int]], r: Result) -> dict[str, set[int]]:
+    windows: list[tuple[float, float]] = []
+    if data.fsync == "everysec":
+        for e in data.events:
+            if e.kind == "redis-kill":
+                killed = e.info.get("killed_at", e.t)
+                before = [a.t for a in data.acks if a.t <= killed]
+                if before:
+                    windows.append((max(before) - FSYNC_WINDOW, max(before)))
+    lost_fsync: dict[str, set[int]] = defaultdict(set)
+    for a in data.acks:
+        if (a.key, a.seq) in handled:
+            continue
+        where = f"{a.key}#{a.seq} (queue {a.queue} offset {a.offset}, acked at {a.t:.3f})"
+        if any(lo <= a.t <= hi for lo, hi in windows):
+            r.lost_fsync.append(where)
+            lost_fsync[a.key].add(a.seq)
+        else:
+            r.lost.append(where)
+    if r.lost:
+        r.problems.append(f"{len(r.lost)} acknowledged message(s) lost, e.g. {r.lost[:3]}")
+    return lost_fsync
+
+
+def _order(data: RunData, regular: list[Entry], lost_fsync: dict[str, set[int]], r: Result) -> None:
+    hw: dict[str, int] = defaultdict(int)
+    for e in regular:
+        top = hw[e.key]
+        if e.seq <= top:
+            continue
+        if e.seq == top + 1:
+            hw[e.key] = e.seq
+            continue
+        missing = set(range(top + 1, e.seq))
+        if missing <= lost_fsync.get(e.key, set()):
+            r.fsync_gaps += 1
+            hw[e.key] = e.seq
+            continue
+        r.violations.append(
+            f"key {e.key}: seq {e.seq} handled (queue {e.queue} offset {e.offset} by {e.client}/{e.pid} "
+            f"epoch {e.epoch} at {e.start:.3f}) before seq {top + 1}"
+        )
+        hw[e.key] = e.seq
+
+
+def _runs(entries: list[Entry], r: Result) -> None:
+    """Inside one ConsumeRequest run, offsets go up and the epoch never changes."""
+    by_run: dict[str, list[Entry]] = defaultdict(list)
+    for e in entries:
+        if e.run != "-":
+            by_run[e.run].append(e)
+    for run, es in by_run.items():
+        calls = sorted({(e.start, e.offset, e.epoch, e.queue) for e in es})
+        for (_, o1, ep1, q1), (t2, o2, ep2, q2) in zip(calls, calls[1:], strict=False):
+            if o2 <= o1 or ep2 != ep1 or q2 != q1:
+                r.violations.append(
+                    f"run {run} on queue {q1}: offset {o2} (epoch {ep2}) handed out after offset {o1} "
+                    f"(epoch {ep1}) at {t2:.3f}"
+                )
+    if r.violations:
+        r.problems.append(f"{len(r.violations)} order violation(s), e.g. {r.violations[:3]}")
+
+
+# -- duplicates -----------------------------------------------------------------------------------
+
+
+def _duplicates(data: RunData, regular: list[Entry], faults: list[Event], r: Result) -> None:
+    unknown = {(k, s) for k, s, _, _ in data.unknown}
+    first: dict[tuple[str, int], Entry] = {}
+    per_fault_queue: dict[tuple[int, int], int] = defaultdict(int)
+    for e in regular:
+        k = (e.key, e.seq)
+        f = first.get(k)
+        if f is None:
+            first[k] = e
+            continue
+        r.duplicates += 1
+        if e.offset != f.offset:
+            if k in unknown:
+                r.dup_copies += 1
+            else:
+                r.dup_unexplained.append(f"{e.key}#{e.seq} stored twice (offsets {f.offset}, {e.offset}) "
+                                         "though no send of it raised")
+            continue
+        cause = None
+        for i, ev in enumerate(faults):
+            if ev.t <= e.start <= ev.end() + DUP_WINDOW and (cause is None or ev.t >= faults[cause].t):
+                cause = i
+        if cause is None:
+            r.dup_unexplained.append(f"{e.key}#{e.seq} (queue {e.queue} offset {e.offset}) redelivered at "
+                                     f"{e.start:.3f} by {e.client}, not after any fault")
+            continue
+        r.dup_redeliveries += 1
+        per_fault_queue[(cause, e.queue)] += 1
+    by_fault: dict[str, int] = defaultdict(int)
+    for (i, q), n in per_fault_queue.items():
+        by_fault[f"{faults[i].kind}@{i}"] += n
+        if n > data.batch:
+            r.problems.append(f"{n} redeliveries on queue {q} after {faults[i].kind} #{i} (more than one "
+                              f"batch of {data.batch})")
+    r.dup_by_fault = dict(by_fault)
+    r.dup_max_per_fault_queue = max(per_fault_queue.values(), default=0)
+    if r.dup_unexplained:
+        r.problems.append(f"{len(r.dup_unexplained)} duplicate(s) not explained by a fault, e.g. "
+                          f"{r.dup_unexplained[:3]}")
+
+
+# -- overlaps, stale calls, fencing ---------------------------------------------------------------
+
+
+def _refused(log: str, r: Result) -> set[tuple[int, int]]:
+    out = set()
+    for m in REFUSED_RE.finditer(log):
+        out.add((int(m.group(2)), int(m.group(4))))
+    r.refused_log_lines = len(REFUSED_ANY_RE.findall(log))
+    return out
+
+
+@dataclass(frozen=True)
+class Call:
+    queue: int
+    start: float
+    end: float
+    epoch: int
+    client: str
+    pid: int
+    run: str
+    owner: str
+
+
+def _calls(entries: list[Entry]) -> dict[int, list[Call]]:
+    calls: dict[int, set[Call]] = defaultdict(set)
+    for e in entries:
+        calls[e.queue].add(Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.owner))
+    return {q: sorted(c, key=lambda c: (c.start, c.end)) for q, c in calls.items()}
+
+
+def _overlaps_and_stale(entries: list[Entry], refused: set[tuple[int, int]], r: Result) -> None:
+    stale_seen: set[Call] = set()
+    for q, calls in _calls(entries).items():
+        top_epoch = 0
+        active: list[Call] = []
+        for c in calls:
+            if c.epoch < top_epoch:
+                stale_seen.add(c)
+            top_epoch = max(top_epoch, c.epoch)
+            active = [a for a in active if a.end > c.start]
+            for a in active:
+                if (a.client, a.pid) == (c.client, c.pid):
+                    continue
+                r.overlaps += 1
+                what = (f"queue {q}: call by {c.client}/{c.pid} epoch {c.epoch} at {c.start:.3f} overlaps the "
+                        f"call by {a.client}/{a.pid} epoch {a.epoch} [{a.start:.3f}, {a.end:.3f}]")
+                if a.epoch == c.epoch:
+                    r.overlaps_forbidden.append(what + " at the same epoch")
+                    continue
+                old = a if a.epoch < c.epoch else c
+                if (q, old.epoch) in refused:
+                    r.overlaps_allowed += 1
+                    stale_seen.add(old)
+                else:
+                    r.overlaps_forbidden.append(what + f"; no refused commit logged for stale epoch {old.epoch}")
+            active.append(c)
+    r.stale_calls = len(stale_seen)
+    r.stale_saw_stale_epoch = sum(1 for c in stale_seen if c.owner == "0")
+    r.stale_commit_refused = sum(1 for c in stale_seen if (c.queue, c.epoch) in refused)
+    if r.overlaps_forbidden:
+        r.problems.append(f"{len(r.overlaps_forbidden)} forbidden overlap(s), e.g. {r.overlaps_forbidden[:2]}")
+    unrefused = [c for c in stale_seen if (c.queue, c.epoch) not in refused]
+    if unrefused:
+        r.problems.append(f"{len(unrefused)} stale call(s) whose commit was not refused, e.g. "
+                          f"{[(c.queue, c.epoch, c.client, round(c.start, 3)) for c in unrefused[:3]]}")
+    blind = [c for c in stale_seen if c.owner == "1"]
+    if blind:
+        r.problems.append(f"{len(blind)} stale call(s) where ctx.still_owner() said True, e.g. "
+                          f"{[(c.queue, c.epoch, c.client, round(c.start, 3)) for c in blind[:3]]}")
+
+
+# -- failover -------------------------------------------------------------------------------------
+
+
+def _first_other(entries: list[Entry], q: int, client: str, after: float) -> float | None:
+    for e in entries:  # sorted by start
+        if e.queue == q and e.start > after and e.client != client:
+            return e.start
+    return None
+
+
+def _failover(data: RunData, entries: list[Entry], r: Result) -> None:
+    for ev in data.events:
+        if ev.kind not in ("kill", "sigstop"):
+            continue
+        client = ev.info.get("client", "")
+        for q in ev.queues:
+            t = _first_other(entries, q, client, ev.t)
+            if t is None:
+                r.no_failover.append(f"queue {q} never resumed on another client after the {ev.kind} at {ev.t:.3f}")
+                continue
+            (r.failovers if ev.kind == "kill" else r.takeovers_after_sigstop).append(round(t - ev.t, 3))
+    if r.no_failover:
+        r.problems.append("; ".join(r.no_failover[:3]))
+    if "failover_target" in data.enforce:
+        p99 = r.failover_p99
+        if p99 is None:
+            r.problems.append("no failover measured")
+        elif p99 > data.failover_target:
+            r.problems.append(f"failover p99 {p99:.2f}s is over the {data.failover_target:.0f}s target")
+
+
+# -- state samples --------------------------------------------------------------------------------
+
+
+def _samples(data: RunData, r: Result) -> None:
+    """No epoch of a queue ever held by two clients; committed offsets never go backward."""
+    owners: dict[tuple[int, int], set[str]] = defaultdict(set)
+    last_off: dict[int, tuple[float, int]] = {}
+    restarts = [e for e in data.events if e.kind == "redis-kill"]
+    for t, q, owner, epoch, _lease, offset, _now in data.samples:
+        if owner:
+            owners[(q, epoch)].add(owner)
+        prev = last_off.get(q)
+        if prev is not None and offset < prev[1]:
+            lossy = data.fsync == "everysec" and any(prev[0] <= e.t <= t for e in restarts)
+            what = f"queue {q}: committed offset {prev[1]} -> {offset} between {prev[0]:.3f} and {t:.3f}"
+            if lossy:
+                r.notes.append(what + " (across a Redis restart with appendfsync everysec)")
+            else:
+                r.offset_backward.append(what)
+        last_off[q] = (t, offset)
+    for (q, epoch), who in sorted(owners.items()):
+        if len(who) > 1:
+            r.epoch_double_owner.append(f"queue {q} epoch {epoch} owned by {sorted(who)}")
+    if r.epoch_double_owner:
+        r.problems.append(f"double assignment: {r.epoch_double_owner[:3]}")
+    if r.offset_backward:
+        r.problems.append(f"committed offset went backward: {r.offset_backward[:3]}")
+
+
+def _stall(data: RunData, entries: list[Entry], r: Result) -> None:
+    """Longest time any queue went without a listener call while traffic was on (informative)."""
+    if not entries:
+        return
+    starts: dict[int, list[float]] = defaultdict(list)
+    for e in entries:
+        starts[e.queue].append(e.start)
+    worst = 0.0
+    for s in starts.values():
+        s.sort()
+        worst = max([worst, *(b - a for a, b in zip(s, s[1:], strict=False))])
+    r.max_stall = round(worst, 2)
+
+
+# -- poison and beat ------------------------------------------------------------------------------
+
+
+def _poison(data: RunData, entries: list[Entry], r: Result) -> None:
+    dlq = {(d.get("ORIGIN_QUEUE_ID"), d.get("ORIGIN_QUEUE_OFFSET")): d for d in data.dlq}
+    regular_dlq = [d for d in data.dlq if '"poison"' not in d.get("body", "")]
+    if regular_dlq:
+        r.problems.append(f"{len(regular_dlq)} regular message(s) in the DLQ")
+    bound = data.max_reconsume * data.suspend_s + POISON_SLACK
+    for pid, q, off, _t in data.poison:
+        attempts = [e for e in entries if e.key == f"poison-{pid}"]
+        in_dlq = (str(q), str(off)) in dlq
+        t0 = min((e.start for e in attempts), default=None)
+        nxt = None
+        if t0 is not None:
+            nxt = next((e.start for e in entries if e.queue == q and e.offset > off and e.start >= t0
+                        and e.ok and not e.poison), None)
+        blocked = round(nxt - t0, 2) if (nxt is not None and t0 is not None) else None
+        r.poison.append({"id": pid, "queue": q, "offset": off, "attempts": len(attempts), "in_dlq": in_dlq,
+                         "blocked_s": blocked, "bound_s": bound})
+        if not in_dlq:
+            r.problems.append(f"poison message {pid} (queue {q} offset {off}) is not in the DLQ")
+        if "poison_bound" in data.enforce and blocked is not None and blocked > bound:
+            r.problems.append(f"poison message {pid} blocked queue {q} for {blocked}s (bound {bound}s)")
+        if "poison_bound" in data.enforce and blocked is None:
+            r.problems.append(f"no later message of queue {q} was handled after poison message {pid}")
+
+
+def _beat(data: RunData, entries: list[Entry], r: Result) -> None:
+    kills = [e for e in data.events if e.kind == "beat-kill"]
+    starts = [e for e in data.events if e.kind == "beat-start"]
+    if not kills:
+        return
+    k = kills[0]
+    back = next((s for s in starts if s.t > k.t), None)
+    t1 = back.t if back else max(e.end for e in entries)
+    per_q: dict[int, list[float]] = defaultdict(list)
+    for e in entries:
+        if k.t <= e.start <= t1:
+            per_q[e.queue].append(e.start)
+    queues = {e.queue for e in entries}
+    gaps = {}
+    for q in sorted(queues):
+        s = [k.t, *sorted(per_q.get(q, [])), t1]
+        gaps[q] = round(max(b - a for a, b in zip(s, s[1:], strict=False)), 2)
+    changes = 0
+    last: dict[int, int] = {}
+    for t, q, _o, epoch, _l, _off, _n in data.samples:
+        if q in last and epoch != last[q] and k.t <= t <= t1:
+            changes += 1
+        last[q] = epoch
+    sends = [len(re.findall(r"Sending due task mqorder-rebalance", log)) for log in data.beat_logs]
+    r.beat = {
+        "outage_s": round(t1 - k.t, 1),
+        "handled_during_outage": sum(len(v) for v in per_q.values()),
+        "max_gap_during_outage_s": max(gaps.values(), default=None),
+        "epoch_changes_during_outage": changes,
+        "rebalances_sent_per_beat": sends,
+    }
+    if "beat" not in data.enforce:
+        return
+    stalled = {q: g for q, g in gaps.items() if g > BEAT_OUTAGE_MAX_GAP}
+    if stalled:
+        r.problems.append(f"queues stalled while beat was down: {stalled}")
+    if changes:
+        r.problems.append(f"{changes} epoch change(s) while beat was down: leases lapsed")
+    if back is not None and len(sends) > 1 and not all(n > 0 for n in sends[1:]):
+        r.problems.append(f"a beat started after the outage sent no rebalance: {sends}")

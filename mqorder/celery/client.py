@@ -30,7 +30,7 @@ from mqorder.celery.dispatch import dispatch
 from mqorder.consumer.listener import registered_listeners
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.names import check_client_id
-from mqorder.rebalance.membership import Subscription
+from mqorder.rebalance.membership import Subscription, redis_now_ms
 from mqorder.rebalance.service import Dispatch, RebalanceService
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry
@@ -176,7 +176,8 @@ class WorkerClient:
         fp = self.service.registry.membership_fingerprint()
         stale = False
         last = self.brokers.meta.get(keys.rebalance_last())
-        if last is None or time.time() * 1000 - int(last) > REBALANCE_STALE_FACTOR * self.settings.ms(
+        now = redis_now_ms(self.brokers.meta)  # Redis's clock on both sides: no skew between hosts
+        if last is None or now - int(last) > REBALANCE_STALE_FACTOR * self.settings.ms(
             self.settings.rebalance_interval
         ):
             stale = True

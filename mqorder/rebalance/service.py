@@ -22,7 +22,7 @@ from mqorder.errors import TopicNotFoundError
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.allocate import AllocateMessageQueueStrategy, allocate_all, strategy_from_settings
 from mqorder.rebalance.lock_manager import RebalanceLockManager
-from mqorder.rebalance.membership import ClientInfo, ClientRegistry
+from mqorder.rebalance.membership import ClientInfo, ClientRegistry, redis_now_ms
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.topics import TopicManager
@@ -89,7 +89,7 @@ class RebalanceService:
             time.sleep(0.02)
         try:
             report = self._rebalance()
-            meta.set(keys.rebalance_last(), int(time.time() * 1000))
+            meta.set(keys.rebalance_last(), redis_now_ms(meta))
             return report
         finally:
             # Release only our own mutex (compare-and-delete).

@@ -219,11 +219,11 @@ def wait_celery_ready(app: Any, hostnames: Sequence[str], timeout: float = 90.0)
 # -- mqorder helpers ------------------------------------------------------------------------------------
 
 
-def ctl_app(url: str) -> Any:
-    """A Celery app publishing to the workers' broker (to dispatch ConsumeRequests from here)."""
+def ctl_app(url: str, name: str = "bench-ctl") -> Any:
+    """A fresh Celery app publishing to (and controlling workers on) the broker at ``url``."""
     from celery import Celery
 
-    app = Celery("bench-ctl", broker=url, set_as_current=False)
+    app = Celery(name, broker=url, set_as_current=False)
     app.conf.update(task_serializer="json", accept_content=["json"], result_serializer="json",
                     task_ignore_result=True, broker_connection_retry_on_startup=True)
     return app
@@ -321,8 +321,10 @@ def produce_backlog(url: str, topic: str, queues: int, n: int, n_keys: int, chun
         p.close()
 
 
-def commandstats(r: redis.Redis) -> dict[str, int]:
-    return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in r.info("commandstats").items()}
+def commandstats(r: redis.Redis) -> dict[str, dict[str, int]]:
+    """Per command: calls and total µs Redis spent in it (commands inside scripts included)."""
+    return {k.removeprefix("cmdstat_"): {"calls": int(v["calls"]), "usec": int(v["usec"])}
+            for k, v in r.info("commandstats").items()}
 
 
 def celery_task_totals(app: Any, hostnames: Sequence[str]) -> dict[str, int]:
@@ -375,6 +377,69 @@ def tree_rss_kib(pid: int) -> tuple[int, int]:
         total += rss_kib(p)
         todo.extend(_children(p))
     return total, len(seen)
+
+
+_TICK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds of one process (``/proc/<pid>/stat``), 0 if it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / _TICK
+    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return 0.0
+
+
+def tree_cpu_s(pids: Iterable[int]) -> float:
+    """CPU seconds of the given processes and all their (live) descendants."""
+    todo, seen, total = list(pids), set(), 0.0
+    while todo:
+        p = todo.pop()
+        if p in seen:
+            continue
+        seen.add(p)
+        total += cpu_s(p)
+        todo.extend(_children(p))
+    return total
+
+
+def machine_cpu() -> tuple[float, float]:
+    """(busy CPU seconds of the whole machine, steal seconds) from ``/proc/stat``, all cores summed."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v
+    return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
+
+
+def own_cpu() -> float:
+    """CPU seconds of this process and of every child it has reaped (their descendants included)."""
+    t = os.times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def load1() -> float:
+    try:
+        return float(Path("/proc/loadavg").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+ENGINE_DIRS = ("mqorder", "workers", "config", "tasks")
+
+
+def engine_changes(since: float, until: float | None = None) -> list[tuple[str, float]]:
+    """Engine source files (``.py``/``.lua`` under mqorder, workers, config, tasks) whose mtime lies in
+    [since, until]: the code measured may have changed while the benchmark ran."""
+    out = []
+    for d in ENGINE_DIRS:
+        for f in (ROOT / d).rglob("*"):
+            if f.suffix in (".py", ".lua") and "__pycache__" not in f.parts:
+                m = f.stat().st_mtime
+                if m >= since and (until is None or m <= until):
+                    out.append((str(f.relative_to(ROOT)), m))
+    return sorted(out, key=lambda x: x[1])
 
 
 # -- machine facts ----------------------------------------------------------------------------------

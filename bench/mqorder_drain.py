@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.common import (
@@ -22,6 +23,7 @@ from bench.common import (
     celery_task_totals,
     client,
     commandstats,
+    cpu_s,
     ctl_app,
     kick,
     log,
@@ -31,6 +33,7 @@ from bench.common import (
     redis_server,
     start_mq_workers,
     total_lag,
+    tree_cpu_s,
     wait_lag_zero,
 )
 from bench.listeners import lane_names
@@ -48,22 +51,30 @@ class DrainSpec:
     concurrency: int = 1
     batch_max: int = 32
     pull: int = 32
-    queues: int = 16
-    messages: int = 200_000
     keys: int = 2_000
-    runs: int = 3
+    #: One measured run per entry: (queues of the run's topic, messages in its backlog).
+    plan: list[tuple[int, int]] = field(default_factory=lambda: [(16, 200_000)] * 3)
+    #: Messages of an unmeasured warm-up run first (16 queues); 0 for none.
+    warmup: int = 5_000
 
 
-def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0) -> list[dict[str, Any]]:
-    """Run ``spec.runs`` drains on one set of workers; one dict per run."""
+def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
+          pair: Callable[[], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Run the drains of ``spec.plan`` on one set of workers; one dict per measured run.
+
+    ``pair``, if given, is called right before each measured run (after its backlog is written,
+    before the clock starts) and its result stored as the run's ``paired``: a baseline measured
+    under the same machine conditions (the raw ceiling, on its own redis-server).
+    """
     results: list[dict[str, Any]] = []
     with contextlib.ExitStack() as st:
         srv = redis_server(st)
         r = client(srv.url)
         st.callback(r.close)
         topic, group = f"drain-{spec.tag}", f"g-{spec.tag}"
+        plan = ([(16, spec.warmup)] if spec.warmup else []) + list(spec.plan)
         env = mq_env(
-            srv.url, topic=topic, group=group, lanes=spec.runs,
+            srv.url, topic=topic, group=group, lanes=len(plan),
             MQORDER_CONSUME_MESSAGE_BATCH_MAX_SIZE=str(spec.batch_max),
             MQORDER_PULL_BATCH_SIZE=str(spec.pull),
             # No periodic rebalance during a run: the run's own kick is the only one.
@@ -78,20 +89,26 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0) -> list[dict[
         brokers = BrokerRegistry(srv.url)
         st.callback(brokers.close)
         mlog = MessageLog(brokers)
-        for run, (t, g) in enumerate(lane_names(topic, group, spec.runs)):
-            produce_s = produce_backlog(srv.url, t, spec.queues, spec.messages, spec.keys)
-            mqs = queues_of(t, spec.queues)
+        redis_pid = srv.proc.pid if srv.proc else 0
+        for lane, ((t, g), (queues, messages)) in enumerate(zip(lane_names(topic, group, len(plan)), plan,
+                                                                  strict=True)):
+            run = lane - 1 if spec.warmup else lane
+            produce_s = produce_backlog(srv.url, t, queues, messages, spec.keys)
+            mqs = queues_of(t, queues)
             tasks_before = celery_task_totals(app, hostnames).get(CONSUME_TASK, 0)
-            time.sleep(0.3)  # let the producer's CPU burst settle
+            paired = pair() if (pair is not None and run >= 0) else None
+            time.sleep(0.3)  # let the producer's (and the paired run's) CPU burst settle
             before = total_lag(r, g, mqs)
-            if before != spec.messages:
-                raise RuntimeError(f"drain {spec.tag} run {run}: {spec.messages - before} messages were consumed "
+            if before != messages:
+                raise RuntimeError(f"drain {spec.tag} run {run}: {messages - before} messages were consumed "
                                    "before the clock started (a rebalance ran early)")
             r.config_resetstat()
+            cpu_w0, cpu_r0 = tree_cpu_s(w.pid for w in ws), cpu_s(redis_pid)
             t0 = time.perf_counter()
             kick(srv.url, app)
             t1 = wait_lag_zero(r, g, mqs, timeout, alive=lambda: all(w.alive() for w in ws))
             secs = t1 - t0
+            cpu_w, cpu_r = tree_cpu_s(w.pid for w in ws) - cpu_w0, cpu_s(redis_pid) - cpu_r0
             cs = commandstats(r)
             lag = sum(mlog.lag(g, mq) for mq in mqs)
             time.sleep(0.3)  # the last runs flush their stats as they finish
@@ -100,14 +117,21 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0) -> list[dict[
             ok = int(sum(v for k, v in stats.items() if k.endswith("|ok")))
             calls = int(sum(v for k, v in stats.items() if k.endswith("|rt_n")))
             res = {
-                "run": run, "messages": spec.messages, "seconds": secs, "rate": spec.messages / secs,
+                "run": run, "queues": queues, "workers": spec.workers, "concurrency": spec.concurrency,
+                "batch_max": spec.batch_max, "messages": messages, "seconds": secs, "rate": messages / secs,
                 "produce_s": produce_s, "lag_after": lag, "consumed_ok": ok, "listener_calls": calls,
-                "consume_tasks": tasks, "evalsha": cs.get("evalsha", 0), "xrange": cs.get("xrange", 0),
-                "commands_total": sum(cs.values()), "commandstats": cs,
+                "consume_tasks": tasks, "evalsha": cs.get("evalsha", {}).get("calls", 0),
+                "evalsha_usec": cs.get("evalsha", {}).get("usec", 0), "xrange": cs.get("xrange", {}).get("calls", 0),
+                "commands_total": sum(v["calls"] for v in cs.values()), "commandstats": cs,
+                "worker_cpu_s": cpu_w, "redis_cpu_s": cpu_r, "paired": paired,
             }
-            log(f"drain {spec.tag} run {run}: {spec.messages} msgs in {secs:.2f}s = {res['rate']:,.0f} msg/s "
-                f"(tasks {tasks}, evalsha {res['evalsha']}, xrange {res['xrange']}, listener calls {calls})")
-            results.append(res)
+            if paired:
+                log(f"drain {spec.tag} run {run}: paired raw ceiling {paired['rate']:,.0f} msg/s")
+            log(f"drain {spec.tag} {'warm-up' if run < 0 else f'run {run}'}: {queues} queues, {messages} msgs in {secs:.2f}s = {res['rate']:,.0f} msg/s "
+                f"(tasks {tasks}, evalsha {res['evalsha']}, xrange {res['xrange']}, listener calls {calls}, "
+                f"worker CPU {cpu_w / messages * 1e6:.1f} µs/msg, redis CPU {cpu_r / messages * 1e6:.1f} µs/msg)")
+            if run >= 0:
+                results.append(res)
             # Free the run's log memory; its queues stay owned and idle.
             pipe = r.pipeline(transaction=False)
             for mq in mqs:

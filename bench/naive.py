@@ -23,6 +23,7 @@ from bench.common import (
     baseline_env,
     celery_task_totals,
     client,
+    ctl_app,
     log,
     redis_server,
     wait_celery_ready,
@@ -47,8 +48,6 @@ class NaiveCluster:
 
     def __init__(self, stack: contextlib.ExitStack, cfg: Config, *, workers: int, concurrency: int,
                  tag: str) -> None:
-        from bench import naive_app
-
         self.srv = redis_server(stack)
         self.r = client(self.srv.url)
         stack.callback(self.r.close)
@@ -60,8 +59,7 @@ class NaiveCluster:
             w.start()
             stack.callback(w.stop)
             self.workers.append(w)
-        self.app = naive_app.app
-        self.app.conf.broker_url = self.srv.url
+        self.app = ctl_app(self.srv.url, "bench-naive-ctl")
         stack.callback(self.app.close)
         self.hostnames = [w.hostname for w in self.workers]
         wait_celery_ready(self.app, self.hostnames)

@@ -16,7 +16,7 @@ import contextlib
 import time
 from typing import Any
 
-from bench.common import Config, client, log, produce_backlog, queues_of, redis_server
+from bench.common import Config, client, cpu_s, log, produce_backlog, queues_of, redis_server
 from mqorder import keys
 from mqorder.codec import decode_entries
 
@@ -52,35 +52,62 @@ def read_all(r: Any, commit: Any, topic: str, queues: int, group: str, batch: in
     return n
 
 
+class RawCeiling:
+    """A redis-server holding a backlog, and the raw reader; ``measure()`` is one timed run.
+
+    Kept alive across the mqorder drain runs too, so each of those can be paired with a raw run
+    taken just before it (same machine conditions): see ``bench.mqorder_drain``.
+    """
+
+    def __init__(self, stack: contextlib.ExitStack, *, messages: int, n_keys: int = 2000, queues: int = 16,
+                 batch: int = 32) -> None:
+        self.srv = redis_server(stack)
+        self.r = client(self.srv.url)
+        stack.callback(self.r.close)
+        self.topic, self.messages, self.queues, self.batch = "raw", messages, queues, batch
+        produce_backlog(self.srv.url, self.topic, queues, messages, n_keys)
+        self.commit = self.r.register_script(COMMIT)
+        self.redis_pid = self.srv.proc.pid if self.srv.proc else 0
+        self.runs = 0
+        # Warm-up (script load, connection, caches): one queue, not measured.
+        self._own("warmup")
+        read_all(self.r, self.commit, self.topic, 1, "warmup", batch, True)
+
+    def _own(self, group: str) -> None:
+        pipe = self.r.pipeline(transaction=False)
+        for mq in queues_of(self.topic, self.queues):
+            pipe.hset(keys.sub_state(mq.tag, group), mapping={"owner": OWNER, "epoch": EPOCH, "offset": 0})
+        pipe.execute()
+
+    def measure(self, decode: bool = False) -> dict[str, float]:
+        self.runs += 1
+        group = f"raw-{self.runs}"
+        self._own(group)
+        c0, rc0 = time.process_time(), cpu_s(self.redis_pid)
+        t0 = time.perf_counter()
+        n = read_all(self.r, self.commit, self.topic, self.queues, group, self.batch, decode)
+        secs = time.perf_counter() - t0
+        cpu, rcpu = time.process_time() - c0, cpu_s(self.redis_pid) - rc0
+        if n != self.messages:
+            raise RuntimeError(f"raw reader read {n} messages, expected {self.messages}")
+        # Drop the group's state so repeated runs do not accumulate keys.
+        pipe = self.r.pipeline(transaction=False)
+        for mq in queues_of(self.topic, self.queues):
+            pipe.unlink(keys.sub_state(mq.tag, group))
+        pipe.execute()
+        return {"messages": n, "seconds": secs, "rate": n / secs, "worker_cpu_s": cpu, "redis_cpu_s": rcpu}
+
+
 def run(cfg: Config, *, messages: int, n_keys: int = 2000, queues: int = 16, batch: int = 32,
         runs: int = 3) -> dict[str, list[dict[str, float]]]:
     out: dict[str, list[dict[str, float]]] = {"raw": [], "raw+decode": []}
     with contextlib.ExitStack() as st:
-        srv = redis_server(st)
-        r = client(srv.url)
-        st.callback(r.close)
-        topic = "raw"
-        produce_backlog(srv.url, topic, queues, messages, n_keys)
-        commit = r.register_script(COMMIT)
-
-        def own(group: str) -> None:
-            pipe = r.pipeline(transaction=False)
-            for mq in queues_of(topic, queues):
-                pipe.hset(keys.sub_state(mq.tag, group), mapping={"owner": OWNER, "epoch": EPOCH, "offset": 0})
-            pipe.execute()
-
-        # Warm-up (script load, connection, caches): one queue, not measured.
-        own("warmup")
-        read_all(r, commit, topic, 1, "warmup", batch, True)
+        rc = RawCeiling(st, messages=messages, n_keys=n_keys, queues=queues, batch=batch)
         for i in range(runs):
             for variant in ("raw", "raw+decode"):
-                group = f"{variant}-{i}"
-                own(group)
-                t0 = time.perf_counter()
-                n = read_all(r, commit, topic, queues, group, batch, variant == "raw+decode")
-                secs = time.perf_counter() - t0
-                if n != messages:
-                    raise RuntimeError(f"raw reader read {n} messages, expected {messages}")
-                out[variant].append({"messages": n, "seconds": secs, "rate": n / secs})
-                log(f"{variant} run {i}: {n} msgs in {secs:.2f}s = {n / secs:,.0f} msg/s")
+                res = rc.measure(decode=variant == "raw+decode")
+                out[variant].append(res)
+                n, secs = res["messages"], res["seconds"]
+                log(f"{variant} run {i}: {n} msgs in {secs:.2f}s = {n / secs:,.0f} msg/s (reader CPU "
+                    f"{res['worker_cpu_s'] / n * 1e6:.1f} µs/msg, redis CPU {res['redis_cpu_s'] / n * 1e6:.1f} µs/msg)")
     return out

@@ -26,6 +26,7 @@ MAX_HEADER_SIZE = 64 * 1024
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _loads = json.loads
+_decode = json.JSONDecoder().decode
 
 
 class MsgIdGenerator:
@@ -141,13 +142,19 @@ def decode_entries(
     retries: Mapping[int, int] | None = None,
     max_message_size: int = DEFAULT_MAX_MESSAGE_SIZE,
 ) -> list[MessageExt]:
-    """Turn raw ``XRANGE`` entries into ``MessageExt`` objects (the hot path: keep it lean)."""
+    """Turn raw ``XRANGE`` entries into ``MessageExt`` objects.
+
+    The hot path of consumption (about a third of its CPU per message): the common entry (the
+    layout ``send.lua`` writes, a header with only an id and a born time) takes one JSON parse and
+    a few identity checks; anything unusual falls back to the careful path below.
+    """
     out: list[MessageExt] = []
+    append = out.append
     topic, broker, qid = mq.topic, mq.broker_name, mq.queue_id
     rget = retries.get if retries else None
     for entry_id, fields in entries:
         offset = int(entry_id.split(b"-", 1)[0])
-        msg = MessageExt("", topic, broker, qid, offset, b"", [], None, {}, 0, 0)
+        body = b""
         try:
             if len(fields) == 6 and fields[0] == b"h" and fields[2] == b"b" and fields[4] == b"s":
                 raw_h, body, raw_s = fields[1], fields[3], fields[5]
@@ -155,23 +162,20 @@ def decode_entries(
                 # redis-py's XRANGE callback gives a dict; Lua replies give a flat list.
                 f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=False))
                 raw_h, body, raw_s = f[b"h"], f[b"b"], f.get(b"s", b"0")
-            h = _loads(raw_h)
-            msg.msg_id = h["i"]
-            msg.born_timestamp = h.get("b", 0)
-            msg.keys = h.get("k", [])
-            msg.tags = h.get("t")
-            msg.properties = h.get("p", {})
-            msg.store_timestamp = int(raw_s)
-            msg.body = body
-            if len(body) > max_message_size:
-                msg.decode_error = (
-                    f"stored body is {len(body):,} bytes, over max_message_size {max_message_size:,}"
-                )
+            h = _decode(raw_h.decode("utf-8"))
+            if type(h) is dict and len(h) == 2 and type(h.get("i")) is str and type(h.get("b")) is int:
+                msg = MessageExt(h["i"], topic, broker, qid, offset, body, [], None, {}, h["b"], int(raw_s))
             else:
+                msg = MessageExt(h["i"], topic, broker, qid, offset, body, h.get("k", []), h.get("t"),
+                                 h.get("p", {}), h.get("b", 0), int(raw_s))
                 msg.decode_error = _header_type_error(msg)
+            if len(body) > max_message_size:
+                msg.decode_error = f"stored body is {len(body):,} bytes, over max_message_size {max_message_size:,}"
         except Exception as exc:  # noqa: BLE001 - any decode failure is a poison message
+            # Keep the body if it was readable: the DLQ then holds the original payload.
+            msg = MessageExt("", topic, broker, qid, offset, body if type(body) is bytes else b"", [], None, {}, 0, 0)
             msg.decode_error = f"undecodable entry: {type(exc).__name__}: {exc}"[:500]
         if rget is not None:
             msg.reconsume_times = rget(offset, 0)
-        out.append(msg)
+        append(msg)
     return out

@@ -268,3 +268,14 @@ def test_oversized_stored_message_goes_to_dlq_with_reason(settings) -> None:  # 
     (dead,) = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
     assert dead.body == b"x" * 64
     assert "over max_message_size 16" in dead.properties["DLQ_REASON"]
+
+
+def test_consume_counters_reach_redis(env) -> None:  # noqa: ANN001
+    from mqorder.consumer.stats import ConsumerStatsManager
+
+    p, eng = env
+    for i in range(7):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    drain(eng, ListenerSpec(lambda m, c: S.SUCCESS, "t", "g"))
+    stats = ConsumerStatsManager.read(eng.brokers.default.client, "g")[MQ.key]
+    assert stats["ok"] == 7 and stats["rt_n"] == 7 and stats["rt_ms"] >= 0

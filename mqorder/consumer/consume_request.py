@@ -42,6 +42,8 @@ ROLLBACK = ConsumeOrderlyStatus.ROLLBACK
 
 #: RocketMQ re-submits after the time budget 10 ms later, and after a failed lock 100 ms later.
 BUDGET_REQUEUE_S = 0.01
+#: Consume counters are pushed to Redis at most this often per process.
+STATS_FLUSH_INTERVAL_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class ConsumerEngine:
         self.topics = TopicManager(self.brokers)
         self.stats = ConsumerStatsManager()
         self.process_queue_table: dict[tuple[str, MessageQueue], ProcessQueue] = {}
+        self.stats_flushed_at = 0.0
         self._dlq_ready: set[str] = set()
 
     def process_queue(self, sub: str, mq: MessageQueue) -> ProcessQueue:
@@ -187,7 +190,11 @@ class ConsumeRequest:
         self.commit_point = 0  # offset the ProcessQueue says may be persisted
         self.pulled_to = 0  # one past the highest offset pulled
         self.retry_updates: dict[int, int] = {}
+        # Counters of this run, handed to the stats manager once at the end (not per message).
         self.consumed = 0
+        self._failed = 0
+        self._rt_sum = 0.0
+        self._rt_n = 0
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -196,8 +203,10 @@ class ConsumeRequest:
         if begun is not None:
             return begun
         action, countdown = self._consume_loop()
-        if action == "FENCED":
-            return Outcome("FENCED", consumed=self.consumed)
+        if action in ("FENCED", "IDLE"):
+            self.pq.clear()
+            self._flush_stats()
+            return Outcome(action, consumed=self.consumed)
         return self._finish(action, countdown)
 
     # -- check -----------------------------------------------------------------------------------
@@ -249,9 +258,11 @@ class ConsumeRequest:
                 return "FENCED", 0.0
             msgs = pq.take_messages(self.batch_max)
             if not msgs:
-                pulled = self._commit_and_pull(pull=not pq.is_full(threshold))
+                pulled = self._persist(pull=not pq.is_full(threshold), idle_if_drained=True)
                 if pulled is None:
                     return "FENCED", 0.0
+                if pulled == -1:
+                    return "IDLE", 0.0
                 if not pulled:
                     return "done", 0.0
                 continue
@@ -305,7 +316,8 @@ class ConsumeRequest:
             log.warning("listener %s returned %r, not a ConsumeOrderlyStatus; treating it as SUSPEND",
                         self.spec.name, status)
             status = SUSPEND
-        self.stats.inc_consume_rt(self.sub, self.mq.key, rt)
+        self._rt_sum += rt
+        self._rt_n += 1
         self._ctx = ctx
         if hook_ctx is not None:
             hook_ctx.status = status.value
@@ -322,22 +334,19 @@ class ConsumeRequest:
             if status in (SUCCESS, COMMIT, ROLLBACK):
                 if status is not SUCCESS:
                     log.warning("%s returned %s with auto_commit on; treated as SUCCESS", self.spec.name, status.value)
-                self.stats.inc_consume_ok(self.sub, self.mq.key, n)
                 self.consumed += n
                 self._commit_in_memory()
                 return None
-            self.stats.inc_consume_failed(self.sub, self.mq.key, n)
+            self._failed += n
             return self._suspend(msgs, ctx.suspend_current_queue_time_millis)
         if status is SUCCESS:
-            self.stats.inc_consume_ok(self.sub, self.mq.key, n)
             self.consumed += n
             return None
         if status is COMMIT:
-            self.stats.inc_consume_ok(self.sub, self.mq.key, n)
             self.consumed += n
             self._commit_in_memory()
             return None
-        self.stats.inc_consume_failed(self.sub, self.mq.key, n)
+        self._failed += n
         if status is ROLLBACK:
             self.pq.rollback()
             return self._stop_for_retry(ctx.suspend_current_queue_time_millis)
@@ -382,24 +391,22 @@ class ConsumeRequest:
         if offset > self.commit_point:
             self.commit_point = offset
 
-    def _commit_and_pull(self, pull: bool) -> bool | None:
-        """Fenced commit of the batch just consumed, and the next pull; None when fenced."""
-        res = self._persist(pull=pull)
-        if res is None:
-            return None
-        return bool(res)
-
-    def _persist(self, pull: bool) -> int | None:
-        """Run ``commit.lua``; return how many messages it pulled, or None when refused."""
+    def _persist(self, pull: bool, idle_if_drained: bool = False) -> int | None:
+        """Run ``commit.lua``: how many messages it pulled, -1 if it ended the run on a drained
+        queue (``idle_if_drained``), or None when the commit was refused."""
+        idle = idle_if_drained and pull and not self.retry_updates and not self.pq.consuming
         args: list[Any] = [
             self.client_id, self.epoch, self.token, self.commit_point, self.run_lease_ms,
-            self.lock_ms, self.pull_n if pull else 0, self.pulled_to,
+            self.lock_ms, self.pull_n if pull else 0, self.pulled_to, "1" if idle else "0",
         ]
         for off, n in self.retry_updates.items():
             args.append(off)
             args.append(n)
         res = self.scripts.commit(keys=[self.k_state, self.k_log, self.k_next, self.k_retries], args=args)
         verb = _s(res[0])
+        if verb == "IDLE":
+            self.committed = self.commit_point
+            return -1
         if verb != "OK":
             self._on_refused(verb, res)
             return None
@@ -457,6 +464,20 @@ class ConsumeRequest:
         return Outcome(verb, target, _s(res[2]), countdown if target == self.client_id else 0.0, self.consumed)
 
     def _flush_stats(self) -> None:
+        """Hand this run's counters to the stats manager (once per run), which pushes them to
+        Redis at most once a second per process."""
+        key = self.mq.key
+        if self.consumed:
+            self.stats.inc_consume_ok(self.sub, key, self.consumed)
+        if self._failed:
+            self.stats.inc_consume_failed(self.sub, key, self._failed)
+        if self._rt_n:
+            self.stats.inc_consume_rt_total(self.sub, key, self._rt_sum, self._rt_n)
+        # At most once a second per process: a short run must not pay a round trip for counters.
+        now = time.monotonic()
+        if now - self.engine.stats_flushed_at < STATS_FLUSH_INTERVAL_S:
+            return
+        self.engine.stats_flushed_at = now
         try:
             self.stats.flush(self.engine.brokers.meta)
         except Exception:  # noqa: BLE001 - stats must never break consumption

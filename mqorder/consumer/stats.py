@@ -44,6 +44,11 @@ class ConsumerStatsManager:
         if rt_ms > s.rt_max_ms:
             s.rt_max_ms = rt_ms
 
+    def inc_consume_rt_total(self, sub: str, mq_key: str, rt_ms_sum: float, calls: int) -> None:
+        s = self._pending[(sub, mq_key)]
+        s.rt_ms += rt_ms_sum
+        s.rt_n += calls
+
     def flush(self, client: redis.Redis) -> None:
         with self._lock:
             pending, self._pending = self._pending, defaultdict(QueueStats)

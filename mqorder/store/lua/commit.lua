@@ -7,8 +7,10 @@
 -- KEYS[1] state HASH  KEYS[2] log STREAM  KEYS[3] next counter  KEYS[4] retries HASH
 -- ARGV[1] client  ARGV[2] epoch  ARGV[3] token  ARGV[4] new offset  ARGV[5] run_lease_ms
 -- ARGV[6] lock_lease_ms  ARGV[7] pull_n  ARGV[8] pull from (offset; taken messages not yet
--- committed, with auto_commit off, are not read again)  ARGV[9..] pairs (offset, reconsume times)
--- Returns {'OK', next, revoked_to, entries, retries}
+-- committed, with auto_commit off, are not read again)  ARGV[9] '1': if nothing is left to read,
+-- end the run here (what finish.lua would do for an idle queue, one round trip earlier)
+-- ARGV[10..] pairs (offset, reconsume times)
+-- Returns {'OK', next, revoked_to, entries, retries}, {'IDLE'} (run ended, queue drained)
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset}
 local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'pending', 'offset', 'assignee')
 if st[1] ~= ARGV[1] or tonumber(st[2] or 0) ~= tonumber(ARGV[2]) then
@@ -27,7 +29,7 @@ if new > cur and redis.call('EXISTS', KEYS[4]) == 1 then
     if tonumber(f) < new then redis.call('HDEL', KEYS[4], f) end
   end
 end
-for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1]) end
+for i = 10, #ARGV, 2 do redis.call('HSET', KEYS[4], ARGV[i], ARGV[i + 1]) end
 local assignee = st[5] or ''
 local revoked = ''
 if assignee ~= '' and assignee ~= ARGV[1] then revoked = assignee end
@@ -36,6 +38,12 @@ local entries = {}
 local rc = {}
 local pull_n = tonumber(ARGV[7])
 local from = math.max(new, tonumber(ARGV[8]))
+if ARGV[9] == '1' and revoked == '' and nxt <= new then
+  -- Drained and fully committed: release the pending token atomically with the commit, so a
+  -- producer appending right after this sees no pending request and wakes the owner.
+  redis.call('HSET', KEYS[1], 'run', 0, 'pending', '', 'pend_until', 0)
+  return {'IDLE'}
+end
 if pull_n > 0 and revoked == '' and nxt > from then
   entries = redis.call('XRANGE', KEYS[2], from, '+', 'COUNT', pull_n)
   if redis.call('EXISTS', KEYS[4]) == 1 then rc = redis.call('HGETALL', KEYS[4]) end

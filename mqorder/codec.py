@@ -163,11 +163,13 @@ def decode_entries(
                 f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=False))
                 raw_h, body, raw_s = f[b"h"], f[b"b"], f.get(b"s", b"0")
             h = _decode(raw_h.decode("utf-8"))
-            if type(h) is dict and len(h) == 2 and type(h.get("i")) is str and type(h.get("b")) is int:
-                msg = MessageExt(h["i"], topic, broker, qid, offset, body, [], None, {}, h["b"], int(raw_s))
-            else:
-                msg = MessageExt(h["i"], topic, broker, qid, offset, body, h.get("k", []), h.get("t"),
-                                 h.get("p", {}), h.get("b", 0), int(raw_s))
+            mid, born, k, t, p = h["i"], h.get("b", 0), h.get("k"), h.get("t"), h.get("p")
+            msg = MessageExt(mid, topic, broker, qid, offset, body, [] if k is None else k, t,
+                             {} if p is None else p, born, int(raw_s))
+            if not (
+                type(mid) is str and type(born) is int and p is None and (t is None or type(t) is str)
+                and (k is None or (type(k) is list and all(type(x) is str for x in k)))
+            ):
                 msg.decode_error = _header_type_error(msg)
             if len(body) > max_message_size:
                 msg.decode_error = f"stored body is {len(body):,} bytes, over max_message_size {max_message_size:,}"

@@ -39,6 +39,7 @@ class ProcessQueue:
         self.tree_lock = threading.RLock()
         self.msg_count = 0
         self.msg_size = 0
+        self._consuming_size = 0
         self.queue_offset_max = -1
         self.dropped = False
         self.locked = False
@@ -93,6 +94,7 @@ class ProcessQueue:
                 offset, msg = tree.popitem(0)
                 consuming[offset] = msg
                 out.append(msg)
+                self._consuming_size += len(msg.body)
             if not out:
                 self.consuming_flag = False
             return out
@@ -104,8 +106,8 @@ class ProcessQueue:
                 return -1
             offset = self.consuming.keys()[-1]
             self.msg_count -= len(self.consuming)
-            for m in self.consuming.values():
-                self.msg_size -= len(m.body)
+            self.msg_size -= self._consuming_size
+            self._consuming_size = 0
             self.consuming.clear()
             return offset + 1
 
@@ -114,12 +116,14 @@ class ProcessQueue:
         with self.tree_lock:
             self.msg_tree.update(self.consuming)
             self.consuming.clear()
+            self._consuming_size = 0
 
     def make_message_to_consume_again(self, msgs: Iterable[MessageExt]) -> None:
         """Put ``msgs`` back so they are handed out again before any later offset."""
         with self.tree_lock:
             for m in msgs:
-                self.consuming.pop(m.queue_offset, None)
+                if self.consuming.pop(m.queue_offset, None) is not None:
+                    self._consuming_size -= len(m.body)
                 self.msg_tree[m.queue_offset] = m
 
     def clear(self) -> None:
@@ -128,6 +132,7 @@ class ProcessQueue:
             self.consuming.clear()
             self.msg_count = 0
             self.msg_size = 0
+            self._consuming_size = 0
             self.queue_offset_max = -1
             self.consuming_flag = False
 

@@ -32,8 +32,8 @@ def commit(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, epo
     st = keys.sub_state(mq.tag, sub)
     c.hset(st, "pending", "tok")
     return brokers.default.scripts.commit(
-        keys=[st, keys.queue_log(mq.tag), keys.queue_next(mq.tag), keys.sub_retries(mq.tag, sub)],
-        args=[client, epoch, "tok", offset, 60_000, 60_000, 0, offset],
+        keys=[st, keys.queue_next(mq.tag), keys.sub_retries(mq.tag, sub)],
+        args=[client, epoch, "tok", offset, 60_000, 60_000, "0"],
     )
 
 

@@ -190,6 +190,7 @@ class ConsumeRequest:
         self.commit_point = 0  # offset the ProcessQueue says may be persisted
         self.pulled_to = 0  # one past the highest offset pulled
         self.retry_updates: dict[int, int] = {}
+        self.retries: dict[int, int] | None = None
         # Counters of this run, handed to the stats manager once at the end (not per message).
         self.consumed = 0
         self._failed = 0
@@ -234,11 +235,12 @@ class ConsumeRequest:
         self._put(res[4], res[5])
         return None
 
-    def _put(self, entries: list[Any], raw_retries: list[Any]) -> None:
-        retries = None
+    def _put(self, entries: list[Any], raw_retries: list[Any] | None) -> None:
+        # Reconsume counts exist only for the head of the queue, written by an earlier run that
+        # suspended; begin.lua reads them all once, and this run's own suspends end the run.
         if raw_retries:
-            retries = {int(raw_retries[i]): int(raw_retries[i + 1]) for i in range(0, len(raw_retries), 2)}
-        msgs = decode_entries(self.mq, entries, retries, self.max_size)
+            self.retries = {int(raw_retries[i]): int(raw_retries[i + 1]) for i in range(0, len(raw_retries), 2)}
+        msgs = decode_entries(self.mq, entries, self.retries, self.max_size)
         if msgs:
             self.pulled_to = msgs[-1].queue_offset + 1
             self.pq.put_messages(msgs)
@@ -397,12 +399,21 @@ class ConsumeRequest:
         idle = idle_if_drained and pull and not self.retry_updates and not self.pq.consuming
         args: list[Any] = [
             self.client_id, self.epoch, self.token, self.commit_point, self.run_lease_ms,
-            self.lock_ms, self.pull_n if pull else 0, self.pulled_to, "1" if idle else "0",
+            self.lock_ms, "1" if idle else "0",
         ]
         for off, n in self.retry_updates.items():
             args.append(off)
             args.append(n)
-        res = self.scripts.commit(keys=[self.k_state, self.k_log, self.k_next, self.k_retries], args=args)
+        keys_ = [self.k_state, self.k_next, self.k_retries]
+        if pull:
+            # One round trip: the fenced commit, then a plain read of the next batch.
+            pipe = self.redis.pipeline(transaction=False)
+            self.scripts.commit(keys=keys_, args=args, client=pipe)
+            pipe.execute_command("XRANGE", self.k_log, max(self.commit_point, self.pulled_to), "+",
+                                 "COUNT", self.pull_n)
+            res, entries = pipe.execute()
+        else:
+            res, entries = self.scripts.commit(keys=keys_, args=args), []
         verb = _s(res[0])
         if verb == "IDLE":
             self.committed = self.commit_point
@@ -416,8 +427,8 @@ class ConsumeRequest:
         if _s(res[2]):
             self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else
             return 0
-        self._put(res[3], res[4])
-        return len(res[3])
+        self._put(entries, None)
+        return len(entries)
 
     def _on_refused(self, verb: str, res: list[Any]) -> None:
         self.pq.dropped = True

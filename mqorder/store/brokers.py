@@ -48,6 +48,10 @@ def check_redis_url(url: object, what: str = "MQORDER_REDIS_URL") -> str:
     return url
 
 
+def _raw_reply(response: object, **options: object) -> object:
+    return response
+
+
 class Broker:
     """One named Redis with its registered scripts."""
 
@@ -60,6 +64,9 @@ class Broker:
             socket_connect_timeout=socket_timeout,
             health_check_interval=30,
         )
+        # Stream reads are decoded by mqorder.codec from the raw reply; redis-py's per-entry
+        # dict conversion would only cost time on the hot path.
+        self.client.set_response_callback("XRANGE", _raw_reply)
         self.scripts = Scripts(self.client)
 
     @property

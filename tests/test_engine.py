@@ -279,3 +279,33 @@ def test_consume_counters_reach_redis(env) -> None:  # noqa: ANN001
     drain(eng, ListenerSpec(lambda m, c: S.SUCCESS, "t", "g"))
     stats = ConsumerStatsManager.read(eng.brokers.default.client, "g")[MQ.key]
     assert stats["ok"] == 7 and stats["rt_n"] == 7 and stats["rt_ms"] >= 0
+
+
+def test_drained_request_lingers_for_a_trickle_when_allowed(env) -> None:  # noqa: ANN001
+    import threading
+
+    p, eng = env
+    eng.may_linger = lambda: True  # what the threads pool's probe says when no request waits
+    p.send_orderly("t", b"0", sharding_key="k")
+    seen: list[bytes] = []
+
+    def trickle() -> None:
+        for i in range(1, 6):
+            time.sleep(0.02)  # within consume_linger_ms (50 ms) of each other
+            p.send_orderly("t", str(i).encode(), sharding_key="k")
+
+    t = threading.Thread(target=trickle)
+    t.start()
+    outs = drain(eng, ListenerSpec(lambda msgs, ctx: seen.extend(m.body for m in msgs) or S.SUCCESS, "t", "g"))
+    t.join()
+    assert seen == [b"0", b"1", b"2", b"3", b"4", b"5"]
+    assert [o.verb for o in outs] == ["IDLE"]  # one run served the whole trickle
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 6
+
+
+def test_request_does_not_linger_by_default(env) -> None:  # noqa: ANN001
+    p, eng = env
+    p.send_orderly("t", b"0", sharding_key="k")
+    t0 = time.monotonic()
+    outs = drain(eng, ListenerSpec(lambda m, c: S.SUCCESS, "t", "g"))
+    assert [o.verb for o in outs] == ["IDLE"] and time.monotonic() - t0 < 0.05

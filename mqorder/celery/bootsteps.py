@@ -6,6 +6,7 @@ import logging
 
 from celery import bootsteps
 
+from mqorder.celery import runtime
 from mqorder.celery.client import WorkerClient
 from mqorder.settings import get_settings
 
@@ -27,6 +28,7 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         self.client: WorkerClient | None = None
 
     def start(self, worker) -> None:  # noqa: ANN001
+        runtime.enable_linger(worker.pool)
         self.client = WorkerClient(worker.app, worker.hostname, get_settings())
         self.client.start()
 

@@ -17,6 +17,7 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +43,8 @@ ROLLBACK = ConsumeOrderlyStatus.ROLLBACK
 
 #: RocketMQ re-submits after the time budget 10 ms later, and after a failed lock 100 ms later.
 BUDGET_REQUEUE_S = 0.01
+#: A lingering request re-checks the worker's capacity at least this often.
+LINGER_SLICE_S = 0.01
 #: Consume counters are pushed to Redis at most this often per process.
 STATS_FLUSH_INTERVAL_S = 1.0
 
@@ -66,6 +69,10 @@ class Outcome:
         return self.verb in ("REQUEUE", "HANDOVER", "DISPATCH")
 
 
+def _never() -> bool:
+    return False
+
+
 def new_token() -> str:
     return uuid.uuid4().hex
 
@@ -85,6 +92,9 @@ class ConsumerEngine:
         self.stats = ConsumerStatsManager()
         self.process_queue_table: dict[tuple[str, MessageQueue], ProcessQueue] = {}
         self.stats_flushed_at = 0.0
+        #: Whether a drained request may wait for more messages: set by the integration (the
+        #: Celery threads pool can tell whether requests are waiting for a slot); never by default.
+        self.may_linger: Callable[[], bool] = _never
         self._dlq_ready: set[str] = set()
 
     def process_queue(self, sub: str, mq: MessageQueue) -> ProcessQueue:
@@ -181,6 +191,7 @@ class ConsumeRequest:
         self.lock_ms = s.ms(s.lock_max_live_time)
         self.pending_ttl_ms = s.ms(s.pending_ttl)
         self.budget = s.max_time_consume_continuously
+        self.linger_s = s.consume_linger_ms / 1000.0
         self.max_size = s.max_message_size
         self.hooks = [*global_hooks(), *spec.hooks]
         self.stats = engine.stats
@@ -260,11 +271,14 @@ class ConsumeRequest:
                 return "FENCED", 0.0
             msgs = pq.take_messages(self.batch_max)
             if not msgs:
-                pulled = self._persist(pull=not pq.is_full(threshold), idle_if_drained=True)
+                linger = self.linger_s > 0 and not pq.consuming and self.engine.may_linger()
+                pulled = self._persist(pull=not pq.is_full(threshold), idle_if_drained=not linger)
                 if pulled is None:
                     return "FENCED", 0.0
                 if pulled == -1:
                     return "IDLE", 0.0
+                if not pulled and linger and not pq.dropped:
+                    pulled = self._linger(min(deadline, time.monotonic() + self.linger_s))
                 if not pulled:
                     return "done", 0.0
                 continue
@@ -275,6 +289,29 @@ class ConsumeRequest:
             stop = self._settle(msgs, status)
             if stop is not None:
                 return stop
+
+    def _linger(self, until: float) -> int:
+        """Wait on this queue's stream for new messages while the worker has idle capacity.
+
+        A drained queue that gets a message a few milliseconds later would otherwise cost a
+        wake-up and a whole Celery task; waiting briefly here (``consume_linger_ms``) keeps a
+        steady trickle on one running request, with its pending token still held so producers
+        do not wake anyone. It stops as soon as the worker has requests waiting for a slot.
+        """
+        last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
+        while True:
+            left = until - time.monotonic()
+            if left <= 0 or not self.engine.may_linger():
+                return 0
+            block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
+            reply = self.redis.execute_command(
+                "XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", self.k_log, last_id
+            )
+            if reply:
+                # RESP2 gives [[stream, entries]]; RESP3 gives {stream: entries}.
+                entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+                self._put(entries, None)
+                return len(entries)
 
     def _split_poison(self, msgs: list[MessageExt]) -> list[MessageExt]:
         """Send an undecodable head message to the DLQ; never hand one to the listener."""

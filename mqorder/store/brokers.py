@@ -67,6 +67,7 @@ class Broker:
         # Stream reads are decoded by mqorder.codec from the raw reply; redis-py's per-entry
         # dict conversion would only cost time on the hot path.
         self.client.set_response_callback("XRANGE", _raw_reply)
+        self.client.set_response_callback("XREAD", _raw_reply)
         self.scripts = Scripts(self.client)
 
     @property

@@ -309,3 +309,41 @@ def test_request_does_not_linger_by_default(env) -> None:  # noqa: ANN001
     t0 = time.monotonic()
     outs = drain(eng, ListenerSpec(lambda m, c: S.SUCCESS, "t", "g"))
     assert [o.verb for o in outs] == ["IDLE"] and time.monotonic() - t0 < 0.05
+
+
+def test_run_paused_past_its_run_lease_is_fenced_even_within_one_client(settings) -> None:  # noqa: ANN001
+    """A pool process paused mid-call (its worker still alive) must not commit or believe it owns
+    the queue once another run of the same client took over."""
+    import threading
+
+    from mqorder.rebalance.service import RebalanceService
+
+    s = settings.model_copy(update={"run_lease": 0.3})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1)
+    for i in range(3):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    eng = ConsumerEngine(s, "c1")
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    eng.brokers.meta.hset(keys.assignment("g"), MQ.key, "c1")
+    release = threading.Event()
+    observed: list[bool] = []
+
+    def stuck(msgs, ctx):  # noqa: ANN001, ANN202
+        if msgs[0].queue_offset == 0 and not observed:
+            release.wait(5)  # "paused" past the run lease
+            observed.append(ctx.still_owner())
+        return S.SUCCESS
+
+    first: list[Outcome] = []
+    t = threading.Thread(target=lambda: first.append(ConsumeRequest(eng, ListenerSpec(stuck, "t", "g"), "g", MQ, "tok0").run()))
+    t.start()
+    time.sleep(0.6)
+    (d,) = RebalanceService(eng.brokers, s).sweep(["g"], "c1")  # the lapsed run is re-dispatched
+    second = ConsumeRequest(ConsumerEngine(s, "c1"), ListenerSpec(lambda m, c: S.SUCCESS, "t", "g"), "g", MQ, d.token).run()
+    assert second.verb == "IDLE" and second.consumed == 3
+    release.set()
+    t.join()
+    assert observed == [False]
+    assert first[0].verb == "FENCED"
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 3

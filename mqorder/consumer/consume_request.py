@@ -490,7 +490,7 @@ class ConsumeRequest:
         return False
 
     def _still_owner(self) -> bool:
-        res = self.scripts.touch(keys=[self.k_state], args=[self.client_id, self.epoch, "", 0, 0])
+        res = self.scripts.touch(keys=[self.k_state], args=[self.client_id, self.epoch, self.token, 0, 0])
         return bool(int(res[0]))
 
     def _finish(self, action: str, countdown: float) -> Outcome:

@@ -14,7 +14,11 @@ for i = 1, #KEYS, 2 do
       and ((not st[3]) or st[3] == '' or tonumber(st[4] or 0) < now) then
     local nxt = tonumber(redis.call('GET', KEYS[i + 1]) or 0)
     if nxt > tonumber(st[5] or 0) then
-      redis.call('HSET', KEYS[i], 'pending', ARGV[2 + q], 'pend_until', now + tonumber(ARGV[2]))
+      if tonumber(st[6] or 0) > 0 then
+        -- The previous run's lease lapsed mid-run: fence it with a new epoch (same owner).
+        redis.call('HINCRBY', KEYS[i], 'epoch', 1)
+      end
+      redis.call('HSET', KEYS[i], 'pending', ARGV[2 + q], 'pend_until', now + tonumber(ARGV[2]), 'run', 0)
       out[#out + 1] = q
       out[#out + 1] = owner
       out[#out + 1] = ARGV[2 + q]

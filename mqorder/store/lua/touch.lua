@@ -3,14 +3,14 @@
 -- getting old).
 --
 -- KEYS[1] state HASH
--- ARGV[1] client  ARGV[2] epoch  ARGV[3] token ('' = do not renew)  ARGV[4] run_lease_ms
--- ARGV[5] lock_lease_ms
--- Returns {1 if still owner at that epoch else 0, current epoch, current owner}
+-- ARGV[1] client  ARGV[2] epoch  ARGV[3] token of the caller's run
+-- ARGV[4] run_lease_ms (0 = check only, renew nothing)  ARGV[5] lock_lease_ms
+-- Returns {1 if the caller's run is still current (owner, epoch and token) else 0, epoch, owner}
 local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'pending')
 local ok = 0
-if st[1] == ARGV[1] and tonumber(st[2] or 0) == tonumber(ARGV[2]) then
+if st[1] == ARGV[1] and tonumber(st[2] or 0) == tonumber(ARGV[2]) and st[3] == ARGV[3] then
   ok = 1
-  if ARGV[3] ~= '' and st[3] == ARGV[3] then
+  if tonumber(ARGV[4]) > 0 then
     local run_until = now + tonumber(ARGV[4])
     redis.call('HSET', KEYS[1], 'run', run_until, 'pend_until', run_until, 'lease', now + tonumber(ARGV[5]))
   end

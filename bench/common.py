@@ -130,12 +130,14 @@ def start_mq_workers(
     logdir: Path,
     timeout: float = 90.0,
     settle: float = 2.5,
+    pool: str = "prefork",
 ) -> list[WorkerProcess]:
-    """Start stock workers (``celery -A workers.app worker``) and wait until they registered."""
+    """Start stock workers (``celery -A workers.app worker -P <pool>``) and wait until they registered."""
     logdir.mkdir(parents=True, exist_ok=True)
     ws = []
     for name in names:
-        w = WorkerProcess(name, env=env, concurrency=concurrency, logfile=logdir / f"{name}.log", cwd=ROOT)
+        w = WorkerProcess(name, env=env, concurrency=concurrency, pool=pool, logfile=logdir / f"{name}.log",
+                          cwd=ROOT)
         w.start()
         stack.callback(w.stop, 30)
         ws.append(w)

@@ -7,7 +7,9 @@ clock) and pushes it to a Redis list. One second of warm-up traffic is sent and 
 
 mqorder: stock workers, the bench ``latency`` listener, stock settings (consume batch 1, pull 32);
 the topic exists before the workers join, so they own its queues from the start and every send
-wakes the owner through ``send.lua``'s pub/sub path when its queue is idle.
+wakes the owner through ``send.lua``'s pub/sub path when its queue is idle. Several worker
+configurations (pool, -c, settings such as ``MQORDER_CONSUME_LINGER_MS``) are measured side by
+side, each on its own redis-server, their runs interleaved.
 Naive: the naive Celery app's task (per-key lock, then record), its workers consuming from the start.
 """
 
@@ -16,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from bench.common import (
@@ -64,51 +67,86 @@ def _summary(lat_ns: list[int], achieved: float) -> dict[str, float]:
             "max_ms": max(ms), "send_rate": achieved}
 
 
-def mqorder_latency(cfg: Config, *, rate: float, seconds: float, runs: int, concurrency: int,
-                    workers: int = 2, queues: int = 16, n_keys: int = 2000) -> list[dict[str, float]]:
-    out = []
-    with contextlib.ExitStack() as st:
+@dataclass
+class MqLatSpec:
+    """One mqorder worker configuration of the latency section."""
+
+    key: str
+    label: str
+    pool: str = "prefork"
+    concurrency: int = 1
+    #: Extra settings for the workers (e.g. ``MQORDER_CONSUME_LINGER_MS``).
+    env: dict[str, str] = field(default_factory=dict)
+
+
+class _MqLatRig:
+    """A redis-server, a topic and ``workers`` stock workers of one configuration, ready to measure."""
+
+    def __init__(self, st: contextlib.ExitStack, cfg: Config, spec: MqLatSpec, *, workers: int, queues: int,
+                 n_keys: int) -> None:
+        self.spec = spec
         srv = redis_server(st)
-        r = client(srv.url)
-        st.callback(r.close)
-        topic, group = "lat", "g-lat"
-        p = Producer(srv.url)
-        st.callback(p.close)
-        p.create_topic(topic, queues=queues)
-        env = mq_env(srv.url, topic=topic, group=group, mode="latency")
-        log(f"latency mqorder: starting {workers} worker(s) -c {concurrency}")
-        ws = start_mq_workers(st, srv.url, [f"lat-w{i}" for i in range(workers)], env, concurrency, cfg.logdir / "latency")
-        mqs = queues_of(topic, queues)
-        wl = Workload(n_keys)
-        app = ctl_app(srv.url)
-        st.callback(app.close)
-        hostnames = [w.hostname for w in ws]
-        redis_pid = srv.proc.pid if srv.proc else 0
+        self.r = client(srv.url)
+        st.callback(self.r.close)
+        self.topic, self.group = "lat", "g-lat"
+        self.p = Producer(srv.url)
+        st.callback(self.p.close)
+        self.p.create_topic(self.topic, queues=queues)
+        env = mq_env(srv.url, topic=self.topic, group=self.group, mode="latency", **spec.env)
+        log(f"latency mqorder [{spec.key}]: starting {workers} worker(s) -P {spec.pool} -c {spec.concurrency}"
+            + (f" {spec.env}" if spec.env else ""))
+        self.ws = start_mq_workers(st, srv.url, [f"lat-{spec.key}-w{i}" for i in range(workers)], env,
+                                   spec.concurrency, cfg.logdir / "latency", pool=spec.pool)
+        self.mqs = queues_of(self.topic, queues)
+        self.wl = Workload(n_keys)  # same seed: every configuration gets the same key sequence
+        self.app = ctl_app(srv.url)
+        st.callback(self.app.close)
+        self.hostnames = [w.hostname for w in self.ws]
+        self.redis_pid = srv.proc.pid if srv.proc else 0
 
-        def send(_: int) -> None:
-            k, _s = wl.next()
-            p.send_orderly(topic, str(time.time_ns()).encode(), sharding_key=f"key-{k}")
+    def send(self, _: int) -> None:
+        k, _s = self.wl.next()
+        self.p.send_orderly(self.topic, str(time.time_ns()).encode(), sharding_key=f"key-{k}")
 
+    def measure(self, n: int, rate: float) -> dict[str, float]:
+        r, ws = self.r, self.ws
+        r.delete(LAT_KEY)
+        tasks0 = celery_task_totals(self.app, self.hostnames).get(CONSUME_TASK, 0)
+        cpu_w0, cpu_r0 = tree_cpu_s(w.pid for w in ws), cpu_s(self.redis_pid)
+        achieved = paced(n, rate, self.send)
+        wait_lag_zero(r, self.group, self.mqs, 120, alive=lambda: all(w.alive() for w in ws))
+        _wait_len(r, LAT_KEY, n, 30)
+        cpu_w, cpu_r = tree_cpu_s(w.pid for w in ws) - cpu_w0, cpu_s(self.redis_pid) - cpu_r0
+        tasks = celery_task_totals(self.app, self.hostnames).get(CONSUME_TASK, 0) - tasks0
+        res = _summary([int(x) for x in r.lrange(LAT_KEY, 0, -1)], achieved)
+        res.update({"tasks_per_msg": tasks / n, "worker_cpu_us_per_msg": cpu_w / n * 1e6,
+                    "redis_cpu_us_per_msg": cpu_r / n * 1e6, "window_s": n / achieved})
+        return res
+
+
+def mqorder_latency(cfg: Config, *, rate: float, seconds: float, runs: int, specs: list[MqLatSpec],
+                    workers: int = 2, queues: int = 16, n_keys: int = 2000) -> dict[str, list[dict[str, float]]]:
+    """Measure every configuration in ``specs``, interleaved: run i of each configuration back to back
+    (the order rotating from run to run), so a burst of other load on the machine falls on all of them
+    alike. Each configuration has its own redis-server and workers, all started up front."""
+    out: dict[str, list[dict[str, float]]] = {s.key: [] for s in specs}
+    with contextlib.ExitStack() as st:
+        rigs = [_MqLatRig(st, cfg, s, workers=workers, queues=queues, n_keys=n_keys) for s in specs]
         for run in range(-1, runs):
             n = int(rate * (1.0 if run < 0 else seconds))
-            r.delete(LAT_KEY)
-            tasks0 = celery_task_totals(app, hostnames).get(CONSUME_TASK, 0)
-            cpu_w0, cpu_r0 = tree_cpu_s(w.pid for w in ws), cpu_s(redis_pid)
-            achieved = paced(n, rate, send)
-            wait_lag_zero(r, group, mqs, 120)
-            _wait_len(r, LAT_KEY, n, 30)
-            cpu_w, cpu_r = tree_cpu_s(w.pid for w in ws) - cpu_w0, cpu_s(redis_pid) - cpu_r0
-            tasks = celery_task_totals(app, hostnames).get(CONSUME_TASK, 0) - tasks0
-            if run < 0:
-                continue
-            res = _summary([int(x) for x in r.lrange(LAT_KEY, 0, -1)], achieved)
-            res.update({"tasks_per_msg": tasks / n, "worker_cpu_us_per_msg": cpu_w / n * 1e6,
-                        "redis_cpu_us_per_msg": cpu_r / n * 1e6, "window_s": n / achieved})
-            log(f"latency mqorder run {run}: p50 {res['p50_ms']:.2f} ms p99 {res['p99_ms']:.2f} ms "
-                f"max {res['max_ms']:.1f} ms at {achieved:,.0f} msg/s ({res['samples']} samples); "
-                f"{res['tasks_per_msg']:.2f} tasks/msg, worker CPU {res['worker_cpu_us_per_msg']:.0f} µs/msg, "
-                f"redis CPU {res['redis_cpu_us_per_msg']:.0f} µs/msg")
-            out.append(res)
+            k = max(run, 0) % len(rigs)
+            for rig in rigs[k:] + rigs[:k]:
+                time.sleep(0.5)  # the previous configuration's last runs end (linger included)
+                res = rig.measure(n, rate)
+                if run < 0:
+                    continue
+                res["run"] = run
+                log(f"latency mqorder [{rig.spec.key}] run {run}: p50 {res['p50_ms']:.2f} ms "
+                    f"p99 {res['p99_ms']:.2f} ms max {res['max_ms']:.1f} ms at {res['send_rate']:,.0f} msg/s "
+                    f"({res['samples']} samples); {res['tasks_per_msg']:.3f} tasks/msg, "
+                    f"worker CPU {res['worker_cpu_us_per_msg']:.0f} µs/msg, "
+                    f"redis CPU {res['redis_cpu_us_per_msg']:.0f} µs/msg")
+                out[rig.spec.key].append(res)
     return out
 
 

@@ -49,6 +49,8 @@ class DrainSpec:
     tag: str
     workers: int = 2
     concurrency: int = 1
+    #: Celery pool of the workers (``-P``).
+    pool: str = "prefork"
     batch_max: int = 32
     pull: int = 32
     keys: int = 2_000
@@ -81,8 +83,8 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
             MQORDER_REBALANCE_INTERVAL="3600",
         )
         names = [f"{spec.tag}-w{i}" for i in range(spec.workers)]
-        log(f"drain {spec.tag}: starting {spec.workers} worker(s) -c {spec.concurrency}")
-        ws = start_mq_workers(st, srv.url, names, env, spec.concurrency, cfg.logdir / spec.tag)
+        log(f"drain {spec.tag}: starting {spec.workers} worker(s) -P {spec.pool} -c {spec.concurrency}")
+        ws = start_mq_workers(st, srv.url, names, env, spec.concurrency, cfg.logdir / spec.tag, pool=spec.pool)
         hostnames = [w.hostname for w in ws]
         app = ctl_app(srv.url)
         st.callback(app.close)
@@ -118,6 +120,7 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
             calls = int(sum(v for k, v in stats.items() if k.endswith("|rt_n")))
             res = {
                 "run": run, "queues": queues, "workers": spec.workers, "concurrency": spec.concurrency,
+                "pool": spec.pool,
                 "batch_max": spec.batch_max, "messages": messages, "seconds": secs, "rate": messages / secs,
                 "produce_s": produce_s, "lag_after": lag, "consumed_ok": ok, "listener_calls": calls,
                 "consume_tasks": tasks, "evalsha": cs.get("evalsha", {}).get("calls", 0),

@@ -14,18 +14,21 @@ Definitions (all per the chaos issue):
   send that raised (``unknown``) is a *copy*; a redelivery of the same offset must start within
   ``DUP_WINDOW`` s after the end of a fault and number at most one pull batch per queue per fault;
 * **overlap**: two listener calls on one queue from different processes at the same time. Allowed
-  only when their epochs differ and the stale (lower) epoch's commit was refused (the worker log
-  says ``commit refused ... epoch N is stale``);
+  only when the stale call (the lower epoch; at one epoch, the older run) had its commit refused
+  (the worker log says ``commit refused ... epoch N is stale``, or ``SUPERSEDED`` for a run replaced
+  at the same epoch) and ``ctx.still_owner()`` returned False in it;
 * **stale call**: a call that started after a newer epoch of its queue had already been used;
   ``ctx.still_owner()`` must have said False in it, and its commit must have been refused;
 * **failover**: for each queue a killed worker owned, the time from the kill to the start of the
-  first listener call on that queue by another client.
+  first listener call on that queue by another process (another client, or the killed worker's
+  restarted incarnation if it got the queue back first).
 """
 
 from __future__ import annotations
 
 import math
 import re
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +41,17 @@ DUP_WINDOW = 30.0
 FSYNC_WINDOW = 1.0
 #: Extra time allowed, beyond retries x suspend, for a poison message to stop blocking its queue.
 POISON_SLACK = 3.0
+#: Pauses of a queue longer than this are listed with the event that preceded them.
+LONG_STALL = 5.0
+#: Slack over pending TTL + two sweep intervals for a queue to resume after its task was lost.
+STALL_SLACK = 3.0
 #: A queue must not go this long without a listener call while beat is down.
 BEAT_OUTAGE_MAX_GAP = 5.0
 
 REFUSED_RE = re.compile(r"commit refused on (\S+):(\d+) for (\S+): epoch (\d+) is stale")
 REFUSED_ANY_RE = re.compile(r"commit refused on ")
+SUPERSEDED_RE = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): \w+/[^\]]*\] commit refused on "
+                           r"\S+:(\d+) for \S+: SUPERSEDED")
 
 
 @dataclass(frozen=True)
@@ -91,15 +100,17 @@ class RunData:
     poison: list[tuple[int, int, int, float]]
     dlq: list[dict[str, str]]
     events: list[Event]
-    samples: list[tuple[float, int, str, int, int, int, int]]
+    samples: list[tuple[Any, ...]]
     worker_log: str
     beat_logs: list[str]
     drained: bool
     batch: int
     max_reconsume: int
     suspend_s: float
-    #: Scenario-specific checks to enforce: "failover_target", "poison_bound", "beat".
+    #: Scenario-specific checks to enforce: "failover_target", "poison_bound", "beat", "stall_bound".
     enforce: set[str] = field(default_factory=set)
+    pending_ttl: float = 10.0
+    sweep_interval: float = 2.0
     failover_target: float = 5.0
 
 
@@ -135,6 +146,13 @@ class Result:
     epoch_double_owner: list[str] = field(default_factory=list)
     offset_backward: list[str] = field(default_factory=list)
     max_stall: float = 0.0
+    #: Per Redis restart: seconds from Redis answering again to the last queue's first call.
+    redis_recovery: list[str] = field(default_factory=list)
+    tasks_stolen: int = 0
+    long_stalls: list[str] = field(default_factory=list)
+    #: Per lost ConsumeRequest task (the last one of a queue before it resumed): seconds to resume.
+    lost_task_recovery: list[float] = field(default_factory=list)
+    crashes: list[str] = field(default_factory=list)
     poison: list[dict[str, Any]] = field(default_factory=list)
     beat: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -197,6 +215,11 @@ def check(data: RunData) -> Result:
     _stall(data, entries, r)
     _poison(data, entries, r)
     _beat(data, entries, r)
+    for e in data.events:
+        if e.kind == "crash":
+            r.crashes.append(f"{e.target} exited by itself (code {e.info.get('returncode')}) at {e.t:.3f}")
+    if r.crashes:
+        r.problems.append(f"worker(s) died without being killed: {r.crashes}")
     if not data.drained:
         r.problems.append("the queues did not drain to lag 0 before the deadline")
     return r
@@ -301,7 +324,7 @@ def _duplicates(data: RunData, regular: list[Entry], faults: list[Event], r: Res
         per_fault_queue[(cause, e.queue)] += 1
     by_fault: dict[str, int] = defaultdict(int)
     for (i, q), n in per_fault_queue.items():
-        by_fault[f"{faults[i].kind}@{i}"] += n
+        by_fault[f"{faults[i].kind} #{i}"] += n
         if n > data.batch:
             r.problems.append(f"{n} redeliveries on queue {q} after {faults[i].kind} #{i} (more than one "
                               f"batch of {data.batch})")
@@ -315,10 +338,26 @@ def _duplicates(data: RunData, regular: list[Entry], faults: list[Event], r: Res
 # -- overlaps, stale calls, fencing ---------------------------------------------------------------
 
 
-def _refused(log: str, r: Result) -> set[tuple[int, int]]:
-    out = set()
+@dataclass
+class Refusals:
+    """Commits the workers logged as refused: stale epochs, and runs superseded at the same epoch."""
+
+    stale_epochs: set[tuple[int, int]] = field(default_factory=set)
+    superseded: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def refused(self, c: Call, same_epoch: bool) -> bool:
+        if (c.queue, c.epoch) in self.stale_epochs:
+            return True
+        return same_epoch and any(t >= c.start for t in self.superseded.get(c.queue, []))
+
+
+def _refused(log: str, r: Result) -> Refusals:
+    out = Refusals()
     for m in REFUSED_RE.finditer(log):
-        out.add((int(m.group(2)), int(m.group(4))))
+        out.stale_epochs.add((int(m.group(2)), int(m.group(4))))
+    for m in SUPERSEDED_RE.finditer(log):
+        t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
+        out.superseded[int(m.group(3))].append(t)
     r.refused_log_lines = len(REFUSED_ANY_RE.findall(log))
     return out
 
@@ -342,53 +381,61 @@ def _calls(entries: list[Entry]) -> dict[int, list[Call]]:
     return {q: sorted(c, key=lambda c: (c.start, c.end)) for q, c in calls.items()}
 
 
-def _overlaps_and_stale(entries: list[Entry], refused: set[tuple[int, int]], r: Result) -> None:
-    stale_seen: set[Call] = set()
+def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result) -> None:
+    """An overlap is allowed only if the stale call (lower epoch; at one epoch, the older run) had
+    its commit refused *and* could see it was stale (``ctx.still_owner()`` False in it)."""
+    stale: dict[Call, bool] = {}  # stale call -> "superseded at the same epoch"
     for q, calls in _calls(entries).items():
         top_epoch = 0
         active: list[Call] = []
         for c in calls:
             if c.epoch < top_epoch:
-                stale_seen.add(c)
+                stale.setdefault(c, False)
             top_epoch = max(top_epoch, c.epoch)
             active = [a for a in active if a.end > c.start]
             for a in active:
                 if (a.client, a.pid) == (c.client, c.pid):
                     continue
                 r.overlaps += 1
-                what = (f"queue {q}: call by {c.client}/{c.pid} epoch {c.epoch} at {c.start:.3f} overlaps the "
-                        f"call by {a.client}/{a.pid} epoch {a.epoch} [{a.start:.3f}, {a.end:.3f}]")
-                if a.epoch == c.epoch:
-                    r.overlaps_forbidden.append(what + " at the same epoch")
-                    continue
-                old = a if a.epoch < c.epoch else c
-                if (q, old.epoch) in refused:
+                same = a.epoch == c.epoch
+                old = a if (same or a.epoch < c.epoch) else c
+                stale.setdefault(old, same)
+                refused, saw = ref.refused(old, same), old.owner != "1"
+                if refused and saw:
                     r.overlaps_allowed += 1
-                    stale_seen.add(old)
-                else:
-                    r.overlaps_forbidden.append(what + f"; no refused commit logged for stale epoch {old.epoch}")
+                    continue
+                why = [f"both at epoch {c.epoch} (a second run of the queue in the same epoch)" if same else "",
+                       "" if refused else f"no refused commit logged for the stale call (epoch {old.epoch})",
+                       "" if saw else "ctx.still_owner() returned True in the stale call"]
+                r.overlaps_forbidden.append(
+                    f"queue {q}: call by {c.client}/{c.pid} epoch {c.epoch} at {c.start:.3f} overlaps the call by "
+                    f"{a.client}/{a.pid} epoch {a.epoch} [{a.start:.3f}, {a.end:.3f}]: " + "; ".join(w for w in why if w)
+                )
             active.append(c)
-    r.stale_calls = len(stale_seen)
-    r.stale_saw_stale_epoch = sum(1 for c in stale_seen if c.owner == "0")
-    r.stale_commit_refused = sum(1 for c in stale_seen if (c.queue, c.epoch) in refused)
+    r.stale_calls = len(stale)
+    r.stale_saw_stale_epoch = sum(1 for c in stale if c.owner == "0")
+    r.stale_commit_refused = sum(1 for c, same in stale.items() if ref.refused(c, same))
     if r.overlaps_forbidden:
         r.problems.append(f"{len(r.overlaps_forbidden)} forbidden overlap(s), e.g. {r.overlaps_forbidden[:2]}")
-    unrefused = [c for c in stale_seen if (c.queue, c.epoch) not in refused]
+    unrefused = [c for c, same in stale.items() if not ref.refused(c, same)]
     if unrefused:
         r.problems.append(f"{len(unrefused)} stale call(s) whose commit was not refused, e.g. "
                           f"{[(c.queue, c.epoch, c.client, round(c.start, 3)) for c in unrefused[:3]]}")
-    blind = [c for c in stale_seen if c.owner == "1"]
+    blind = [c for c in stale if c.owner == "1"]
     if blind:
         r.problems.append(f"{len(blind)} stale call(s) where ctx.still_owner() said True, e.g. "
-                          f"{[(c.queue, c.epoch, c.client, round(c.start, 3)) for c in blind[:3]]}")
+                          f"{[(c.queue, c.epoch, c.client, c.pid, round(c.start, 3)) for c in blind[:3]]}")
 
 
 # -- failover -------------------------------------------------------------------------------------
 
 
 def _first_other(entries: list[Entry], q: int, client: str, after: float) -> float | None:
+    """Start of the first call on ``q`` after ``after`` by a process other than ``client``'s processes
+    at that time (a restarted incarnation under the same name counts as another process)."""
+    old = {e.pid for e in entries if e.client == client and e.start <= after}
     for e in entries:  # sorted by start
-        if e.queue == q and e.start > after and e.client != client:
+        if e.queue == q and e.start > after and (e.client != client or e.pid not in old):
             return e.start
     return None
 
@@ -401,7 +448,7 @@ def _failover(data: RunData, entries: list[Entry], r: Result) -> None:
         for q in ev.queues:
             t = _first_other(entries, q, client, ev.t)
             if t is None:
-                r.no_failover.append(f"queue {q} never resumed on another client after the {ev.kind} at {ev.t:.3f}")
+                r.no_failover.append(f"queue {q} never resumed in another process after the {ev.kind} at {ev.t:.3f}")
                 continue
             (r.failovers if ev.kind == "kill" else r.takeovers_after_sigstop).append(round(t - ev.t, 3))
     if r.no_failover:
@@ -422,7 +469,7 @@ def _samples(data: RunData, r: Result) -> None:
     owners: dict[tuple[int, int], set[str]] = defaultdict(set)
     last_off: dict[int, tuple[float, int]] = {}
     restarts = [e for e in data.events if e.kind == "redis-kill"]
-    for t, q, owner, epoch, _lease, offset, _now in data.samples:
+    for t, q, owner, epoch, _lease, offset, *_ in data.samples:
         if owner:
             owners[(q, epoch)].add(owner)
         prev = last_off.get(q)
@@ -451,10 +498,46 @@ def _stall(data: RunData, entries: list[Entry], r: Result) -> None:
     for e in entries:
         starts[e.queue].append(e.start)
     worst = 0.0
-    for s in starts.values():
+    for q, s in sorted(starts.items()):
         s.sort()
-        worst = max([worst, *(b - a for a, b in zip(s, s[1:], strict=False))])
+        for a, b in zip(s, s[1:], strict=False):
+            worst = max(worst, b - a)
+            if b - a > LONG_STALL:
+                before = [ev for ev in data.events if ev.t <= a + 0.5]
+                cause = f"{before[-1].kind} {before[-1].target} {a - before[-1].t:+.1f}s" if before else "no event"
+                r.long_stalls.append(f"queue {q}: {b - a:.1f}s from {a:.3f} (last event before: {cause})")
     r.max_stall = round(worst, 2)
+    # Lost tasks: from the last task of a queue taken away to that queue's next listener call.
+    taken: dict[int, list[float]] = defaultdict(list)
+    for ev in data.events:
+        if ev.kind == "delete-tasks":
+            r.tasks_stolen += int(ev.info.get("stolen", 0))
+            for t, q in ev.info.get("taken", []):
+                taken[q].append(t)
+    for q, ts in taken.items():
+        calls = starts.get(q, [])
+        by_next: dict[float | None, float] = {}
+        for t in ts:
+            nxt = next((c for c in calls if c > t), None)
+            by_next[nxt] = max(by_next.get(nxt, t), t)
+        for nxt, t in by_next.items():
+            if nxt is None:
+                r.problems.append(f"queue {q} never had a listener call after its task was taken at {t:.3f}")
+            else:
+                r.lost_task_recovery.append(round(nxt - t, 2))
+    bound = data.pending_ttl + 2 * data.sweep_interval + STALL_SLACK
+    worst_rec = max(r.lost_task_recovery, default=0.0)
+    if "stall_bound" in data.enforce and worst_rec > bound:
+        r.problems.append(f"a queue resumed {worst_rec}s after its ConsumeRequest task was lost (bound: "
+                          f"pending TTL + 2 sweeps + {STALL_SLACK:.0f}s = {bound:.0f}s)")
+    kills = [ev for ev in data.events if ev.kind == "redis-kill"]
+    for i, ev in enumerate(kills):
+        until = kills[i + 1].t if i + 1 < len(kills) else math.inf
+        firsts = [min((t for t in s if ev.end() < t < until), default=None) for s in starts.values()]
+        if any(f is None for f in firsts):
+            r.redis_recovery.append(f"> {until - ev.end():.1f} (not every queue resumed before the next kill)")
+        elif firsts:
+            r.redis_recovery.append(f"{max(firsts) - ev.end():.1f}")
 
 
 # -- poison and beat ------------------------------------------------------------------------------
@@ -504,7 +587,7 @@ def _beat(data: RunData, entries: list[Entry], r: Result) -> None:
         gaps[q] = round(max(b - a for a, b in zip(s, s[1:], strict=False)), 2)
     changes = 0
     last: dict[int, int] = {}
-    for t, q, _o, epoch, _l, _off, _n in data.samples:
+    for t, q, _o, epoch, *_ in data.samples:
         if q in last and epoch != last[q] and k.t <= t <= t1:
             changes += 1
         last[q] = epoch

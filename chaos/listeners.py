@@ -15,8 +15,8 @@ keeps every call, including calls whose commit the Redis under test lost in a cr
 Bodies are JSON ``{"k": key, "s": seq}``; ``{"poison": true, "id": n}`` always returns SUSPEND.
 This group uses ``max_reconsume_times=3`` (instead of the default 16) so a poison message reaches
 the DLQ after 3 suspends of 1 s; regular messages never suspend, so nothing else depends on it.
-``CHAOS_WORK_MS`` (default 1) is the simulated work per call, which widens the window in which a
-SIGSTOP lands inside a listener call.
+``CHAOS_WORK_MS`` (default 1) is the simulated work per call; ``slow:<client>`` in the ``ctl``
+hash of the ledger Redis raises it for one client (used to land a SIGSTOP inside listener calls).
 """
 
 from __future__ import annotations
@@ -36,6 +36,9 @@ from mqorder.consumer.consume_request import ConsumeRequest
 TOPIC = "chaos"
 GROUP = "chaos"
 LEDGER = "ledger"
+#: Control hash in the ledger Redis: ``slow:<client>`` = work per call in ms for that client (the
+#: runner sets it for a moment before a SIGSTOP so the pause lands inside listener calls).
+CTL = "ctl"
 MAX_RECONSUME = 3
 SUSPEND_MS = 1000
 
@@ -78,6 +81,9 @@ def handle(msgs, ctx):  # noqa: ANN001, ANN201
         else:
             parsed.append((str(body["k"]), int(body["s"]), m))
     work_ms = float(os.environ.get("CHAOS_WORK_MS", "1"))
+    slow = _ledger().hget(CTL, f"slow:{ctx.client_id}")
+    if slow:
+        work_ms = max(work_ms, float(slow))
     if work_ms > 0:
         time.sleep(work_ms / 1000)
     try:

@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis
+from celery.utils.nodenames import worker_direct
 
 from chaos import listeners
 from mqorder import Producer
@@ -67,6 +70,21 @@ class Ack:
     queue: int
     offset: int
     t: float
+
+
+def child_pids(pid: int) -> list[int]:
+    """Direct children of ``pid`` (the prefork pool processes of a worker), from /proc."""
+    out = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append(int(d.name))
+    return sorted(out)
 
 
 # -- producer -------------------------------------------------------------------------------------
@@ -133,12 +151,15 @@ class ProducerThread(threading.Thread):
 class Monitor(threading.Thread):
     """Samples every queue's lock state (owner, epoch, lease, offset) a few times a second."""
 
-    def __init__(self, url: str, mqs: list[MessageQueue], interval: float = 0.2) -> None:
+    def __init__(self, url: str, mqs: list[MessageQueue], interval: float = 0.2,
+                 on_tick: Callable[[], None] | None = None) -> None:
         super().__init__(name="chaos-monitor", daemon=True)
         self.url = url
         self.mqs = mqs
         self.interval = interval
-        self.samples: list[tuple[float, int, str, int, int, int, int]] = []
+        self.on_tick = on_tick
+        #: (wall time, queue, owner, epoch, lease ms, offset, Redis now ms, pending token, pend_until ms, run ms)
+        self.samples: list[tuple[float, int, str, int, int, int, int, str, int, int]] = []
         self.stop_event = threading.Event()
 
     def run(self) -> None:
@@ -146,21 +167,24 @@ class Monitor(threading.Thread):
 
         client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
         while not self.stop_event.wait(self.interval):
+            if self.on_tick is not None:
+                self.on_tick()
             try:
                 pipe = client.pipeline(transaction=False)
                 pipe.time()
                 for mq in self.mqs:
-                    pipe.hmget(keys.sub_state(mq.tag, GROUP), "owner", "epoch", "lease", "offset")
+                    pipe.hmget(keys.sub_state(mq.tag, GROUP), "owner", "epoch", "lease", "offset", "pending", "pend_until",
+                              "run")
                 res = pipe.execute()
             except (redis.RedisError, OSError):
                 continue
             t = time.time()
             sec, usec = res[0]
             now_ms = sec * 1000 + usec // 1000
-            for mq, (owner, epoch, lease, offset) in zip(self.mqs, res[1:], strict=True):
+            for mq, (owner, epoch, lease, offset, pending, pend_until, run) in zip(self.mqs, res[1:], strict=True):
                 self.samples.append((
                     t, mq.queue_id, (owner or b"").decode(), int(epoch or 0), int(lease or 0),
-                    int(offset or 0), now_ms,
+                    int(offset or 0), now_ms, (pending or b"").decode(), int(pend_until or 0), int(run or 0),
                 ))
         client.close()
 
@@ -203,6 +227,8 @@ class Cluster:
         self.monitor: Monitor | None = None
         self.poison: list[tuple[int, int, int, float]] = []  # (id, queue, offset, ack time)
         self._worker_seq = 0
+        #: Workers this runner killed or stopped; any other worker that exits has crashed.
+        self.expected_down: set[str] = set()
         self._bg: list[threading.Thread] = []
         self._started = False
         self.t_traffic: tuple[float, float] = (0.0, 0.0)
@@ -244,9 +270,12 @@ class Cluster:
         for n in names:
             self.workers[n].wait_registered(self.brokers.meta, timeout=90)
         self.start_beat()
-        self.monitor = Monitor(self.url, self.mqs)
+        self.monitor = Monitor(self.url, self.mqs, on_tick=self.check_crashes)
         self.monitor.start()
         self.wait_all_owned(30)
+        # A worker subscribes to its wake channel only after it has taken its queues; a message
+        # sent in between waits for the pending TTL (see the report). Let the subscriptions settle.
+        time.sleep(1.5)
         return self
 
     def new_worker_name(self) -> str:
@@ -286,6 +315,14 @@ class Cluster:
                 pass
             time.sleep(0.2)
         log(f"warning: not every queue had an owner after {timeout}s")
+
+    def check_crashes(self) -> None:
+        """Record a worker that exited without being killed or stopped by this runner."""
+        for w in list(self.workers.values()):
+            if w.proc is not None and w.name not in self.expected_down and w.proc.poll() is not None:
+                self.expected_down.add(w.name)
+                self.event("crash", w.name, fault=False, info={"returncode": w.proc.returncode,
+                                                              "client": w.hostname})
 
     def alive_workers(self) -> list[WorkerProcess]:
         return [w for w in self.workers.values() if w.alive()]
@@ -346,27 +383,63 @@ class Cluster:
             return None
         w, qs = found
         e = self.event("kill", w.name, queues=qs, info={"client": w.hostname})
+        self.expected_down.add(w.name)
         w.kill()
         return e
 
     def restart_worker(self, name: str) -> Event:
         e = self.event("restart", name)
-        self.start_worker(name, wait=True)
+        w = self.start_worker(name, wait=False)
+        self.expected_down.discard(name)
+        w.wait_registered(self.brokers.meta, timeout=90)
         e.t_end = time.time()
         return e
 
-    def pause_worker(self, seconds: float) -> Event | None:
-        """SIGSTOP of the whole process group of a queue owner for ``seconds``, then SIGCONT."""
+    def pause_worker(self, seconds: float, *, in_call: bool = False) -> Event | None:
+        """SIGSTOP of the whole process group of a queue owner for ``seconds``, then SIGCONT.
+
+        With ``in_call`` the worker's listener calls are made slow (400 ms) for a moment first, so
+        the pause lands inside listener calls: the case where a stale holder resumes mid-call.
+        """
         found = self._busiest()
         if found is None:
             return None
         w, qs = found
-        e = self.event("sigstop", w.name, queues=qs, info={"client": w.hostname, "seconds": seconds})
+        slow = f"slow:{w.hostname}"
+        if in_call:
+            self.ledger.hset(listeners.CTL, slow, 400)
+            time.sleep(0.3)
+        e = self.event("sigstop", w.name, queues=qs,
+                       info={"client": w.hostname, "seconds": seconds, "in_call": in_call})
         w.signal(signal.SIGSTOP)
+        self.ledger.hdel(listeners.CTL, slow)
         try:
             time.sleep(seconds)
         finally:
             w.signal(signal.SIGCONT)
+        e.t_end = time.time()
+        return e
+
+    def pause_pool_process(self, seconds: float) -> Event | None:
+        """SIGSTOP of one prefork pool process of a queue owner, inside a listener call, for
+        ``seconds`` (its main process keeps heartbeating and renewing the worker's locks)."""
+        found = self._busiest()
+        if found is None:
+            return None
+        w, qs = found
+        kids = child_pids(w.pid)
+        if not kids:
+            return None
+        slow = f"slow:{w.hostname}"
+        self.ledger.hset(listeners.CTL, slow, 400)
+        time.sleep(0.3)
+        e = self.event("sigstop-child", w.name, info={"client": w.hostname, "pid": kids[0], "seconds": seconds})
+        os.kill(kids[0], signal.SIGSTOP)
+        self.ledger.hdel(listeners.CTL, slow)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(kids[0], signal.SIGCONT)
         e.t_end = time.time()
         return e
 
@@ -394,36 +467,46 @@ class Cluster:
             return None
         w = self.workers[name] if name else alive[0]
         e = self.event("leave", w.name)
+        self.expected_down.add(w.name)
         t = threading.Thread(target=w.stop, kwargs={"timeout": 60}, daemon=True)
         t.start()
         self._bg.append(t)
         return e
 
-    def delete_tasks(self) -> Event:
-        """Lost tasks: delete every worker direct queue and kombu's unacked structures."""
-        c = self.brokers.meta
-        names = [k for k in c.scan_iter(match="*.dq2*", count=1000)] + [b"unacked", b"unacked_index"]
-        pipe = c.pipeline(transaction=True)
-        for k in names:
-            pipe.type(k)
-        types = pipe.execute()
-        pipe = c.pipeline(transaction=True)
-        counted = []
-        for k, t in zip(names, types, strict=True):
-            if t == b"list":
-                pipe.llen(k)
-            elif t == b"hash":
-                pipe.hlen(k)
-            elif t == b"zset":
-                pipe.zcard(k)
-            else:
-                continue
-            counted.append(k)
-        sizes = pipe.execute() if counted else []
-        if counted:
-            c.delete(*counted)
-        n = int(sum(sizes))
-        return self.event("delete-tasks", "broker", info={"removed": n, "keys": len(counted)})
+    def direct_queues(self) -> list[str]:
+        """The Celery direct queue keys of every worker this runner started (with kombu's priority
+        sub-queues), whether or not they exist right now."""
+        out = []
+        for w in self.workers.values():
+            q = worker_direct(w.hostname).name
+            out += [q, *(f"{q}\x06\x16{p}" for p in (3, 6, 9))]
+        return out
+
+    def steal_tasks(self, burst: float = 1.0) -> Event:
+        """Lost tasks: for ``burst`` seconds, take every ConsumeRequest task published to any worker
+        direct queue away from the broker (a competing BRPOP that throws them away), and delete
+        kombu's ``unacked`` structures."""
+        c = redis.Redis.from_url(self.url, socket_timeout=5)
+        e = self.event("delete-tasks", "broker")
+        stolen = 0
+        taken: list[tuple[float, int]] = []
+        try:
+            names = self.direct_queues()
+            deadline = time.monotonic() + burst
+            while time.monotonic() < deadline:
+                got = c.brpop(names, timeout=0.1)
+                if got is not None:
+                    stolen += 1
+                    m = re.search(rf"{TOPIC}:[^:']+:(\d+)", got[1].decode(errors="replace"))
+                    if m:
+                        taken.append((time.time(), int(m.group(1))))
+            e.info["unacked_deleted"] = int(c.delete("unacked", "unacked_index"))
+        finally:
+            c.close()
+            e.t_end = time.time()
+            e.info["stolen"] = stolen
+            e.info["taken"] = taken
+        return e
 
     def inject_poison(self, count: int) -> Event:
         """Send ``count`` poison messages, each to a different queue, among the regular traffic."""
@@ -489,6 +572,7 @@ class Cluster:
         if self.monitor is not None:
             self.monitor.stop_event.set()
             self.monitor.join(5)
+        self.expected_down.update(self.workers)
         stoppers = []
         for w in self.workers.values():
             if w.alive():

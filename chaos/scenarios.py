@@ -48,7 +48,8 @@ class Clock:
 
 
 class Deleter(threading.Thread):
-    """Deletes the Celery direct queues every ``every`` seconds (lost ConsumeRequest tasks)."""
+    """Every ``every`` seconds, a one-second burst of taking ConsumeRequest tasks away from the
+    Celery broker (lost tasks)."""
 
     def __init__(self, c: Cluster, every: float) -> None:
         super().__init__(name="chaos-deleter", daemon=True)
@@ -59,7 +60,7 @@ class Deleter(threading.Thread):
     def run(self) -> None:
         while not self.stop_event.wait(self.every):
             try:
-                self.c.delete_tasks()
+                self.c.steal_tasks(1.0)
             except redis.RedisError:
                 pass  # the Redis under test may be down in the combined scenario
 
@@ -86,8 +87,8 @@ def kill_loop(c: Cluster, quick: bool) -> None:
 def sigstop(c: Cluster, quick: bool, seconds: float = 8.0) -> None:
     clock = Clock()
     clock.at(4)
-    for _ in range(1 if quick else 2):
-        c.pause_worker(seconds)
+    for i in range(1 if quick else 2):
+        c.pause_worker(seconds, in_call=i == 0)  # the first pause lands inside listener calls
         time.sleep(8)
 
 
@@ -95,12 +96,20 @@ def sigstop_lease(c: Cluster, quick: bool) -> None:
     sigstop(c, quick, seconds=10.0)
 
 
+def sigstop_pool_process(c: Cluster, quick: bool) -> None:
+    clock = Clock()
+    clock.at(4)
+    for _ in range(1 if quick else 2):
+        c.pause_pool_process(12.0)
+        time.sleep(6)
+
+
 def redis_restart(c: Cluster, quick: bool) -> None:
     clock = Clock()
     clock.at(6)
     for _ in range(1 if quick else 2):
         c.restart_redis(down=3.0)
-        time.sleep(10)
+        time.sleep(15)  # longer than the pending TTL, so each recovery is seen on its own
 
 
 def churn(c: Cluster, quick: bool) -> None:
@@ -118,7 +127,7 @@ def churn(c: Cluster, quick: bool) -> None:
 def lost_tasks(c: Cluster, quick: bool) -> None:
     clock = Clock()
     clock.at(3)
-    d = Deleter(c, 2.0)
+    d = Deleter(c, 4.0)
     d.start()
     try:
         clock.at(18 if quick else 36)
@@ -173,7 +182,7 @@ def everything(c: Cluster, quick: bool) -> None:
         clock.at(16)
         c.kill_beat()
         clock.at(18)
-        c.pause_worker(10.0)
+        c.pause_worker(10.0, in_call=True)
         clock.at(32)
         c.beat_start()
         clock.at(34)
@@ -212,9 +221,9 @@ def smoke(c: Cluster, quick: bool) -> None:
     if e is not None:
         c.restart_worker(e.target)
     clock.at(13)
-    c.delete_tasks()
+    c.steal_tasks(1.0)
     clock.at(16)
-    c.delete_tasks()
+    c.steal_tasks(1.0)
     clock.at(20)
 
 
@@ -224,12 +233,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("sigstop", "SIGSTOP of a queue owner past the 3 s liveness lease (8 s), then SIGCONT", sigstop),
     Scenario("sigstop-lease", "SIGSTOP past the lock lease too (6 s lease, 10 s pause), then SIGCONT",
              sigstop_lease, env=dict(SHORT_LEASE)),
+    Scenario("sigstop-child", "SIGSTOP of one pool process inside a listener call for 12 s, past its 5 s run "
+             "lease (the worker's main process keeps heartbeating)", sigstop_pool_process,
+             env={"MQORDER_RUN_LEASE": "5"}),
     Scenario("redis-always", "Redis SIGKILLed and restarted from its AOF (appendfsync always)", redis_restart,
              fsync="always"),
     Scenario("redis-everysec", "Redis SIGKILLed and restarted from its AOF (appendfsync everysec)",
              redis_restart, fsync="everysec"),
     Scenario("churn", "workers joining and leaving (warm shutdown) every 3 s", churn),
-    Scenario("lost-tasks", "ConsumeRequest tasks deleted from the Celery broker every 2 s", lost_tasks),
+    Scenario("lost-tasks", "ConsumeRequest tasks taken from the Celery broker (1 s bursts every 4 s)", lost_tasks,
+             enforce={"stall_bound"}),
     Scenario("poison", "poison messages that always SUSPEND (max_reconsume_times=3, 1 s suspend)", poison,
              enforce={"poison_bound"}),
     Scenario("beat", "beat killed past the 6 s lease and restarted; then two beats at once", beat,
@@ -238,7 +251,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              env={**SHORT_LEASE, "MQORDER_REBALANCE_INTERVAL": "5"}),
 ]}
 
-SMOKE = Scenario("smoke", "smoke: one kill -9 and two lost-task deletions", smoke)
+SMOKE = Scenario("smoke", "smoke: one kill -9 and two lost-task bursts", smoke)
 
 
 def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_timeout: float = 60.0) -> Result:
@@ -262,6 +275,7 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
             samples=list(c.monitor.samples), worker_log=c.worker_logs(), beat_logs=c.beat_logs(),
             drained=drained, batch=c.settings.pull_batch_size, max_reconsume=listeners.MAX_RECONSUME,
             suspend_s=listeners.SUSPEND_MS / 1000, enforce=set(sc.enforce),
+            pending_ttl=c.settings.pending_ttl, sweep_interval=c.settings.sweep_interval,
         )
     finally:
         c.stop()

@@ -1,0 +1,65 @@
+"""``python -m chaos`` (``make chaos``): run the chaos scenarios and write docs/RELIABILITY.md.
+
+    python -m chaos                      # every scenario (about 15 minutes)
+    python -m chaos --scenario kill      # one (repeatable, or comma-separated)
+    python -m chaos --quick              # shorter timelines, fewer faults
+    python -m chaos --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from chaos import report
+from chaos.checker import Result
+from chaos.runner import log
+from chaos.scenarios import SCENARIOS, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m chaos", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--scenario", action="append", default=[], metavar="NAME",
+                    help=f"run only these ({', '.join(SCENARIOS)}); repeatable or comma-separated")
+    ap.add_argument("--quick", action="store_true", help="shorter timelines and fewer faults")
+    ap.add_argument("--keep-logs", action="store_true", help="keep worker/beat/redis logs (printed path)")
+    ap.add_argument("--no-write", action="store_true", help="do not update docs/RELIABILITY.md")
+    ap.add_argument("--list", action="store_true", help="list the scenarios and exit")
+    args = ap.parse_args(argv)
+    if args.list:
+        for s in SCENARIOS.values():
+            print(f"{s.name:15} {s.title}")
+        return 0
+    names = [n.strip() for arg in args.scenario for n in arg.split(",") if n.strip()] or list(SCENARIOS)
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        ap.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
+    t0 = time.monotonic()
+    engine = report.engine_version()
+    results = {}
+    failed = []
+    for n in names:
+        sc = SCENARIOS[n]
+        start = time.monotonic()
+        try:
+            res = run(sc, quick=args.quick, keep_logs=args.keep_logs)
+        except Exception as exc:  # noqa: BLE001 - one broken scenario must not hide the others
+            log(f"== {n}: scenario could not run: {exc!r}")
+            res = Result(n, sc.fsync, problems=[f"the scenario could not run: {exc!r}"[:400]])
+        results[n] = report.compact(res, title=sc.title, env=sc.env, quick=args.quick,
+                                    seconds=time.monotonic() - start, engine=engine)
+        if not res.passed:
+            failed.append(n)
+        if not args.no_write:
+            report.write({n: results[n]})  # after each scenario, so an interrupted run keeps its figures
+    if not args.no_write:
+        log(f"wrote {report.DOC}")
+    log(f"{len(names)} scenario(s) in {time.monotonic() - t0:.0f}s; "
+        f"{'all passed' if not failed else 'FAILED: ' + ', '.join(failed)}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""Writes ``docs/RELIABILITY.md`` from the checker's results (never typed by hand).
+
+The figures of every scenario are also kept, as JSON, in a comment at the end of the file, so a
+run of some scenarios (``--scenario NAME``) updates their rows and keeps the others.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+from chaos.checker import BEAT_OUTAGE_MAX_GAP, DUP_WINDOW, FSYNC_WINDOW, POISON_SLACK, Result
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"
+MARK = "chaos-results:"
+ORDER = ["kill", "sigstop", "sigstop-lease", "sigstop-child", "redis-always", "redis-everysec", "churn", "lost-tasks", "poison",
+         "beat", "all"]
+
+
+def engine_version() -> str:
+    """The commit the engine was run from, ``+dirty`` if ``mqorder/`` had uncommitted changes."""
+    root = DOC.parent.parent
+    try:
+        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                             timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", "mqorder"], cwd=root,
+                               timeout=10).returncode != 0
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (sha or "unknown") + ("+dirty" if dirty else "")
+
+
+def compact(r: Result, *, title: str, env: dict[str, str], quick: bool, seconds: float,
+            engine: str = "") -> dict[str, Any]:
+    """What the report shows of one result (lists cut to a few examples)."""
+    return {
+        "scenario": r.scenario, "title": title, "env": env, "fsync": r.fsync, "quick": quick, "engine": engine,
+        "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(seconds),
+        "produced": r.produced, "unknown_sends": r.unknown_sends, "handled": r.handled,
+        "faults": r.faults, "fault_kinds": r.fault_kinds,
+        "violations": len(r.violations), "violation_examples": r.violations[:3],
+        "lost": len(r.lost), "lost_examples": r.lost[:3], "lost_fsync": len(r.lost_fsync),
+        "fsync_gaps": r.fsync_gaps,
+        "duplicates": r.duplicates, "dup_redeliveries": r.dup_redeliveries, "dup_copies": r.dup_copies,
+        "dup_unexplained": len(r.dup_unexplained), "dup_max_per_fault_queue": r.dup_max_per_fault_queue,
+        "dup_by_fault": r.dup_by_fault,
+        "overlaps": r.overlaps, "overlaps_allowed": r.overlaps_allowed,
+        "overlaps_forbidden": len(r.overlaps_forbidden),
+        "stale_calls": r.stale_calls, "stale_saw_stale_epoch": r.stale_saw_stale_epoch,
+        "stale_commit_refused": r.stale_commit_refused, "refused_log_lines": r.refused_log_lines,
+        "failovers": len(r.failovers), "failover_max": r.failover_max, "failover_p99": r.failover_p99,
+        "failover_values": sorted(r.failovers),
+        "sigstop_takeovers": r.takeovers_after_sigstop,
+        "epoch_double_owner": len(r.epoch_double_owner), "offset_backward": len(r.offset_backward),
+        "max_stall": r.max_stall, "redis_recovery": r.redis_recovery, "tasks_stolen": r.tasks_stolen, "long_stalls": r.long_stalls[:12], "long_stall_count": len(r.long_stalls),
+        "lost_task_recovery": sorted(r.lost_task_recovery), "crashes": r.crashes, "poison": r.poison, "beat": r.beat, "notes": r.notes[:5],
+        "problems": r.problems, "passed": r.passed,
+    }
+
+
+def _load(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.exists():
+        return {}
+    m = re.search(r"<!-- " + MARK + r" (.*?) -->", path.read_text(), re.S)
+    if not m:
+        return {}
+    try:
+        return json.loads(m.group(1))
+    except json.JSONDecodeError:
+        return {}
+
+
+def _many(values: list[float]) -> str:
+    """A list of seconds: all of them when short, else min / median / max."""
+    v = sorted(values)
+    if len(v) <= 24:
+        return ", ".join(f"{t:.2f}" for t in v)
+    return f"{len(v)} values, min {v[0]:.2f}, median {v[len(v) // 2]:.2f}, max {v[-1]:.2f}"
+
+
+def _s(v: float | None) -> str:
+    return "–" if v is None else f"{v:.2f}"
+
+
+def _row(d: dict[str, Any]) -> str:
+    fo_max, fo_p99 = _s(d["failover_max"]), _s(d["failover_p99"])
+    if d["failovers"] == 0 and d["sigstop_takeovers"]:
+        t = d["sigstop_takeovers"]
+        fo_max = f"{max(t):.2f}†"
+        fo_p99 = f"{sorted(t)[max(0, -(-99 * len(t) // 100) - 1)]:.2f}†"
+    dups = f"{d['duplicates']} ({d['dup_redeliveries']} r / {d['dup_copies']} c / {d['dup_unexplained']} u)"
+    overl = f"{d['overlaps']} ({d['overlaps_forbidden']} forbidden)"
+    name = d["scenario"] + (" (quick)" if d["quick"] else "")
+    return (
+        f"| {name} | {d['produced']:,} | {d['handled']:,} | {d['faults']} | {d['violations']} | {d['lost']} | "
+        f"{d['lost_fsync']} | {dups} | {d['dup_max_per_fault_queue']} | {overl} | {fo_max} | {fo_p99} | "
+        f"{'pass' if d['passed'] else '**FAIL**'} |"
+    )
+
+
+def _details(d: dict[str, Any]) -> list[str]:
+    env = ", ".join(f"`{k}={v}`" for k, v in d["env"].items()) or "defaults"
+    kinds = ", ".join(f"{k} ×{n}" for k, n in sorted(d["fault_kinds"].items()))
+    out = [
+        f"### {d['scenario']}: {d['title']}",
+        "",
+        f"- run {d['date']}, {d['seconds']} s{' (quick)' if d['quick'] else ''}, engine "
+        f"`{d.get('engine') or 'unknown'}`; `appendfsync {d['fsync']}`; "
+        f"settings: {env}",
+        f"- faults: {kinds or 'none'}; sends that raised (unknown, retried): {d['unknown_sends']}"
+        + (f"; ConsumeRequest tasks taken from the broker: {d['tasks_stolen']}" if d.get("tasks_stolen") else ""),
+        *([f"- seconds from a queue's last lost task to its next listener call: {_many(d['lost_task_recovery'])}"]
+          if d.get("lost_task_recovery") else []),
+        f"- duplicates: {d['dup_redeliveries']} redeliveries after a fault (at most {d['dup_max_per_fault_queue']} "
+        f"on one queue after one fault), {d['dup_copies']} second stored copies of sends that raised, "
+        f"{d['dup_unexplained']} unexplained"
+        + (f"; redeliveries per fault: {', '.join(f'{k}: {v}' for k, v in d['dup_by_fault'].items())}"
+           if d.get("dup_by_fault") else ""),
+        f"- overlapping listener calls on one queue: {d['overlaps']} pairs, {d['overlaps_allowed']} under a stale "
+        f"epoch whose commit was refused, {d['overlaps_forbidden']} forbidden; stale calls (started after a newer "
+        f"epoch was in use): {d['stale_calls']}, of which {d['stale_saw_stale_epoch']} saw `ctx.still_owner()` "
+        f"False and {d['stale_commit_refused']} had their commit refused; 'commit refused' log lines: "
+        f"{d['refused_log_lines']}",
+        f"- epochs held by two clients: {d['epoch_double_owner']}; committed offset going backward: "
+        f"{d['offset_backward']}; longest pause of any queue: {d['max_stall']} s",
+    ]
+    if d.get("redis_recovery"):
+        out.append(f"- after each Redis restart, every queue had a listener call again within: "
+                   f"{', '.join(str(t) for t in d['redis_recovery'])} s")
+    for c in d.get("crashes", []):
+        out.append(f"- **worker crash (not injected)**: {c}")
+    if d["failovers"]:
+        out.append(f"- failover after kill -9: {d['failovers']} queue takeovers, max {_s(d['failover_max'])} s, "
+                   f"p99 {_s(d['failover_p99'])} s; all (s): {_many(d.get('failover_values', []))}")
+    if d["sigstop_takeovers"]:
+        out.append(f"- takeover after SIGSTOP: {', '.join(f'{t:.2f}' for t in d['sigstop_takeovers'])} s")
+    if d["lost_fsync"] or d["fsync_gaps"]:
+        out.append(f"- lost within the last {FSYNC_WINDOW:.0f} s before a Redis kill (everysec): {d['lost_fsync']}; "
+                   f"key gaps they left: {d['fsync_gaps']}")
+    for p in d["poison"]:
+        out.append(f"- poison {p['id']} (queue {p['queue']} offset {p['offset']}): {p['attempts']} attempts, "
+                   f"in DLQ: {'yes' if p['in_dlq'] else '**no**'}, queue blocked {p['blocked_s']} s "
+                   f"(bound {p['bound_s']} s)")
+    if d["beat"]:
+        b = d["beat"]
+        out.append(f"- beat down {b['outage_s']} s: {b['handled_during_outage']:,} listener calls meanwhile, longest "
+                   f"queue gap {b['max_gap_during_outage_s']} s, {b['epoch_changes_during_outage']} epoch changes; "
+                   f"rebalances sent per beat process (first, restarted, second...): {b['rebalances_sent_per_beat']}")
+    if d.get("long_stalls"):
+        out.append(f"- queue pauses over 5 s ({d['long_stall_count']}), with the last event before each:")
+        out += [f"  - {x}" for x in d["long_stalls"]]
+    for n in d["notes"]:
+        out.append(f"- note: {n}")
+    for p in d["problems"]:
+        out.append(f"- **problem**: {p}")
+    for v in d["violation_examples"]:
+        out.append(f"- violation: {v}")
+    for v in d["lost_examples"]:
+        out.append(f"- lost: {v}")
+    out.append("")
+    return out
+
+
+def _failures(results: dict[str, dict[str, Any]], names: list[str]) -> list[str]:
+    failed = [n for n in names if not results[n]["passed"]]
+    if not failed:
+        return []
+    out = ["**Failed checks** (details below):", ""]
+    for n in failed:
+        for p in results[n]["problems"]:
+            out.append(f"- {n}: {p[:400]}")
+    return [*out, ""]
+
+
+def render(results: dict[str, dict[str, Any]]) -> str:
+    names = [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER)
+    lines = [
+        "# Reliability: the chaos suite",
+        "",
+        "Generated by `make chaos` (`python -m chaos`); do not edit by hand. Each scenario starts its own",
+        "`redis-server` (AOF on), 3 prefork worker processes (`-c 2`), beat and a producer sending ~300 msg/s",
+        "with `send_orderly` over 300 keys into 12 queues, injects its faults, drains, and hands the ledger to",
+        "the checker (`chaos/checker.py`). The listener (`chaos/listeners.py`) appends one line per message",
+        "(key, sequence, queue, offset, epoch, client, pid, start and end time, `ctx.still_owner()`) to a",
+        "ledger kept in a second Redis that no fault touches; the producer keeps its acknowledgements in",
+        "memory.",
+        "",
+        "| scenario | messages (acked) | handled | faults | order violations | lost | lost in fsync window | "
+        "duplicates (redelivered / copies / unexplained) | max dups per queue per fault | overlapping calls | "
+        "failover max s | failover p99 s | result |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---|",
+        *(_row(results[n]) for n in names),
+        "",
+        *_failures(results, names),
+        "† takeover after SIGSTOP (no kill in that scenario). Failover: for each queue a killed worker owned",
+        "(read from the lock table right before `kill -9`), the time from the kill to the start of the first",
+        "listener call on that queue by another process; p99 is the nearest-rank percentile over every such",
+        "queue of every kill in the scenario (with fewer than 100 samples it is the maximum).",
+        "",
+        "## What is checked",
+        "",
+        "- **Order violation**: a key whose seq n+1 was handled before seq n ever was (this includes gaps),",
+        "  or a ConsumeRequest run handing out an offset not above the previous one. Must be 0.",
+        "- **Lost**: an acknowledged send never handled (a poison message: never in the DLQ). Must be 0;",
+        f"  with `appendfsync everysec`, losses within the last {FSYNC_WINDOW:.0f} s of acknowledged sends before a "
+        "Redis kill are counted apart.",
+        f"- **Duplicates** must follow a fault (start within {DUP_WINDOW:.0f} s after it ends) and number at most "
+        "one pull batch (32) per queue per fault; a second stored copy of a send that raised is a *copy*.",
+        "- **Overlapping calls** on one queue by two processes are allowed only when the stale call (the lower",
+        "  epoch; at one epoch, the older run) had its commit refused (`commit refused ... epoch N is stale`,",
+        "  or `SUPERSEDED` for a run replaced at the same epoch, in that worker's log) and saw",
+        "  `ctx.still_owner()` return False. Every stale call (one started after a newer epoch of its queue",
+        "  was in use) must have seen False too and had its commit refused.",
+        "- No epoch of a queue ever held by two clients (the lock table sampled every 0.2 s), committed",
+        "  offsets never backward (outside an everysec Redis restart).",
+        f"- Poison: in `%DLQ%chaos` after 1 + 3 attempts, its queue blocked at most 3 × 1 s + {POISON_SLACK:.0f} s.",
+        f"- Beat: while beat is down past the lease no queue goes {BEAT_OUTAGE_MAX_GAP:.0f} s without a call and no",
+        "  epoch changes (workers renew their own leases); a restarted beat sends rebalances again; two",
+        "  beats at once never double-assign.",
+        "",
+        "## Scenarios",
+        "",
+    ]
+    for n in names:
+        lines += _details(results[n])
+    lines += [
+        f"Machine: {platform.machine()}, Python {platform.python_version()}, {os.cpu_count()} cores shared with other jobs.",
+        "",
+        f"<!-- {MARK} {json.dumps(results, sort_keys=True)} -->",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write(new: dict[str, dict[str, Any]], path: Path = DOC) -> Path:
+    results = _load(path)
+    results.update(new)
+    path.write_text(render(results))
+    return path

@@ -21,7 +21,7 @@ def test_worker_started_before_redis_answers_starts_consuming_when_it_does(tmp_p
     w = WorkerProcess("early", env=project_env(srv.url, **FAST), logfile=tmp_path / "w.log", cwd=ROOT, loglevel="INFO")
     try:
         w.start()
-        time.sleep(3)
+        time.sleep(6)  # longer than the worker's wait for its wake-up subscription
         assert w.alive()
         srv.start()
         client = redis.Redis.from_url(srv.url)

@@ -158,3 +158,14 @@ def test_send_wakes_the_owner_once_per_idle_queue(producer: Producer, r: redis.R
     sub, mq_key, token = wakes[0]["data"].decode().split("\x1f")
     assert (sub, mq_key) == ("g", mq.key)
     assert r.hget(keys.sub_state(mq.tag, "g"), "pending").decode() == token
+
+
+def test_wake_nobody_heard_leaves_the_queue_to_the_sweep(producer: Producer, r: redis.Redis) -> None:
+    mq = MessageQueue("orders", "broker-a", zlib.crc32(b"k") % 8)
+    producer.topics.subscribe("g", "orders", MessageModel.CLUSTERING)
+    sec, _ = r.time()
+    r.hset(keys.sub_state(mq.tag, "g"), mapping={"owner": "w-offline", "lease": (sec + 60) * 1000})
+    producer._subs.clear()
+    producer.send_orderly("orders", b"x", sharding_key="k")
+    # No subscriber on the owner's wake channel: no pending token that nobody would act on.
+    assert r.hget(keys.sub_state(mq.tag, "g"), "pending") in (None, b"")

@@ -39,6 +39,8 @@ log = logging.getLogger(__name__)
 
 #: If no rebalance ran for this many rebalance intervals (beat down), a worker runs one itself.
 REBALANCE_STALE_FACTOR = 2.0
+#: How long start() waits for the wake-up subscription before registering anyway.
+WAKE_SUBSCRIBE_WAIT_S = 3.0
 
 
 class WorkerClient:
@@ -58,6 +60,7 @@ class WorkerClient:
             }
         )
         self._stop = threading.Event()
+        self._subscribed = threading.Event()
         self._threads: list[threading.Thread] = []
         self._fingerprint = ""
         self._registered = False
@@ -70,6 +73,12 @@ class WorkerClient:
                 "mqorder: worker %s has no orderly listeners; set MQORDER_LISTENERS to the modules "
                 "that define them", self.client_id,
             )
+        # Listen for wake-ups before taking any queue: a message sent the moment a queue is
+        # assigned must find somebody subscribed.
+        wake = threading.Thread(target=self._wake_loop, name=f"mqorder-wake-{self.client_id}", daemon=True)
+        wake.start()
+        self._threads.append(wake)
+        self._subscribed.wait(WAKE_SUBSCRIBE_WAIT_S)
         try:
             self._register()
         except redis.RedisError as exc:
@@ -77,10 +86,9 @@ class WorkerClient:
                 "mqorder: cannot reach Redis at %s (%s); the worker keeps retrying and starts "
                 "consuming when it answers", self.brokers.default.safe_url, exc,
             )
-        for target, name in ((self._duty_loop, "mqorder-duties"), (self._wake_loop, "mqorder-wake")):
-            t = threading.Thread(target=target, name=f"{name}-{self.client_id}", daemon=True)
-            t.start()
-            self._threads.append(t)
+        duties = threading.Thread(target=self._duty_loop, name=f"mqorder-duties-{self.client_id}", daemon=True)
+        duties.start()
+        self._threads.append(duties)
 
     def stop(self) -> None:
         """Leave the group: unregister, rebalance the queues away, unlock what is idle."""
@@ -196,6 +204,8 @@ class WorkerClient:
             try:
                 pubsub = self.brokers.meta.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(channel)
+                pubsub.get_message(timeout=1.0)  # the subscribe confirmation: now listening
+                self._subscribed.set()
                 backoff = 0.5
                 while not self._stop.is_set():
                     msg = pubsub.get_message(timeout=0.5)

@@ -23,8 +23,8 @@ MIN_COUNTDOWN = 0.05
 def dispatch(app: Celery, sub: str, mq_key: str, token: str, client_id: str, countdown: float = 0.0) -> bool:
     """Publish ``consume_request(sub, mq_key, token)`` to ``client_id``'s direct queue.
 
-    Returns False if the Celery broker refused; the queue's pending token then expires and the
-    sweep dispatches again, so a failed publish costs a sweep interval, never a message.
+    Returns False if the Celery broker refused; the queue's pending token then expires
+    (``pending_ttl``) and the sweep dispatches again: a failed publish costs time, never a message.
     """
     options: dict[str, object] = {"queue": worker_direct(client_id)}
     if countdown >= MIN_COUNTDOWN:

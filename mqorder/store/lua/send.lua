@@ -24,14 +24,19 @@ for k = 3, #KEYS do
   if owner and owner ~= '' and tonumber(st[2] or 0) > now then
     if (not st[3]) or st[3] == '' or tonumber(st[4] or 0) < now then
       local j = a + 2 + 2 * (k - 3)
-      if tonumber(st[5] or 0) > 0 then
-        -- A run claimed this queue and its run lease lapsed (a process paused or killed mid-run):
-        -- the next run gets a new epoch, so the lapsed one is fenced even within one client.
-        redis.call('HINCRBY', KEYS[k], 'epoch', 1)
+      -- Only a wake-up somebody received makes a request pending: if the owner is not listening
+      -- (starting, reconnecting), the queue stays unclaimed and its sweep dispatches it in one
+      -- sweep interval instead of waiting out a pending token nobody acts on.
+      if redis.call('PUBLISH', chan .. owner, ARGV[j + 1]) > 0 then
+        if tonumber(st[5] or 0) > 0 then
+          -- A run claimed this queue and its run lease lapsed (a process paused or killed
+          -- mid-run): the next run gets a new epoch, so the lapsed one is fenced even within
+          -- one client.
+          redis.call('HINCRBY', KEYS[k], 'epoch', 1)
+        end
+        redis.call('HSET', KEYS[k], 'pending', ARGV[j], 'pend_until', now + ttl, 'run', 0)
+        out[#out + 1] = owner
       end
-      redis.call('HSET', KEYS[k], 'pending', ARGV[j], 'pend_until', now + ttl, 'run', 0)
-      redis.call('PUBLISH', chan .. owner, ARGV[j + 1])
-      out[#out + 1] = owner
     end
   end
 end

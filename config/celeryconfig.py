@@ -17,3 +17,8 @@ task_send_sent_event = False
 worker_hijack_root_logger = False
 timezone = "UTC"
 beat_schedule = beat_schedule
+# A ConsumeRequest lost from the broker costs one sweep, never a message (the sweep re-dispatches
+# any queue with a backlog and no live request), so the stock workers need no unacked-message
+# bookkeeping. Without it, a Redis restart cannot trip kombu 5.7's restore of unacked messages on
+# a closed connection (AttributeError in _connparams), which made workers exit in the chaos runs.
+broker_transport_options = {"ack_emulation": False}

@@ -49,7 +49,7 @@ def install(app: Celery, settings: Settings | None = None) -> Celery:
         # Tasks are short re-dispatching runs; prefetching many would only delay other queues.
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": 3600},
+        broker_transport_options={"visibility_timeout": 3600, **(app.conf.broker_transport_options or {})},
     )
     schedule = dict(app.conf.beat_schedule or {})
     schedule.update(beat_schedule(settings))

@@ -9,37 +9,17 @@ is pushed to ``bench:lat`` too.
 
 from __future__ import annotations
 
-import os
 import time
 import uuid
 
-import redis
-from celery import Celery
+from bench.baseline_app import make_app, r
 
 REC_KEY = "bench:naive:rec"
 LAT_KEY = "bench:lat"
 RETRIES_KEY = "bench:naive:retries"
 LOCK_PX = 5000
 
-app = Celery("bench_naive", broker=os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/0"))
-app.conf.update(
-    task_serializer="json",
-    result_serializer="json",
-    accept_content=["json"],
-    task_ignore_result=True,
-    worker_hijack_root_logger=False,
-    broker_connection_retry_on_startup=True,
-    worker_send_task_events=False,
-)
-
-_r: redis.Redis | None = None
-
-
-def r() -> redis.Redis:
-    global _r
-    if _r is None or _r.connection_pool.pid != os.getpid():
-        _r = redis.Redis.from_url(os.environ["BENCH_BROKER_URL"])
-    return _r
+app = make_app("bench_naive")
 
 
 @app.task(name="bench.naive.handle", bind=True, max_retries=None)

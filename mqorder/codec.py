@@ -17,6 +17,8 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import orjson
+
 from mqorder.errors import MessageError, MessageTooLargeError
 from mqorder.model import MessageExt, MessageQueue
 
@@ -26,7 +28,9 @@ MAX_HEADER_SIZE = 64 * 1024
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 _loads = json.loads
-_decode = json.JSONDecoder().decode
+#: Headers are parsed with orjson: about a third of the stdlib's cost per message on the hot
+#: path, straight from the stored bytes (it validates UTF-8 itself, raising JSONDecodeError).
+_decode_header = orjson.loads
 
 
 class MsgIdGenerator:
@@ -162,7 +166,7 @@ def decode_entries(
                 # redis-py's XRANGE callback gives a dict; Lua replies give a flat list.
                 f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=False))
                 raw_h, body, raw_s = f[b"h"], f[b"b"], f.get(b"s", b"0")
-            h = _decode(raw_h.decode("utf-8"))
+            h = _decode_header(raw_h)
             mid, born, k, t, p = h["i"], h.get("b", 0), h.get("k"), h.get("t"), h.get("p")
             msg = MessageExt(mid, topic, broker, qid, offset, body, [] if k is None else k, t,
                              {} if p is None else p, born, int(raw_s))

@@ -66,18 +66,23 @@ class ProcessQueue:
     def put_messages(self, msgs: Iterable[MessageExt]) -> bool:
         """Add pulled messages; returns True when a consumer should be dispatched for them."""
         with self.tree_lock:
-            added = 0
+            tree, consuming = self.msg_tree, self.consuming
+            new: dict[int, MessageExt] = {}
             for m in msgs:
-                if m.queue_offset in self.msg_tree or m.queue_offset in self.consuming:
-                    continue
-                self.msg_tree[m.queue_offset] = m
-                added += 1
-                self.msg_size += len(m.body)
-                if m.queue_offset > self.queue_offset_max:
-                    self.queue_offset_max = m.queue_offset
-            self.msg_count += added
+                o = m.queue_offset
+                if o not in new and o not in tree and o not in consuming:
+                    new[o] = m
+            if new:
+                # One bulk insert per pulled batch (sortedcontainers sorts it in C), not one
+                # tree insert per message: this is on the hot path of every pull.
+                tree.update(new)
+                self.msg_count += len(new)
+                self.msg_size += sum(len(m.body) for m in new.values())
+                top = max(new)
+                if top > self.queue_offset_max:
+                    self.queue_offset_max = top
             self.last_pull_timestamp = _now_ms()
-            dispatch = bool(self.msg_tree) and not self.consuming_flag
+            dispatch = bool(tree) and not self.consuming_flag
             if dispatch:
                 self.consuming_flag = True
             return dispatch
@@ -88,15 +93,23 @@ class ProcessQueue:
         """Hand out up to ``batch_size`` messages with the lowest offsets."""
         with self.tree_lock:
             self.last_consume_timestamp = _now_ms()
-            out: list[MessageExt] = []
             tree, consuming = self.msg_tree, self.consuming
-            while tree and len(out) < batch_size:
-                offset, msg = tree.popitem(0)
-                consuming[offset] = msg
-                out.append(msg)
-                self._consuming_size += len(msg.body)
-            if not out:
+            if not tree:
                 self.consuming_flag = False
+                return []
+            if batch_size >= len(tree):
+                # The common case (consume batch >= what is left of the pull): move everything
+                # in bulk instead of popping the tree one offset at a time.
+                out = list(tree.values())
+                consuming.update(tree)
+                tree.clear()
+            else:
+                out = []
+                for _ in range(batch_size):
+                    offset, msg = tree.popitem(0)
+                    consuming[offset] = msg
+                    out.append(msg)
+            self._consuming_size += sum(len(m.body) for m in out)
             return out
 
     def commit(self) -> int:

@@ -21,6 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from redis.exceptions import NoScriptError
+
 from mqorder import keys
 from mqorder.codec import decode_entries, encode_header
 from mqorder.consumer.context import ConsumeOrderlyContext
@@ -444,11 +446,7 @@ class ConsumeRequest:
         keys_ = [self.k_state, self.k_next, self.k_retries]
         if pull:
             # One round trip: the fenced commit, then a plain read of the next batch.
-            pipe = self.redis.pipeline(transaction=False)
-            self.scripts.commit(keys=keys_, args=args, client=pipe)
-            pipe.execute_command("XRANGE", self.k_log, max(self.commit_point, self.pulled_to), "+",
-                                 "COUNT", self.pull_n)
-            res, entries = pipe.execute()
+            res, entries = self._commit_and_pull(keys_, args)
         else:
             res, entries = self.scripts.commit(keys=keys_, args=args), []
         verb = _s(res[0])
@@ -466,6 +464,28 @@ class ConsumeRequest:
             return 0
         self._put(entries, None)
         return len(entries)
+
+    def _commit_and_pull(self, keys_: list[str], args: list[Any]) -> tuple[Any, Any]:
+        """``commit.lua`` and ``XRANGE`` of the next batch, pipelined: one round trip per batch.
+
+        If Redis lost its scripts (a restart), nothing of the pipeline changed any state (the
+        commit was refused with NOSCRIPT, the XRANGE only reads), so it is sent once more after
+        loading the script.
+        """
+        start = max(self.commit_point, self.pulled_to)
+        for attempt in (0, 1):
+            pipe = self.redis.pipeline(transaction=False)
+            self.scripts.queue_in(pipe, "commit", keys_, args)
+            pipe.execute_command("XRANGE", self.k_log, start, "+", "COUNT", self.pull_n)
+            try:
+                res, entries = pipe.execute()
+            except NoScriptError:
+                if attempt:
+                    raise
+                self.scripts.load("commit")
+                continue
+            return res, entries
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _on_refused(self, verb: str, res: list[Any]) -> None:
         self.pq.dropped = True

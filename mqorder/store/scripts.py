@@ -7,6 +7,7 @@ the script on ``NOSCRIPT`` (after a Redis restart), so callers never see the dif
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -40,6 +41,21 @@ class Scripts:
         self._client = client
         for name in NAMES:
             setattr(self, name, client.register_script(source(name)))
+
+    def queue_in(self, pipe: Any, name: str, keys: Sequence[Any], args: Sequence[Any]) -> None:
+        """Queue ``EVALSHA`` of script ``name`` on ``pipe`` *without* registering it there.
+
+        A script called with ``client=pipe`` makes redis-py send ``SCRIPT EXISTS`` before every
+        ``execute()``: one extra round trip per pulled batch on the consume path. Here the caller
+        catches ``NoScriptError`` instead (only after a Redis restart or ``SCRIPT FLUSH``), calls
+        ``load(name)`` and sends the pipeline again.
+        """
+        pipe.execute_command("EVALSHA", getattr(self, name).sha, len(keys), *keys, *args)
+
+    def load(self, name: str) -> None:
+        """(Re)load script ``name`` into Redis, e.g. after a ``NoScriptError``."""
+        script = getattr(self, name)
+        script.sha = self._client.script_load(script.script)
 
     def __getattr__(self, name: str) -> Any:  # pragma: no cover - only for type checkers
         raise AttributeError(name)

@@ -161,3 +161,36 @@ def test_broadcast_group_delivers_every_message_to_every_worker_in_order(cluster
     for w in (w1, w2):
         violations, handled, _ = check_order(per_client()[w.hostname])
         assert violations == [] and handled == 200
+
+
+def test_threads_pool_serves_a_trickle_from_lingering_requests_and_stops_promptly(
+    cluster: Cluster, r: redis.Redis
+) -> None:
+    """Threads pool, stock linger: a steady trickle is handled in order by requests that stay on
+    their queues (far fewer Celery tasks than messages), and a warm shutdown does not wait for a
+    lingering request's linger to run out."""
+    from celery import Celery
+
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=4)
+    w = cluster.start_worker("w1", pool="threads", concurrency=4)
+    keys_ = [f"trickle-{i}" for i in range(20)]
+    sent = 0
+    for seq in range(1, 16):  # 300 messages at ~100 msg/s, over 4 queues
+        for k in keys_:
+            p.send_orderly("t-order", body(k, seq), sharding_key=k)
+            sent += 1
+            time.sleep(0.01)
+    wait_for(lambda: _handled(r, "g-order", sent), timeout=60, what=f"{sent} handled")
+    violations, handled, _ = check_order(ledger(r, "g-order"))
+    assert violations == [] and handled == sent
+    app = Celery("t-ctl", broker=cluster.url)
+    try:
+        stats = app.control.inspect(destination=[w.hostname], timeout=3.0).stats() or {}
+    finally:
+        app.close()
+    tasks = stats[w.hostname]["total"].get("mqorder.consume_request", 0)
+    assert 1 <= tasks < sent / 5, f"{tasks} consume_request tasks for {sent} messages"
+    t0 = time.monotonic()
+    w.stop(timeout=30)
+    assert not w.alive() and time.monotonic() - t0 < 10

@@ -3,6 +3,7 @@ the end-to-end tests run the same engine inside real Celery workers)."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -291,7 +292,7 @@ def test_drained_request_lingers_for_a_trickle_when_allowed(env) -> None:  # noq
 
     def trickle() -> None:
         for i in range(1, 6):
-            time.sleep(0.02)  # within consume_linger_ms (50 ms) of each other
+            time.sleep(0.02)  # well within consume_linger_ms (1 s by default) of each other
             p.send_orderly("t", str(i).encode(), sharding_key="k")
 
     t = threading.Thread(target=trickle)
@@ -301,6 +302,59 @@ def test_drained_request_lingers_for_a_trickle_when_allowed(env) -> None:  # noq
     assert seen == [b"0", b"1", b"2", b"3", b"4", b"5"]
     assert [o.verb for o in outs] == ["IDLE"]  # one run served the whole trickle
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 6
+
+
+def _linger_run(eng: ConsumerEngine, seen: list[bytes]) -> tuple[list[Outcome], list[float], threading.Thread]:
+    """Drain in a thread (the run lingers after the first message): outcomes, end time, thread."""
+    outs: list[Outcome] = []
+    ended: list[float] = []
+
+    def go() -> None:
+        outs.extend(drain(eng, ListenerSpec(lambda msgs, ctx: seen.extend(m.body for m in msgs) or S.SUCCESS,
+                                            "t", "g"), max_runs=1))
+        ended.append(time.monotonic())
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 5
+    while not seen and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.1)  # the run is lingering now (consume_linger_ms is 1 s)
+    return outs, ended, t
+
+
+def test_lingering_request_gives_its_slot_back_as_soon_as_a_request_waits(env) -> None:  # noqa: ANN001
+    p, eng = env
+    waiting = False
+    eng.may_linger = lambda: not waiting
+    p.send_orderly("t", b"0", sharding_key="k")
+    seen: list[bytes] = []
+    outs, ended, t = _linger_run(eng, seen)
+    assert not ended, "the run should still be lingering"
+    waiting, flipped = True, time.monotonic()
+    t.join(2)
+    assert ended and ended[0] - flipped < 0.2  # within a couple of 10 ms slices, not after 1 s
+    assert [o.verb for o in outs] == ["IDLE"] and seen == [b"0"]
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 1
+
+
+def test_lingering_request_stops_when_its_queue_is_reassigned(env) -> None:  # noqa: ANN001
+    p, eng = env
+    eng.may_linger = lambda: True
+    p.send_orderly("t", b"0", sharding_key="k")
+    seen: list[bytes] = []
+    outs, ended, t = _linger_run(eng, seen)
+    assert not ended, "the run should still be lingering"
+    r = eng.brokers.default.client
+    r.hset(keys.sub_state(MQ.tag, "g"), "assignee", "c2")  # what a rebalance writes
+    flipped = time.monotonic()
+    t.join(2)
+    assert ended and ended[0] - flipped < 0.2
+    # The run ended and moved the lock to the new assignee (nothing left to hand over, so IDLE),
+    # with everything it consumed committed.
+    assert [o.verb for o in outs] == ["IDLE"]
+    assert r.hget(keys.sub_state(MQ.tag, "g"), "owner") == b"c2"
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 1
 
 
 def test_request_does_not_linger_by_default(env) -> None:  # noqa: ANN001

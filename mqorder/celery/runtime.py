@@ -31,11 +31,14 @@ def enable_linger(pool: object) -> None:
 
 
 def may_linger() -> bool:
-    """True while no received ConsumeRequest is waiting for a free slot in this worker."""
+    """True while no received ConsumeRequest is waiting for a free slot in this worker, and the
+    worker is not shutting down (a warm shutdown waits for active tasks: do not make it wait)."""
     if _linger_pid != os.getpid():
         return False
     from celery.worker import state
 
+    if state.should_stop is not None or state.should_terminate is not None:
+        return False
     return len(state.reserved_requests) <= len(state.active_requests)
 
 

@@ -296,19 +296,26 @@ class ConsumeRequest:
         """Wait on this queue's stream for new messages while the worker has idle capacity.
 
         A drained queue that gets a message a few milliseconds later would otherwise cost a
-        wake-up and a whole Celery task; waiting briefly here (``consume_linger_ms``) keeps a
-        steady trickle on one running request, with its pending token still held so producers
-        do not wake anyone. It stops as soon as the worker has requests waiting for a slot.
+        wake-up and a whole Celery task; waiting here (``consume_linger_ms``, like a RocketMQ
+        long-polling pull held at the broker) keeps a steady trickle on one running request, with
+        its pending token still held so producers do not wake anyone. It stops as soon as the
+        worker has requests waiting for a slot, and as soon as a rebalance assigned the queue to
+        another client (each slice reads the assignee in the same round trip as ``XREAD``), so a
+        lingering request never delays another queue or a handover by more than one slice.
         """
         last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
+        me = self.client_id
         while True:
             left = until - time.monotonic()
             if left <= 0 or not self.engine.may_linger():
                 return 0
             block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
-            reply = self.redis.execute_command(
-                "XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", self.k_log, last_id
-            )
+            pipe = self.redis.pipeline(transaction=False)
+            pipe.execute_command("HGET", self.k_state, "assignee")
+            pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", self.k_log, last_id)
+            assignee, reply = pipe.execute()
+            if assignee and _s(assignee) != me:
+                return 0  # revoked: the next commit reports it and the run hands the queue over
             if reply:
                 # RESP2 gives [[stream, entries]]; RESP3 gives {stream: entries}.
                 entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]

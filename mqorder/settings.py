@@ -57,9 +57,9 @@ class Settings(BaseSettings):
     suspend_current_queue_time_millis: int = Field(1000, ge=10, le=30000)
     max_time_consume_continuously: float = Field(60.0, gt=0, le=3600)
     max_reconsume_times: int = Field(16, ge=-1)
-    #: How long a drained ConsumeRequest waits for more messages before ending its run, when the
-    #: worker has idle capacity (threads pool only: prefork children cannot see it). It gives the
-    #: slot back within 10 ms once another request waits for one, or the queue is reassigned.
+    #: How long a drained ConsumeRequest waits for more messages before ending its run, while its
+    #: worker has idle pool slots (threads and prefork pools; never solo). It gives the slot back
+    #: within about 10 ms once another request waits for one, or the queue is reassigned.
     consume_linger_ms: int = Field(1000, ge=0, le=10_000)
 
     # -- producing -------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ import threading
 import time
 from collections import defaultdict
 
+import pytest
 import redis
 
 from mqorder import Producer, keys
@@ -163,17 +164,19 @@ def test_broadcast_group_delivers_every_message_to_every_worker_in_order(cluster
         assert violations == [] and handled == 200
 
 
-def test_threads_pool_serves_a_trickle_from_lingering_requests_and_stops_promptly(
-    cluster: Cluster, r: redis.Redis
+@pytest.mark.parametrize("pool", ["threads", "prefork"])
+def test_pool_serves_a_trickle_from_lingering_requests_and_stops_promptly(
+    cluster: Cluster, r: redis.Redis, pool: str
 ) -> None:
-    """Threads pool, stock linger: a steady trickle is handled in order by requests that stay on
-    their queues (far fewer Celery tasks than messages), and a warm shutdown does not wait for a
-    lingering request's linger to run out."""
+    """Stock linger: a steady trickle is handled in order by requests that stay on their queues
+    (far fewer Celery tasks than messages; in prefork the children learn that no request waits
+    from the main process's capacity signal), and a warm shutdown does not wait for a lingering
+    request's linger to run out."""
     from celery import Celery
 
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=4)
-    w = cluster.start_worker("w1", pool="threads", concurrency=4)
+    w = cluster.start_worker("w1", pool=pool, concurrency=4)
     keys_ = [f"trickle-{i}" for i in range(20)]
     sent = 0
     for seq in range(1, 16):  # 300 messages at ~100 msg/s, over 4 queues

@@ -7,6 +7,7 @@ import logging
 from celery import bootsteps
 
 from mqorder.celery import runtime
+from mqorder.celery.capacity import CapacityPublisher
 from mqorder.celery.client import WorkerClient
 from mqorder.settings import get_settings
 
@@ -26,13 +27,17 @@ class ConsumerClientStep(bootsteps.StartStopStep):
     def __init__(self, worker, **kwargs) -> None:  # noqa: ANN001
         super().__init__(worker, **kwargs)
         self.client: WorkerClient | None = None
+        self.capacity: CapacityPublisher | None = None
 
     def start(self, worker) -> None:  # noqa: ANN001
-        runtime.enable_linger(worker.pool)
+        self.capacity = runtime.enable_linger(worker.pool, worker.concurrency)
         self.client = WorkerClient(worker.app, worker.hostname, get_settings())
         self.client.start()
 
     def stop(self, worker) -> None:  # noqa: ANN001
+        if self.capacity is not None:
+            self.capacity.stop()  # children stop lingering before the client leaves
+            self.capacity = None
         if self.client is not None:
             self.client.stop()
             self.client = None

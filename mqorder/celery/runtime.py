@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import threading
 
+from mqorder.celery.capacity import SIGNAL, CapacityPublisher, celery_waiting
 from mqorder.consumer.consume_request import ConsumerEngine
 from mqorder.settings import get_settings
 
@@ -16,30 +17,39 @@ _lock = threading.Lock()
 _engines: dict[tuple[int, str], ConsumerEngine] = {}
 #: Set by the worker bootstep when tasks run in the worker's own process (threads pool).
 _linger_pid: int | None = None
+#: The pool size of this (threads pool) worker.
+_slots = 1
 
 
-def enable_linger(pool: object) -> None:
-    """Let drained ConsumeRequests linger when this worker's pool runs tasks in-process.
+def enable_linger(pool: object, slots: int) -> CapacityPublisher | None:
+    """Let drained ConsumeRequests linger while this worker has idle pool slots (``slots``: its
+    concurrency).
 
-    Only the threads pool qualifies: its tasks can see Celery's own bookkeeping of requests
-    received but not yet started. Prefork children cannot, and solo cannot receive while a task
-    runs, so a lingering request there could keep another queue waiting.
+    Threads pool: tasks run in this process and read Celery's bookkeeping of received requests.
+    Prefork: the children read it from ``capacity.SIGNAL``, which the returned
+    ``CapacityPublisher`` (a thread of this main process; stop it on shutdown) keeps current.
+    Solo cannot receive while a task runs, so a lingering request there could keep another queue
+    waiting: it never lingers.
     """
-    global _linger_pid
-    if type(pool).__module__.endswith(".thread"):
-        _linger_pid = os.getpid()
+    global _linger_pid, _slots
+    module = type(pool).__module__
+    if module.endswith(".thread"):
+        _linger_pid, _slots = os.getpid(), max(1, slots)
+        return None
+    if module.endswith(".prefork"):
+        publisher = CapacityPublisher(lambda: celery_waiting(max(1, slots)))
+        publisher.start()
+        return publisher
+    return None
 
 
 def may_linger() -> bool:
-    """True while no received ConsumeRequest is waiting for a free slot in this worker, and the
-    worker is not shutting down (a warm shutdown waits for active tasks: do not make it wait)."""
+    """True while no received request is waiting for a pool slot that only a lingering request
+    could give, and the worker is not shutting down (a warm shutdown waits for active tasks)."""
     if _linger_pid != os.getpid():
-        return False
-    from celery.worker import state
-
-    if state.should_stop is not None or state.should_terminate is not None:
-        return False
-    return len(state.reserved_requests) <= len(state.active_requests)
+        # A prefork child (or a pool that never lingers: the signal is then never published).
+        return SIGNAL.may_linger()
+    return celery_waiting(_slots) == 0
 
 
 def engine_for(client_id: str) -> ConsumerEngine:

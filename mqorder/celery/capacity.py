@@ -1,0 +1,111 @@
+"""A worker's "is anyone waiting for a pool slot?" signal, readable from prefork children.
+
+A drained ConsumeRequest may linger on its queue (``consume_linger_ms``) only while no other
+request waits for a slot of its worker. The threads pool can read Celery's own bookkeeping
+(``state.reserved_requests`` and ``state.active_requests``) directly; a prefork child cannot: that
+bookkeeping lives in the worker's main process. So the main process publishes it here:
+
+* ``CapacitySignal`` is a 16-byte anonymous *shared* mapping, created when this module is
+  imported, which happens in the worker's main process before the pool forks (``install()`` ->
+  bootsteps -> runtime -> here), so every child, including ones forked later to replace others,
+  maps the same page;
+* ``CapacityPublisher``, a thread of the main process started by the worker bootstep, writes
+  ``(now, waiting)`` every ``PUBLISH_INTERVAL_S``;
+* a child lingers only while the stamp is fresh and ``waiting`` is 0. A missing, stopped or stuck
+  publisher leaves a stale stamp, which reads as "do not linger": failure falls back to the
+  no-linger behaviour, never to a slot kept from a waiting request.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+#: How often the main process publishes its waiting count.
+PUBLISH_INTERVAL_S = 0.005
+#: A stamp older than this reads as "no publisher": do not linger.
+STALE_AFTER_S = 0.1
+
+_LAYOUT = struct.Struct("=dq")  # monotonic stamp (CLOCK_MONOTONIC, shared by all processes), waiting
+
+
+class CapacitySignal:
+    """The shared page: one writer (the main process), any number of readers (pool children)."""
+
+    def __init__(self) -> None:
+        # fileno -1: anonymous memory, MAP_SHARED by default on Linux, so it survives fork shared.
+        self._mem = mmap.mmap(-1, mmap.PAGESIZE)
+        self.clear()
+
+    def publish(self, waiting: int) -> None:
+        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), waiting)
+
+    def clear(self) -> None:
+        """Mark the signal as not published (readers then never linger)."""
+        _LAYOUT.pack_into(self._mem, 0, 0.0, 0)
+
+    def read(self) -> tuple[float, int]:
+        return _LAYOUT.unpack_from(self._mem, 0)
+
+    def may_linger(self) -> bool:
+        stamp, waiting = self.read()
+        return waiting == 0 and 0.0 <= time.monotonic() - stamp < STALE_AFTER_S
+
+
+#: The signal of this worker: created at import, in the main process, before the pool forks.
+SIGNAL = CapacitySignal()
+
+
+def celery_waiting(slots: int) -> int:
+    """Requests this worker received that no pool slot can take unless a running one ends.
+
+    ``reserved_requests`` holds every request received and not finished (running ones included),
+    so ``reserved - slots`` is what exceeds the pool. Counting only those, rather than every
+    request not yet started, matters in prefork: a request on its way to a free child is briefly
+    "not started", and making every lingering child give up its queue for it would send each of
+    those queues back through a wake-up and a new task.
+    """
+    from celery.worker import state
+
+    if state.should_stop is not None or state.should_terminate is not None:
+        return 1 << 30  # shutting down: nobody should linger
+    return max(0, len(state.reserved_requests) - slots)
+
+
+class CapacityPublisher:
+    """The main-process thread that keeps ``SIGNAL`` current while the worker runs."""
+
+    def __init__(self, waiting: Callable[[], int], signal: CapacitySignal = SIGNAL,
+                 interval: float = PUBLISH_INTERVAL_S) -> None:
+        self.signal = signal
+        self.waiting = waiting
+        self.interval = interval
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="mqorder-capacity", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+        self.signal.clear()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self.signal.publish(self.waiting())
+            except Exception:  # noqa: BLE001 - a statistic: stop publishing, children stop lingering
+                log.exception("mqorder: capacity publisher failed; prefork children will not linger")
+                self.signal.clear()
+                return
+            self._stop.wait(self.interval)
+        self.signal.clear()

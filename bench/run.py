@@ -144,17 +144,18 @@ def sec_latency(cfg: Config, res: dict[str, Any]) -> None:
     linger_ms = Settings.model_fields["consume_linger_ms"].default
     specs = [
         latency.MqLatSpec("prefork", f"prefork -c {c}", pool="prefork", concurrency=c),
-        latency.MqLatSpec("threads", f"threads -c {LAT_THREADS_C} + linger", pool="threads",
-                          concurrency=LAT_THREADS_C),
+        latency.MqLatSpec("prefork_wide", f"prefork -c {LAT_THREADS_C}", pool="prefork", concurrency=LAT_THREADS_C),
+        latency.MqLatSpec("threads", f"threads -c {LAT_THREADS_C}", pool="threads", concurrency=LAT_THREADS_C),
         latency.MqLatSpec("threads_nolinger", f"threads -c {LAT_THREADS_C}, linger off", pool="threads",
                           concurrency=LAT_THREADS_C, env={"MQORDER_CONSUME_LINGER_MS": "0"}),
     ]
     mq = latency.mqorder_latency(cfg, rate=1000, seconds=secs, runs=cfg.runs, specs=specs)
     res["latency"] = {
         "rate": 1000, "seconds": secs, "concurrency": c, "threads_concurrency": LAT_THREADS_C,
-        "linger_ms": linger_ms,
+        "linger_ms": linger_ms, "prefork_lingers": True,
         # "mqorder" stays the prefork configuration, as in results.json files written before the others.
-        "mqorder": mq["prefork"], "mqorder_threads": mq["threads"], "mqorder_threads_nolinger": mq["threads_nolinger"],
+        "mqorder": mq["prefork"], "mqorder_prefork_wide": mq["prefork_wide"], "mqorder_threads": mq["threads"],
+        "mqorder_threads_nolinger": mq["threads_nolinger"],
         "naive": latency.naive_latency(cfg, rate=1000, seconds=secs, runs=cfg.runs, concurrency=c),
     }
 
@@ -251,11 +252,22 @@ def _s(s: Summary | None, digits: int = 0, unit: str = "msg/s") -> str:
 def _lat_configs(lat: dict[str, Any]) -> list[tuple[str, str, str]]:
     """The mqorder configurations of the latency section: (results key, short name, table label)."""
     c, tc, linger = lat.get("concurrency", "?"), lat.get("threads_concurrency", LAT_THREADS_C), lat.get("linger_ms", 50)
+    if not lat.get("prefork_lingers"):  # results.json of a run made before prefork children lingered
+        return [
+            ("mqorder", f"prefork pool -c {c}",
+             f"mqorder, **prefork** pool, 2 workers -c {c} (stock settings; prefork children never linger)"),
+            ("mqorder_threads", f"threads pool -c {tc} + linger",
+             f"mqorder, **threads** pool, 2 workers -c {tc}, **linger {linger} ms** (stock settings)"),
+            ("mqorder_threads_nolinger", f"threads pool -c {tc}, linger off",
+             f"mqorder, **threads** pool, 2 workers -c {tc}, **linger off** (`MQORDER_CONSUME_LINGER_MS=0`)"),
+        ]
     return [
         ("mqorder", f"prefork pool -c {c}",
-         f"mqorder, **prefork** pool, 2 workers -c {c} (stock settings; prefork children never linger)"),
-        ("mqorder_threads", f"threads pool -c {tc} + linger",
-         f"mqorder, **threads** pool, 2 workers -c {tc}, **linger {linger} ms** (stock settings)"),
+         f"mqorder, **prefork** pool, 2 workers -c {c} (stock settings, linger {linger} ms)"),
+        ("mqorder_prefork_wide", f"prefork pool -c {tc}",
+         f"mqorder, **prefork** pool, 2 workers **-c {tc}** (stock settings, linger {linger} ms)"),
+        ("mqorder_threads", f"threads pool -c {tc}",
+         f"mqorder, **threads** pool, 2 workers -c {tc} (stock settings, linger {linger} ms)"),
         ("mqorder_threads_nolinger", f"threads pool -c {tc}, linger off",
          f"mqorder, **threads** pool, 2 workers -c {tc}, **linger off** (`MQORDER_CONSUME_LINGER_MS=0`)"),
     ]
@@ -426,7 +438,7 @@ class Report:
         add(f"**mqorder**, 2 workers -c {best}, consume batch 1, pull 32", s_b1, f"{n_drain:,}", "")
         if mq.get(k_thr):
             add(f"**mqorder**, 2 workers **-P threads -c {dtc}**, consume batch 32, pull 32", _rates(mq.get(k_thr)),
-                f"{n_drain:,}", "threads pool (the one where linger can act; stock linger setting)")
+                f"{n_drain:,}", "threads pool (stock settings)")
         nn = size(cfg, "naive_messages")
         add(f"naive Celery (task per message, SET NX PX lock, retry 50 ms), 2 workers -c {naive.get('concurrency', '?')}",
             s_naive, f"**{nn:,}**",
@@ -580,21 +592,30 @@ class Report:
                    "the body carries `time.time_ns()` taken just before the send and the handler pushes "
                    "`now − sent` to a Redis list. Percentiles are nearest-rank per run; the table shows their "
                    "median and min–max over runs. Every mqorder configuration uses stock settings (consume batch 1, "
-                   "pull 32) on 2 workers with its own redis-server; all three worker sets are started up front and "
+                   "pull 32) on 2 workers with its own redis-server; all the worker sets are started up front and "
                    "their runs are interleaved (run i of each configuration back to back, the order rotating from "
-                   "run to run), so they face the same machine conditions and the same key sequence. The prefork "
-                   "configuration uses the -c chosen by the throughput section; the threads pool runs "
-                   f"`celery worker -P threads -c {tc}`.")
+                   "run to run), so they face the same machine conditions and the same key sequence. The first "
+                   "prefork configuration uses the -c chosen by the throughput section; the wide prefork one "
+                   f"and the threads pool run -c {tc} (one slot per queue each worker owns).")
             self.w()
-            self.w(f"**Linger** (`MQORDER_CONSUME_LINGER_MS`, default {lat.get('linger_ms', 50)} ms): a "
-                   "ConsumeRequest that drained its queue waits on the stream (`XREAD BLOCK` in 10 ms slices) "
-                   "instead of ending its run, as long as its worker has no received request waiting for a slot; "
-                   "it keeps its pending token, so the producer wakes nobody and the next message is handled "
-                   "without a pub/sub wake-up and a new Celery task. It acts only in the threads pool, where a task "
-                   "can see Celery's bookkeeping of requests waiting for a slot (`mqorder.celery.runtime."
-                   "may_linger`); prefork children never linger. The linger-off row is the same threads pool "
-                   "with `MQORDER_CONSUME_LINGER_MS=0`: the difference between the two threads rows is what "
-                   "linger is worth.")
+            if lat.get("prefork_lingers"):
+                self.w(f"**Linger** (`MQORDER_CONSUME_LINGER_MS`, default {lat.get('linger_ms', 50)} ms), like a "
+                       "RocketMQ long-polling pull: a ConsumeRequest that drained its queue waits on the stream "
+                       "(`XREAD BLOCK` in 10 ms slices) instead of ending its run, as long as its worker has a free "
+                       "slot for every request it received; it keeps its pending token, so the producer wakes "
+                       "nobody and the next message is handled without a pub/sub wake-up and a new Celery task. It "
+                       "gives the slot back within a slice when a request waits for one, when a rebalance assigns "
+                       "the queue elsewhere, or on shutdown. The threads pool reads Celery's bookkeeping directly; "
+                       "prefork children read it from a shared page the worker's main process keeps current "
+                       "(`mqorder.celery.capacity`). With **fewer slots than owned queues** (-c 1 here, 8 queues "
+                       "per worker) a slot can serve one lingering queue at a time, so most messages still take "
+                       "the wake-up path: that row shows the cost of the wake-up path itself. The linger-off row is "
+                       "the threads pool with `MQORDER_CONSUME_LINGER_MS=0`.")
+            else:
+                self.w(f"**Linger** (`MQORDER_CONSUME_LINGER_MS`, default {lat.get('linger_ms', 50)} ms): a "
+                       "ConsumeRequest that drained its queue waits on the stream (`XREAD BLOCK` in 10 ms slices) "
+                       "instead of ending its run, as long as its worker has no received request waiting for a "
+                       "slot. In this run it acted only in the threads pool; prefork children never lingered.")
             self.w()
             self.w("\"Celery tasks per message\" counts `consume_request` tasks run in the window (without linger, "
                    "each idle queue that receives a message is woken through pub/sub and the worker dispatches a "
@@ -715,6 +736,19 @@ class Report:
                    "curve of more processes and more queues (scheduling, rebalance, per-queue runs), not scaling. "
                    "With 4 queues and more pool processes than queues, some processes have nothing to do.")
             self.w()
+
+        # ---- hot-path history -------------------------------------------------------------------------
+        hist_path = Path(__file__).with_name("history.json")
+        if hist_path.exists():
+            hist = json.loads(hist_path.read_text())
+            self.w("## Hot-path changes: before → after")
+            self.w()
+            self.w(f"From `bench/history.json` (not measured by this run): {hist['about']}")
+            self.w()
+            for ch in hist["changes"]:
+                self.w(f"**{ch['date']}, `{ch['commit']}`**: {ch['change']} Measured with {ch['how']}.")
+                self.w()
+                self.table(["figure", "before", "after"], [list(r) for r in ch["rows"]])
 
         # ---- notes -----------------------------------------------------------------------------------
         self.w("## Notes")

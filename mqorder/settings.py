@@ -101,6 +101,13 @@ class Settings(BaseSettings):
                 f"heartbeat_timeout ({self.heartbeat_timeout}s) must be longer than heartbeat_interval "
                 f"({self.heartbeat_interval}s), or every client looks dead between two beats"
             )
+        linger_s = self.consume_linger_ms / 1000
+        if linger_s and linger_s * 2 > min(self.run_lease, self.lock_max_live_time):
+            raise ValueError(
+                f"consume_linger_ms ({self.consume_linger_ms} ms) must be at most half of run_lease "
+                f"({self.run_lease}s) and of lock_max_live_time ({self.lock_max_live_time}s): a lingering "
+                "request renews neither, so its run must not lapse while it waits"
+            )
         if self.lock_interval >= self.lock_max_live_time:
             raise ValueError(
                 f"lock_interval ({self.lock_interval}s) must be shorter than lock_max_live_time "

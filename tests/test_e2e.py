@@ -176,7 +176,8 @@ def test_pool_serves_a_trickle_from_lingering_requests_and_stops_promptly(
 
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=4)
-    w = cluster.start_worker("w1", pool=pool, concurrency=4)
+    # A long linger, so that a shutdown which waited for lingering requests would show.
+    w = cluster.start_worker("w1", pool=pool, concurrency=4, MQORDER_CONSUME_LINGER_MS="8000")
     keys_ = [f"trickle-{i}" for i in range(20)]
     sent = 0
     for seq in range(1, 16):  # 300 messages at ~100 msg/s, over 4 queues
@@ -194,6 +195,9 @@ def test_pool_serves_a_trickle_from_lingering_requests_and_stops_promptly(
         app.close()
     tasks = stats[w.hostname]["total"].get("mqorder.consume_request", 0)
     assert 1 <= tasks < sent / 5, f"{tasks} consume_request tasks for {sent} messages"
+    p.send_orderly("t-order", body("last", 1), sharding_key="last")  # a request is lingering now
+    time.sleep(0.2)
     t0 = time.monotonic()
     w.stop(timeout=30)
-    assert not w.alive() and time.monotonic() - t0 < 10
+    took = time.monotonic() - t0
+    assert not w.alive() and took < 6.5, f"warm shutdown took {took:.1f}s with 8 s lingers"

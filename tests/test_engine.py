@@ -357,6 +357,39 @@ def test_lingering_request_stops_when_its_queue_is_reassigned(env) -> None:  # n
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 1
 
 
+def test_lingering_request_that_lost_its_lock_hands_nothing_to_the_listener(env) -> None:  # noqa: ANN001
+    """Messages read while lingering did not come through a fenced commit: if the lock moved to a
+    new epoch meanwhile (a takeover), the run must stop without calling the listener on them."""
+    p, eng = env
+    eng.may_linger = lambda: True
+    p.send_orderly("t", b"0", sharding_key="k")
+    seen: list[bytes] = []
+    outs, ended, t = _linger_run(eng, seen)
+    assert not ended, "the run should still be lingering"
+    r = eng.brokers.default.client
+    r.hset(keys.sub_state(MQ.tag, "g"), mapping={"owner": "c2", "epoch": 99})  # what a takeover writes
+    p.send_orderly("t", b"1", sharding_key="k")
+    t.join(2)
+    assert ended
+    assert seen == [b"0"]  # b"1" was never handed to this run's listener
+    assert [o.verb for o in outs] == ["FENCED"]
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 1  # the new owner starts at b"1"
+
+
+def test_commit_recovers_when_redis_lost_its_scripts(env) -> None:  # noqa: ANN001
+    """After a Redis restart (or SCRIPT FLUSH) the pipelined commit gets NOSCRIPT: it loads the
+    script and sends the commit and the pull again, losing and repeating nothing."""
+    p, eng = env
+    for i in range(100):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    eng.brokers.default.client.script_flush()
+    seen: list[int] = []
+    outs = drain(eng, ListenerSpec(lambda msgs, ctx: seen.extend(int(m.body) for m in msgs) or S.SUCCESS, "t", "g"))
+    assert seen == list(range(100))
+    assert outs[-1].verb == "IDLE"
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 100
+
+
 def test_request_does_not_linger_by_default(env) -> None:  # noqa: ANN001
     p, eng = env
     p.send_orderly("t", b"0", sharding_key="k")

@@ -39,6 +39,7 @@ def test_defaults_are_rocketmqs() -> None:
         ("suspend_current_queue_time_millis", 5, "MQORDER_SUSPEND_CURRENT_QUEUE_TIME_MILLIS"),
         ("heartbeat_timeout", 0.5, "longer than heartbeat_interval"),
         ("lock_interval", 90, "shorter than lock_max_live_time"),
+        ("run_lease", 1.5, "consume_linger_ms .* at most half of run_lease"),
         ("brokers", {"b": "ftp://x"}, "MQORDER_BROKERS"),
     ],
 )

@@ -30,7 +30,9 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         self.capacity: CapacityPublisher | None = None
 
     def start(self, worker) -> None:  # noqa: ANN001
-        self.capacity = runtime.enable_linger(worker.pool, worker.concurrency)
+        self.capacity = runtime.enable_linger(
+            worker.pool, worker.concurrency, bool(worker.app.conf.get("worker_disable_prefetch", False))
+        )
         self.client = WorkerClient(worker.app, worker.hostname, get_settings())
         self.client.start()
 

@@ -6,6 +6,7 @@ be shared across a fork.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 
@@ -13,6 +14,7 @@ from mqorder.celery.capacity import SIGNAL, CapacityPublisher, celery_waiting
 from mqorder.consumer.consume_request import ConsumerEngine
 from mqorder.settings import get_settings
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _engines: dict[tuple[int, str], ConsumerEngine] = {}
 #: Set by the worker bootstep when tasks run in the worker's own process (threads pool).
@@ -21,7 +23,7 @@ _linger_pid: int | None = None
 _slots = 1
 
 
-def enable_linger(pool: object, slots: int) -> CapacityPublisher | None:
+def enable_linger(pool: object, slots: int, prefetch_disabled: bool = False) -> CapacityPublisher | None:
     """Let drained ConsumeRequests linger while this worker has idle pool slots (``slots``: its
     concurrency).
 
@@ -29,9 +31,14 @@ def enable_linger(pool: object, slots: int) -> CapacityPublisher | None:
     Prefork: the children read it from ``capacity.SIGNAL``, which the returned
     ``CapacityPublisher`` (a thread of this main process; stop it on shutdown) keeps current.
     Solo cannot receive while a task runs, so a lingering request there could keep another queue
-    waiting: it never lingers.
+    waiting: it never lingers. Neither does a worker with ``worker_disable_prefetch``: it stops
+    fetching once every slot is busy, so requests waiting for a slot stay in the broker, where
+    this worker cannot count them.
     """
     global _linger_pid, _slots
+    if prefetch_disabled:
+        log.info("mqorder: worker_disable_prefetch is set; ConsumeRequests will not linger")
+        return None
     module = type(pool).__module__
     if module.endswith(".thread"):
         _linger_pid, _slots = os.getpid(), max(1, slots)

@@ -281,6 +281,8 @@ class ConsumeRequest:
                     return "IDLE", 0.0
                 if not pulled and linger and not pq.dropped:
                     pulled = self._linger(min(deadline, time.monotonic() + self.linger_s))
+                    if pulled < 0:
+                        return "FENCED", 0.0
                 if not pulled:
                     return "done", 0.0
                 continue
@@ -300,22 +302,35 @@ class ConsumeRequest:
         long-polling pull held at the broker) keeps a steady trickle on one running request, with
         its pending token still held so producers do not wake anyone. It stops as soon as the
         worker has requests waiting for a slot, and as soon as a rebalance assigned the queue to
-        another client (each slice reads the assignee in the same round trip as ``XREAD``), so a
-        lingering request never delays another queue or a handover by more than one slice.
+        another client, so a lingering request never delays another queue or a handover by more
+        than one slice.
+
+        Messages read here did not come through a fenced commit, so every slice reads the queue's
+        state in the same round trip as ``XREAD``: the batch is used only if this run still holds
+        the lock at the epoch it began with (and its pending token), exactly what a commit would
+        have checked right before its pipelined pull. Returns the messages read, 0 to end the run
+        normally, or -1 when the run lost the queue (fenced).
         """
         last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
-        me = self.client_id
+        me, epoch, token = self.client_id, str(self.epoch), self.token
         while True:
             left = until - time.monotonic()
             if left <= 0 or not self.engine.may_linger():
                 return 0
             block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
             pipe = self.redis.pipeline(transaction=False)
-            pipe.execute_command("HGET", self.k_state, "assignee")
+            pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
             pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", self.k_log, last_id)
-            assignee, reply = pipe.execute()
+            (owner, cur_epoch, pending, assignee), reply = pipe.execute()
+            if _s(owner or b"") != me or _s(cur_epoch or b"0") != epoch or _s(pending or b"") != token:
+                log.warning("lingering request on %s for %s lost the queue (owner %r, epoch %s); stopping",
+                            self.mq.key, self.sub, _s(owner or b""), _s(cur_epoch or b"0"))
+                self.pq.dropped = True
+                self.pq.clear()
+                return -1
+            self.pq.mark_locked()
             if assignee and _s(assignee) != me:
-                return 0  # revoked: the next commit reports it and the run hands the queue over
+                return 0  # reassigned: ending the run now hands the queue over (finish.lua)
             if reply:
                 # RESP2 gives [[stream, entries]]; RESP3 gives {stream: entries}.
                 entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -304,8 +305,15 @@ def test_drained_request_lingers_for_a_trickle_when_allowed(env) -> None:  # noq
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 6
 
 
-def _linger_run(eng: ConsumerEngine, seen: list[bytes]) -> tuple[list[Outcome], list[float], threading.Thread]:
-    """Drain in a thread (the run lingers after the first message): outcomes, end time, thread."""
+def _linger_run(env, may_linger: Callable[[], bool] = lambda: True):  # noqa: ANN001, ANN202
+    """Send one message and drain in a thread; return once the run is lingering after it.
+
+    Returns (producer, engine, bodies seen, outcomes, [end time], thread, redis client).
+    """
+    p, eng = env
+    eng.may_linger = may_linger
+    p.send_orderly("t", b"0", sharding_key="k")
+    seen: list[bytes] = []
     outs: list[Outcome] = []
     ended: list[float] = []
 
@@ -320,17 +328,13 @@ def _linger_run(eng: ConsumerEngine, seen: list[bytes]) -> tuple[list[Outcome], 
     while not seen and time.monotonic() < deadline:
         time.sleep(0.005)
     time.sleep(0.1)  # the run is lingering now (consume_linger_ms is 1 s)
-    return outs, ended, t
+    assert not ended, "the run should still be lingering"
+    return p, eng, seen, outs, ended, t, eng.brokers.default.client
 
 
 def test_lingering_request_gives_its_slot_back_as_soon_as_a_request_waits(env) -> None:  # noqa: ANN001
-    p, eng = env
     waiting = False
-    eng.may_linger = lambda: not waiting
-    p.send_orderly("t", b"0", sharding_key="k")
-    seen: list[bytes] = []
-    outs, ended, t = _linger_run(eng, seen)
-    assert not ended, "the run should still be lingering"
+    _, eng, seen, outs, ended, t, _ = _linger_run(env, lambda: not waiting)
     waiting, flipped = True, time.monotonic()
     t.join(2)
     assert ended and ended[0] - flipped < 0.2  # within a couple of 10 ms slices, not after 1 s
@@ -339,13 +343,7 @@ def test_lingering_request_gives_its_slot_back_as_soon_as_a_request_waits(env) -
 
 
 def test_lingering_request_stops_when_its_queue_is_reassigned(env) -> None:  # noqa: ANN001
-    p, eng = env
-    eng.may_linger = lambda: True
-    p.send_orderly("t", b"0", sharding_key="k")
-    seen: list[bytes] = []
-    outs, ended, t = _linger_run(eng, seen)
-    assert not ended, "the run should still be lingering"
-    r = eng.brokers.default.client
+    _, eng, seen, outs, ended, t, r = _linger_run(env)
     r.hset(keys.sub_state(MQ.tag, "g"), "assignee", "c2")  # what a rebalance writes
     flipped = time.monotonic()
     t.join(2)
@@ -360,13 +358,7 @@ def test_lingering_request_stops_when_its_queue_is_reassigned(env) -> None:  # n
 def test_lingering_request_that_lost_its_lock_hands_nothing_to_the_listener(env) -> None:  # noqa: ANN001
     """Messages read while lingering did not come through a fenced commit: if the lock moved to a
     new epoch meanwhile (a takeover), the run must stop without calling the listener on them."""
-    p, eng = env
-    eng.may_linger = lambda: True
-    p.send_orderly("t", b"0", sharding_key="k")
-    seen: list[bytes] = []
-    outs, ended, t = _linger_run(eng, seen)
-    assert not ended, "the run should still be lingering"
-    r = eng.brokers.default.client
+    p, eng, seen, outs, ended, t, r = _linger_run(env)
     r.hset(keys.sub_state(MQ.tag, "g"), mapping={"owner": "c2", "epoch": 99})  # what a takeover writes
     p.send_orderly("t", b"1", sharding_key="k")
     t.join(2)

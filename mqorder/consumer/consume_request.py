@@ -306,9 +306,9 @@ class ConsumeRequest:
         than one slice.
 
         Messages read here did not come through a fenced commit, so every slice reads the queue's
-        state in the same round trip as ``XREAD``: the batch is used only if this run still holds
-        the lock at the epoch it began with (and its pending token), exactly what a commit would
-        have checked right before its pipelined pull. Returns the messages read, 0 to end the run
+        state in the same round trip, right after ``XREAD``: the batch is used only if this run
+        still held the lock at the epoch it began with (and its pending token) when it was read,
+        what a commit checks right before its pipelined pull. Returns the messages read, 0 to end the run
         normally, or -1 when the run lost the queue (fenced).
         """
         last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
@@ -318,10 +318,12 @@ class ConsumeRequest:
             if left <= 0 or not self.engine.may_linger():
                 return 0
             block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
+            # The state is read *after* the blocking XREAD (Redis runs a connection's commands in
+            # order): what it says holds for the moment the batch was read, not 10 ms before.
             pipe = self.redis.pipeline(transaction=False)
-            pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
             pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", self.k_log, last_id)
-            (owner, cur_epoch, pending, assignee), reply = pipe.execute()
+            pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
+            reply, (owner, cur_epoch, pending, assignee) = pipe.execute()
             if _s(owner or b"") != me or _s(cur_epoch or b"0") != epoch or _s(pending or b"") != token:
                 log.warning("lingering request on %s for %s lost the queue (owner %r, epoch %s); stopping",
                             self.mq.key, self.sub, _s(owner or b""), _s(cur_epoch or b"0"))

@@ -38,9 +38,10 @@ import re
 PREFIX = "mqorder"
 
 #: RocketMQ's topic charset (``^[%|a-zA-Z0-9_-]+$``), max 127 characters.
-NAME_RE = re.compile(r"^[%|a-zA-Z0-9_.-]{1,127}$")
+#: Use with ``fullmatch``: ``$`` would also accept a trailing newline.
+NAME_RE = re.compile(r"[%|a-zA-Z0-9_.-]{1,127}")
 #: Client ids are Celery node names (``name@host``); allow what Celery allows, minus whitespace.
-CLIENT_RE = re.compile(r"^[^\s\x00{}]{1,255}$")
+CLIENT_RE = re.compile(r"[^\s\x00{}]{1,255}")
 
 BROADCAST_SEP = "%BC%"
 DLQ_PREFIX = "%DLQ%"

@@ -17,7 +17,7 @@ def check_name(kind: str, value: object) -> str:
     """Return ``value`` if it is a valid ``kind`` name (topic, group, broker), else raise."""
     if not isinstance(value, str):
         raise InvalidNameError(f"{kind} name must be a str, got {type(value).__name__}: {value!r}")
-    if not keys.NAME_RE.match(value):
+    if not keys.NAME_RE.fullmatch(value):
         raise InvalidNameError(f"invalid {kind} name {value!r}: use only {_ALLOWED}")
     if kind != "topic" and keys.BROADCAST_SEP in value:
         raise InvalidNameError(f"invalid {kind} name {value!r}: {keys.BROADCAST_SEP!r} is reserved")
@@ -35,7 +35,7 @@ def check_topic(value: object, *, allow_dlq: bool = False) -> str:
 
 
 def check_client_id(value: object) -> str:
-    if not isinstance(value, str) or not keys.CLIENT_RE.match(value):
+    if not isinstance(value, str) or not keys.CLIENT_RE.fullmatch(value):
         raise InvalidNameError(
             f"invalid client id {value!r}: 1 to 255 characters, no whitespace and no braces"
         )

@@ -73,7 +73,7 @@ def test_any_integer_pull_batch_size_is_accepted_or_clearly_refused(n: int) -> N
 
 @given(st.text(max_size=200))
 def test_names_are_accepted_iff_they_match_the_documented_charset(name: str) -> None:
-    ok = bool(NAME_RE.match(name)) and "%BC%" not in name
+    ok = bool(NAME_RE.fullmatch(name)) and "%BC%" not in name
     try:
         check_name("group", name)
     except InvalidNameError as exc:
@@ -136,3 +136,10 @@ def test_cli_config_reports_bad_settings_and_exits_2() -> None:
     )
     assert proc.returncode == 2
     assert "MQORDER_PULL_BATCH_SIZE" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("value", ["orders\n", "w1@host\n"])
+def test_a_trailing_newline_is_not_part_of_a_valid_name(value: str) -> None:
+    """Found by hypothesis: a regex ending in ``$`` also matches before a final newline."""
+    with pytest.raises(InvalidNameError):
+        check_client_id(value) if "@" in value else check_topic(value)

@@ -21,6 +21,7 @@ from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.hooks import ConsumeMessageContext, ConsumeMessageHook, register_consume_message_hook
 from mqorder.consumer.listener import orderly_listener
 from mqorder.errors import (
+    BrokerRefusedError,
     BrokerUnavailableError,
     ConfigError,
     InvalidNameError,
@@ -42,6 +43,7 @@ from mqorder.model import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BrokerRefusedError",
     "BrokerUnavailableError",
     "ConfigError",
     "ConsumeMessageContext",

@@ -39,6 +39,10 @@ class BrokerUnavailableError(MQOrderError, ConnectionError):
     """A Redis broker could not be reached (after the configured retries)."""
 
 
+class BrokerRefusedError(BrokerUnavailableError):
+    """A Redis broker answered but refused to store (MISCONF, OOM, READONLY...): nothing was written."""
+
+
 class LockNotOwnedError(MQOrderError):
     """A fenced operation was refused: the caller no longer holds the queue's current epoch."""
 

@@ -10,6 +10,7 @@ import redis
 
 from mqorder import Producer, keys
 from mqorder.errors import (
+    BrokerRefusedError,
     BrokerUnavailableError,
     ConfigError,
     InvalidNameError,
@@ -127,6 +128,31 @@ def test_unreachable_redis_gives_a_clear_error() -> None:
     p = Producer(f"redis://127.0.0.1:{free_port()}/0", send_msg_timeout=0.5)
     with pytest.raises(BrokerUnavailableError, match="did not answer"):
         p.create_topic("orders", queues=1)
+
+
+def test_a_redis_that_refuses_writes_gives_a_clear_error_and_stores_nothing() -> None:
+    """E.g. a full disk (MISCONF) or maxmemory reached (OOM): say so, and store nothing."""
+    from mqorder.embedded import RedisServer
+
+    with RedisServer() as srv:
+        p = Producer(srv.url)
+        try:
+            p.create_topic("orders", queues=2)
+            r = redis.Redis.from_url(srv.url)
+            r.config_set("maxmemory-policy", "noeviction")
+            r.config_set("maxmemory", 1)
+            with pytest.raises(BrokerRefusedError, match="refused the write, so nothing was stored: OOM"):
+                p.send_orderly("orders", b"x", sharding_key="k")
+            with pytest.raises(BrokerRefusedError, match="OOM"):
+                p.send_orderly_batch("orders", [("k", b"y"), ("j", b"z")])
+            r.config_set("maxmemory", 0)
+            log = MessageLog(p.brokers)
+            mqs = p.describe_topic("orders").message_queues
+            assert [log.max_offset(mq) for mq in mqs] == [0, 0]
+            assert p.send_orderly("orders", b"x", sharding_key="k").queue_offset == 0
+            r.close()
+        finally:
+            p.close()
 
 
 def test_password_never_appears_in_errors(redis_server) -> None:  # noqa: ANN001

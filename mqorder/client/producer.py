@@ -20,7 +20,7 @@ import redis
 from mqorder import keys
 from mqorder.client.selector import Selector, resolve, select_by_hash
 from mqorder.codec import MsgIdGenerator, check_body, encode_header
-from mqorder.errors import BrokerUnavailableError, MessageError
+from mqorder.errors import BrokerRefusedError, BrokerUnavailableError, MessageError
 from mqorder.model import MessageQueue, SendResult, SendStatus
 from mqorder.names import check_topic
 from mqorder.settings import Settings, get_settings, load_settings
@@ -36,7 +36,16 @@ SUBS_TTL = 1.0
 BATCH_CHUNK = 256
 
 _TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
-
+#: How Redis refuses a write before the send script stored anything (the script's first command
+#: is a write, and these refusals apply to every write alike): redis-py's classes for the codes it
+#: knows (OOM, READONLY, NOPERM, MASTERDOWN), the text for those it does not.
+_REFUSAL_CLASSES = (
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.NoPermissionError,
+    redis.exceptions.MasterDownError,
+)
+_REFUSAL_PREFIXES = ("MISCONF", "NOREPLICAS", "BUSY ")
 
 class Producer:
     """Sends messages to topics; ``send_orderly`` keeps all messages of one sharding key in order.
@@ -199,6 +208,11 @@ class Producer:
                 replies = pipe.execute()
             except _TRANSIENT as exc:
                 raise self._unavailable(broker_name, exc) from exc
+            except redis.ResponseError as exc:
+                refused = self._refused(broker_name, exc)
+                if refused is None:
+                    raise
+                raise refused from exc
             for (mq, idxs), reply in zip(chunks, replies, strict=True):
                 first, store_ms = int(reply[0]), int(reply[1])
                 for j, i in enumerate(idxs):
@@ -303,10 +317,30 @@ class Producer:
             reply = self._call_send(broker.scripts.send, mq, msgs, msg_ids)
         except _TRANSIENT as exc:
             raise self._unavailable(mq.broker_name, exc) from exc
+        except redis.ResponseError as exc:
+            refused = self._refused(mq.broker_name, exc)
+            if refused is None:
+                raise
+            raise refused from exc
         first, store_ms = int(reply[0]), int(reply[1])
         return [
             SendResult(SendStatus.SEND_OK, mid, mq, first + i, store_ms) for i, mid in enumerate(msg_ids)
         ]
+
+    def _refused(self, broker_name: str, exc: redis.ResponseError) -> BrokerRefusedError | None:
+        """A refusal Redis gives for any write (disk, memory, replica...) as a clear error; None
+        for anything else (a bug), which the caller re-raises as it is."""
+        text = str(exc)
+        if isinstance(exc, _REFUSAL_CLASSES):
+            text = f"{getattr(exc, 'status_code', None) or type(exc).__name__} {text}"
+        elif not text.startswith(_REFUSAL_PREFIXES):
+            return None
+        b = self.brokers.get(broker_name)
+        return BrokerRefusedError(
+            f"send failed: Redis broker {broker_name!r} at {b.safe_url} refused the write, so nothing "
+            f"was stored: {text[:300]}. Fix that Redis (its log says why), or point the producer at "
+            "another broker"
+        )
 
     def _unavailable(self, broker_name: str, exc: Exception) -> BrokerUnavailableError:
         b = self.brokers.get(broker_name)

@@ -10,9 +10,11 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { echo "installing redis-server"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
+	@command -v java >/dev/null || { echo "installing a Java 17 runtime for Spark"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless) >/dev/null; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q -e '.[dev,spark]'
 	@touch $(STAMP)
 
 install: $(STAMP)

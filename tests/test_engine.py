@@ -192,6 +192,34 @@ def test_commit_of_a_replaced_holder_is_fenced_and_ctx_sees_it(env) -> None:  # 
     assert locks.lock_entry("g", MQ).owner == "c2"
 
 
+def test_refused_commit_reaches_hooks_as_a_structured_record(env) -> None:  # noqa: ANN001
+    p, eng = env
+    for i in range(3):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    locks = RebalanceLockManager(eng.brokers)
+    refused = []
+    run_ids = set()
+
+    class Recorder(ConsumeMessageHook):
+        def consume_message_before(self, context):  # noqa: ANN001, ANN202
+            run_ids.add(context.run_id)
+
+        def consume_refused(self, context):  # noqa: ANN001, ANN202
+            refused.append(context)
+
+    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+        assert ctx.run_id in run_ids
+        if msgs[0].queue_offset == 1:
+            locks.assign("g", [(MQ, "c2", "other")], dead_clients=["c1"])
+        return S.SUCCESS
+
+    drain(eng, ListenerSpec(listener, "t", "g", hooks=[Recorder()]))
+    (rec,) = refused
+    assert (rec.reason, rec.client_id, rec.current_owner, rec.sub) == ("FENCED", "c1", "c2", "g")
+    assert rec.current_epoch == rec.epoch + 1
+    assert rec.run_id in run_ids and rec.offset == 3  # the run handled all three, then tried to commit
+
+
 def test_hooks_run_before_and_after_each_call(env) -> None:  # noqa: ANN001
     p, eng = env
     for i in range(3):

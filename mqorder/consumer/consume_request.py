@@ -26,7 +26,14 @@ from redis.exceptions import NoScriptError
 from mqorder import keys
 from mqorder.codec import decode_entries, encode_header
 from mqorder.consumer.context import ConsumeOrderlyContext
-from mqorder.consumer.hooks import ConsumeMessageContext, global_hooks, run_after, run_before
+from mqorder.consumer.hooks import (
+    ConsumeMessageContext,
+    RefusedContext,
+    global_hooks,
+    run_after,
+    run_before,
+    run_refused,
+)
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.errors import MessageError
@@ -176,6 +183,8 @@ class ConsumeRequest:
         self.token = token
         #: Unique per task execution (kept across in-process retries after a Redis outage).
         self.runner = runner or new_token()
+        #: Unique per run (this object): hooks and listeners tell one run's calls from the next.
+        self.run_id = new_token()
         self.client_id = engine.client_id
         broker = engine.brokers.get(mq.broker_name)
         self.redis = broker.client
@@ -361,10 +370,11 @@ class ConsumeRequest:
             group=self.spec.group,
             still_owner=self._still_owner,
             suspend_current_queue_time_millis=self.suspend_ms,
+            run_id=self.run_id,
         )
         hook_ctx = None
         if self.hooks:
-            hook_ctx = ConsumeMessageContext(self.spec.group, self.mq, msgs, self.epoch, self.client_id)
+            hook_ctx = ConsumeMessageContext(self.spec.group, self.mq, msgs, self.epoch, self.client_id, self.run_id)
             run_before(self.hooks, hook_ctx)
         t0 = time.perf_counter()
         try:
@@ -514,6 +524,13 @@ class ConsumeRequest:
     def _on_refused(self, verb: str, res: list[Any]) -> None:
         self.pq.dropped = True
         self.pq.clear()
+        if self.hooks:
+            fenced = verb == "FENCED"
+            run_refused(self.hooks, RefusedContext(
+                self.spec.group, self.sub, self.mq, self.client_id, self.run_id, self.epoch, verb,
+                int(res[1]) if fenced else self.epoch, _s(res[2]) if fenced else self.client_id,
+                self.commit_point, time.time(),
+            ))
         if verb == "FENCED":
             log.warning(
                 "commit refused on %s for %s: epoch %d is stale (now epoch %s held by %r); "

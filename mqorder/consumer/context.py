@@ -23,6 +23,7 @@ class ConsumeOrderlyContext:
         "epoch",
         "client_id",
         "group",
+        "run_id",
         "_still_owner",
     )
 
@@ -36,6 +37,7 @@ class ConsumeOrderlyContext:
         still_owner: Callable[[], bool],
         suspend_current_queue_time_millis: int = 1000,
         auto_commit: bool = True,
+        run_id: str = "",
     ) -> None:
         self.message_queue = message_queue
         self.auto_commit = auto_commit
@@ -43,6 +45,8 @@ class ConsumeOrderlyContext:
         self.epoch = epoch
         self.client_id = client_id
         self.group = group
+        #: Unique per ConsumeRequest run (a redelivery after a failover comes from another run).
+        self.run_id = run_id
         self._still_owner = still_owner
 
     def still_owner(self) -> bool:

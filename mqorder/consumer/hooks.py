@@ -15,6 +15,31 @@ from mqorder.model import MessageExt, MessageQueue
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class RefusedContext:
+    """A fenced commit or lease touch was refused: the run lost its queue (or its token).
+
+    Emitted where the engine decides it, so an audit (the chaos checker, a tracer) proves fencing
+    from this record instead of parsing a log line. ``reason``: ``FENCED`` (the epoch is stale:
+    somebody else owns the queue now, ``current_epoch``/``current_owner``), ``SUPERSEDED`` (the run's
+    dispatch token was replaced), ``BACKWARD`` (the committed offset is already past ``offset``).
+    """
+
+    consumer_group: str
+    sub: str
+    message_queue: MessageQueue
+    client_id: str
+    run_id: str
+    epoch: int
+    reason: str
+    current_epoch: int
+    current_owner: str
+    #: The offset the run tried to commit.
+    offset: int
+    #: ``time.time()`` when the refusal was seen.
+    at: float
+
+
 @dataclass
 class ConsumeMessageContext:
     consumer_group: str
@@ -22,6 +47,8 @@ class ConsumeMessageContext:
     msg_list: list[MessageExt]
     epoch: int
     client_id: str
+    #: Unique per ConsumeRequest run: tells one run's calls from the next one's.
+    run_id: str = ""
     #: Set before ``consume_message_after``: the status name, and whether it counts as success.
     status: str = ""
     success: bool = False
@@ -40,6 +67,9 @@ class ConsumeMessageHook:
 
     def consume_message_after(self, context: ConsumeMessageContext) -> None:  # noqa: B027
         pass
+
+    def consume_refused(self, context: RefusedContext) -> None:  # noqa: B027
+        """The run's fenced commit was refused; it stops, the new owner redelivers."""
 
 
 _GLOBAL_HOOKS: list[ConsumeMessageHook] = []
@@ -75,3 +105,11 @@ def run_after(hooks: list[ConsumeMessageHook], ctx: ConsumeMessageContext) -> No
             h.consume_message_after(ctx)
         except Exception:  # noqa: BLE001
             log.exception("consume hook %s failed after consume", h.hook_name())
+
+
+def run_refused(hooks: list[ConsumeMessageHook], ctx: RefusedContext) -> None:
+    for h in hooks:
+        try:
+            h.consume_refused(ctx)
+        except Exception:  # noqa: BLE001
+            log.exception("consume hook %s failed on a refused commit", h.hook_name())

@@ -23,6 +23,7 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:stats:<sub>                             HASH  per-queue consume counters
     mqorder:{t:b:q}:log                             STREAM message log, entry id "<offset>-1"
     mqorder:{t:b:q}:next                            STR   next offset to assign (= max offset + 1)
+    mqorder:{t:b:q}:ids                             HASH  msg id -> offset, for idempotent appends only
     mqorder:{t:b:q}:s:<sub>                         HASH  lock/epoch/offset/pending state of sub on q
     mqorder:{t:b:q}:r:<sub>                         HASH  offset -> reconsume times (retrying head)
 
@@ -108,6 +109,11 @@ def queue_log(tag: str) -> str:
 
 def queue_next(tag: str) -> str:
     return f"{PREFIX}:{tag}:next"
+
+
+def queue_ids(tag: str) -> str:
+    """Ids of the messages appended idempotently to the queue (``append_entries`` in Lua)."""
+    return f"{PREFIX}:{tag}:ids"
 
 
 def sub_state(tag: str, sub: str) -> str:

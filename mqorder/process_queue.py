@@ -24,8 +24,6 @@ from mqorder.model import MessageExt
 #: RocketMQ's ``REBALANCE_LOCK_MAX_LIVE_TIME``: the client stops trusting its lock after 30 s
 #: without a successful lock or fenced commit.
 DEFAULT_LOCK_EXPIRE_MS = 30_000
-#: RocketMQ's ``PULL_MAX_IDLE_TIME``.
-DEFAULT_PULL_EXPIRE_MS = 120_000
 
 
 def _now_ms() -> int:
@@ -42,29 +40,26 @@ class ProcessQueue:
         self._consuming_size = 0
         self.queue_offset_max = -1
         self.dropped = False
-        self.locked = False
-        self.consuming_flag = False
         self.lock_expire_ms = lock_expire_ms
         self.last_lock_timestamp = _now_ms()
-        self.last_pull_timestamp = _now_ms()
-        self.last_consume_timestamp = _now_ms()
 
     # -- lock bookkeeping (the truth is in Redis; this is the client's view) --------------------
 
     def mark_locked(self) -> None:
-        self.locked = True
+        """A fenced call just confirmed the lock: trust it for another ``lock_expire_ms``."""
         self.last_lock_timestamp = _now_ms()
 
     def is_lock_expired(self) -> bool:
         return _now_ms() - self.last_lock_timestamp > self.lock_expire_ms
 
-    def is_pull_expired(self) -> bool:
-        return _now_ms() - self.last_pull_timestamp > DEFAULT_PULL_EXPIRE_MS
-
     # -- filling ---------------------------------------------------------------------------------
 
-    def put_messages(self, msgs: Iterable[MessageExt]) -> bool:
-        """Add pulled messages; returns True when a consumer should be dispatched for them."""
+    def put_messages(self, msgs: Iterable[MessageExt]) -> None:
+        """Add pulled messages; an offset already held (pending or consuming) is ignored.
+
+        The ConsumeRequest that pulled them consumes them itself, so unlike RocketMQ's
+        ``putMessage`` this never asks for a dispatch: Redis decides who runs (``begin.lua``).
+        """
         with self.tree_lock:
             tree, consuming = self.msg_tree, self.consuming
             new: dict[int, MessageExt] = {}
@@ -81,21 +76,14 @@ class ProcessQueue:
                 top = max(new)
                 if top > self.queue_offset_max:
                     self.queue_offset_max = top
-            self.last_pull_timestamp = _now_ms()
-            dispatch = bool(tree) and not self.consuming_flag
-            if dispatch:
-                self.consuming_flag = True
-            return dispatch
 
     # -- consuming -------------------------------------------------------------------------------
 
     def take_messages(self, batch_size: int) -> list[MessageExt]:
         """Hand out up to ``batch_size`` messages with the lowest offsets."""
         with self.tree_lock:
-            self.last_consume_timestamp = _now_ms()
             tree, consuming = self.msg_tree, self.consuming
             if not tree:
-                self.consuming_flag = False
                 return []
             if batch_size >= len(tree):
                 # The common case (consume batch >= what is left of the pull): move everything
@@ -147,7 +135,6 @@ class ProcessQueue:
             self.msg_size = 0
             self._consuming_size = 0
             self.queue_offset_max = -1
-            self.consuming_flag = False
 
     # -- flow control and views ------------------------------------------------------------------
 
@@ -156,15 +143,3 @@ class ProcessQueue:
         if self.msg_count >= threshold_count:
             return True
         return threshold_size is not None and self.msg_size >= threshold_size
-
-    @property
-    def has_temp_message(self) -> bool:
-        return bool(self.msg_tree)
-
-    def first_offset(self) -> int | None:
-        with self.tree_lock:
-            if self.consuming:
-                return self.consuming.keys()[0]
-            if self.msg_tree:
-                return self.msg_tree.keys()[0]
-            return None

@@ -103,7 +103,6 @@ def test_suspended_message_blocks_later_offsets() -> None:
     pq.make_message_to_consume_again(batch)
     pq.put_messages(msgs(10, 11, 12))  # a pull lands meanwhile
     assert pq.commit() == -1  # nothing of the suspended batch may be committed
-    assert pq.first_offset() == 0
     assert offsets(pq.take_messages(1)) == [0]
     assert offsets(pq.take_messages(100)) == list(range(1, 13))
 
@@ -117,18 +116,7 @@ def test_partial_consume_again_keeps_commit_below_requeued_offsets() -> None:
     assert offsets(pq.take_messages(10)) == [1, 2, 3]
 
 
-def test_first_offset_is_the_lowest_uncommitted_offset() -> None:
-    pq = ProcessQueue()
-    assert pq.first_offset() is None
-    pq.put_messages(msgs(4, 5, 6))
-    assert pq.first_offset() == 4
-    pq.take_messages(1)
-    assert pq.first_offset() == 4  # consuming, not committed
-    pq.commit()
-    assert pq.first_offset() == 5
-
-
-# -- put_messages and the dispatch flag -----------------------------------------------------------
+# -- put_messages ---------------------------------------------------------------------------------
 
 
 def test_duplicate_offsets_in_put_messages_are_ignored() -> None:
@@ -143,40 +131,6 @@ def test_duplicate_offsets_in_put_messages_are_ignored() -> None:
     pq.put_messages([msg(1, b"fourth")])  # already consuming
     assert (pq.msg_count, pq.msg_size) == (2, len(b"first") + 2)
     assert offsets(pq.take_messages(10)) == [2]
-
-
-def test_put_messages_asks_for_dispatch_only_when_no_consumer_is_running() -> None:
-    pq = ProcessQueue()
-    assert pq.put_messages([]) is False  # nothing to consume
-    assert pq.consuming_flag is False
-    assert pq.put_messages(msgs(0, 1)) is True
-    assert pq.consuming_flag is True
-    assert pq.put_messages(msgs(2)) is False  # a consumer is already dispatched
-    assert pq.put_messages(msgs(3)) is False
-    pq.take_messages(10)
-    assert pq.put_messages(msgs(4)) is False  # still consuming: flag stays set until a take comes up empty
-    pq.take_messages(10)
-    assert pq.take_messages(10) == []
-    assert pq.consuming_flag is False
-    assert pq.put_messages(msgs(5)) is True
-
-
-def test_put_of_only_duplicates_does_not_ask_for_dispatch() -> None:
-    pq = ProcessQueue()
-    pq.put_messages(msgs(0))
-    pq.take_messages(1)
-    assert pq.take_messages(1) == []  # consumer goes idle while 0 is still consuming
-    assert pq.put_messages(msgs(0)) is False
-
-
-def test_take_on_empty_resets_consuming_flag() -> None:
-    pq = ProcessQueue()
-    pq.put_messages(msgs(0))
-    assert pq.consuming_flag is True
-    assert offsets(pq.take_messages(5)) == [0]
-    assert pq.consuming_flag is True
-    assert pq.take_messages(5) == []
-    assert pq.consuming_flag is False
 
 
 # -- flow control, lock expiry, clear -------------------------------------------------------------
@@ -207,7 +161,6 @@ def test_is_full_on_size_threshold() -> None:
 def test_lock_expires_after_lock_expire_ms() -> None:
     pq = ProcessQueue(lock_expire_ms=20)
     pq.mark_locked()
-    assert pq.locked
     assert not pq.is_lock_expired()
     time.sleep(0.05)
     assert pq.is_lock_expired()
@@ -228,12 +181,10 @@ def test_clear_forgets_everything() -> None:
     pq.take_messages(2)
     pq.clear()
     assert (pq.msg_count, pq.msg_size, pq.queue_offset_max) == (0, 0, -1)
-    assert pq.consuming_flag is False
-    assert not pq.has_temp_message
-    assert pq.first_offset() is None
+    assert not pq.msg_tree and not pq.consuming
     assert pq.commit() == -1
     assert pq.take_messages(10) == []
-    assert pq.put_messages(msgs(2)) is True
+    pq.put_messages(msgs(2))
     assert offsets(pq.take_messages(10)) == [2]
 
 
@@ -248,19 +199,15 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         self.pq = ProcessQueue()
         self.pending: dict[int, MessageExt] = {}  # put, not handed out
         self.consuming: dict[int, MessageExt] = {}  # handed out, not committed
-        self.flag = False
         self.requeued: set[int] = set()
 
     @rule(offs=st.lists(st.integers(0, 60), max_size=8))
     def put(self, offs: list[int]) -> None:
         batch = msgs(*offs)
-        dispatch = self.pq.put_messages(batch)
+        self.pq.put_messages(batch)
         for m in batch:
             if m.queue_offset not in self.pending and m.queue_offset not in self.consuming:
                 self.pending[m.queue_offset] = m
-        expected = bool(self.pending) and not self.flag
-        assert dispatch is expected
-        self.flag = self.flag or expected
 
     @rule(k=st.integers(1, 6))
     def take(self, k: int) -> None:
@@ -276,8 +223,6 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         self.requeued = set()
         for o in got:
             self.consuming[o] = self.pending.pop(o)
-        if not got:
-            self.flag = False
 
     @rule()
     def commit(self) -> None:
@@ -294,7 +239,7 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         self.pending.update(self.consuming)
         self.consuming.clear()
         # nothing is consuming, so the next message handed out is the lowest uncommitted one
-        assert self.pq.first_offset() == outstanding
+        assert self.pq.msg_tree.keys()[0] == outstanding
 
     @precondition(lambda self: self.consuming)
     @rule(data=st.data())
@@ -318,8 +263,6 @@ class ProcessQueueMachine(RuleBasedStateMachine):
         assert self.pq.msg_size == sum(len(m.body) for m in held.values())
         assert list(self.pq.msg_tree.keys()) == sorted(self.pending)
         assert list(self.pq.consuming.keys()) == sorted(self.consuming)
-        assert self.pq.consuming_flag is self.flag
-        assert self.pq.first_offset() == (min(self.consuming) if self.consuming else min(self.pending, default=None))
 
 
 ProcessQueueMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=40, deadline=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import zlib
 
@@ -171,7 +172,7 @@ def test_send_wakes_the_owner_once_per_idle_queue(producer: Producer, r: redis.R
     r.hset(keys.sub_state(mq.tag, "g"), mapping={"owner": "w1", "lease": (sec + 60) * 1000})
     ps = r.pubsub(ignore_subscribe_messages=True)
     ps.subscribe(keys.wake_channel("w1"))
-    producer._subs.clear()
+    producer.appender._subs.clear()
     for _ in range(5):
         producer.send_orderly("orders", b"x", sharding_key="k")
     wakes = []
@@ -181,7 +182,7 @@ def test_send_wakes_the_owner_once_per_idle_queue(producer: Producer, r: redis.R
         if m is not None:
             wakes.append(m)
     assert len(wakes) == 1  # one pending ConsumeRequest per queue, not one per message
-    sub, mq_key, token = wakes[0]["data"].decode().split("\x1f")
+    sub, mq_key, token = json.loads(wakes[0]["data"])
     assert (sub, mq_key) == ("g", mq.key)
     assert r.hget(keys.sub_state(mq.tag, "g"), "pending").decode() == token
 
@@ -191,7 +192,7 @@ def test_wake_nobody_heard_leaves_the_queue_to_the_sweep(producer: Producer, r: 
     producer.topics.subscribe("g", "orders", MessageModel.CLUSTERING)
     sec, _ = r.time()
     r.hset(keys.sub_state(mq.tag, "g"), mapping={"owner": "w-offline", "lease": (sec + 60) * 1000})
-    producer._subs.clear()
+    producer.appender._subs.clear()
     producer.send_orderly("orders", b"x", sharding_key="k")
     # No subscriber on the owner's wake channel: no pending token that nobody would act on.
     assert r.hget(keys.sub_state(mq.tag, "g"), "pending") in (None, b"")

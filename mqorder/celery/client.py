@@ -34,6 +34,7 @@ from mqorder.rebalance.membership import Subscription, redis_now_ms
 from mqorder.rebalance.service import Dispatch, RebalanceService
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.wake import WakeUp
 
 log = logging.getLogger(__name__)
 
@@ -211,8 +212,8 @@ class WorkerClient:
                     msg = pubsub.get_message(timeout=0.5)
                     if msg is None or msg.get("type") != "message":
                         continue
-                    sub, mq_key, token = msg["data"].decode().split("\x1f")
-                    dispatch(self.app, sub, mq_key, token, self.client_id)
+                    wake = WakeUp.decode(msg["data"])
+                    dispatch(self.app, wake.sub, wake.mq_key, wake.token, self.client_id)
             except redis.RedisError as exc:
                 log.warning("mqorder: wake channel lost (%s); resubscribing in %.1fs", exc, backoff)
                 self._stop.wait(backoff)

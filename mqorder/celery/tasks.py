@@ -7,15 +7,12 @@ the Celery-free engine; a task only carries the engine's outcome to the right wo
 from __future__ import annotations
 
 import logging
-import time
 
-import redis
 from celery import shared_task
 
 from mqorder import keys
 from mqorder.celery.dispatch import CONSUME_REQUEST, dispatch
 from mqorder.celery.runtime import engine_for
-from mqorder.consumer.consume_request import ConsumeRequest, new_token
 from mqorder.consumer.listener import get_listener
 from mqorder.model import MessageQueue
 from mqorder.rebalance.service import RebalanceService
@@ -35,34 +32,6 @@ def rebalance_service() -> RebalanceService:
     return _service
 
 
-#: How long a ConsumeRequest keeps retrying through a Redis outage before leaving it to the sweep.
-REDIS_RETRY_BUDGET_S = 120.0
-
-
-def _run_with_redis_retry(engine, spec, sub: str, mq: MessageQueue, token: str):  # noqa: ANN001, ANN202
-    """Run the request; through a Redis outage, retry in process with backoff.
-
-    Nothing past the last fenced commit was persisted, so re-running from the committed offset
-    is safe. The same ``runner`` id lets this execution re-enter its own run mark after Redis
-    comes back (a duplicate delivery of the task, with another runner id, cannot). The Celery
-    broker is usually the same Redis, so a ``self.retry`` publish would fail too.
-    """
-    runner = new_token()
-    delay, waited = 0.25, 0.0
-    while True:
-        try:
-            return ConsumeRequest(engine, spec, sub, mq, token, runner=runner).run()
-        except redis.RedisError as exc:
-            if waited >= REDIS_RETRY_BUDGET_S:
-                log.error("ConsumeRequest %s %s: Redis unreachable for %.0fs (%s); the sweep will "
-                          "re-dispatch when it is back", sub, mq.key, waited, exc)
-                return None
-            log.warning("ConsumeRequest %s %s: Redis error (%s); retrying in %.2fs", sub, mq.key, exc, delay)
-            time.sleep(delay)
-            waited += delay
-            delay = min(delay * 2, 5.0)
-
-
 @shared_task(name=CONSUME_REQUEST, bind=True, ignore_result=True, acks_late=False)
 def consume_request(self, sub: str, mq_key: str, token: str) -> dict:  # noqa: ANN001
     """One ConsumeRequest run over one queue (see ``mqorder.consumer.consume_request``)."""
@@ -77,7 +46,7 @@ def consume_request(self, sub: str, mq_key: str, token: str) -> dict:  # noqa: A
         )
         return {"verb": "NO_LISTENER"}
     engine = engine_for(client_id)
-    outcome = _run_with_redis_retry(engine, spec, sub, mq, token)
+    outcome = engine.run(spec, sub, mq, token)
     if outcome is None:
         return {"verb": "REDIS_DOWN"}
     if outcome.needs_dispatch:

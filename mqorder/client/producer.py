@@ -1,9 +1,8 @@
 """``Producer``: RocketMQ's ``DefaultMQProducer`` on Redis.
 
-A send is one Lua call (``send.lua``) that assigns contiguous offsets, appends to the queue's log
-and, in the same atomic step, wakes the owner of every subscribing group whose queue has no
-ConsumeRequest pending. So a message is never left behind by a ConsumeRequest that was just
-finishing, and a busy queue costs no extra wake-ups.
+It validates, selects the queue and encodes; storing is the one append path
+(``mqorder.store.append.QueueAppender``: one Lua call per queue chunk that assigns offsets, appends
+and wakes idle owners atomically), shared with the DLQ writer and the Spark writer.
 """
 
 from __future__ import annotations
@@ -15,37 +14,22 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-import redis
-
-from mqorder import keys
 from mqorder.client.selector import Selector, resolve, select_by_hash
 from mqorder.codec import MsgIdGenerator, check_body, encode_header
-from mqorder.errors import BrokerRefusedError, BrokerUnavailableError, MessageError
+from mqorder.errors import BrokerUnavailableError, MessageError
 from mqorder.model import MessageQueue, SendResult, SendStatus
 from mqorder.names import check_topic
 from mqorder.settings import Settings, get_settings, load_settings
+from mqorder.store.append import AppendReply, AppendRequest, QueueAppender
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.failures import TRANSIENT, unavailable
 from mqorder.store.topics import TopicManager, TopicRoute
 
 #: How long a topic route is cached (RocketMQ polls the NameServer every 30 s).
 ROUTE_TTL = 30.0
-#: How long the list of subscribing groups is cached; a group that subscribes later is woken by
-#: the sweep until then.
-SUBS_TTL = 1.0
-#: At most this many messages per send script call in a batch.
+#: At most this many messages per append call in a batch.
 BATCH_CHUNK = 256
 
-_TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
-#: How Redis refuses a write before the send script stored anything (the script's first command
-#: is a write, and these refusals apply to every write alike): redis-py's classes for the codes it
-#: knows (OOM, READONLY, NOPERM, MASTERDOWN), the text for those it does not.
-_REFUSAL_CLASSES = (
-    redis.exceptions.OutOfMemoryError,
-    redis.exceptions.ReadOnlyError,
-    redis.exceptions.NoPermissionError,
-    redis.exceptions.MasterDownError,
-)
-_REFUSAL_PREFIXES = ("MISCONF", "NOREPLICAS", "BUSY ")
 
 class Producer:
     """Sends messages to topics; ``send_orderly`` keeps all messages of one sharding key in order.
@@ -90,8 +74,10 @@ class Producer:
         self._rr = itertools.count()
         self._lock = threading.Lock()
         self._routes: dict[str, tuple[float, TopicRoute, list[MessageQueue]]] = {}
-        self._subs: dict[str, tuple[float, list[str]]] = {}
-        self._pending_ttl = settings.ms(settings.pending_ttl)
+        self.appender = QueueAppender(
+            self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout,
+            topics=self.topics,
+        )
 
     # -- admin -----------------------------------------------------------------------------------
 
@@ -99,7 +85,7 @@ class Producer:
         """Create ``topic`` with ``queues`` queues on each broker (idempotent for the same layout)."""
         try:
             route = self.topics.create_topic(topic, queues, brokers=brokers)
-        except _TRANSIENT as exc:
+        except TRANSIENT as exc:
             raise self._unavailable(self.brokers.default_name, exc) from exc
         with self._lock:
             self._routes.pop(topic, None)
@@ -132,7 +118,7 @@ class Producer:
         for _ in range(attempts):
             mq = self._select_round_robin(queues, avoid=last_broker)
             try:
-                return self._send_to_queue(mq, [(header, body)], [msg_id])[0]
+                return _result(mq, msg_id, self.appender.append(mq, [(header, body)]))
             except BrokerUnavailableError as exc:
                 last_broker, last_exc = mq.broker_name, exc
         assert last_exc is not None
@@ -157,7 +143,7 @@ class Producer:
         _, queues = self._route(topic)
         header, msg_id, body = self._prepare(body, keys, tags, properties)
         mq = self._select(queues, sharding_key, body, selector)
-        return self._send_to_queue(mq, [(header, body)], [msg_id])[0]
+        return _result(mq, msg_id, self.appender.append(mq, [(header, body)]))
 
     def send_orderly_batch(
         self,
@@ -188,35 +174,15 @@ class Producer:
         by_queue: dict[MessageQueue, list[int]] = defaultdict(list)
         for i, (mq, _, _, _) in enumerate(prepared):
             by_queue[mq].append(i)
+        chunks = [idxs[c : c + BATCH_CHUNK] for idxs in by_queue.values() for c in range(0, len(idxs), BATCH_CHUNK)]
+        replies = self.appender.append_many(
+            [AppendRequest(prepared[idxs[0]][0], [(prepared[i][1], prepared[i][2]) for i in idxs]) for idxs in chunks]
+        )
         results: list[SendResult | None] = [None] * len(prepared)
-        by_broker: dict[str, list[tuple[MessageQueue, list[int]]]] = defaultdict(list)
-        for mq, idxs in by_queue.items():
-            for c in range(0, len(idxs), BATCH_CHUNK):
-                by_broker[mq.broker_name].append((mq, idxs[c : c + BATCH_CHUNK]))
-        for broker_name, chunks in by_broker.items():
-            broker = self.brokers.get(broker_name)
-            try:
-                pipe = broker.client.pipeline(transaction=False)
-                for mq, idxs in chunks:
-                    self._call_send(
-                        broker.scripts.send,
-                        mq,
-                        [(prepared[i][1], prepared[i][2]) for i in idxs],
-                        [prepared[i][3] for i in idxs],
-                        client=pipe,
-                    )
-                replies = pipe.execute()
-            except _TRANSIENT as exc:
-                raise self._unavailable(broker_name, exc) from exc
-            except redis.ResponseError as exc:
-                refused = self._refused(broker_name, exc)
-                if refused is None:
-                    raise
-                raise refused from exc
-            for (mq, idxs), reply in zip(chunks, replies, strict=True):
-                first, store_ms = int(reply[0]), int(reply[1])
-                for j, i in enumerate(idxs):
-                    results[i] = SendResult(SendStatus.SEND_OK, prepared[i][3], mq, first + j, store_ms)
+        for idxs, reply in zip(chunks, replies, strict=True):
+            for i, off in zip(idxs, reply.offsets, strict=True):
+                mq, _, _, msg_id = prepared[i]
+                results[i] = SendResult(SendStatus.SEND_OK, msg_id, mq, off, reply.store_ms)
         return [r for r in results if r is not None]
 
     def close(self) -> None:
@@ -268,84 +234,17 @@ class Producer:
             return cached[1], cached[2]
         try:
             route = self.topics.describe_topic(topic)
-        except _TRANSIENT as exc:
+        except TRANSIENT as exc:
             raise self._unavailable(self.brokers.default_name, exc) from exc
         queues = route.message_queues
         with self._lock:
             self._routes[topic] = (now, route, queues)
         return route, queues
 
-    def _subscriptions(self, topic: str) -> list[str]:
-        now = time.monotonic()
-        cached = self._subs.get(topic)
-        if cached and now - cached[0] < SUBS_TTL:
-            return cached[1]
-        subs = self.topics.subs_of_topic(topic)
-        self._subs[topic] = (now, subs)
-        return subs
-
-    def _call_send(
-        self,
-        script: Any,
-        mq: MessageQueue,
-        msgs: list[tuple[bytes, bytes]],
-        msg_ids: list[str],
-        client: Any = None,
-    ) -> Any:
-        subs = self._subscriptions(mq.topic)
-        tag = mq.tag
-        kl = [keys.queue_log(tag), keys.queue_next(tag)]
-        kl.extend(keys.sub_state(tag, s) for s in subs)
-        args: list[Any] = [len(msgs)]
-        for h, b in msgs:
-            args.append(h)
-            args.append(b)
-        args.append(self._pending_ttl)
-        args.append(keys.wake_channel(""))
-        token = msg_ids[-1]
-        for i, s in enumerate(subs):
-            t = f"{token}.{i}"
-            args.append(t)
-            args.append(f"{s}\x1f{mq.key}\x1f{t}")
-        return script(keys=kl, args=args, client=client)
-
-    def _send_to_queue(
-        self, mq: MessageQueue, msgs: list[tuple[bytes, bytes]], msg_ids: list[str]
-    ) -> list[SendResult]:
-        broker = self.brokers.get(mq.broker_name)
-        try:
-            reply = self._call_send(broker.scripts.send, mq, msgs, msg_ids)
-        except _TRANSIENT as exc:
-            raise self._unavailable(mq.broker_name, exc) from exc
-        except redis.ResponseError as exc:
-            refused = self._refused(mq.broker_name, exc)
-            if refused is None:
-                raise
-            raise refused from exc
-        first, store_ms = int(reply[0]), int(reply[1])
-        return [
-            SendResult(SendStatus.SEND_OK, mid, mq, first + i, store_ms) for i, mid in enumerate(msg_ids)
-        ]
-
-    def _refused(self, broker_name: str, exc: redis.ResponseError) -> BrokerRefusedError | None:
-        """A refusal Redis gives for any write (disk, memory, replica...) as a clear error; None
-        for anything else (a bug), which the caller re-raises as it is."""
-        text = str(exc)
-        if isinstance(exc, _REFUSAL_CLASSES):
-            text = f"{getattr(exc, 'status_code', None) or type(exc).__name__} {text}"
-        elif not text.startswith(_REFUSAL_PREFIXES):
-            return None
-        b = self.brokers.get(broker_name)
-        return BrokerRefusedError(
-            f"send failed: Redis broker {broker_name!r} at {b.safe_url} refused the write, so nothing "
-            f"was stored: {text[:300]}. Fix that Redis (its log says why), or point the producer at "
-            "another broker"
-        )
-
     def _unavailable(self, broker_name: str, exc: Exception) -> BrokerUnavailableError:
         b = self.brokers.get(broker_name)
-        return BrokerUnavailableError(
-            f"send failed: Redis broker {broker_name!r} at {b.safe_url} did not answer within "
-            f"{self.settings.send_msg_timeout}s ({type(exc).__name__}: {exc}). The message may or may "
-            "not be stored; check the broker and retry"
-        )
+        return unavailable(broker_name, b.safe_url, exc, self.settings.send_msg_timeout)
+
+
+def _result(mq: MessageQueue, msg_id: str, reply: AppendReply) -> SendResult:
+    return SendResult(SendStatus.SEND_OK, msg_id, mq, reply.offsets[0], reply.store_ms)

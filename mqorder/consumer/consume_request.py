@@ -13,19 +13,21 @@ The run returns an ``Outcome``; the Celery task turns it into ``apply_async`` to
 
 from __future__ import annotations
 
-import json
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
+import redis
 from redis.exceptions import NoScriptError
 
 from mqorder import keys
-from mqorder.codec import decode_entries, encode_header
+from mqorder.backoff import Backoff
+from mqorder.codec import decode_entries
 from mqorder.consumer.context import ConsumeOrderlyContext
+from mqorder.consumer.dlq import DeadLetterWriter
 from mqorder.consumer.hooks import (
     ConsumeMessageContext,
     RefusedContext,
@@ -36,12 +38,14 @@ from mqorder.consumer.hooks import (
 )
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.stats import ConsumerStatsManager
-from mqorder.errors import MessageError
+from mqorder.errors import BrokerUnavailableError
 from mqorder.model import ConsumeOrderlyStatus, MessageExt, MessageQueue
 from mqorder.process_queue import ProcessQueue
 from mqorder.settings import Settings
+from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.topics import TopicManager
+from mqorder.tokens import new_token
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +60,69 @@ BUDGET_REQUEUE_S = 0.01
 LINGER_SLICE_S = 0.01
 #: Consume counters are pushed to Redis at most this often per process.
 STATS_FLUSH_INTERVAL_S = 1.0
+#: How long a ConsumeRequest keeps retrying through a Redis outage before leaving it to the sweep.
+REDIS_RETRY_BUDGET_S = 120.0
+
+
+class Verb(StrEnum):
+    """What the caller must do after a run (``Outcome.verb``)."""
+
+    #: Nothing: the queue is drained (or nobody consumes it any more).
+    IDLE = "IDLE"
+    #: This task was a duplicate: its token was superseded (STALE) or is already running (BUSY).
+    STALE = "STALE"
+    BUSY = "BUSY"
+    #: The lock moved away; its new owner was dispatched by whoever moved it.
+    FENCED = "FENCED"
+    #: Send a ConsumeRequest with ``token`` to ``target`` (this client again, the new assignee, or
+    #: the current owner) after ``countdown``.
+    REQUEUE = "REQUEUE"
+    HANDOVER = "HANDOVER"
+    DISPATCH = "DISPATCH"
+
+
+class Stop(StrEnum):
+    """Why the consume loop of a run stopped. ``DONE``/``REQUEUE`` are ``finish.lua``'s actions."""
+
+    #: Drained, dropped or revoked: ``finish.lua`` decides who consumes next.
+    DONE = "done"
+    #: A suspend or the time budget: run again after a countdown (``submitConsumeRequestLater``).
+    REQUEUE = "requeue"
+    #: A fenced call was refused: the run lost its queue.
+    FENCED = "fenced"
+    #: The last commit found the queue drained and ended the run itself (``commit.lua`` IDLE).
+    IDLE = "idle"
+
+
+@dataclass(frozen=True, slots=True)
+class LoopEnd:
+    stop: Stop
+    countdown: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """What a fenced commit-and-pull, or a lingering read, brought back.
+
+    ``lost``: the run no longer holds its queue (stop, fenced); ``ended``: the commit ended the run
+    on a drained queue; otherwise ``count`` new messages are in the ProcessQueue (0: none).
+    """
+
+    count: int = 0
+    lost: bool = False
+    ended: bool = False
+
+
+LOST = Pull(lost=True)
+ENDED = Pull(ended=True)
+NOTHING = Pull()
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """What the caller must do after a run: verb, the client to dispatch to, token, countdown (s).
+    """What the caller must do after a run: ``verb``, the client to dispatch to, token, countdown (s)."""
 
-    Verbs: ``IDLE`` (nothing), ``STALE``/``BUSY`` (this task was a duplicate), ``FENCED`` (the lock
-    moved away; its new owner was dispatched by whoever moved it), ``REQUEUE``/``HANDOVER``/
-    ``DISPATCH`` (send a ConsumeRequest with ``token`` to ``target`` after ``countdown``).
-    """
-
-    verb: str
+    verb: Verb
     target: str = ""
     token: str = ""
     countdown: float = 0.0
@@ -75,15 +130,11 @@ class Outcome:
 
     @property
     def needs_dispatch(self) -> bool:
-        return self.verb in ("REQUEUE", "HANDOVER", "DISPATCH")
+        return self.verb in (Verb.REQUEUE, Verb.HANDOVER, Verb.DISPATCH)
 
 
 def _never() -> bool:
     return False
-
-
-def new_token() -> str:
-    return uuid.uuid4().hex
 
 
 def _s(v: Any) -> str:
@@ -91,7 +142,7 @@ def _s(v: Any) -> str:
 
 
 class ConsumerEngine:
-    """Per-process consumer state: Redis clients, the ProcessQueue table, stats, the DLQ writer."""
+    """Per-process consumer state: Redis clients, stats, the DLQ writer, and the run loop."""
 
     def __init__(self, settings: Settings, client_id: str, brokers: BrokerRegistry | None = None) -> None:
         self.settings = settings
@@ -99,74 +150,47 @@ class ConsumerEngine:
         self.brokers = brokers or BrokerRegistry(settings.redis_url, settings.brokers)
         self.topics = TopicManager(self.brokers)
         self.stats = ConsumerStatsManager()
-        self.process_queue_table: dict[tuple[str, MessageQueue], ProcessQueue] = {}
         self.stats_flushed_at = 0.0
         #: Whether a drained request may wait for more messages: set by the integration (the
         #: Celery threads pool can tell whether requests are waiting for a slot); never by default.
         self.may_linger: Callable[[], bool] = _never
-        self._dlq_ready: set[str] = set()
-
-    def process_queue(self, sub: str, mq: MessageQueue) -> ProcessQueue:
-        pq = self.process_queue_table.get((sub, mq))
-        if pq is None:
-            s = self.settings
-            # Re-check the lock before a listener call once the last confirmation is older than half
-            # a heartbeat timeout (RocketMQ: 30 s): a holder resumed after a pause notices it was
-            # replaced before it calls the listener again, not 30 s later.
-            pq = ProcessQueue(s.ms(min(s.client_lock_expire, s.heartbeat_timeout / 2)))
-            self.process_queue_table[(sub, mq)] = pq
-        return pq
-
-    def send_to_dlq(self, group: str, msg: MessageExt, reason: str, epoch: int) -> None:
-        """``sendMessageBack`` to ``%DLQ%group``: the original body and metadata, plus why."""
-        topic = keys.dlq_topic(group)
-        if topic not in self._dlq_ready:
-            self.topics.ensure_dlq_topic(group)
-            self._dlq_ready.add(topic)
-        # The original may be the very message that failed to decode: copy only what is valid.
-        props = {}
-        if isinstance(msg.properties, dict):
-            props = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in msg.properties.items()}
-        props.update(
-            {
-                "ORIGIN_TOPIC": msg.topic,
-                "ORIGIN_BROKER": msg.broker_name,
-                "ORIGIN_QUEUE_ID": str(msg.queue_id),
-                "ORIGIN_QUEUE_OFFSET": str(msg.queue_offset),
-                "ORIGIN_MSG_ID": str(msg.msg_id),
-                "RECONSUME_TIMES": str(msg.reconsume_times),
-                "DLQ_REASON": reason[:1000],
-                "DLQ_EPOCH": str(epoch),
-                "DLQ_CLIENT": self.client_id,
-            }
+        appender = QueueAppender(
+            self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout,
+            topics=self.topics, action="DLQ write",
         )
-        keys_ = msg.keys if isinstance(msg.keys, list) and all(isinstance(k, str) for k in msg.keys) else []
-        tags = msg.tags if isinstance(msg.tags, str) else None
-        dlq_id = f"DLQ-{msg.msg_id if isinstance(msg.msg_id, str) else ''}-{msg.queue_offset}"
-        try:
-            header = encode_header(dlq_id, keys_, tags, props)
-        except MessageError:
-            # Even a message whose metadata cannot be re-encoded must reach the DLQ: keep the body
-            # and where it came from, drop the unencodable metadata.
-            keep = {k: props[k] for k in props if k.startswith(("ORIGIN_", "DLQ_", "RECONSUME"))}
-            keep["ORIGIN_METADATA_DROPPED"] = "1"
-            keep["DLQ_REASON"] = keep["DLQ_REASON"].encode("utf-8", "replace").decode("utf-8")
-            keep["ORIGIN_MSG_ID"] = keep["ORIGIN_MSG_ID"].encode("utf-8", "replace").decode("utf-8")
-            header = encode_header(dlq_id.encode("utf-8", "replace").decode("utf-8"), [], None, keep)
-        mq = MessageQueue(topic, self.brokers.default_name, 0)
-        body = msg.body if isinstance(msg.body, bytes) else b""
-        broker = self.brokers.get(mq.broker_name)
-        subs = self.topics.subs_of_topic(topic)
-        kl = [keys.queue_log(mq.tag), keys.queue_next(mq.tag), *(keys.sub_state(mq.tag, s) for s in subs)]
-        args: list[Any] = [1, header, body, self.settings.ms(self.settings.pending_ttl), keys.wake_channel("")]
-        for i, s in enumerate(subs):
-            t = f"{new_token()}.{i}"
-            args += [t, f"{s}\x1f{mq.key}\x1f{t}"]
-        broker.scripts.send(keys=kl, args=args)
-        log.warning(
-            "message %s of %s offset %d sent to %s after %d reconsume(s): %s",
-            msg.msg_id, msg.message_queue.key, msg.queue_offset, topic, msg.reconsume_times, reason,
-        )
+        self.dlq = DeadLetterWriter(appender, self.topics, self.brokers.default_name, client_id)
+
+    def new_process_queue(self) -> ProcessQueue:
+        s = self.settings
+        # Re-check the lock before a listener call once the last confirmation is older than half
+        # a heartbeat timeout (RocketMQ: 30 s): a holder resumed after a pause notices it was
+        # replaced before it calls the listener again, not 30 s later.
+        return ProcessQueue(s.ms(min(s.client_lock_expire, s.heartbeat_timeout / 2)))
+
+    def run(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str) -> Outcome | None:
+        """Run one ConsumeRequest; through a Redis outage, retry in process with backoff.
+
+        Nothing past the last fenced commit was persisted, so re-running from the committed offset
+        is safe. The same ``runner`` id lets this execution re-enter its own run mark after Redis
+        comes back (a duplicate delivery of the task, with another runner id, cannot). The Celery
+        broker is usually the same Redis, so a re-publish would fail too. Returns None when Redis
+        stayed unreachable for ``REDIS_RETRY_BUDGET_S``: the sweep re-dispatches once it is back.
+        """
+        runner = new_token()
+        backoff = Backoff(first=0.25, cap=5.0)
+        waited = 0.0
+        while True:
+            try:
+                return ConsumeRequest(self, spec, sub, mq, token, runner=runner).run()
+            except (redis.RedisError, BrokerUnavailableError) as exc:
+                if waited >= REDIS_RETRY_BUDGET_S:
+                    log.error("ConsumeRequest %s %s: Redis unreachable for %.0fs (%s); the sweep will "
+                              "re-dispatch when it is back", sub, mq.key, waited, exc)
+                    return None
+                delay = backoff.next()
+                log.warning("ConsumeRequest %s %s: Redis error (%s); retrying in %.2fs", sub, mq.key, exc, delay)
+                time.sleep(delay)
+                waited += delay
 
 
 class ConsumeRequest:
@@ -206,7 +230,7 @@ class ConsumeRequest:
         self.max_size = s.max_message_size
         self.hooks = [*global_hooks(), *spec.hooks]
         self.stats = engine.stats
-        self.pq = engine.process_queue(sub, mq)
+        self.pq = engine.new_process_queue()
         self.epoch = 0
         self.committed = 0  # offset persisted in Redis
         self.commit_point = 0  # offset the ProcessQueue says may be persisted
@@ -225,12 +249,12 @@ class ConsumeRequest:
         begun = self._check()
         if begun is not None:
             return begun
-        action, countdown = self._consume_loop()
-        if action in ("FENCED", "IDLE"):
+        end = self._consume_loop()
+        if end.stop is Stop.FENCED or end.stop is Stop.IDLE:
             self.pq.clear()
             self._flush_stats()
-            return Outcome(action, consumed=self.consumed)
-        return self._finish(action, countdown)
+            return Outcome(Verb.FENCED if end.stop is Stop.FENCED else Verb.IDLE, consumed=self.consumed)
+        return self._finish(end)
 
     # -- check -----------------------------------------------------------------------------------
 
@@ -242,18 +266,15 @@ class ConsumeRequest:
         )
         verb = _s(res[0])
         if verb in ("STALE", "BUSY"):
-            return Outcome(verb)
+            return Outcome(Verb(verb))
         if verb in ("NOT_LOCKED", "REVOKED"):
             # tryLockLaterAndReconsume / removeUnnecessaryMessageQueue: finish.lua knows where the
             # queue should be consumed now and hands it there.
-            return self._finish("done", 0.0)
+            return self._finish(LoopEnd(Stop.DONE))
         self.epoch = int(res[1])
         self.committed = self.commit_point = int(res[2])
         self.pulled_to = self.committed
-        pq = self.pq
-        pq.clear()  # the truth is the committed offset in Redis; another process may have moved it
-        pq.dropped = False
-        pq.mark_locked()
+        self.pq.mark_locked()
         self._put(res[4], res[5])
         return None
 
@@ -269,41 +290,42 @@ class ConsumeRequest:
 
     # -- the loop: take, consume, settle ----------------------------------------------------------
 
-    def _consume_loop(self) -> tuple[str, float]:
+    def _consume_loop(self) -> LoopEnd:
         pq = self.pq
         deadline = time.monotonic() + self.budget
         threshold = self.engine.settings.pull_threshold_for_queue
         while True:
             if pq.dropped:
-                return "done", 0.0
+                return LoopEnd(Stop.DONE)
             if time.monotonic() > deadline:
-                return "requeue", BUDGET_REQUEUE_S  # MAX_TIME_CONSUME_CONTINUOUSLY
+                return LoopEnd(Stop.REQUEUE, BUDGET_REQUEUE_S)  # MAX_TIME_CONSUME_CONTINUOUSLY
             if pq.is_lock_expired() and not self._touch():
-                return "FENCED", 0.0
+                return LoopEnd(Stop.FENCED)
             msgs = pq.take_messages(self.batch_max)
             if not msgs:
                 linger = self.linger_s > 0 and not pq.consuming and self.engine.may_linger()
                 pulled = self._persist(pull=not pq.is_full(threshold), idle_if_drained=not linger)
-                if pulled is None:
-                    return "FENCED", 0.0
-                if pulled == -1:
-                    return "IDLE", 0.0
-                if not pulled and linger and not pq.dropped:
+                if pulled.lost:
+                    return LoopEnd(Stop.FENCED)
+                if pulled.ended:
+                    return LoopEnd(Stop.IDLE)
+                if not pulled.count and linger and not pq.dropped:
                     pulled = self._linger(min(deadline, time.monotonic() + self.linger_s))
-                    if pulled < 0:
-                        return "FENCED", 0.0
-                if not pulled:
-                    return "done", 0.0
+                    if pulled.lost:
+                        return LoopEnd(Stop.FENCED)
+                if not pulled.count:
+                    return LoopEnd(Stop.DONE)
                 continue
             msgs = self._split_poison(msgs)
             if not msgs:
                 continue
-            status = self._consume(msgs)
-            stop = self._settle(msgs, status)
-            if stop is not None:
-                return stop
+            ctx = self._context()
+            status = self._consume(msgs, ctx)
+            end = self._settle(msgs, status, ctx)
+            if end is not None:
+                return end
 
-    def _linger(self, until: float) -> int:
+    def _linger(self, until: float) -> Pull:
         """Wait on this queue's stream for new messages while the worker has idle capacity.
 
         A drained queue that gets a message a few milliseconds later would otherwise cost a
@@ -317,15 +339,15 @@ class ConsumeRequest:
         Messages read here did not come through a fenced commit, so every slice reads the queue's
         state in the same round trip, right after ``XREAD``: the batch is used only if this run
         still held the lock at the epoch it began with (and its pending token) when it was read,
-        what a commit checks right before its pipelined pull. Returns the messages read, 0 to end the run
-        normally, or -1 when the run lost the queue (fenced).
+        what a commit checks right before its pipelined pull. Returns what it read (``NOTHING`` ends
+        the run normally), or ``LOST`` when the run lost the queue (fenced).
         """
         last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
         me, epoch, token = self.client_id, str(self.epoch), self.token
         while True:
             left = until - time.monotonic()
             if left <= 0 or not self.engine.may_linger():
-                return 0
+                return NOTHING
             block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
             # The state is read *after* the blocking XREAD (Redis runs a connection's commands in
             # order): what it says holds for the moment the batch was read, not 10 ms before.
@@ -338,15 +360,15 @@ class ConsumeRequest:
                             self.mq.key, self.sub, _s(owner or b""), _s(cur_epoch or b"0"))
                 self.pq.dropped = True
                 self.pq.clear()
-                return -1
+                return LOST
             self.pq.mark_locked()
             if assignee and _s(assignee) != me:
-                return 0  # reassigned: ending the run now hands the queue over (finish.lua)
+                return NOTHING  # reassigned: ending the run now hands the queue over (finish.lua)
             if reply:
                 # RESP2 gives [[stream, entries]]; RESP3 gives {stream: entries}.
                 entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
                 self._put(entries, None)
-                return len(entries)
+                return Pull(len(entries))
 
     def _split_poison(self, msgs: list[MessageExt]) -> list[MessageExt]:
         """Send an undecodable head message to the DLQ; never hand one to the listener."""
@@ -354,7 +376,7 @@ class ConsumeRequest:
             if m.decode_error is None:
                 continue
             if i == 0:
-                self.engine.send_to_dlq(self.spec.group, m, m.decode_error, self.epoch)
+                self.engine.dlq.send(self.spec.group, m, m.decode_error, self.epoch)
                 self.pq.make_message_to_consume_again(msgs[1:])
                 self._commit_in_memory()
                 return []
@@ -362,8 +384,8 @@ class ConsumeRequest:
             return msgs[:i]
         return msgs
 
-    def _consume(self, msgs: list[MessageExt]) -> ConsumeOrderlyStatus:
-        ctx = ConsumeOrderlyContext(
+    def _context(self) -> ConsumeOrderlyContext:
+        return ConsumeOrderlyContext(
             self.mq,
             epoch=self.epoch,
             client_id=self.client_id,
@@ -372,6 +394,9 @@ class ConsumeRequest:
             suspend_current_queue_time_millis=self.suspend_ms,
             run_id=self.run_id,
         )
+
+    def _consume(self, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> ConsumeOrderlyStatus:
+        """Hooks before, the listener, hooks after; anything but a status counts as a suspend."""
         hook_ctx = None
         if self.hooks:
             hook_ctx = ConsumeMessageContext(self.spec.group, self.mq, msgs, self.epoch, self.client_id, self.run_id)
@@ -393,7 +418,6 @@ class ConsumeRequest:
             status = SUSPEND
         self._rt_sum += rt
         self._rt_n += 1
-        self._ctx = ctx
         if hook_ctx is not None:
             hook_ctx.status = status.value
             hook_ctx.success = status in (SUCCESS, COMMIT)
@@ -401,9 +425,11 @@ class ConsumeRequest:
             run_after(self.hooks, hook_ctx)
         return status
 
-    def _settle(self, msgs: list[MessageExt], status: ConsumeOrderlyStatus) -> tuple[str, float] | None:
-        """``processConsumeResult``: commit, suspend (with DLQ after max reconsume), rollback."""
-        ctx = self._ctx
+    def _settle(
+        self, msgs: list[MessageExt], status: ConsumeOrderlyStatus, ctx: ConsumeOrderlyContext
+    ) -> LoopEnd | None:
+        """``processConsumeResult``: commit, suspend (with DLQ after max reconsume), rollback.
+        None means "go on consuming"."""
         n = len(msgs)
         if ctx.auto_commit:
             if status in (SUCCESS, COMMIT, ROLLBACK):
@@ -427,7 +453,7 @@ class ConsumeRequest:
             return self._stop_for_retry(ctx.suspend_current_queue_time_millis)
         return self._suspend(msgs, ctx.suspend_current_queue_time_millis)
 
-    def _suspend(self, msgs: list[MessageExt], suspend_ms: int) -> tuple[str, float] | None:
+    def _suspend(self, msgs: list[MessageExt], suspend_ms: int) -> LoopEnd | None:
         """``checkReconsumeTimes``: messages past ``max_reconsume_times`` go to the DLQ (a prefix
         only, so nothing overtakes); the rest are made to consume again after ``suspend_ms``."""
         limit = self.max_reconsume
@@ -437,9 +463,9 @@ class ConsumeRequest:
                 dead += 1
         if dead:
             if not self._touch():
-                return "FENCED", 0.0
+                return LoopEnd(Stop.FENCED)
             for m in msgs[:dead]:
-                self.engine.send_to_dlq(
+                self.engine.dlq.send(
                     self.spec.group, m, f"max reconsume times {limit} reached (listener kept suspending)", self.epoch
                 )
         rest = msgs[dead:]
@@ -454,10 +480,10 @@ class ConsumeRequest:
             self.retry_updates[m.queue_offset] = m.reconsume_times
         return self._stop_for_retry(suspend_ms)
 
-    def _stop_for_retry(self, suspend_ms: int) -> tuple[str, float]:
-        if self._persist(pull=False) is None:
-            return "FENCED", 0.0
-        return "requeue", suspend_ms / 1000.0
+    def _stop_for_retry(self, suspend_ms: int) -> LoopEnd:
+        if self._persist(pull=False).lost:
+            return LoopEnd(Stop.FENCED)
+        return LoopEnd(Stop.REQUEUE, suspend_ms / 1000.0)
 
     # -- Redis calls -----------------------------------------------------------------------------
 
@@ -466,9 +492,10 @@ class ConsumeRequest:
         if offset > self.commit_point:
             self.commit_point = offset
 
-    def _persist(self, pull: bool, idle_if_drained: bool = False) -> int | None:
-        """Run ``commit.lua``: how many messages it pulled, -1 if it ended the run on a drained
-        queue (``idle_if_drained``), or None when the commit was refused."""
+    def _persist(self, pull: bool, idle_if_drained: bool = False) -> Pull:
+        """Run ``commit.lua`` (with the next read pipelined behind it when ``pull``): what it read,
+        ``ENDED`` if it ended the run on a drained queue (``idle_if_drained``), or ``LOST`` when
+        the commit was refused."""
         idle = idle_if_drained and pull and not self.retry_updates and not self.pq.consuming
         args: list[Any] = [
             self.client_id, self.epoch, self.token, self.commit_point, self.run_lease_ms,
@@ -486,18 +513,18 @@ class ConsumeRequest:
         verb = _s(res[0])
         if verb == "IDLE":
             self.committed = self.commit_point
-            return -1
+            return ENDED
         if verb != "OK":
             self._on_refused(verb, res)
-            return None
+            return LOST
         self.retry_updates.clear()
         self.committed = self.commit_point
         self.pq.mark_locked()
         if _s(res[2]):
             self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else
-            return 0
+            return NOTHING
         self._put(entries, None)
-        return len(entries)
+        return Pull(len(entries))
 
     def _commit_and_pull(self, keys_: list[str], args: list[Any]) -> tuple[Any, Any]:
         """``commit.lua`` and ``XRANGE`` of the next batch, pipelined: one round trip per batch.
@@ -554,23 +581,24 @@ class ConsumeRequest:
         res = self.scripts.touch(keys=[self.k_state], args=[self.client_id, self.epoch, self.token, 0, 0])
         return bool(int(res[0]))
 
-    def _finish(self, action: str, countdown: float) -> Outcome:
-        if action != "FENCED" and self.epoch and self.commit_point > self.committed:
-            if self._persist(pull=False) is None:
-                return Outcome("FENCED", consumed=self.consumed)
+    def _finish(self, end: LoopEnd) -> Outcome:
+        """``finish.lua``: end the run and learn who consumes this queue next."""
+        if self.epoch and self.commit_point > self.committed and self._persist(pull=False).lost:
+            return Outcome(Verb.FENCED, consumed=self.consumed)
         token = new_token()
         res = self.scripts.finish(
             keys=[self.k_state, self.k_next],
-            args=[self.client_id, self.token, action, token,
-                  self.pending_ttl_ms + int(countdown * 1000), self.lock_ms],
+            args=[self.client_id, self.token, end.stop.value, token,
+                  self.pending_ttl_ms + int(end.countdown * 1000), self.lock_ms],
         )
         self.pq.clear()
         self._flush_stats()
-        verb = _s(res[0])
-        if verb in ("IDLE", "STALE"):
+        verb = Verb(_s(res[0]))
+        if verb is Verb.IDLE or verb is Verb.STALE:
             return Outcome(verb, consumed=self.consumed)
         target = _s(res[1])
-        return Outcome(verb, target, _s(res[2]), countdown if target == self.client_id else 0.0, self.consumed)
+        countdown = end.countdown if target == self.client_id else 0.0
+        return Outcome(verb, target, _s(res[2]), countdown, self.consumed)
 
     def _flush_stats(self) -> None:
         """Hand this run's counters to the stats manager (once per run), which pushes them to

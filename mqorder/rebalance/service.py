@@ -17,7 +17,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from mqorder import keys
-from mqorder.consumer.consume_request import new_token
 from mqorder.errors import TopicNotFoundError
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.allocate import AllocateMessageQueueStrategy, allocate_all, strategy_from_settings
@@ -26,6 +25,7 @@ from mqorder.rebalance.membership import ClientInfo, ClientRegistry, redis_now_m
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.topics import TopicManager
+from mqorder.tokens import new_token
 
 log = logging.getLogger(__name__)
 

@@ -27,11 +27,15 @@ NAMES = (
 )
 
 
+#: Prepended to every script, in this order: the Redis clock, then the shared append path.
+PRELUDES = ("_now", "_append")
+
+
 @cache
 def source(name: str) -> str:
     lua = resources.files("mqorder.store") / "lua"
-    prelude = (lua / "_now.lua").read_text()
-    return prelude + "\n" + (lua / f"{name}.lua").read_text()
+    parts = [(lua / f"{p}.lua").read_text() for p in PRELUDES]
+    return "\n".join([*parts, (lua / f"{name}.lua").read_text()])
 
 
 class Scripts:

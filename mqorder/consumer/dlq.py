@@ -1,0 +1,78 @@
+"""``DeadLetterWriter``: RocketMQ's ``sendMessageBack`` to ``%DLQ%<group>`` after the last retry.
+
+The dead letter keeps the original body, keys and tags and records where it came from and why
+(``ORIGIN_*``, ``DLQ_REASON``, ``DLQ_EPOCH``), so an operator can inspect and replay it. It is
+stored through the one append path (``QueueAppender``) like any message, so a DLQ subscriber is
+woken the same way. The caller commits the original's offset only after this returns.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from mqorder import keys
+from mqorder.codec import encode_header
+from mqorder.errors import MessageError
+from mqorder.model import MessageExt, MessageQueue
+from mqorder.store.append import QueueAppender
+from mqorder.store.topics import TopicManager
+
+log = logging.getLogger(__name__)
+
+#: A reason longer than this is cut: it is for a human, and the header has a size limit.
+MAX_REASON = 1000
+
+
+class DeadLetterWriter:
+    def __init__(self, appender: QueueAppender, topics: TopicManager, broker_name: str, client_id: str) -> None:
+        self.appender = appender
+        self.topics = topics
+        self.broker_name = broker_name
+        self.client_id = client_id
+        self._ready: set[str] = set()
+
+    def send(self, group: str, msg: MessageExt, reason: str, epoch: int) -> None:
+        topic = keys.dlq_topic(group)
+        if topic not in self._ready:
+            self.topics.ensure_dlq_topic(group)
+            self._ready.add(topic)
+        mq = MessageQueue(topic, self.broker_name, 0)
+        body = msg.body if isinstance(msg.body, bytes) else b""
+        self.appender.append(mq, [(self._header(msg, reason, epoch), body)])
+        log.warning(
+            "message %s of %s offset %d sent to %s after %d reconsume(s): %s",
+            msg.msg_id, msg.message_queue.key, msg.queue_offset, topic, msg.reconsume_times, reason,
+        )
+
+    def _header(self, msg: MessageExt, reason: str, epoch: int) -> bytes:
+        # The original may be the very message that failed to decode: copy only what is valid.
+        props = {}
+        if isinstance(msg.properties, dict):
+            props = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in msg.properties.items()}
+        props.update(
+            {
+                "ORIGIN_TOPIC": msg.topic,
+                "ORIGIN_BROKER": msg.broker_name,
+                "ORIGIN_QUEUE_ID": str(msg.queue_id),
+                "ORIGIN_QUEUE_OFFSET": str(msg.queue_offset),
+                "ORIGIN_MSG_ID": str(msg.msg_id),
+                "RECONSUME_TIMES": str(msg.reconsume_times),
+                "DLQ_REASON": reason[:MAX_REASON],
+                "DLQ_EPOCH": str(epoch),
+                "DLQ_CLIENT": self.client_id,
+            }
+        )
+        keys_ = msg.keys if isinstance(msg.keys, list) and all(isinstance(k, str) for k in msg.keys) else []
+        tags = msg.tags if isinstance(msg.tags, str) else None
+        dlq_id = f"DLQ-{msg.msg_id if isinstance(msg.msg_id, str) else ''}-{msg.queue_offset}"
+        try:
+            return encode_header(dlq_id, keys_, tags, props)
+        except MessageError:
+            # Even a message whose metadata cannot be re-encoded must reach the DLQ: keep the body
+            # and where it came from, drop the unencodable metadata.
+            keep = {k: props[k] for k in props if k.startswith(("ORIGIN_", "DLQ_", "RECONSUME"))}
+            keep["ORIGIN_METADATA_DROPPED"] = "1"
+            keep["DLQ_REASON"] = keep["DLQ_REASON"].encode("utf-8", "replace").decode("utf-8")
+            keep["ORIGIN_MSG_ID"] = keep["ORIGIN_MSG_ID"].encode("utf-8", "replace").decode("utf-8")
+            return encode_header(dlq_id.encode("utf-8", "replace").decode("utf-8"), [], None, keep)

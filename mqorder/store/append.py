@@ -1,0 +1,162 @@
+"""``QueueAppender``: the one way messages enter a queue (producer, DLQ writer, Spark writer).
+
+One Lua call (``send.lua``, built on the ``_append.lua`` prelude) assigns contiguous offsets,
+appends to the queue's log and, in the same atomic step, wakes the owner of every subscription
+whose queue has no ConsumeRequest pending. So a message is never left behind by a ConsumeRequest
+that was just finishing, and a busy queue costs no extra wake-ups.
+
+With ``ids`` the append is *idempotent*: an id already stored in that queue is skipped (and its
+offset reported), atomically with the append, so a retried or duplicated writer adds nothing twice
+and never reorders (DESIGN invariant 8).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mqorder import keys
+from mqorder.model import MessageQueue
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.failures import translated
+from mqorder.store.topics import TopicManager
+from mqorder.store.wake import WakeUp
+from mqorder.tokens import new_token
+
+#: How long the list of subscriptions of a topic is cached; a group that subscribes later is woken
+#: by the sweep until then.
+SUBS_TTL = 1.0
+#: At most this many messages per script call (``append_entries`` unpacks the ids of one call).
+MAX_PER_CALL = 1000
+
+#: One message as stored: (header JSON bytes, body bytes).
+Entry = tuple[bytes, bytes]
+
+
+@dataclass(frozen=True, slots=True)
+class AppendReply:
+    """What one append stored: offsets of every given message (a duplicate's is its earlier copy's)."""
+
+    first_offset: int
+    stored: int
+    store_ms: int
+    offsets: list[int]
+    woken: list[str]
+
+    @property
+    def duplicates(self) -> int:
+        return len(self.offsets) - self.stored
+
+
+@dataclass(frozen=True, slots=True)
+class AppendRequest:
+    """Messages for one queue; ``ids`` (one per message) makes the append idempotent."""
+
+    mq: MessageQueue
+    entries: Sequence[Entry]
+    ids: Sequence[str] | None = None
+
+
+class QueueAppender:
+    def __init__(
+        self,
+        brokers: BrokerRegistry,
+        *,
+        pending_ttl_ms: int,
+        timeout: float,
+        topics: TopicManager | None = None,
+        action: str = "send",
+    ) -> None:
+        self.brokers = brokers
+        self.topics = topics or TopicManager(brokers)
+        self.pending_ttl_ms = pending_ttl_ms
+        #: Quoted in the error when a broker does not answer.
+        self.timeout = timeout
+        self.action = action
+        self._subs: dict[str, tuple[float, list[str]]] = {}
+
+    def append(self, mq: MessageQueue, entries: Sequence[Entry], *, ids: Sequence[str] | None = None) -> AppendReply:
+        """Append to one queue in one script call (``len(entries) <= MAX_PER_CALL``)."""
+        return self.append_many([AppendRequest(mq, entries, ids)])[0]
+
+    def append_many(self, requests: Sequence[AppendRequest]) -> list[AppendReply]:
+        """One script call per request, pipelined per broker: one round trip per broker.
+
+        Raises ``BrokerUnavailableError`` / ``BrokerRefusedError`` (``mqorder.store.failures``).
+        """
+        replies: list[AppendReply | None] = [None] * len(requests)
+        by_broker: dict[str, list[int]] = defaultdict(list)
+        for i, req in enumerate(requests):
+            if len(req.entries) > MAX_PER_CALL:
+                raise ValueError(f"at most {MAX_PER_CALL} messages per append call, got {len(req.entries)}")
+            if req.ids is not None and len(req.ids) != len(req.entries):
+                raise ValueError(f"{len(req.ids)} ids for {len(req.entries)} messages")
+            by_broker[req.mq.broker_name].append(i)
+        for broker_name, idxs in by_broker.items():
+            broker = self.brokers.get(broker_name)
+            with translated(broker_name, broker.safe_url, self.timeout, self.action):
+                if len(idxs) == 1:
+                    raw = [self._call(broker.scripts.send, requests[idxs[0]], None)]
+                else:
+                    pipe = broker.client.pipeline(transaction=False)
+                    for i in idxs:
+                        self._call(broker.scripts.send, requests[i], pipe)
+                    raw = pipe.execute()
+            for i, reply in zip(idxs, raw, strict=True):
+                replies[i] = _parse(reply, len(requests[i].entries))
+        return [r for r in replies if r is not None]
+
+    def subscriptions(self, topic: str) -> list[str]:
+        now = time.monotonic()
+        cached = self._subs.get(topic)
+        if cached and now - cached[0] < SUBS_TTL:
+            return cached[1]
+        subs = self.topics.subs_of_topic(topic)
+        self._subs[topic] = (now, subs)
+        return subs
+
+    def _call(self, script: Any, req: AppendRequest, client: Any) -> Any:
+        mq = req.mq
+        subs = self.subscriptions(mq.topic)
+        tag = mq.tag
+        kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag)]
+        kl.extend(keys.sub_state(tag, s) for s in subs)
+        args: list[Any] = [len(req.entries), "0" if req.ids is None else "1"]
+        if req.ids is None:
+            for h, b in req.entries:
+                args.append(h)
+                args.append(b)
+        else:
+            for mid, (h, b) in zip(req.ids, req.entries, strict=True):
+                args.append(mid)
+                args.append(h)
+                args.append(b)
+        args.append(self.pending_ttl_ms)
+        args.append(keys.wake_channel(""))
+        if subs:
+            token = new_token()
+            mq_key = mq.key
+            for i, s in enumerate(subs):
+                t = f"{token}.{i}"
+                args.append(t)
+                args.append(WakeUp(s, mq_key, t).encode())
+        return script(keys=kl, args=args, client=client)
+
+
+def _parse(reply: list[Any], n: int) -> AppendReply:
+    first, store_ms, stored, dups = int(reply[0]), int(reply[1]), int(reply[2]), reply[3]
+    woken = [w.decode() if isinstance(w, bytes) else str(w) for w in reply[4:]]
+    if not dups:
+        return AppendReply(first, stored, store_ms, list(range(first, first + n)), woken)
+    dup_at = {int(dups[i]): int(dups[i + 1]) for i in range(0, len(dups), 2)}
+    offsets, nxt = [], first
+    for i in range(n):
+        if i in dup_at:
+            offsets.append(dup_at[i])
+        else:
+            offsets.append(nxt)
+            nxt += 1
+    return AppendReply(first, stored, store_ms, offsets, woken)

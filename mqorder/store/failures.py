@@ -1,0 +1,67 @@
+"""Redis failures on a write, turned into the two errors a caller can act on.
+
+* ``BrokerUnavailableError``: the broker did not answer (connection refused, timeout): the write
+  may or may not have happened, so the caller checks and retries (``send`` retries elsewhere).
+* ``BrokerRefusedError``: the broker answered and refused the write before the script stored
+  anything (out of memory, MISCONF, READONLY...): nothing was written.
+
+Anything else (a bug, a script error) is re-raised as it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import redis
+
+from mqorder.errors import BrokerRefusedError, BrokerUnavailableError
+
+#: Errors after which the broker may come back: the caller may retry.
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+#: How Redis refuses a write before a script stored anything (a script's first command is a
+#: write, and these refusals apply to every write alike): redis-py's classes for the codes it
+#: knows (OOM, READONLY, NOPERM, MASTERDOWN), the text for those it does not.
+_REFUSAL_CLASSES = (
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.ReadOnlyError,
+    redis.exceptions.NoPermissionError,
+    redis.exceptions.MasterDownError,
+)
+_REFUSAL_PREFIXES = ("MISCONF", "NOREPLICAS", "BUSY ")
+
+
+def unavailable(broker_name: str, safe_url: str, exc: Exception, timeout: float, action: str = "send") -> BrokerUnavailableError:
+    return BrokerUnavailableError(
+        f"{action} failed: Redis broker {broker_name!r} at {safe_url} did not answer within "
+        f"{timeout}s ({type(exc).__name__}: {exc}). The message may or may not be stored; check the "
+        "broker and retry"
+    )
+
+
+def refused(broker_name: str, safe_url: str, exc: redis.ResponseError, action: str = "send") -> BrokerRefusedError | None:
+    """A refusal Redis gives for any write as a clear error; None for anything else."""
+    text = str(exc)
+    if isinstance(exc, _REFUSAL_CLASSES):
+        text = f"{getattr(exc, 'status_code', None) or type(exc).__name__} {text}"
+    elif not text.startswith(_REFUSAL_PREFIXES):
+        return None
+    return BrokerRefusedError(
+        f"{action} failed: Redis broker {broker_name!r} at {safe_url} refused the write, so nothing "
+        f"was stored: {text[:300]}. Fix that Redis (its log says why), or point the producer at "
+        "another broker"
+    )
+
+
+@contextmanager
+def translated(broker_name: str, safe_url: str, timeout: float, action: str = "send") -> Iterator[None]:
+    """Run a write; re-raise its Redis failure as ``BrokerUnavailableError``/``BrokerRefusedError``."""
+    try:
+        yield
+    except TRANSIENT as exc:
+        raise unavailable(broker_name, safe_url, exc, timeout, action) from exc
+    except redis.ResponseError as exc:
+        err = refused(broker_name, safe_url, exc, action)
+        if err is None:
+            raise
+        raise err from exc

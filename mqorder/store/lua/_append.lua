@@ -1,0 +1,80 @@
+-- Prelude: the one append path. Every script that stores messages (send.lua, and any script
+-- that publishes staged messages) appends and wakes through these two functions, so offsets,
+-- idempotency and wake-ups follow one rule wherever messages enter a queue.
+
+-- append_entries(k_log, k_next, k_ids, n, idempotent, base)
+--   Appends n messages read from ARGV[base + 1 ...]: (header, body) pairs, or (id, header, body)
+--   triples when idempotent. Offsets are contiguous from the queue's next-offset counter; a stream
+--   entry is "<offset>-1" with fields h (header), b (body), s (store time, Redis clock).
+--   Idempotent: an id already recorded in k_ids (HASH id -> offset), or earlier in this same call,
+--   is not stored again; its existing offset is reported. So a retried or duplicated writer (a
+--   Spark task retry, speculation, a producer retry) adds nothing twice and never reorders.
+--   Returns first offset, number stored, and a flat list {index (0-based), offset} per duplicate.
+local function append_entries(k_log, k_next, k_ids, n, idempotent, base)
+  local first = tonumber(redis.call('GET', k_next) or 0)
+  local off = first
+  local stride = idempotent and 3 or 2
+  local known = {}
+  if idempotent and n > 0 then
+    local ids = {}
+    for i = 1, n do ids[i] = ARGV[base + stride * (i - 1) + 1] end
+    local stored = redis.call('HMGET', k_ids, unpack(ids))
+    for i = 1, n do
+      if stored[i] then known[ids[i]] = tonumber(stored[i]) end
+    end
+  end
+  local dups = {}
+  for i = 1, n do
+    local a = base + stride * (i - 1)
+    local prev = nil
+    if idempotent then
+      a = a + 1
+      prev = known[ARGV[a]]
+    end
+    if prev then
+      dups[#dups + 1] = i - 1
+      dups[#dups + 1] = prev
+    else
+      redis.call('XADD', k_log, off .. '-1', 'h', ARGV[a + 1], 'b', ARGV[a + 2], 's', now)
+      if idempotent then
+        redis.call('HSET', k_ids, ARGV[a], off)
+        known[ARGV[a]] = off
+      end
+      off = off + 1
+    end
+  end
+  if off > first then redis.call('SET', k_next, off) end
+  return first, off - first, dups
+end
+
+-- wake_owners(k0, ttl, chan, base)
+--   KEYS[k0 ..] are the state HASHes of every subscription of the queue; ARGV[base + 1 ...] holds
+--   one (token, payload) pair per state key. The owner of each subscription that has a live lock
+--   and no live pending ConsumeRequest is woken on chan .. owner, and the token becomes pending
+--   (at most one pending request per queue: no task storm). Returns the woken owners.
+local function wake_owners(k0, ttl, chan, base)
+  local woken = {}
+  for k = k0, #KEYS do
+    local st = redis.call('HMGET', KEYS[k], 'owner', 'lease', 'pending', 'pend_until', 'run')
+    local owner = st[1]
+    if owner and owner ~= '' and tonumber(st[2] or 0) > now then
+      if (not st[3]) or st[3] == '' or tonumber(st[4] or 0) < now then
+        local j = base + 2 * (k - k0) + 1
+        -- Only a wake-up somebody received makes a request pending: if the owner is not listening
+        -- (starting, reconnecting), the queue stays unclaimed and its sweep dispatches it in one
+        -- sweep interval instead of waiting out a pending token nobody acts on.
+        if redis.call('PUBLISH', chan .. owner, ARGV[j + 1]) > 0 then
+          if tonumber(st[5] or 0) > 0 then
+            -- A run claimed this queue and its run lease lapsed (a process paused or killed
+            -- mid-run): the next run gets a new epoch, so the lapsed one is fenced even within
+            -- one client.
+            redis.call('HINCRBY', KEYS[k], 'epoch', 1)
+          end
+          redis.call('HSET', KEYS[k], 'pending', ARGV[j], 'pend_until', now + ttl, 'run', 0)
+          woken[#woken + 1] = owner
+        end
+      end
+    end
+  end
+  return woken
+end

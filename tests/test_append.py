@@ -1,0 +1,108 @@
+"""The one append path (``QueueAppender`` and ``send.lua``) against a real redis-server:
+offsets, idempotency by id, wake-ups, and the wake-up payload's format."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from hypothesis import given
+from hypothesis import strategies as st
+
+from mqorder import keys
+from mqorder.codec import encode_header
+from mqorder.model import MessageModel, MessageQueue
+from mqorder.store.append import AppendRequest, QueueAppender
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.log import MessageLog
+from mqorder.store.topics import TopicManager
+from mqorder.store.wake import WakeUp
+
+MQ = MessageQueue("t", "broker-a", 0)
+MQ1 = MessageQueue("t", "broker-a", 1)
+
+
+@pytest.fixture
+def appender(redis_url: str):  # noqa: ANN201
+    brokers = BrokerRegistry(redis_url)
+    TopicManager(brokers).create_topic("t", 2)
+    yield QueueAppender(brokers, pending_ttl_ms=10_000, timeout=3.0)
+    brokers.close()
+
+
+def entries(*bodies: str) -> list[tuple[bytes, bytes]]:
+    return [(encode_header(f"id-{b}"), b.encode()) for b in bodies]
+
+
+def stored_bodies(app: QueueAppender, mq: MessageQueue = MQ) -> list[bytes]:
+    return [m.body for m in MessageLog(app.brokers).read(mq, 0, 1000)]
+
+
+def test_plain_append_assigns_contiguous_offsets(appender: QueueAppender) -> None:
+    a = appender.append(MQ, entries("a", "b"))
+    b = appender.append(MQ, entries("c"))
+    assert (a.offsets, a.stored, b.offsets) == ([0, 1], 2, [2])
+    assert stored_bodies(appender) == [b"a", b"b", b"c"]
+
+
+def test_idempotent_append_skips_ids_already_stored_and_reports_their_offsets(appender: QueueAppender) -> None:
+    first = appender.append(MQ, entries("a", "b"), ids=["x", "y"])
+    again = appender.append(MQ, entries("a", "b", "c"), ids=["x", "y", "z"])  # a retried writer
+    assert (first.offsets, first.stored) == ([0, 1], 2)
+    assert (again.offsets, again.stored, again.duplicates) == ([0, 1, 2], 1, 2)
+    assert stored_bodies(appender) == [b"a", b"b", b"c"]
+
+
+def test_an_id_repeated_within_one_call_is_stored_once(appender: QueueAppender) -> None:
+    reply = appender.append(MQ, entries("a", "a2", "b"), ids=["x", "x", "y"])
+    assert (reply.offsets, reply.stored) == ([0, 0, 1], 2)
+    assert stored_bodies(appender) == [b"a", b"b"]
+
+
+def test_ids_are_per_queue(appender: QueueAppender) -> None:
+    replies = appender.append_many(
+        [AppendRequest(MQ, entries("a"), ["x"]), AppendRequest(MQ1, entries("b"), ["x"])]
+    )
+    assert [r.offsets for r in replies] == [[0], [0]]
+    assert stored_bodies(appender, MQ1) == [b"b"]
+
+
+def test_plain_and_idempotent_appends_share_one_offset_sequence(appender: QueueAppender) -> None:
+    appender.append(MQ, entries("a"))
+    assert appender.append(MQ, entries("b"), ids=["y"]).offsets == [1]
+    assert appender.append(MQ, entries("c")).offsets == [2]
+    assert appender.append(MQ, entries("b"), ids=["y"]).offsets == [1]
+
+
+def test_append_wakes_an_idle_owner_once_and_not_for_duplicates(appender: QueueAppender, r: redis.Redis) -> None:
+    TopicManager(appender.brokers).subscribe("g", "t", MessageModel.CLUSTERING)
+    sec, _ = r.time()
+    r.hset(keys.sub_state(MQ.tag, "g"), mapping={"owner": "w1", "lease": (sec + 60) * 1000})
+    ps = r.pubsub(ignore_subscribe_messages=True)
+    ps.subscribe(keys.wake_channel("w1"))
+    ps.get_message(timeout=1)
+    assert appender.append(MQ, entries("a"), ids=["x"]).woken == ["w1"]
+    wake = WakeUp.decode(ps.get_message(timeout=2)["data"])
+    assert (wake.sub, wake.mq_key) == ("g", MQ.key)
+    assert r.hget(keys.sub_state(MQ.tag, "g"), "pending").decode() == wake.token
+    r.hset(keys.sub_state(MQ.tag, "g"), mapping={"pending": "", "pend_until": 0})
+    assert appender.append(MQ, entries("a"), ids=["x"]).woken == []  # nothing new: nobody to wake
+    ps.close()
+
+
+def test_bad_append_requests_are_refused_before_anything_is_written(appender: QueueAppender) -> None:
+    with pytest.raises(ValueError, match="ids for"):
+        appender.append(MQ, entries("a", "b"), ids=["x"])
+    with pytest.raises(ValueError, match="at most"):
+        appender.append(MQ, entries(*[str(i) for i in range(1001)]))
+    assert stored_bodies(appender) == []
+
+
+@given(st.text(), st.text(), st.text())
+def test_wake_payload_round_trips_any_strings(sub: str, mq_key: str, token: str) -> None:
+    assert WakeUp.decode(WakeUp(sub, mq_key, token).encode()) == WakeUp(sub, mq_key, token)
+
+
+@pytest.mark.parametrize("junk", [b"", b"a\x1fb\x1fc", b"[1,2,3]", b'["a","b"]', b"\xff"])
+def test_a_stranger_on_the_wake_channel_is_refused_clearly(junk: bytes) -> None:
+    with pytest.raises(ValueError, match="not a wake-up payload"):
+        WakeUp.decode(junk)

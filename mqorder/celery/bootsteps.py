@@ -8,14 +8,15 @@ from celery import bootsteps
 
 from mqorder.celery import runtime
 from mqorder.celery.capacity import CapacityPublisher
-from mqorder.celery.client import WorkerClient
+from mqorder.celery.dispatch import dispatcher
+from mqorder.consumer.client_instance import ClientInstance
 from mqorder.settings import get_settings
 
 log = logging.getLogger(__name__)
 
 
 class ConsumerClientStep(bootsteps.StartStopStep):
-    """Starts the ``WorkerClient`` after the pool exists; stops it first on shutdown.
+    """Starts the ``ClientInstance`` after the pool exists; stops it first on shutdown.
 
     Requiring the Pool means the client's threads start after the prefork children are forked,
     and stop (unregister, rebalance the queues away, unlock) before the pool is torn down, while
@@ -26,14 +27,14 @@ class ConsumerClientStep(bootsteps.StartStopStep):
 
     def __init__(self, worker, **kwargs) -> None:  # noqa: ANN001
         super().__init__(worker, **kwargs)
-        self.client: WorkerClient | None = None
+        self.client: ClientInstance | None = None
         self.capacity: CapacityPublisher | None = None
 
     def start(self, worker) -> None:  # noqa: ANN001
         self.capacity = runtime.enable_linger(
             worker.pool, worker.concurrency, bool(worker.app.conf.get("worker_disable_prefetch", False))
         )
-        self.client = WorkerClient(worker.app, worker.hostname, get_settings())
+        self.client = ClientInstance(worker.hostname, get_settings(), dispatcher(worker.app))
         self.client.start()
 
     def stop(self, worker) -> None:  # noqa: ANN001

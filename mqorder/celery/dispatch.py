@@ -9,6 +9,7 @@ the ETA messages Celery holds in memory never approach the visibility timeout.
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 from celery import Celery
 from celery.utils.nodenames import worker_direct
@@ -35,3 +36,8 @@ def dispatch(app: Celery, sub: str, mq_key: str, token: str, client_id: str, cou
     except Exception:  # noqa: BLE001 - broker down: the sweep recovers
         log.warning("could not dispatch ConsumeRequest %s %s to %s", sub, mq_key, client_id, exc_info=True)
         return False
+
+
+def dispatcher(app: Celery) -> partial[bool]:
+    """``dispatch`` bound to ``app``: the callback a ``ClientInstance`` sends ConsumeRequests with."""
+    return partial(dispatch, app)

@@ -1,7 +1,8 @@
-"""The consumer client living in a worker's main process (RocketMQ's ``MQClientInstance``).
+"""``ClientInstance``: the consumer client of one worker process (RocketMQ's ``MQClientInstance``).
 
-It registers the worker (client id = its Celery hostname) with a heartbeat, subscribes its
-listeners, and runs the background duties a RocketMQ client runs in its scheduled executors:
+It registers the client (a Celery worker uses its hostname as client id) with a heartbeat,
+subscribes its listeners, and runs the background duties a RocketMQ client runs in its scheduled
+executors:
 
 * heartbeat every ``heartbeat_interval``; a change in the set of live clients (a join, a leave, a
   heartbeat lapsing) triggers a rebalance right here, not 20 s later on beat;
@@ -9,10 +10,11 @@ listeners, and runs the background duties a RocketMQ client runs in its schedule
 * the sweep every ``sweep_interval``: owned queues with a backlog and no live ConsumeRequest get
   one (a task deleted from the Celery broker costs one sweep, never a stall);
 * wake-ups: producers publish on ``mqorder:wake:<client>`` when an idle queue gets a message, and
-  this client turns that into a ConsumeRequest on its own direct queue.
+  this client turns that into a ConsumeRequest for itself.
 
 All of it runs in two daemon threads, not in the worker's event loop, so a slow Redis call never
-stalls Celery's own message handling.
+stalls the host's own message handling. It imports nothing from Celery: sending a ConsumeRequest
+to a client is the ``dispatch`` callback the integration gives it (``mqorder.celery.dispatch``).
 """
 
 from __future__ import annotations
@@ -21,14 +23,14 @@ import logging
 import threading
 import time
 import zlib
+from collections.abc import Callable
 
 import redis
-from celery import Celery
 
 from mqorder import keys
-from mqorder.celery.dispatch import dispatch
+from mqorder.backoff import Backoff
 from mqorder.consumer.listener import registered_listeners
-from mqorder.model import MessageModel, MessageQueue
+from mqorder.model import MessageModel
 from mqorder.names import check_client_id
 from mqorder.rebalance.membership import Subscription, redis_now_ms
 from mqorder.rebalance.service import Dispatch, RebalanceService
@@ -43,10 +45,14 @@ REBALANCE_STALE_FACTOR = 2.0
 #: How long start() waits for the wake-up subscription before registering anyway.
 WAKE_SUBSCRIBE_WAIT_S = 3.0
 
+#: Sends ``consume_request(sub, mq_key, token)`` to a client: ``(sub, mq_key, token, client_id)``;
+#: returns False if it could not be sent (the sweep recovers).
+Dispatcher = Callable[[str, str, str, str], bool]
 
-class WorkerClient:
-    def __init__(self, app: Celery, client_id: str, settings: Settings) -> None:
-        self.app = app
+
+class ClientInstance:
+    def __init__(self, client_id: str, settings: Settings, dispatch: Dispatcher) -> None:
+        self.dispatch = dispatch
         self.client_id = check_client_id(client_id)
         self.settings = settings
         self.brokers = BrokerRegistry(settings.redis_url, settings.brokers)
@@ -102,7 +108,7 @@ class WorkerClient:
             self.service.registry.unregister(self.client_id)
             self._rebalance_now()
             for sub in self.lanes:
-                mqs = self._owned_or_assigned(sub)
+                mqs = self.service.assigned_queues(sub, self.client_id)
                 if mqs:
                     self.service.locks.unlock_batch(sub, mqs, self.client_id)
                 if keys.BROADCAST_SEP in sub:
@@ -124,7 +130,7 @@ class WorkerClient:
         # its locks free so the rebalance below re-takes them with a new epoch (which also fences
         # any straggler of the old incarnation).
         for sub in self.lanes:
-            mqs = self._owned_or_assigned(sub)
+            mqs = self.service.assigned_queues(sub, self.client_id)
             if mqs:
                 self.service.locks.unlock_batch(sub, mqs, self.client_id, force=True)
         self.service.registry.register(self.client_id, self.subscriptions)
@@ -132,9 +138,6 @@ class WorkerClient:
         self._rebalance_now()
         self._fingerprint = self.service.registry.membership_fingerprint()
         log.info("mqorder: client %s joined lanes %s", self.client_id, ", ".join(self.lanes) or "-")
-
-    def _owned_or_assigned(self, sub: str) -> list[MessageQueue]:
-        return self.service.assigned_queues(sub, self.client_id)
 
     # -- duties ----------------------------------------------------------------------------------
 
@@ -149,12 +152,12 @@ class WorkerClient:
 
     def _dispatch_all(self, dispatches: list[Dispatch]) -> None:
         for d in dispatches:
-            dispatch(self.app, d.sub, d.mq.key, d.token, d.client)
+            self.dispatch(d.sub, d.mq.key, d.token, d.client)
 
     def _duty_loop(self) -> None:
         s = self.settings
         next_hb = next_lock = next_sweep = 0.0
-        backoff = 0.5
+        backoff = Backoff()
         while not self._stop.is_set():
             now = time.monotonic()
             try:
@@ -170,11 +173,11 @@ class WorkerClient:
                 if now >= next_sweep:
                     next_sweep = now + s.sweep_interval
                     self._dispatch_all(self.service.sweep(self.lanes, self.client_id))
-                backoff = 0.5
+                backoff.reset()
             except redis.RedisError as exc:
-                log.warning("mqorder: Redis error in client duties (%s); retrying in %.1fs", exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                delay = backoff.next()
+                log.warning("mqorder: Redis error in client duties (%s); retrying in %.1fs", exc, delay)
+                self._stop.wait(delay)
                 continue
             except Exception:  # noqa: BLE001 - the duties must survive anything
                 log.exception("mqorder: client duty failed")
@@ -198,7 +201,7 @@ class WorkerClient:
             self._fingerprint = fp
 
     def _wake_loop(self) -> None:
-        backoff = 0.5
+        backoff = Backoff()
         channel = keys.wake_channel(self.client_id)
         while not self._stop.is_set():
             pubsub = None
@@ -207,17 +210,21 @@ class WorkerClient:
                 pubsub.subscribe(channel)
                 pubsub.get_message(timeout=1.0)  # the subscribe confirmation: now listening
                 self._subscribed.set()
-                backoff = 0.5
+                backoff.reset()
                 while not self._stop.is_set():
                     msg = pubsub.get_message(timeout=0.5)
                     if msg is None or msg.get("type") != "message":
                         continue
-                    wake = WakeUp.decode(msg["data"])
-                    dispatch(self.app, wake.sub, wake.mq_key, wake.token, self.client_id)
+                    try:
+                        wake = WakeUp.decode(msg["data"])
+                    except ValueError as exc:
+                        log.warning("mqorder: ignoring a message on %s: %s", channel, exc)
+                        continue
+                    self.dispatch(wake.sub, wake.mq_key, wake.token, self.client_id)
             except redis.RedisError as exc:
-                log.warning("mqorder: wake channel lost (%s); resubscribing in %.1fs", exc, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
+                delay = backoff.next()
+                log.warning("mqorder: wake channel lost (%s); resubscribing in %.1fs", exc, delay)
+                self._stop.wait(delay)
             except Exception:  # noqa: BLE001
                 log.exception("mqorder: wake loop failed")
                 self._stop.wait(1.0)

@@ -32,7 +32,6 @@ from mqorder.errors import (
 )
 from mqorder.model import (
     ConsumeOrderlyStatus,
-    Message,
     MessageExt,
     MessageModel,
     MessageQueue,
@@ -52,7 +51,6 @@ __all__ = [
     "ConsumeOrderlyStatus",
     "InvalidNameError",
     "MQOrderError",
-    "Message",
     "MessageError",
     "MessageExt",
     "MessageModel",

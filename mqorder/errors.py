@@ -43,9 +43,5 @@ class BrokerRefusedError(BrokerUnavailableError):
     """A Redis broker answered but refused to store (MISCONF, OOM, READONLY...): nothing was written."""
 
 
-class LockNotOwnedError(MQOrderError):
-    """A fenced operation was refused: the caller no longer holds the queue's current epoch."""
-
-
 class ListenerError(MQOrderError):
     """A listener was registered wrongly (bad signature, duplicate group/topic pair...)."""

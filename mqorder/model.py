@@ -1,4 +1,4 @@
-"""The data model, in RocketMQ's names: ``MessageQueue``, ``Message``, ``MessageExt``, ``SendResult``.
+"""The data model, in RocketMQ's names: ``MessageQueue``, ``MessageExt``, ``SendResult``.
 
 Bodies are always ``bytes``: mqorder never guesses an encoding and never pickles.
 """
@@ -6,7 +6,7 @@ Bodies are always ``bytes``: mqorder never guesses an encoding and never pickles
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from mqorder import keys
@@ -41,17 +41,6 @@ class MessageQueue:
 
     def __str__(self) -> str:
         return f"MessageQueue[topic={self.topic}, brokerName={self.broker_name}, queueId={self.queue_id}]"
-
-
-@dataclass(slots=True)
-class Message:
-    """A message to send: body bytes plus optional keys, tags and string properties."""
-
-    topic: str
-    body: bytes
-    keys: list[str] = field(default_factory=list)
-    tags: str | None = None
-    properties: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

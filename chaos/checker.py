@@ -1,6 +1,9 @@
-"""The checker: reads the ledger (and the producer's acks, the fault log, state samples, worker
-logs and the DLQ) of one scenario and reports order violations, losses, duplicates, overlaps and
-failover times. It only reads; nothing here is tuned to make a run pass.
+"""The checker: reads the structured records of one scenario (``chaos.records``: the listener's
+ledger, the refused commits, the beats' publishes) with the producer's acks, the fault log, the
+lock-table samples and the DLQ, and reports order violations, losses, duplicates, overlaps and
+failover times. It parses no log line and no delimited text: every proof rests on named fields
+written by the listener and by the engine's ``consume_refused`` hook. It only reads; nothing here
+is tuned to make a run pass.
 
 Definitions (all per the chaos issue):
 
@@ -15,8 +18,9 @@ Definitions (all per the chaos issue):
   ``DUP_WINDOW`` s after the end of a fault and number at most one pull batch per queue per fault;
 * **overlap**: two listener calls on one queue from different processes at the same time. Allowed
   only when the stale call (the lower epoch; at one epoch, the older run) had its commit refused
-  (the worker log says ``commit refused ... epoch N is stale``, or ``SUPERSEDED`` for a run replaced
-  at the same epoch) and ``ctx.still_owner()`` returned False in it;
+  (a ``FENCED`` refusal record for its queue and epoch, or, for a run replaced at the same epoch, a
+  ``SUPERSEDED`` record on its queue at or after its start) and ``ctx.still_owner()`` returned
+  False in it;
 * **stale call**: a call that started after a newer epoch of its queue had already been used;
   ``ctx.still_owner()`` must have said False in it, and its commit must have been refused;
 * **failover**: for each queue a killed worker owned, the time from the kill to the start of the
@@ -27,13 +31,13 @@ Definitions (all per the chaos issue):
 from __future__ import annotations
 
 import math
-import re
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from chaos.runner import Ack, Event
+from chaos.evidence import Event, Sample
+from chaos.records import FENCED, SUPERSEDED, Entry, Published, Refusal
+from chaos.traffic import Ack, Poison
 
 #: A redelivery must start within this many seconds after the end of a fault to be "after" it.
 DUP_WINDOW = 30.0
@@ -48,46 +52,8 @@ STALL_SLACK = 3.0
 #: A queue must not go this long without a listener call while beat is down.
 BEAT_OUTAGE_MAX_GAP = 5.0
 
-REFUSED_RE = re.compile(r"commit refused on (\S+):(\d+) for (\S+): epoch (\d+) is stale")
-REFUSED_ANY_RE = re.compile(r"commit refused on ")
-SUPERSEDED_RE = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3}): \w+/[^\]]*\] commit refused on "
-                           r"\S+:(\d+) for \S+: SUPERSEDED")
-
-
-@dataclass(frozen=True)
-class Entry:
-    key: str
-    seq: int
-    queue: int
-    offset: int
-    epoch: int
-    client: str
-    pid: int
-    start: float
-    end: float
-    reconsume: int
-    ok: bool
-    owner: str
-    run: str
-
-    @property
-    def poison(self) -> bool:
-        return self.key.startswith("poison-")
-
-    @property
-    def proc(self) -> tuple[str, int]:
-        return (self.client, self.pid)
-
-
-def parse_ledger(lines: list[str]) -> list[Entry]:
-    out = []
-    for line in lines:
-        f = line.split("|")
-        out.append(Entry(
-            f[0], int(f[1]), int(f[2]), int(f[3]), int(f[4]), f[5], int(f[6]), int(f[7]) / 1e6, int(f[8]) / 1e6,
-            int(f[9]), f[10] == "S", f[11], f[12],
-        ))
-    return out
+#: The beat task whose publishes the beat checks count.
+REBALANCE_TASK = "mqorder.rebalance"
 
 
 @dataclass
@@ -97,12 +63,15 @@ class RunData:
     entries: list[Entry]
     acks: list[Ack]
     unknown: list[tuple[str, int, float, str]]
-    poison: list[tuple[int, int, int, float]]
+    poison: list[Poison]
     dlq: list[dict[str, str]]
     events: list[Event]
-    samples: list[tuple[Any, ...]]
-    worker_log: str
-    beat_logs: list[str]
+    samples: list[Sample]
+    #: Refused commits and touches, as the engine reported them to the listener's hook.
+    refusals: list[Refusal]
+    #: Tasks published by the beats, and the beats' roles in the order they were started.
+    published: list[Published]
+    beats: list[str]
     drained: bool
     batch: int
     max_reconsume: int
@@ -139,7 +108,10 @@ class Result:
     stale_calls: int = 0
     stale_saw_stale_epoch: int = 0
     stale_commit_refused: int = 0
-    refused_log_lines: int = 0
+    #: Of the stale calls, how many were in a run that itself got a refusal record (informative).
+    stale_refused_own_run: int = 0
+    #: Refusal records by reason (FENCED, SUPERSEDED, BACKWARD).
+    refusals: dict[str, int] = field(default_factory=dict)
     failovers: list[float] = field(default_factory=list)
     takeovers_after_sigstop: list[float] = field(default_factory=list)
     no_failover: list[str] = field(default_factory=list)
@@ -208,7 +180,7 @@ def check(data: RunData) -> Result:
     _order(data, regular, lost_fsync, r)
     _runs(entries, r)
     _duplicates(data, regular, faults, r)
-    refused = _refused(data.worker_log, r)
+    refused = _refused(data.refusals, r)
     _overlaps_and_stale(entries, refused, r)
     _failover(data, entries, r)
     _samples(data, r)
@@ -277,7 +249,7 @@ def _runs(entries: list[Entry], r: Result) -> None:
     """Inside one ConsumeRequest run, offsets go up and the epoch never changes."""
     by_run: dict[str, list[Entry]] = defaultdict(list)
     for e in entries:
-        if e.run != "-":
+        if e.run:
             by_run[e.run].append(e)
     for run, es in by_run.items():
         calls = sorted({(e.start, e.offset, e.epoch, e.queue) for e in es})
@@ -340,10 +312,14 @@ def _duplicates(data: RunData, regular: list[Entry], faults: list[Event], r: Res
 
 @dataclass
 class Refusals:
-    """Commits the workers logged as refused: stale epochs, and runs superseded at the same epoch."""
+    """Refused commits, from the engine's records: stale epochs (``FENCED``, per queue and epoch),
+    and runs superseded at the same epoch (``SUPERSEDED``, per queue, when). ``BACKWARD`` refusals
+    are counted but prove nothing about a stale call."""
 
     stale_epochs: set[tuple[int, int]] = field(default_factory=set)
     superseded: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    #: Runs that got any refusal record.
+    runs: set[str] = field(default_factory=set)
 
     def refused(self, c: Call, same_epoch: bool) -> bool:
         if (c.queue, c.epoch) in self.stale_epochs:
@@ -351,14 +327,17 @@ class Refusals:
         return same_epoch and any(t >= c.start for t in self.superseded.get(c.queue, []))
 
 
-def _refused(log: str, r: Result) -> Refusals:
+def _refused(records: list[Refusal], r: Result) -> Refusals:
     out = Refusals()
-    for m in REFUSED_RE.finditer(log):
-        out.stale_epochs.add((int(m.group(2)), int(m.group(4))))
-    for m in SUPERSEDED_RE.finditer(log):
-        t = time.mktime(time.strptime(m.group(1), "%Y-%m-%d %H:%M:%S")) + int(m.group(2)) / 1000
-        out.superseded[int(m.group(3))].append(t)
-    r.refused_log_lines = len(REFUSED_ANY_RE.findall(log))
+    counts: dict[str, int] = defaultdict(int)
+    for rec in records:
+        counts[rec.reason] += 1
+        out.runs.add(rec.run)
+        if rec.reason == FENCED:
+            out.stale_epochs.add((rec.queue, rec.epoch))
+        elif rec.reason == SUPERSEDED:
+            out.superseded[rec.queue].append(rec.at)
+    r.refusals = dict(sorted(counts.items()))
     return out
 
 
@@ -371,13 +350,13 @@ class Call:
     client: str
     pid: int
     run: str
-    owner: str
+    still_owner: bool | None
 
 
 def _calls(entries: list[Entry]) -> dict[int, list[Call]]:
     calls: dict[int, set[Call]] = defaultdict(set)
     for e in entries:
-        calls[e.queue].add(Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.owner))
+        calls[e.queue].add(Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.still_owner))
     return {q: sorted(c, key=lambda c: (c.start, c.end)) for q, c in calls.items()}
 
 
@@ -400,12 +379,12 @@ def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result) -> None:
                 same = a.epoch == c.epoch
                 old = a if (same or a.epoch < c.epoch) else c
                 stale.setdefault(old, same)
-                refused, saw = ref.refused(old, same), old.owner != "1"
+                refused, saw = ref.refused(old, same), old.still_owner is not True
                 if refused and saw:
                     r.overlaps_allowed += 1
                     continue
                 why = [f"both at epoch {c.epoch} (a second run of the queue in the same epoch)" if same else "",
-                       "" if refused else f"no refused commit logged for the stale call (epoch {old.epoch})",
+                       "" if refused else f"no refused commit recorded for the stale call (epoch {old.epoch})",
                        "" if saw else "ctx.still_owner() returned True in the stale call"]
                 r.overlaps_forbidden.append(
                     f"queue {q}: call by {c.client}/{c.pid} epoch {c.epoch} at {c.start:.3f} overlaps the call by "
@@ -413,15 +392,16 @@ def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result) -> None:
                 )
             active.append(c)
     r.stale_calls = len(stale)
-    r.stale_saw_stale_epoch = sum(1 for c in stale if c.owner == "0")
+    r.stale_saw_stale_epoch = sum(1 for c in stale if c.still_owner is False)
     r.stale_commit_refused = sum(1 for c, same in stale.items() if ref.refused(c, same))
+    r.stale_refused_own_run = sum(1 for c in stale if c.run in ref.runs)
     if r.overlaps_forbidden:
         r.problems.append(f"{len(r.overlaps_forbidden)} forbidden overlap(s), e.g. {r.overlaps_forbidden[:2]}")
     unrefused = [c for c, same in stale.items() if not ref.refused(c, same)]
     if unrefused:
         r.problems.append(f"{len(unrefused)} stale call(s) whose commit was not refused, e.g. "
                           f"{[(c.queue, c.epoch, c.client, round(c.start, 3)) for c in unrefused[:3]]}")
-    blind = [c for c in stale if c.owner == "1"]
+    blind = [c for c in stale if c.still_owner is True]
     if blind:
         r.problems.append(f"{len(blind)} stale call(s) where ctx.still_owner() said True, e.g. "
                           f"{[(c.queue, c.epoch, c.client, c.pid, round(c.start, 3)) for c in blind[:3]]}")
@@ -549,7 +529,8 @@ def _poison(data: RunData, entries: list[Entry], r: Result) -> None:
     if regular_dlq:
         r.problems.append(f"{len(regular_dlq)} regular message(s) in the DLQ")
     bound = data.max_reconsume * data.suspend_s + POISON_SLACK
-    for pid, q, off, _t in data.poison:
+    for p in data.poison:
+        pid, q, off = p.id, p.queue, p.offset
         attempts = [e for e in entries if e.key == f"poison-{pid}"]
         in_dlq = (str(q), str(off)) in dlq
         t0 = min((e.start for e in attempts), default=None)
@@ -591,7 +572,7 @@ def _beat(data: RunData, entries: list[Entry], r: Result) -> None:
         if q in last and epoch != last[q] and k.t <= t <= t1:
             changes += 1
         last[q] = epoch
-    sends = [len(re.findall(r"Sending due task mqorder-rebalance", log)) for log in data.beat_logs]
+    sends = [sum(1 for p in data.published if p.role == role and p.task == REBALANCE_TASK) for role in data.beats]
     r.beat = {
         "outage_s": round(t1 - k.t, 1),
         "handled_during_outage": sum(len(v) for v in per_q.values()),

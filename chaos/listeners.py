@@ -1,16 +1,18 @@
-"""The chaos suite's orderly listener (``MQORDER_LISTENERS=chaos.listeners``).
+"""The chaos suite's orderly listener (``MQORDER_LISTENERS=chaos.listeners``) and its recorders.
 
-Every listener call appends one ledger line per message to the list ``ledger`` of the *ledger*
-Redis (``CHAOS_LEDGER_URL``): a separate ``redis-server`` that no scenario kills, so the ledger
-keeps every call, including calls whose commit the Redis under test lost in a crash. Fields::
+Everything here writes JSON records (``chaos.records``) to lists of the *ledger* Redis
+(``CHAOS_LEDGER_URL``): a separate ``redis-server`` that no scenario kills, so the ledger keeps
+every call, including calls whose commit the Redis under test lost in a crash.
 
-    key|seq|queue|offset|epoch|client|pid|start_us|end_us|reconsume|verdict|owner|run
-
-* ``verdict``: ``S`` (returned SUCCESS) or ``X`` (returned SUSPEND: a poison message);
-* ``owner``: ``ctx.still_owner()`` asked at the end of the call (``1``/``0``, ``?`` if the Redis
-  under test did not answer): a holder paused past its lease must see ``0`` here;
-* ``run``: an id of the ConsumeRequest object that made the call (found on the call stack; only
-  read, never changed), so the checker can tell one run from the next.
+* the listener appends one :class:`~chaos.records.Entry` per message it is handed, with the call's
+  epoch, run id (``ctx.run_id``), pid, wall-clock bounds, status and ``ctx.still_owner()`` asked at
+  the end of the call (a holder paused past its lease must see False there);
+* :class:`RefusalRecorder`, the listener's ``ConsumeMessageHook``, appends one
+  :class:`~chaos.records.Refusal` for each fenced commit or touch the engine refused: the checker
+  proves fencing from these, not from the wording of a worker's log line;
+* in a beat started by the runner (``CHAOS_ROLE=beat<n>``), Celery's ``before_task_publish``
+  appends one :class:`~chaos.records.Published` per task the beat sends (the beat checks count
+  the rebalances each beat process sent).
 
 Bodies are JSON ``{"k": key, "s": seq}``; ``{"poison": true, "id": n}`` always returns SUSPEND.
 This group uses ``max_reconsume_times=3`` (instead of the default 16) so a poison message reaches
@@ -23,80 +25,105 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-import uuid
-import weakref
+from typing import Any
 
 import redis
+from celery.signals import before_task_publish
 
+from chaos import records
 from mqorder import ConsumeOrderlyStatus, orderly_listener
-from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.context import ConsumeOrderlyContext
+from mqorder.consumer.hooks import ConsumeMessageHook, RefusedContext
+from mqorder.model import MessageExt
 
 TOPIC = "chaos"
 GROUP = "chaos"
-LEDGER = "ledger"
 #: Control hash in the ledger Redis: ``slow:<client>`` = work per call in ms for that client (the
 #: runner sets it for a moment before a SIGSTOP so the pause lands inside listener calls).
 CTL = "ctl"
 MAX_RECONSUME = 3
 SUSPEND_MS = 1000
+#: Set by the runner in the environment of each beat it starts (``beat0``, ``beat1``...).
+ROLE_ENV = "CHAOS_ROLE"
 
 _r: redis.Redis | None = None
-_runs: weakref.WeakKeyDictionary[ConsumeRequest, str] = weakref.WeakKeyDictionary()
 
 
 def _ledger() -> redis.Redis:
+    """One client per process (prefork children get their own after the fork)."""
     global _r
     if _r is None or _r.connection_pool.pid != os.getpid():
         _r = redis.Redis.from_url(os.environ["CHAOS_LEDGER_URL"], socket_timeout=5)
     return _r
 
 
-def _run_id() -> str:
-    f = sys._getframe(1)
-    while f is not None:
-        obj = f.f_locals.get("self")
-        if isinstance(obj, ConsumeRequest):
-            rid = _runs.get(obj)
-            if rid is None:
-                rid = _runs[obj] = uuid.uuid4().hex[:12]
-            return rid
-        f = f.f_back
-    return "-"
+class RefusalRecorder(ConsumeMessageHook):
+    """Writes every refused commit or touch as a :class:`~chaos.records.Refusal`.
+
+    The hook is called in the consuming process at the moment the engine sees the refusal, so the
+    record carries the run, the stale epoch and the epoch/owner that replaced it.
+    """
+
+    def consume_refused(self, context: RefusedContext) -> None:
+        rec = records.Refusal(
+            group=context.consumer_group, topic=context.message_queue.topic,
+            queue=context.message_queue.queue_id, client=context.client_id, pid=os.getpid(),
+            run=context.run_id, epoch=context.epoch, reason=context.reason,
+            current_epoch=context.current_epoch, current_owner=context.current_owner,
+            offset=context.offset, at=context.at,
+        )
+        _ledger().rpush(records.REFUSALS, rec.to_json())
 
 
-@orderly_listener(topic=TOPIC, group=GROUP, max_reconsume_times=MAX_RECONSUME,
-                  suspend_current_queue_time_millis=SUSPEND_MS)
-def handle(msgs, ctx):  # noqa: ANN001, ANN201
-    start = time.time_ns() // 1000
-    run = _run_id()
-    status = ConsumeOrderlyStatus.SUCCESS
-    parsed = []
-    for m in msgs:
-        body = json.loads(m.body)
-        if body.get("poison"):
-            status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
-            parsed.append((f"poison-{body['id']}", 0, m))
-        else:
-            parsed.append((str(body["k"]), int(body["s"]), m))
+def _parse(m: MessageExt) -> tuple[str, int, bool]:
+    """(key, seq, poison) of a chaos message body."""
+    body = json.loads(m.body)
+    if body.get("poison"):
+        return f"poison-{body['id']}", 0, True
+    return str(body["k"]), int(body["s"]), False
+
+
+def _work(ctx: ConsumeOrderlyContext) -> None:
     work_ms = float(os.environ.get("CHAOS_WORK_MS", "1"))
     slow = _ledger().hget(CTL, f"slow:{ctx.client_id}")
     if slow:
         work_ms = max(work_ms, float(slow))
     if work_ms > 0:
         time.sleep(work_ms / 1000)
+
+
+@orderly_listener(topic=TOPIC, group=GROUP, max_reconsume_times=MAX_RECONSUME,
+                  suspend_current_queue_time_millis=SUSPEND_MS, hooks=[RefusalRecorder()])
+def handle(msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> ConsumeOrderlyStatus:
+    start = time.time()
+    parsed = [(*_parse(m), m) for m in msgs]
+    status = (ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT if any(p for _, _, p, _ in parsed)
+              else ConsumeOrderlyStatus.SUCCESS)
+    _work(ctx)
     try:
-        owner = "1" if ctx.still_owner() else "0"
+        still_owner: bool | None = ctx.still_owner()
     except redis.RedisError:
-        owner = "?"
-    end = time.time_ns() // 1000
-    verdict = "S" if status is ConsumeOrderlyStatus.SUCCESS else "X"
+        still_owner = None
+    end = time.time()
     pid = os.getpid()
-    lines = [
-        f"{k}|{s}|{m.queue_id}|{m.queue_offset}|{ctx.epoch}|{ctx.client_id}|{pid}|{start}|{end}|"
-        f"{m.reconsume_times}|{verdict}|{owner}|{run}"
-        for k, s, m in parsed
+    entries = [
+        records.Entry(
+            key=k, seq=s, queue=m.queue_id, offset=m.queue_offset, epoch=ctx.epoch, client=ctx.client_id,
+            pid=pid, start=start, end=end, reconsume=m.reconsume_times, status=status.name,
+            still_owner=still_owner, run=ctx.run_id,
+        ).to_json()
+        for k, s, _, m in parsed
     ]
-    _ledger().rpush(LEDGER, *lines)
+    _ledger().rpush(records.LEDGER, *entries)
     return status
+
+
+def _record_publish(sender: str | None = None, **_: Any) -> None:
+    rec = records.Published(role=os.environ[ROLE_ENV], task=str(sender), pid=os.getpid(), at=time.time())
+    _ledger().rpush(records.PUBLISHED, rec.to_json())
+
+
+if os.environ.get(ROLE_ENV, "").startswith("beat"):
+    # Only in a beat: workers publish a ConsumeRequest task per run and need no receiver.
+    before_task_publish.connect(_record_publish, weak=False)

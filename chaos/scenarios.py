@@ -1,18 +1,17 @@
 """The chaos scenarios: each one a timeline of faults over steady traffic, then a drain and the
-checker. ``run(scenario)`` starts everything in a ``try/finally`` and always stops it.
+checker. A script gets the scenario's :class:`~chaos.faults.Faults` and reads as the timeline it
+is; ``run(scenario)`` starts everything in a ``try/finally`` and always stops it.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import redis
-
 from chaos import listeners
-from chaos.checker import Result, RunData, check, parse_ledger
+from chaos.checker import Result, RunData, check
+from chaos.faults import Faults
 from chaos.runner import Cluster, log
 
 #: The lock lease variant: a 6 s lease renewed every 2 s, so a pause or a beat outage of 10-15 s
@@ -24,7 +23,7 @@ SHORT_LEASE = {"MQORDER_LOCK_MAX_LIVE_TIME": "6", "MQORDER_LOCK_INTERVAL": "2"}
 class Scenario:
     name: str
     title: str
-    script: Callable[[Cluster, bool], None]
+    script: Callable[[Faults, bool], None]
     fsync: str = "everysec"
     env: dict[str, str] = field(default_factory=dict)
     enforce: set[str] = field(default_factory=set)
@@ -47,183 +46,135 @@ class Clock:
         return time.monotonic() - self.t0
 
 
-class Deleter(threading.Thread):
-    """Every ``every`` seconds, a one-second burst of taking ConsumeRequest tasks away from the
-    Celery broker (lost tasks)."""
-
-    def __init__(self, c: Cluster, every: float) -> None:
-        super().__init__(name="chaos-deleter", daemon=True)
-        self.c = c
-        self.every = every
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self.stop_event.wait(self.every):
-            try:
-                self.c.steal_tasks(1.0)
-            except redis.RedisError:
-                pass  # the Redis under test may be down in the combined scenario
-
-    def stop(self) -> None:
-        self.stop_event.set()
-        self.join(10)
-
-
 # -- timelines ------------------------------------------------------------------------------------
 
 
-def kill_loop(c: Cluster, quick: bool) -> None:
+def kill_loop(f: Faults, quick: bool) -> None:
     """kill -9 of the worker owning the most queues, restarted (same name) 7 s later."""
     clock = Clock()
     clock.at(4)
     for _ in range(2 if quick else 6):
-        e = c.kill_worker()
-        time.sleep(7)
-        if e is not None:
-            c.restart_worker(e.target)
+        f.kill_and_restart(after=7)
         time.sleep(4)
 
 
-def sigstop(c: Cluster, quick: bool, seconds: float = 8.0) -> None:
+def sigstop(f: Faults, quick: bool, seconds: float = 8.0) -> None:
     clock = Clock()
     clock.at(4)
     for i in range(1 if quick else 2):
-        c.pause_worker(seconds, in_call=i == 0)  # the first pause lands inside listener calls
+        f.pause_worker(seconds, in_call=i == 0)  # the first pause lands inside listener calls
         time.sleep(8)
 
 
-def sigstop_lease(c: Cluster, quick: bool) -> None:
-    sigstop(c, quick, seconds=10.0)
+def sigstop_lease(f: Faults, quick: bool) -> None:
+    sigstop(f, quick, seconds=10.0)
 
 
-def sigstop_pool_process(c: Cluster, quick: bool) -> None:
+def sigstop_pool_process(f: Faults, quick: bool) -> None:
     clock = Clock()
     clock.at(4)
     for _ in range(1 if quick else 2):
-        c.pause_pool_process(12.0)
+        f.pause_pool_process(12.0)
         time.sleep(6)
 
 
-def redis_restart(c: Cluster, quick: bool) -> None:
+def redis_restart(f: Faults, quick: bool) -> None:
     clock = Clock()
     clock.at(6)
     for _ in range(1 if quick else 2):
-        c.restart_redis(down=3.0)
+        f.restart_redis(down=3.0)
         time.sleep(15)  # longer than the pending TTL, so each recovery is seen on its own
 
 
-def churn(c: Cluster, quick: bool) -> None:
+def churn(f: Faults, quick: bool) -> None:
     """Every 3 s a worker joins or (warm shutdown) leaves; 3 to 4 workers alive."""
     clock = Clock()
     for i in range(6 if quick else 14):
         clock.at(3 + 3 * i)
-        if len(c.alive_workers()) <= 3:
-            c.join_worker()
+        if len(f.alive_workers()) <= 3:
+            f.join_worker()
         else:
-            c.leave_worker()
+            f.leave_worker()
     time.sleep(4)
 
 
-def lost_tasks(c: Cluster, quick: bool) -> None:
+def lost_tasks(f: Faults, quick: bool) -> None:
     clock = Clock()
     clock.at(3)
-    d = Deleter(c, 4.0)
-    d.start()
-    try:
+    with f.losing_tasks(every=4.0):
         clock.at(18 if quick else 36)
-    finally:
-        d.stop()
     time.sleep(4)
 
 
-def poison(c: Cluster, quick: bool) -> None:
+def poison(f: Faults, quick: bool) -> None:
     clock = Clock()
     clock.at(4)
-    c.inject_poison(4)
+    f.inject_poison(4)
     if not quick:
         clock.at(14)
-        c.inject_poison(3)
+        f.inject_poison(3)
     clock.at(12 if quick else 24)
 
 
-def beat(c: Cluster, quick: bool) -> None:
+def beat(f: Faults, quick: bool) -> None:
     """Beat down longer than the 6 s lease; back; then two beats at once during join/leave."""
     clock = Clock()
     clock.at(4)
-    c.kill_beat()
+    f.kill_beat()
     time.sleep(10 if quick else 15)
-    c.beat_start()
+    f.start_beat()
     time.sleep(8)
-    e = c.event("beat-double", "beat")
-    second = c.start_beat()
-    time.sleep(3)
-    c.join_worker()
-    time.sleep(6)
-    c.leave_worker()
-    time.sleep(5 if quick else 10)
-    second.stop()
-    e.t_end = time.time()
+    with f.two_beats():
+        time.sleep(3)
+        f.join_worker()
+        time.sleep(6)
+        f.leave_worker()
+        time.sleep(5 if quick else 10)
 
 
-def everything(c: Cluster, quick: bool) -> None:
+def everything(f: Faults, quick: bool) -> None:
     """All faults in one run: kills, lost tasks, beat outage, SIGSTOP, Redis restart, churn,
     poison, two beats."""
     clock = Clock()
-    d = Deleter(c, 3.0)
-    d.start()
-    try:
+    with f.losing_tasks(every=3.0):
         clock.at(3)
-        c.inject_poison(2)
+        f.inject_poison(2)
         clock.at(5)
-        e = c.kill_worker()
-        time.sleep(7)
-        if e is not None:
-            c.restart_worker(e.target)
+        f.kill_and_restart(after=7)
         clock.at(16)
-        c.kill_beat()
+        f.kill_beat()
         clock.at(18)
-        c.pause_worker(10.0, in_call=True)
+        f.pause_worker(10.0, in_call=True)
         clock.at(32)
-        c.beat_start()
+        f.start_beat()
         clock.at(34)
-        c.restart_redis(down=2.0)
+        f.restart_redis(down=2.0)
         if not quick:
             clock.at(42)
-            c.join_worker()
+            f.join_worker()
             clock.at(46)
-            c.leave_worker()
+            f.leave_worker()
             clock.at(50)
-            c.join_worker()
+            f.join_worker()
             clock.at(54)
-            c.leave_worker()
+            f.leave_worker()
             clock.at(56)
-            ev = c.event("beat-double", "beat")
-            second = c.start_beat()
-            clock.at(60)
-            e = c.kill_worker()
-            time.sleep(7)
-            if e is not None:
-                c.restart_worker(e.target)
-            clock.at(70)
-            second.stop()
-            ev.t_end = time.time()
+            with f.two_beats():
+                clock.at(60)
+                f.kill_and_restart(after=7)
+                clock.at(70)
         clock.at(72 if not quick else 42)
-    finally:
-        d.stop()
 
 
-def smoke(c: Cluster, quick: bool) -> None:
+def smoke(f: Faults, quick: bool) -> None:
     """The ``make test`` smoke: one kill -9 (and restart), two lost-task deletions."""
     clock = Clock()
     clock.at(4)
-    e = c.kill_worker()
-    time.sleep(6)
-    if e is not None:
-        c.restart_worker(e.target)
+    f.kill_and_restart(after=6)
     clock.at(13)
-    c.steal_tasks(1.0)
+    f.steal_tasks(1.0)
     clock.at(16)
-    c.steal_tasks(1.0)
+    f.steal_tasks(1.0)
     clock.at(20)
 
 
@@ -257,26 +208,15 @@ SMOKE = Scenario("smoke", "smoke: one kill -9 and two lost-task bursts", smoke)
 def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_timeout: float = 60.0) -> Result:
     log(f"== scenario {sc.name}: {sc.title}")
     c = Cluster(sc.name, fsync=sc.fsync, env=sc.env, workers=sc.workers, rate=sc.rate, keep_logs=keep_logs)
-    data: RunData | None = None
     try:
         c.start()
-        c.start_traffic()
-        sc.script(c, quick)
-        c.stop_traffic()
-        drained = c.drain(drain_timeout)
+        assert c.faults is not None and c.traffic is not None
+        c.traffic.start()
+        sc.script(c.faults, quick)
+        c.traffic.stop()
+        drained = c.traffic.drain(drain_timeout)
         time.sleep(1.0)  # let the last listener calls finish their ledger writes
-        assert c.producer is not None and c.monitor is not None and c.settings is not None
-        entries = parse_ledger(c.read_ledger())
-        dlq = c.read_dlq()
-        c.stop_processes()
-        data = RunData(
-            scenario=sc.name, fsync=sc.fsync, entries=entries, acks=list(c.producer.acks),
-            unknown=list(c.producer.unknown), poison=list(c.poison), dlq=dlq, events=list(c.events),
-            samples=list(c.monitor.samples), worker_log=c.worker_logs(), beat_logs=c.beat_logs(),
-            drained=drained, batch=c.settings.pull_batch_size, max_reconsume=listeners.MAX_RECONSUME,
-            suspend_s=listeners.SUSPEND_MS / 1000, enforce=set(sc.enforce),
-            pending_ttl=c.settings.pending_ttl, sweep_interval=c.settings.sweep_interval,
-        )
+        data = _run_data(sc, c, drained)
     finally:
         c.stop()
     res = check(data)
@@ -286,3 +226,21 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
     for p in res.problems:
         log(f"   problem: {p}")
     return res
+
+
+def _run_data(sc: Scenario, c: Cluster, drained: bool) -> RunData:
+    """Read the evidence: calls and the DLQ at the drain, then (after every worker and beat
+    stopped) the refusals and publishes, which a shutting-down worker may still add to."""
+    ev, traffic, settings = c.evidence, c.traffic, c.settings
+    assert ev is not None and traffic is not None and settings is not None
+    entries = ev.entries()
+    dlq = ev.dlq()
+    c.quiesce()
+    return RunData(
+        scenario=sc.name, fsync=sc.fsync, entries=entries, acks=traffic.acks, unknown=traffic.unknown,
+        poison=list(traffic.poison), dlq=dlq, events=list(ev.events), samples=ev.samples,
+        refusals=ev.refusals(), published=ev.published(), beats=c.procs.beat_roles,
+        drained=drained, batch=settings.pull_batch_size, max_reconsume=listeners.MAX_RECONSUME,
+        suspend_s=listeners.SUSPEND_MS / 1000, enforce=set(sc.enforce),
+        pending_ttl=settings.pending_ttl, sweep_interval=settings.sweep_interval,
+    )

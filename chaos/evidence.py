@@ -1,0 +1,167 @@
+"""Evidence: everything the checker judges a scenario by, gathered from outside the workers.
+
+* the fault log (:class:`Event`: what the runner did, and when, by the wall clock);
+* lock-table samples (:class:`Monitor`: owner, epoch, lease and committed offset of every queue,
+  a few times a second, read from the Redis under test);
+* the structured records of the ledger Redis (``chaos.records``: listener calls, refused commits,
+  beat publishes) and the DLQ.
+
+Evidence only reads; it never changes the state of the cluster it watches.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from chaos import records
+from chaos.listeners import GROUP
+from mqorder import keys
+from mqorder.model import MessageQueue
+from mqorder.rebalance.lock_manager import RebalanceLockManager
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.log import MessageLog
+
+#: One lock-table sample: (wall time, queue, owner, epoch, lease ms, offset, Redis now ms, pending
+#: token, pend_until ms, run ms).
+Sample = tuple[float, int, str, int, int, int, int, str, int, int]
+
+
+def log(msg: str) -> None:
+    sys.stderr.write(f"[chaos {time.strftime('%H:%M:%S')}] {msg}\n")
+    sys.stderr.flush()
+
+
+@dataclass
+class Event:
+    """One injected fault (or other action) with its wall-clock start and end (seconds)."""
+
+    t: float
+    kind: str
+    target: str = ""
+    t_end: float = 0.0
+    queues: list[int] = field(default_factory=list)
+    fault: bool = True
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def end(self) -> float:
+        return self.t_end or self.t
+
+
+class Monitor(threading.Thread):
+    """Samples every queue's lock state (owner, epoch, lease, offset) a few times a second."""
+
+    def __init__(self, url: str, mqs: list[MessageQueue], interval: float = 0.2,
+                 on_tick: Callable[[], None] | None = None) -> None:
+        super().__init__(name="chaos-monitor", daemon=True)
+        self.url = url
+        self.mqs = mqs
+        self.interval = interval
+        self.on_tick = on_tick
+        self.samples: list[Sample] = []
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
+        while not self.stop_event.wait(self.interval):
+            if self.on_tick is not None:
+                self.on_tick()
+            try:
+                pipe = client.pipeline(transaction=False)
+                pipe.time()
+                for mq in self.mqs:
+                    pipe.hmget(keys.sub_state(mq.tag, GROUP), "owner", "epoch", "lease", "offset", "pending", "pend_until",
+                               "run")
+                res = pipe.execute()
+            except (redis.RedisError, OSError):
+                continue
+            t = time.time()
+            sec, usec = res[0]
+            now_ms = sec * 1000 + usec // 1000
+            for mq, (owner, epoch, lease, offset, pending, pend_until, run) in zip(self.mqs, res[1:], strict=True):
+                self.samples.append((
+                    t, mq.queue_id, (owner or b"").decode(), int(epoch or 0), int(lease or 0),
+                    int(offset or 0), now_ms, (pending or b"").decode(), int(pend_until or 0), int(run or 0),
+                ))
+        client.close()
+
+
+class Evidence:
+    """The fault log, the lock-table monitor, and readers of the ledger Redis and the DLQ."""
+
+    def __init__(self, name: str, url: str, ledger_url: str, brokers: BrokerRegistry,
+                 locks: RebalanceLockManager, mqs: list[MessageQueue]) -> None:
+        self.name = name
+        self.url = url
+        self.brokers = brokers
+        self.locks = locks
+        self.mqs = mqs
+        self.ledger = redis.Redis.from_url(ledger_url)
+        self.events: list[Event] = []
+        self.monitor: Monitor | None = None
+
+    # -- what the runner does -------------------------------------------------------------------
+
+    def event(self, kind: str, target: str = "", **kw: Any) -> Event:
+        e = Event(time.time(), kind, target, **kw)
+        self.events.append(e)
+        log(f"{self.name}: {kind} {target} {kw.get('queues', '') or ''}".rstrip())
+        return e
+
+    # -- the lock table -------------------------------------------------------------------------
+
+    def owners(self) -> dict[int, str]:
+        """Queue id -> live owner, read from the state hashes (lock_entry)."""
+        return {mq.queue_id: self.locks.lock_entry(GROUP, mq).owner for mq in self.mqs}
+
+    def wait_all_owned(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if all(self.owners().values()):
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.2)
+        log(f"warning: not every queue had an owner after {timeout}s")
+
+    def start_monitor(self, on_tick: Callable[[], None] | None = None) -> None:
+        self.monitor = Monitor(self.url, self.mqs, on_tick=on_tick)
+        self.monitor.start()
+
+    def stop_monitor(self) -> None:
+        if self.monitor is not None:
+            self.monitor.stop_event.set()
+            self.monitor.join(5)
+
+    @property
+    def samples(self) -> list[Sample]:
+        return list(self.monitor.samples) if self.monitor is not None else []
+
+    # -- the ledger Redis and the DLQ -----------------------------------------------------------
+
+    def entries(self) -> list[records.Entry]:
+        return records.read_all(self.ledger.lrange(records.LEDGER, 0, -1), records.Entry)
+
+    def refusals(self) -> list[records.Refusal]:
+        return records.read_all(self.ledger.lrange(records.REFUSALS, 0, -1), records.Refusal)
+
+    def published(self) -> list[records.Published]:
+        return records.read_all(self.ledger.lrange(records.PUBLISHED, 0, -1), records.Published)
+
+    def dlq(self) -> list[dict[str, str]]:
+        mlog = MessageLog(self.brokers)
+        try:
+            msgs = mlog.read(MessageQueue(keys.dlq_topic(GROUP), "broker-a", 0), 0, 1000)
+        except redis.RedisError:
+            return []
+        return [{**m.properties, "body": m.body.decode(errors="replace")} for m in msgs]
+
+    def close(self) -> None:
+        self.ledger.close()

@@ -1,0 +1,286 @@
+"""Faults: what a scenario does to the cluster, each action logged as an :class:`Event`.
+
+Every injector picks its target from the lock table *right before* acting (the worker owning the
+most queues), records the queues it hit, and returns the event, so the checker can measure the
+failover of exactly those queues. Nothing here judges the outcome: that is the checker's job.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import redis
+from celery.utils.nodenames import worker_direct
+
+from chaos.evidence import Event, Evidence, log
+from chaos.listeners import CTL, TOPIC
+from chaos.processes import Processes, child_pids
+from chaos.traffic import Traffic
+from mqorder.celery.dispatch import CONSUME_REQUEST
+from mqorder.launcher import WorkerProcess
+from mqorder.model import MessageQueue
+
+#: Work per listener call (ms) while a pause is being aimed inside listener calls.
+SLOW_CALL_MS = 400
+
+
+def _task_queue(raw: bytes) -> int | None:
+    """The queue id a ConsumeRequest task message (kombu's JSON envelope) was for, if it is one."""
+    try:
+        msg = json.loads(raw)
+        if msg["headers"].get("task") != CONSUME_REQUEST:
+            return None
+        body = msg["body"]
+        if msg["properties"].get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        args = json.loads(body)[0]
+        mq = MessageQueue.from_key(args[1])
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+    return mq.queue_id if mq.topic == TOPIC else None
+
+
+class Faults:
+    """kill -9, SIGSTOP, Redis restarts, churn, lost tasks, poison and beat faults."""
+
+    def __init__(self, procs: Processes, evidence: Evidence, traffic: Traffic) -> None:
+        self.procs = procs
+        self.evidence = evidence
+        self.traffic = traffic
+        #: Control channel to the listeners (``slow:<client>`` in the ``ctl`` hash).
+        self.ctl = redis.Redis.from_url(procs.ledger_url)
+
+    def alive_workers(self) -> list[WorkerProcess]:
+        return self.procs.alive_workers()
+
+    def _event(self, kind: str, target: str = "", **kw: Any) -> Event:
+        return self.evidence.event(kind, target, **kw)
+
+    def _busiest(self) -> tuple[WorkerProcess, list[int]] | None:
+        owners = self.evidence.owners()
+        best: tuple[WorkerProcess, list[int]] | None = None
+        for w in self.procs.alive_workers():
+            qs = sorted(q for q, o in owners.items() if o == w.hostname)
+            if qs and (best is None or len(qs) > len(best[1])):
+                best = (w, qs)
+        return best
+
+    # -- workers --------------------------------------------------------------------------------
+
+    def kill_worker(self) -> Event | None:
+        """``kill -9`` of the worker owning the most queues (owners read right before the kill)."""
+        found = self._busiest()
+        if found is None:
+            log("no worker owns a queue; kill skipped")
+            return None
+        w, qs = found
+        e = self._event("kill", w.name, queues=qs, info={"client": w.hostname})
+        self.procs.kill_worker(w)
+        return e
+
+    def restart_worker(self, name: str) -> Event:
+        e = self._event("restart", name)
+        w = self.procs.start_worker(name, wait=False)
+        self.procs.wait_registered(w)
+        e.t_end = time.time()
+        return e
+
+    def kill_and_restart(self, after: float) -> Event | None:
+        """``kill -9`` of the busiest owner, restarted under the same name ``after`` seconds later."""
+        e = self.kill_worker()
+        time.sleep(after)
+        if e is not None:
+            self.restart_worker(e.target)
+        return e
+
+    def join_worker(self) -> Event:
+        name = self.procs.new_worker_name()
+        e = self._event("join", name)
+        self.procs.start_worker(name, wait=False)
+        return e
+
+    def leave_worker(self, name: str | None = None) -> Event | None:
+        """Warm shutdown (SIGTERM) of a worker, in the background so the cadence is kept."""
+        alive = self.procs.alive_workers()
+        if not alive:
+            return None
+        w = self.procs.workers[name] if name else alive[0]
+        e = self._event("leave", w.name)
+        self.procs.stop_worker_soon(w)
+        return e
+
+    @contextmanager
+    def _slow_calls(self, client: str) -> Iterator[None]:
+        """Make ``client``'s listener calls slow for a moment, so a pause lands inside one."""
+        key = f"slow:{client}"
+        self.ctl.hset(CTL, key, SLOW_CALL_MS)
+        time.sleep(0.3)
+        try:
+            yield
+        finally:
+            self.ctl.hdel(CTL, key)
+
+    def pause_worker(self, seconds: float, *, in_call: bool = False) -> Event | None:
+        """SIGSTOP of the whole process group of a queue owner for ``seconds``, then SIGCONT.
+
+        With ``in_call`` the worker's listener calls are made slow (400 ms) for a moment first, so
+        the pause lands inside listener calls: the case where a stale holder resumes mid-call.
+        """
+        found = self._busiest()
+        if found is None:
+            return None
+        w, qs = found
+        info = {"client": w.hostname, "seconds": seconds, "in_call": in_call}
+        if in_call:
+            with self._slow_calls(w.hostname):
+                e = self._event("sigstop", w.name, queues=qs, info=info)
+                w.signal(signal.SIGSTOP)
+        else:
+            e = self._event("sigstop", w.name, queues=qs, info=info)
+            w.signal(signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            w.signal(signal.SIGCONT)
+        e.t_end = time.time()
+        return e
+
+    def pause_pool_process(self, seconds: float) -> Event | None:
+        """SIGSTOP of one prefork pool process of a queue owner, inside a listener call, for
+        ``seconds`` (its main process keeps heartbeating and renewing the worker's locks)."""
+        found = self._busiest()
+        if found is None:
+            return None
+        w, _ = found
+        kids = child_pids(w.pid)
+        if not kids:
+            return None
+        with self._slow_calls(w.hostname):
+            e = self._event("sigstop-child", w.name, info={"client": w.hostname, "pid": kids[0], "seconds": seconds})
+            os.kill(kids[0], signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(kids[0], signal.SIGCONT)
+        e.t_end = time.time()
+        return e
+
+    # -- Redis and the Celery broker ------------------------------------------------------------
+
+    def restart_redis(self, down: float) -> Event:
+        """Kill the Redis under test (SIGKILL) and restart it from its AOF after ``down`` seconds."""
+        e = self._event("redis-kill", "redis", info={"fsync": self.procs.fsync})
+        self.procs.kill_redis()
+        e.info["killed_at"] = time.time()  # acks recorded before this were answered before the kill
+        time.sleep(down)
+        self.procs.start_redis(timeout=60)
+        e.t_end = time.time()
+        log(f"{self.procs.name}: redis back after {e.t_end - e.t:.1f}s")
+        return e
+
+    def _direct_queues(self) -> list[str]:
+        """The Celery direct queue keys of every worker started in this scenario (with kombu's
+        priority sub-queues), whether or not they exist right now."""
+        out = []
+        for w in self.procs.workers.values():
+            q = worker_direct(w.hostname).name
+            out += [q, *(f"{q}\x06\x16{p}" for p in (3, 6, 9))]
+        return out
+
+    def steal_tasks(self, burst: float = 1.0) -> Event:
+        """Lost tasks: for ``burst`` seconds, take every ConsumeRequest task published to any worker
+        direct queue away from the broker (a competing BRPOP that throws them away), and delete
+        kombu's ``unacked`` structures."""
+        c = redis.Redis.from_url(self.procs.url, socket_timeout=5)
+        e = self._event("delete-tasks", "broker")
+        stolen = 0
+        taken: list[tuple[float, int]] = []
+        try:
+            names = self._direct_queues()
+            deadline = time.monotonic() + burst
+            while time.monotonic() < deadline:
+                got = c.brpop(names, timeout=0.1)
+                if got is not None:
+                    stolen += 1
+                    q = _task_queue(got[1])
+                    if q is not None:
+                        taken.append((time.time(), q))
+            e.info["unacked_deleted"] = int(c.delete("unacked", "unacked_index"))
+        finally:
+            c.close()
+            e.t_end = time.time()
+            e.info["stolen"] = stolen
+            e.info["taken"] = taken
+        return e
+
+    @contextmanager
+    def losing_tasks(self, every: float) -> Iterator[None]:
+        """While inside: every ``every`` seconds, a one-second burst of :meth:`steal_tasks`."""
+        t = _Stealer(self, every)
+        t.start()
+        try:
+            yield
+        finally:
+            t.stop()
+
+    # -- bad input ------------------------------------------------------------------------------
+
+    def inject_poison(self, count: int) -> Event:
+        """Send ``count`` poison messages, each to a different queue, among the regular traffic."""
+        sent = self.traffic.send_poison(count)
+        return self._event("poison", "producer", fault=False, queues=[p.queue for p in sent])
+
+    # -- beat -----------------------------------------------------------------------------------
+
+    def kill_beat(self) -> Event:
+        b = next((b for b in self.procs.beats if b.alive()), None)
+        e = self._event("beat-kill", "beat")
+        if b is not None:
+            b.kill()
+        return e
+
+    def start_beat(self) -> Event:
+        e = self._event("beat-start", "beat")
+        self.procs.start_beat()
+        return e
+
+    @contextmanager
+    def two_beats(self) -> Iterator[Event]:
+        """A second beat runs alongside the first while inside (duplicated schedules)."""
+        e = self._event("beat-double", "beat")
+        second = self.procs.start_beat()
+        try:
+            yield e
+        finally:
+            second.stop()
+            e.t_end = time.time()
+
+
+class _Stealer(threading.Thread):
+    """Every ``every`` seconds, a one-second burst of taking ConsumeRequest tasks away from the
+    Celery broker (lost tasks)."""
+
+    def __init__(self, faults: Faults, every: float) -> None:
+        super().__init__(name="chaos-deleter", daemon=True)
+        self.faults = faults
+        self.every = every
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop_event.wait(self.every):
+            try:
+                self.faults.steal_tasks(1.0)
+            except redis.RedisError:
+                pass  # the Redis under test may be down in the combined scenario
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.join(10)

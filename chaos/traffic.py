@@ -1,0 +1,162 @@
+"""Traffic: the paced producer of a scenario, its poison messages, and the wait for a drain.
+
+The producer keeps its acknowledgements in this process's memory, never in a Redis that a
+scenario may kill: an acknowledgement is the promise the checker holds the cluster to.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass
+
+import redis
+
+from chaos.listeners import GROUP, TOPIC
+from mqorder import Producer
+from mqorder.errors import BrokerUnavailableError
+from mqorder.model import MessageQueue
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.log import MessageLog
+
+
+@dataclass
+class Ack:
+    key: str
+    seq: int
+    queue: int
+    offset: int
+    t: float
+
+
+@dataclass(frozen=True)
+class Poison:
+    """A poison message sent by the runner: its id, where it was stored, and when it was acked."""
+
+    id: int
+    queue: int
+    offset: int
+    t: float
+
+
+class ProducerThread(threading.Thread):
+    """Sends ``{"k": key, "s": seq}`` at a steady pace over ``n_keys`` keys with ``send_orderly``.
+
+    A send that raised is not acknowledged; it is recorded as *unknown* (it may or may not be
+    stored) and the same (key, seq) is retried until acknowledged, so per-key sequences stay
+    contiguous. Acks live in this process's memory only.
+    """
+
+    def __init__(self, url: str, rate: float, n_keys: int, seed: int = 7) -> None:
+        super().__init__(name="chaos-producer", daemon=True)
+        self.url = url
+        self.rate = rate
+        self.keys = [f"k{i:04d}" for i in range(n_keys)]
+        self.rng = random.Random(seed)
+        self.next_seq = dict.fromkeys(self.keys, 1)
+        self.acks: list[Ack] = []
+        self.unknown: list[tuple[str, int, float, str]] = []
+        self.stop_event = threading.Event()
+        self.error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - reported by the runner
+            self.error = exc
+
+    def _run(self) -> None:
+        producer = Producer(self.url)
+        period = 1.0 / self.rate
+        t_next = time.monotonic()
+        try:
+            while not self.stop_event.is_set():
+                key = self.rng.choice(self.keys)
+                seq = self.next_seq[key]
+                body = f'{{"k": "{key}", "s": {seq}}}'.encode()
+                while not self.stop_event.is_set():
+                    try:
+                        res = producer.send_orderly(TOPIC, body, sharding_key=key)
+                    except (BrokerUnavailableError, redis.RedisError) as exc:
+                        self.unknown.append((key, seq, time.time(), type(exc).__name__))
+                        time.sleep(0.05)
+                        continue
+                    self.acks.append(Ack(key, seq, res.message_queue.queue_id, res.queue_offset, time.time()))
+                    self.next_seq[key] = seq + 1
+                    break
+                t_next += period
+                delay = t_next - time.monotonic()
+                if delay > 0:
+                    time.sleep(delay)
+                elif delay < -1.0:  # fell behind (an outage): do not burst to catch up
+                    t_next = time.monotonic()
+        finally:
+            producer.close()
+
+
+class Traffic:
+    """Steady traffic over the scenario's topic, poison messages on demand, and the drain."""
+
+    def __init__(self, url: str, brokers: BrokerRegistry, mqs: list[MessageQueue], *,
+                 rate: float, n_keys: int) -> None:
+        self.url = url
+        self.brokers = brokers
+        self.mqs = mqs
+        self.producer = ProducerThread(url, rate, n_keys)
+        self.poison: list[Poison] = []
+        self.started = False
+
+    def start(self) -> None:
+        self.started = True
+        self.producer.start()
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop sending; raise if the producer itself failed (its acks would be incomplete)."""
+        if not self.started:
+            return
+        self.producer.stop_event.set()
+        self.producer.join(timeout)
+        if self.producer.error is not None:
+            raise RuntimeError(f"producer failed: {self.producer.error!r}")
+
+    @property
+    def acks(self) -> list[Ack]:
+        return list(self.producer.acks)
+
+    @property
+    def unknown(self) -> list[tuple[str, int, float, str]]:
+        return list(self.producer.unknown)
+
+    def send_poison(self, count: int) -> list[Poison]:
+        """Send ``count`` poison messages, each to a different queue, among the regular traffic."""
+        p = Producer(self.url)
+        sent = []
+        try:
+            start = len(self.poison)
+            for i in range(count):
+                pid = start + i
+                qid = (pid * 5) % len(self.mqs)
+                res = p.send_orderly(TOPIC, f'{{"poison": true, "id": {pid}}}'.encode(), sharding_key=pid,
+                                     selector=lambda mqs, key, body, q=qid: mqs[q])
+                sent.append(Poison(pid, res.message_queue.queue_id, res.queue_offset, time.time()))
+        finally:
+            self.poison += sent
+            p.close()
+        return sent
+
+    def drain(self, timeout: float) -> bool:
+        """Wait until every queue's committed offset reached its end (twice in a row)."""
+        mlog = MessageLog(self.brokers)
+        deadline = time.monotonic() + timeout
+        streak = 0
+        while time.monotonic() < deadline:
+            try:
+                lag = sum(mlog.lag(GROUP, mq) for mq in self.mqs)
+            except redis.RedisError:
+                lag = -1
+            streak = streak + 1 if lag == 0 else 0
+            if streak >= 2:
+                return True
+            time.sleep(0.5)
+        return False

@@ -47,6 +47,11 @@ CLIENT_RE = re.compile(r"[^\s\x00{}]{1,255}")
 BROADCAST_SEP = "%BC%"
 DLQ_PREFIX = "%DLQ%"
 
+#: The assignee of a queue that no live client consumes: the rebalance writes it when a lane has no
+#: client left, and the lock is then released. Injected into every Lua script as ``NOBODY`` by
+#: ``mqorder.store.scripts``, so Python and Lua cannot spell it differently.
+NOBODY = "~"
+
 
 def topics() -> str:
     return f"{PREFIX}:topics"
@@ -117,6 +122,66 @@ def queue_ids(tag: str) -> str:
 
 
 def sub_state(tag: str, sub: str) -> str:
+    """The state HASH of subscription ``sub`` on one queue: its lock, its fencing epoch, its pending
+    ConsumeRequest and its committed offset, all in one key so each script decides atomically.
+
+    Every field, who writes it and who reads it (scripts are ``mqorder/store/lua/*.lua``; the shared
+    rules ``lock_live``, ``request_pending`` and ``release_lock`` are in ``_lock.lua``). Times are
+    ms by Redis's clock (``TIME``); a missing field reads as ``''`` or ``0``.
+
+    ``owner``
+        Client id holding the lock, ``''`` when released. The lock is *live* while ``owner`` is set
+        and ``lease`` is ahead. Written by ``lock_batch`` (take), ``begin`` (take a free lock of a
+        queue assigned to the caller or to nobody yet), ``assign`` (move to the assignee),
+        ``finish`` (hand over to the assignee at the end of a run) and ``release_lock``
+        (``unlock_batch``; ``assign`` and ``finish`` when the lane goes to ``NOBODY``). Read by
+        every script and by ``RebalanceLockManager.lock_entry``.
+    ``lease``
+        Deadline of the lock. Renewed by ``lock_batch`` (``lock_all``), ``begin``, ``commit`` and
+        ``touch``; set by every take or move; 0 on release. Read wherever the lock must be live
+        (``lock_batch``, ``begin``, ``assign``, ``finish``, ``sweep``, ``send``).
+    ``epoch``
+        Fencing epoch: incremented at every change of owner (``lock_batch``, ``begin``,
+        ``assign``, ``finish``) and when a run lease lapsed mid-run before a new request is made
+        pending (``send``, ``sweep``). Never reset, not even on release. ``commit`` and
+        ``touch`` refuse a caller whose epoch is not the current one (a paused, replaced holder);
+        the consumer's lingering read checks it too.
+    ``assignee``
+        The rebalance's choice for the queue: a client id, ``NOBODY`` (no live client consumes
+        the lane: the lock is released as soon as no run holds it), or ``''`` (never assigned).
+        Written only by ``assign``. Read by ``lock_batch`` and ``begin`` (never take a lock
+        assigned to another client), ``commit`` (tells a run it was revoked), ``finish``
+        (hand over, release, or dispatch to the assignee) and the lingering read.
+    ``run``
+        Run lease of the ConsumeRequest running on the queue, 0 when none is. Claimed by
+        ``begin``, renewed by ``commit`` and ``touch``; 0 when a run ends (``commit`` when idle,
+        ``finish``), when a new request is made pending (``send``, ``sweep``), on a take
+        (``lock_batch``, ``assign``) and on release. Read by ``begin`` (no two runs at once),
+        ``assign`` (a running owner is not moved), ``unlock_batch`` (a running queue is not
+        unlocked unless forced), ``sweep`` (never re-dispatch a running queue) and ``send`` /
+        ``sweep`` (a lapsed run, ``run`` > 0 but not ahead, gets a new epoch).
+    ``runner``
+        Id of the task execution that claimed the run (``begin`` only): the same execution may
+        re-enter its live run after a Redis outage, a duplicate delivery of the task gets BUSY.
+    ``pending``
+        Token of the queue's one pending ConsumeRequest, ``''`` for none. Set by ``send``
+        (waking the owner), ``sweep``, ``assign`` (DISPATCH) and ``finish`` (the next request);
+        cleared by ``commit`` and ``finish`` when the queue goes idle, by ``assign`` on a MOVED
+        queue with no backlog, and by ``release_lock`` in ``assign`` / ``finish``; *kept* by
+        ``unlock_batch`` (the dispatched request stays the queue's one request: see
+        ``release_lock`` in ``_lock.lua``). Read by ``begin`` (STALE), ``commit``
+        (SUPERSEDED), ``touch``, ``finish`` (STALE), ``send`` and ``sweep`` (no second request
+        while one is pending), and the lingering read.
+    ``pend_until``
+        When the pending request is presumed lost: dispatch time + pending TTL, then the run
+        lease while it runs (``begin``, ``commit``, ``touch``); 0 whenever ``pending`` is
+        cleared. Read by ``send`` and ``sweep``: after it, they replace the token.
+    ``offset``
+        Committed consume offset: the next offset to consume. Written only by ``commit``, only
+        forward and only by the current owner at its epoch. Read by ``begin`` (first pull),
+        ``commit``, ``assign`` / ``finish`` / ``sweep`` (backlog means ``next`` > ``offset``) and
+        ``MessageLog`` (``consume_offset``, ``lag``, ``state``).
+    """
     return f"{PREFIX}:{tag}:s:{sub}"
 
 

@@ -1,18 +1,23 @@
 """Loads the ``.lua`` files once and registers them on each Redis client.
 
-Every script is prefixed with ``_now.lua`` so that each one reads the time from Redis (``TIME``)
-rather than trusting the caller's clock. redis-py's ``Script`` objects run ``EVALSHA`` and reload
-the script on ``NOSCRIPT`` (after a Redis restart), so callers never see the difference.
+Every script is prefixed with the same preludes: constants generated from Python (``NOBODY``),
+``_now.lua`` so that each one reads the time from Redis (``TIME``) rather than trusting the
+caller's clock, ``_lock.lua`` with the lock rules every script shares (is the lock live, release a
+lock), and ``_append.lua``, the one append path. redis-py's ``Script`` objects run ``EVALSHA`` and
+reload the script on ``NOSCRIPT`` (after a Redis restart), so callers never see the difference.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from functools import cache
 from importlib import resources
 from typing import Any
 
 import redis
+
+from mqorder import keys
 
 NAMES = (
     "send",
@@ -27,15 +32,35 @@ NAMES = (
 )
 
 
-#: Prepended to every script, in this order: the Redis clock, then the shared append path.
-PRELUDES = ("_now", "_append")
+#: Prepended to every script after the constants, in this order: the Redis clock, the shared lock
+#: rules, then the shared append path (which may use the lock rules).
+PRELUDES = ("_now", "_lock", "_append")
+
+#: A constant must stay a plain Lua string literal: no quote, backslash or line break to escape.
+_LUA_SAFE = re.compile(r"[^'\\\r\n]*")
+
+
+def lua_string(value: str) -> str:
+    """``value`` as a single-quoted Lua literal; refuses what would need escaping."""
+    if not _LUA_SAFE.fullmatch(value):
+        raise ValueError(f"{value!r} cannot be injected into Lua as a plain literal")
+    return f"'{value}'"
+
+
+def constants() -> str:
+    """The Lua locals generated from Python constants, so both sides spell them alike.
+
+    ``NOBODY`` is the assignee of a lane no live client consumes: the rebalance writes it
+    (``assign.lua``) and ``finish.lua`` reads it; a second spelling in Lua could silently drift.
+    """
+    return f"local NOBODY = {lua_string(keys.NOBODY)}\n"
 
 
 @cache
 def source(name: str) -> str:
     lua = resources.files("mqorder.store") / "lua"
     parts = [(lua / f"{p}.lua").read_text() for p in PRELUDES]
-    return "\n".join([*parts, (lua / f"{name}.lua").read_text()])
+    return "\n".join([constants(), *parts, (lua / f"{name}.lua").read_text()])
 
 
 class Scripts:

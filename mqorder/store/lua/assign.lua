@@ -7,8 +7,9 @@
 --
 -- KEYS     pairs (state HASH, next counter), one pair per queue
 -- ARGV[1]  lock_lease_ms  ARGV[2] pending_ttl_ms  ARGV[3] number d of dead clients
--- ARGV[4 .. 3+d]  dead client ids, then per queue: assignee ('~' = nobody), token
+-- ARGV[4 .. 3+d]  dead client ids, then per queue: assignee (NOBODY = no live client), token
 -- Returns  per queue: 'KEPT', 'BUSY', 'UNASSIGNED', 'MOVED' or 'DISPATCH'
+-- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead, release_lock: _lock.lua.
 local d = tonumber(ARGV[3])
 local dead = {}
 for i = 1, d do dead[ARGV[3 + i]] = true end
@@ -20,18 +21,19 @@ for i = 1, #KEYS, 2 do
   local token = ARGV[base + 2 * q]
   local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'run', 'offset', 'pending', 'pend_until')
   local owner = st[1] or ''
-  local live = owner ~= '' and tonumber(st[2] or 0) > now and not dead[owner]
+  local live = lock_live(owner, st[2]) and not dead[owner]
   redis.call('HSET', KEYS[i], 'assignee', new)
-  if new == '~' then
+  if new == NOBODY then
     -- Nobody consumes this lane: release the lock now unless a live owner is mid-run (that run
-    -- sees the revocation at its next commit and releases the lock itself).
-    if owner ~= '' and ((not live) or tonumber(st[3] or 0) <= now) then
-      redis.call('HSET', KEYS[i], 'owner', '', 'lease', 0, 'run', 0, 'pending', '', 'pend_until', 0)
+    -- sees the revocation at its next commit and releases the lock itself). The lane is retired,
+    -- so a request still pending for it is dropped with the lock.
+    if owner ~= '' and ((not live) or not ahead(st[3])) then
+      release_lock(KEYS[i], false)
     end
     out[q] = 'UNASSIGNED'
   elseif owner == new and live then
     out[q] = 'KEPT'
-  elseif live and tonumber(st[3] or 0) > now then
+  elseif live and ahead(st[3]) then
     out[q] = 'BUSY'
   else
     redis.call('HINCRBY', KEYS[i], 'epoch', 1)

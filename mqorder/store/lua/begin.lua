@@ -11,15 +11,16 @@
 -- Returns {'OK', epoch, offset, next, entries, retries}
 --      or {'STALE'} (token superseded), {'BUSY'} (this token already running),
 --         {'NOT_LOCKED', owner, assignee}, {'REVOKED', assignee}
+-- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead: _lock.lua.
 local st = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'epoch', 'assignee', 'offset', 'pending', 'run', 'runner')
 if st[6] ~= ARGV[2] then return {'STALE'} end
-if tonumber(st[7] or 0) > now and st[8] ~= ARGV[6] then return {'BUSY'} end
+if ahead(st[7]) and st[8] ~= ARGV[6] then return {'BUSY'} end
 local client = ARGV[1]
 local owner, assignee = st[1] or '', st[4] or ''
 local epoch = tonumber(st[3] or 0)
 local lock_ttl = tonumber(ARGV[4])
-if owner ~= client or tonumber(st[2] or 0) <= now then
-  local free = owner == '' or tonumber(st[2] or 0) <= now
+if owner ~= client or not ahead(st[2]) then
+  local free = not lock_live(owner, st[2])
   if free and (assignee == client or assignee == '') then
     if owner ~= client then epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1) end
     owner = client

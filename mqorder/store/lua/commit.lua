@@ -15,6 +15,7 @@
 -- ARGV[8..] pairs (offset, reconsume times) to record
 -- Returns {'OK', next, revoked_to}, {'IDLE'} (run ended, queue drained)
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset}
+-- State HASH fields: see mqorder.keys.sub_state.
 local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'pending', 'offset', 'assignee')
 if st[1] ~= ARGV[1] or tonumber(st[2] or 0) ~= tonumber(ARGV[2]) then
   return {'FENCED', tonumber(st[2] or 0), st[1] or ''}

@@ -5,7 +5,8 @@
 -- KEYS[1] state HASH  KEYS[2] next counter
 -- ARGV[1] client  ARGV[2] token  ARGV[3] action ('done' | 'requeue')  ARGV[4] new token
 -- ARGV[5] pending_ttl_ms (already including any countdown)  ARGV[6] lock_lease_ms
--- An assignee of '~' means "assigned to nobody" (no live client consumes the lane).
+-- An assignee of NOBODY means "assigned to nobody" (no live client consumes the lane).
+-- State HASH fields: see mqorder.keys.sub_state; lock_live, release_lock: _lock.lua.
 -- Returns {'IDLE'}, {'STALE'}, or {verb, target client, token} with verb one of
 --   'REQUEUE' (to the caller), 'HANDOVER' (lock moved to the assignee), 'DISPATCH' (to the owner)
 local st = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'pending', 'offset', 'assignee')
@@ -23,10 +24,11 @@ local function idle()
   redis.call('HSET', KEYS[1], 'run', 0, 'pending', '', 'pend_until', 0)
   return {'IDLE'}
 end
-if owner == client and tonumber(st[2] or 0) > now then
-  if assignee == '~' then
-    -- No client consumes this lane any more (the last worker left): release the lock.
-    redis.call('HSET', KEYS[1], 'owner', '', 'lease', 0, 'run', 0, 'pending', '', 'pend_until', 0)
+if owner == client and ahead(st[2]) then
+  if assignee == NOBODY then
+    -- No client consumes this lane any more (the last worker left): release the lock, and the
+    -- pending token, which is this very run's.
+    release_lock(KEYS[1], false)
     return {'IDLE'}
   end
   if assignee ~= '' and assignee ~= client then
@@ -40,9 +42,9 @@ if owner == client and tonumber(st[2] or 0) > now then
   return idle()
 end
 -- The caller does not hold a live lock.
-if owner ~= '' and tonumber(st[2] or 0) > now then
+if lock_live(owner, st[2]) then
   if backlog then return pend(owner, 'DISPATCH') end
   return idle()
 end
-if assignee ~= '' and assignee ~= '~' and backlog then return pend(assignee, 'DISPATCH') end
+if assignee ~= '' and assignee ~= NOBODY and backlog then return pend(assignee, 'DISPATCH') end
 return idle()

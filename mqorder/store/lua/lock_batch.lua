@@ -6,13 +6,14 @@
 -- KEYS     state HASH of each queue (one group, one broker)
 -- ARGV[1]  client id   ARGV[2] lock_lease_ms
 -- Returns  one epoch per queue, 0 where the lock was refused
+-- State HASH fields: see mqorder.keys.sub_state; lock_live: _lock.lua.
 local client = ARGV[1]
 local lease_until = now + tonumber(ARGV[2])
 local out = {}
 for i = 1, #KEYS do
   local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'epoch', 'assignee')
   local owner, assignee = st[1] or '', st[4] or ''
-  local live = owner ~= '' and tonumber(st[2] or 0) > now
+  local live = lock_live(owner, st[2])
   if owner == client then
     redis.call('HSET', KEYS[i], 'lease', lease_until)
     out[i] = tonumber(st[3] or 0)

@@ -12,6 +12,7 @@
 -- then         pending_ttl_ms, wake channel prefix, and per state key: token, wake payload
 -- Returns      {first_offset, store_ms, stored, {index, offset per duplicate...}, woken owner...}
 -- Replacing a token whose run lease lapsed mid-run also increments the epoch (see wake_owners).
+-- State HASH fields: see mqorder.keys.sub_state.
 local n = tonumber(ARGV[1])
 local idempotent = ARGV[2] == '1'
 local first, stored, dups = append_entries(KEYS[1], KEYS[2], KEYS[3], n, idempotent, 2)

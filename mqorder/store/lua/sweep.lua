@@ -4,14 +4,14 @@
 -- KEYS        pairs (state HASH, next counter), one pair per queue
 -- ARGV[1]     client ('' = any owner)   ARGV[2] pending_ttl_ms   ARGV[3..] one token per queue
 -- Returns     flat list of (queue index (1-based), owner, token) for each queue to dispatch
+-- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead, request_pending: _lock.lua.
 local out = {}
 for i = 1, #KEYS, 2 do
   local q = (i + 1) / 2
   local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'pending', 'pend_until', 'offset', 'run')
   local owner = st[1] or ''
-  if owner ~= '' and tonumber(st[2] or 0) > now and (ARGV[1] == '' or owner == ARGV[1])
-      and tonumber(st[6] or 0) <= now
-      and ((not st[3]) or st[3] == '' or tonumber(st[4] or 0) < now) then
+  if lock_live(owner, st[2]) and (ARGV[1] == '' or owner == ARGV[1])
+      and not ahead(st[6]) and not request_pending(st[3], st[4]) then
     local nxt = tonumber(redis.call('GET', KEYS[i + 1]) or 0)
     if nxt > tonumber(st[5] or 0) then
       if tonumber(st[6] or 0) > 0 then

@@ -1,0 +1,55 @@
+-- Prelude: the lock rules every script shares, prepended by store/scripts.py after _now.lua (and
+-- after the generated constants: NOBODY, the assignee "no live client consumes this lane", comes
+-- from mqorder.keys.NOBODY, so Lua and Python cannot disagree on it).
+--
+-- The fields of the per-queue state HASH (owner, lease, epoch, assignee, run, runner, pending,
+-- pend_until, offset), who writes and who reads each, are documented in one place: the docstring
+-- of mqorder.keys.sub_state.
+
+-- ahead(ms): a deadline field (lease, run) is still in the future by Redis's clock. A missing
+-- field (nil, or false from HMGET) counts as 0: never set, so never live.
+local function ahead(ms)
+  return tonumber(ms or 0) > now
+end
+
+-- lock_live(owner, lease): somebody holds the lock: an owner is recorded and its lease has not run
+-- out. A lock whose lease lapsed is free to take (with a new epoch), whoever is recorded.
+local function lock_live(owner, lease)
+  return (owner or '') ~= '' and ahead(lease)
+end
+
+-- request_pending(pending, pend_until): a ConsumeRequest was dispatched for the queue and is not
+-- presumed lost yet (pend_until not passed). While one is, nobody dispatches a second one (at most
+-- one pending ConsumeRequest per queue: no task storm); once pend_until passes, the send path and
+-- the sweep may replace it.
+local function request_pending(pending, pend_until)
+  return (pending or '') ~= '' and tonumber(pend_until or 0) >= now
+end
+
+-- release_lock(k, keep_request): the one way a lock is released. The queue gets no owner, its
+-- lease is 0 and its run mark cleared; the epoch is kept (the next owner increments it, which is
+-- what fences anything the released owner still has in flight).
+--
+-- keep_request = false (assign.lua when the lane goes to NOBODY, finish.lua when the caller's own
+-- run releases it): the pending token is dropped too. The releasing side is deciding what happens
+-- to the queue: finish.lua is the pending request itself, ending; assign.lua retires the lane,
+-- and a request still queued for it must not consume it (begin.lua says REVOKED or NOT_LOCKED).
+--
+-- keep_request = true (unlock_batch.lua): a pending ConsumeRequest outlives the lock. unlockBatch
+-- only gives up the lock of an idle queue (or of a dead incarnation, forced); it decides nothing
+-- about the request already dispatched on the caller's direct queue, which is still the one
+-- pending request of the queue. Kept, that request stays valid and moves the queue on when it
+-- runs: begin.lua retakes the free lock if the queue is assigned to its client (or to nobody yet:
+-- RocketMQ's tryLockLaterAndReconsume), or answers NOT_LOCKED and finish.lua hands the queue to
+-- the owner or assignee. Cleared, that request would be dropped as STALE and, as soon as a new
+-- owner holds the lock, send.lua or the sweep would dispatch a second request beside it; and
+-- nothing would be gained: with no owner nobody is woken, and a rebalance that moves the queue
+-- (assign.lua) replaces the token anyway. If the request is lost with its worker, pend_until
+-- lapses (pending_ttl at most) and the sweep dispatches again, as for any lost request.
+local function release_lock(k, keep_request)
+  if keep_request then
+    redis.call('HSET', k, 'owner', '', 'lease', 0, 'run', 0)
+  else
+    redis.call('HSET', k, 'owner', '', 'lease', 0, 'run', 0, 'pending', '', 'pend_until', 0)
+  end
+end

@@ -5,11 +5,13 @@ from __future__ import annotations
 import time
 
 import pytest
+import redis
 
 from mqorder import keys
 from mqorder.model import MessageQueue
-from mqorder.rebalance.lock_manager import RebalanceLockManager
-from mqorder.store.brokers import BrokerRegistry
+from mqorder.rebalance.lock_manager import RebalanceLockManager, Redispatch
+from mqorder.store.brokers import BrokerRegistry, group_by_broker
+from mqorder.store.scripts import NAMES, lua_string, source
 
 MQS = [MessageQueue("t", "broker-a", i) for i in range(4)]
 
@@ -34,6 +36,23 @@ def commit(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, epo
     return brokers.default.scripts.commit(
         keys=[st, keys.queue_next(mq.tag), keys.sub_retries(mq.tag, sub)],
         args=[client, epoch, "tok", offset, 60_000, 60_000, "0"],
+    )
+
+
+def begin(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, token: str):  # noqa: ANN201
+    """Run begin.lua as the ConsumeRequest carrying ``token`` does when it starts."""
+    tag = mq.tag
+    return brokers.default.scripts.begin(
+        keys=[keys.sub_state(tag, sub), keys.queue_log(tag), keys.queue_next(tag), keys.sub_retries(tag, sub)],
+        args=[client, token, 60_000, 60_000, 0, "runner-1"],
+    )
+
+
+def finish(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, token: str):  # noqa: ANN201
+    """Run finish.lua as the ConsumeRequest carrying ``token`` does when its run ends."""
+    return brokers.default.scripts.finish(
+        keys=[keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)],
+        args=[client, token, "done", "next-tok", 30_000, 60_000],
     )
 
 
@@ -150,3 +169,128 @@ def test_assign_takes_queues_of_dead_clients_at_once(brokers: BrokerRegistry, lo
     assert res == {mq: "DISPATCH"}
     st = brokers.default.client.hgetall(keys.sub_state(mq.tag, "g"))
     assert st[b"owner"] == b"c2" and st[b"pending"] == b"tok" and st[b"epoch"] == b"2"
+
+
+# -- releasing a lock: one rule, and what happens to the pending ConsumeRequest ----------------------
+
+
+def test_unlock_keeps_the_pending_request_which_retakes_the_lock_when_it_runs(
+    brokers: BrokerRegistry, locks: RebalanceLockManager
+) -> None:
+    mq = MQS[0]
+    c, st = brokers.default.client, keys.sub_state(MQS[0].tag, "g")
+    c.set(keys.queue_next(mq.tag), 2)  # a backlog
+    assert locks.assign("g", [(mq, "c1", "tok")]) == {mq: "DISPATCH"}  # request "tok" is pending
+    pend_until = c.hget(st, "pend_until")
+    assert locks.unlock_batch("g", [mq], "c1") == {mq}
+    state = c.hgetall(st)
+    assert (state[b"owner"], state[b"lease"], state[b"run"]) == (b"", b"0", b"0")
+    assert (state[b"pending"], state[b"pend_until"]) == (b"tok", pend_until)
+    # The kept request is still the queue's one request: when it runs, it retakes the free lock of
+    # its own queue at a new epoch (tryLockLaterAndReconsume) instead of being dropped as STALE.
+    res = begin(brokers, "g", mq, "c1", "tok")
+    assert res[0] == b"OK" and int(res[1]) == 2
+    assert locks.lock_entry("g", mq).owner == "c1"
+
+
+def test_unlocked_queue_gets_no_second_request_while_the_kept_one_is_pending(
+    brokers: BrokerRegistry, locks: RebalanceLockManager
+) -> None:
+    mq = MQS[0]
+    brokers.default.client.set(keys.queue_next(mq.tag), 2)
+    locks.assign("g", [(mq, "c1", "tok")], pending_ttl_ms=300)
+    locks.unlock_batch("g", [mq], "c1")
+    assert locks.try_lock_batch("g", [mq], "c1") == {mq: 2}  # lock_all takes it back
+    assert locks.sweep("g", [(mq, "again")], "c1", pending_ttl_ms=300) == []  # "tok" is pending
+    time.sleep(0.4)  # "tok" presumed lost (its worker died with it): the sweep replaces it
+    assert locks.sweep("g", [(mq, "again")], "c1", pending_ttl_ms=300) == [Redispatch(mq, "c1", "again")]
+
+
+def test_unassigned_lane_releases_an_idle_lock_and_drops_its_pending_request(
+    brokers: BrokerRegistry, locks: RebalanceLockManager
+) -> None:
+    mq = MQS[0]
+    c, st = brokers.default.client, keys.sub_state(MQS[0].tag, "g")
+    c.set(keys.queue_next(mq.tag), 2)
+    locks.assign("g", [(mq, "c1", "tok")])
+    assert locks.assign("g", [(mq, keys.NOBODY, "x")]) == {mq: "UNASSIGNED"}
+    state = c.hgetall(st)
+    assert state[b"assignee"] == keys.NOBODY.encode()
+    assert (state[b"owner"], state[b"lease"], state[b"run"]) == (b"", b"0", b"0")
+    assert (state[b"pending"], state[b"pend_until"]) == (b"", b"0")
+    assert begin(brokers, "g", mq, "c1", "tok")[0] == b"STALE"  # the lane is retired
+
+
+def test_run_ending_on_an_unassigned_lane_releases_the_lock_and_its_own_token(
+    brokers: BrokerRegistry, locks: RebalanceLockManager
+) -> None:
+    mq = MQS[0]
+    c, st = brokers.default.client, keys.sub_state(MQS[0].tag, "g")
+    c.set(keys.queue_next(mq.tag), 2)
+    locks.assign("g", [(mq, "c1", "tok")])
+    c.hset(st, "run", 2**50)  # "tok" is running
+    assert locks.assign("g", [(mq, keys.NOBODY, "x")]) == {mq: "UNASSIGNED"}
+    assert locks.lock_entry("g", mq).owner == "c1"  # a running owner keeps its lock until its run ends
+    assert finish(brokers, "g", mq, "c1", "tok") == [b"IDLE"]
+    state = c.hgetall(st)
+    assert (state[b"owner"], state[b"lease"], state[b"run"]) == (b"", b"0", b"0")
+    assert (state[b"pending"], state[b"pend_until"]) == (b"", b"0")
+
+
+# -- the shared Lua preludes ---------------------------------------------------------------------------
+
+
+def test_nobody_reaches_lua_from_the_python_constant() -> None:
+    for name in ("assign", "finish"):
+        assert source(name).startswith(f"local NOBODY = '{keys.NOBODY}'\n")
+        assert "'~'" not in source(name).split("\n", 1)[1]  # no second spelling in the scripts
+
+
+def test_a_constant_that_would_need_escaping_is_refused() -> None:
+    for bad in ("a'b", "a\\b", "a\nb"):
+        with pytest.raises(ValueError, match="Lua"):
+            lua_string(bad)
+    assert lua_string("~") == "'~'"
+
+
+def test_every_script_compiles_with_its_preludes(r: redis.Redis) -> None:
+    for name in NAMES:
+        assert len(r.script_load(source(name))) == 40
+
+
+# -- the sweep, through the lock manager -----------------------------------------------------------------
+
+
+def test_sweep_redispatches_an_owned_backlog_once(brokers: BrokerRegistry, locks: RebalanceLockManager) -> None:
+    mq, other = MQS[0], MQS[1]
+    locks.try_lock_batch("g", [mq, other], "c1")
+    brokers.default.client.set(keys.queue_next(mq.tag), 3)  # a backlog on mq only
+    assert locks.sweep("g", [(mq, "t0"), (other, "t1")], "c2") == []  # not c2's queues
+    assert locks.sweep("g", [(mq, "t0"), (other, "t1")], "c1") == [Redispatch(mq, "c1", "t0")]
+    assert brokers.default.client.hget(keys.sub_state(mq.tag, "g"), "pending") == b"t0"
+    assert locks.sweep("g", [(mq, "t2"), (other, "t3")]) == []  # t0 pending: no second request
+
+
+# -- grouping by broker ------------------------------------------------------------------------------------
+
+
+def test_group_by_broker_keeps_first_seen_order() -> None:
+    a0, b0, a1 = MessageQueue("t", "broker-a", 0), MessageQueue("t", "broker-b", 0), MessageQueue("t", "broker-a", 1)
+    assert group_by_broker([b0, a0, a1]) == {"broker-b": [b0], "broker-a": [a0, a1]}
+    assert list(group_by_broker([b0, a0, a1])) == ["broker-b", "broker-a"]
+    triples = [(a1, "c1", "t1"), (b0, "c2", "t2"), (a0, "c1", "t3")]
+    assert group_by_broker(triples, lambda t: t[0]) == {"broker-a": [triples[0], triples[2]], "broker-b": [triples[1]]}
+
+
+def test_lock_manager_batches_spanning_two_brokers(redis_url: str) -> None:
+    two = BrokerRegistry(redis_url, {"broker-b": redis_url})
+    try:
+        locks = RebalanceLockManager(two)
+        mqs = [MessageQueue("t", "broker-a", 0), MessageQueue("t", "broker-b", 0), MessageQueue("t", "broker-a", 1)]
+        assert locks.assign("g", [(mq, "c1", f"t{i}") for i, mq in enumerate(mqs)]) == {mq: "MOVED" for mq in mqs}
+        assert locks.try_lock_batch("g", mqs, "c1") == {mq: 1 for mq in mqs}
+        two.get("broker-b").client.set(keys.queue_next(mqs[1].tag), 1)
+        assert locks.sweep("g", [(mq, f"s{i}") for i, mq in enumerate(mqs)], "c1") == [Redispatch(mqs[1], "c1", "s1")]
+        assert locks.unlock_batch("g", mqs, "c1") == set(mqs)
+    finally:
+        two.close()

@@ -15,13 +15,12 @@ Leases are judged by Redis ``TIME`` inside the scripts, never by a worker's cloc
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from mqorder import keys
 from mqorder.model import MessageQueue
-from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.brokers import BrokerRegistry, group_by_broker
 
 
 @dataclass(frozen=True)
@@ -33,17 +32,19 @@ class LockEntry:
     running: bool
 
 
+@dataclass(frozen=True)
+class Redispatch:
+    """A queue the sweep gave a new pending token: send a ConsumeRequest with ``token`` to ``owner``."""
+
+    mq: MessageQueue
+    owner: str
+    token: str
+
+
 class RebalanceLockManager:
     def __init__(self, brokers: BrokerRegistry, lock_max_live_time_ms: int = 60_000) -> None:
         self.brokers = brokers
         self.lock_max_live_time_ms = lock_max_live_time_ms
-
-    @staticmethod
-    def _by_broker(mqs: Iterable[MessageQueue]) -> dict[str, list[MessageQueue]]:
-        out: dict[str, list[MessageQueue]] = defaultdict(list)
-        for mq in mqs:
-            out[mq.broker_name].append(mq)
-        return out
 
     def try_lock_batch(self, sub: str, mqs: Iterable[MessageQueue], client_id: str) -> dict[MessageQueue, int]:
         """Lock what can be locked; return the locked queues with their epochs.
@@ -52,7 +53,7 @@ class RebalanceLockManager:
         someone else, refuses live locks of other clients. One script call per broker.
         """
         locked: dict[MessageQueue, int] = {}
-        for broker_name, group_mqs in self._by_broker(mqs).items():
+        for broker_name, group_mqs in group_by_broker(mqs).items():
             broker = self.brokers.get(broker_name)
             epochs = broker.scripts.lock_batch(
                 keys=[keys.sub_state(mq.tag, sub) for mq in group_mqs],
@@ -68,7 +69,7 @@ class RebalanceLockManager:
     ) -> set[MessageQueue]:
         """Release the caller's locks where nothing is consuming (or all of them with ``force``)."""
         unlocked: set[MessageQueue] = set()
-        for broker_name, group_mqs in self._by_broker(mqs).items():
+        for broker_name, group_mqs in group_by_broker(mqs).items():
             broker = self.brokers.get(broker_name)
             res = broker.scripts.unlock_batch(
                 keys=[keys.sub_state(mq.tag, sub) for mq in group_mqs],
@@ -106,10 +107,7 @@ class RebalanceLockManager:
     ) -> dict[MessageQueue, str]:
         """Apply a rebalance: ``(mq, assignee, token)`` triples; returns each queue's outcome."""
         out: dict[MessageQueue, str] = {}
-        per_broker: dict[str, list[tuple[MessageQueue, str, str]]] = defaultdict(list)
-        for item in assignment:
-            per_broker[item[0].broker_name].append(item)
-        for broker_name, items in per_broker.items():
+        for broker_name, items in group_by_broker(assignment, lambda item: item[0]).items():
             broker = self.brokers.get(broker_name)
             kl: list[str] = []
             args: list[object] = [self.lock_max_live_time_ms, pending_ttl_ms, len(dead_clients), *dead_clients]
@@ -121,4 +119,30 @@ class RebalanceLockManager:
             res = broker.scripts.assign(keys=kl, args=args)
             for (mq, _, _), r in zip(items, res, strict=True):
                 out[mq] = r.decode() if isinstance(r, bytes) else str(r)
+        return out
+
+    def sweep(
+        self,
+        sub: str,
+        candidates: Sequence[tuple[MessageQueue, str]],
+        client_id: str = "",
+        pending_ttl_ms: int = 30_000,
+    ) -> list[Redispatch]:
+        """Re-dispatch owned queues with a backlog and no live ConsumeRequest (invariant 5, no stall).
+
+        ``candidates`` are ``(mq, token)`` pairs: the token a queue gets if it needs a new request
+        (a task lost from the Celery broker, a pool process killed mid-run). Only queues whose live
+        owner is ``client_id`` are considered (any owner when ``client_id`` is ``''``); a run whose
+        lease lapsed mid-run is fenced with a new epoch. One ``sweep.lua`` call per broker.
+        """
+        out: list[Redispatch] = []
+        for broker_name, items in group_by_broker(candidates, lambda item: item[0]).items():
+            broker = self.brokers.get(broker_name)
+            kl: list[str] = []
+            for mq, _ in items:
+                kl += [keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)]
+            res = broker.scripts.sweep(keys=kl, args=[client_id, pending_ttl_ms, *(tok for _, tok in items)])
+            for i in range(0, len(res), 3):
+                mq = items[int(res[i]) - 1][0]
+                out.append(Redispatch(mq, res[i + 1].decode(), res[i + 2].decode()))
         return out

@@ -16,6 +16,8 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+from redis.exceptions import LockError
+
 from mqorder import keys
 from mqorder.errors import TopicNotFoundError
 from mqorder.model import MessageModel, MessageQueue
@@ -29,8 +31,8 @@ from mqorder.tokens import new_token
 
 log = logging.getLogger(__name__)
 
-#: The assignee of a queue that no live client consumes (the lock is then released).
-NOBODY = "~"
+#: The rebalance mutex outlives a stuck holder by this much (a rebalance takes milliseconds).
+MUTEX_TIMEOUT_S = 30
 
 
 @dataclass(frozen=True)
@@ -78,25 +80,29 @@ class RebalanceService:
         self.registry = ClientRegistry(brokers.meta, settings.ms(settings.heartbeat_timeout))
 
     def rebalance(self, wait_s: float = 5.0) -> RebalanceReport:
-        """Recompute and apply the assignment of every subscribed topic, under a mutex."""
+        """Recompute and apply the assignment of every subscribed topic, under a mutex.
+
+        The mutex is redis-py's ``Lock`` (``SET NX PX`` with a random token, compare-and-delete
+        release). Waiting longer than ``wait_s`` skips this rebalance with an empty report: the
+        holder is applying the same deterministic answer. Releasing a mutex that already lapsed
+        (a rebalance slower than ``MUTEX_TIMEOUT_S``) only logs: the work is done and applied
+        through atomic scripts, and the mutex now belongs to nobody or to the next rebalance,
+        which the release must not delete.
+        """
         meta = self.brokers.meta
-        token = new_token()
-        deadline = time.monotonic() + wait_s
-        while not meta.set(keys.rebalance_mutex(), token, nx=True, px=30_000):
-            if time.monotonic() > deadline:
-                log.warning("rebalance skipped: another rebalance holds the mutex for over %.0fs", wait_s)
-                return RebalanceReport([], [])
-            time.sleep(0.02)
+        mutex = meta.lock(keys.rebalance_mutex(), timeout=MUTEX_TIMEOUT_S, blocking_timeout=wait_s, sleep=0.02)
+        if not mutex.acquire():
+            log.warning("rebalance skipped: another rebalance holds the mutex for over %.0fs", wait_s)
+            return RebalanceReport([], [])
         try:
             report = self._rebalance()
             meta.set(keys.rebalance_last(), redis_now_ms(meta))
             return report
         finally:
-            # Release only our own mutex (compare-and-delete).
-            meta.eval(
-                "if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end return 0",
-                1, keys.rebalance_mutex(), token,
-            )
+            try:
+                mutex.release()
+            except LockError:
+                log.warning("rebalance mutex lapsed before its release (held over %ds)", MUTEX_TIMEOUT_S)
 
     def _rebalance(self) -> RebalanceReport:
         t0 = time.perf_counter()
@@ -119,9 +125,9 @@ class RebalanceService:
                 assignment = {mq: cids[0] for mq in mqs}
             else:
                 assignment = allocate_all(self.strategy, keys.group_of_sub(sub), mqs, cids)
-            triples = [(mq, assignment.get(mq, NOBODY), new_token()) for mq in mqs]
+            triples = [(mq, assignment.get(mq, keys.NOBODY), new_token()) for mq in mqs]
             results = self.locks.assign(sub, triples, dead, pending_ttl)
-            hint = {mq.key: assignee for mq, assignee, _ in triples if assignee != NOBODY}
+            hint = {mq.key: assignee for mq, assignee, _ in triples if assignee != keys.NOBODY}
             pipe = self.brokers.meta.pipeline(transaction=False)
             pipe.delete(keys.assignment(sub))
             if hint:
@@ -129,7 +135,7 @@ class RebalanceService:
             pipe.execute()
             for mq, assignee, tok in triples:
                 r = results[mq]
-                if assignee != NOBODY:
+                if assignee != keys.NOBODY:
                     report.assigned += 1
                 if r in ("MOVED", "DISPATCH"):
                     report.moved += 1
@@ -172,23 +178,11 @@ class RebalanceService:
     def sweep(self, subs: list[str], client_id: str = "") -> list[Dispatch]:
         """Queues with a backlog, a live owner and no live ConsumeRequest: dispatch them again."""
         out: list[Dispatch] = []
+        pending_ttl = self.settings.ms(self.settings.pending_ttl)
         for sub in subs:
-            mqs = self.assigned_queues(sub, client_id or None)
-            per_broker: dict[str, list[MessageQueue]] = defaultdict(list)
-            for mq in mqs:
-                per_broker[mq.broker_name].append(mq)
-            for broker_name, bmqs in per_broker.items():
-                broker = self.brokers.get(broker_name)
-                kl: list[str] = []
-                for mq in bmqs:
-                    kl += [keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)]
-                tokens = [new_token() for _ in bmqs]
-                res = broker.scripts.sweep(
-                    keys=kl, args=[client_id, self.settings.ms(self.settings.pending_ttl), *tokens]
-                )
-                for i in range(0, len(res), 3):
-                    mq = bmqs[int(res[i]) - 1]
-                    out.append(Dispatch(sub, mq, res[i + 1].decode(), res[i + 2].decode()))
+            candidates = [(mq, new_token()) for mq in self.assigned_queues(sub, client_id or None)]
+            for r in self.locks.sweep(sub, candidates, client_id, pending_ttl):
+                out.append(Dispatch(sub, r.mq, r.owner, r.token))
         return out
 
     def all_lanes(self) -> list[str]:

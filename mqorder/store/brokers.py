@@ -8,11 +8,14 @@ topic routes, group subscriptions and client heartbeats live there. More brokers
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar, cast, overload
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
 
 from mqorder.errors import BrokerUnavailableError, ConfigError
+from mqorder.model import MessageQueue
 from mqorder.names import check_name
 from mqorder.store.scripts import Scripts
 
@@ -46,6 +49,33 @@ def check_redis_url(url: object, what: str = "MQORDER_REDIS_URL") -> str:
             "rediss:// for TLS, or unix:///path/to/socket"
         )
     return url
+
+
+T = TypeVar("T")
+
+
+@overload
+def group_by_broker(items: Iterable[MessageQueue]) -> dict[str, list[MessageQueue]]: ...
+
+
+@overload
+def group_by_broker(items: Iterable[T], mq_of: Callable[[T], MessageQueue]) -> dict[str, list[T]]: ...
+
+
+def group_by_broker(
+    items: Iterable[Any], mq_of: Callable[[Any], MessageQueue] | None = None
+) -> dict[str, list[Any]]:
+    """``items`` split by the broker holding their queue, in first-seen order, each group in order.
+
+    Every multi-queue script (``lock_batch``, ``unlock_batch``, ``assign``, ``sweep``, ``send``)
+    runs on one Redis, so a batch over several brokers is one call per broker. ``mq_of`` picks the
+    queue out of an item (say a ``(mq, assignee, token)`` triple); by default an item is a queue.
+    """
+    out: dict[str, list[Any]] = {}
+    for item in items:
+        mq = cast(MessageQueue, item) if mq_of is None else mq_of(item)
+        out.setdefault(mq.broker_name, []).append(item)
+    return out
 
 
 def _raw_reply(response: object, **options: object) -> object:

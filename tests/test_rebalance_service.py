@@ -1,0 +1,81 @@
+"""RebalanceService: its mutex (redis-py's ``Lock``) and its sweep, against a real redis-server."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from mqorder import keys
+from mqorder.model import MessageQueue
+from mqorder.rebalance import service as service_mod
+from mqorder.rebalance.service import RebalanceReport, RebalanceService
+from mqorder.store.brokers import BrokerRegistry
+
+MQ = MessageQueue("t", "broker-a", 0)
+
+
+@pytest.fixture
+def brokers(redis_url: str) -> Iterator[BrokerRegistry]:
+    b = BrokerRegistry(redis_url)
+    yield b
+    b.close()
+
+
+class SlowRebalance(RebalanceService):
+    """A rebalance that outlives its mutex, which another rebalance then takes."""
+
+    def _rebalance(self) -> RebalanceReport:
+        time.sleep(0.3)
+        assert self.brokers.meta.set(keys.rebalance_mutex(), "next-rebalance", nx=True, px=30_000)
+        return super()._rebalance()
+
+
+def test_rebalance_takes_and_releases_the_mutex(brokers: BrokerRegistry, settings, r: redis.Redis) -> None:  # noqa: ANN001
+    report = RebalanceService(brokers, settings).rebalance()
+    assert report.dispatches == [] and report.took_ms > 0
+    assert r.get(keys.rebalance_mutex()) is None
+    assert r.get(keys.rebalance_last()) is not None
+
+
+def test_rebalance_skips_with_an_empty_report_while_another_holds_the_mutex(
+    brokers: BrokerRegistry, settings, r: redis.Redis, caplog: pytest.LogCaptureFixture  # noqa: ANN001
+) -> None:
+    r.set(keys.rebalance_mutex(), "other", px=30_000)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger=service_mod.__name__):
+        report = RebalanceService(brokers, settings).rebalance(wait_s=0.2)
+    assert 0.1 < time.monotonic() - t0 < 2
+    assert report == RebalanceReport([], [])
+    assert "rebalance skipped" in caplog.text
+    assert r.get(keys.rebalance_mutex()) == b"other"  # the holder's mutex is untouched
+    assert r.get(keys.rebalance_last()) is None
+
+
+def test_rebalance_that_outlived_its_mutex_still_returns_and_spares_the_next_holder(
+    brokers: BrokerRegistry, settings, r: redis.Redis, caplog: pytest.LogCaptureFixture,  # noqa: ANN001
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(service_mod, "MUTEX_TIMEOUT_S", 0.2)
+    with caplog.at_level(logging.WARNING, logger=service_mod.__name__):
+        report = SlowRebalance(brokers, settings).rebalance()
+    assert report.dispatches == [] and report.took_ms > 0  # the work done is reported, no LockError
+    assert "mutex lapsed" in caplog.text
+    assert r.get(keys.rebalance_mutex()) == b"next-rebalance"  # not deleted by the late release
+    assert r.get(keys.rebalance_last()) is not None
+
+
+def test_service_sweep_dispatches_an_assigned_backlog_through_the_lock_manager(
+    brokers: BrokerRegistry, settings, r: redis.Redis  # noqa: ANN001
+) -> None:
+    svc = RebalanceService(brokers, settings)
+    svc.locks.try_lock_batch("g", [MQ], "c1")
+    r.hset(keys.assignment("g"), MQ.key, "c1")
+    r.set(keys.queue_next(MQ.tag), 2)
+    (d,) = svc.sweep(["g"], "c1")
+    assert (d.sub, d.mq, d.client) == ("g", MQ, "c1")
+    assert r.hget(keys.sub_state(MQ.tag, "g"), "pending") == d.token.encode()
+    assert svc.sweep(["g"]) == []  # its request is pending now

@@ -28,6 +28,7 @@ from mqorder.embedded import RedisServer, url_answers
 from mqorder.launcher import BeatProcess, WorkerProcess, project_env
 from mqorder.model import MessageQueue
 from mqorder.settings import load_settings
+from mqorder.store.replies import text
 
 EVENTS = ("created", "paid", "shipped", "delivered")
 
@@ -120,7 +121,7 @@ def run_demo(
                     break
                 time.sleep(0.1)
         t_end = time.time()
-        counts = {k.decode(): int(v) for k, v in r.hgetall(f"{prefix}:counts").items()}
+        counts = {text(k): int(v) for k, v in r.hgetall(f"{prefix}:counts").items()}
         lat = [float(x) for x in r.lrange(f"{prefix}:latency_ms", 0, -1)]
         dlq_mq = MessageQueue(keys.dlq_topic(group), "broker-a", 0)
         dlq = int(r.get(keys.queue_next(dlq_mq.tag)) or 0)

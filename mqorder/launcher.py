@@ -70,6 +70,10 @@ class WorkerProcess:
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
+    def returncode(self) -> int | None:
+        """The exit status once the process ended (None while it runs or before it started)."""
+        return None if self.proc is None else self.proc.returncode
+
     def wait_registered(self, client: redis.Redis, timeout: float = 30.0) -> None:
         """Block until the worker's consumer client has registered its heartbeat."""
         deadline = time.monotonic() + timeout
@@ -77,7 +81,7 @@ class WorkerProcess:
             if client.zscore(keys.clients(), self.hostname) is not None:
                 return
             if not self.alive():
-                raise RuntimeError(f"worker {self.name} exited with {self.proc.returncode}; see {self.logfile}")
+                raise RuntimeError(f"worker {self.name} exited with {self.returncode()}; see {self.logfile}")
             time.sleep(0.05)
         raise TimeoutError(f"worker {self.name} did not register within {timeout}s; see {self.logfile}")
 

@@ -44,6 +44,7 @@ from mqorder.process_queue import ProcessQueue
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 from mqorder.tokens import new_token
 
@@ -135,10 +136,6 @@ class Outcome:
 
 def _never() -> bool:
     return False
-
-
-def _s(v: Any) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 class ConsumerEngine:
@@ -264,7 +261,7 @@ class ConsumeRequest:
             keys=[self.k_state, self.k_log, self.k_next, self.k_retries],
             args=[self.client_id, self.token, self.run_lease_ms, self.lock_ms, self.pull_n, self.runner],
         )
-        verb = _s(res[0])
+        verb = text(res[0])
         if verb in ("STALE", "BUSY"):
             return Outcome(Verb(verb))
         if verb in ("NOT_LOCKED", "REVOKED"):
@@ -355,14 +352,14 @@ class ConsumeRequest:
             pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", self.k_log, last_id)
             pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
             reply, (owner, cur_epoch, pending, assignee) = pipe.execute()
-            if _s(owner or b"") != me or _s(cur_epoch or b"0") != epoch or _s(pending or b"") != token:
+            if text(owner or b"") != me or text(cur_epoch or b"0") != epoch or text(pending or b"") != token:
                 log.warning("lingering request on %s for %s lost the queue (owner %r, epoch %s); stopping",
-                            self.mq.key, self.sub, _s(owner or b""), _s(cur_epoch or b"0"))
+                            self.mq.key, self.sub, text(owner or b""), text(cur_epoch or b"0"))
                 self.pq.dropped = True
                 self.pq.clear()
                 return LOST
             self.pq.mark_locked()
-            if assignee and _s(assignee) != me:
+            if assignee and text(assignee) != me:
                 return NOTHING  # reassigned: ending the run now hands the queue over (finish.lua)
             if reply:
                 # RESP2 gives [[stream, entries]]; RESP3 gives {stream: entries}.
@@ -510,7 +507,7 @@ class ConsumeRequest:
             res, entries = self._commit_and_pull(keys_, args)
         else:
             res, entries = self.scripts.commit(keys=keys_, args=args), []
-        verb = _s(res[0])
+        verb = text(res[0])
         if verb == "IDLE":
             self.committed = self.commit_point
             return ENDED
@@ -520,7 +517,7 @@ class ConsumeRequest:
         self.retry_updates.clear()
         self.committed = self.commit_point
         self.pq.mark_locked()
-        if _s(res[2]):
+        if text(res[2]):
             self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else
             return NOTHING
         self._put(entries, None)
@@ -555,14 +552,14 @@ class ConsumeRequest:
             fenced = verb == "FENCED"
             run_refused(self.hooks, RefusedContext(
                 self.spec.group, self.sub, self.mq, self.client_id, self.run_id, self.epoch, verb,
-                int(res[1]) if fenced else self.epoch, _s(res[2]) if fenced else self.client_id,
+                int(res[1]) if fenced else self.epoch, text(res[2]) if fenced else self.client_id,
                 self.commit_point, time.time(),
             ))
         if verb == "FENCED":
             log.warning(
                 "commit refused on %s for %s: epoch %d is stale (now epoch %s held by %r); "
                 "stopping this ConsumeRequest, the new owner redelivers from the last commit",
-                self.mq.key, self.sub, self.epoch, _s(res[1]), _s(res[2]),
+                self.mq.key, self.sub, self.epoch, text(res[1]), text(res[2]),
             )
         else:
             log.warning("commit refused on %s for %s: %s", self.mq.key, self.sub, verb)
@@ -593,12 +590,12 @@ class ConsumeRequest:
         )
         self.pq.clear()
         self._flush_stats()
-        verb = Verb(_s(res[0]))
+        verb = Verb(text(res[0]))
         if verb is Verb.IDLE or verb is Verb.STALE:
             return Outcome(verb, consumed=self.consumed)
-        target = _s(res[1])
+        target = text(res[1])
         countdown = end.countdown if target == self.client_id else 0.0
-        return Outcome(verb, target, _s(res[2]), countdown, self.consumed)
+        return Outcome(verb, target, text(res[2]), countdown, self.consumed)
 
     def _flush_stats(self) -> None:
         """Hand this run's counters to the stats manager (once per run), which pushes them to

@@ -22,6 +22,7 @@ from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.failures import translated
+from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 from mqorder.store.wake import WakeUp
 from mqorder.tokens import new_token
@@ -148,7 +149,7 @@ class QueueAppender:
 
 def _parse(reply: list[Any], n: int) -> AppendReply:
     first, store_ms, stored, dups = int(reply[0]), int(reply[1]), int(reply[2]), reply[3]
-    woken = [w.decode() if isinstance(w, bytes) else str(w) for w in reply[4:]]
+    woken = [text(w) for w in reply[4:]]
     if not dups:
         return AppendReply(first, stored, store_ms, list(range(first, first + n)), woken)
     dup_at = {int(dups[i]): int(dups[i + 1]) for i in range(0, len(dups), 2)}

@@ -15,6 +15,7 @@ from mqorder.errors import ConfigError, TopicExistsError, TopicNotFoundError
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.names import check_name, check_topic
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.replies import text
 
 MAX_QUEUES_PER_BROKER = 1024
 
@@ -90,7 +91,7 @@ class TopicManager:
         return TopicRoute(topic, json.loads(raw[0]), int(raw[1] or 0))
 
     def list_topics(self) -> list[str]:
-        return sorted(t.decode() for t in self.brokers.meta.smembers(keys.topics()))
+        return sorted(text(t) for t in self.brokers.meta.smembers(keys.topics()))
 
     def ensure_dlq_topic(self, group: str) -> TopicRoute:
         """``%DLQ%{group}``: one queue on the default broker, created on first use as RocketMQ does."""
@@ -118,10 +119,10 @@ class TopicManager:
         self.brokers.meta.srem(keys.topic_subs(topic), sub)
 
     def subs_of_topic(self, topic: str) -> list[str]:
-        return sorted(s.decode() for s in self.brokers.meta.smembers(keys.topic_subs(topic)))
+        return sorted(text(s) for s in self.brokers.meta.smembers(keys.topic_subs(topic)))
 
     def groups(self) -> dict[str, dict[str, MessageModel]]:
         out: dict[str, dict[str, MessageModel]] = {}
         for g, raw in self.brokers.meta.hgetall(keys.groups()).items():
-            out[g.decode()] = {t: MessageModel(m) for t, m in json.loads(raw).items()}
+            out[text(g)] = {t: MessageModel(m) for t, m in json.loads(raw).items()}
         return out

@@ -13,14 +13,13 @@ and never reorders (DESIGN invariant 8).
 from __future__ import annotations
 
 import time
-from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from mqorder import keys
 from mqorder.model import MessageQueue
-from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.failures import translated
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -89,13 +88,12 @@ class QueueAppender:
         Raises ``BrokerUnavailableError`` / ``BrokerRefusedError`` (``mqorder.store.failures``).
         """
         replies: list[AppendReply | None] = [None] * len(requests)
-        by_broker: dict[str, list[int]] = defaultdict(list)
-        for i, req in enumerate(requests):
+        for req in requests:
             if len(req.entries) > MAX_PER_CALL:
                 raise ValueError(f"at most {MAX_PER_CALL} messages per append call, got {len(req.entries)}")
             if req.ids is not None and len(req.ids) != len(req.entries):
                 raise ValueError(f"{len(req.ids)} ids for {len(req.entries)} messages")
-            by_broker[req.mq.broker_name].append(i)
+        by_broker = group_by_broker(range(len(requests)), lambda i: requests[i].mq)
         for broker_name, idxs in by_broker.items():
             broker = self.brokers.get(broker_name)
             with translated(broker_name, broker.safe_url, self.timeout, self.action):

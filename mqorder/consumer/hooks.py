@@ -91,25 +91,22 @@ def global_hooks() -> list[ConsumeMessageHook]:
     return _GLOBAL_HOOKS
 
 
-def run_before(hooks: list[ConsumeMessageHook], ctx: ConsumeMessageContext) -> None:
+def _run(hooks: list[ConsumeMessageHook], method: str, ctx: object, when: str) -> None:
+    """Call ``method`` of every hook; a failing hook is logged and never changes the consume result."""
     for h in hooks:
         try:
-            h.consume_message_before(ctx)
+            getattr(h, method)(ctx)
         except Exception:  # noqa: BLE001
-            log.exception("consume hook %s failed before consume", h.hook_name())
+            log.exception("consume hook %s failed %s", h.hook_name(), when)
+
+
+def run_before(hooks: list[ConsumeMessageHook], ctx: ConsumeMessageContext) -> None:
+    _run(hooks, "consume_message_before", ctx, "before consume")
 
 
 def run_after(hooks: list[ConsumeMessageHook], ctx: ConsumeMessageContext) -> None:
-    for h in hooks:
-        try:
-            h.consume_message_after(ctx)
-        except Exception:  # noqa: BLE001
-            log.exception("consume hook %s failed after consume", h.hook_name())
+    _run(hooks, "consume_message_after", ctx, "after consume")
 
 
 def run_refused(hooks: list[ConsumeMessageHook], ctx: RefusedContext) -> None:
-    for h in hooks:
-        try:
-            h.consume_refused(ctx)
-        except Exception:  # noqa: BLE001
-            log.exception("consume hook %s failed on a refused commit", h.hook_name())
+    _run(hooks, "consume_refused", ctx, "on a refused commit")

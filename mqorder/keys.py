@@ -21,6 +21,7 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:rebalance:seen:<crc>                    STR   one worker reacts to a membership change
     mqorder:wake:<client>                           CHAN  pub/sub: "a queue of yours has new messages"
     mqorder:stats:<sub>                             HASH  per-queue consume counters
+    mqorder:ledger:<group>                          STREAM consumption ledger (opt-in), one per broker
     mqorder:{t:b:q}:log                             STREAM message log, entry id "<offset>-1"
     mqorder:{t:b:q}:next                            STR   next offset to assign (= max offset + 1)
     mqorder:{t:b:q}:ids                             HASH  msg id -> offset, for idempotent appends only
@@ -101,6 +102,11 @@ def wake_channel(client_id: str) -> str:
 
 def stats(sub: str) -> str:
     return f"{PREFIX}:stats:{sub}"
+
+
+def ledger(group: str) -> str:
+    """The consumption ledger of ``group`` on one broker: one entry per handled message (opt-in)."""
+    return f"{PREFIX}:ledger:{group}"
 
 
 def queue_tag(topic: str, broker: str, queue_id: int) -> str:

@@ -61,6 +61,11 @@ class Settings(BaseSettings):
     #: worker has idle pool slots (threads and prefork pools; never solo). It gives the slot back
     #: within about 10 ms once another request waits for one, or the queue is reassigned.
     consume_linger_ms: int = Field(1000, ge=0, le=10_000)
+    #: Record every handled message in the consumption ledger (``mqorder:ledger:<group>``), for
+    #: audits; a listener may switch it on for itself with ``@orderly_listener(ledger=True)``.
+    ledger: bool = False
+    #: About how many records each ledger stream keeps (older ones are trimmed).
+    ledger_max_len: int = Field(1_000_000, ge=1000, le=1_000_000_000)
 
     # -- producing -------------------------------------------------------------------------------
     max_message_size: int = Field(4 * 1024 * 1024, ge=1, le=512 * 1024 * 1024)

@@ -36,6 +36,7 @@ from mqorder.consumer.hooks import (
     run_before,
     run_refused,
 )
+from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.errors import BrokerUnavailableError
@@ -117,6 +118,15 @@ class Pull:
 LOST = Pull(lost=True)
 ENDED = Pull(ended=True)
 NOTHING = Pull()
+
+
+@dataclass(frozen=True, slots=True)
+class Handled:
+    """One listener call: its status and, when the ledger is on, its wall-clock start and end (ms)."""
+
+    status: ConsumeOrderlyStatus
+    start_ms: float = 0.0
+    end_ms: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -227,6 +237,8 @@ class ConsumeRequest:
         self.max_size = s.max_message_size
         self.hooks = [*global_hooks(), *spec.hooks]
         self.stats = engine.stats
+        ledger_on = spec.ledger if spec.ledger is not None else s.ledger
+        self.ledger = LedgerBuffer(spec.group, self.client_id, self.run_id, s.ledger_max_len) if ledger_on else None
         self.pq = engine.new_process_queue()
         self.epoch = 0
         self.committed = 0  # offset persisted in Redis
@@ -249,6 +261,7 @@ class ConsumeRequest:
         end = self._consume_loop()
         if end.stop is Stop.FENCED or end.stop is Stop.IDLE:
             self.pq.clear()
+            self._flush_ledger()
             self._flush_stats()
             return Outcome(Verb.FENCED if end.stop is Stop.FENCED else Verb.IDLE, consumed=self.consumed)
         return self._finish(end)
@@ -317,8 +330,8 @@ class ConsumeRequest:
             if not msgs:
                 continue
             ctx = self._context()
-            status = self._consume(msgs, ctx)
-            end = self._settle(msgs, status, ctx)
+            handled = self._consume(msgs, ctx)
+            end = self._settle(msgs, handled, ctx)
             if end is not None:
                 return end
 
@@ -374,6 +387,9 @@ class ConsumeRequest:
                 continue
             if i == 0:
                 self.engine.dlq.send(self.spec.group, m, m.decode_error, self.epoch)
+                if self.ledger is not None:
+                    now_ms = time.time() * 1000
+                    self.ledger.note([m], LedgerOutcome.DLQ, now_ms, now_ms, self.epoch)
                 self.pq.make_message_to_consume_again(msgs[1:])
                 self._commit_in_memory()
                 return []
@@ -392,12 +408,13 @@ class ConsumeRequest:
             run_id=self.run_id,
         )
 
-    def _consume(self, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> ConsumeOrderlyStatus:
+    def _consume(self, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> Handled:
         """Hooks before, the listener, hooks after; anything but a status counts as a suspend."""
         hook_ctx = None
         if self.hooks:
             hook_ctx = ConsumeMessageContext(self.spec.group, self.mq, msgs, self.epoch, self.client_id, self.run_id)
             run_before(self.hooks, hook_ctx)
+        wall0 = time.time() if self.ledger is not None else 0.0
         t0 = time.perf_counter()
         try:
             status = self.spec.func(msgs, ctx)
@@ -420,14 +437,18 @@ class ConsumeRequest:
             hook_ctx.success = status in (SUCCESS, COMMIT)
             hook_ctx.rt_ms = rt
             run_after(self.hooks, hook_ctx)
-        return status
+        if self.ledger is None:
+            return Handled(status)
+        return Handled(status, wall0 * 1000, wall0 * 1000 + rt)
 
-    def _settle(
-        self, msgs: list[MessageExt], status: ConsumeOrderlyStatus, ctx: ConsumeOrderlyContext
-    ) -> LoopEnd | None:
+    def _settle(self, msgs: list[MessageExt], handled: Handled, ctx: ConsumeOrderlyContext) -> LoopEnd | None:
         """``processConsumeResult``: commit, suspend (with DLQ after max reconsume), rollback.
         None means "go on consuming"."""
         n = len(msgs)
+        status = handled.status
+        succeeded = status is SUCCESS or status is COMMIT or (ctx.auto_commit and status is ROLLBACK)
+        if self.ledger is not None and succeeded:
+            self.ledger.note(msgs, LedgerOutcome.SUCCESS, handled.start_ms, handled.end_ms, self.epoch)
         if ctx.auto_commit:
             if status in (SUCCESS, COMMIT, ROLLBACK):
                 if status is not SUCCESS:
@@ -436,7 +457,7 @@ class ConsumeRequest:
                 self._commit_in_memory()
                 return None
             self._failed += n
-            return self._suspend(msgs, ctx.suspend_current_queue_time_millis)
+            return self._suspend(msgs, handled, ctx.suspend_current_queue_time_millis)
         if status is SUCCESS:
             self.consumed += n
             return None
@@ -446,11 +467,13 @@ class ConsumeRequest:
             return None
         self._failed += n
         if status is ROLLBACK:
+            if self.ledger is not None:
+                self.ledger.note(msgs, LedgerOutcome.SUSPEND, handled.start_ms, handled.end_ms, self.epoch)
             self.pq.rollback()
             return self._stop_for_retry(ctx.suspend_current_queue_time_millis)
-        return self._suspend(msgs, ctx.suspend_current_queue_time_millis)
+        return self._suspend(msgs, handled, ctx.suspend_current_queue_time_millis)
 
-    def _suspend(self, msgs: list[MessageExt], suspend_ms: int) -> LoopEnd | None:
+    def _suspend(self, msgs: list[MessageExt], handled: Handled, suspend_ms: int) -> LoopEnd | None:
         """``checkReconsumeTimes``: messages past ``max_reconsume_times`` go to the DLQ (a prefix
         only, so nothing overtakes); the rest are made to consume again after ``suspend_ms``."""
         limit = self.max_reconsume
@@ -466,6 +489,9 @@ class ConsumeRequest:
                     self.spec.group, m, f"max reconsume times {limit} reached (listener kept suspending)", self.epoch
                 )
         rest = msgs[dead:]
+        if self.ledger is not None:
+            self.ledger.note(msgs[:dead], LedgerOutcome.DLQ, handled.start_ms, handled.end_ms, self.epoch)
+            self.ledger.note(rest, LedgerOutcome.SUSPEND, handled.start_ms, handled.end_ms, self.epoch)
         if not rest:
             self._commit_in_memory()
             return None
@@ -502,9 +528,10 @@ class ConsumeRequest:
             args.append(off)
             args.append(n)
         keys_ = [self.k_state, self.k_next, self.k_retries]
-        if pull:
-            # One round trip: the fenced commit, then a plain read of the next batch.
-            res, entries = self._commit_and_pull(keys_, args)
+        if pull or (self.ledger is not None and self.ledger.records):
+            # One round trip: the fenced commit, then a plain read of the next batch (and the
+            # ledger records of the batch just handled, when the ledger is on).
+            res, entries = self._commit_pipelined(keys_, args, pull)
         else:
             res, entries = self.scripts.commit(keys=keys_, args=args), []
         verb = text(res[0])
@@ -523,27 +550,41 @@ class ConsumeRequest:
         self._put(entries, None)
         return Pull(len(entries))
 
-    def _commit_and_pull(self, keys_: list[str], args: list[Any]) -> tuple[Any, Any]:
-        """``commit.lua`` and ``XRANGE`` of the next batch, pipelined: one round trip per batch.
+    def _commit_pipelined(self, keys_: list[str], args: list[Any], pull: bool) -> tuple[Any, Any]:
+        """``commit.lua``, then ``XRANGE`` of the next batch (``pull``) and the ledger records,
+        pipelined: one round trip per batch.
 
-        If Redis lost its scripts (a restart), nothing of the pipeline changed any state (the
-        commit was refused with NOSCRIPT, the XRANGE only reads), so it is sent once more after
-        loading the script.
+        If Redis lost its scripts (a restart), nothing of the commit and read changed any state
+        (the commit was refused with NOSCRIPT, the XRANGE only reads), so they are sent once more
+        after loading the script; the ledger records went through already (``EVAL`` cannot hit
+        NOSCRIPT) and are not sent twice.
         """
         start = max(self.commit_point, self.pulled_to)
         for attempt in (0, 1):
             pipe = self.redis.pipeline(transaction=False)
             self.scripts.queue_in(pipe, "commit", keys_, args)
-            pipe.execute_command("XRANGE", self.k_log, start, "+", "COUNT", self.pull_n)
+            if pull:
+                pipe.execute_command("XRANGE", self.k_log, start, "+", "COUNT", self.pull_n)
+            if self.ledger is not None:
+                self.ledger.queue_in(pipe)
             try:
-                res, entries = pipe.execute()
+                replies = pipe.execute()
             except NoScriptError:
                 if attempt:
                     raise
                 self.scripts.load("commit")
                 continue
-            return res, entries
+            return replies[0], replies[1] if pull else []
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _flush_ledger(self) -> None:
+        """Records of a run that stopped without a last commit (fenced, or ended by the commit)."""
+        if self.ledger is None or not self.ledger.records:
+            return
+        try:
+            self.ledger.flush(self.redis)
+        except Exception:  # noqa: BLE001 - the ledger must never break consumption
+            log.warning("ledger records of %s for %s could not be written", self.mq.key, self.sub, exc_info=True)
 
     def _on_refused(self, verb: str, res: list[Any]) -> None:
         self.pq.dropped = True
@@ -589,6 +630,7 @@ class ConsumeRequest:
                   self.pending_ttl_ms + int(end.countdown * 1000), self.lock_ms],
         )
         self.pq.clear()
+        self._flush_ledger()
         self._flush_stats()
         verb = Verb(text(res[0]))
         if verb is Verb.IDLE or verb is Verb.STALE:

@@ -31,6 +31,8 @@ class ListenerSpec:
     max_reconsume_times: int | None = None
     suspend_current_queue_time_millis: int | None = None
     hooks: list[ConsumeMessageHook] = field(default_factory=list)
+    #: Record every handled message in the ledger (``None``: ``MQORDER_LEDGER``).
+    ledger: bool | None = None
 
     @property
     def name(self) -> str:
@@ -57,6 +59,7 @@ def orderly_listener(
     max_reconsume_times: int | None = None,
     suspend_current_queue_time_millis: int | None = None,
     hooks: list[ConsumeMessageHook] | None = None,
+    ledger: bool | None = None,
 ) -> Callable[[ListenerFunc], ListenerFunc]:
     """Register ``func(msgs, ctx) -> ConsumeOrderlyStatus`` as the orderly listener of a group.
 
@@ -75,6 +78,8 @@ def orderly_listener(
     _positive("pull_batch_size", pull_batch_size)
     _positive("max_reconsume_times", max_reconsume_times, -1)
     _positive("suspend_current_queue_time_millis", suspend_current_queue_time_millis, 10)
+    if ledger is not None and not isinstance(ledger, bool):
+        raise ListenerError(f"ledger must be True, False or None (from MQORDER_LEDGER), got {ledger!r}")
     for h in hooks or []:
         if not isinstance(h, ConsumeMessageHook):
             raise ListenerError(f"hooks must be ConsumeMessageHook instances, got {h!r}")
@@ -98,6 +103,7 @@ def orderly_listener(
             max_reconsume_times=max_reconsume_times,
             suspend_current_queue_time_millis=suspend_current_queue_time_millis,
             hooks=list(hooks or []),
+            ledger=ledger,
         )
         old = _REGISTRY.get((group, topic))
         if old is not None and old.name != spec.name:

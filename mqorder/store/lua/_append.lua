@@ -1,4 +1,4 @@
--- Prelude: the one append path. Every script that stores messages (send.lua, and any script
+-- Prelude: the one append path (after _lock.lua, whose lock_live and request_pending it uses). Every script that stores messages (send.lua, and any script
 -- that publishes staged messages) appends and wakes through these two functions, so offsets,
 -- idempotency and wake-ups follow one rule wherever messages enter a queue.
 
@@ -57,8 +57,8 @@ local function wake_owners(k0, ttl, chan, base)
   for k = k0, #KEYS do
     local st = redis.call('HMGET', KEYS[k], 'owner', 'lease', 'pending', 'pend_until', 'run')
     local owner = st[1]
-    if owner and owner ~= '' and tonumber(st[2] or 0) > now then
-      if (not st[3]) or st[3] == '' or tonumber(st[4] or 0) < now then
+    if lock_live(owner, st[2]) then
+      if not request_pending(st[3], st[4]) then
         local j = base + 2 * (k - k0) + 1
         -- Only a wake-up somebody received makes a request pending: if the owner is not listening
         -- (starting, reconnecting), the queue stays unclaimed and its sweep dispatches it in one

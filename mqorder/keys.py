@@ -19,6 +19,7 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:rebalance:mutex                         STR   serialises concurrent rebalances
     mqorder:rebalance:last                          STR   ms of the last rebalance (stale -> workers run one)
     mqorder:rebalance:seen:<crc>                    STR   one worker reacts to a membership change
+    mqorder:topology                                STR   version: bumped by a new topic or subscription
     mqorder:wake:<client>                           CHAN  pub/sub: "a queue of yours has new messages"
     mqorder:stats:<sub>                             HASH  per-queue consume counters
     mqorder:ledger:<group>                          STREAM consumption ledger (opt-in), one per broker
@@ -94,6 +95,12 @@ def rebalance_last() -> str:
 def rebalance_seen(fingerprint_crc: int) -> str:
     """Set once per membership change so that only one worker reacts to it."""
     return f"{PREFIX}:rebalance:seen:{fingerprint_crc:08x}"
+
+
+def topology_version() -> str:
+    """Bumped when a topic is created or a group subscribes to a topic: workers watch it with their
+    heartbeat and rebalance at once, so a first message to a new topic waits no beat."""
+    return f"{PREFIX}:topology"
 
 
 def wake_channel(client_id: str) -> str:

@@ -76,3 +76,9 @@ def suspending(msgs, ctx):  # noqa: ANN001, ANN201
 @orderly_listener(topic="t-bcast", group="g-bcast", message_model=MessageModel.BROADCASTING)
 def broadcast(msgs, ctx):  # noqa: ANN001, ANN201
     return _record("g-bcast", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
+
+
+@orderly_listener(topic="t-late", group="g-late")
+def late(msgs, ctx):  # noqa: ANN001, ANN201
+    """Its topic is created only after the workers started (instant pick-up of a new topic)."""
+    return _record("g-late", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)

@@ -201,3 +201,18 @@ def test_pool_serves_a_trickle_from_lingering_requests_and_stops_promptly(
     w.stop(timeout=30)
     took = time.monotonic() - t0
     assert not w.alive() and took < 6.5, f"warm shutdown took {took:.1f}s with 8 s lingers"
+
+
+def test_a_topic_created_while_workers_run_is_consumed_within_seconds_without_beat(
+    cluster: Cluster, r: redis.Redis
+) -> None:
+    cluster.start_worker("w1")  # subscribes g-late to t-late, which does not exist yet
+    p = Producer(cluster.url)
+    p.create_topic("t-late", queues=4)
+    t0 = time.monotonic()
+    p.send_orderly("t-late", body("k", 1), sharding_key="k")
+    # No beat runs here, and a worker's own fallback rebalance waits 40 s: only the topology
+    # version bumped by create_topic can make this quick.
+    wait_for(lambda: _handled(r, "g-late", 1), timeout=5, interval=0.05, what="first message of a new topic")
+    assert time.monotonic() - t0 < 5
+    p.close()

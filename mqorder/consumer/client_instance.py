@@ -5,7 +5,8 @@ subscribes its listeners, and runs the background duties a RocketMQ client runs 
 executors:
 
 * heartbeat every ``heartbeat_interval``; a change in the set of live clients (a join, a leave, a
-  heartbeat lapsing) triggers a rebalance right here, not 20 s later on beat;
+  heartbeat lapsing) or in the topology (a new topic, a new subscription) triggers a rebalance
+  right here, not 20 s later on beat;
 * ``lock_all`` of its own queues every ``lock_interval`` (so leases never depend on beat);
 * the sweep every ``sweep_interval``: owned queues with a backlog and no live ConsumeRequest get
   one (a task deleted from the Celery broker costs one sweep, never a stall);
@@ -36,6 +37,7 @@ from mqorder.rebalance.membership import Subscription, redis_now_ms
 from mqorder.rebalance.service import Dispatch, RebalanceService
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.replies import text
 from mqorder.store.wake import WakeUp
 
 log = logging.getLogger(__name__)
@@ -136,7 +138,7 @@ class ClientInstance:
         self.service.registry.register(self.client_id, self.subscriptions)
         self._registered = True
         self._rebalance_now()
-        self._fingerprint = self.service.registry.membership_fingerprint()
+        self._fingerprint = self._fingerprint_now()
         log.info("mqorder: client %s joined lanes %s", self.client_id, ", ".join(self.lanes) or "-")
 
     # -- duties ----------------------------------------------------------------------------------
@@ -184,8 +186,13 @@ class ClientInstance:
             wait = min(next_hb, next_lock, next_sweep) - time.monotonic()
             self._stop.wait(max(wait, 0.01))
 
+    def _fingerprint_now(self) -> str:
+        """Who is live and which topics and subscriptions exist: a change means rebalance now."""
+        topology = text(self.brokers.meta.get(keys.topology_version()))
+        return f"{self.service.registry.membership_fingerprint()}\ntopology {topology}"
+
     def _watch_membership(self) -> None:
-        fp = self.service.registry.membership_fingerprint()
+        fp = self._fingerprint_now()
         stale = False
         last = self.brokers.meta.get(keys.rebalance_last())
         now = redis_now_ms(self.brokers.meta)  # Redis's clock on both sides: no skew between hosts
@@ -194,7 +201,8 @@ class ClientInstance:
         ):
             stale = True
         if fp != self._fingerprint or stale:
-            # One worker per membership change does the work; the others see the key and skip.
+            # One worker per change (a join, a leave, a new topic or subscription) does the work;
+            # the others see the key and skip.
             marker = keys.rebalance_seen(zlib.crc32(fp.encode()))
             if stale or self.brokers.meta.set(marker, self.client_id, nx=True, px=2000):
                 self._rebalance_now()

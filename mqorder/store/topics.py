@@ -50,7 +50,12 @@ def _check_queue_count(queues: object) -> int:
 
 
 class TopicManager:
-    """Creates and describes topics; records which groups subscribe to which topics."""
+    """Creates and describes topics; records which groups subscribe to which topics.
+
+    Either change bumps ``keys.topology_version()``: running workers see it within a heartbeat and
+    rebalance, so a new topic's first message is consumed in about a second, not at beat's next
+    rebalance (up to 20 s later).
+    """
 
     def __init__(self, brokers: BrokerRegistry) -> None:
         self.brokers = brokers
@@ -71,6 +76,7 @@ class TopicManager:
         if meta.hsetnx(route_key, "layout", json.dumps(layout, sort_keys=True)):
             meta.hset(route_key, "created_ms", created)
             meta.sadd(keys.topics(), topic)
+            meta.incr(keys.topology_version())
         existing = self.describe_topic(topic)
         if existing.queues_per_broker != layout:
             raise TopicExistsError(
@@ -106,8 +112,10 @@ class TopicManager:
         meta = self.brokers.meta
         raw = meta.hget(keys.groups(), group)
         subs = json.loads(raw) if raw else {}
-        subs[topic] = model.value
-        meta.hset(keys.groups(), group, json.dumps(subs, sort_keys=True))
+        if subs.get(topic) != model.value:
+            subs[topic] = model.value
+            meta.hset(keys.groups(), group, json.dumps(subs, sort_keys=True))
+            meta.incr(keys.topology_version())
         if model is MessageModel.CLUSTERING:
             meta.sadd(keys.topic_subs(topic), group)
         self.ensure_dlq_topic(group)

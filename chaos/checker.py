@@ -23,6 +23,8 @@ Definitions (all per the chaos issue):
   False in it;
 * **stale call**: a call that started after a newer epoch of its queue had already been used;
   ``ctx.still_owner()`` must have said False in it, and its commit must have been refused;
+* **call after a refusal**: a listener call of a ConsumeRequest run that started after that run's
+  commit (or lease touch) was refused: a refused run must stop, the new owner redelivers;
 * **failover**: for each queue a killed worker owned, the time from the kill to the start of the
   first listener call on that queue by another process (another client, or the killed worker's
   restarted incarnation if it got the queue back first).
@@ -112,6 +114,7 @@ class Result:
     stale_refused_own_run: int = 0
     #: Refusal records by reason (FENCED, SUPERSEDED, BACKWARD).
     refusals: dict[str, int] = field(default_factory=dict)
+    calls_after_refusal: list[str] = field(default_factory=list)
     failovers: list[float] = field(default_factory=list)
     takeovers_after_sigstop: list[float] = field(default_factory=list)
     no_failover: list[str] = field(default_factory=list)
@@ -182,6 +185,7 @@ def check(data: RunData) -> Result:
     _duplicates(data, regular, faults, r)
     refused = _refused(data.refusals, r)
     _overlaps_and_stale(entries, refused, r)
+    _after_refusal(entries, data.refusals, r)
     _failover(data, entries, r)
     _samples(data, r)
     _stall(data, entries, r)
@@ -407,6 +411,28 @@ def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result) -> None:
                           f"{[(c.queue, c.epoch, c.client, c.pid, round(c.start, 3)) for c in blind[:3]]}")
 
 
+def _after_refusal(entries: list[Entry], refusals: list[Refusal], r: Result) -> None:
+    """A run whose commit or touch was refused drops its messages and stops: a listener call of
+    that run starting after the refusal would be a stale holder consuming on (same process clock)."""
+    first: dict[str, Refusal] = {}
+    for rec in refusals:
+        if rec.run not in first or rec.at < first[rec.run].at:
+            first[rec.run] = rec
+    seen: set[tuple[str, float]] = set()
+    for e in entries:
+        refused = first.get(e.run)
+        if refused is None or e.start <= refused.at or (e.run, e.start) in seen:
+            continue
+        seen.add((e.run, e.start))
+        r.calls_after_refusal.append(
+            f"queue {e.queue}: run {e.run} ({e.client}/{e.pid} epoch {e.epoch}) handed out offset {e.offset} at "
+            f"{e.start:.3f}, after its commit was refused ({refused.reason}) at {refused.at:.3f}"
+        )
+    if r.calls_after_refusal:
+        r.problems.append(f"{len(r.calls_after_refusal)} listener call(s) after their run's commit was refused, "
+                          f"e.g. {r.calls_after_refusal[:2]}")
+
+
 # -- failover -------------------------------------------------------------------------------------
 
 
@@ -514,10 +540,11 @@ def _stall(data: RunData, entries: list[Entry], r: Result) -> None:
     for i, ev in enumerate(kills):
         until = kills[i + 1].t if i + 1 < len(kills) else math.inf
         firsts = [min((t for t in s if ev.end() < t < until), default=None) for s in starts.values()]
-        if any(f is None for f in firsts):
+        resumed = [f for f in firsts if f is not None]
+        if len(resumed) < len(firsts):
             r.redis_recovery.append(f"> {until - ev.end():.1f} (not every queue resumed before the next kill)")
-        elif firsts:
-            r.redis_recovery.append(f"{max(firsts) - ev.end():.1f}")
+        elif resumed:
+            r.redis_recovery.append(f"{max(resumed) - ev.end():.1f}")
 
 
 # -- poison and beat ------------------------------------------------------------------------------

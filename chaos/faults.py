@@ -32,7 +32,7 @@ from mqorder.model import MessageQueue
 SLOW_CALL_MS = 400
 
 
-def _task_queue(raw: bytes) -> int | None:
+def _task_queue(raw: bytes | str) -> int | None:
     """The queue id a ConsumeRequest task message (kombu's JSON envelope) was for, if it is one."""
     try:
         msg = json.loads(raw)

@@ -16,6 +16,7 @@ fields do not match the schema makes ``from_json`` raise instead of being misrea
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Self, TypeVar
 
@@ -123,6 +124,6 @@ class Published(_Record):
     at: float
 
 
-def read_all(raws: list[bytes], cls: type[R]) -> list[R]:
+def read_all(raws: Sequence[bytes | str], cls: type[R]) -> list[R]:
     """Records of one kind, in the order they were appended."""
     return [cls.from_json(raw) for raw in raws]

@@ -90,8 +90,7 @@ class Cluster:
         """A worker that exited without being killed or stopped by the runner becomes an event."""
         assert self.evidence is not None
         for w in self.procs.newly_crashed():
-            self.evidence.event("crash", w.name, fault=False, info={"returncode": w.proc.returncode if w.proc else None,
-                                                                      "client": w.hostname})
+            self.evidence.event("crash", w.name, fault=False, info={"returncode": w.returncode(), "client": w.hostname})
 
     def quiesce(self) -> None:
         """Stop the producer, the monitor, every worker and beat; the two Redis servers stay up so

@@ -9,12 +9,14 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis
 
 from chaos.listeners import GROUP, TOPIC
 from mqorder import Producer
+from mqorder.client.selector import Selector
 from mqorder.errors import BrokerUnavailableError
 from mqorder.model import MessageQueue
 from mqorder.store.brokers import BrokerRegistry
@@ -38,6 +40,15 @@ class Poison:
     queue: int
     offset: int
     t: float
+
+
+def _spread(pid: int) -> Selector:
+    """The selector of poison message ``pid``: consecutive ones land on different queues."""
+
+    def select(mqs: Sequence[MessageQueue], key: object, body: bytes) -> MessageQueue:
+        return mqs[(pid * 5) % len(mqs)]
+
+    return select
 
 
 class ProducerThread(threading.Thread):
@@ -136,9 +147,8 @@ class Traffic:
             start = len(self.poison)
             for i in range(count):
                 pid = start + i
-                qid = (pid * 5) % len(self.mqs)
                 res = p.send_orderly(TOPIC, f'{{"poison": true, "id": {pid}}}'.encode(), sharding_key=pid,
-                                     selector=lambda mqs, key, body, q=qid: mqs[q])
+                                     selector=_spread(pid))
                 sent.append(Poison(pid, res.message_queue.queue_id, res.queue_offset, time.time()))
         finally:
             self.poison += sent

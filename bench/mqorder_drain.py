@@ -38,6 +38,7 @@ from bench.common import (
 )
 from bench.listeners import lane_names
 from mqorder import keys
+from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.log import MessageLog
 
@@ -115,9 +116,9 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
             lag = sum(mlog.lag(g, mq) for mq in mqs)
             time.sleep(0.3)  # the last runs flush their stats as they finish
             tasks = celery_task_totals(app, hostnames).get(CONSUME_TASK, 0) - tasks_before
-            stats = {k.decode(): float(v) for k, v in r.hgetall(keys.stats(g)).items()}
-            ok = int(sum(v for k, v in stats.items() if k.endswith("|ok")))
-            calls = int(sum(v for k, v in stats.items() if k.endswith("|rt_n")))
+            stats = ConsumerStatsManager.read(r, g).values()
+            ok = int(sum(s.get("ok", 0) for s in stats))
+            calls = int(sum(s.get("rt_n", 0) for s in stats))
             res = {
                 "run": run, "queues": queues, "workers": spec.workers, "concurrency": spec.concurrency,
                 "pool": spec.pool,

@@ -14,14 +14,14 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:topic:<topic>:subs                      SET   subscription ids consuming the topic
     mqorder:groups                                  HASH  group -> JSON {topic: mode}
     mqorder:clients                                 ZSET  client id -> heartbeat deadline (ms, Redis clock)
-    mqorder:client:<client>                         HASH  client info (groups JSON, pid, host, started)
+    mqorder:client:<client>                         HASH  client info (subs JSON, pid, host)
     mqorder:assign:<sub>                            HASH  queue key -> assigned client (a read hint)
     mqorder:rebalance:mutex                         STR   serialises concurrent rebalances
     mqorder:rebalance:last                          STR   ms of the last rebalance (stale -> workers run one)
     mqorder:rebalance:seen:<crc>                    STR   one worker reacts to a membership change
     mqorder:topology                                STR   version: bumped by a new topic or subscription
     mqorder:wake:<client>                           CHAN  pub/sub: "a queue of yours has new messages"
-    mqorder:stats:<sub>                             HASH  per-queue consume counters
+    mqorder:stats:<sub>                             HASH  <queue key>#<counter> -> per-queue consume count
     mqorder:ledger:<group>                          STREAM consumption ledger (opt-in), one per broker
     mqorder:{t:b:q}:log                             STREAM message log, entry id "<offset>-1"
     mqorder:{t:b:q}:next                            STR   next offset to assign (= max offset + 1)
@@ -40,13 +40,28 @@ import re
 
 PREFIX = "mqorder"
 
-#: RocketMQ's topic charset (``^[%|a-zA-Z0-9_-]+$``), max 127 characters.
-#: Use with ``fullmatch``: ``$`` would also accept a trailing newline.
-NAME_RE = re.compile(r"[%|a-zA-Z0-9_.-]{1,127}")
-#: Client ids are Celery node names (``name@host``); allow what Celery allows, minus whitespace.
-CLIENT_RE = re.compile(r"[^\s\x00{}]{1,255}")
+# -- name rules and separators: why each character is reserved is in ``mqorder/names.py`` --------
+# Use the patterns with ``fullmatch``: a ``$`` would also accept a trailing newline.
 
+#: Topic and group names: RocketMQ's charset (``^[%|a-zA-Z0-9_-]+$``) plus ``.``, 1 to 127 chars.
+NAME_RE = re.compile(r"[%|a-zA-Z0-9_.-]{1,127}")
+#: Broker names: the same plus ``@``, which puts a broker in a machine room (``room@name``).
+BROKER_RE = re.compile(r"[%|a-zA-Z0-9_.@-]{1,127}")
+#: Client ids are Celery node names (``name@host``): anything but whitespace, control characters
+#: and braces, 1 to 255 characters.
+CLIENT_RE = re.compile(r"[^\s\x00-\x1f\x7f{}]{1,255}")
+#: A queue id as written in a queue key: decimal, no sign, no leading zero (one spelling per id).
+QUEUE_ID_RE = re.compile(r"0|[1-9][0-9]*")
+
+#: ``topic:broker:qid``: a queue key (assignment field, task argument, hash tag, by_config).
+QUEUE_KEY_SEP = ":"
+#: ``room@name``: the machine room of a broker (``by_machine_room``); the room is before the first.
+MACHINE_ROOM_SEP = "@"
+#: ``group%BC%client``: a broadcasting client's private subscription id; cut at the first one.
 BROADCAST_SEP = "%BC%"
+#: ``<queue key>#<counter>``: a field of the stats hash ``mqorder:stats:<sub>``.
+STATS_FIELD_SEP = "#"
+#: ``%DLQ%group``: a group's dead-letter topic (RocketMQ's prefix).
 DLQ_PREFIX = "%DLQ%"
 
 #: The assignee of a queue that no live client consumes: the rebalance writes it when a lane has no
@@ -116,9 +131,28 @@ def ledger(group: str) -> str:
     return f"{PREFIX}:ledger:{group}"
 
 
+def queue_key(topic: str, broker: str, queue_id: int) -> str:
+    """``topic:broker:qid``, the one spelling of a queue in stored data (``parse_queue_key`` reads it).
+
+    Unambiguous because neither topic nor broker names may contain ``:``.
+    """
+    return f"{topic}{QUEUE_KEY_SEP}{broker}{QUEUE_KEY_SEP}{queue_id}"
+
+
+def parse_queue_key(key: str) -> tuple[str, str, int]:
+    """(topic, broker, queue id) of a ``queue_key``; ``ValueError`` for anything else."""
+    parts = key.split(QUEUE_KEY_SEP)
+    if len(parts) != 3 or not parts[0] or not parts[1] or not QUEUE_ID_RE.fullmatch(parts[2]):
+        raise ValueError(f"not a queue key (topic:broker:queue_id): {key!r}")
+    return parts[0], parts[1], int(parts[2])
+
+
 def queue_tag(topic: str, broker: str, queue_id: int) -> str:
-    """The Redis Cluster hash tag shared by every key of one message queue."""
-    return f"{{{topic}:{broker}:{queue_id}}}"
+    """The Redis Cluster hash tag shared by every key of one message queue: ``{<queue key>}``.
+
+    Names never contain braces, so the tag always ends at the queue key's end.
+    """
+    return "{" + queue_key(topic, broker, queue_id) + "}"
 
 
 def queue_log(tag: str) -> str:
@@ -203,11 +237,17 @@ def sub_retries(tag: str, sub: str) -> str:
 
 
 def broadcast_sub(group: str, client_id: str) -> str:
-    """The private subscription id of one client of a broadcasting group."""
+    """The private subscription id of one client of a broadcasting group: ``group%BC%client``.
+
+    ``group_of_sub`` cuts it at the first ``%BC%``, which is the separator because a group name
+    neither contains ``%BC%`` nor ends with ``%BC`` (``mqorder.names``); the client id may hold
+    anything.
+    """
     return f"{group}{BROADCAST_SEP}{client_id}"
 
 
 def group_of_sub(sub: str) -> str:
+    """The group of a subscription id: the id itself (clustering) or its part before ``%BC%``."""
     return sub.split(BROADCAST_SEP, 1)[0]
 
 

@@ -31,13 +31,13 @@ class MessageQueue:
 
     @property
     def key(self) -> str:
-        """A compact string form, used in task arguments and assignment hashes."""
-        return f"{self.topic}:{self.broker_name}:{self.queue_id}"
+        """``topic:broker:qid``, the queue's spelling in task arguments, assignment hashes and stats."""
+        return keys.queue_key(self.topic, self.broker_name, self.queue_id)
 
     @classmethod
     def from_key(cls, key: str) -> MessageQueue:
-        topic, broker, qid = key.rsplit(":", 2)
-        return cls(topic, broker, int(qid))
+        """The queue of a ``key``; ``ValueError`` if ``key`` is not one (``keys.parse_queue_key``)."""
+        return cls(*keys.parse_queue_key(key))
 
     def __str__(self) -> str:
         return f"MessageQueue[topic={self.topic}, brokerName={self.broker_name}, queueId={self.queue_id}]"

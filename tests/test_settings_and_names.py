@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from mqorder import orderly_listener
 from mqorder.errors import ConfigError, InvalidNameError, ListenerError
-from mqorder.keys import NAME_RE
-from mqorder.names import check_client_id, check_name, check_topic
+from mqorder.keys import BROKER_RE, NAME_RE
+from mqorder.names import check_broker, check_client_id, check_group, check_name, check_topic
 from mqorder.settings import load_settings
 from mqorder.store.brokers import redact_url
 from tests.conftest import ROOT
@@ -71,9 +71,13 @@ def test_any_integer_pull_batch_size_is_accepted_or_clearly_refused(n: int) -> N
         assert s.pull_batch_size == n and 1 <= n <= 1024
 
 
-@given(st.text(max_size=200))
+#: Names drawn from the charset's odd corners as well as from everything.
+ANY_NAME = st.one_of(st.text(max_size=200), st.text(alphabet="%|_.-@:#{}BCDLQa0 \n", max_size=140))
+
+
+@given(ANY_NAME)
 def test_names_are_accepted_iff_they_match_the_documented_charset(name: str) -> None:
-    ok = bool(NAME_RE.fullmatch(name)) and "%BC%" not in name
+    ok = bool(NAME_RE.fullmatch(name)) and "%BC%" not in name and not name.endswith("%BC")
     try:
         check_name("group", name)
     except InvalidNameError as exc:
@@ -81,6 +85,45 @@ def test_names_are_accepted_iff_they_match_the_documented_charset(name: str) -> 
         assert "group" in str(exc)
     else:
         assert ok
+
+
+@given(ANY_NAME)
+def test_broker_names_also_allow_the_machine_room_at_sign(name: str) -> None:
+    ok = bool(BROKER_RE.fullmatch(name))
+    assert ok == (bool(NAME_RE.fullmatch(name.replace("@", "a"))))
+    try:
+        check_broker(name)
+    except InvalidNameError as exc:
+        assert not ok
+        assert "broker" in str(exc)
+    else:
+        assert ok
+
+
+@given(ANY_NAME)
+def test_topic_names_are_the_charset_minus_the_dead_letter_prefix(name: str) -> None:
+    ok = bool(NAME_RE.fullmatch(name)) and not name.startswith("%DLQ%")
+    try:
+        check_topic(name)
+    except InvalidNameError:
+        assert not ok
+    else:
+        assert ok
+
+
+@pytest.mark.parametrize("group", ["g%BC", "%BC", "a%BC%b", "%BC%"])
+def test_a_group_may_not_hold_or_end_with_the_broadcast_separator(group: str) -> None:
+    """``g%BC`` + ``%BC%`` + ``x`` would read back as group ``g``."""
+    with pytest.raises(InvalidNameError, match="reserved"):
+        check_group(group)
+
+
+def test_the_dead_letter_topic_of_any_valid_group_is_a_valid_topic() -> None:
+    longest = "g" * 127
+    assert check_topic(f"%DLQ%{longest}", allow_dlq=True) == f"%DLQ%{longest}"
+    for not_a_group in ("", "a b", "g%BC", "x" * 128):
+        with pytest.raises(InvalidNameError, match="dead-letter"):
+            check_topic(f"%DLQ%{not_a_group}", allow_dlq=True)
 
 
 @given(st.one_of(st.integers(), st.none(), st.binary(), st.lists(st.text())))
@@ -96,8 +139,9 @@ def test_dlq_prefix_is_reserved_for_dead_letter_topics() -> None:
 
 
 @given(st.text(max_size=300))
-def test_client_ids_refuse_whitespace_and_braces(cid: str) -> None:
-    bad = not cid or len(cid) > 255 or any(c.isspace() or c in "{}\x00" for c in cid)
+def test_client_ids_refuse_whitespace_control_characters_and_braces(cid: str) -> None:
+    bad = not cid or len(cid) > 255 or any(c.isspace() or c in "{}\x7f" or ord(c) < 0x20 for c in cid)
+    bad = bad or cid == "~"  # keys.NOBODY
     if bad:
         with pytest.raises(InvalidNameError):
             check_client_id(cid)
@@ -143,3 +187,12 @@ def test_a_trailing_newline_is_not_part_of_a_valid_name(value: str) -> None:
     """Found by hypothesis: a regex ending in ``$`` also matches before a final newline."""
     with pytest.raises(InvalidNameError):
         check_client_id(value) if "@" in value else check_topic(value)
+
+
+def test_the_nobody_assignee_is_not_a_client_id() -> None:
+    """A worker named ``~`` would be mistaken for "no client" and never get a queue."""
+    from mqorder import keys
+
+    with pytest.raises(InvalidNameError, match="reserved"):
+        check_client_id(keys.NOBODY)
+    assert check_client_id("~w@host") == "~w@host"

@@ -2,8 +2,10 @@
 
 Counters are kept in process memory (no Redis call per message) and flushed to a Redis hash at
 the end of every ConsumeRequest run, so every process of every worker adds to one view:
-``mqorder:stats:<sub>`` with fields ``<queue key>|ok``, ``|failed``, ``|rt_ms``, ``|rt_n``,
-``|rt_max_ms``. TPS is the rate of ``ok``/``failed`` between two reads.
+``mqorder:stats:<sub>`` with fields ``<queue key>#<counter>`` for the counters ``ok``, ``failed``,
+``rt_ms`` and ``rt_n`` (``stats_field`` / ``parse_stats_field``). ``#`` is in no topic or broker
+name, so a field splits back into its queue key and counter whatever the names hold. TPS is the
+rate of ``ok``/``failed`` between two reads; the mean RT is ``rt_ms / rt_n``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,24 @@ from dataclasses import dataclass
 import redis
 
 from mqorder import keys
+from mqorder.store.replies import text
+
+#: The counters of one queue, as named in the stats hash.
+COUNTERS = ("ok", "failed", "rt_ms", "rt_n")
+
+
+def stats_field(mq_key: str, counter: str) -> str:
+    """The stats hash field of ``counter`` for the queue ``mq_key``: ``<queue key>#<counter>``."""
+    return f"{mq_key}{keys.STATS_FIELD_SEP}{counter}"
+
+
+def parse_stats_field(field: str) -> tuple[str, str]:
+    """(queue key, counter) of a ``stats_field``; ``ValueError`` for anything else."""
+    mq_key, sep, counter = field.partition(keys.STATS_FIELD_SEP)
+    if not sep or counter not in COUNTERS:
+        raise ValueError(f"not a stats field (<queue key>#<counter>): {field!r}")
+    keys.parse_queue_key(mq_key)
+    return mq_key, counter
 
 
 @dataclass
@@ -23,7 +43,6 @@ class QueueStats:
     failed: int = 0
     rt_ms: float = 0.0
     rt_n: int = 0
-    rt_max_ms: float = 0.0
 
 
 class ConsumerStatsManager:
@@ -36,13 +55,6 @@ class ConsumerStatsManager:
 
     def inc_consume_failed(self, sub: str, mq_key: str, n: int) -> None:
         self._pending[(sub, mq_key)].failed += n
-
-    def inc_consume_rt(self, sub: str, mq_key: str, rt_ms: float) -> None:
-        s = self._pending[(sub, mq_key)]
-        s.rt_ms += rt_ms
-        s.rt_n += 1
-        if rt_ms > s.rt_max_ms:
-            s.rt_max_ms = rt_ms
 
     def inc_consume_rt_total(self, sub: str, mq_key: str, rt_ms_sum: float, calls: int) -> None:
         s = self._pending[(sub, mq_key)]
@@ -58,18 +70,26 @@ class ConsumerStatsManager:
         for (sub, mq_key), s in pending.items():
             k = keys.stats(sub)
             if s.ok:
-                pipe.hincrby(k, f"{mq_key}|ok", s.ok)
+                pipe.hincrby(k, stats_field(mq_key, "ok"), s.ok)
             if s.failed:
-                pipe.hincrby(k, f"{mq_key}|failed", s.failed)
+                pipe.hincrby(k, stats_field(mq_key, "failed"), s.failed)
             if s.rt_n:
-                pipe.hincrbyfloat(k, f"{mq_key}|rt_ms", round(s.rt_ms, 3))
-                pipe.hincrby(k, f"{mq_key}|rt_n", s.rt_n)
+                pipe.hincrbyfloat(k, stats_field(mq_key, "rt_ms"), round(s.rt_ms, 3))
+                pipe.hincrby(k, stats_field(mq_key, "rt_n"), s.rt_n)
         pipe.execute()
 
     @staticmethod
     def read(client: redis.Redis, sub: str) -> dict[str, dict[str, float]]:
+        """Queue key -> counter -> value, summed over every process that flushed.
+
+        Fields that do not parse (written by an older mqorder as ``<queue key>|<counter>``) are
+        skipped: stats are a view, and the next runs write them again in this format.
+        """
         out: dict[str, dict[str, float]] = defaultdict(dict)
         for f, v in client.hgetall(keys.stats(sub)).items():
-            mq_key, _, name = f.decode().rpartition("|")
-            out[mq_key][name] = float(v)
+            try:
+                mq_key, counter = parse_stats_field(text(f))
+            except ValueError:
+                continue
+            out[mq_key][counter] = float(v)
         return dict(out)

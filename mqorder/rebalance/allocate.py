@@ -12,8 +12,10 @@ import hashlib
 from collections.abc import Sequence
 from typing import Protocol
 
+from mqorder import keys
 from mqorder.errors import ConfigError
 from mqorder.model import MessageQueue
+from mqorder.names import machine_room
 
 
 class AllocateMessageQueueStrategy(Protocol):
@@ -65,13 +67,25 @@ class AllocateMessageQueueAveragelyByCircle:
 
 
 class AllocateMessageQueueByConfig:
-    """A fixed mapping of client id to queue keys (``topic:broker:qid``), from settings."""
+    """A fixed mapping of client id to queue keys (``topic:broker:qid``), from settings.
+
+    Keys that name no existing queue are ignored (the topic may come later), but a string that is
+    not a queue key at all is refused: it would silently leave a queue to nobody.
+    """
 
     name = "by_config"
 
     def __init__(self, config: dict[str, list[str]]) -> None:
         if not isinstance(config, dict):
             raise ConfigError("MQORDER_ALLOCATE_CONFIG must be a JSON object of client id to queue keys")
+        for cid, qs in config.items():
+            for q in qs:
+                try:
+                    keys.parse_queue_key(q)
+                except (ValueError, AttributeError):
+                    raise ConfigError(
+                        f"MQORDER_ALLOCATE_CONFIG[{cid!r}]: {q!r} is not a queue key (topic:broker:queue_id)"
+                    ) from None
         self.config = {cid: set(qs) for cid, qs in config.items()}
 
     def allocate(self, group, current_cid, mq_all, cid_all):  # noqa: ANN001, ANN201
@@ -80,18 +94,28 @@ class AllocateMessageQueueByConfig:
 
 
 class AllocateMessageQueueByMachineRoom:
-    """Queues of brokers named ``room@name`` in the consuming rooms, spread over all clients."""
+    """Queues of brokers named ``room@name`` in the consuming rooms, spread over all clients.
+
+    A room is what comes before the first ``@`` of a broker name (``names.machine_room``), so a
+    room name holding ``@`` could never match and is refused.
+    """
 
     name = "by_machine_room"
 
     def __init__(self, rooms: Sequence[str]) -> None:
+        for room in rooms:
+            if not isinstance(room, str) or not keys.NAME_RE.fullmatch(room):
+                raise ConfigError(
+                    f"MQORDER_ALLOCATE_MACHINE_ROOMS: invalid machine room {room!r}; a room is the part "
+                    "of a broker name before its first '@': letters, digits and % | _ . -"
+                )
         self.rooms = set(rooms)
 
     def allocate(self, group, current_cid, mq_all, cid_all):  # noqa: ANN001, ANN201
         if not _check(current_cid, mq_all, cid_all):
             return []
         index = list(cid_all).index(current_cid)
-        pre = [mq for mq in mq_all if mq.broker_name.split("@", 1)[0] in self.rooms]
+        pre = [mq for mq in mq_all if machine_room(mq.broker_name) in self.rooms]
         c = len(cid_all)
         mod, rem = divmod(len(pre), c)
         out = pre[mod * index : mod * index + mod]

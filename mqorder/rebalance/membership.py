@@ -4,19 +4,31 @@ A client is one Celery worker node (client id = its hostname). Its heartbeat is 
 sorted set, computed from Redis's clock, so "is it alive" never depends on a worker's clock. A
 client whose deadline has passed is *dead* for rebalance, which may then take its queues at once:
 safe, because every commit is fenced by the lock epoch.
+
+A client's subscriptions are stored as a JSON array of ``{"group", "topic", "model"}`` objects
+(``encode_subscriptions`` / ``decode_subscriptions``): group and topic names may hold ``|`` and
+``%`` (RocketMQ's charset), so no separator-joined string could be split back safely.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import redis
 
 from mqorder import keys
 from mqorder.model import MessageModel
+from mqorder.store.replies import text
+
+log = logging.getLogger(__name__)
+
+_SUB_FIELDS = frozenset({"group", "topic", "model"})
 
 
 @dataclass(frozen=True)
@@ -25,14 +37,36 @@ class Subscription:
     topic: str
     model: MessageModel
 
-    @property
-    def key(self) -> str:
-        return f"{self.group}|{self.topic}|{self.model.value}"
+    def to_json(self) -> dict[str, str]:
+        return {"group": self.group, "topic": self.topic, "model": self.model.value}
 
     @classmethod
-    def parse(cls, s: str) -> Subscription:
-        g, t, m = s.split("|")
-        return cls(g, t, MessageModel(m))
+    def from_json(cls, obj: object) -> Subscription:
+        """The subscription of one ``to_json`` object; ``ValueError`` for anything else."""
+        if (
+            not isinstance(obj, dict)
+            or set(obj) != _SUB_FIELDS
+            or not all(isinstance(v, str) for v in obj.values())
+        ):
+            raise ValueError(f"not a subscription: {obj!r}")
+        return cls(obj["group"], obj["topic"], MessageModel(obj["model"]))
+
+
+def encode_subscriptions(subscriptions: Iterable[Subscription]) -> str:
+    """The ``subs`` field of a client's info hash: a sorted JSON array, the same for the same set."""
+    return json.dumps([s.to_json() for s in sorted(set(subscriptions), key=_sort_key)])
+
+
+def decode_subscriptions(raw: bytes | str) -> tuple[Subscription, ...]:
+    """Parse ``encode_subscriptions``'s output; ``ValueError`` if ``raw`` is not that."""
+    items = json.loads(raw)
+    if not isinstance(items, list):
+        raise ValueError(f"not a subscription list: {raw[:100]!r}")
+    return tuple(Subscription.from_json(item) for item in items)
+
+
+def _sort_key(s: Subscription) -> tuple[str, str, str]:
+    return s.group, s.topic, s.model.value
 
 
 @dataclass(frozen=True)
@@ -55,12 +89,10 @@ class ClientRegistry:
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
 
     def register(self, client_id: str, subscriptions: list[Subscription]) -> None:
-        info = {
-            "subs": json.dumps(sorted(s.key for s in subscriptions)),
-            "pid": os.getpid(),
-            "host": socket.gethostname(),
-        }
-        self.meta.hset(keys.client_info(client_id), mapping=info)
+        self.meta.hset(
+            keys.client_info(client_id),
+            mapping={"subs": encode_subscriptions(subscriptions), "pid": os.getpid(), "host": socket.gethostname()},
+        )
         self.heartbeat(client_id)
 
     def heartbeat(self, client_id: str) -> None:
@@ -77,22 +109,34 @@ class ClientRegistry:
     def clients(self) -> tuple[list[ClientInfo], list[str], int]:
         """(live clients with their subscriptions, dead client ids, Redis now in ms)."""
         now = redis_now_ms(self.meta)
-        entries = self.meta.zrange(keys.clients(), 0, -1, withscores=True)
-        live_ids = [(c.decode(), int(s)) for c, s in entries if s > now]
-        dead = [c.decode() for c, s in entries if s <= now]
+        entries = cast(list[tuple[bytes, float]], self.meta.zrange(keys.clients(), 0, -1, withscores=True))
+        live_ids = [(text(c), int(s)) for c, s in entries if s > now]
+        dead = [text(c) for c, s in entries if s <= now]
         pipe = self.meta.pipeline(transaction=False)
         for cid, _ in live_ids:
             pipe.hgetall(keys.client_info(cid))
         infos = []
+        raw: dict[bytes, Any]
         for (cid, deadline), raw in zip(live_ids, pipe.execute(), strict=True):
-            subs = tuple(Subscription.parse(s) for s in json.loads(raw.get(b"subs", b"[]")))
-            infos.append(ClientInfo(cid, subs, int(raw.get(b"pid", 0)), raw.get(b"host", b"").decode(), deadline))
+            try:
+                subs = decode_subscriptions(raw.get(b"subs", b"[]"))
+            except ValueError as exc:
+                # Written by another version of mqorder: one such client must not stop every
+                # rebalance. It consumes nothing until it registers again in this format.
+                log.warning("client %s has an unreadable registration (%s); it gets no queues", cid, exc)
+                subs = ()
+            infos.append(ClientInfo(cid, subs, int(raw.get(b"pid", 0)), text(raw.get(b"host")), deadline))
         return infos, dead, now
 
     def membership_fingerprint(self) -> str:
-        """Sorted live client ids: a change means somebody joined or lapsed; rebalance then."""
+        """Sorted live client ids: a change means somebody joined or lapsed; rebalance then.
+
+        A JSON array, not a comma-joined string: client ids may hold commas, and ``a,b`` + ``c``
+        must not look like ``a`` + ``b,c``.
+        """
         now = redis_now_ms(self.meta)
-        return ",".join(sorted(c.decode() for c in self.meta.zrangebyscore(keys.clients(), now + 1, "+inf")))
+        live = cast(list[bytes], self.meta.zrangebyscore(keys.clients(), now + 1, "+inf"))
+        return json.dumps(sorted(text(c) for c in live))
 
     def forget_dead(self, dead: list[str], older_than_ms: int) -> None:
         """Drop heartbeats that lapsed long ago (after rebalance has taken their queues)."""

@@ -1,0 +1,43 @@
+"""What one ``make bench`` invocation measures, and how much: sizes, pools and concurrencies.
+
+Shared by the sections that measure (``bench.run``) and the report that describes them
+(``bench.report``), so the text of the report can never name another size than the one measured.
+"""
+
+from __future__ import annotations
+
+from bench.common import Config
+
+SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "produce", "failover", "rebalance",
+            "memory", "growth")
+DEFAULT_CONCURRENCY = 2
+#: Threads-pool worker concurrency of the latency section and of the threads drain row.
+LAT_THREADS_C = 8
+DRAIN_THREADS_C = 4
+
+#: Sizes: (full, quick).
+SIZES = {
+    "drain_messages": (200_000, 10_000),
+    "naive_messages": (10_000, 1_000),
+    "lane_messages": (20_000, 2_000),
+    "latency_seconds": (10, 2),
+    "produce_single": (5_000, 500),
+    "produce_batch": (100_000, 5_000),
+    "produce_raw": (100_000, 5_000),
+    "failover_kills": (10, 2),
+    "rebalance_runs": (5, 1),
+    "memory_messages": (1_000_000, 20_000),
+    "growth_messages": (50_000, 5_000),
+    "costs_messages": (200_000, 10_000),
+    "costs_profile": (50_000, 5_000),
+}
+
+
+def size(cfg: Config, name: str) -> int:
+    full, quick = SIZES[name]
+    return quick if cfg.quick else full
+
+
+def concurrency(cfg: Config) -> int:
+    """Worker -c of the sections after the drain: the drain's best, or the default when it did not run."""
+    return cfg.best_concurrency or DEFAULT_CONCURRENCY

@@ -1,0 +1,138 @@
+"""The benchmark's targets: one row each in ``TARGETS``, with its threshold written once.
+
+A row says what is promised (the text of the report's Targets table, the threshold shown in it
+from the row's own number), how the measured value is compared with the threshold, and how that
+value is read from the run's ``Figures``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+from bench.common import Summary, percentile
+from bench.figures import Figures, fmt_paired, fmt_ratio, fmt_summary, fmt_verdict
+
+
+class Comparison(StrEnum):
+    """How a measured figure must relate to its threshold (the value is the sign the report prints)."""
+
+    AT_LEAST = "≥"
+    AT_MOST = "≤"
+
+    def holds(self, value: float, threshold: float) -> bool:
+        return value >= threshold if self is Comparison.AT_LEAST else value <= threshold
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What a target reads from one run's figures."""
+
+    #: The figure judged against the threshold; None when the run did not measure it ("n/a").
+    value: float | None
+    #: The "measured" column.
+    shown: str
+    #: Which configuration was judged, named after the verdict: "**met** (threads pool -c 8)".
+    judged: str = ""
+    #: Further figures judged against the same threshold, after the verdict: "(batch 1: **met**)".
+    also: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Target:
+    """One row of the report's Targets table."""
+
+    id: str
+    #: The "target" column: ``{bound}`` is the comparison and threshold ("≥ 1.0x"), ``{f.<name>}`` a figure.
+    description: str
+    threshold: float
+    comparison: Comparison
+    #: How the threshold is printed: the unit after it, and its decimals.
+    unit: str
+    digits: int
+    #: How to read the measured value from the run's figures.
+    read: Callable[[Figures], Reading]
+
+    def bound(self) -> str:
+        return f"{self.comparison} {self.threshold:.{self.digits}f}{self.unit}"
+
+    def met(self, value: float | None) -> str:
+        return fmt_verdict(None if value is None else self.comparison.holds(value, self.threshold))
+
+    def row(self, f: Figures) -> list[str]:
+        """The target, what was measured, and the verdict."""
+        reading = self.read(f)
+        verdict = self.met(reading.value) + (f" ({reading.judged})" if reading.judged else "")
+        verdict += "".join(f" ({name}: {self.met(v)})" for name, v in reading.also)
+        return [self.description.format(bound=self.bound(), f=f), reading.shown, verdict]
+
+
+def _of_paired(s: Summary | None) -> Reading:
+    """The median of the per-run ratios to the paired raw-ceiling runs."""
+    return Reading(None if s is None else s.median, fmt_paired(s))
+
+
+def _of_ratio(r: tuple[float, float, float] | None) -> Reading:
+    """A ratio of medians, judged on its value (the envelope is shown beside it)."""
+    return Reading(None if r is None else r[0], fmt_ratio(r))
+
+
+def _of_median(s: Summary | None, unit: str) -> Reading:
+    return Reading(None if s is None else s.median, fmt_summary(s, 1, unit))
+
+
+def _of_worst(s: Summary | None, unit: str) -> Reading:
+    """The highest run's value: for a ceiling that every run must stay under."""
+    return Reading(None if s is None else s.hi, fmt_summary(s, 1, unit))
+
+
+def _of_ratios(b32: tuple[float, float, float] | None, b1: tuple[float, float, float] | None) -> Reading:
+    """Ratios of medians at consume batch 32 (judged) and batch 1 (judged too, after the verdict)."""
+    return Reading(None if b32 is None else b32[0], f"batch 32: {fmt_ratio(b32)}; batch 1: {fmt_ratio(b1)}",
+                   also=() if b1 is None else (("batch 1", b1[0]),))
+
+
+def _of_latency(f: Figures) -> Reading:
+    """The median p99 of the mqorder configuration with the lowest one; the others are shown beside it."""
+    if not f.p99s:
+        return Reading(None, "n/a")
+    best = min(f.p99s, key=lambda k: f.p99s[k].median)
+    others = "; ".join(f"{f.lat_short[k]}: {f.p99s[k].fmt(1, 'ms')}" for k in f.p99s if k != best)
+    return Reading(f.p99s[best].median, f"**{f.lat_short[best]}: {f.p99s[best].fmt(1, 'ms')}**"
+                   + (f"; other configurations: {others}" if others else ""), judged=f.lat_short[best])
+
+
+def _of_failover(f: Figures) -> Reading:
+    """The p99 over kills (nearest rank: with 10 kills, the worst)."""
+    if not f.fo_t:
+        return Reading(None, "n/a")
+    p99 = percentile(f.fo_t, 99)
+    return Reading(p99, f"p99 {p99:.2f} s (p50 {percentile(f.fo_t, 50):.2f} s)")
+
+
+AT_LEAST, AT_MOST = Comparison.AT_LEAST, Comparison.AT_MOST
+
+#: Every target of the benchmark. Per row: id; description (the report's text, ``{bound}`` standing
+#: for comparison and threshold); threshold, comparison, the threshold's unit and decimals as printed;
+#: how to read the measured value from the run's figures.
+TARGETS: tuple[Target, ...] = (
+    Target("raw_ceiling_b32", "mqorder no-op, 2 workers -c {f.best}, pull 32, consume batch 32 {bound} raw ceiling",
+           1.0, AT_LEAST, "x", 1, lambda f: _of_paired(f.p_raw32)),
+    Target("raw_ceiling_b1", "mqorder, consume batch 1 {bound} raw ceiling",
+           0.6, AT_LEAST, "x", 1, lambda f: _of_paired(f.p_raw1)),
+    Target("naive", "mqorder {bound} naive Celery",
+           50, AT_LEAST, "x", 0, lambda f: _of_ratios(f.r_nv32, f.r_nv1)),
+    Target("single_lane", "mqorder {bound} Celery single-lane",
+           10, AT_LEAST, "x", 0, lambda f: _of_ratios(f.r_ln32, f.r_ln1)),
+    Target("latency_p99", "p99 send→handle {bound} at 1,000 msg/s ({f.latency_scope})",
+           10, AT_MOST, " ms", 0, _of_latency),
+    Target("produce", "send_orderly_batch {bound} raw pipelined XADD",
+           0.5, AT_LEAST, "x", 1, lambda f: _of_ratio(f.r_prod)),
+    Target("failover_p99", "failover p99 {bound} ({f.kills} kills)",
+           5.0, AT_MOST, " s", 0, _of_failover),
+    Target("rebalance", "rebalance + lock of 1,024 queues over 8 clients {bound}",
+           50, AT_MOST, " ms", 0, lambda f: _of_median(f.s_rb, "ms")),
+    Target("memory_peak", "worker peak RSS draining a {f.mem_n:,}-message backlog {bound}",
+           200, AT_MOST, " MiB", 0, lambda f: _of_worst(f.s_mem, "MiB")),
+)

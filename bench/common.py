@@ -1,7 +1,9 @@
-"""Shared plumbing of the benchmark sections: servers, workers, statistics, polling, RSS.
+"""Shared plumbing of the benchmark sections: servers, workers, statistics, polling, RSS and CPU.
 
 Every process a section starts is registered on a ``contextlib.ExitStack`` the section owns, so
-it is stopped on success, on error and on Ctrl-C alike.
+it is stopped on success, on error and on Ctrl-C alike. Process and machine figures (RSS, CPU
+times, load) come from psutil; units are in each function's name or docstring: RSS in MiB
+(2**20 bytes), CPU in seconds.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import redis
 
 from mqorder import keys
@@ -45,9 +48,6 @@ class Config:
     #: Filled by the mqorder drain section, read by latency/memory/growth/failover.
     best_concurrency: int | None = None
     notes: list[str] = field(default_factory=list)
-
-    def n(self, full: int, quick: int) -> int:
-        return quick if self.quick else full
 
 
 def log(msg: str) -> None:
@@ -343,76 +343,73 @@ def celery_task_totals(app: Any, hostnames: Sequence[str]) -> dict[str, int]:
     return out
 
 
-# -- memory ------------------------------------------------------------------------------------------
+# -- memory and CPU of processes, load of the machine (psutil) --------------------------------------
+
+MIB = 1024 * 1024
 
 
-def _children(pid: int) -> list[int]:
-    out: list[int] = []
+def _family(pids: Iterable[int]) -> list[psutil.Process]:
+    """The given processes and all their live descendants, each once; a process already gone is left out."""
+    out: dict[int, psutil.Process] = {}
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            p = psutil.Process(pid)
+            for q in (p, *p.children(recursive=True)):
+                out.setdefault(q.pid, q)
+    return list(out.values())
+
+
+def _rss_bytes(p: psutil.Process) -> int:
     try:
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{tid}/children") as f:
-                out.extend(int(x) for x in f.read().split())
-    except (FileNotFoundError, ProcessLookupError, PermissionError):
-        pass
-    return out
+        return p.memory_info().rss
+    except psutil.Error:  # exited since it was listed
+        return 0
 
 
-def rss_kib(pid: int) -> int:
+def rss_mib(pid: int) -> float:
+    """Resident set size of one process in MiB (the kernel's ``VmRSS``), 0 if it is gone."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-    except (FileNotFoundError, ProcessLookupError):
-        pass
-    return 0
+        return _rss_bytes(psutil.Process(pid)) / MIB
+    except psutil.Error:
+        return 0.0
 
 
-def tree_rss_kib(pid: int) -> tuple[int, int]:
-    """(summed VmRSS in KiB of ``pid`` and all its descendants, number of processes)."""
-    todo, seen, total = [pid], set(), 0
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        total += rss_kib(p)
-        todo.extend(_children(p))
-    return total, len(seen)
+def tree_rss_mib(pid: int) -> tuple[float, int]:
+    """(summed RSS in MiB of ``pid`` and all its descendants, number of processes).
+
+    Pages shared after fork count once per process that maps them: an upper bound on real use."""
+    procs = _family([pid])
+    return sum(_rss_bytes(p) for p in procs) / MIB, len(procs)
 
 
-_TICK = os.sysconf("SC_CLK_TCK")
+def _cpu_s(p: psutil.Process) -> float:
+    try:
+        t = p.cpu_times()
+    except psutil.Error:  # exited since it was listed
+        return 0.0
+    return t.user + t.system
 
 
 def cpu_s(pid: int) -> float:
-    """User + system CPU seconds of one process (``/proc/<pid>/stat``), 0 if it is gone."""
+    """User + system CPU seconds of one process (its reaped children not included), 0 if it is gone."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / _TICK
-    except (FileNotFoundError, ProcessLookupError, IndexError, ValueError):
+        return _cpu_s(psutil.Process(pid))
+    except psutil.Error:
         return 0.0
 
 
 def tree_cpu_s(pids: Iterable[int]) -> float:
-    """CPU seconds of the given processes and all their (live) descendants."""
-    todo, seen, total = list(pids), set(), 0.0
-    while todo:
-        p = todo.pop()
-        if p in seen:
-            continue
-        seen.add(p)
-        total += cpu_s(p)
-        todo.extend(_children(p))
-    return total
+    """User + system CPU seconds of the given processes and all their live descendants."""
+    return sum(_cpu_s(p) for p in _family(pids))
 
 
 def machine_cpu() -> tuple[float, float]:
-    """(busy CPU seconds of the whole machine, steal seconds) from ``/proc/stat``, all cores summed."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = v
-    return (user + nice + system + irq + softirq) / _TICK, steal / _TICK
+    """(busy CPU seconds of the whole machine, steal seconds), all cores summed, since boot.
+
+    Busy is user + nice + system + irq + softirq: idle and iowait are not busy, and steal (time a
+    hypervisor gave to another guest) is returned apart."""
+    t = psutil.cpu_times()
+    return t.user + t.nice + t.system + t.irq + t.softirq, t.steal
 
 
 def own_cpu() -> float:
@@ -422,10 +419,19 @@ def own_cpu() -> float:
 
 
 def load1() -> float:
+    """The machine's 1-minute load average (NaN if the system does not say)."""
     try:
-        return float(Path("/proc/loadavg").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
+        return psutil.getloadavg()[0]
+    except OSError:
         return float("nan")
+
+
+def loadavg() -> str:
+    """The 1-, 5- and 15-minute load averages as ``/proc/loadavg`` prints them ("0.52 0.48 0.40"), or "?"."""
+    try:
+        return " ".join(f"{x:.2f}" for x in psutil.getloadavg())
+    except OSError:
+        return "?"
 
 
 ENGINE_DIRS = ("mqorder", "workers", "config", "tasks")
@@ -460,10 +466,7 @@ def machine_facts() -> dict[str, str]:
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
                 break
-    mem = "?"
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        kb = int(Path("/proc/meminfo").read_text().split("\n")[0].split()[1])
-        mem = f"{kb / 1024 / 1024:.1f} GiB"
+    mem = f"{psutil.virtual_memory().total / 1024 ** 3:.1f} GiB"
     from importlib.metadata import version
 
     def _v(pkg: str) -> str:
@@ -472,9 +475,6 @@ def machine_facts() -> dict[str, str]:
         except Exception:  # noqa: BLE001
             return "?"
 
-    load = "?"
-    with contextlib.suppress(OSError):
-        load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "nproc": _run(["nproc"]),
@@ -484,7 +484,7 @@ def machine_facts() -> dict[str, str]:
         "python": platform.python_version(),
         "redis-server": _run(["redis-server", "--version"]),
         "packages": ", ".join(f"{p} {_v(p)}" for p in ("celery", "kombu", "redis", "hiredis")),
-        "loadavg at start": load,
+        "loadavg at start": loadavg(),
     }
 
 

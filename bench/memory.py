@@ -2,10 +2,11 @@
 
 The backlog is written once (``send_orderly_batch``, 16 queues, 2,000 keys). Each run starts one
 fresh stock worker whose listener belongs to a new consumer group (offset 0 on every queue), so
-every run drains the full backlog from the start. The summed ``VmRSS`` of the worker's main
-process and all its descendants (the prefork pool) is read from ``/proc`` every 0.2 s from the
-moment the worker process starts until the group's lag is 0. Flow control (pull batch 32 and
-``pull_threshold_for_queue``) is what must keep this flat regardless of the backlog size.
+every run drains the full backlog from the start. The summed RSS (``VmRSS``, read with psutil) of
+the worker's main process and all its descendants (the prefork pool) is sampled every 0.2 s from
+the moment the worker process starts until the group's lag is 0; every figure is in MiB. Flow
+control (pull batch 32 and ``pull_threshold_for_queue``) is what must keep this flat regardless of
+the backlog size.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ from bench.common import (
     produce_backlog,
     queues_of,
     redis_server,
-    rss_kib,
+    rss_mib,
     total_lag,
-    tree_rss_kib,
+    tree_rss_mib,
 )
 from mqorder import keys
 from mqorder.launcher import WorkerProcess
@@ -41,7 +42,7 @@ def run(cfg: Config, *, messages: int, concurrency: int, runs: int = 3, queues: 
         topic = "mem"
         log(f"memory: producing {messages:,} messages")
         produce_s = produce_backlog(srv.url, topic, queues, messages, n_keys)
-        redis_rss = rss_kib(srv.proc.pid) if srv.proc else 0
+        redis_rss = rss_mib(srv.proc.pid) if srv.proc else 0.0
         mqs = queues_of(topic, queues)
         for run in range(runs):
             group = f"g-mem-{run}"
@@ -52,16 +53,16 @@ def run(cfg: Config, *, messages: int, concurrency: int, runs: int = 3, queues: 
             t0 = time.perf_counter()
             w.start()
             try:
-                samples: list[tuple[float, int, int]] = []
+                samples: list[tuple[float, float, int]] = []  # (seconds since start, MiB, processes)
                 deadline = time.monotonic() + timeout
                 registered_at = None
-                registered_kib = 0
+                registered_mib = 0.0
                 while True:
-                    kib, nproc = tree_rss_kib(w.pid)
-                    samples.append((time.perf_counter() - t0, kib, nproc))
+                    mib, nproc = tree_rss_mib(w.pid)
+                    samples.append((time.perf_counter() - t0, mib, nproc))
                     if registered_at is None and r.zscore(keys.clients(), w.hostname) is not None:
                         registered_at = time.perf_counter()
-                        registered_kib = kib
+                        registered_mib = mib
                     if registered_at is not None and total_lag(r, group, mqs) == 0:
                         break
                     if not w.alive():
@@ -74,11 +75,11 @@ def run(cfg: Config, *, messages: int, concurrency: int, runs: int = 3, queues: 
                 w.stop(30)
             peak = max(s[1] for s in samples)
             res = {
-                "run": run, "messages": messages, "peak_rss_mib": peak / 1024,
-                "registered_rss_mib": registered_kib / 1024, "final_rss_mib": samples[-1][1] / 1024,
+                "run": run, "messages": messages, "peak_rss_mib": peak,
+                "registered_rss_mib": registered_mib, "final_rss_mib": samples[-1][1],
                 "processes": max(s[2] for s in samples), "samples": len(samples), "drain_s": drained_s,
-                "rate": messages / drained_s, "produce_s": produce_s, "redis_rss_mib_after_produce": redis_rss / 1024,
-                "series": [(round(t, 2), round(k / 1024, 1)) for t, k, _ in samples],
+                "rate": messages / drained_s, "produce_s": produce_s, "redis_rss_mib_after_produce": redis_rss,
+                "series": [(round(t, 2), round(m, 1)) for t, m, _ in samples],
             }
             log(f"memory run {run}: peak {res['peak_rss_mib']:.1f} MiB over {res['processes']} processes, "
                 f"drained {messages:,} in {drained_s:.1f}s ({res['rate']:,.0f} msg/s)")

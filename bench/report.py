@@ -223,6 +223,7 @@ class Report:
             rc = sum(x["redis_cpu_s"] for x in rows) / n * 1e6
             budget.append([name, fmt_summary(rates(rows)), f"{wc:.1f}", f"{rc:.1f}", f"{wc + rc:.1f}", note])
         if budget:
+            # bench.common reads CPU times with psutil, which takes them from /proc/<pid>/stat on Linux.
             out += ["CPU spent per message (user + system time from `/proc/<pid>/stat` of the reader / all worker "
                     "processes, and of `redis-server`, over the timed region; total over runs / messages):", ""]
             out += _table(["path", "messages/s", "reader/worker CPU µs/msg", "redis-server CPU µs/msg",
@@ -407,6 +408,7 @@ class Report:
             ["drain rate of that single worker", fmt_summary(summarize(x["rate"] for x in mem))],
             ["redis-server RSS holding the backlog", f"{mem[0]['redis_rss_mib_after_produce']:.0f} MiB"],
         ])
+        # psutil's RSS is /proc/<pid>/statm's resident pages: the same count as VmRSS in /proc/<pid>/status.
         out += [f"One stock worker -c {(self.res.get('memory') or {}).get('concurrency')} drains a "
                 f"{self.f.mem_n:,}-message backlog (16 queues, 2,000 keys) alone; each run is a fresh worker with a "
                 "new consumer group starting at offset 0. Summed `VmRSS` from `/proc` of the main process and its "

@@ -34,6 +34,7 @@ from bench.common import (
     dump_json,
     engine_changes,
     load1,
+    loadavg,
     log,
     machine_cpu,
     machine_facts,
@@ -281,10 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         meta["wall_s"] = time.perf_counter() - t_all
         meta["end_wall"] = time.time()
         meta["engine_changes"] = engine_changes(meta["start_wall"], meta["end_wall"])
-        try:
-            meta["load_end"] = " ".join(Path("/proc/loadavg").read_text().split()[:3])
-        except OSError:
-            meta["load_end"] = "?"
+        meta["load_end"] = loadavg()
         dump_json(rundir / "results.json", {"facts": facts, "meta": meta, "results": res})
         if res:
             text = Report(cfg, res, facts, meta).render()

@@ -28,6 +28,9 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:{t:b:q}:ids                             HASH  msg id -> offset, for idempotent appends only
     mqorder:{t:b:q}:s:<sub>                         HASH  lock/epoch/offset/pending state of sub on q
     mqorder:{t:b:q}:r:<sub>                         HASH  offset -> reconsume times (retrying head)
+    mqorder:{t:b:q}:stage:<job>:<run>               STREAM rows one Spark task staged for q until its job commits (TTL)
+    mqorder:spark:job:<job>                         HASH  report of one Spark write job: counts or refusal (TTL)
+    mqorder:spark:job:<job>:runs                    SET   "<queue index>:<run>" staged by the job's tasks (TTL)
 
 A *subscription id* (``sub``) is the consumer group name in clustering mode, and
 ``<group>%BC%<client>`` in broadcasting mode: each broadcast client then owns a private lane with
@@ -254,3 +257,23 @@ def group_of_sub(sub: str) -> str:
 def dlq_topic(group: str) -> str:
     """RocketMQ's dead-letter topic name for a consumer group."""
     return f"{DLQ_PREFIX}{group}"
+
+
+def stage_run(tag: str, job: str, run: int) -> str:
+    """Rows that task ``run`` (a Spark partition) of write job ``job`` staged for one queue.
+
+    In the queue's hash tag, so ``publish_staged.lua`` moves them into the log in one slot; nothing
+    reads a run but that script, so a failed job's rows are never visible (they are deleted on
+    abort, and expire anyway).
+    """
+    return f"{PREFIX}:{tag}:stage:{job}:{run}"
+
+
+def spark_job(job: str) -> str:
+    """The report of one Spark write job (``mqorder.spark``): what its commit stored or refused."""
+    return f"{PREFIX}:spark:job:{job}"
+
+
+def spark_job_runs(job: str) -> str:
+    """The runs (``<queue index>:<run>``) a Spark write job's tasks staged: what abort deletes."""
+    return f"{PREFIX}:spark:job:{job}:runs"

@@ -29,6 +29,8 @@ NAMES = (
     "lock_batch",
     "unlock_batch",
     "assign",
+    "stage",  # mqorder.spark: a Spark task stages its rows for one queue
+    "publish_staged",  # mqorder.spark: a committed job's staged rows enter the log
 )
 
 

@@ -1,0 +1,181 @@
+"""Options of the ``mqorder`` Spark data source, parsed and checked once, before anything runs.
+
+Spark lower-cases option names on their way to a Python data source (``orderBy`` arrives as
+``orderby``), so names are matched without case; values keep theirs. An unknown option is refused
+with the list of known ones: a misspelt ``orderBy`` silently ignored would publish out of order.
+
+Connections are described here (a URL, picklable) and opened on the executor, inside ``write()`` or
+``read()``: a Redis client cannot be pickled into a task.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from mqorder.errors import ConfigError
+from mqorder.names import check_topic
+from mqorder.settings import Settings, get_settings, load_settings
+from mqorder.store.brokers import BrokerRegistry
+
+#: ``onNull``: refuse the whole job (the default) or leave such rows out, counted in the report.
+ON_NULL = ("fail", "skip")
+#: ``body``: this value means "the whole row as JSON" rather than a column name.
+BODY_JSON = "json"
+#: Staged rows of a job that never commits expire after this long (option ``stagingTtl``, seconds).
+DEFAULT_STAGING_TTL_S = 6 * 3600
+#: Rows per staging call; several calls are pipelined per round trip (option ``stageChunk``).
+DEFAULT_STAGE_CHUNK = 1000
+#: A batch read splits a queue into Spark partitions of at most this many offsets.
+DEFAULT_MAX_ROWS_PER_PARTITION = 1_000_000
+
+_COMMON = ("topic", "redisurl", "brokers", "path")
+_WRITE = (*_COMMON, "key", "orderby", "body", "idcolumn", "onnull", "stagingttl", "stagechunk", "jobid")
+_READ = (*_COMMON, "startingoffsets", "endingoffsets", "maxrowsperpartition", "maxoffsetspertrigger")
+_SPELLING = {
+    "redisurl": "redisUrl", "orderby": "orderBy", "idcolumn": "idColumn", "onnull": "onNull",
+    "stagingttl": "stagingTtl", "stagechunk": "stageChunk", "jobid": "jobId",
+    "startingoffsets": "startingOffsets", "endingoffsets": "endingOffsets",
+    "maxrowsperpartition": "maxRowsPerPartition", "maxoffsetspertrigger": "maxOffsetsPerTrigger",
+}
+
+
+@dataclass(frozen=True)
+class Connection:
+    """Where the topic lives: the default broker's URL, any extra named brokers, and limits."""
+
+    redis_url: str
+    brokers: dict[str, str] = field(default_factory=dict)
+    max_message_size: int = 4 * 1024 * 1024
+    pending_ttl_ms: int = 10_000
+    timeout: float = 3.0
+
+    def registry(self) -> BrokerRegistry:
+        return BrokerRegistry(self.redis_url, self.brokers, socket_timeout=max(self.timeout, 10.0))
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Connection:
+        return cls(settings.redis_url, dict(settings.brokers), settings.max_message_size,
+                   settings.ms(settings.pending_ttl), settings.send_msg_timeout)
+
+
+def _lower(options: Mapping[str, Any]) -> dict[str, str]:
+    return {str(k).lower(): str(v) for k, v in options.items() if v is not None}
+
+
+def _check_known(opts: Mapping[str, str], known: tuple[str, ...], what: str) -> None:
+    unknown = sorted(set(opts) - set(known))
+    if unknown:
+        names = ", ".join(_SPELLING.get(k, k) for k in known if k != "path")
+        raise ConfigError(f"unknown {what} option(s) {', '.join(map(repr, unknown))} for format('mqorder'); "
+                          f"known options: {names}")
+
+
+def _int(opts: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> int:
+    raw = opts.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"option {_SPELLING.get(name, name)}={raw!r} must be an integer") from None
+    if not lo <= value <= hi:
+        raise ConfigError(f"option {_SPELLING.get(name, name)}={value} is out of range [{lo}, {hi}]")
+    return value
+
+
+def connection(opts: Mapping[str, str]) -> Connection:
+    """The option ``redisUrl`` (and ``brokers``, JSON) if given, else the ``MQORDER_*`` settings.
+
+    ``mqorder.spark.publish`` always passes the driver's URL: executors may not see the driver's
+    environment.
+    """
+    overrides: dict[str, Any] = {}
+    if opts.get("redisurl"):
+        overrides["redis_url"] = opts["redisurl"]
+    if opts.get("brokers"):
+        try:
+            overrides["brokers"] = json.loads(opts["brokers"])
+        except ValueError:
+            raise ConfigError(f"option brokers must be a JSON object of broker name to URL, got {opts['brokers']!r}") from None
+    settings = load_settings(**overrides) if overrides else get_settings()
+    return Connection.from_settings(settings)
+
+
+def topic_of(opts: Mapping[str, str]) -> str:
+    topic = opts.get("topic")
+    if not topic:
+        raise ConfigError("format('mqorder') needs option('topic', <name>)")
+    return check_topic(topic, allow_dlq=True)
+
+
+@dataclass(frozen=True)
+class WriteOptions:
+    topic: str
+    key: str
+    order_by: str
+    body: str
+    id_column: str | None
+    on_null: str
+    staging_ttl_ms: int
+    stage_chunk: int
+    job_id: str | None
+    conn: Connection
+
+
+def write_options(options: Mapping[str, Any]) -> WriteOptions:
+    opts = _lower(options)
+    _check_known(opts, _WRITE, "write")
+    topic = topic_of(opts)
+    for name in ("key", "orderby"):
+        if not opts.get(name):
+            raise ConfigError(f"format('mqorder') needs option('{_SPELLING.get(name, name)}', <column>): "
+                              + ("the sharding-key column" if name == "key" else
+                                 "the column that orders the rows of one key"))
+    on_null = opts.get("onnull", "fail").lower()
+    if on_null not in ON_NULL:
+        raise ConfigError(f"option onNull={on_null!r}: choose fail (refuse the job) or skip (leave such rows out, counted)")
+    job_id = opts.get("jobid") or None
+    if job_id is not None and not job_id.isalnum():
+        raise ConfigError(f"option jobId={job_id!r} must be alphanumeric")
+    return WriteOptions(
+        topic=topic,
+        key=opts["key"],
+        order_by=opts["orderby"],
+        body=opts.get("body") or BODY_JSON,
+        id_column=opts.get("idcolumn") or None,
+        on_null=on_null,
+        staging_ttl_ms=1000 * _int(opts, "stagingttl", DEFAULT_STAGING_TTL_S, 60, 30 * 24 * 3600),
+        stage_chunk=_int(opts, "stagechunk", DEFAULT_STAGE_CHUNK, 1, 5000),
+        job_id=job_id,
+        conn=connection(opts),
+    )
+
+
+@dataclass(frozen=True)
+class ReadOptions:
+    topic: str
+    starting: str
+    ending: str
+    max_rows_per_partition: int
+    max_offsets_per_trigger: int | None
+    conn: Connection
+
+
+def read_options(options: Mapping[str, Any], *, streaming: bool) -> ReadOptions:
+    """Kafka's defaults: a batch reads from earliest to latest, a stream starts at latest."""
+    opts = _lower(options)
+    _check_known(opts, _READ, "read")
+    if streaming and "endingoffsets" in opts:
+        raise ConfigError("endingOffsets is for batch reads only; a stream reads what is stored as it arrives")
+    per_trigger = _int(opts, "maxoffsetspertrigger", 0, 0, 2**62)
+    return ReadOptions(
+        topic=topic_of(opts),
+        starting=opts.get("startingoffsets", "latest" if streaming else "earliest"),
+        ending=opts.get("endingoffsets", "latest"),
+        max_rows_per_partition=_int(opts, "maxrowsperpartition", DEFAULT_MAX_ROWS_PER_PARTITION, 1, 2**62),
+        max_offsets_per_trigger=per_trigger or None,
+        conn=connection(opts),
+    )

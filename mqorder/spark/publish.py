@@ -1,0 +1,138 @@
+"""``publish(df, topic, key=..., order_by=...)``: the DataFrame → topic path, with its report.
+
+It does what makes the write fast and exactly once for any DataFrame: the key is cast to text
+and each row's queue computed in Spark SQL (``pmod(crc32(key), n)``, the producer's queue), rows
+are repartitioned on that queue so every queue is staged by exactly one task (one run per queue:
+the commit moves it without merging), and the job's commit report is read back from Redis.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from pyspark.errors import PySparkException
+from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
+from pyspark.sql.types import IntegralType, StringType
+
+from mqorder import keys
+from mqorder.errors import ConfigError, MessageError
+from mqorder.settings import get_settings, load_settings
+from mqorder.spark.options import BODY_JSON, ON_NULL
+from mqorder.spark.queues import KEY_COLUMN, QUEUE_COLUMN, key_string, queue_of
+from mqorder.spark.reader import queue_spans
+from mqorder.spark.session import register
+from mqorder.spark.writer import JobRefusedError
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.tokens import new_token
+
+
+@dataclass(frozen=True)
+class PublishReport:
+    """What one ``publish`` stored: rows given, rows stored, rows already stored (skipped by id)."""
+
+    job_id: str
+    topic: str
+    rows: int
+    stored: int
+    duplicates: int
+    skipped_nulls: int
+    queues: dict[int, dict[str, Any]] = field(default_factory=dict)
+    commit_seconds: float = 0.0
+
+
+def _columns(df: DataFrame, **named: str | None) -> None:
+    cols = df.columns
+    lower = {c.lower() for c in cols}
+    for role, name in named.items():
+        if name is not None and name not in cols and name.lower() not in lower:
+            raise ConfigError(f"{role} column {name!r} is not in the DataFrame; its columns are: {', '.join(cols)}")
+
+
+def publish(
+    df: DataFrame,
+    topic: str,
+    *,
+    key: str,
+    order_by: str,
+    body: str = BODY_JSON,
+    id_column: str | None = None,
+    on_null: str = "fail",
+    redis_url: str | None = None,
+    partitions: int | None = None,
+    options: dict[str, str] | None = None,
+) -> PublishReport:
+    """Publish ``df`` to ``topic``, every key's rows in ``order_by`` order, exactly once.
+
+    Raises ``ConfigError`` / ``TopicNotFoundError`` before anything runs, ``JobRefusedError``
+    (nothing published) when rows break a rule (null key or orderBy with ``on_null='fail'``, a
+    body over ``max_message_size``).
+    """
+    if on_null not in ON_NULL:
+        raise ConfigError(f"on_null={on_null!r}: choose fail or skip")
+    _columns(df, key=key, orderBy=order_by, idColumn=id_column,
+             body=None if body.lower() == BODY_JSON and body not in df.columns else body)
+    settings = load_settings(redis_url=redis_url) if redis_url else get_settings()
+    brokers = BrokerRegistry(settings.redis_url, settings.brokers)
+    try:
+        count = len(queue_spans(brokers, topic))  # TopicNotFoundError says how to create it
+    finally:
+        brokers.close()
+    spark = register(df.sparkSession)
+
+    key_type = df.schema[key].dataType if key in df.columns else None
+    key_col = key
+    if not isinstance(key_type, (StringType, IntegralType)):
+        df = df.withColumn(KEY_COLUMN, key_string(key))
+        key_col = KEY_COLUMN
+    df = df.withColumn(QUEUE_COLUMN, queue_of(F.col(key_col), count))
+    n = partitions or min(count, max(2, spark.sparkContext.defaultParallelism * 2))
+    df = df.repartition(n, QUEUE_COLUMN)
+
+    job = new_token()
+    writer = (df.write.format("mqorder").mode("append")
+              .option("topic", topic).option("key", key_col).option("orderBy", order_by).option("body", body)
+              .option("onNull", on_null).option("redisUrl", settings.redis_url).option("jobId", job))
+    if settings.brokers:
+        writer = writer.option("brokers", json.dumps(settings.brokers))
+    if id_column:
+        writer = writer.option("idColumn", id_column)
+    for k, v in (options or {}).items():
+        writer = writer.option(k, v)
+    try:
+        writer.save()
+    except PySparkException as exc:
+        report = _report(settings.redis_url, settings.brokers, job)
+        if report.get("status") == "refused":
+            raise JobRefusedError(str(report.get("error"))) from None
+        raise exc
+    report = _report(settings.redis_url, settings.brokers, job)
+    if report.get("status") != "published":
+        raise MessageError(f"publish job {job} ended with status {report.get('status')!r}: {report}")
+    return PublishReport(
+        job_id=job,
+        topic=topic,
+        rows=int(report.get("rows", 0)),
+        stored=int(report.get("stored", 0)),
+        duplicates=int(report.get("duplicates", 0)),
+        skipped_nulls=int(report.get("skipped_nulls", 0)),
+        queues={int(k): v for k, v in report.get("queues", {}).items()},
+        commit_seconds=float(report.get("commit_seconds", 0.0)),
+    )
+
+
+def job_report(job: str, redis_url: str | None = None) -> dict[str, Any]:
+    """The stored report of write job ``job`` (``{}`` if none, e.g. a job with no rows at all)."""
+    settings = load_settings(redis_url=redis_url) if redis_url else get_settings()
+    return _report(settings.redis_url, settings.brokers, job)
+
+
+def _report(url: str, extra: dict[str, str], job: str) -> dict[str, Any]:
+    brokers = BrokerRegistry(url, extra)
+    try:
+        raw = brokers.meta.hgetall(keys.spark_job(job))
+    finally:
+        brokers.close()
+    return {k.decode(): json.loads(v) for k, v in raw.items()}

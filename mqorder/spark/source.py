@@ -1,0 +1,52 @@
+"""The ``mqorder`` data source: ``format("mqorder")`` for batch and streaming reads and writes.
+
+Spark creates it from the options wherever it needs a reader or a writer (a Python process it
+starts for planning): every check that needs only the options, the schema and the topic's route
+happens there, before any task runs.
+"""
+
+from __future__ import annotations
+
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, DataSourceStreamWriter
+from pyspark.sql.types import StructType
+
+from mqorder.spark.options import read_options, write_options
+from mqorder.spark.plan import QueueRef, WritePlan, build_plan
+from mqorder.spark.reader import SCHEMA_DDL, MQOrderReader, queue_spans
+from mqorder.spark.streaming import MQOrderStreamReader
+from mqorder.spark.writer import MQOrderStreamWriter, MQOrderWriter
+
+
+class MQOrderDataSource(DataSource):
+    #: The writer classes; a subclass may swap them (the failure-injection tests do).
+    writer_class: type[MQOrderWriter] = MQOrderWriter
+    stream_writer_class: type[MQOrderStreamWriter] = MQOrderStreamWriter
+
+    @classmethod
+    def name(cls) -> str:
+        return "mqorder"
+
+    def schema(self) -> str:
+        return SCHEMA_DDL
+
+    def _plan(self, schema: StructType, overwrite: bool) -> WritePlan:
+        opts = write_options(self.options)
+        brokers = opts.conn.registry()
+        try:
+            spans = queue_spans(brokers, opts.topic)
+        finally:
+            brokers.close()
+        queues = [QueueRef(s.index, s.broker, s.queue_id) for s in spans]
+        return build_plan(opts, schema, queues, overwrite=overwrite)
+
+    def writer(self, schema: StructType, overwrite: bool) -> MQOrderWriter:
+        return self.writer_class(self._plan(schema, overwrite))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802
+        return self.stream_writer_class(self._plan(schema, overwrite))
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return MQOrderReader(read_options(self.options, streaming=False))
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802
+        return MQOrderStreamReader(read_options(self.options, streaming=True))

@@ -1,0 +1,223 @@
+"""The staging area of a Spark write job: what makes a job all or nothing.
+
+Step by step, for job ``J`` writing topic ``T``:
+
+1. Each task sorts its partition and *stages* its rows per queue into a run
+   ``mqorder:{T:b:q}:stage:J:<partition>`` (``stage.lua``). Consumers never read runs. A retried
+   or concurrent attempt of the same task stages the same rows at the same positions, so a run
+   holds each row once, in order.
+2. When every task has succeeded, Spark calls the job's ``commit()``: ``publish`` moves each
+   queue's runs into the queue's log through the one append path (``publish_staged.lua`` calling
+   ``append_entries`` idempotently by message id, then ``wake_owners``), a chunk per call,
+   pipelined over queues. A commit interrupted half way and run again stores only what is missing.
+3. When a task fails for good (or the commit refuses the job), Spark calls ``abort()``: ``drop``
+   deletes every run the job's tasks registered. A run nobody deletes (the driver died) expires.
+
+So a consumer sees a job's rows only once the job has succeeded; a failed job leaves nothing in the
+logs. Runs of one queue live in that queue's hash tag, the job's run registry on the default
+broker.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from mqorder import keys
+from mqorder.model import MessageQueue
+from mqorder.spark.encoding import StagedRow
+from mqorder.spark.plan import QueueRef
+from mqorder.store.append import QueueAppender
+from mqorder.store.brokers import BrokerRegistry, group_by_broker
+from mqorder.store.failures import translated
+from mqorder.store.topics import TopicManager
+from mqorder.store.wake import WakeUp
+from mqorder.tokens import new_token
+
+#: Rows moved from staging into a log per script call (a call never holds Redis for long).
+PUBLISH_CHUNK = 2000
+#: Staging calls sent per round trip.
+STAGE_PIPELINE = 16
+
+
+@dataclass
+class QueueTotals:
+    """What one queue of a job got: rows stored, and rows skipped as already stored (by id)."""
+
+    stored: int = 0
+    duplicates: int = 0
+    first_offset: int | None = None
+
+
+@dataclass
+class PublishTotals:
+    queues: dict[int, QueueTotals] = field(default_factory=dict)
+
+    @property
+    def stored(self) -> int:
+        return sum(q.stored for q in self.queues.values())
+
+    @property
+    def duplicates(self) -> int:
+        return sum(q.duplicates for q in self.queues.values())
+
+
+class StagingArea:
+    """The runs of one job on one topic; one per task, one on the committing side."""
+
+    def __init__(self, brokers: BrokerRegistry, topic: str, queues: Sequence[QueueRef], job: str, *,
+                 ttl_ms: int, pending_ttl_ms: int = 10_000, timeout: float = 10.0) -> None:
+        self.brokers = brokers
+        self.topic = topic
+        self.queues = {q.index: q for q in queues}
+        self.job = job
+        self.ttl_ms = ttl_ms
+        self.timeout = timeout
+        self.appender = QueueAppender(brokers, pending_ttl_ms=pending_ttl_ms, timeout=timeout,
+                                      topics=TopicManager(brokers), action="publish")
+
+    def mq(self, index: int) -> MessageQueue:
+        q = self.queues[index]
+        return MessageQueue(self.topic, q.broker, q.queue_id)
+
+    def run_key(self, index: int, run: int) -> str:
+        return keys.stage_run(self.mq(index).tag, self.job, run)
+
+    # -- tasks ---------------------------------------------------------------------------------------
+
+    def register(self, run: int, indexes: Iterable[int]) -> None:
+        """Record the runs a task is about to stage, so ``drop`` finds them even if the task dies."""
+        members = [f"{i}:{run}" for i in indexes]
+        if not members:
+            return
+        meta = self.brokers.meta
+        reg = keys.spark_job_runs(self.job)
+        pipe = meta.pipeline(transaction=False)
+        pipe.sadd(reg, *members)
+        pipe.pexpire(reg, self.ttl_ms)
+        pipe.execute()
+
+    def stage(self, index: int, run: int, rows: Sequence[StagedRow], *, chunk: int,
+              after_chunk: Any = None) -> int:
+        """Stage one run (all its rows, from position 0) in chunks; returns rows newly staged.
+
+        ``after_chunk(rows_sent)`` is called after each round trip (the writer's fault-injection
+        hook for tests, a no-op otherwise).
+        """
+        mq = self.mq(index)
+        broker = self.brokers.get(mq.broker_name)
+        key = keys.stage_run(mq.tag, self.job, run)
+        staged = 0
+        starts = list(range(0, len(rows), chunk))
+        for g in range(0, len(starts), STAGE_PIPELINE):
+            calls = []
+            for start in starts[g : g + STAGE_PIPELINE]:
+                args: list[Any] = [start, self.ttl_ms]
+                for sk, mid, header, body in rows[start : start + chunk]:
+                    args.append(sk)
+                    args.append(mid)
+                    args.append(header)
+                    args.append(body)
+                calls.append(([key], args))
+            with translated(mq.broker_name, broker.safe_url, self.timeout, "stage"):
+                replies = _run_pipelined(broker, "stage", calls)
+            staged += sum(int(r[0]) for r in replies)
+            if after_chunk is not None:
+                after_chunk(min(len(rows), starts[g : g + STAGE_PIPELINE][-1] + chunk))
+        return staged
+
+    # -- the job's commit and abort --------------------------------------------------------------------
+
+    def publish(self, runs: dict[int, set[int]], *, chunk: int = PUBLISH_CHUNK) -> PublishTotals:
+        """Move every run of every queue into its log, in order; queues in parallel per broker."""
+        totals = PublishTotals({i: QueueTotals() for i in runs})
+        pending = {i: sorted(r) for i, r in runs.items() if r}
+        while pending:
+            by_broker = group_by_broker(list(pending), lambda i: self.mq(i))
+            done: list[int] = []
+            for broker_name, idxs in by_broker.items():
+                broker = self.brokers.get(broker_name)
+                with translated(broker_name, broker.safe_url, self.timeout, "publish"):
+                    replies = self._publish_round(broker, idxs, pending, chunk)
+                for i, reply in zip(idxs, replies, strict=True):
+                    stored, dups, remaining, first = (int(x) for x in reply[:4])
+                    t = totals.queues[i]
+                    t.stored += stored
+                    t.duplicates += dups
+                    if stored and t.first_offset is None:
+                        t.first_offset = first
+                    if remaining == 0:
+                        done.append(i)
+            for i in done:
+                del pending[i]
+        return totals
+
+    def _publish_round(self, broker: Any, idxs: list[int], pending: dict[int, list[int]], chunk: int) -> list[Any]:
+        return _run_pipelined(broker, "publish_staged", [self._publish_call(i, pending[i], chunk) for i in idxs])
+
+    def _publish_call(self, index: int, runs: list[int], chunk: int) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of ``publish_staged.lua``: the append keys, the runs, then the wake-up tail
+        exactly as ``QueueAppender`` builds it for ``send.lua``."""
+        mq = self.mq(index)
+        tag = mq.tag
+        subs = self.appender.subscriptions(mq.topic)
+        kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag)]
+        kl.extend(keys.stage_run(tag, self.job, r) for r in runs)
+        kl.extend(keys.sub_state(tag, s) for s in subs)
+        args: list[Any] = [len(runs), chunk, self.appender.pending_ttl_ms, keys.wake_channel("")]
+        if subs:
+            token = new_token()
+            for j, s in enumerate(subs):
+                t = f"{token}.{j}"
+                args.append(t)
+                args.append(WakeUp(s, mq.key, t).encode())
+        return kl, args
+
+    def registered_runs(self) -> dict[int, set[int]]:
+        runs: dict[int, set[int]] = defaultdict(set)
+        for m in self.brokers.meta.smembers(keys.spark_job_runs(self.job)):
+            index, run = m.decode().split(":")
+            if int(index) in self.queues:
+                runs[int(index)].add(int(run))
+        return runs
+
+    def drop(self) -> int:
+        """Delete every run of the job (abort, or after a refused commit); returns runs deleted."""
+        runs = self.registered_runs()
+        deleted = 0
+        by_broker = group_by_broker(list(runs), lambda i: self.mq(i))
+        for broker_name, idxs in by_broker.items():
+            client = self.brokers.get(broker_name).client
+            for i in idxs:
+                for r in runs[i]:
+                    deleted += int(client.delete(self.run_key(i, r)))
+        self.brokers.meta.delete(keys.spark_job_runs(self.job))
+        return deleted
+
+    def forget(self) -> None:
+        """After a successful publish: the run registry is no longer needed."""
+        self.brokers.meta.delete(keys.spark_job_runs(self.job))
+
+
+def _run_pipelined(broker: Any, name: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+    """``EVALSHA`` of script ``name`` once per call, in one round trip.
+
+    Every call of these scripts is safe to repeat (staging by position, publishing by id), so
+    after ``NOSCRIPT`` (first use on this Redis, or a Redis restart) the script is loaded and the
+    whole pipeline is simply sent again.
+    """
+    for attempt in (0, 1):
+        pipe = broker.client.pipeline(transaction=False)
+        for kl, args in calls:
+            broker.scripts.queue_in(pipe, name, kl, args)
+        try:
+            return list(pipe.execute())
+        except redis.exceptions.NoScriptError:
+            if attempt:
+                raise
+            broker.scripts.load(name)
+    raise AssertionError("unreachable")

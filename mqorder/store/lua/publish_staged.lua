@@ -1,0 +1,86 @@
+-- publish_staged.lua: move the staged runs of one queue of a committed Spark job into the queue's
+-- log, in order, up to a chunk per call (a long job never blocks Redis for long). The caller
+-- repeats until nothing remains; a repeated call after a crash is harmless (see below).
+--
+-- KEYS[1]        queue log (STREAM), entry ids "<offset>-1"
+-- KEYS[2]        queue next-offset counter (STRING)
+-- KEYS[3]        queue ids (HASH msg id -> offset)
+-- KEYS[4..3+K]   the K runs of this queue staged by the job's tasks (stage.lua)
+-- KEYS[4+K..]    state HASH of each subscription of the topic on this queue
+-- ARGV[1]        K
+-- ARGV[2]        at most this many rows per call
+-- ARGV[3]        pending_ttl_ms, ARGV[4] wake channel prefix, then per state key: token, payload
+-- Returns        {rows stored, rows skipped as already stored, rows still staged, first offset,
+--                 woken owner...}
+--
+-- Each run is sorted by its sort key (order-preserving bytes of the orderBy value, then the msg
+-- id), so K runs merge into one ordered sequence by comparing the keys byte by byte. The merged
+-- rows go through the one append path (append_entries, idempotent by msg id, then wake_owners),
+-- and the published rows leave their runs in the same atomic step: a commit interrupted between
+-- two calls resumes where it stopped, and rows it had stored are skipped by id.
+local k = tonumber(ARGV[1])
+local chunk = tonumber(ARGV[2])
+
+-- Byte order, not Lua's '<' (which follows the server's collation locale).
+local function bytes_lt(a, b)
+  if a == b then return false end
+  local n = math.min(#a, #b)
+  for i = 1, n do
+    local x, y = string.byte(a, i), string.byte(b, i)
+    if x ~= y then return x < y end
+  end
+  return #a < #b
+end
+
+local heads, at, more = {}, {}, {}
+for r = 1, k do
+  heads[r] = redis.call('XRANGE', KEYS[3 + r], '-', '+', 'COUNT', chunk)
+  at[r] = 1
+  more[r] = #heads[r] == chunk
+end
+
+-- append_entries reads its (id, header, body) triples from ARGV: the merged rows go after the
+-- arguments this call was given.
+local base = #ARGV
+local m = 0
+while m < chunk do
+  local best = nil
+  local blocked = false
+  for r = 1, k do
+    local e = heads[r][at[r]]
+    if e then
+      if best == nil or bytes_lt(e[2][2], heads[best][at[best]][2][2]) then best = r end
+    elseif more[r] then
+      blocked = true -- this run has unread rows that may sort first: merge no further this call
+    end
+  end
+  if best == nil or blocked then break end
+  local f = heads[best][at[best]][2]
+  ARGV[base + 3 * m + 1] = f[4]
+  ARGV[base + 3 * m + 2] = f[6]
+  ARGV[base + 3 * m + 3] = f[8]
+  at[best] = at[best] + 1
+  m = m + 1
+end
+
+local first, stored, dups = append_entries(KEYS[1], KEYS[2], KEYS[3], m, true, base)
+
+local remaining = 0
+for r = 1, k do
+  if at[r] > 1 then
+    local pos = tonumber(string.match(heads[r][at[r] - 1][1], '^(%d+)'))
+    redis.call('XTRIM', KEYS[3 + r], 'MINID', (pos + 1) .. '-0')
+  end
+  remaining = remaining + redis.call('XLEN', KEYS[3 + r])
+end
+if remaining == 0 then
+  for r = 1, k do redis.call('DEL', KEYS[3 + r]) end
+end
+
+local out = {stored, m - stored, remaining, first}
+if stored > 0 then
+  for _, owner in ipairs(wake_owners(4 + k, tonumber(ARGV[3]), ARGV[4], 4)) do
+    out[#out + 1] = owner
+  end
+end
+return out

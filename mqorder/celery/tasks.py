@@ -58,7 +58,7 @@ def consume_request(self, sub: str, mq_key: str, token: str) -> dict:  # noqa: A
 def rebalance(self) -> dict:  # noqa: ANN001
     """Recompute the assignment of every group and apply it (beat, and on join/leave)."""
     report = rebalance_service().rebalance()
-    for d in report.dispatches or []:
+    for d in report.dispatches:
         dispatch(self.app, d.sub, d.mq.key, d.token, d.client)
     # A central sweep too: recovers queues whose owner's own sweep is not running.
     svc = rebalance_service()

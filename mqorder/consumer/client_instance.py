@@ -145,7 +145,7 @@ class ClientInstance:
 
     def _rebalance_now(self) -> None:
         report = self.service.rebalance()
-        self._dispatch_all(report.dispatches or [])
+        self._dispatch_all(report.dispatches)
         log.info(
             "mqorder: rebalance by %s: %d clients, %d dead, %d queues assigned, %d moved, %d busy, %.1f ms",
             self.client_id, len(report.clients), len(report.dead), report.assigned, report.moved,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.exceptions import LockError
 
@@ -26,6 +26,7 @@ from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.rebalance.membership import ClientInfo, ClientRegistry, redis_now_ms
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 from mqorder.tokens import new_token
 
@@ -52,7 +53,7 @@ class RebalanceReport:
     assigned: int = 0
     moved: int = 0
     busy: int = 0
-    dispatches: list[Dispatch] | None = None
+    dispatches: list[Dispatch] = field(default_factory=list)
     took_ms: float = 0.0
 
 
@@ -107,7 +108,7 @@ class RebalanceService:
     def _rebalance(self) -> RebalanceReport:
         t0 = time.perf_counter()
         clients, dead, now = self.registry.clients()
-        report = RebalanceReport(sorted(c.client_id for c in clients), dead, dispatches=[])
+        report = RebalanceReport(sorted(c.client_id for c in clients), dead)
         lanes = subscriptions_by_lane(clients)
         # Lanes of groups whose every client is gone still need their dead owners' locks released.
         for group, topics in self.topics.groups().items():
@@ -127,11 +128,11 @@ class RebalanceService:
                 assignment = allocate_all(self.strategy, keys.group_of_sub(sub), mqs, cids)
             triples = [(mq, assignment.get(mq, keys.NOBODY), new_token()) for mq in mqs]
             results = self.locks.assign(sub, triples, dead, pending_ttl)
-            hint = {mq.key: assignee for mq, assignee, _ in triples if assignee != keys.NOBODY}
+            hint = [x for mq, a, _ in triples if a != keys.NOBODY for x in (mq.key, a)]
             pipe = self.brokers.meta.pipeline(transaction=False)
             pipe.delete(keys.assignment(sub))
             if hint:
-                pipe.hset(keys.assignment(sub), mapping=hint)
+                pipe.hset(keys.assignment(sub), items=hint)
             pipe.execute()
             for mq, assignee, tok in triples:
                 r = results[mq]
@@ -153,7 +154,7 @@ class RebalanceService:
     def assigned_queues(self, sub: str, client_id: str | None = None) -> list[MessageQueue]:
         raw = self.brokers.meta.hgetall(keys.assignment(sub))
         return sorted(
-            MessageQueue.from_key(k.decode()) for k, v in raw.items() if client_id is None or v.decode() == client_id
+            MessageQueue.from_key(text(k)) for k, v in raw.items() if client_id is None or text(v) == client_id
         )
 
     def lanes_of(self, client: ClientInfo) -> list[str]:

@@ -12,8 +12,12 @@ task_serializer = "json"
 result_serializer = "json"
 accept_content = ["json"]
 task_ignore_result = True
-worker_send_task_events = False
-task_send_sent_event = False
+# Task events on, so Flower (``celery -A workers.app flower``) shows the stock workers' tasks
+# without ``-E``. They cost little here: events are sent per Celery task, and a ConsumeRequest
+# drains a whole batch or queue per task (8 tasks for a 20,000-message drain over 8 queues).
+# ``mqorder.celery.install`` leaves both settings to the application.
+worker_send_task_events = True
+task_send_sent_event = True
 worker_hijack_root_logger = False
 timezone = "UTC"
 beat_schedule = beat_schedule

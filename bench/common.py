@@ -107,6 +107,20 @@ def client(url: str) -> redis.Redis:
     return redis.Redis.from_url(url, socket_timeout=30)
 
 
+def redis_and_client(stack: contextlib.ExitStack) -> tuple[RedisServer, redis.Redis]:
+    """A fresh ``redis-server`` and a client of it; the client is closed, then the server stopped,
+    when ``stack`` closes."""
+    srv = redis_server(stack)
+    r = client(srv.url)
+    stack.callback(r.close)
+    return srv, r
+
+
+def server_pid(srv: RedisServer) -> int:
+    """The pid of a started ``redis-server``, to read its CPU and RSS (0, which reads as gone, if none)."""
+    return srv.proc.pid if srv.proc else 0
+
+
 def mq_env(url: str, *, topic: str, group: str, mode: str = "noop", lanes: int = 1, **extra: str) -> dict[str, str]:
     """Environment of a stock mqorder worker running the bench listeners."""
     env = project_env(
@@ -203,6 +217,24 @@ def baseline_env(url: str, **extra: str) -> dict[str, str]:
     env["BENCH_BROKER_URL"] = url
     env.update(extra)
     return env
+
+
+def start_celery_workers(stack: contextlib.ExitStack, url: str, app: str, names: Sequence[str], *,
+                         concurrency: int, logdir: Path, ctl_name: str) -> tuple[list[CeleryWorker], Any]:
+    """Start Celery baseline workers of ``app``, each idle on its own queue ``idle-<name>`` (so nothing
+    is consumed until a run tells it to), and a control app; return once every worker answers a ping.
+    Everything is stopped or closed when ``stack`` closes."""
+    env = baseline_env(url)
+    workers = []
+    for name in names:
+        w = CeleryWorker(app, name, env, concurrency=concurrency, queues=f"idle-{name}", logfile=logdir / f"{name}.log")
+        w.start()
+        stack.callback(w.stop)
+        workers.append(w)
+    ctl = ctl_app(url, ctl_name)
+    stack.callback(ctl.close)
+    wait_celery_ready(ctl, [w.hostname for w in workers])
+    return workers, ctl
 
 
 def wait_celery_ready(app: Any, hostnames: Sequence[str], timeout: float = 90.0) -> None:

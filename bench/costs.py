@@ -22,7 +22,7 @@ import time
 import uuid
 from typing import Any
 
-from bench.common import Config, client, cpu_s, log, produce_backlog, queues_of, redis_server
+from bench.common import Config, client, cpu_s, log, produce_backlog, queues_of, redis_and_client, server_pid
 from mqorder import ConsumeOrderlyStatus, keys
 from mqorder.codec import decode_entries
 
@@ -77,12 +77,10 @@ def run(cfg: Config, *, messages: int, runs: int = 3, queues: int = 16,
         profile_messages: int = 50_000) -> dict[str, Any]:
     out: dict[str, Any] = {"engine_b1": [], "engine_b32": []}
     with contextlib.ExitStack() as st:
-        srv = redis_server(st)
-        r = client(srv.url)
-        st.callback(r.close)
+        srv, r = redis_and_client(st)
         topic = "cost"
         produce_backlog(srv.url, topic, queues, messages, 2000)
-        redis_pid = srv.proc.pid if srv.proc else 0
+        redis_pid = server_pid(srv)
         out["decode_us_per_msg"] = min(decode_us_per_msg(r, topic) for _ in range(3))
         engine_pass(srv.url, topic, 1, "warmup", 1)  # script load, imports
         for run in range(runs):

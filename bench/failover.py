@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from bench.common import ROOT, Config, Workload, client, log, mq_env, queues_of, redis_server, start_mq_workers
+from bench.common import ROOT, Config, Workload, log, mq_env, queues_of, redis_and_client, start_mq_workers
 from mqorder import Producer, keys
 from mqorder.launcher import WorkerProcess
 
@@ -86,9 +86,7 @@ def run(cfg: Config, *, kills: int, concurrency: int, rate: float = 500.0, worke
         n_keys: int = 2000, timeout: float = 60.0) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     with contextlib.ExitStack() as st:
-        srv = redis_server(st)
-        r = client(srv.url)
-        st.callback(r.close)
+        srv, r = redis_and_client(st)
         topic, group = "fo", "g-fo"
         p = Producer(srv.url)
         p.create_topic(topic, queues=queues)

@@ -13,7 +13,6 @@ import time
 from bench.baseline_app import make_app, r
 
 DONE_KEY = "bench:lane:done:{}"
-LAT_KEY = "bench:lat"
 
 app = make_app("bench_lane")
 

@@ -25,14 +25,14 @@ from bench.common import (
     Config,
     Workload,
     celery_task_totals,
-    client,
     cpu_s,
     ctl_app,
     log,
     mq_env,
     percentile,
     queues_of,
-    redis_server,
+    redis_and_client,
+    server_pid,
     start_mq_workers,
     tree_cpu_s,
     wait_lag_zero,
@@ -85,9 +85,7 @@ class _MqLatRig:
     def __init__(self, st: contextlib.ExitStack, cfg: Config, spec: MqLatSpec, *, workers: int, queues: int,
                  n_keys: int) -> None:
         self.spec = spec
-        srv = redis_server(st)
-        self.r = client(srv.url)
-        st.callback(self.r.close)
+        srv, self.r = redis_and_client(st)
         self.topic, self.group = "lat", "g-lat"
         self.p = Producer(srv.url)
         st.callback(self.p.close)
@@ -102,7 +100,7 @@ class _MqLatRig:
         self.app = ctl_app(srv.url)
         st.callback(self.app.close)
         self.hostnames = [w.hostname for w in self.ws]
-        self.redis_pid = srv.proc.pid if srv.proc else 0
+        self.redis_pid = server_pid(srv)
 
     def send(self, _: int) -> None:
         k, _s = self.wl.next()

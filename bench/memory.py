@@ -18,13 +18,13 @@ from typing import Any
 from bench.common import (
     ROOT,
     Config,
-    client,
     log,
     mq_env,
     produce_backlog,
     queues_of,
-    redis_server,
+    redis_and_client,
     rss_mib,
+    server_pid,
     total_lag,
     tree_rss_mib,
 )
@@ -36,13 +36,11 @@ def run(cfg: Config, *, messages: int, concurrency: int, runs: int = 3, queues: 
         timeout: float = 900.0) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     with contextlib.ExitStack() as st:
-        srv = redis_server(st)
-        r = client(srv.url)
-        st.callback(r.close)
+        srv, r = redis_and_client(st)
         topic = "mem"
         log(f"memory: producing {messages:,} messages")
         produce_s = produce_backlog(srv.url, topic, queues, messages, n_keys)
-        redis_rss = rss_mib(srv.proc.pid) if srv.proc else 0.0
+        redis_rss = rss_mib(server_pid(srv))
         mqs = queues_of(topic, queues)
         for run in range(runs):
             group = f"g-mem-{run}"

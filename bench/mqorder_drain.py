@@ -21,7 +21,6 @@ from typing import Any
 from bench.common import (
     Config,
     celery_task_totals,
-    client,
     commandstats,
     cpu_s,
     ctl_app,
@@ -30,7 +29,8 @@ from bench.common import (
     mq_env,
     produce_backlog,
     queues_of,
-    redis_server,
+    redis_and_client,
+    server_pid,
     start_mq_workers,
     total_lag,
     tree_cpu_s,
@@ -71,9 +71,7 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
     """
     results: list[dict[str, Any]] = []
     with contextlib.ExitStack() as st:
-        srv = redis_server(st)
-        r = client(srv.url)
-        st.callback(r.close)
+        srv, r = redis_and_client(st)
         topic, group = f"drain-{spec.tag}", f"g-{spec.tag}"
         plan = ([(16, spec.warmup)] if spec.warmup else []) + list(spec.plan)
         env = mq_env(
@@ -92,7 +90,7 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
         brokers = BrokerRegistry(srv.url)
         st.callback(brokers.close)
         mlog = MessageLog(brokers)
-        redis_pid = srv.proc.pid if srv.proc else 0
+        redis_pid = server_pid(srv)
         for lane, ((t, g), (queues, messages)) in enumerate(zip(lane_names(topic, group, len(plan)), plan,
                                                                   strict=True)):
             run = lane - 1 if spec.warmup else lane

@@ -17,16 +17,12 @@ from typing import Any
 
 from bench.common import (
     HOST,
-    CeleryWorker,
     Config,
     Workload,
-    baseline_env,
     celery_task_totals,
-    client,
-    ctl_app,
     log,
-    redis_server,
-    wait_celery_ready,
+    redis_and_client,
+    start_celery_workers,
 )
 
 APP = "bench.naive_app"
@@ -48,21 +44,11 @@ class NaiveCluster:
 
     def __init__(self, stack: contextlib.ExitStack, cfg: Config, *, workers: int, concurrency: int,
                  tag: str) -> None:
-        self.srv = redis_server(stack)
-        self.r = client(self.srv.url)
-        stack.callback(self.r.close)
-        env = baseline_env(self.srv.url)
-        self.workers = []
-        for i in range(workers):
-            w = CeleryWorker(APP, f"{tag}{i}", env, concurrency=concurrency, queues=f"idle-{tag}{i}",
-                             logfile=cfg.logdir / tag / f"{tag}{i}.log")
-            w.start()
-            stack.callback(w.stop)
-            self.workers.append(w)
-        self.app = ctl_app(self.srv.url, "bench-naive-ctl")
-        stack.callback(self.app.close)
+        self.srv, self.r = redis_and_client(stack)
+        self.workers, self.app = start_celery_workers(stack, self.srv.url, APP, [f"{tag}{i}" for i in range(workers)],
+                                                      concurrency=concurrency, logdir=cfg.logdir / tag,
+                                                      ctl_name="bench-naive-ctl")
         self.hostnames = [w.hostname for w in self.workers]
-        wait_celery_ready(self.app, self.hostnames)
 
     def publish(self, queue: str, items: list[tuple[str, int, int]]) -> None:
         with self.app.producer_or_acquire() as prod:

@@ -16,7 +16,7 @@ import contextlib
 import time
 import zlib
 
-from bench.common import Config, Workload, client, log, queues_of, redis_server
+from bench.common import Config, Workload, log, queues_of, redis_and_client
 from mqorder import Producer, keys
 from mqorder.codec import MsgIdGenerator, encode_header
 from mqorder.model import MessageModel
@@ -26,9 +26,7 @@ def run(cfg: Config, *, single: int, batch: int, raw: int, batch_call: int = 10_
         queues: int = 16, n_keys: int = 2000, runs: int = 3) -> dict[str, list[dict[str, float]]]:
     out: dict[str, list[dict[str, float]]] = {"send_orderly": [], "send_orderly_batch": [], "raw_xadd": []}
     with contextlib.ExitStack() as st:
-        srv = redis_server(st)
-        r = client(srv.url)
-        st.callback(r.close)
+        srv, r = redis_and_client(st)
 
         def fresh() -> Producer:
             r.flushall()

@@ -16,7 +16,7 @@ import contextlib
 import time
 from typing import Any
 
-from bench.common import Config, client, cpu_s, log, produce_backlog, queues_of, redis_server
+from bench.common import Config, cpu_s, log, produce_backlog, queues_of, redis_and_client, server_pid
 from mqorder import keys
 from mqorder.codec import decode_entries
 
@@ -61,13 +61,11 @@ class RawCeiling:
 
     def __init__(self, stack: contextlib.ExitStack, *, messages: int, n_keys: int = 2000, queues: int = 16,
                  batch: int = 32) -> None:
-        self.srv = redis_server(stack)
-        self.r = client(self.srv.url)
-        stack.callback(self.r.close)
+        self.srv, self.r = redis_and_client(stack)
         self.topic, self.messages, self.queues, self.batch = "raw", messages, queues, batch
         produce_backlog(self.srv.url, self.topic, queues, messages, n_keys)
         self.commit = self.r.register_script(COMMIT)
-        self.redis_pid = self.srv.proc.pid if self.srv.proc else 0
+        self.redis_pid = server_pid(self.srv)
         self.runs = 0
         # Warm-up (script load, connection, caches): one queue, not measured.
         self._own("warmup")

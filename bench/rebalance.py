@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import time
 
-from bench.common import Config, client, log, redis_server
+from bench.common import Config, log, redis_and_client
 from mqorder.model import MessageModel
 from mqorder.rebalance.membership import Subscription
 from mqorder.rebalance.service import RebalanceService
@@ -24,9 +24,7 @@ from mqorder.store.topics import TopicManager
 def run(cfg: Config, *, queues: int = 1024, clients: int = 8, runs: int = 5) -> dict[str, list[dict[str, float]]]:
     out: dict[str, list[dict[str, float]]] = {"initial": [], "unchanged": [], "one_left": []}
     with contextlib.ExitStack() as st:
-        srv = redis_server(st)
-        r = client(srv.url)
-        st.callback(r.close)
+        srv, r = redis_and_client(st)
         settings = load_settings(redis_url=srv.url)
         brokers = BrokerRegistry(srv.url)
         st.callback(brokers.close)

@@ -15,15 +15,11 @@ import zlib
 from typing import Any
 
 from bench.common import (
-    CeleryWorker,
     Config,
     Workload,
-    baseline_env,
-    client,
-    ctl_app,
     log,
-    redis_server,
-    wait_celery_ready,
+    redis_and_client,
+    start_celery_workers,
 )
 
 APP = "bench.lane_app"
@@ -35,21 +31,10 @@ def run(cfg: Config, *, messages: int, n_keys: int = 2000, shards: int = 2, runs
 
     out: list[dict[str, Any]] = []
     with contextlib.ExitStack() as st:
-        srv = redis_server(st)
-        r = client(srv.url)
-        st.callback(r.close)
-        env = baseline_env(srv.url)
+        srv, r = redis_and_client(st)
         log(f"single-lane: starting {shards} worker(s) -c 1")
-        workers = []
-        for i in range(shards):
-            w = CeleryWorker(APP, f"lane{i}", env, concurrency=1, queues=f"idle-lane{i}",
-                             logfile=cfg.logdir / "single_lane" / f"lane{i}.log")
-            w.start()
-            st.callback(w.stop)
-            workers.append(w)
-        app = ctl_app(srv.url, "bench-lane-ctl")
-        st.callback(app.close)
-        wait_celery_ready(app, [w.hostname for w in workers])
+        workers, app = start_celery_workers(st, srv.url, APP, [f"lane{i}" for i in range(shards)], concurrency=1,
+                                            logdir=cfg.logdir / "single_lane", ctl_name="bench-lane-ctl")
         for run in range(-1, runs):
             n = warmup if run < 0 else messages
             queues = [f"lane-run{run + 1}-{s}" for s in range(shards)]

@@ -7,7 +7,8 @@
 
 Raw per-run data and worker logs go to ``bench/runs/<stamp>/`` (git-ignored). Every process a
 section starts is stopped when the section ends, on error and on SIGINT/SIGTERM as well. What is
-measured and how much: ``bench.plan``; the report: ``bench.report``.
+measured and how much: ``bench.plan``; the report: ``bench.report`` (its targets and thresholds:
+``bench.targets``).
 """
 
 from __future__ import annotations

@@ -12,6 +12,10 @@ $(STAMP): pyproject.toml
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
 	@command -v java >/dev/null || { echo "installing a Java 17 runtime for Spark"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless) >/dev/null; }
+	@command -v chromium >/dev/null || { echo "installing chromium for the Flower browser test"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; }
+	@{ command -v docker-compose || docker compose version; } >/dev/null 2>&1 || { echo "installing docker-compose to validate docker-compose.yml"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose) >/dev/null; }
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev,spark]'

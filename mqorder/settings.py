@@ -6,7 +6,9 @@ value given and what is allowed, instead of failing deep inside a worker an hour
 
 from __future__ import annotations
 
+import ipaddress
 import json
+import re
 from functools import lru_cache
 from typing import Any
 
@@ -17,6 +19,8 @@ from mqorder.errors import ConfigError
 from mqorder.store.brokers import check_redis_url, redact_url
 
 ALLOCATE_STRATEGIES = ("averagely", "averagely_by_circle", "by_config", "by_machine_room", "consistent_hash")
+#: A DNS host name (RFC 1123 labels), for ``metrics_addr`` when it is not an IP address.
+_HOSTNAME_RE = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
 
 
 class Settings(BaseSettings):
@@ -67,6 +71,13 @@ class Settings(BaseSettings):
     #: About how many records each ledger stream keeps (older ones are trimmed).
     ledger_max_len: int = Field(1_000_000, ge=1000, le=1_000_000_000)
 
+    # -- metrics ---------------------------------------------------------------------------------
+    #: TCP port of this worker's Prometheus endpoint (``/metrics``, ``mqorder.metrics.worker``);
+    #: unset or empty: no endpoint, and no metrics work at all on the consume path.
+    metrics_port: int | None = None
+    #: Address that endpoint listens on (``0.0.0.0``: every interface, as in a container).
+    metrics_addr: str = "0.0.0.0"
+
     # -- producing -------------------------------------------------------------------------------
     max_message_size: int = Field(4 * 1024 * 1024, ge=1, le=512 * 1024 * 1024)
     send_msg_timeout: float = Field(3.0, gt=0, le=600)
@@ -97,6 +108,35 @@ class Settings(BaseSettings):
         v = v.strip().lower().replace("-", "_")
         if v not in ALLOCATE_STRATEGIES:
             raise ValueError(f"unknown strategy {v!r}; choose one of {', '.join(ALLOCATE_STRATEGIES)}")
+        return v
+
+    @field_validator("metrics_port", mode="before")
+    @classmethod
+    def _metrics_port(cls, v: object) -> int | None:
+        # Checked by hand rather than by Field bounds, so the message says how to turn it off.
+        if v is None:
+            return None
+        rule = "must be a TCP port from 1 to 65535, or unset for no metrics endpoint"
+        if isinstance(v, str):
+            v = v.strip()
+            if not v:
+                return None
+            if not (v.isascii() and v.isdigit()):
+                raise ValueError(rule)
+            v = int(v)
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 65535:
+            raise ValueError(rule)
+        return v
+
+    @field_validator("metrics_addr")
+    @classmethod
+    def _metrics_addr(cls, v: str) -> str:
+        v = v.strip()
+        try:
+            ipaddress.ip_address(v)
+        except ValueError:
+            if not _HOSTNAME_RE.fullmatch(v):
+                raise ValueError("must be an IP address (0.0.0.0, 127.0.0.1, ::) or a host name") from None
         return v
 
     @model_validator(mode="after")

@@ -147,3 +147,7 @@ def check_order(entries: list[dict]) -> tuple[list[str], int, int]:
 
 
 os.environ.setdefault("MQORDER_LISTENERS", "")
+
+
+# The Spark session of the run (tests/spark_support.py): session-scoped, started on first use.
+from tests.spark_support import spark  # noqa: E402,F401

@@ -32,11 +32,12 @@ DEFAULT_STAGE_CHUNK = 1000
 DEFAULT_MAX_ROWS_PER_PARTITION = 1_000_000
 
 _COMMON = ("topic", "redisurl", "brokers", "path")
-_WRITE = (*_COMMON, "key", "orderby", "body", "idcolumn", "onnull", "stagingttl", "stagechunk", "jobid")
+_WRITE = (*_COMMON, "key", "orderby", "body", "idcolumn", "onnull", "stagingttl", "stagechunk", "jobid",
+          "maxmessagesize")
 _READ = (*_COMMON, "startingoffsets", "endingoffsets", "maxrowsperpartition", "maxoffsetspertrigger")
 _SPELLING = {
     "redisurl": "redisUrl", "orderby": "orderBy", "idcolumn": "idColumn", "onnull": "onNull",
-    "stagingttl": "stagingTtl", "stagechunk": "stageChunk", "jobid": "jobId",
+    "stagingttl": "stagingTtl", "stagechunk": "stageChunk", "jobid": "jobId", "maxmessagesize": "maxMessageSize",
     "startingoffsets": "startingOffsets", "endingoffsets": "endingOffsets",
     "maxrowsperpartition": "maxRowsPerPartition", "maxoffsetspertrigger": "maxOffsetsPerTrigger",
 }
@@ -87,7 +88,8 @@ def _int(opts: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> 
 
 
 def connection(opts: Mapping[str, str]) -> Connection:
-    """The option ``redisUrl`` (and ``brokers``, JSON) if given, else the ``MQORDER_*`` settings.
+    """The options ``redisUrl``, ``brokers`` (JSON) and ``maxMessageSize`` if given, else the
+    ``MQORDER_*`` settings.
 
     ``mqorder.spark.publish`` always passes the driver's URL: executors may not see the driver's
     environment.
@@ -95,6 +97,8 @@ def connection(opts: Mapping[str, str]) -> Connection:
     overrides: dict[str, Any] = {}
     if opts.get("redisurl"):
         overrides["redis_url"] = opts["redisurl"]
+    if opts.get("maxmessagesize"):
+        overrides["max_message_size"] = _int(opts, "maxmessagesize", 0, 1, 512 * 1024 * 1024)
     if opts.get("brokers"):
         try:
             overrides["brokers"] = json.loads(opts["brokers"])

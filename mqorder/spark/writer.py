@@ -65,8 +65,8 @@ class _Staging:
         """The run a task stages into: its partition id, the same for every attempt of the task."""
         return ctx.partitionId() if ctx is not None else 0
 
-    def after_chunk(self, ctx: TaskContext | None, index: int, rows_sent: int, rows_total: int) -> None:
-        """Called after each staging round trip of queue ``index``."""
+    def after_chunk(self, ctx: TaskContext | None, rows_done: int, rows_total: int) -> None:
+        """Called after each staging round trip, with the rows of the partition staged so far."""
 
     # -- tasks ------------------------------------------------------------------------------------------
 
@@ -87,9 +87,12 @@ class _Staging:
         try:
             area = self._area(brokers, job)
             area.register(run, enc.runs)
+            total = sum(len(r) for r in enc.runs.values())
+            done = 0
             for index, rows in enc.runs.items():
                 area.stage(index, run, rows, chunk=self.plan.stage_chunk,
-                           after_chunk=lambda sent, i=index, n=len(rows): self.after_chunk(ctx, i, sent, n))
+                           after_chunk=lambda sent, d=done: self.after_chunk(ctx, d + sent, total))
+                done += len(rows)
         finally:
             brokers.close()
         return StagedRuns(run, attempt, {i: len(r) for i, r in enc.runs.items()}, enc.skipped_nulls)
@@ -129,6 +132,8 @@ class _Staging:
             missing = {i: expected[i] - (t.stored + t.duplicates) for i, t in totals.queues.items()
                        if t.stored + t.duplicates != expected[i]}
             report = _report_fields(totals, expected, skipped, started, batch_id)
+            report["tasks"] = len(msgs)
+            report["retried_tasks"] = sum(1 for m in msgs if m.attempt > 0)
             if missing:
                 report["status"] = "incomplete"
                 self._report(brokers, job, report)

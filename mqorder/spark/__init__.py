@@ -22,7 +22,9 @@ from __future__ import annotations
 
 from pyspark.sql import SparkSession
 
+from mqorder.spark.audit import AuditReport, audit
 from mqorder.spark.encoding import Refusal
+from mqorder.spark.ledger import LedgerNotFoundError, read_ledger
 from mqorder.spark.publish import PublishReport, job_report, publish
 from mqorder.spark.queues import queue_of
 from mqorder.spark.session import register, session
@@ -30,13 +32,17 @@ from mqorder.spark.source import MQOrderDataSource
 from mqorder.spark.writer import JobRefusedError
 
 __all__ = [
+    "AuditReport",
+    "LedgerNotFoundError",
     "JobRefusedError",
     "MQOrderDataSource",
     "PublishReport",
     "Refusal",
+    "audit",
     "job_report",
     "publish",
     "queue_of",
+    "read_ledger",
     "register",
     "session",
 ]

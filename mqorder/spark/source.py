@@ -10,6 +10,7 @@ from __future__ import annotations
 from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, DataSourceStreamWriter
 from pyspark.sql.types import StructType
 
+from mqorder.spark.ledger import LEDGER_SCHEMA_DDL, LedgerReader, ledger_options
 from mqorder.spark.options import read_options, write_options
 from mqorder.spark.plan import QueueRef, WritePlan, build_plan
 from mqorder.spark.reader import SCHEMA_DDL, MQOrderReader, queue_spans
@@ -27,6 +28,8 @@ class MQOrderDataSource(DataSource):
         return "mqorder"
 
     def schema(self) -> str:
+        if "ledger" in self.options:
+            return LEDGER_SCHEMA_DDL
         return SCHEMA_DDL
 
     def _plan(self, schema: StructType, overwrite: bool) -> WritePlan:
@@ -46,6 +49,8 @@ class MQOrderDataSource(DataSource):
         return self.stream_writer_class(self._plan(schema, overwrite))
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        if "ledger" in self.options:
+            return LedgerReader(ledger_options(self.options))
         return MQOrderReader(read_options(self.options, streaming=False))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.table import Table
 
 from mqorder.errors import MQOrderError
+from mqorder.metrics.exporter import exporter
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RocketMQ-style orderly consumption on Celery + Redis")
 topic_app = typer.Typer(no_args_is_help=True, help="Create and inspect topics")
@@ -109,6 +110,9 @@ def config() -> None:
         console.print_json(json.dumps(load_settings().describe()))
     except MQOrderError as exc:
         _fail(exc)
+
+
+app.command("exporter")(exporter)
 
 
 def main() -> None:

@@ -7,9 +7,10 @@ import logging
 from celery import bootsteps
 
 from mqorder.celery import runtime
-from mqorder.celery.capacity import CapacityPublisher
+from mqorder.celery.capacity import SIGNAL, CapacityPublisher
 from mqorder.celery.dispatch import dispatcher
 from mqorder.consumer.client_instance import ClientInstance
+from mqorder.metrics import worker as worker_metrics
 from mqorder.settings import get_settings
 
 log = logging.getLogger(__name__)
@@ -29,6 +30,9 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         super().__init__(worker, **kwargs)
         self.client: ClientInstance | None = None
         self.capacity: CapacityPublisher | None = None
+        # Here, not in start(): the pool forks between the two, and prefork children must inherit
+        # the metrics directory and hook (mqorder.metrics.multiproc).
+        worker_metrics.start(get_settings(), SIGNAL)
 
     def start(self, worker) -> None:  # noqa: ANN001
         self.capacity = runtime.enable_linger(

@@ -14,6 +14,7 @@ from mqorder import keys
 from mqorder.celery.dispatch import CONSUME_REQUEST, dispatch
 from mqorder.celery.runtime import engine_for
 from mqorder.consumer.listener import get_listener
+from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageQueue
 from mqorder.rebalance.service import RebalanceService
 from mqorder.settings import get_settings
@@ -46,7 +47,9 @@ def consume_request(self, sub: str, mq_key: str, token: str) -> dict:  # noqa: A
         )
         return {"verb": "NO_LISTENER"}
     engine = engine_for(client_id)
+    worker_metrics.before_run(engine)
     outcome = engine.run(spec, sub, mq, token)
+    worker_metrics.after_run(sub, mq, outcome)
     if outcome is None:
         return {"verb": "REDIS_DOWN"}
     if outcome.needs_dispatch:

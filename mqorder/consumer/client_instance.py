@@ -31,6 +31,7 @@ import redis
 from mqorder import keys
 from mqorder.backoff import Backoff
 from mqorder.consumer.listener import registered_listeners
+from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageModel
 from mqorder.names import check_client_id
 from mqorder.rebalance.membership import Subscription, redis_now_ms
@@ -145,6 +146,7 @@ class ClientInstance:
 
     def _rebalance_now(self) -> None:
         report = self.service.rebalance()
+        worker_metrics.rebalanced(report)
         self._dispatch_all(report.dispatches)
         log.info(
             "mqorder: rebalance by %s: %d clients, %d dead, %d queues assigned, %d moved, %d busy, %.1f ms",
@@ -171,7 +173,7 @@ class ClientInstance:
                     self._watch_membership()
                 if now >= next_lock:
                     next_lock = now + s.lock_interval
-                    self.service.lock_all(self.client_id, self.lanes)
+                    worker_metrics.locks_held(self.service.lock_all(self.client_id, self.lanes))
                 if now >= next_sweep:
                     next_sweep = now + s.sweep_interval
                     self._dispatch_all(self.service.sweep(self.lanes, self.client_id))

@@ -1,0 +1,12 @@
+"""Prometheus metrics: each worker's own endpoint, and one exporter for a whole cluster.
+
+* ``mqorder.metrics.worker``: what a worker did (consumed, suspended, DLQ, call times, refused
+  commits, runs by outcome, locks, lingering slots), served by its main process on
+  ``MQORDER_METRICS_PORT`` with prometheus-client's multiprocess mode for prefork pools;
+* ``mqorder.metrics.exporter``: ``mqorder exporter --port 9808``, the state of every group read
+  from Redis alone (lag, offsets, owners and epochs, live clients, DLQ depth), so one scrape
+  target covers every worker;
+* ``mqorder.metrics.names``: every metric's name, labels and meaning (``docs/METRICS.md``).
+
+Nothing here imports Celery; importing this package does not import prometheus-client.
+"""

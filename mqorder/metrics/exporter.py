@@ -1,0 +1,240 @@
+"""``mqorder exporter --port 9808``: the state of every consumer group, read from Redis alone.
+
+Workers each export what *they* did; what an operator asks first ("which queue is stuck, who owns
+it, how far behind is it, what is in the DLQ") is the state of the *group*, which lives in Redis.
+This exporter reads it at every scrape, so one scrape target covers every worker, live or dead,
+and a queue nobody consumes still shows its lag.
+
+A scrape costs one pipeline per broker (``TIME``, then per queue its next offset and per group
+lane its state hash, per group its DLQ length) plus a few reads of the topic routes,
+subscriptions and heartbeats on the default broker: nothing is written, no script is run, and
+the consume path is not touched. Broadcasting groups have one lane per client: their ``group``
+label is that lane's id, ``<group>%BC%<client>``.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import redis
+import typer
+
+from mqorder import keys
+from mqorder.errors import ConfigError, MQOrderError, TopicNotFoundError
+from mqorder.metrics import names
+from mqorder.model import MessageModel, MessageQueue
+from mqorder.rebalance.membership import ClientRegistry
+from mqorder.settings import Settings, get_settings
+from mqorder.store.brokers import BrokerRegistry, redact_url
+from mqorder.store.replies import text
+from mqorder.store.topics import TopicManager
+
+if TYPE_CHECKING:
+    from prometheus_client.metrics_core import Metric
+    from prometheus_client.registry import Collector
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PORT = 9808
+
+
+@dataclass
+class _Plan:
+    """What one scrape reads: the queues of every topic, every (lane, queue), every DLQ queue."""
+
+    queues: list[MessageQueue] = field(default_factory=list)
+    lanes: list[tuple[str, MessageQueue]] = field(default_factory=list)
+    dlq: list[tuple[str, MessageQueue]] = field(default_factory=list)
+    clients: dict[str, int] = field(default_factory=dict)
+
+
+class ClusterCollector:
+    """A prometheus-client collector (``collect()``) over the Redis state of every group."""
+
+    def __init__(self, brokers: BrokerRegistry, heartbeat_timeout_ms: int) -> None:
+        self.brokers = brokers
+        self.topics = TopicManager(brokers)
+        self.registry = ClientRegistry(brokers.meta, heartbeat_timeout_ms)
+
+    def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        t0 = time.perf_counter()
+        try:
+            families = self._families()
+            up = 1
+        except (redis.RedisError, MQOrderError) as exc:
+            log.warning("mqorder exporter: cannot read %s (%s)", self.brokers.default.safe_url, exc)
+            families, up = [], 0
+        yield from families
+        yield GaugeMetricFamily(names.UP.name, names.UP.help, value=up)
+        yield GaugeMetricFamily(names.SCRAPE_DURATION.name, names.SCRAPE_DURATION.help, value=time.perf_counter() - t0)
+
+    # -- reading ---------------------------------------------------------------------------------
+
+    def _plan(self) -> _Plan:
+        plan = _Plan()
+        groups = self.topics.groups()
+        live, _, _ = self.registry.clients()
+        for c in live:
+            for g in {s.group for s in c.subscriptions}:
+                plan.clients[g] = plan.clients.get(g, 0) + 1
+        routes: dict[str, list[MessageQueue]] = {}
+
+        def queues_of(topic: str) -> list[MessageQueue]:
+            if topic not in routes:
+                try:
+                    routes[topic] = self.topics.describe_topic(topic).message_queues
+                except TopicNotFoundError:  # subscribed before it was created
+                    routes[topic] = []
+                plan.queues.extend(routes[topic])
+            return routes[topic]
+
+        for group in sorted(groups):
+            plan.clients.setdefault(group, 0)
+            for topic, model in sorted(groups[group].items()):
+                mqs = queues_of(topic)
+                if model is MessageModel.BROADCASTING:
+                    subs = [s for s in self.topics.subs_of_topic(topic)
+                            if keys.BROADCAST_SEP in s and keys.group_of_sub(s) == group]
+                else:
+                    subs = [group]
+                plan.lanes.extend((sub, mq) for sub in subs for mq in mqs)
+            try:
+                dlq = self.topics.describe_topic(keys.dlq_topic(group)).message_queues
+            except TopicNotFoundError:
+                dlq = []
+            plan.dlq.extend((group, mq) for mq in dlq)
+        return plan
+
+    def _read(self, plan: _Plan) -> tuple[dict[MessageQueue, int], dict[tuple[str, MessageQueue], tuple[Any, ...]],
+                                          dict[str, int], dict[str, int]]:
+        """One pipeline per broker: (max offsets, lane states, DLQ lengths per group, now per broker)."""
+        ops: dict[str, list[tuple[str, Any]]] = defaultdict(list)
+        for mq in plan.queues:
+            ops[mq.broker_name].append(("next", mq))
+        for lane in plan.lanes:
+            ops[lane[1].broker_name].append(("state", lane))
+        for group, mq in plan.dlq:
+            ops[mq.broker_name].append(("dlq", (group, mq)))
+        max_offsets: dict[MessageQueue, int] = {}
+        states: dict[tuple[str, MessageQueue], tuple[Any, ...]] = {}
+        dlq: dict[str, int] = defaultdict(int)
+        now: dict[str, int] = {}
+        for broker, items in ops.items():
+            try:
+                client = self.brokers.get(broker).client
+            except ConfigError as exc:  # a route names a broker this exporter was not told about
+                log.warning("mqorder exporter: skipping the queues on broker %r: %s", broker, exc)
+                continue
+            pipe = client.pipeline(transaction=False)
+            pipe.time()
+            for kind, what in items:
+                if kind == "next":
+                    pipe.get(keys.queue_next(what.tag))
+                elif kind == "state":
+                    sub, mq = what
+                    pipe.hmget(keys.sub_state(mq.tag, sub), "owner", "lease", "epoch", "offset", "run")
+                else:
+                    pipe.xlen(keys.queue_log(what[1].tag))
+            replies = pipe.execute()
+            sec, usec = replies[0]
+            now[broker] = int(sec) * 1000 + int(usec) // 1000
+            for (kind, what), reply in zip(items, replies[1:], strict=True):
+                if kind == "next":
+                    max_offsets[what] = int(reply or 0)
+                elif kind == "state":
+                    states[what] = tuple(reply)
+                else:
+                    dlq[what[0]] += int(reply or 0)
+        return max_offsets, states, dlq, now
+
+    def _families(self) -> list[Metric]:
+        from prometheus_client.core import GaugeMetricFamily
+
+        plan = self._plan()
+        max_offsets, states, dlq, now = self._read(plan)
+
+        def family(spec: names.MetricSpec) -> GaugeMetricFamily:
+            return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
+
+        fam_max, fam_committed, fam_lag = family(names.QUEUE_MAX_OFFSET), family(names.QUEUE_COMMITTED_OFFSET), family(names.QUEUE_LAG)
+        fam_epoch, fam_owner, fam_running = family(names.QUEUE_EPOCH), family(names.QUEUE_OWNER), family(names.QUEUE_RUNNING)
+        for mq in plan.queues:
+            if mq in max_offsets:
+                fam_max.add_metric([mq.topic, mq.broker_name, str(mq.queue_id)], max_offsets[mq])
+        for sub, mq in plan.lanes:
+            if (sub, mq) not in states:
+                continue
+            owner, lease, epoch, offset, run = states[(sub, mq)]
+            labels = [sub, mq.topic, mq.broker_name, str(mq.queue_id)]
+            committed = int(offset or 0)
+            fam_committed.add_metric(labels, committed)
+            fam_lag.add_metric(labels, max(0, max_offsets[mq] - committed))
+            fam_epoch.add_metric(labels, int(epoch or 0))
+            t = now[mq.broker_name]
+            fam_running.add_metric(labels, 1 if int(run or 0) > t else 0)
+            holder = text(owner or b"")
+            if holder and int(lease or 0) > t:  # _lock.lua's lock_live
+                fam_owner.add_metric([*labels, holder], 1)
+        fam_clients, fam_dlq = family(names.CLIENTS_LIVE), family(names.DLQ_MESSAGES)
+        for group, n in sorted(plan.clients.items()):
+            fam_clients.add_metric([group], n)
+            fam_dlq.add_metric([group], dlq.get(group, 0))
+        return [fam_max, fam_committed, fam_lag, fam_epoch, fam_owner, fam_running, fam_clients, fam_dlq]
+
+
+def registry_for(settings: Settings) -> Any:
+    """A prometheus-client registry holding only the cluster collector."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry(auto_describe=False)
+    brokers = BrokerRegistry(settings.redis_url, settings.brokers)
+    registry.register(cast("Collector", ClusterCollector(brokers, settings.ms(settings.heartbeat_timeout))))
+    return registry
+
+
+def exporter(
+    port: int = typer.Option(DEFAULT_PORT, min=1, max=65535, help="TCP port of /metrics"),
+    addr: str = typer.Option("0.0.0.0", help="address to listen on"),
+    once: bool = typer.Option(False, "--once", help="print one scrape to stdout and exit (1 if Redis was unreadable)"),
+) -> None:
+    """Serve every group's lag, offsets, owners, epochs, live clients and DLQ depth, read from Redis.
+
+    One scrape target for the whole cluster (the workers' own metrics are on MQORDER_METRICS_PORT).
+    """
+    from prometheus_client import generate_latest, start_http_server
+
+    try:
+        settings = get_settings()
+        registry = registry_for(settings)
+    except MQOrderError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    if once:
+        out = generate_latest(registry).decode()
+        sys.stdout.write(out)
+        raise typer.Exit(0 if f"\n{names.UP.name} 1.0\n" in f"\n{out}" else 1)
+    try:
+        server, _ = start_http_server(port, addr, registry)
+    except OSError as exc:
+        typer.echo(f"error: cannot listen on {addr}:{port} ({exc}); choose another --port", err=True)
+        raise typer.Exit(2) from None
+    typer.echo(f"mqorder exporter: metrics of {redact_url(settings.redis_url)} on http://{addr}:{port}/metrics", err=True)
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    try:
+        while not stop.wait(1.0):
+            pass
+    except KeyboardInterrupt:
+        pass
+    server.shutdown()
+    server.server_close()

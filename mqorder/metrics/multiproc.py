@@ -1,0 +1,92 @@
+"""prometheus-client's multiprocess mode, done the way a prefork Celery worker needs it.
+
+Listener calls run in pool *children*, the scrape is answered by the worker's *main* process, and
+children come and go (a crash, ``max_tasks_per_child``). prometheus-client's answer is a directory
+of per-process memory-mapped files (``PROMETHEUS_MULTIPROC_DIR``) that a ``MultiProcessCollector``
+sums at scrape time. Its rules, and how each is kept here:
+
+* the directory must be set before any metric exists and before the children fork, and be empty
+  at start: ``prepare()`` makes a fresh private one, from the worker bootstep's constructor, which
+  Celery calls before it creates the pool; it is removed when the main process exits;
+* prometheus-client picks its value class when it is imported: if the application imported it
+  before the directory was set, ``prepare()`` picks the class again, so the metrics created after
+  it write to the shared files;
+* a child that exited must be ``mark_process_dead``: otherwise its ``live*`` gauges (the lingering
+  slots) stay in the sum forever. Nothing tells the main process reliably when a child died (a
+  ``kill -9`` runs no hook in the child), so ``reap_dead()`` runs before every scrape and marks
+  every pid with gauge files that is no longer a running process. Counters and histograms of dead
+  children are kept, as they must be: they are totals.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+ENV = "PROMETHEUS_MULTIPROC_DIR"
+#: ``gauge_<mode>_<pid>.db``, the files of one process's gauges.
+_GAUGE_FILE = re.compile(r"gauge_(live\w+?)_(\d+)\.db$")
+
+
+def prepare() -> str:
+    """Create this worker's private metrics directory and switch prometheus-client to it.
+
+    Must run in the worker's main process before the pool forks and before any metric exists.
+    A directory inherited through ``PROMETHEUS_MULTIPROC_DIR`` is not reused: it may hold another
+    worker's files (which would be summed into this one's) or a previous run's.
+    """
+    inherited = os.environ.get(ENV)
+    path = tempfile.mkdtemp(prefix="mqorder-metrics-")
+    if inherited:
+        log.info("mqorder: ignoring PROMETHEUS_MULTIPROC_DIR=%s; this worker's metrics live in %s", inherited, path)
+    os.environ[ENV] = path
+    from prometheus_client import values
+
+    if not getattr(values.ValueClass, "_multiprocess", False):
+        # Imported earlier (by the application, say) and set up for a single process.
+        values.ValueClass = values.get_value_class()
+    atexit.register(_remove, path, os.getpid())
+    return path
+
+
+def _remove(path: str, owner_pid: int) -> None:
+    # Forked children inherit atexit handlers; only the process that made the directory removes it.
+    if os.getpid() == owner_pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no procfs: trust kill(0)
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+
+
+def reap_dead(path: str) -> list[int]:
+    """``mark_process_dead`` every pid with live-gauge files that is no longer running."""
+    from prometheus_client import multiprocess
+
+    dead = set()
+    for f in glob.glob(os.path.join(path, "gauge_live*_*.db")):
+        m = _GAUGE_FILE.search(os.path.basename(f))
+        if m is not None and not _running(int(m.group(2))):
+            dead.add(int(m.group(2)))
+    for pid in dead:
+        multiprocess.mark_process_dead(pid, path)
+    return sorted(dead)

@@ -1,0 +1,125 @@
+"""Every Prometheus metric mqorder exports: name, type, labels and meaning, in one place.
+
+The worker endpoint (``mqorder.metrics.worker``) and the cluster exporter
+(``mqorder.metrics.exporter``) build their metrics from these specs only, and
+``docs/METRICS.md`` lists the same table (a test keeps the two in step). Names follow the
+Prometheus conventions: the ``mqorder_`` prefix, ``_total`` on counters, base units (``_seconds``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric as it appears on the wire (``name`` includes ``_total`` for counters)."""
+
+    name: str
+    kind: str  # "counter", "gauge" or "histogram"
+    help: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def family(self) -> str:
+        """The name prometheus-client takes: counters without their ``_total`` suffix."""
+        return self.name.removesuffix("_total") if self.kind == "counter" else self.name
+
+
+# -- worker endpoint (MQORDER_METRICS_PORT): what this worker did ---------------------------------
+
+CONSUMED = MetricSpec(
+    "mqorder_consumed_messages_total", "counter",
+    "Messages handed to a listener, by result: ok (SUCCESS or COMMIT), suspended (will be "
+    "redelivered: SUSPEND, ROLLBACK, an exception or None), dlq (sent to the dead-letter topic "
+    "after max_reconsume_times)",
+    ("group", "topic", "result"),
+)
+CONSUME_DURATION = MetricSpec(
+    "mqorder_consume_duration_seconds", "histogram",
+    "Time of one listener call (up to consume_message_batch_max_size messages)",
+    ("group", "topic"),
+)
+COMMITS_REFUSED = MetricSpec(
+    "mqorder_commits_refused_total", "counter",
+    "Fenced commits (or lease touches) refused: the run had lost its queue. reason: FENCED (a "
+    "newer epoch owns it), SUPERSEDED (the run's token was replaced), BACKWARD",
+    ("group", "topic", "reason"),
+)
+RUNS = MetricSpec(
+    "mqorder_consume_request_runs_total", "counter",
+    "ConsumeRequest runs that reached the engine, by outcome verb (IDLE, REQUEUE, HANDOVER, "
+    "DISPATCH, FENCED, STALE, BUSY; REDIS_DOWN when Redis stayed unreachable)",
+    ("group", "topic", "verb"),
+)
+LINGERING = MetricSpec(
+    "mqorder_lingering_slots", "gauge",
+    "Pool slots held by a ConsumeRequest lingering on its drained queue (MQORDER_CONSUME_LINGER_MS)",
+)
+LOCKS_HELD = MetricSpec(
+    "mqorder_locks_held", "gauge",
+    "Queue locks this worker held at its last lock_all renewal (every MQORDER_LOCK_INTERVAL)",
+)
+LOCK_TAKEOVERS = MetricSpec(
+    "mqorder_lock_takeovers_total", "counter",
+    "Queue locks that rebalances run by this worker moved to a new owner at once (each a new "
+    "fencing epoch); summed over workers, the cluster's takeovers",
+)
+WAITING = MetricSpec(
+    "mqorder_requests_waiting_for_slot", "gauge",
+    "Requests this worker received that wait for a pool slot (prefork's capacity signal)",
+)
+
+WORKER = (CONSUMED, CONSUME_DURATION, COMMITS_REFUSED, RUNS, LINGERING, LOCKS_HELD, LOCK_TAKEOVERS, WAITING)
+
+#: Listener calls take from a millisecond to minutes; RocketMQ's RT counters stop at seconds.
+CONSUME_DURATION_BUCKETS = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+# -- cluster exporter (mqorder exporter): the state of every group, from Redis alone --------------
+
+_QUEUE = ("group", "topic", "broker", "queue")
+
+UP = MetricSpec("mqorder_up", "gauge", "1 if the exporter could read Redis at this scrape, else 0")
+SCRAPE_DURATION = MetricSpec(
+    "mqorder_exporter_scrape_duration_seconds", "gauge", "Time the exporter took to read Redis for this scrape"
+)
+QUEUE_MAX_OFFSET = MetricSpec(
+    "mqorder_queue_max_offset", "gauge",
+    "Next offset to be written in the queue (RocketMQ's maxOffset): messages ever stored",
+    ("topic", "broker", "queue"),
+)
+QUEUE_COMMITTED_OFFSET = MetricSpec(
+    "mqorder_queue_committed_offset", "gauge",
+    "The group's committed (fenced) consume offset on the queue", _QUEUE,
+)
+QUEUE_LAG = MetricSpec(
+    "mqorder_queue_lag", "gauge",
+    "Messages of the queue the group has not committed yet (max offset - committed offset)", _QUEUE,
+)
+QUEUE_EPOCH = MetricSpec(
+    "mqorder_queue_epoch", "gauge",
+    "Fencing epoch of the group's lock on the queue (grows by one at every change of owner)", _QUEUE,
+)
+QUEUE_OWNER = MetricSpec(
+    "mqorder_queue_owner_info", "gauge",
+    "1 for the client holding a live lock on the queue (no series while nobody holds it)",
+    (*_QUEUE, "owner"),
+)
+QUEUE_RUNNING = MetricSpec(
+    "mqorder_queue_consume_request_running", "gauge",
+    "1 while a ConsumeRequest run holds the queue, else 0", _QUEUE,
+)
+CLIENTS_LIVE = MetricSpec(
+    "mqorder_clients_live", "gauge", "Consumer clients (workers) with a live heartbeat subscribed to the group",
+    ("group",),
+)
+DLQ_MESSAGES = MetricSpec(
+    "mqorder_dlq_messages", "gauge", "Messages stored in the group's dead-letter topic (%DLQ%<group>)", ("group",),
+)
+
+EXPORTER = (
+    UP, SCRAPE_DURATION, QUEUE_MAX_OFFSET, QUEUE_COMMITTED_OFFSET, QUEUE_LAG, QUEUE_EPOCH, QUEUE_OWNER,
+    QUEUE_RUNNING, CLIENTS_LIVE, DLQ_MESSAGES,
+)

@@ -11,10 +11,12 @@ from rich.table import Table
 
 from mqorder.errors import MQOrderError
 from mqorder.metrics.exporter import exporter
+from mqorder.pipeline_cli import app as pipeline_app
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RocketMQ-style orderly consumption on Celery + Redis")
 topic_app = typer.Typer(no_args_is_help=True, help="Create and inspect topics")
 app.add_typer(topic_app, name="topic")
+app.add_typer(pipeline_app, name="pipeline")
 console = Console()
 
 

@@ -150,10 +150,72 @@ def test_the_audit_names_a_swapped_pair_a_missing_message_and_the_duplicates(spa
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_a_message_below_the_committed_offset_without_a_record_is_a_gap_one_above_is_pending(
-        spark, producer: Producer, r: redis.Redis, redis_url: str) -> None:  # noqa: ANN001
-    from mqorder.spark import audit
+# -- the CLI, end to end --------------------------------------------------------------------------
 
+
+def _cli(*args: str):  # noqa: ANN202
+    from typer.testing import CliRunner
+
+    from mqorder.cli import app
+
+    return CliRunner().invoke(app, ["pipeline", *args], catch_exceptions=False)
+
+
+def _caught_up(log: MessageLog, p: Producer, topic: str, group: str) -> bool:
+    return all(log.lag(group, mq) == 0 for mq in p.describe_topic(topic).message_queues)
+
+
+def test_publish_consume_with_prefork_workers_then_audit_passes(spark, cluster, producer: Producer, r: redis.Redis,
+                                                                 tmp_path: Path) -> None:  # noqa: ANN001
+    import random
+
+    from mqorder.spark import read_ledger
+    from tests.conftest import wait_for
+
+    producer.create_topic("t-order", queues=4)
+    producer.create_topic("t-suspend", queues=1)
+    r.hset("ctl:g-suspend", "suspend:k2:3", 99)  # poison: dead-lettered after 2 reconsumes
+    rows = {"t-order": [(f"k{i}", s) for i in range(30) for s in range(1, 9)],
+            "t-suspend": [(f"k{i}", s) for i in range(5) for s in range(1, 5)]}
+    for topic, items in rows.items():
+        random.Random(7).shuffle(items)  # the files are not in order: --order-by must put them so
+        (tmp_path / f"{topic}.csv").write_text("k,s\n" + "".join(f"{k},{s}\n" for k, s in items))
+    cluster.start_worker("w1", MQORDER_LEDGER="1")
+    cluster.start_worker("w2", MQORDER_LEDGER="1")
+    for topic in rows:
+        res = _cli("publish", str(tmp_path / f"{topic}.csv"), "--topic", topic, "--key", "k", "--order-by", "s")
+        assert res.exit_code == 0, res.output
+        assert f"published {len(rows[topic])} of {len(rows[topic])} rows" in res.output
+    log = MessageLog(producer.brokers)
+    wait_for(lambda: all(_caught_up(log, producer, t, t.replace("t-", "g-")) for t in rows), timeout=90,
+             what="both groups caught up")
+
+    res = _cli("audit", "--topic", "t-order", "--group", "g-order", "--report", str(tmp_path / "order"),
+               "--order-field", "s")
+    assert res.exit_code == 0, res.output
+    assert "PASS" in res.output
+    rep = json.loads((tmp_path / "order" / "report.json").read_text())
+    assert (rep["violation_count"], rep["gap_count"], rep["domain_violation_count"], rep["pending"]) == (0, 0, 0, 0)
+    assert (rep["messages_stored"], rep["messages_succeeded"], rep["latency"]["count"]) == (240, 240, 240)
+    assert {q["lag"] for q in rep["queues"]} == {0} and len(rep["queues"]) == 4
+    assert 0 <= rep["latency"]["p50_ms"] <= rep["latency"]["p99_ms"]
+
+    res = _cli("audit", "--topic", "t-suspend", "--group", "g-suspend", "--report", str(tmp_path / "suspend"))
+    assert res.exit_code == 0, res.output
+    rep = json.loads((tmp_path / "suspend" / "report.json").read_text())
+    assert (rep["messages_succeeded"], rep["messages_dead_lettered"], rep["gap_count"]) == (19, 1, 0)
+
+    out = tmp_path / "ledger.parquet"
+    res = _cli("export", "--topic", "t-order", "--ledger", "g-order", "--out", str(out))
+    assert res.exit_code == 0, res.output
+    records = read_ledger("g-order", topic="t-order", redis_url=cluster.url)
+    assert spark.read.parquet(str(out)).count() == len(records) >= 240
+    res = _cli("export", "--topic", "t-order", "--out", str(tmp_path / "messages.parquet"))
+    assert res.exit_code == 0 and "exported 240 rows" in res.output, res.output
+
+
+def test_the_cli_audit_exits_1_on_a_gap_below_the_committed_offset_and_counts_the_pending(
+        spark, producer: Producer, r: redis.Redis, tmp_path: Path) -> None:  # noqa: ANN001
     producer.create_topic(TOPIC, queues=1)
     _publish(producer, TOPIC, {"a": [1], "b": [1], "c": [1], "d": [1]})
     (msgs,) = _stored(producer, TOPIC)
@@ -163,7 +225,39 @@ def test_a_message_below_the_committed_offset_without_a_record_is_a_gap_one_abov
     w.flush()
     mq = producer.describe_topic(TOPIC).message_queues[0]
     r.hset(keys.sub_state(mq.tag, GROUP), "offset", 3)  # the group committed offsets 0..2
-    rep = audit(spark, TOPIC, GROUP, redis_url=redis_url)
-    assert [(g.key, g.offset, g.reason) for g in rep.gaps] == [("b", 1, "below the committed offset 3")]
-    assert (rep.pending, rep.messages_dead_lettered, rep.queues[0].lag) == (1, 1, 1)
-    assert rep.failures() and "key 'b' queue 0 offset 1" in rep.failures()[0]
+    res = _cli("audit", "--topic", TOPIC, "--group", GROUP, "--report", str(tmp_path))
+    assert res.exit_code == 1, res.output
+    assert "FAIL" in res.output and "key 'b' queue 0 offset 1 (below the committed offset 3)" in " ".join(
+        res.output.split())
+    rep = json.loads((tmp_path / "report.json").read_text())
+    assert [(g["key"], g["offset"], g["reason"]) for g in rep["gaps"]] == [("b", 1, "below the committed offset 3")]
+    assert (rep["pending"], rep["messages_dead_lettered"], rep["queues"][0]["lag"]) == (1, 1, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lag.png", "latency.png", "report.json", "report.md",
+                                                          "throughput.png"]
+
+
+def test_the_cli_refuses_bad_input_before_starting_spark(producer: Producer, redis_url: str, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    producer.create_topic(TOPIC, queues=1)
+    (tmp_path / "rows.txt").write_text("k,s\n")
+    (tmp_path / "rows.csv").write_text("k,s\n")
+    cases = [
+        (["publish", str(tmp_path / "missing.csv"), "--topic", TOPIC, "--key", "k", "--order-by", "s"], "does not exist"),
+        (["publish", str(tmp_path / "rows.txt"), "--topic", TOPIC, "--key", "k", "--order-by", "s"],
+         "unsupported extension '.txt'"),
+        (["publish", str(tmp_path / "rows.csv"), "--topic", "nope", "--key", "k", "--order-by", "s"],
+         "mqorder topic create nope"),
+        (["audit", "--topic", TOPIC, "--group", "g-none", "--report", str(tmp_path / "r")], "MQORDER_LEDGER=1"),
+        (["export", "--topic", TOPIC, "--out", str(tmp_path / "x.csv")], "must end with .parquet"),
+        (["export", "--topic", TOPIC, "--ledger", "g-none", "--out", str(tmp_path / "x.parquet")], "MQORDER_LEDGER=1"),
+    ]
+    for args, message in cases:
+        res = _cli(*args)
+        assert res.exit_code == 2, (args, res.output)
+        assert message in " ".join(res.output.split()), (args, res.output)
+    from mqorder.settings import get_settings
+
+    monkeypatch.setenv("MQORDER_REDIS_URL", "redis://127.0.0.1:1/0")
+    get_settings.cache_clear()
+    res = _cli("audit", "--topic", TOPIC, "--group", GROUP, "--report", str(tmp_path / "r"))
+    assert res.exit_code == 2 and "cannot reach Redis" in res.output and "Start redis-server" in " ".join(res.output.split())

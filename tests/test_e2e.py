@@ -115,24 +115,31 @@ def test_worker_joining_and_leaving_mid_stream_keeps_order_and_loses_nothing(clu
     r.hset("ctl:g-order", "sleep_ms", 1)
     cluster.start_worker("w1")
     cluster.start_worker("w2")
-    n_keys, steps = 300, 10
-    done = threading.Event()
+    n_keys, min_steps = 300, 10
+    stop = threading.Event()
+    steps = [0]
 
     def produce() -> None:
+        # Messages keep coming until the join and the leave are both behind us, however long a
+        # worker takes to start on a loaded machine.
         prod = Producer(cluster.url)
-        for seq in range(1, steps + 1):
+        while not stop.is_set() or steps[0] < min_steps:
+            seq = steps[0] + 1
             prod.send_orderly_batch("t-order", [(f"k{i}", body(f"k{i}", seq)) for i in range(n_keys)])
+            steps[0] = seq
             time.sleep(0.4)
-        done.set()
+        prod.close()
 
     t = threading.Thread(target=produce)
     t.start()
     time.sleep(1.0)
-    cluster.start_worker("w3")
+    cluster.start_worker("w3")  # joins mid-stream
     time.sleep(1.5)
     cluster.workers["w1"].stop(timeout=60)  # graceful leave while messages keep coming
+    time.sleep(1.0)
+    stop.set()
     t.join()
-    total = n_keys * steps
+    total = n_keys * steps[0]
     wait_for(lambda: _handled(r, "g-order", total), timeout=120, what=f"{total} handled")
     entries = ledger(r, "g-order")
     violations, handled, _ = check_order(entries)

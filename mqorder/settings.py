@@ -20,7 +20,8 @@ from mqorder.store.brokers import check_redis_url, redact_url
 
 ALLOCATE_STRATEGIES = ("averagely", "averagely_by_circle", "by_config", "by_machine_room", "consistent_hash")
 #: A DNS host name (RFC 1123 labels), for ``metrics_addr`` when it is not an IP address.
-_HOSTNAME_RE = re.compile(r"(?=.{1,253}$)[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*")
+_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_HOSTNAME_RE = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*")
 
 
 class Settings(BaseSettings):

@@ -62,9 +62,9 @@ def ok_calls(r: redis.Redis, group: str, client: str | None = None) -> int:
     return sum(1 for e in ledger(r, group) if e["ok"] and (client is None or e["client"] == client))
 
 
-def worker_with_metrics(cluster: Cluster, name: str, **extra: str) -> int:
+def worker_with_metrics(cluster: Cluster, name: str, pool: str = "prefork", **extra: str) -> int:
     port = free_port()
-    cluster.start_worker(name, MQORDER_METRICS_PORT=str(port), **extra)
+    cluster.start_worker(name, pool=pool, MQORDER_METRICS_PORT=str(port), **extra)
     wait_for(lambda: _answers(port), timeout=30, what=f"{name}'s metrics endpoint")
     return port
 
@@ -224,6 +224,21 @@ def test_a_killed_pool_child_no_longer_counts_as_lingering(cluster: Cluster, r: 
     assert cluster.workers["w1"].alive()
 
 
+def test_a_threads_pool_worker_counts_in_its_own_process(cluster: Cluster, r: redis.Redis) -> None:
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=2)
+    port = worker_with_metrics(cluster, "w1", pool="threads")
+    for i in range(30):
+        p.send_orderly("t-order", body(f"k{i}", 1), sharding_key=f"k{i}")
+    wait_for(lambda: ok_calls(r, "g-order") == 30, timeout=60, what="30 messages handled")
+    m = scrape(port)
+    assert total(m, "mqorder_consumed_messages_total", group="g-order", result="ok") == 30
+    assert total(m, "mqorder_consume_duration_seconds_count", group="g-order") == 30
+    assert series(m, "mqorder_requests_waiting_for_slot") == []  # no prefork capacity signal to read
+    wait_for(lambda: total(scrape(port), "mqorder_lingering_slots") == 0, timeout=30, what="no lingering slot")
+    assert total(scrape(port), "mqorder_consume_request_runs_total", group="g-order", verb="IDLE") >= 1  # ended
+
+
 # -- the exporter -----------------------------------------------------------------------------------
 
 
@@ -259,10 +274,15 @@ def test_exporter_shows_lag_before_consumption_and_none_after_drain(
         assert total(after, "mqorder_queue_committed_offset", group="g-order", topic="t-order", queue=q) == mx
         assert total(after, "mqorder_queue_epoch", group="g-order", queue=q) >= 1
     assert total(after, "mqorder_clients_live", group="g-order") == 2
-    owners = [s for s in series(after, "mqorder_queue_owner_info") if s["group"] == "g-order"]
-    assert sorted(s["queue"] for s in owners) == ["0", "1", "2", "3"]  # one live owner per queue
-    assert {s["owner"] for s in owners} == {w.hostname for w in cluster.workers.values()}
     assert total(after, "mqorder_dlq_messages", group="g-order") == 0
+
+    def owners() -> list[dict[str, str]]:
+        return [s for s in series(scrape(exporter), "mqorder_queue_owner_info") if s["group"] == "g-order"]
+
+    # w1 may have drained everything before w2 joined: the queues move to w2 by its rebalance.
+    hosts = {w.hostname for w in cluster.workers.values()}
+    wait_for(lambda: {s["owner"] for s in owners()} == hosts, timeout=30, what="both workers owning queues")
+    assert sorted(s["queue"] for s in owners()) == ["0", "1", "2", "3"]  # one live owner per queue
 
 
 def test_exporter_once_reports_an_unreachable_redis_as_down() -> None:

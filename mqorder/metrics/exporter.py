@@ -39,7 +39,7 @@ from mqorder.store.topics import TopicManager
 
 if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
-    from prometheus_client.registry import Collector
+    from prometheus_client.registry import Collector, CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +54,31 @@ class _Plan:
     lanes: list[tuple[str, MessageQueue]] = field(default_factory=list)
     dlq: list[tuple[str, MessageQueue]] = field(default_factory=list)
     clients: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class _LaneState:
+    """One (group lane, queue) state hash, judged by its broker's clock (``mqorder.keys.sub_state``)."""
+
+    owner: str  # the holder of a live lock, "" if none (_lock.lua's lock_live)
+    epoch: int
+    committed: int
+    running: bool
+
+    @classmethod
+    def parse(cls, reply: list[Any], now_ms: int) -> _LaneState:
+        owner, lease, epoch, offset, run = reply
+        live = bool(owner) and int(lease or 0) > now_ms
+        return cls(text(owner) if live else "", int(epoch or 0), int(offset or 0), int(run or 0) > now_ms)
+
+
+@dataclass
+class _Reading:
+    """What one scrape read: max offset per queue, state per lane, DLQ messages per group."""
+
+    max_offsets: dict[MessageQueue, int] = field(default_factory=dict)
+    lanes: dict[tuple[str, MessageQueue], _LaneState] = field(default_factory=dict)
+    dlq: dict[str, int] = field(default_factory=dict)
 
 
 class ClusterCollector:
@@ -76,7 +101,8 @@ class ClusterCollector:
             families, up = [], 0
         yield from families
         yield GaugeMetricFamily(names.UP.name, names.UP.help, value=up)
-        yield GaugeMetricFamily(names.SCRAPE_DURATION.name, names.SCRAPE_DURATION.help, value=time.perf_counter() - t0)
+        took = time.perf_counter() - t0
+        yield GaugeMetricFamily(names.SCRAPE_DURATION.name, names.SCRAPE_DURATION.help, value=took)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -115,9 +141,8 @@ class ClusterCollector:
             plan.dlq.extend((group, mq) for mq in dlq)
         return plan
 
-    def _read(self, plan: _Plan) -> tuple[dict[MessageQueue, int], dict[tuple[str, MessageQueue], tuple[Any, ...]],
-                                          dict[str, int], dict[str, int]]:
-        """One pipeline per broker: (max offsets, lane states, DLQ lengths per group, now per broker)."""
+    def _read(self, plan: _Plan) -> _Reading:
+        """One pipeline per broker: ``TIME``, then every read of the plan on that broker."""
         ops: dict[str, list[tuple[str, Any]]] = defaultdict(list)
         for mq in plan.queues:
             ops[mq.broker_name].append(("next", mq))
@@ -125,10 +150,7 @@ class ClusterCollector:
             ops[lane[1].broker_name].append(("state", lane))
         for group, mq in plan.dlq:
             ops[mq.broker_name].append(("dlq", (group, mq)))
-        max_offsets: dict[MessageQueue, int] = {}
-        states: dict[tuple[str, MessageQueue], tuple[Any, ...]] = {}
-        dlq: dict[str, int] = defaultdict(int)
-        now: dict[str, int] = {}
+        reading = _Reading()
         for broker, items in ops.items():
             try:
                 client = self.brokers.get(broker).client
@@ -147,52 +169,50 @@ class ClusterCollector:
                     pipe.xlen(keys.queue_log(what[1].tag))
             replies = pipe.execute()
             sec, usec = replies[0]
-            now[broker] = int(sec) * 1000 + int(usec) // 1000
+            now_ms = int(sec) * 1000 + int(usec) // 1000
             for (kind, what), reply in zip(items, replies[1:], strict=True):
                 if kind == "next":
-                    max_offsets[what] = int(reply or 0)
+                    reading.max_offsets[what] = int(reply or 0)
                 elif kind == "state":
-                    states[what] = tuple(reply)
+                    reading.lanes[what] = _LaneState.parse(reply, now_ms)
                 else:
-                    dlq[what[0]] += int(reply or 0)
-        return max_offsets, states, dlq, now
+                    reading.dlq[what[0]] = reading.dlq.get(what[0], 0) + int(reply or 0)
+        return reading
 
     def _families(self) -> list[Metric]:
         from prometheus_client.core import GaugeMetricFamily
 
         plan = self._plan()
-        max_offsets, states, dlq, now = self._read(plan)
+        reading = self._read(plan)
 
         def family(spec: names.MetricSpec) -> GaugeMetricFamily:
             return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
 
-        fam_max, fam_committed, fam_lag = family(names.QUEUE_MAX_OFFSET), family(names.QUEUE_COMMITTED_OFFSET), family(names.QUEUE_LAG)
-        fam_epoch, fam_owner, fam_running = family(names.QUEUE_EPOCH), family(names.QUEUE_OWNER), family(names.QUEUE_RUNNING)
+        max_offset, committed, lag = (family(names.QUEUE_MAX_OFFSET), family(names.QUEUE_COMMITTED_OFFSET),
+                                      family(names.QUEUE_LAG))
+        epoch, owner, running = family(names.QUEUE_EPOCH), family(names.QUEUE_OWNER), family(names.QUEUE_RUNNING)
         for mq in plan.queues:
-            if mq in max_offsets:
-                fam_max.add_metric([mq.topic, mq.broker_name, str(mq.queue_id)], max_offsets[mq])
+            if mq in reading.max_offsets:
+                max_offset.add_metric([mq.topic, mq.broker_name, str(mq.queue_id)], reading.max_offsets[mq])
         for sub, mq in plan.lanes:
-            if (sub, mq) not in states:
+            state = reading.lanes.get((sub, mq))
+            if state is None:
                 continue
-            owner, lease, epoch, offset, run = states[(sub, mq)]
             labels = [sub, mq.topic, mq.broker_name, str(mq.queue_id)]
-            committed = int(offset or 0)
-            fam_committed.add_metric(labels, committed)
-            fam_lag.add_metric(labels, max(0, max_offsets[mq] - committed))
-            fam_epoch.add_metric(labels, int(epoch or 0))
-            t = now[mq.broker_name]
-            fam_running.add_metric(labels, 1 if int(run or 0) > t else 0)
-            holder = text(owner or b"")
-            if holder and int(lease or 0) > t:  # _lock.lua's lock_live
-                fam_owner.add_metric([*labels, holder], 1)
-        fam_clients, fam_dlq = family(names.CLIENTS_LIVE), family(names.DLQ_MESSAGES)
+            committed.add_metric(labels, state.committed)
+            lag.add_metric(labels, max(0, reading.max_offsets[mq] - state.committed))
+            epoch.add_metric(labels, state.epoch)
+            running.add_metric(labels, 1 if state.running else 0)
+            if state.owner:
+                owner.add_metric([*labels, state.owner], 1)
+        clients, dlq = family(names.CLIENTS_LIVE), family(names.DLQ_MESSAGES)
         for group, n in sorted(plan.clients.items()):
-            fam_clients.add_metric([group], n)
-            fam_dlq.add_metric([group], dlq.get(group, 0))
-        return [fam_max, fam_committed, fam_lag, fam_epoch, fam_owner, fam_running, fam_clients, fam_dlq]
+            clients.add_metric([group], n)
+            dlq.add_metric([group], reading.dlq.get(group, 0))
+        return [max_offset, committed, lag, epoch, owner, running, clients, dlq]
 
 
-def registry_for(settings: Settings) -> Any:
+def registry_for(settings: Settings) -> CollectorRegistry:
     """A prometheus-client registry holding only the cluster collector."""
     from prometheus_client import CollectorRegistry
 
@@ -205,7 +225,9 @@ def registry_for(settings: Settings) -> Any:
 def exporter(
     port: int = typer.Option(DEFAULT_PORT, min=1, max=65535, help="TCP port of /metrics"),
     addr: str = typer.Option("0.0.0.0", help="address to listen on"),
-    once: bool = typer.Option(False, "--once", help="print one scrape to stdout and exit (1 if Redis was unreadable)"),
+    once: bool = typer.Option(
+        False, "--once", help="print one scrape to stdout and exit (1 if Redis was unreadable)"
+    ),
 ) -> None:
     """Serve every group's lag, offsets, owners, epochs, live clients and DLQ depth, read from Redis.
 
@@ -228,7 +250,8 @@ def exporter(
     except OSError as exc:
         typer.echo(f"error: cannot listen on {addr}:{port} ({exc}); choose another --port", err=True)
         raise typer.Exit(2) from None
-    typer.echo(f"mqorder exporter: metrics of {redact_url(settings.redis_url)} on http://{addr}:{port}/metrics", err=True)
+    where = redact_url(settings.redis_url)
+    typer.echo(f"mqorder exporter: metrics of {where} on http://{addr}:{port}/metrics", err=True)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     try:

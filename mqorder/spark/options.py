@@ -31,7 +31,9 @@ DEFAULT_STAGE_CHUNK = 1000
 #: A batch read splits a queue into Spark partitions of at most this many offsets.
 DEFAULT_MAX_ROWS_PER_PARTITION = 1_000_000
 
-_COMMON = ("topic", "redisurl", "brokers", "path")
+#: Options Spark itself sets or reads (``save(path)``, a stream's checkpoint): not ours to refuse.
+_SPARK = ("path", "checkpointlocation", "queryname")
+_COMMON = ("topic", "redisurl", "brokers", *_SPARK)
 _WRITE = (*_COMMON, "key", "orderby", "body", "idcolumn", "onnull", "stagingttl", "stagechunk", "jobid",
           "maxmessagesize")
 _READ = (*_COMMON, "startingoffsets", "endingoffsets", "maxrowsperpartition", "maxoffsetspertrigger")
@@ -69,7 +71,7 @@ def _lower(options: Mapping[str, Any]) -> dict[str, str]:
 def _check_known(opts: Mapping[str, str], known: tuple[str, ...], what: str) -> None:
     unknown = sorted(set(opts) - set(known))
     if unknown:
-        names = ", ".join(_SPELLING.get(k, k) for k in known if k != "path")
+        names = ", ".join(_SPELLING.get(k, k) for k in known if k not in _SPARK)
         raise ConfigError(f"unknown {what} option(s) {', '.join(map(repr, unknown))} for format('mqorder'); "
                           f"known options: {names}")
 
@@ -127,6 +129,9 @@ class WriteOptions:
     stage_chunk: int
     job_id: str | None
     conn: Connection
+    #: A stream's checkpoint location: the stream's job ids derive from it, so they are the same in
+    #: every process Spark starts for the query and after a restart.
+    checkpoint: str | None = None
 
 
 def write_options(options: Mapping[str, Any]) -> WriteOptions:
@@ -155,6 +160,7 @@ def write_options(options: Mapping[str, Any]) -> WriteOptions:
         stage_chunk=_int(opts, "stagechunk", DEFAULT_STAGE_CHUNK, 1, 5000),
         job_id=job_id,
         conn=connection(opts),
+        checkpoint=opts.get("checkpointlocation") or None,
     )
 
 

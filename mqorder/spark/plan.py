@@ -8,6 +8,7 @@ count and the same job id.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from dataclasses import dataclass
 
@@ -95,6 +96,15 @@ def _order_kind(dt: DataType, name: str) -> str:
                       "cast it to a long, double, string, date or timestamp")
 
 
+def _job_id(opts: WriteOptions) -> str:
+    """A new id per batch job; per stream, one derived from its checkpoint and topic, because Spark
+    builds a new writer for every micro-batch's commit (and a restarted query must find what the
+    failed run staged under the same name)."""
+    if opts.checkpoint:
+        return hashlib.sha256(f"{opts.checkpoint}\0{opts.topic}".encode()).hexdigest()[:32]
+    return uuid.uuid4().hex
+
+
 def build_plan(opts: WriteOptions, schema: StructType, queues: list[QueueRef], *, overwrite: bool) -> WritePlan:
     if overwrite:
         raise ConfigError("mode('overwrite') is not supported: a topic is an append-only log; use mode('append')")
@@ -139,6 +149,6 @@ def build_plan(opts: WriteOptions, schema: StructType, queues: list[QueueRef], *
         on_null=opts.on_null,
         staging_ttl_ms=opts.staging_ttl_ms,
         stage_chunk=opts.stage_chunk,
-        job_id=opts.job_id or uuid.uuid4().hex,
+        job_id=opts.job_id or _job_id(opts),
         conn=opts.conn,
     )

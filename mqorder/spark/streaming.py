@@ -111,8 +111,8 @@ class MQOrderStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                      self.opts.max_rows_per_partition)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, QueueRange)
-        yield from read_range(self.opts.conn, partition)
+        if isinstance(partition, QueueRange):  # nothing to read gives Spark's placeholder partition
+            yield from read_range(self.opts.conn, partition)
 
     def commit(self, end: Offset) -> None:
         """Nothing to release: offsets live in Spark's checkpoint, the log is read-only here."""

@@ -43,6 +43,7 @@ REPORT_TTL_S = 24 * 3600
 class StagedRuns(WriterCommitMessage):
     """What one task staged: rows per queue index in its run, or why it refused its partition."""
 
+    job: str
     run: int
     attempt: int
     rows: dict[int, int] = field(default_factory=dict)
@@ -76,13 +77,13 @@ class _Staging:
         attempt = ctx.attemptNumber() if ctx is not None else 0
         batch_list = list(batches)
         if not batch_list or not any(b.num_rows for b in batch_list):
-            return StagedRuns(run, attempt)
+            return StagedRuns(job, run, attempt)
         table = pa.Table.from_batches(batch_list)
         enc = encode_partition(table, self.plan, id_prefix=id_prefix)
         if enc.refusal:
-            return StagedRuns(run, attempt, refusal=enc.refusal, skipped_nulls=enc.skipped_nulls)
+            return StagedRuns(job, run, attempt, refusal=enc.refusal, skipped_nulls=enc.skipped_nulls)
         if not enc.runs:
-            return StagedRuns(run, attempt, skipped_nulls=enc.skipped_nulls)
+            return StagedRuns(job, run, attempt, skipped_nulls=enc.skipped_nulls)
         brokers = self.plan.conn.registry()
         try:
             area = self._area(brokers, job)
@@ -95,7 +96,7 @@ class _Staging:
                 done += len(rows)
         finally:
             brokers.close()
-        return StagedRuns(run, attempt, {i: len(r) for i, r in enc.runs.items()}, enc.skipped_nulls)
+        return StagedRuns(job, run, attempt, {i: len(r) for i, r in enc.runs.items()}, enc.skipped_nulls)
 
     def _area(self, brokers, job: str) -> StagingArea:  # noqa: ANN001 - a BrokerRegistry
         p = self.plan
@@ -107,6 +108,7 @@ class _Staging:
     def _commit(self, messages: list[StagedRuns | None], job: str, batch_id: int | None = None) -> None:
         started = time.time()
         msgs = [m for m in messages if m is not None]
+        job = _job_of(msgs, job)
         brokers = self.plan.conn.registry()
         try:
             area = self._area(brokers, job)
@@ -147,7 +149,8 @@ class _Staging:
         finally:
             brokers.close()
 
-    def _abort(self, job: str) -> None:
+    def _abort(self, messages: list[StagedRuns | None], job: str) -> None:
+        job = _job_of([m for m in messages if m is not None], job)
         brokers = self.plan.conn.registry()
         try:
             deleted = self._area(brokers, job).drop()
@@ -163,6 +166,15 @@ class _Staging:
         pipe.hset(key, mapping={k: json.dumps(v) for k, v in fields.items()})
         pipe.expire(key, REPORT_TTL_S)
         pipe.execute()
+
+
+def _job_of(msgs: list[StagedRuns], planned: str) -> str:
+    """The job the tasks staged under. Spark may build a new writer for the commit (it does for
+    every micro-batch of a stream), so the tasks' messages are what names the job."""
+    jobs = {m.job for m in msgs}
+    if len(jobs) > 1:
+        raise RuntimeError(f"commit messages of several jobs: {sorted(jobs)}")
+    return jobs.pop() if jobs else planned
 
 
 def _one_per_run(msgs: list[StagedRuns]) -> list[StagedRuns]:
@@ -204,15 +216,16 @@ class MQOrderWriter(_Staging, DataSourceArrowWriter):
         self._commit(messages, self.plan.job_id)
 
     def abort(self, messages: list[StagedRuns | None]) -> None:  # type: ignore[override]
-        self._abort(self.plan.job_id)
+        self._abort(messages, self.plan.job_id)
 
 
 class MQOrderStreamWriter(_Staging, DataSourceStreamArrowWriter):
     """``df.writeStream.format("mqorder")``: each micro-batch is one all-or-nothing job.
 
-    The job of batch ``B`` is ``<writer id>x<B>`` and the default message ids start with ``B.``,
-    so a batch replayed after a failure (Spark replays the same rows under the same batch id)
-    publishes nothing twice, even if its first run had committed.
+    The job of batch ``B`` is ``<stream id>x<B>`` (the stream id derives from the checkpoint
+    location) and the default message ids start with ``B.``, so a batch replayed after a failure
+    (Spark replays the same rows under the same batch id) publishes nothing twice, even if its
+    first run had committed.
     """
 
     def __init__(self, plan: WritePlan) -> None:
@@ -236,4 +249,4 @@ class MQOrderStreamWriter(_Staging, DataSourceStreamArrowWriter):
         self._commit(messages, self._job(batchId), batchId)
 
     def abort(self, messages: list[StagedRuns | None], batchId: int) -> None:  # type: ignore[override]  # noqa: N803
-        self._abort(self._job(batchId))
+        self._abort(messages, self._job(batchId))

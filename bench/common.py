@@ -263,11 +263,14 @@ def ctl_app(url: str, name: str = "bench-ctl") -> Any:
     return app
 
 
-def kick(url: str, app: Any) -> int:
-    """Run one rebalance from here and dispatch what it asks for: "start consuming now".
+def kick(url: str, app: Any, topic: str) -> int:
+    """Open ``topic`` for reading, run one rebalance from here and dispatch what it asks for:
+    "start consuming now".
 
-    Used after a backlog was written to a topic the (already running, idle) workers subscribe to
-    but which did not exist when they joined, so nothing was assigned yet.
+    Used after a backlog was written to a write-only topic (``produce_backlog(..., hold=True)``)
+    that the running, idle workers subscribe to: nothing of it was assigned yet. Opening it bumps
+    the topology version, so each worker rebalances too at its next heartbeat; by then this
+    rebalance has assigned and dispatched everything and theirs keeps it as it is.
     """
     from mqorder.celery.dispatch import dispatch
     from mqorder.rebalance.service import RebalanceService
@@ -277,6 +280,7 @@ def kick(url: str, app: Any) -> int:
     brokers = BrokerRegistry(url)
     try:
         svc = RebalanceService(brokers, load_settings(redis_url=url))
+        svc.topics.update_perm(topic, "rw")
         report = svc.rebalance()  # also records keys.rebalance_last(), so no worker re-runs it
         for d in report.dispatches or []:
             dispatch(app, d.sub, d.mq.key, d.token, d.client)
@@ -339,14 +343,19 @@ class Workload:
         return out
 
 
-def produce_backlog(url: str, topic: str, queues: int, n: int, n_keys: int, chunk: int = 10_000) -> float:
-    """Create ``topic`` and write ``n`` messages with ``send_orderly_batch``; returns seconds taken."""
+def produce_backlog(url: str, topic: str, queues: int, n: int, n_keys: int, chunk: int = 10_000, *,
+                    hold: bool = False) -> float:
+    """Create ``topic`` and write ``n`` messages with ``send_orderly_batch``; returns seconds taken.
+
+    ``hold``: create it write-only (RocketMQ's topic permission), so running workers that subscribe
+    to it take none of it until ``kick`` opens it: the engine rebalances at once on a new topic.
+    """
     from mqorder import Producer
 
     p = Producer(url)
     w = Workload(n_keys)
     try:
-        p.create_topic(topic, queues=queues)
+        p.create_topic(topic, queues=queues, perm="w" if hold else "rw")
         t0 = time.perf_counter()
         for c in range(0, n, chunk):
             p.send_orderly_batch(topic, w.items(min(chunk, n - c)))

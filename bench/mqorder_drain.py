@@ -2,9 +2,10 @@
 
 One worker set serves several measured runs (``BENCH_LANES``): the workers start idle, subscribed
 to topics that do not exist yet. For each run the backlog is written (``send_orderly_batch``) to a
-new topic nobody owns yet, so nothing is consumed while producing; then the clock starts and one
-rebalance from here assigns the queues and dispatches the ConsumeRequests ("told to start
-consuming"); the clock stops when the group's summed lag (``MessageLog.lag``) is 0.
+new *write-only* topic (RocketMQ's topic permission), which nobody consumes; then the clock
+starts, the topic is opened for reading and one rebalance from here assigns the queues and
+dispatches the ConsumeRequests ("told to start consuming"); the clock stops when the group's
+summed lag (``MessageLog.lag``) is 0.
 
 Per run it also reads Redis ``INFO commandstats`` (reset at the start) and the workers' Celery
 task totals, which give the per-message cost of the consume path.
@@ -94,7 +95,7 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
         for lane, ((t, g), (queues, messages)) in enumerate(zip(lane_names(topic, group, len(plan)), plan,
                                                                   strict=True)):
             run = lane - 1 if spec.warmup else lane
-            produce_s = produce_backlog(srv.url, t, queues, messages, spec.keys)
+            produce_s = produce_backlog(srv.url, t, queues, messages, spec.keys, hold=True)
             mqs = queues_of(t, queues)
             tasks_before = celery_task_totals(app, hostnames).get(CONSUME_TASK, 0)
             paired = pair() if (pair is not None and run >= 0) else None
@@ -106,7 +107,7 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
             r.config_resetstat()
             cpu_w0, cpu_r0 = tree_cpu_s(w.pid for w in ws), cpu_s(redis_pid)
             t0 = time.perf_counter()
-            kick(srv.url, app)
+            kick(srv.url, app, t)
             t1 = wait_lag_zero(r, g, mqs, timeout, alive=lambda: all(w.alive() for w in ws))
             secs = t1 - t0
             cpu_w, cpu_r = tree_cpu_s(w.pid for w in ws) - cpu_w0, cpu_s(redis_pid) - cpu_r0

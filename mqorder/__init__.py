@@ -29,6 +29,7 @@ from mqorder.errors import (
     MessageTooLargeError,
     MQOrderError,
     TopicNotFoundError,
+    TopicNotWritableError,
 )
 from mqorder.model import (
     ConsumeOrderlyStatus,
@@ -60,6 +61,7 @@ __all__ = [
     "SendResult",
     "SendStatus",
     "TopicNotFoundError",
+    "TopicNotWritableError",
     "orderly_listener",
     "register_consume_message_hook",
 ]

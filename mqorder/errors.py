@@ -23,6 +23,10 @@ class TopicNotFoundError(MQOrderError, LookupError):
     """The topic has no route in Redis: it was never created (or was deleted)."""
 
 
+class TopicNotWritableError(MQOrderError):
+    """The topic's permission is read-only (``r``): sends are refused until it is ``rw`` again."""
+
+
 class TopicExistsError(MQOrderError):
     """``create_topic`` was called with a queue layout different from the stored one."""
 

@@ -223,3 +223,16 @@ def test_a_topic_created_while_workers_run_is_consumed_within_seconds_without_be
     wait_for(lambda: _handled(r, "g-late", 1), timeout=5, interval=0.05, what="first message of a new topic")
     assert time.monotonic() - t0 < 5
     p.close()
+
+
+def test_a_write_only_topic_is_held_and_consumed_once_opened_for_reading(cluster: Cluster, r: redis.Redis) -> None:
+    cluster.start_worker("w1")
+    p = Producer(cluster.url)
+    p.create_topic("t-late", queues=2, perm="w")  # RocketMQ's PERM_WRITE only: fill, do not consume
+    p.send_orderly("t-late", body("k", 1), sharding_key="k")
+    time.sleep(3)  # several heartbeats: the topology change was seen, and nobody took the queues
+    assert not _handled(r, "g-late", 1)
+    assert all(not r.hget(keys.sub_state(mq.tag, "g-late"), "owner") for mq in p.describe_topic("t-late").message_queues)
+    p.topics.update_perm("t-late", "rw")
+    wait_for(lambda: _handled(r, "g-late", 1), timeout=5, interval=0.05, what="the held message once readable")
+    p.close()

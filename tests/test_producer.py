@@ -19,6 +19,7 @@ from mqorder.errors import (
     MessageTooLargeError,
     TopicExistsError,
     TopicNotFoundError,
+    TopicNotWritableError,
 )
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.store.log import MessageLog
@@ -196,3 +197,27 @@ def test_wake_nobody_heard_leaves_the_queue_to_the_sweep(producer: Producer, r: 
     producer.send_orderly("orders", b"x", sharding_key="k")
     # No subscriber on the owner's wake channel: no pending token that nobody would act on.
     assert r.hget(keys.sub_state(mq.tag, "g"), "pending") in (None, b"")
+
+
+def test_a_read_only_topic_refuses_sends_and_stores_nothing(producer: Producer) -> None:
+    producer.create_topic("ro", queues=2, perm="r")
+    with pytest.raises(TopicNotWritableError, match="read-only.*mqorder topic perm ro rw"):
+        producer.send_orderly("ro", b"x", sharding_key="k")
+    with pytest.raises(TopicNotWritableError):
+        producer.send_orderly_batch("ro", [("k", b"x")])
+    log = MessageLog(producer.brokers)
+    assert all(log.max_offset(mq) == 0 for mq in producer.describe_topic("ro").message_queues)
+
+
+@pytest.mark.parametrize("perm", ["", "x", "wr", "RW", None, 6])
+def test_bad_topic_permissions_are_refused_with_the_choices(producer: Producer, perm: object) -> None:
+    with pytest.raises(ConfigError, match="rw, r, w"):
+        producer.create_topic("p", queues=1, perm=perm)  # type: ignore[arg-type]
+    producer.create_topic("p", queues=1)
+    with pytest.raises(ConfigError, match="rw, r, w"):
+        producer.topics.update_perm("p", perm)  # type: ignore[arg-type]
+
+
+def test_perm_of_an_unknown_topic_cannot_be_changed(producer: Producer) -> None:
+    with pytest.raises(TopicNotFoundError):
+        producer.topics.update_perm("nope", "rw")

@@ -16,7 +16,7 @@ from typing import Any
 
 from mqorder.client.selector import Selector, resolve, select_by_hash
 from mqorder.codec import MsgIdGenerator, check_body, encode_header
-from mqorder.errors import BrokerUnavailableError, MessageError
+from mqorder.errors import BrokerUnavailableError, MessageError, TopicNotWritableError
 from mqorder.model import MessageQueue, SendResult, SendStatus
 from mqorder.names import check_topic
 from mqorder.settings import Settings, get_settings, load_settings
@@ -81,10 +81,16 @@ class Producer:
 
     # -- admin -----------------------------------------------------------------------------------
 
-    def create_topic(self, topic: str, queues: int = 8, *, brokers: list[str] | None = None) -> TopicRoute:
-        """Create ``topic`` with ``queues`` queues on each broker (idempotent for the same layout)."""
+    def create_topic(
+        self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, perm: str = "rw"
+    ) -> TopicRoute:
+        """Create ``topic`` with ``queues`` queues on each broker (idempotent for the same layout).
+
+        ``perm`` (``rw``, ``r``, ``w``; for a new topic) is RocketMQ's topic permission: a
+        write-only topic fills without being consumed until ``TopicManager.update_perm`` opens it.
+        """
         try:
-            route = self.topics.create_topic(topic, queues, brokers=brokers)
+            route = self.topics.create_topic(topic, queues, brokers=brokers, perm=perm)
         except TRANSIENT as exc:
             raise self._unavailable(self.brokers.default_name, exc) from exc
         with self._lock:
@@ -92,7 +98,7 @@ class Producer:
         return route
 
     def describe_topic(self, topic: str) -> TopicRoute:
-        return self._route(topic)[0]
+        return self._route(topic, for_send=False)[0]
 
     # -- sending ---------------------------------------------------------------------------------
 
@@ -226,19 +232,25 @@ class Producer:
                 return mq
         return queues[next(self._rr) % n]
 
-    def _route(self, topic: str) -> tuple[TopicRoute, list[MessageQueue]]:
+    def _route(self, topic: str, for_send: bool = True) -> tuple[TopicRoute, list[MessageQueue]]:
         check_topic(topic, allow_dlq=True)
         now = time.monotonic()
         cached = self._routes.get(topic)
         if cached and now - cached[0] < ROUTE_TTL:
-            return cached[1], cached[2]
-        try:
-            route = self.topics.describe_topic(topic)
-        except TRANSIENT as exc:
-            raise self._unavailable(self.brokers.default_name, exc) from exc
-        queues = route.message_queues
-        with self._lock:
-            self._routes[topic] = (now, route, queues)
+            route, queues = cached[1], cached[2]
+        else:
+            try:
+                route = self.topics.describe_topic(topic)
+            except TRANSIENT as exc:
+                raise self._unavailable(self.brokers.default_name, exc) from exc
+            queues = route.message_queues
+            with self._lock:
+                self._routes[topic] = (now, route, queues)
+        if for_send and not route.writable:
+            raise TopicNotWritableError(
+                f"topic {topic!r} is read-only (permission {route.perm!r}); nothing was sent. Allow writes "
+                f"with `mqorder topic perm {topic} rw` (producers see it within {ROUTE_TTL:.0f} s)"
+            )
         return route, queues
 
     def _unavailable(self, broker_name: str, exc: Exception) -> BrokerUnavailableError:

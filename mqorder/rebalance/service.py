@@ -118,11 +118,16 @@ class RebalanceService:
         pending_ttl = self.settings.ms(self.settings.pending_ttl)
         for (sub, topic), cids in sorted(lanes.items()):
             try:
-                mqs = self.topics.describe_topic(topic).message_queues
+                route = self.topics.describe_topic(topic)
             except TopicNotFoundError:
                 log.warning("group lane %s subscribes to %r, which does not exist yet", sub, topic)
                 continue
-            if keys.BROADCAST_SEP in sub:
+            mqs = route.message_queues
+            if not route.readable:
+                # Not readable (perm "w"): nobody consumes it; idle locks are released, running
+                # requests hand over to nobody at their next commit.
+                assignment = {}
+            elif keys.BROADCAST_SEP in sub:
                 assignment = {mq: cids[0] for mq in mqs}
             else:
                 assignment = allocate_all(self.strategy, keys.group_of_sub(sub), mqs, cids)

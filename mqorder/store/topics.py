@@ -18,6 +18,10 @@ from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.replies import text
 
 MAX_QUEUES_PER_BROKER = 1024
+#: RocketMQ's topic permissions (``PERM_READ | PERM_WRITE``, ``mqadmin updateTopicPerm``): a topic
+#: that is not readable is consumed by nobody (its queues are assigned to no client, so its
+#: backlog waits); one that is not writable refuses sends.
+PERMS = ("rw", "r", "w")
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,15 @@ class TopicRoute:
     topic: str
     queues_per_broker: dict[str, int]
     created_ms: int
+    perm: str = "rw"
+
+    @property
+    def readable(self) -> bool:
+        return "r" in self.perm
+
+    @property
+    def writable(self) -> bool:
+        return "w" in self.perm
 
     @property
     def message_queues(self) -> list[MessageQueue]:
@@ -37,6 +50,15 @@ class TopicRoute:
     @property
     def queue_count(self) -> int:
         return sum(self.queues_per_broker.values())
+
+
+def _check_perm(perm: object) -> str:
+    if perm not in PERMS:
+        raise ConfigError(
+            f"topic permission must be one of {', '.join(PERMS)} (read and write, read only, write only), "
+            f"got {perm!r}"
+        )
+    return str(perm)
 
 
 def _check_queue_count(queues: object) -> int:
@@ -61,10 +83,14 @@ class TopicManager:
         self.brokers = brokers
 
     def create_topic(
-        self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, allow_dlq: bool = False
+        self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, allow_dlq: bool = False,
+        perm: str = "rw",
     ) -> TopicRoute:
+        """Create ``topic`` (idempotent for the same layout). ``perm`` applies to a new topic only;
+        ``update_perm`` changes it later (e.g. create write-only, fill, then open for reading)."""
         check_topic(topic, allow_dlq=allow_dlq)
         n = _check_queue_count(queues)
+        perm = _check_perm(perm)
         names = sorted(set(brokers or [self.brokers.default_name]))
         for b in names:
             self.brokers.get(b)  # refuses unknown broker names with the list of known ones
@@ -74,7 +100,7 @@ class TopicManager:
         route_key = keys.topic_route(topic)
         # HSETNX makes concurrent creators agree on one layout.
         if meta.hsetnx(route_key, "layout", json.dumps(layout, sort_keys=True)):
-            meta.hset(route_key, "created_ms", created)
+            meta.hset(route_key, mapping={"created_ms": created, "perm": perm})
             meta.sadd(keys.topics(), topic)
             meta.incr(keys.topology_version())
         existing = self.describe_topic(topic)
@@ -88,13 +114,21 @@ class TopicManager:
     def describe_topic(self, topic: str) -> TopicRoute:
         if not isinstance(topic, str):
             raise TopicNotFoundError(f"topic must be a str, got {type(topic).__name__}")
-        raw = self.brokers.meta.hmget(keys.topic_route(topic), "layout", "created_ms")
+        raw = self.brokers.meta.hmget(keys.topic_route(topic), "layout", "created_ms", "perm")
         if raw[0] is None:
             raise TopicNotFoundError(
                 f"topic {topic!r} does not exist; create it first with "
                 f"Producer().create_topic({topic!r}, queues=8) or `mqorder topic create {topic} --queues 8`"
             )
-        return TopicRoute(topic, json.loads(raw[0]), int(raw[1] or 0))
+        return TopicRoute(topic, json.loads(raw[0]), int(raw[1] or 0), text(raw[2]) or "rw")
+
+    def update_perm(self, topic: str, perm: str) -> TopicRoute:
+        """Change a topic's permission (``mqadmin updateTopicPerm``); workers rebalance at once."""
+        perm = _check_perm(perm)
+        self.describe_topic(topic)  # refuses an unknown topic
+        self.brokers.meta.hset(keys.topic_route(topic), "perm", perm)
+        self.brokers.meta.incr(keys.topology_version())
+        return self.describe_topic(topic)
 
     def list_topics(self) -> list[str]:
         return sorted(text(t) for t in self.brokers.meta.smembers(keys.topics()))

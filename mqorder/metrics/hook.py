@@ -77,7 +77,10 @@ class MetricsHook(ConsumeMessageHook):
 
     A suspended batch sends to the DLQ the prefix of messages already reconsumed
     ``max_reconsume_times`` (``ConsumeRequest._suspend``); the hook counts the same prefix, with the
-    same limit (the listener's, else the settings'), from the reconsume counts the call saw.
+    same limit (the listener's, else the settings'), from the reconsume counts the call saw. (If
+    the run is fenced at that very moment, the DLQ write is skipped and the new owner redelivers:
+    the message is counted again there.) Results follow the hook's ``success`` flag, so ROLLBACK
+    counts as suspended even where ``auto_commit`` makes the engine treat it as SUCCESS.
     Messages that cannot even be decoded go to the DLQ without a listener call: the exporter's
     ``mqorder_dlq_messages`` counts those too.
     """

@@ -1,0 +1,195 @@
+"""Spark section: publish a DataFrame exactly once, next to the Python producer; read it back.
+
+In one run, against one fresh ``redis-server`` per measurement, on the same data (``rows``
+messages of ``body_size``-byte bodies over ``n_keys`` keys and a 16-queue topic one consumer group
+subscribes to, so every append does its subscription check; nobody owns the queues, so nobody is
+woken):
+
+* **spark publish**: ``mqorder.spark.publish`` of a cached DataFrame on ``local[2]`` (the Arrow
+  writer: queue computed in Spark SQL, repartition by queue, sort and encode in the tasks, staged
+  per queue, published on commit; exactly once: every message has an id and the append skips known
+  ids). Timed from the call to its return, the commit included.
+* **send_orderly_batch**: one Python process, the same (key, body) pairs pre-built, 10,000 per call.
+* **send_orderly**: one Python process, one synchronous call per message (a ``one_by_one`` prefix
+  of the same pairs; the rate is what matters).
+* **spark batch read**: ``spark.read.format("mqorder").load().count()`` of the published topic.
+
+Spark's session start (JVM, Python workers) is reported apart: it is paid once per application.
+Runnable alone: ``python -m bench.spark [--rows N]``; ``bench.run`` calls ``run`` and
+``markdown``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from typing import Any
+
+from bench.common import Config, client, log, redis_server
+from mqorder import Producer
+from mqorder.model import MessageModel
+
+TOPIC = "spark_bench"
+GROUP = "g-spark-bench"
+QUEUES = 16
+BATCH_CALL = 10_000
+#: Targets of the issue: Spark publish vs send_orderly_batch, and vs the one-by-one loop.
+TARGET_VS_BATCH = 0.7
+TARGET_VS_ONE_BY_ONE = 5.0
+
+
+def pairs(rows: int, n_keys: int, body_size: int) -> list[tuple[str, bytes]]:
+    """The (sharding key, body) pairs, exactly as the Spark DataFrame below builds them."""
+    out = []
+    for i in range(rows):
+        head = b'{"k":%d,"s":%d}' % (i % n_keys, i)
+        out.append((f"key-{i % n_keys}", head.ljust(body_size, b" ")))
+    return out
+
+
+def _fresh_topic(url: str) -> Producer:
+    r = client(url)
+    r.flushall()
+    r.close()
+    p = Producer(url)
+    p.create_topic(TOPIC, queues=QUEUES)
+    p.topics.subscribe(GROUP, TOPIC, MessageModel.CLUSTERING)
+    p.send_orderly(TOPIC, b"warm", sharding_key="warm")  # route and subscription caches, script load
+    return p
+
+
+def _stored(p: Producer) -> int:
+    from mqorder.store.log import MessageLog
+
+    log_ = MessageLog(p.brokers)
+    return sum(log_.max_offset(mq) for mq in p.describe_topic(TOPIC).message_queues)
+
+
+def run(cfg: Config | None = None, *, rows: int = 1_000_000, n_keys: int = 2000, body_size: int = 100,
+        one_by_one: int = 20_000, master: str = "local[2]") -> dict[str, Any]:
+    """Measure the four rows of the section once; returns plain numbers (JSON-ready)."""
+    cfg = cfg or Config()
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    out: dict[str, Any] = {"rows": rows, "n_keys": n_keys, "body_size": body_size, "queues": QUEUES,
+                           "master": master}
+    data = pairs(rows, n_keys, body_size)
+    with contextlib.ExitStack() as st:
+        srv = redis_server(st)
+        os.environ["MQORDER_REDIS_URL"] = srv.url
+
+        # -- Python producer baselines (before the JVM starts: neither competes with Spark) --------
+        p = _fresh_topic(srv.url)
+        n1 = min(one_by_one, rows)
+        t0 = time.perf_counter()
+        for key, body in data[:n1]:
+            p.send_orderly(TOPIC, body, sharding_key=key)
+        secs = time.perf_counter() - t0
+        out["send_orderly"] = {"messages": n1, "seconds": secs, "rate": n1 / secs}
+        p.close()
+        log(f"spark bench: send_orderly {n1 / secs:,.0f}/s")
+
+        p = _fresh_topic(srv.url)
+        t0 = time.perf_counter()
+        for c in range(0, rows, BATCH_CALL):
+            p.send_orderly_batch(TOPIC, data[c : c + BATCH_CALL])
+        secs = time.perf_counter() - t0
+        out["send_orderly_batch"] = {"messages": rows, "seconds": secs, "rate": rows / secs}
+        p.close()
+        log(f"spark bench: send_orderly_batch {rows / secs:,.0f}/s")
+        del data
+
+        # -- Spark ---------------------------------------------------------------------------------
+        from pyspark.sql import functions as F
+
+        import mqorder.spark as ms
+
+        t0 = time.perf_counter()
+        spark = ms.session("mqorder-bench", master, **{"spark.ui.enabled": "false", "spark.driver.memory": "2g",
+                                                       "spark.sql.shuffle.partitions": "8"})
+        spark.sparkContext.setLogLevel("ERROR")
+        out["session_start_s"] = time.perf_counter() - t0
+        st.callback(spark.stop)
+        ident = F.col("id")
+        head = F.concat(F.lit('{"k":'), (ident % n_keys).cast("string"), F.lit(',"s":'), ident.cast("string"),
+                        F.lit("}"))
+        df = (spark.range(rows).select(
+            F.concat(F.lit("key-"), (ident % n_keys).cast("string")).alias("key"),
+            ident.alias("ts"),
+            F.rpad(head, body_size, " ").cast("binary").alias("body"),
+        ).cache())
+        df.count()  # materialise the input: the timed region is the publish, not the data generation
+
+        p = _fresh_topic(srv.url)
+        # Warm-up on a small slice: Python workers started, scripts loaded (like the producer's warm send).
+        ms.publish(df.limit(1000), TOPIC, key="key", order_by="ts", body="body", redis_url=srv.url)
+        p.close()
+        p = _fresh_topic(srv.url)
+        t0 = time.perf_counter()
+        report = ms.publish(df, TOPIC, key="key", order_by="ts", body="body", redis_url=srv.url)
+        secs = time.perf_counter() - t0
+        stored = _stored(p) - 1  # minus the warm-up message
+        assert report.stored == rows == stored, (report, stored)
+        out["spark_publish"] = {"messages": rows, "seconds": secs, "rate": rows / secs,
+                                "commit_seconds": report.commit_seconds, "exactly_once": True}
+        log(f"spark bench: spark publish {rows / secs:,.0f}/s (commit {report.commit_seconds:.1f}s)")
+
+        t0 = time.perf_counter()
+        counted = spark.read.format("mqorder").option("topic", TOPIC).option("redisUrl", srv.url).load().count()
+        secs = time.perf_counter() - t0
+        assert counted == rows + 1, counted
+        out["spark_read"] = {"messages": counted, "seconds": secs, "rate": counted / secs}
+        log(f"spark bench: spark batch read {counted / secs:,.0f}/s")
+        p.close()
+
+    sp, batch, one = (out[k]["rate"] for k in ("spark_publish", "send_orderly_batch", "send_orderly"))
+    out["ratio_vs_batch"] = sp / batch
+    out["ratio_vs_one_by_one"] = sp / one
+    return out
+
+
+def markdown(res: dict[str, Any]) -> str:
+    """The section as Markdown: one table, targets beside the ratios."""
+    def rate(k: str) -> str:
+        r = res[k]
+        return f"{r['rate']:,.0f} msg/s ({r['messages']:,} in {r['seconds']:.1f} s)"
+
+    lines = [
+        f"{res['rows']:,} messages of {res['body_size']} B over {res['n_keys']:,} keys and {res['queues']} queues; "
+        f"Spark on `{res['master']}`.",
+        "",
+        "| measure | result | target |",
+        "|---|---|---|",
+        f"| Spark `publish` (Arrow writer, exactly once) | {rate('spark_publish')} | |",
+        f"| `send_orderly_batch`, one Python process | {rate('send_orderly_batch')} | |",
+        f"| `send_orderly` one by one | {rate('send_orderly')} | |",
+        f"| Spark publish / send_orderly_batch | {res['ratio_vs_batch']:.2f}x | >= {TARGET_VS_BATCH}x "
+        f"{'met' if res['ratio_vs_batch'] >= TARGET_VS_BATCH else 'NOT met'} |",
+        f"| Spark publish / send_orderly | {res['ratio_vs_one_by_one']:.1f}x | >= {TARGET_VS_ONE_BY_ONE:.0f}x "
+        f"{'met' if res['ratio_vs_one_by_one'] >= TARGET_VS_ONE_BY_ONE else 'NOT met'} |",
+        f"| Spark batch read into a count | {rate('spark_read')} | |",
+        f"| Spark session start (once per application, not in the rates) | {res['session_start_s']:.1f} s | |",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.spark", description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--one-by-one", type=int, default=20_000)
+    ap.add_argument("--master", default=os.environ.get("MQORDER_SPARK_MASTER", "local[2]"))
+    ap.add_argument("--json", help="also write the raw figures to this file")
+    args = ap.parse_args(argv)
+    res = run(rows=args.rows, one_by_one=args.one_by_one, master=args.master)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    sys.stdout.write(markdown(res))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -42,6 +42,12 @@ from mqorder.tokens import new_token
 PUBLISH_CHUNK = 2000
 #: Staging calls sent per round trip.
 STAGE_PIPELINE = 16
+#: A staging call carries at most about this many bytes, a round trip about this many: large
+#: bodies make smaller chunks, so neither Redis nor the task holds gigabytes at once.
+CALL_BYTES = 4 * 1024 * 1024
+TRIP_BYTES = 32 * 1024 * 1024
+#: A publish call moves at most about this many bytes (its rows are held in Lua at once).
+PUBLISH_BYTES = 8 * 1024 * 1024
 
 
 @dataclass
@@ -112,28 +118,41 @@ class StagingArea:
         broker = self.brokers.get(mq.broker_name)
         key = keys.stage_run(mq.tag, self.job, run)
         staged = 0
-        starts = list(range(0, len(rows), chunk))
-        for g in range(0, len(starts), STAGE_PIPELINE):
-            calls = []
-            for start in starts[g : g + STAGE_PIPELINE]:
-                args: list[Any] = [start, self.ttl_ms]
-                for sk, mid, header, body in rows[start : start + chunk]:
-                    args.append(sk)
-                    args.append(mid)
-                    args.append(header)
-                    args.append(body)
+        calls: list[tuple[list[str], list[Any]]] = []
+        args: list[Any] = [0, self.ttl_ms]
+        call_bytes = trip_bytes = 0
+        for pos, (sk, mid, header, body) in enumerate(rows):
+            args.append(sk)
+            args.append(mid)
+            args.append(header)
+            args.append(body)
+            size = len(sk) + len(mid) + len(header) + len(body)
+            call_bytes += size
+            trip_bytes += size
+            if len(args) - 2 >= 4 * chunk or call_bytes >= CALL_BYTES or pos == len(rows) - 1:
                 calls.append(([key], args))
-            with translated(mq.broker_name, broker.safe_url, self.timeout, "stage"):
-                replies = _run_pipelined(broker, "stage", calls)
-            staged += sum(int(r[0]) for r in replies)
-            if after_chunk is not None:
-                after_chunk(min(len(rows), starts[g : g + STAGE_PIPELINE][-1] + chunk))
+                args = [pos + 1, self.ttl_ms]
+                call_bytes = 0
+                if len(calls) >= STAGE_PIPELINE or trip_bytes >= TRIP_BYTES or pos == len(rows) - 1:
+                    with translated(mq.broker_name, broker.safe_url, self.timeout, "stage"):
+                        replies = _run_pipelined(broker, "stage", calls)
+                    staged += sum(int(r[0]) for r in replies)
+                    calls, trip_bytes = [], 0
+                    if after_chunk is not None:
+                        after_chunk(pos + 1)
         return staged
 
     # -- the job's commit and abort --------------------------------------------------------------------
 
-    def publish(self, runs: dict[int, set[int]], *, chunk: int = PUBLISH_CHUNK) -> PublishTotals:
-        """Move every run of every queue into its log, in order; queues in parallel per broker."""
+    def publish(self, runs: dict[int, set[int]], *, chunk: int = PUBLISH_CHUNK,
+                row_bytes: dict[int, int] | None = None) -> PublishTotals:
+        """Move every run of every queue into its log, in order; queues in parallel per broker.
+
+        ``row_bytes`` (average staged row size per queue) shrinks a queue's chunk so one call moves
+        about ``PUBLISH_BYTES`` at most.
+        """
+        sizes = row_bytes or {}
+        chunks = {i: max(1, min(chunk, PUBLISH_BYTES // max(1, sizes.get(i, 1)))) for i in runs}
         totals = PublishTotals({i: QueueTotals() for i in runs})
         pending = {i: sorted(r) for i, r in runs.items() if r}
         while pending:
@@ -142,7 +161,7 @@ class StagingArea:
             for broker_name, idxs in by_broker.items():
                 broker = self.brokers.get(broker_name)
                 with translated(broker_name, broker.safe_url, self.timeout, "publish"):
-                    replies = self._publish_round(broker, idxs, pending, chunk)
+                    replies = self._publish_round(broker, idxs, pending, chunks)
                 for i, reply in zip(idxs, replies, strict=True):
                     stored, dups, remaining, first = (int(x) for x in reply[:4])
                     t = totals.queues[i]
@@ -156,8 +175,9 @@ class StagingArea:
                 del pending[i]
         return totals
 
-    def _publish_round(self, broker: Any, idxs: list[int], pending: dict[int, list[int]], chunk: int) -> list[Any]:
-        return _run_pipelined(broker, "publish_staged", [self._publish_call(i, pending[i], chunk) for i in idxs])
+    def _publish_round(self, broker: Any, idxs: list[int], pending: dict[int, list[int]],
+                       chunks: dict[int, int]) -> list[Any]:
+        return _run_pipelined(broker, "publish_staged", [self._publish_call(i, pending[i], chunks[i]) for i in idxs])
 
     def _publish_call(self, index: int, runs: list[int], chunk: int) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of ``publish_staged.lua``: the append keys, the runs, then the wake-up tail

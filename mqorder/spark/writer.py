@@ -48,6 +48,8 @@ class StagedRuns(WriterCommitMessage):
     attempt: int
     rows: dict[int, int] = field(default_factory=dict)
     skipped_nulls: int = 0
+    #: Bytes staged per queue index (sizes the commit's publish calls).
+    bytes: dict[int, int] = field(default_factory=dict)
     refusal: Refusal | None = None
 
 
@@ -96,7 +98,8 @@ class _Staging:
                 done += len(rows)
         finally:
             brokers.close()
-        return StagedRuns(job, run, attempt, {i: len(r) for i, r in enc.runs.items()}, enc.skipped_nulls)
+        sizes = {i: sum(len(sk) + len(mid) + len(h) + len(b) for sk, mid, h, b in r) for i, r in enc.runs.items()}
+        return StagedRuns(job, run, attempt, {i: len(r) for i, r in enc.runs.items()}, enc.skipped_nulls, sizes)
 
     def _area(self, brokers, job: str) -> StagingArea:  # noqa: ANN001 - a BrokerRegistry
         p = self.plan
@@ -125,11 +128,13 @@ class _Staging:
                 raise JobRefusedError(text)
             runs: dict[int, set[int]] = defaultdict(set)
             expected: dict[int, int] = defaultdict(int)
+            nbytes: dict[int, int] = defaultdict(int)
             for m in _one_per_run(msgs):
                 for index, n in m.rows.items():
                     runs[index].add(m.run)
                     expected[index] += n
-            totals = area.publish(runs)
+                    nbytes[index] += m.bytes.get(index, 0)
+            totals = area.publish(runs, row_bytes={i: nbytes[i] // max(1, expected[i]) for i in runs})
             area.forget()
             missing = {i: expected[i] - (t.stored + t.duplicates) for i, t in totals.queues.items()
                        if t.stored + t.duplicates != expected[i]}

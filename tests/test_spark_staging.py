@@ -1,0 +1,175 @@
+"""The pieces under the Spark writer, on real Redis and without a Spark session: the order-preserving
+sort keys, the encoding of a partition, and the staging area (stage.lua, publish_staged.lua)."""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+
+import pyarrow as pa
+import pytest
+import redis
+
+from mqorder import Producer
+from mqorder.model import MessageQueue
+from mqorder.spark.encoding import _enc_bytes, _enc_float, _enc_int, _enc_str, encode_partition
+from mqorder.spark.options import Connection
+from mqorder.spark.plan import QueueRef, WritePlan
+from mqorder.spark.staging import StagingArea
+from mqorder.store.log import MessageLog
+from tests.spark_support import staged_keys
+
+pytest.importorskip("pyspark")
+
+
+# -- order-preserving bytes ------------------------------------------------------------------------
+
+
+def test_sort_keys_order_like_the_values() -> None:
+    rnd = random.Random(1)
+    ints = [-(2**63), -1, 0, 1, 2**63 - 1, *(rnd.randrange(-(2**63), 2**63) for _ in range(300))]
+    assert sorted(ints) == sorted(ints, key=_enc_int)
+    floats = [-math.inf, -1e300, -1.5, -0.0, 0.0, 5e-324, 1.0, 1e300, math.inf,
+              *(struct.unpack(">d", rnd.randbytes(8))[0] for _ in range(300))]
+    floats = [f for f in floats if not math.isnan(f)]
+    assert sorted(floats) == sorted(floats, key=_enc_float)
+    assert _enc_float(-0.0) == _enc_float(0.0)
+    assert _enc_float(math.nan) > _enc_float(math.inf)  # NaN sorts last, as in Spark
+    texts = ["", "a", "a\x00", "a\x00b", "ab", "b", "é", "日本", "\x00", "\x00\x00", "🚀"]
+    assert sorted(t.encode() for t in texts) == sorted((t.encode() for t in texts), key=_enc_bytes)
+    # A sort key is the value's bytes then the message id: the id never changes the value order.
+    assert _enc_str("a") + b"zzzz" < _enc_str("a\x00") + b"0000" < _enc_str("ab") + b"0000"
+
+
+# -- one partition ---------------------------------------------------------------------------------
+
+
+def plan(queues: int = 4, **kw: object) -> WritePlan:
+    base = dict(topic="t", queues=tuple(QueueRef(i, "broker-a", i) for i in range(queues)), key="k",
+                key_kind="string", order_by="o", order_kind="int", body="b", body_kind="binary", id_column=None,
+                json_columns=("k", "o", "b"), on_null="fail", staging_ttl_ms=60_000, stage_chunk=100,
+                job_id="j1", conn=Connection("redis://127.0.0.1:1/0", max_message_size=64))
+    base.update(kw)
+    return WritePlan(**base)  # type: ignore[arg-type]
+
+
+def table(rows: list[tuple]) -> pa.Table:
+    k, o, b = zip(*rows, strict=True) if rows else ((), (), ())
+    return pa.table({"k": pa.array(k, pa.string()), "o": pa.array(o, pa.int64()), "b": pa.array(b, pa.binary())})
+
+
+def test_a_partition_is_grouped_by_queue_ordered_and_given_deterministic_ids() -> None:
+    rows = [("x", 3, b"c"), ("y", 1, b"a"), ("x", 1, b"a"), ("x", 2, b"b"), ("x", 2, b"b"), ("", 0, b"e")]
+    enc = encode_partition(table(rows), plan())
+    again = encode_partition(table(list(reversed(rows))), plan())
+    ids = {q: [mid for _, mid, _, _ in run] for q, run in enc.runs.items()}
+    assert ids == {q: [mid for _, mid, _, _ in run] for q, run in again.runs.items()}
+    for run in enc.runs.values():
+        assert [sk for sk, *_ in run] == sorted(sk for sk, *_ in run)
+    xs = [(h, b) for run in enc.runs.values() for _, _, h, b in run if b'"k":["x"]' in h]
+    assert [b for _, b in xs] == [b"a", b"b", b"b", b"c"]  # x's rows in o order, the twin kept
+    x_ids = [mid for run in enc.runs.values() for _, mid, h, _ in run if b'"k":["x"]' in h]
+    assert len(set(x_ids)) == 4 and x_ids[2] == x_ids[1] + ".1"  # identical rows: distinct messages
+    assert enc.rows == 6 and not enc.refusal
+    # A stream prefixes the batch id: the same row in two micro-batches is two messages.
+    b7 = encode_partition(table(rows), plan(), id_prefix="7.")
+    assert all(mid.startswith("7.") for run in b7.runs.values() for _, mid, _, _ in run)
+
+
+def test_bad_rows_are_counted_not_dropped() -> None:
+    t = pa.table({"k": pa.array(["a", None, None, "b"], pa.string()), "o": pa.array([1, 2, None, 4], pa.int64()),
+                  "b": pa.array([b"x", b"y", b"z", b"w" * 65], pa.binary())})
+    enc = encode_partition(t, plan())
+    assert (enc.refusal.null_key, enc.refusal.null_order, enc.refusal.too_large, enc.refusal.largest) == (2, 1, 1, 65)
+    assert enc.runs == {}
+    text = enc.refusal.describe("k", "o", 64)
+    assert "2 rows have a null key ('k')" in text and "1 rows are over max_message_size 64 bytes" in text
+    skip = encode_partition(t, plan(on_null="skip", conn=Connection("redis://x:1/0", max_message_size=100)))
+    assert (skip.skipped_nulls, skip.rows, sum(len(r) for r in skip.runs.values())) == (2, 2, 2)
+
+
+# -- staging on real Redis -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def area(redis_url: str):  # noqa: ANN201
+    with Producer(redis_url) as p:
+        p.create_topic("t", queues=2)
+        yield StagingArea(p.brokers, "t", [QueueRef(i, "broker-a", i) for i in range(2)], "job1", ttl_ms=60_000)
+
+
+def staged_row(v: int, tag: str = "") -> tuple[bytes, str, bytes, bytes]:
+    mid = f"id{v}{tag}"
+    return (_enc_int(v) + mid.encode(), mid, b'{"i":"%s","b":1}' % mid.encode(), b"%d" % v)
+
+
+def bodies(area: StagingArea, index: int) -> list[int]:
+    return [int(m.body) for m in MessageLog(area.brokers).read(area.mq(index), 0, 10**6)]
+
+
+def test_staging_is_idempotent_by_position_and_refuses_a_different_input(area: StagingArea) -> None:
+    rows = [staged_row(v) for v in range(100)]
+    area.register(0, [0])
+    assert area.stage(0, 0, rows[:30], chunk=7) == 30  # a first attempt dies after 30 rows
+    assert area.stage(0, 0, rows, chunk=9) == 70  # its retry stages only the rest
+    assert area.stage(0, 0, rows, chunk=100) == 0  # a concurrent copy finishing last adds nothing
+    with pytest.raises(redis.ResponseError, match="MQORDER_STAGE_MISMATCH"):
+        area.stage(0, 0, [staged_row(0, "other")], chunk=10)
+    assert bodies(area, 0) == []  # nothing is visible before the commit
+
+
+def test_publish_merges_runs_in_order_and_a_repeat_stores_nothing(area: StagingArea, r: redis.Redis) -> None:
+    rnd = random.Random(4)
+    values = rnd.sample(range(-5000, 5000), 900)
+    runs = [sorted(values[i::3]) for i in range(3)]  # three tasks' partitions of one queue
+    for run, vals in enumerate(runs):
+        area.register(run, [1])
+        area.stage(1, run, [staged_row(v) for v in vals], chunk=50)
+    totals = area.publish({1: {0, 1, 2}}, chunk=64)  # many calls: the merge resumes between them
+    assert (totals.stored, totals.duplicates) == (900, 0)
+    assert bodies(area, 1) == sorted(values)
+    assert staged_keys(r) == [b"mqorder:spark:job:job1:runs"]  # runs are gone once published
+    # The job's rows staged again (a re-run) publish nothing new, by id.
+    area.stage(1, 0, [staged_row(v) for v in runs[0]], chunk=50)
+    again = area.publish({1: {0}})
+    assert (again.stored, again.duplicates) == (0, 300)
+    assert bodies(area, 1) == sorted(values)
+
+
+def test_abort_drops_every_registered_run(area: StagingArea, r: redis.Redis) -> None:
+    for run in range(3):
+        area.register(run, [0, 1])
+        for q in (0, 1):
+            area.stage(q, run, [staged_row(v) for v in range(run * 10, run * 10 + 10)], chunk=4)
+    assert len(staged_keys(r)) == 7
+    assert area.drop() == 6
+    assert staged_keys(r) == []
+    assert bodies(area, 0) == bodies(area, 1) == []
+    assert r.ttl(area.run_key(0, 0)) == -2
+
+
+def test_staged_runs_expire(area: StagingArea, r: redis.Redis) -> None:
+    area.register(0, [0])
+    area.stage(0, 0, [staged_row(1)], chunk=1)
+    assert 0 < r.pttl(area.run_key(0, 0)) <= 60_000
+    assert 0 < r.pttl("mqorder:spark:job:job1:runs") <= 60_000
+
+
+def test_a_publish_wakes_the_owner_of_an_idle_queue(area: StagingArea, r: redis.Redis) -> None:
+    """Staged rows enter the log through the one append path, wake-ups included."""
+    from mqorder import keys
+
+    mq = MessageQueue("t", "broker-a", 0)
+    area.appender.topics.add_sub("t", "g")
+    r.hset(keys.sub_state(mq.tag, "g"), mapping={"owner": "w1", "lease": 2**50})
+    sub = r.pubsub()
+    sub.subscribe(keys.wake_channel("w1"))
+    sub.get_message(timeout=1)
+    area.register(0, [0])
+    area.stage(0, 0, [staged_row(v) for v in range(5)], chunk=5)
+    area.publish({0: {0}})
+    msg = sub.get_message(timeout=2)
+    assert msg is not None and b'"t:broker-a:0"' in msg["data"]
+    assert r.hget(keys.sub_state(mq.tag, "g"), "pending")
+    sub.close()

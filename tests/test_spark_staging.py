@@ -173,3 +173,32 @@ def test_a_publish_wakes_the_owner_of_an_idle_queue(area: StagingArea, r: redis.
     assert msg is not None and b'"t:broker-a:0"' in msg["data"]
     assert r.hget(keys.sub_state(mq.tag, "g"), "pending")
     sub.close()
+
+
+def test_the_reader_turns_every_stored_entry_into_a_row_even_a_damaged_one(redis_url: str, r: redis.Redis) -> None:
+    from mqorder import keys
+    from mqorder.spark.reader import QueueRange, QueueSpan, read_range
+
+    with Producer(redis_url) as p:
+        p.create_topic("mixed", queues=1)
+        p.send_orderly("mixed", b"plain", sharding_key="a", keys="a")
+        p.send_orderly("mixed", b"props", sharding_key="a", keys=["a", "b"], tags="T", properties={"x": "1"})
+        mq = p.describe_topic("mixed").message_queues[0]
+    log_key = keys.queue_log(mq.tag)
+    r.xadd(log_key, {"h": b"not json", "b": b"junk", "s": b"5"}, id="2-1")
+    r.xadd(log_key, {"h": b'{"i": 7, "b": "x", "k": "a"}', "b": b"odd"}, id="3-1")
+    r.set(keys.queue_next(mq.tag), 4)
+    for start in (0, 2):  # a page with only well-formed headers takes the fast path; a mixed one the careful one
+        batches = list(read_range(Connection(redis_url), QueueRange("mixed", QueueSpan(0, "broker-a", 0), start, 4)))
+        rows = pa.Table.from_batches(batches).to_pylist()
+        assert [row["offset"] for row in rows] == list(range(start, 4))
+        by_off = {row["offset"]: row for row in rows}
+        if start == 0:
+            assert (by_off[0]["key"], by_off[0]["body"], by_off[0]["properties"]) == ("a", b"plain", [])
+            assert (by_off[1]["tags"], by_off[1]["properties"]) == ("T", [("x", "1")])
+            assert by_off[0]["born_timestamp"] is not None
+        assert (by_off[2]["msg_id"], by_off[2]["body"], by_off[2]["store_timestamp"].year) == (None, b"junk", 1970)
+        assert (by_off[3]["msg_id"], by_off[3]["key"], by_off[3]["born_timestamp"], by_off[3]["body"]) == \
+            (None, None, None, b"odd")
+    only_good = list(read_range(Connection(redis_url), QueueRange("mixed", QueueSpan(0, "broker-a", 0), 0, 1)))
+    assert pa.Table.from_batches(only_good).column("key").to_pylist() == ["a"]

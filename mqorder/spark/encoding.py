@@ -215,26 +215,25 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
     order_vals, enc = order_values(table.column(plan.order_by), plan.order_kind)
     user_ids = [str(v) for v in table.column(plan.id_column).to_pylist()] if plan.id_column else None
 
-    prefix = id_prefix.encode()
-    blake = hashlib.blake2b
-    order_b: list[bytes] = []
+    # The id hash covers length-prefixed key, orderBy bytes and body (and the stream batch prefix).
+    base = hashlib.blake2b(digest_size=16, person=b"mqorder-spark")
+    if id_prefix:
+        base.update(len(id_prefix).to_bytes(4, "big") + id_prefix.encode())
     ids: list[str] = []
     sort_keys: list[bytes] = []
+    add_id, add_sk = ids.append, sort_keys.append
     for i in range(n):
         ob = enc(order_vals[i])
-        order_b.append(ob)
         if user_ids is None:
             k = keys_b[i]
-            b = bodies[i]
-            h = blake(len(k).to_bytes(4, "big") + k + len(ob).to_bytes(4, "big") + ob + b, digest_size=16,
-                      person=b"mqorder-spark")
-            if prefix:
-                h.update(prefix)
+            h = base.copy()
+            h.update(len(k).to_bytes(4, "big") + k + len(ob).to_bytes(4, "big") + ob)
+            h.update(bodies[i])
             mid = id_prefix + h.hexdigest()
         else:
             mid = user_ids[i]
-        ids.append(mid)
-        sort_keys.append(ob + mid.encode())
+        add_id(mid)
+        add_sk(ob + mid.encode())
 
     order = pc.sort_indices(
         pa.table({"q": pa.array(queues, pa.int32()), "k": pa.array(sort_keys, pa.binary())}),
@@ -242,6 +241,9 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
     ).to_pylist()
 
     born = int(time.time() * 1000) if born_ms is None else born_ms
+    # The header codec.encode_header writes ({"i", "b", "k"}), formatted directly: the key's JSON
+    # is computed once per distinct key, and a generated id is hex (nothing to escape).
+    key_json: dict[bytes, bytes] = {}
     dumps = orjson.dumps
     runs: dict[int, list[StagedRow]] = {}
     prev_q, prev_sk, dup = -1, b"", 0
@@ -254,8 +256,11 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
         else:
             dup = 0
         prev_q, prev_sk = q, sk
-        key = keys_b[i].decode("utf-8")
-        header = dumps({"i": mid, "b": born, "k": [key]} if key else {"i": mid, "b": born})
+        kb = keys_b[i]
+        kj = key_json.get(kb)
+        if kj is None:
+            kj = key_json[kb] = b',"k":[' + dumps(kb.decode("utf-8")) + b"]" if kb else b""
+        header = b'{"i":%s,"b":%d%s}' % (dumps(mid), born, kj)
         if len(header) > MAX_HEADER_SIZE:
             out.refusal.too_large += 1
             out.refusal.largest = max(out.refusal.largest, len(header))

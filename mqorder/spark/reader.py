@@ -12,12 +12,15 @@ is parsed once per message with orjson, the body is passed through untouched).
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import orjson
 import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pa_json
 from pyspark.sql.datasource import DataSourceReader, InputPartition
 
 from mqorder import keys
@@ -176,44 +179,90 @@ def read_range(conn: Connection, part: QueueRange) -> Iterator[pa.RecordBatch]:
         brokers.close()
 
 
-def _batch(part: QueueRange, entries: list) -> pa.RecordBatch:  # noqa: C901 - one pass, one column each
-    offsets, ids, keys_, tags, props, bodies, born, stored = [], [], [], [], [], [], [], []
-    loads = orjson.loads
+def _from_dict(h: dict) -> tuple[str | None, str | None, str | None, list[tuple[str, str]], int | None]:
+    """(msg id, first key, tags, properties, born ms) of a parsed header; None for what is not
+    there or not of its type (a damaged header still gives its row: a reader never drops one)."""
+    mid, k, t, p, b = h.get("i"), h.get("k"), h.get("t"), h.get("p"), h.get("b")
+    return (
+        mid if type(mid) is str else None,
+        k[0] if type(k) is list and k and type(k[0]) is str else None,
+        t if type(t) is str else None,
+        [(a, v) for a, v in p.items() if type(v) is str] if type(p) is dict else [],
+        b if type(b) is int else None,
+    )
+
+
+def _header(raw: bytes) -> tuple[str | None, str | None, str | None, list[tuple[str, str]], int | None]:
+    try:
+        h = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        h = None
+    return _from_dict(h) if type(h) is dict else (None, None, None, [], None)
+
+
+def _fields(entries: list) -> tuple[list[int], list[bytes], list[bytes], list[int | None]]:
+    """Offsets, raw headers, bodies and store times of raw ``XRANGE`` entries."""
+    offsets, heads, bodies, stored = [], [], [], []
     for entry_id, fields in entries:
-        f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=False))
+        if len(fields) == 6 and fields[0] == b"h" and fields[2] == b"b" and fields[4] == b"s":
+            raw_h, body, raw_s = fields[1], fields[3], fields[5]  # the layout append_entries writes
+        else:
+            f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=False))
+            raw_h, body, raw_s = f.get(b"h", b"{}"), f.get(b"b", b""), f.get(b"s", b"")
         offsets.append(int(entry_id.split(b"-", 1)[0]))
-        try:
-            h = loads(f.get(b"h", b"{}"))
-        except orjson.JSONDecodeError:
-            h = {}
-        if not isinstance(h, dict):
-            h = {}
-        mid = h.get("i")
-        ids.append(mid if isinstance(mid, str) else None)
-        k = h.get("k")
-        keys_.append(k[0] if isinstance(k, list) and k and isinstance(k[0], str) else None)
-        t = h.get("t")
-        tags.append(t if isinstance(t, str) else None)
-        p = h.get("p")
-        props.append(list(p.items()) if isinstance(p, dict) else [])
-        bodies.append(f.get(b"b", b""))
-        b = h.get("b")
-        born.append(b if isinstance(b, int) and not isinstance(b, bool) else None)
-        try:
-            stored.append(int(f.get(b"s", b"0")))
-        except ValueError:
-            stored.append(None)
+        heads.append(raw_h)
+        bodies.append(body)
+        stored.append(int(raw_s) if raw_s.isdigit() else None)
+    return offsets, heads, bodies, stored
+
+
+#: The header fields parsed by Arrow's JSON reader (C++); a page with properties, or a header
+#: Arrow refuses, is parsed in Python field by field instead.
+_HEADER_SCHEMA = pa.schema([("i", pa.string()), ("b", pa.int64()), ("k", pa.list_(pa.string())), ("t", pa.string())])
+_HEADER_PARSE = pa_json.ParseOptions(explicit_schema=_HEADER_SCHEMA, unexpected_field_behavior="ignore")
+_HEADER_READ = pa_json.ReadOptions(use_threads=False, block_size=64 * 1024 * 1024)
+
+
+def _headers_arrow(heads: list[bytes]) -> list[pa.Array] | None:
+    """msg id, first key, tags, properties and born time columns, or None to take the careful path."""
+    joined = b"\n".join(heads)
+    if b'"p"' in joined or b"\n" in b"".join(heads):
+        return None
+    try:
+        t = pa_json.read_json(io.BytesIO(joined), read_options=_HEADER_READ, parse_options=_HEADER_PARSE)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return None
+    if t.num_rows != len(heads):
+        return None
+    first_key = pc.list_slice(t.column("k"), 0, 1, return_fixed_size_list=True).combine_chunks().flatten()
+    n = len(heads)
+    no_props = pa.MapArray.from_arrays(pa.array([0] * (n + 1), pa.int32()), pa.array([], pa.string()),
+                                       pa.array([], pa.string()))
+    return [t.column("i").combine_chunks(), first_key, t.column("t").combine_chunks(), no_props,
+            t.column("b").combine_chunks().cast(_TS_MS).cast(_TS)]
+
+
+def _headers_python(heads: list[bytes]) -> list[pa.Array]:
+    n = len(heads)
+    ids, keys_, tags, props, born = zip(*(_header(h) for h in heads), strict=True) if n else ([], [], [], [], [])
+    return [pa.array(ids, pa.string()), pa.array(keys_, pa.string()), pa.array(tags, pa.string()),
+            pa.array(props, pa.map_(pa.string(), pa.string())), pa.array(born, _TS_MS).cast(_TS)]
+
+
+def _batch(part: QueueRange, entries: list) -> pa.RecordBatch:
+    offsets, heads, bodies, stored = _fields(entries)
     n = len(offsets)
+    ids, keys_, tags, props, born = (_headers_arrow(heads) if n else None) or _headers_python(heads)
     return pa.RecordBatch.from_arrays([
         pa.array([part.topic] * n, pa.string()),
         pa.array([part.span.index] * n, pa.int32()),
         pa.array(offsets, pa.int64()),
-        pa.array(ids, pa.string()),
-        pa.array(keys_, pa.string()),
-        pa.array(tags, pa.string()),
-        pa.array(props, pa.map_(pa.string(), pa.string())),
+        ids,
+        keys_,
+        tags,
+        props,
         pa.array(bodies, pa.binary()),
-        pa.array(born, _TS_MS).cast(_TS),
+        born,
         pa.array(stored, _TS_MS).cast(_TS),
     ], schema=ARROW_SCHEMA)
 

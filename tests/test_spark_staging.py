@@ -202,3 +202,22 @@ def test_the_reader_turns_every_stored_entry_into_a_row_even_a_damaged_one(redis
             (None, None, None, b"odd")
     only_good = list(read_range(Connection(redis_url), QueueRange("mixed", QueueSpan(0, "broker-a", 0), 0, 1)))
     assert pa.Table.from_batches(only_good).column("key").to_pylist() == ["a"]
+
+
+def test_the_merge_compares_sort_keys_byte_by_byte_whatever_their_length(area: StagingArea) -> None:
+    """String orderBy values: shared prefixes, bytes over 0x7f, keys shorter and longer than 8 bytes."""
+    rnd = random.Random(8)
+    alphabet = [b"a", b"b", b"\x00", b"\x7f", b"\x80", b"\xff", "é".encode()]
+    values = sorted({b"".join(rnd.choice(alphabet) for _ in range(rnd.randrange(0, 20))) for _ in range(600)})
+    shuffled = values[:]
+    rnd.shuffle(shuffled)
+
+    def row(v: bytes) -> tuple[bytes, str, bytes, bytes]:
+        mid = v.hex() or "empty"
+        return (_enc_bytes(v) + mid.encode(), mid, b'{"i":"%s","b":1}' % mid.encode(), v)
+
+    for run in range(4):
+        area.register(run, [0])
+        area.stage(0, run, sorted((row(v) for v in shuffled[run::4]), key=lambda t: t[0]), chunk=33)
+    area.publish({0: {0, 1, 2, 3}}, chunk=50)
+    assert [m.body for m in MessageLog(area.brokers).read(area.mq(0), 0, 10**6)] == values

@@ -221,3 +221,15 @@ def test_the_merge_compares_sort_keys_byte_by_byte_whatever_their_length(area: S
         area.stage(0, run, sorted((row(v) for v in shuffled[run::4]), key=lambda t: t[0]), chunk=33)
     area.publish({0: {0, 1, 2, 3}}, chunk=50)
     assert [m.body for m in MessageLog(area.brokers).read(area.mq(0), 0, 10**6)] == values
+
+
+def test_fast_header_parse_keeps_one_row_per_header_with_or_without_keys() -> None:
+    from mqorder.spark.reader import _headers_arrow, _headers_python
+
+    heads = [b'{"i":"a","b":1,"k":["x"]}', b'{"i":"b","b":2}', b'{"i":"c","b":3,"k":[]}',
+             b'{"i":"d","b":4,"k":["y","z"],"t":"T"}']
+    fast = _headers_arrow(heads)
+    assert fast is not None
+    assert [c.to_pylist() for c in fast] == [c.to_pylist() for c in _headers_python(heads)]
+    assert fast[1].to_pylist() == ["x", None, None, "y"]
+    assert _headers_arrow([*heads, b'{"i":"e","b":5,"p":{"x":"1"}}']) is None  # properties: the careful path

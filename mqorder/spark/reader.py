@@ -234,8 +234,12 @@ def _headers_arrow(heads: list[bytes]) -> list[pa.Array] | None:
         return None
     if t.num_rows != len(heads):
         return None
-    first_key = pc.list_slice(t.column("k"), 0, 1, return_fixed_size_list=True).combine_chunks().flatten()
     n = len(heads)
+    # A header without keys has k null: make it [null] so every row keeps one (null) first key.
+    k = pc.fill_null(t.column("k").combine_chunks(), pa.scalar([None], pa.list_(pa.string())))
+    first_key = pc.list_slice(k, 0, 1, return_fixed_size_list=True).flatten()
+    if len(first_key) != n:
+        return None
     no_props = pa.MapArray.from_arrays(pa.array([0] * (n + 1), pa.int32()), pa.array([], pa.string()),
                                        pa.array([], pa.string()))
     return [t.column("i").combine_chunks(), first_key, t.column("t").combine_chunks(), no_props,

@@ -28,7 +28,8 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:{t:b:q}:ids                             HASH  msg id -> offset, for idempotent appends only
     mqorder:{t:b:q}:s:<sub>                         HASH  lock/epoch/offset/pending state of sub on q
     mqorder:{t:b:q}:r:<sub>                         HASH  offset -> reconsume times (retrying head)
-    mqorder:{t:b:q}:stage:<job>:<run>               STREAM rows one Spark task staged for q until its job commits (TTL)
+    mqorder:{t:b:q}:stage:<job>:<run>               LIST  rows one Spark task staged for q until its job commits (TTL)
+    mqorder:{t:b:q}:stage:<job>:cursor              HASH  run -> rows of it already published (TTL)
     mqorder:spark:job:<job>                         HASH  report of one Spark write job: counts or refusal (TTL)
     mqorder:spark:job:<job>:runs                    SET   "<queue index>:<run>" staged by the job's tasks (TTL)
 
@@ -267,6 +268,12 @@ def stage_run(tag: str, job: str, run: int) -> str:
     abort, and expire anyway).
     """
     return f"{PREFIX}:{tag}:stage:{job}:{run}"
+
+
+def stage_cursor(tag: str, job: str) -> str:
+    """How far the commit of job ``job`` got in each run of one queue (``publish_staged.lua``), so
+    positions in a run stay absolute while published rows are trimmed from it."""
+    return f"{PREFIX}:{tag}:stage:{job}:cursor"
 
 
 def spark_job(job: str) -> str:

@@ -28,6 +28,8 @@ BODY_JSON = "json"
 DEFAULT_STAGING_TTL_S = 6 * 3600
 #: Rows per staging call; several calls are pipelined per round trip (option ``stageChunk``).
 DEFAULT_STAGE_CHUNK = 1000
+#: ``stage.lua`` unpacks four values per row into one ``RPUSH``; Lua unpacks at most 8,000.
+MAX_STAGE_CHUNK = 1500
 #: A batch read splits a queue into Spark partitions of at most this many offsets.
 DEFAULT_MAX_ROWS_PER_PARTITION = 1_000_000
 
@@ -157,7 +159,7 @@ def write_options(options: Mapping[str, Any]) -> WriteOptions:
         id_column=opts.get("idcolumn") or None,
         on_null=on_null,
         staging_ttl_ms=1000 * _int(opts, "stagingttl", DEFAULT_STAGING_TTL_S, 60, 30 * 24 * 3600),
-        stage_chunk=_int(opts, "stagechunk", DEFAULT_STAGE_CHUNK, 1, 5000),
+        stage_chunk=_int(opts, "stagechunk", DEFAULT_STAGE_CHUNK, 1, MAX_STAGE_CHUNK),
         job_id=job_id,
         conn=connection(opts),
         checkpoint=opts.get("checkpointlocation") or None,

@@ -2,8 +2,8 @@
 
 Step by step, for job ``J`` writing topic ``T``:
 
-1. Each task sorts its partition and *stages* its rows per queue into a run
-   ``mqorder:{T:b:q}:stage:J:<partition>`` (``stage.lua``). Consumers never read runs. A retried
+1. Each task sorts its partition and *stages* its rows per queue into a run, a list
+   ``mqorder:{T:b:q}:stage:J:<partition>`` (``stage.lua``, one variadic ``RPUSH`` per chunk). Consumers never read runs. A retried
    or concurrent attempt of the same task stages the same rows at the same positions, so a run
    holds each row once, in order.
 2. When every task has succeeded, Spark calls the job's ``commit()``: ``publish`` moves each
@@ -116,10 +116,10 @@ class StagingArea:
         """
         mq = self.mq(index)
         broker = self.brokers.get(mq.broker_name)
-        key = keys.stage_run(mq.tag, self.job, run)
+        kl = [keys.stage_run(mq.tag, self.job, run), keys.stage_cursor(mq.tag, self.job)]
         staged = 0
         calls: list[tuple[list[str], list[Any]]] = []
-        args: list[Any] = [0, self.ttl_ms]
+        args: list[Any] = [0, self.ttl_ms, run]
         call_bytes = trip_bytes = 0
         for pos, (sk, mid, header, body) in enumerate(rows):
             args.append(sk)
@@ -129,9 +129,9 @@ class StagingArea:
             size = len(sk) + len(mid) + len(header) + len(body)
             call_bytes += size
             trip_bytes += size
-            if len(args) - 2 >= 4 * chunk or call_bytes >= CALL_BYTES or pos == len(rows) - 1:
-                calls.append(([key], args))
-                args = [pos + 1, self.ttl_ms]
+            if len(args) - 3 >= 4 * chunk or call_bytes >= CALL_BYTES or pos == len(rows) - 1:
+                calls.append((kl, args))
+                args = [pos + 1, self.ttl_ms, run]
                 call_bytes = 0
                 if len(calls) >= STAGE_PIPELINE or trip_bytes >= TRIP_BYTES or pos == len(rows) - 1:
                     with translated(mq.broker_name, broker.safe_url, self.timeout, "stage"):
@@ -185,10 +185,10 @@ class StagingArea:
         mq = self.mq(index)
         tag = mq.tag
         subs = self.appender.subscriptions(mq.topic)
-        kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag)]
+        kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag), keys.stage_cursor(tag, self.job)]
         kl.extend(keys.stage_run(tag, self.job, r) for r in runs)
         kl.extend(keys.sub_state(tag, s) for s in subs)
-        args: list[Any] = [len(runs), chunk, self.appender.pending_ttl_ms, keys.wake_channel("")]
+        args: list[Any] = [len(runs), chunk, self.appender.pending_ttl_ms, keys.wake_channel(""), *runs]
         if subs:
             token = new_token()
             for j, s in enumerate(subs):
@@ -215,6 +215,7 @@ class StagingArea:
             for i in idxs:
                 for r in runs[i]:
                     deleted += int(client.delete(self.run_key(i, r)))
+                client.delete(keys.stage_cursor(self.mq(i).tag, self.job))
         self.brokers.meta.delete(keys.spark_job_runs(self.job))
         return deleted
 

@@ -5,19 +5,22 @@
 -- KEYS[1]        queue log (STREAM), entry ids "<offset>-1"
 -- KEYS[2]        queue next-offset counter (STRING)
 -- KEYS[3]        queue ids (HASH msg id -> offset)
--- KEYS[4..3+K]   the K runs of this queue staged by the job's tasks (stage.lua)
--- KEYS[4+K..]    state HASH of each subscription of the topic on this queue
+-- KEYS[4]        the job's cursor on this queue (HASH run -> rows published, see stage.lua)
+-- KEYS[5..4+K]   the K runs of this queue staged by the job's tasks (LISTs, stage.lua)
+-- KEYS[5+K..]    state HASH of each subscription of the topic on this queue
 -- ARGV[1]        K
 -- ARGV[2]        at most this many rows per call
--- ARGV[3]        pending_ttl_ms, ARGV[4] wake channel prefix, then per state key: token, payload
+-- ARGV[3]        pending_ttl_ms, ARGV[4] wake channel prefix
+-- ARGV[5..4+K]   the runs' names (fields of the cursor)
+-- ARGV[5+K..]    per state key: token, wake payload
 -- Returns        {rows stored, rows skipped as already stored, rows still staged, first offset,
 --                 woken owner...}
 --
 -- Each run is sorted by its sort key (order-preserving bytes of the orderBy value, then the msg
 -- id), so K runs merge into one ordered sequence by comparing the keys byte by byte. The merged
 -- rows go through the one append path (append_entries, idempotent by msg id, then wake_owners),
--- and the published rows leave their runs in the same atomic step: a commit interrupted between
--- two calls resumes where it stopped, and rows it had stored are skipped by id.
+-- and the published rows leave their runs (and the cursor moves) in the same atomic step: a commit
+-- interrupted between two calls resumes where it stopped, and rows it had stored are skipped by id.
 local k = tonumber(ARGV[1])
 local chunk = tonumber(ARGV[2])
 
@@ -51,9 +54,9 @@ end
 
 local heads, at, more = {}, {}, {}
 for r = 1, k do
-  heads[r] = redis.call('XRANGE', KEYS[3 + r], '-', '+', 'COUNT', chunk)
-  at[r] = 1
-  more[r] = #heads[r] == chunk
+  heads[r] = redis.call('LRANGE', KEYS[4 + r], 0, 4 * chunk - 1)
+  at[r] = 1  -- index of the current row's first item
+  more[r] = #heads[r] == 4 * chunk
 end
 
 -- append_entries reads its (id, header, body) triples from ARGV: the merged rows go after the
@@ -64,19 +67,19 @@ while m < chunk do
   local best = nil
   local blocked = false
   for r = 1, k do
-    local e = heads[r][at[r]]
-    if e then
-      if best == nil or bytes_lt(e[2][2], heads[best][at[best]][2][2]) then best = r end
+    local sk = heads[r][at[r]]
+    if sk then
+      if best == nil or bytes_lt(sk, heads[best][at[best]]) then best = r end
     elseif more[r] then
       blocked = true -- this run has unread rows that may sort first: merge no further this call
     end
   end
   if best == nil or blocked then break end
-  local f = heads[best][at[best]][2]
-  ARGV[base + 3 * m + 1] = f[4]
-  ARGV[base + 3 * m + 2] = f[6]
-  ARGV[base + 3 * m + 3] = f[8]
-  at[best] = at[best] + 1
+  local h, i = heads[best], at[best]
+  ARGV[base + 3 * m + 1] = h[i + 1]
+  ARGV[base + 3 * m + 2] = h[i + 2]
+  ARGV[base + 3 * m + 3] = h[i + 3]
+  at[best] = i + 4
   m = m + 1
 end
 
@@ -84,19 +87,21 @@ local first, stored, dups = append_entries(KEYS[1], KEYS[2], KEYS[3], m, true, b
 
 local remaining = 0
 for r = 1, k do
-  if at[r] > 1 then
-    local pos = tonumber(string.match(heads[r][at[r] - 1][1], '^(%d+)'))
-    redis.call('XTRIM', KEYS[3 + r], 'MINID', (pos + 1) .. '-0')
+  local used = (at[r] - 1) / 4
+  if used > 0 then
+    redis.call('LTRIM', KEYS[4 + r], 4 * used, -1)
+    redis.call('HINCRBY', KEYS[4], ARGV[4 + r], used)
   end
-  remaining = remaining + redis.call('XLEN', KEYS[3 + r])
+  remaining = remaining + redis.call('LLEN', KEYS[4 + r]) / 4
 end
 if remaining == 0 then
-  for r = 1, k do redis.call('DEL', KEYS[3 + r]) end
+  for r = 1, k do redis.call('DEL', KEYS[4 + r]) end
+  redis.call('DEL', KEYS[4])
 end
 
 local out = {stored, m - stored, remaining, first}
 if stored > 0 then
-  for _, owner in ipairs(wake_owners(4 + k, tonumber(ARGV[3]), ARGV[4], 4)) do
+  for _, owner in ipairs(wake_owners(5 + k, tonumber(ARGV[3]), ARGV[4], 4 + k)) do
     out[#out + 1] = owner
   end
 end

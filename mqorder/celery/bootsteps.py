@@ -11,9 +11,17 @@ from mqorder.celery.capacity import SIGNAL, CapacityPublisher
 from mqorder.celery.dispatch import dispatcher
 from mqorder.consumer.client_instance import ClientInstance
 from mqorder.metrics import worker as worker_metrics
+from mqorder.rebalance.membership import ClientDetails
 from mqorder.settings import get_settings
 
 log = logging.getLogger(__name__)
+
+
+def pool_name(pool: object) -> str:
+    """Celery's name of a pool (``prefork``, ``threads``, ``solo``...), from its module
+    (``celery.concurrency.prefork``): what ``-P`` takes, except ``thread`` for ``threads``."""
+    name = type(pool).__module__.rsplit(".", 1)[-1]
+    return "threads" if name == "thread" else name
 
 
 class ConsumerClientStep(bootsteps.StartStopStep):
@@ -38,7 +46,8 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         self.capacity = runtime.enable_linger(
             worker.pool, worker.concurrency, bool(worker.app.conf.get("worker_disable_prefetch", False))
         )
-        self.client = ClientInstance(worker.hostname, get_settings(), dispatcher(worker.app))
+        details = ClientDetails(pool_name(worker.pool), int(worker.concurrency or 0))
+        self.client = ClientInstance(worker.hostname, get_settings(), dispatcher(worker.app), details)
         self.client.start()
 
     def stop(self, worker) -> None:  # noqa: ANN001

@@ -34,7 +34,7 @@ from mqorder.consumer.listener import registered_listeners
 from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageModel
 from mqorder.names import check_client_id
-from mqorder.rebalance.membership import Subscription, redis_now_ms
+from mqorder.rebalance.membership import ClientDetails, Subscription, redis_now_ms
 from mqorder.rebalance.service import Dispatch, RebalanceService
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry
@@ -54,8 +54,12 @@ Dispatcher = Callable[[str, str, str, str], bool]
 
 
 class ClientInstance:
-    def __init__(self, client_id: str, settings: Settings, dispatch: Dispatcher) -> None:
+    def __init__(
+        self, client_id: str, settings: Settings, dispatch: Dispatcher, details: ClientDetails | None = None
+    ) -> None:
         self.dispatch = dispatch
+        #: How this client consumes (pool, concurrency), registered for ``mqorder consumers``.
+        self.details = details
         self.client_id = check_client_id(client_id)
         self.settings = settings
         self.brokers = BrokerRegistry(settings.redis_url, settings.brokers)
@@ -136,7 +140,7 @@ class ClientInstance:
             mqs = self.service.assigned_queues(sub, self.client_id)
             if mqs:
                 self.service.locks.unlock_batch(sub, mqs, self.client_id, force=True)
-        self.service.registry.register(self.client_id, self.subscriptions)
+        self.service.registry.register(self.client_id, self.subscriptions, self.details)
         self._registered = True
         self._rebalance_now()
         self._fingerprint = self._fingerprint_now()

@@ -71,11 +71,55 @@ def _sort_key(s: Subscription) -> tuple[str, str, str]:
 
 @dataclass(frozen=True)
 class ClientInfo:
+    """A registered client, as ``ClientRegistry.clients`` reads it back.
+
+    ``pool`` and ``concurrency`` are the Celery pool the client consumes with (``""`` / 0 when the
+    registrant did not say, e.g. an older mqorder); ``heartbeat_timeout_ms`` is the timeout *that
+    client* heartbeats with, so ``mqorder consumers`` computes a heartbeat's age from the deadline
+    without assuming its own setting; ``started_ms`` is when it registered (Redis clock).
+    """
+
     client_id: str
     subscriptions: tuple[Subscription, ...]
     pid: int = 0
     host: str = ""
     deadline_ms: int = 0
+    pool: str = ""
+    concurrency: int = 0
+    heartbeat_timeout_ms: int = 0
+    started_ms: int = 0
+
+    @property
+    def heartbeat_ms(self) -> int:
+        """When the client last heartbeated (its deadline minus its timeout), 0 if unknown."""
+        return self.deadline_ms - self.heartbeat_timeout_ms if self.heartbeat_timeout_ms else 0
+
+
+@dataclass(frozen=True)
+class ClientDetails:
+    """What a client says about how it consumes, stored with its registration for operators
+    (``mqorder consumers``): the Celery worker bootstep knows its pool and concurrency."""
+
+    pool: str = ""
+    concurrency: int = 0
+
+
+def _int(raw: Any) -> int:
+    """A registration field as int; 0 when missing or unreadable (written by another version)."""
+    try:
+        return int(raw or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def client_info(client_id: str, raw: dict[bytes, Any], deadline_ms: int) -> ClientInfo:
+    """A client's registration hash (``keys.client_info``) read back; ``ValueError`` if its
+    subscriptions are unreadable. Fields an older mqorder did not write read as empty / 0."""
+    return ClientInfo(
+        client_id, decode_subscriptions(raw.get(b"subs", b"[]")), _int(raw.get(b"pid")), text(raw.get(b"host")),
+        deadline_ms, text(raw.get(b"pool")), _int(raw.get(b"concurrency")), _int(raw.get(b"hb_timeout_ms")),
+        _int(raw.get(b"started_ms")),
+    )
 
 
 def redis_now_ms(client: redis.Redis) -> int:
@@ -88,10 +132,17 @@ class ClientRegistry:
         self.meta = meta
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
 
-    def register(self, client_id: str, subscriptions: list[Subscription]) -> None:
+    def register(
+        self, client_id: str, subscriptions: list[Subscription], details: ClientDetails | None = None
+    ) -> None:
+        details = details or ClientDetails()
         self.meta.hset(
             keys.client_info(client_id),
-            mapping={"subs": encode_subscriptions(subscriptions), "pid": os.getpid(), "host": socket.gethostname()},
+            mapping={
+                "subs": encode_subscriptions(subscriptions), "pid": os.getpid(), "host": socket.gethostname(),
+                "pool": details.pool, "concurrency": details.concurrency,
+                "hb_timeout_ms": self.heartbeat_timeout_ms, "started_ms": redis_now_ms(self.meta),
+            },
         )
         self.heartbeat(client_id)
 
@@ -119,13 +170,12 @@ class ClientRegistry:
         raw: dict[bytes, Any]
         for (cid, deadline), raw in zip(live_ids, pipe.execute(), strict=True):
             try:
-                subs = decode_subscriptions(raw.get(b"subs", b"[]"))
+                infos.append(client_info(cid, raw, deadline))
             except ValueError as exc:
                 # Written by another version of mqorder: one such client must not stop every
                 # rebalance. It consumes nothing until it registers again in this format.
                 log.warning("client %s has an unreadable registration (%s); it gets no queues", cid, exc)
-                subs = ()
-            infos.append(ClientInfo(cid, subs, int(raw.get(b"pid", 0)), text(raw.get(b"host")), deadline))
+                infos.append(client_info(cid, {**raw, b"subs": b"[]"}, deadline))
         return infos, dead, now
 
     def membership_fingerprint(self) -> str:

@@ -31,6 +31,7 @@ NAMES = (
     "assign",
     "stage",  # mqorder.spark: a Spark task stages its rows for one queue
     "publish_staged",  # mqorder.spark: a committed job's staged rows enter the log
+    "reset_offset",  # mqorder.admin.offsets: `mqorder offsets reset`, fenced
 )
 
 

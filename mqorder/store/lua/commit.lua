@@ -16,7 +16,7 @@
 -- Returns {'OK', next, revoked_to}, {'IDLE'} (run ended, queue drained)
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset}
 -- State HASH fields: see mqorder.keys.sub_state.
-local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'pending', 'offset', 'assignee')
+local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'pending', 'offset', 'assignee', 'commit_ms')
 if st[1] ~= ARGV[1] or tonumber(st[2] or 0) ~= tonumber(ARGV[2]) then
   return {'FENCED', tonumber(st[2] or 0), st[1] or ''}
 end
@@ -25,8 +25,12 @@ local cur = tonumber(st[4] or 0)
 local new = tonumber(ARGV[4])
 if new < cur then return {'BACKWARD', cur} end
 local run_until = now + tonumber(ARGV[5])
+-- commit_ms: when the offset last moved (read by `mqorder status` to tell a stuck queue from a
+-- slow one); a commit that does not move it keeps the old time, in the same HSET.
+local moved_ms = st[6] or 0
+if new > cur then moved_ms = now end
 redis.call('HSET', KEYS[1], 'offset', new, 'run', run_until, 'pend_until', run_until,
-  'lease', now + tonumber(ARGV[6]))
+  'lease', now + tonumber(ARGV[6]), 'commit_ms', moved_ms)
 if new > cur and redis.call('EXISTS', KEYS[3]) == 1 then
   local fields = redis.call('HKEYS', KEYS[3])
   for _, f in ipairs(fields) do

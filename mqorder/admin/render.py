@@ -1,0 +1,281 @@
+"""Human output of the admin commands: rich tables over the dataclasses the command modules return.
+
+One function per result type; ``--json`` bypasses this module (each result's ``to_json()``).
+Times are shown as ages (``4.2s ago``) computed from Redis's clock where the result carries it.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from mqorder.admin.consumers import GroupConsumers
+from mqorder.admin.dlq import DeadLetter, DlqPage, ReplayReport
+from mqorder.admin.messages import FoundMessage
+from mqorder.admin.offsets import ResetReport
+from mqorder.admin.produce import ProduceReport
+from mqorder.admin.status import GroupStatus
+from mqorder.admin.topics import DeleteReport, TopicInfo
+
+#: Bodies longer than this are cut in human output (``--json`` has them whole).
+BODY_PREVIEW = 2000
+
+
+def duration(ms: int | float | None) -> str:
+    """``850ms``, ``4.2s``, ``3m04s``, ``2h05m``, ``3d04h``; ``-`` for None."""
+    if ms is None:
+        return "-"
+    s = ms / 1000
+    if abs(s) < 1:
+        return f"{int(ms)}ms"
+    if abs(s) < 60:
+        return f"{s:.1f}s"
+    m, s = divmod(int(s), 60)
+    if m < 60:
+        return f"{m}m{s:02d}s"
+    h, m = divmod(m, 60)
+    if h < 48:
+        return f"{h}h{m:02d}m"
+    d, h = divmod(h, 24)
+    return f"{d}d{h:02d}h"
+
+
+def ago(ms: int | None, now_ms: int) -> str:
+    return "never" if not ms else f"{duration(now_ms - ms)} ago"
+
+
+def timestamp(ms: int | None) -> str:
+    """Local time of an epoch-ms stamp, to the millisecond."""
+    if not ms:
+        return "-"
+    return dt.datetime.fromtimestamp(ms / 1000).isoformat(sep=" ", timespec="milliseconds")
+
+
+def size(n: int) -> str:
+    """``512 B``, ``3.4 KiB``, ``1.2 MiB``, ``2.0 GiB``."""
+    if n < 1024:
+        return f"{n:,} B"
+    value = float(n)
+    for unit in ("KiB", "MiB", "GiB"):
+        value /= 1024
+        if value < 1024 or unit == "GiB":
+            return f"{value:,.1f} {unit}"
+    raise AssertionError("unreachable")
+
+
+def _table(title: str, columns: Iterable[str], right: Iterable[str] = ()) -> Table:
+    t = Table(title=title, title_justify="left")
+    right_set = set(right)
+    for c in columns:
+        t.add_column(c, justify="right" if c in right_set else "left")
+    return t
+
+
+# -- topics ------------------------------------------------------------------------------------
+
+
+def topic_list(console: Console, infos: list[TopicInfo]) -> None:
+    if not infos:
+        console.print("no topics yet: create one with `mqorder topic create NAME --queues 8`")
+        return
+    t = _table("topics", ("topic", "queues", "brokers", "perm", "messages", "size", "groups"),
+               right=("queues", "messages", "size"))
+    for i in infos:
+        t.add_row(i.topic, str(len(i.queues)), ", ".join(sorted(i.queues_per_broker)), i.perm, f"{i.messages:,}",
+                  size(i.bytes), ", ".join(i.groups) or "-")
+    console.print(t)
+
+
+def topic(console: Console, info: TopicInfo) -> None:
+    console.print(
+        f"topic [bold]{info.topic}[/bold]: {len(info.queues)} queues, permission {info.perm}, created "
+        f"{timestamp(info.created_ms)}; {info.messages:,} messages, {size(info.bytes)}; groups: "
+        f"{', '.join(info.groups) or 'none'}"
+    )
+    t = _table("", ("broker", "queue", "min offset", "max offset", "messages", "size"),
+               right=("queue", "min offset", "max offset", "messages", "size"))
+    for q in info.queues:
+        t.add_row(q.broker, str(q.queue_id), f"{q.min_offset:,}", f"{q.max_offset:,}", f"{q.messages:,}",
+                  size(q.bytes))
+    console.print(t)
+
+
+def topic_deleted(console: Console, r: DeleteReport) -> None:
+    verb = "would delete" if r.dry_run else "deleted"
+    kinds = ", ".join(f"{n} {k}" for k, n in r.keys_by_kind.items()) or "no queue keys"
+    console.print(
+        f"{verb} topic [bold]{r.topic}[/bold]: {r.queues} queues holding {r.messages:,} messages; "
+        f"Redis keys: {kinds}; {r.assignment_fields} assignment and {r.stats_fields} stats fields"
+    )
+    if r.groups:
+        console.print(f"{'would unsubscribe' if r.dry_run else 'unsubscribed'} group(s): {', '.join(r.groups)}")
+    if r.live_consumers:
+        console.print(
+            f"[yellow]live consumers ({', '.join(r.live_consumers)}) still run its listener: they log that the "
+            "topic is missing at every rebalance and subscribe again when they restart; remove the listener"
+        )
+
+
+# -- status and consumers ----------------------------------------------------------------------
+
+
+def status(console: Console, st: GroupStatus) -> None:
+    multi_topic = len({q.topic for q in st.queues}) > 1
+    lanes = any(q.sub != st.group for q in st.queues)
+    cols = [*(["topic"] if multi_topic else []), *(["lane"] if lanes else []), "queue", "max offset",
+            "committed", "lag", "owner", "lease left", "epoch", "request", "head retries", "last commit",
+            "waiting"]
+    stuck = st.stuck
+    title = (f"group {st.group}: lag {st.lag:,} over {len(st.queues)} queues; "
+             f"{len(stuck)} stuck (backlog waiting > {duration(st.stuck_after_ms)})")
+    t = _table(title, cols, right=("max offset", "committed", "lag", "lease left", "epoch", "head retries"))
+    for q in st.queues:
+        request = "running" if q.running else "pending" if q.pending else "-"
+        row = [*([q.topic] if multi_topic else []), *([q.sub] if lanes else []), f"{q.broker}:{q.queue_id}",
+               f"{q.max_offset:,}", f"{q.committed:,}", f"{q.lag:,}", q.owner or "-",
+               duration(q.lease_left_ms) if q.owner else "-", str(q.epoch), request,
+               "-" if q.head_reconsume is None else str(q.head_reconsume), ago(q.commit_ms, q.now_ms),
+               duration(q.waiting_ms) if q.waiting_ms is not None else "-"]
+        t.add_row(*row, style="bold red" if q.stuck else None)
+    console.print(t)
+    for missing in st.missing_topics:
+        console.print(f"[yellow]{st.group} subscribes to topic {missing!r}, which does not exist")
+    if stuck:
+        console.print(Text(
+            f"STUCK: {', '.join(q.queue_key for q in stuck)}: a backlog with no progress for over "
+            f"{duration(st.stuck_after_ms)} (see `mqorder consumers {st.group}` and the workers' logs)",
+            style="bold red",
+        ))
+
+
+def consumers(console: Console, gc: GroupConsumers) -> None:
+    if not gc.consumers:
+        console.print(f"group {gc.group} has no live consumers")
+        return
+    t = _table(f"group {gc.group}: {len(gc.live)} live consumer(s)",
+               ("client", "state", "heartbeat", "pool", "pid", "topics", "assigned queues", "locks"),
+               right=("locks", "pid"))
+    for c in gc.consumers:
+        pool = f"{c.pool} x{c.concurrency}" if c.pool else "-"
+        t.add_row(c.client_id, "live" if c.live else "[red]lapsed[/red]", f"{duration(c.heartbeat_age_ms)} ago"
+                  if c.heartbeat_age_ms is not None else "-", pool, str(c.pid or "-"), ", ".join(c.topics),
+                  _queues(c.assigned), str(c.locks_held))
+    console.print(t)
+
+
+def _queues(keys_: list[str]) -> str:
+    """``orders:broker-a:0,2,5`` per (topic, broker) instead of one key per queue."""
+    grouped: dict[str, list[str]] = {}
+    for k in keys_:
+        prefix, _, qid = k.rpartition(":")
+        grouped.setdefault(prefix, []).append(qid)
+    return " ".join(f"{p}:{','.join(sorted(ids, key=int))}" for p, ids in grouped.items()) or "-"
+
+
+# -- dlq -----------------------------------------------------------------------------------------
+
+
+def dlq_page(console: Console, page: DlqPage) -> None:
+    console.print(f"{page.topic}: {page.total:,} dead letter(s) at offsets [{page.min_offset}, {page.max_offset})")
+    if not page.messages:
+        return
+    t = _table("", ("offset", "origin", "msg id", "keys", "retries", "stored", "reason"), right=("offset", "retries"))
+    for d in page.messages:
+        origin = f"{d.origin_queue.key}@{d.origin_offset}" if d.origin_queue else "-"
+        t.add_row(str(d.dlq_offset), origin, d.origin_msg_id or "-", ",".join(d.keys) or "-",
+                  "-" if d.reconsume_times is None else str(d.reconsume_times), timestamp(d.stored_ms),
+                  d.reason[:80])
+    console.print(t)
+    shown_to = page.messages[-1].dlq_offset + 1
+    if shown_to < page.max_offset:
+        console.print(f"more: mqorder dlq list {page.group} --from {shown_to}")
+
+
+def dead_letter(console: Console, d: DeadLetter) -> None:
+    origin = f"{d.origin_queue.key} offset {d.origin_offset}" if d.origin_queue else "unknown"
+    rows = [
+        ("DLQ offset", str(d.dlq_offset)), ("origin", origin), ("msg id", d.origin_msg_id or "-"),
+        ("keys", ", ".join(d.keys) or "-"), ("tags", d.tags or "-"), ("reason", d.reason),
+        ("reconsume times", "-" if d.reconsume_times is None else str(d.reconsume_times)),
+        ("epoch / client", f"{d.epoch} / {d.client or '-'}"), ("stored", timestamp(d.stored_ms)),
+        *((f"property {k}", v) for k, v in sorted(d.properties.items())),
+    ]
+    _fields(console, rows, d.body)
+
+
+def replayed(console: Console, r: ReplayReport) -> None:
+    if r.dry_run:
+        console.print(f"would replay {r.read} dead letter(s) of {r.group}:")
+    else:
+        console.print(f"replayed {r.stored} of {r.read} dead letter(s) of {r.group}; {r.duplicates} were already "
+                      "replayed by an earlier run and were not stored again")
+    for k, n in sorted(r.by_queue.items()):
+        console.print(f"  {k}: {n}")
+
+
+# -- offsets, messages, produce ------------------------------------------------------------------------
+
+
+def reset(console: Console, r: ResetReport) -> None:
+    to = r.target.kind if r.target.kind in ("earliest", "latest") else (
+        f"offset {r.target.value}" if r.target.kind == "offset" else f"time {timestamp(r.target.value)}")
+    title = f"{'plan: reset' if r.dry_run else 'reset'} {r.group} on {r.topic} to {to}"
+    t = _table(title, ("queue", "min", "max", "old offset", "new offset", "epoch", "fenced owner"),
+               right=("min", "max", "old offset", "new offset", "epoch"))
+    for q in r.queues:
+        t.add_row(f"{q.broker}:{q.queue_id}" + (f" ({q.sub})" if q.sub != r.group else ""), f"{q.min_offset:,}",
+                  f"{q.max_offset:,}", f"{q.old_offset:,}", f"{q.new_offset:,}", str(q.epoch) if q.epoch else "-",
+                  q.owner or "-")
+    console.print(t)
+    if not r.dry_run and r.live_consumers:
+        console.print(f"live consumers ({', '.join(r.live_consumers)}) were told to rebalance; they resume from the "
+                      "new offsets under new epochs")
+
+
+def message(console: Console, found: FoundMessage) -> None:
+    m = found.msg
+    rows = [
+        ("queue", f"{m.message_queue.key} offset {m.queue_offset}"), ("msg id", m.msg_id or "-"),
+        ("keys", ", ".join(m.keys) or "-"), ("tags", m.tags or "-"), ("born", timestamp(m.born_timestamp)),
+        ("stored", timestamp(m.store_timestamp)),
+        *((f"property {k}", v) for k, v in sorted(m.properties.items())),
+    ]
+    if m.decode_error:
+        rows.append(("decode error", m.decode_error))
+    for g in found.groups:
+        retries = f", reconsumed {g.reconsume_times}x" if g.reconsume_times else ""
+        rows.append((f"group {g.sub}", f"{g.state} (committed offset {g.committed}{retries})"))
+    _fields(console, rows, m.body)
+
+
+def produced(console: Console, r: ProduceReport) -> None:
+    for b in r.bad[:20]:
+        console.print(f"[red]line {b.line}:[/red] {b.error}")
+    if len(r.bad) > 20:
+        console.print(f"[red]... and {len(r.bad) - 20} more bad lines (all of them in --json)")
+    console.print(f"sent {r.sent:,} messages to {r.topic} in {r.chunks} chunk(s) over {len(r.by_queue)} queue(s); "
+                  f"{len(r.bad)} bad line(s)")
+    if r.refused:
+        console.print(f"[red]stopped: the chunk of lines {r.refused[0]}-{r.refused[1]} was refused, nothing of it was "
+                      "sent, and nothing after it (fix the lines, then send from line "
+                      f"{r.refused[0]} on, or pass --skip-bad)")
+
+
+def _fields(console: Console, rows: list[tuple[str, str]], body: bytes) -> None:
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_column(style="bold")
+    t.add_column()
+    for k, v in rows:
+        t.add_row(k, v)
+    try:
+        text = body.decode("utf-8")
+        shown = text[:BODY_PREVIEW] + (f"... ({len(text) - BODY_PREVIEW:,} more characters)" if len(text) > BODY_PREVIEW
+                                       else "")
+    except UnicodeDecodeError:
+        shown = f"<{len(body):,} bytes, not UTF-8; --json gives them as body_base64>"
+    t.add_row("body", Text(shown))
+    console.print(t)

@@ -133,8 +133,12 @@ def run(cfg: Config | None = None, *, rows: int = 1_000_000, n_keys: int = 2000,
         secs = time.perf_counter() - t0
         stored = _stored(p) - 1  # minus the warm-up message
         assert report.stored == rows == stored, (report, stored)
+        from mqorder.spark import job_report
+
+        tasks = job_report(report.job_id, srv.url).get("task_seconds", {})
         out["spark_publish"] = {"messages": rows, "seconds": secs, "rate": rows / secs,
-                                "commit_seconds": report.commit_seconds, "exactly_once": True}
+                                "commit_seconds": report.commit_seconds, "task_seconds": tasks,
+                                "exactly_once": True}
         log(f"spark bench: spark publish {rows / secs:,.0f}/s (commit {report.commit_seconds:.1f}s)")
 
         t0 = time.perf_counter()

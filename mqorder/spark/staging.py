@@ -23,6 +23,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import redis
@@ -117,29 +118,26 @@ class StagingArea:
         mq = self.mq(index)
         broker = self.brokers.get(mq.broker_name)
         kl = [keys.stage_run(mq.tag, self.job, run), keys.stage_cursor(mq.tag, self.job)]
+        sizes = [len(sk) + len(mid) + len(h) + len(b) for sk, mid, h, b in rows]
         staged = 0
         calls: list[tuple[list[str], list[Any]]] = []
-        args: list[Any] = [0, self.ttl_ms, run]
-        call_bytes = trip_bytes = 0
-        for pos, (sk, mid, header, body) in enumerate(rows):
-            args.append(sk)
-            args.append(mid)
-            args.append(header)
-            args.append(body)
-            size = len(sk) + len(mid) + len(header) + len(body)
-            call_bytes += size
-            trip_bytes += size
-            if len(args) - 3 >= 4 * chunk or call_bytes >= CALL_BYTES or pos == len(rows) - 1:
-                calls.append((kl, args))
-                args = [pos + 1, self.ttl_ms, run]
-                call_bytes = 0
-                if len(calls) >= STAGE_PIPELINE or trip_bytes >= TRIP_BYTES or pos == len(rows) - 1:
-                    with translated(mq.broker_name, broker.safe_url, self.timeout, "stage"):
-                        replies = _run_pipelined(broker, "stage", calls)
-                    staged += sum(int(r[0]) for r in replies)
-                    calls, trip_bytes = [], 0
-                    if after_chunk is not None:
-                        after_chunk(pos + 1)
+        start = trip_bytes = 0
+        n = len(rows)
+        while start < n:
+            end, call_bytes = start, 0
+            while end < n and end - start < chunk and call_bytes < CALL_BYTES:
+                call_bytes += sizes[end]
+                end += 1
+            calls.append((kl, [start, self.ttl_ms, run, *chain.from_iterable(rows[start:end])]))
+            trip_bytes += call_bytes
+            start = end
+            if len(calls) >= STAGE_PIPELINE or trip_bytes >= TRIP_BYTES or start == n:
+                with translated(mq.broker_name, broker.safe_url, self.timeout, "stage"):
+                    replies = _run_pipelined(broker, "stage", calls)
+                staged += sum(int(r[0]) for r in replies)
+                calls, trip_bytes = [], 0
+                if after_chunk is not None:
+                    after_chunk(start)
         return staged
 
     # -- the job's commit and abort --------------------------------------------------------------------

@@ -233,3 +233,24 @@ def test_fast_header_parse_keeps_one_row_per_header_with_or_without_keys() -> No
     assert [c.to_pylist() for c in fast] == [c.to_pylist() for c in _headers_python(heads)]
     assert fast[1].to_pylist() == ["x", None, None, "y"]
     assert _headers_arrow([*heads, b'{"i":"e","b":5,"p":{"x":"1"}}']) is None  # properties: the careful path
+
+
+def test_a_commit_stopped_half_way_resumes_and_leaves_nothing_for_good(area: StagingArea, r: redis.Redis) -> None:
+    from mqorder import keys
+
+    area.register(0, [0])
+    area.stage(0, 0, [staged_row(v) for v in range(50)], chunk=50)
+    mq = area.mq(0)
+    cursor = keys.stage_cursor(mq.tag, area.job)
+    # One publish call of 20 rows, as a commit that dies right after it would leave things.
+    kl, args = area._publish_call(0, [0], 20)
+    area.brokers.default.scripts.load("publish_staged")
+    reply = area.brokers.default.scripts.publish_staged(keys=kl, args=args)
+    assert [int(x) for x in reply[:3]] == [20, 0, 30]
+    assert r.hget(cursor, "0") == b"20" and 0 < r.pttl(cursor) <= 60_000  # expires with its run
+    # A zombie attempt of the task stages its whole run again: positions stay absolute, nothing is added.
+    assert area.stage(0, 0, [staged_row(v) for v in range(50)], chunk=50) == 0
+    totals = area.publish({0: {0}})
+    assert (totals.stored, totals.duplicates) == (30, 0)
+    assert bodies(area, 0) == list(range(50))
+    assert r.exists(cursor, area.run_key(0, 0)) == 0

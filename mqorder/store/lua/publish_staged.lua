@@ -97,6 +97,11 @@ end
 if remaining == 0 then
   for r = 1, k do redis.call('DEL', KEYS[4 + r]) end
   redis.call('DEL', KEYS[4])
+else
+  -- The cursor lives as long as the runs it describes (a commit that dies leaves nothing for good).
+  local ttl = 0
+  for r = 1, k do ttl = math.max(ttl, redis.call('PTTL', KEYS[4 + r])) end
+  if ttl > 0 then redis.call('PEXPIRE', KEYS[4], ttl) end
 end
 
 local out = {stored, m - stored, remaining, first}

@@ -82,7 +82,8 @@ def publish(
         brokers.close()
     spark = register(df.sparkSession)
 
-    key_type = df.schema[key].dataType if key in df.columns else None
+    key = next((c for c in df.columns if c == key), None) or next(c for c in df.columns if c.lower() == key.lower())
+    key_type = df.schema[key].dataType
     key_col = key
     if not isinstance(key_type, (StringType, IntegralType)):
         df = df.withColumn(KEY_COLUMN, key_string(key))

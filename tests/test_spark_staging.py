@@ -254,3 +254,14 @@ def test_a_commit_stopped_half_way_resumes_and_leaves_nothing_for_good(area: Sta
     assert (totals.stored, totals.duplicates) == (30, 0)
     assert bodies(area, 0) == list(range(50))
     assert r.exists(cursor, area.run_key(0, 0)) == 0
+
+
+def test_max_offsets_per_trigger_is_shared_over_the_queues_with_a_backlog() -> None:
+    from mqorder.spark.streaming import cap
+
+    start, latest = {0: 10, 1: 0, 2: 7}, {0: 110, 1: 5, 2: 7}
+    end = cap(start, latest, 40)
+    assert sum(end[i] - start[i] for i in start) == 40
+    assert all(start[i] <= end[i] <= latest[i] for i in start)
+    assert end == {0: 45, 1: 5, 2: 7} == cap(start, latest, 40)  # the small backlog is taken whole
+    assert cap(start, latest, 10_000) == latest

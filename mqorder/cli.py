@@ -88,8 +88,8 @@ def _out() -> Console:
     """A console on the current stdout: the terminal's width, or ``COLUMNS`` / ``PIPE_WIDTH`` when
     piped (``| grep`` should see one line per queue, not rows wrapped at 80 columns)."""
     if sys.stdout.isatty():
-        return Console()
-    return Console(file=sys.stdout, width=int(os.environ.get("COLUMNS") or PIPE_WIDTH))
+        return Console(soft_wrap=True)
+    return Console(file=sys.stdout, width=int(os.environ.get("COLUMNS") or PIPE_WIDTH), soft_wrap=True)
 
 
 def _print_json(obj: Any) -> None:

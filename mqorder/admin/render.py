@@ -23,6 +23,8 @@ from mqorder.admin.topics import DeleteReport, TopicInfo
 
 #: Bodies longer than this are cut in human output (``--json`` has them whole).
 BODY_PREVIEW = 2000
+#: A dead letter's reason is cut to this many characters in `dlq list` (``dlq show`` has it whole).
+REASON_CUT = 60
 
 
 def duration(ms: int | float | None) -> str:
@@ -127,12 +129,13 @@ def status(console: Console, st: GroupStatus) -> None:
     multi_topic = len({q.topic for q in st.queues}) > 1
     lanes = any(q.sub != st.group for q in st.queues)
     cols = [*(["topic"] if multi_topic else []), *(["lane"] if lanes else []), "queue", "max offset",
-            "committed", "lag", "owner", "lease left", "epoch", "request", "head retries", "last commit",
-            "waiting"]
+            "committed", "lag", "owner", "lease", "epoch", "request", "retries", "last commit", "waiting"]
     stuck = st.stuck
+    # "retries": reconsume count of the head message; "waiting": how long the backlog has waited
+    # without progress; "last commit": when the committed offset last moved.
     title = (f"group {st.group}: lag {st.lag:,} over {len(st.queues)} queues; "
              f"{len(stuck)} stuck (backlog waiting > {duration(st.stuck_after_ms)})")
-    t = _table(title, cols, right=("max offset", "committed", "lag", "lease left", "epoch", "head retries"))
+    t = _table(title, cols, right=("max offset", "committed", "lag", "lease", "epoch", "retries"))
     for q in st.queues:
         request = "running" if q.running else "pending" if q.pending else "-"
         row = [*([q.topic] if multi_topic else []), *([q.sub] if lanes else []), f"{q.broker}:{q.queue_id}",
@@ -183,12 +186,16 @@ def dlq_page(console: Console, page: DlqPage) -> None:
     console.print(f"{page.topic}: {page.total:,} dead letter(s) at offsets [{page.min_offset}, {page.max_offset})")
     if not page.messages:
         return
-    t = _table("", ("offset", "origin", "msg id", "keys", "retries", "stored", "reason"), right=("offset", "retries"))
+    # The msg id and the body are in `dlq show` and in --json; a row keeps to one line.
+    t = _table("", ("offset", "origin queue@offset", "keys", "retries", "dead-lettered", "reason"),
+               right=("offset", "retries"))
+    for c in t.columns[:-1]:
+        c.no_wrap = True
     for d in page.messages:
         origin = f"{d.origin_queue.key}@{d.origin_offset}" if d.origin_queue else "-"
-        t.add_row(str(d.dlq_offset), origin, d.origin_msg_id or "-", ",".join(d.keys) or "-",
+        t.add_row(str(d.dlq_offset), origin, ",".join(d.keys) or "-",
                   "-" if d.reconsume_times is None else str(d.reconsume_times), timestamp(d.stored_ms),
-                  d.reason[:80])
+                  d.reason if len(d.reason) <= REASON_CUT else d.reason[: REASON_CUT - 1] + "…")
     console.print(t)
     shown_to = page.messages[-1].dlq_offset + 1
     if shown_to < page.max_offset:
@@ -224,7 +231,7 @@ def reset(console: Console, r: ResetReport) -> None:
     to = r.target.kind if r.target.kind in ("earliest", "latest") else (
         f"offset {r.target.value}" if r.target.kind == "offset" else f"time {timestamp(r.target.value)}")
     title = f"{'plan: reset' if r.dry_run else 'reset'} {r.group} on {r.topic} to {to}"
-    t = _table(title, ("queue", "min", "max", "old offset", "new offset", "epoch", "fenced owner"),
+    t = _table(title, ("queue", "min", "max", "old offset", "new offset", "epoch", "lock taken from"),
                right=("min", "max", "old offset", "new offset", "epoch"))
     for q in r.queues:
         t.add_row(f"{q.broker}:{q.queue_id}" + (f" ({q.sub})" if q.sub != r.group else ""), f"{q.min_offset:,}",

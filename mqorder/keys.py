@@ -193,8 +193,9 @@ def sub_state(tag: str, sub: str) -> str:
         (``lock_batch``, ``begin``, ``assign``, ``finish``, ``sweep``, ``send``).
     ``epoch``
         Fencing epoch: incremented at every change of owner (``lock_batch``, ``begin``,
-        ``assign``, ``finish``) and when a run lease lapsed mid-run before a new request is made
-        pending (``send``, ``sweep``). Never reset, not even on release. ``commit`` and
+        ``assign``, ``finish``), when a run lease lapsed mid-run before a new request is made
+        pending (``send``, ``sweep``), and by an operator's offset reset (``reset_offset``, which
+        also releases the lock). Never reset, not even on release. ``commit`` and
         ``touch`` refuse a caller whose epoch is not the current one (a paused, replaced holder);
         the consumer's lingering read checks it too.
     ``assignee``
@@ -228,10 +229,16 @@ def sub_state(tag: str, sub: str) -> str:
         lease while it runs (``begin``, ``commit``, ``touch``); 0 whenever ``pending`` is
         cleared. Read by ``send`` and ``sweep``: after it, they replace the token.
     ``offset``
-        Committed consume offset: the next offset to consume. Written only by ``commit``, only
-        forward and only by the current owner at its epoch. Read by ``begin`` (first pull),
-        ``commit``, ``assign`` / ``finish`` / ``sweep`` (backlog means ``next`` > ``offset``) and
-        ``MessageLog`` (``consume_offset``, ``lag``, ``state``).
+        Committed consume offset: the next offset to consume. Written by ``commit``, only
+        forward and only by the current owner at its epoch, and by ``reset_offset``
+        (``mqorder offsets reset``: any value, in the same step as the epoch bump and release that
+        fence the running owner). Read by ``begin`` (first pull), ``commit``, ``assign`` /
+        ``finish`` / ``sweep`` (backlog means ``next`` > ``offset``), ``MessageLog``
+        (``consume_offset``, ``lag``, ``state``) and ``mqorder status``.
+    ``commit_ms``
+        When ``offset`` last moved: written by ``commit`` in its existing HSET (kept when a commit
+        does not move the offset) and by ``reset_offset``. Read only by ``mqorder status``, which
+        tells a stuck queue (a backlog waiting since then) from a slow one.
     """
     return f"{PREFIX}:{tag}:s:{sub}"
 

@@ -1,16 +1,13 @@
 """What every admin command shares: the connection to the brokers, group and lane lookups, errors.
 
 The exit codes of ``mqorder`` follow the errors raised here: ``RefusedError`` (a safety check
-refused a change, or ``--check`` found a problem) is 1; a bad argument, an unknown topic or group
-(``MQOrderError``) and an unreachable Redis are 2.
+refused a change; ``status --check`` finding a stuck queue exits 1 too) is 1; any other
+``MQOrderError`` (a bad argument, an unknown topic or group, an unreachable Redis) is 2.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
@@ -20,7 +17,6 @@ from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.membership import ClientInfo, ClientRegistry
 from mqorder.settings import Settings, get_settings
 from mqorder.store.brokers import BrokerRegistry
-from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager, TopicRoute
 
 
@@ -124,17 +120,3 @@ class Admin:
         client = self.brokers.get(broker).client if broker else self.brokers.meta
         sec, usec = client.time()
         return int(sec) * 1000 + int(usec) // 1000
-
-
-@contextmanager
-def pipelined(client: redis.Redis) -> Iterator[Any]:
-    """A non-transactional pipeline, executed on leaving: collect replies with ``pipe.execute``."""
-    pipe = client.pipeline(transaction=False)
-    try:
-        yield pipe
-    finally:
-        pipe.reset()
-
-
-def decode_state(raw: dict[Any, Any]) -> dict[str, str]:
-    return {text(k): text(v) for k, v in raw.items()}

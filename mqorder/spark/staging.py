@@ -36,8 +36,6 @@ from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.failures import translated
 from mqorder.store.topics import TopicManager
-from mqorder.store.wake import WakeUp
-from mqorder.tokens import new_token
 
 #: Rows moved from staging into a log per script call (a call never holds Redis for long).
 PUBLISH_CHUNK = 2000
@@ -182,17 +180,11 @@ class StagingArea:
         exactly as ``QueueAppender`` builds it for ``send.lua``."""
         mq = self.mq(index)
         tag = mq.tag
-        subs = self.appender.subscriptions(mq.topic)
+        state_keys, wake_args = self.appender.wake_tail(mq)
         kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag), keys.stage_cursor(tag, self.job)]
         kl.extend(keys.stage_run(tag, self.job, r) for r in runs)
-        kl.extend(keys.sub_state(tag, s) for s in subs)
-        args: list[Any] = [len(runs), chunk, self.appender.pending_ttl_ms, keys.wake_channel(""), *runs]
-        if subs:
-            token = new_token()
-            for j, s in enumerate(subs):
-                t = f"{token}.{j}"
-                args.append(t)
-                args.append(WakeUp(s, mq.key, t).encode())
+        kl.extend(state_keys)
+        args: list[Any] = [len(runs), chunk, self.appender.pending_ttl_ms, keys.wake_channel(""), *runs, *wake_args]
         return kl, args
 
     def registered_runs(self) -> dict[int, set[int]]:

@@ -117,12 +117,26 @@ class QueueAppender:
         self._subs[topic] = (now, subs)
         return subs
 
+    def wake_tail(self, mq: MessageQueue) -> tuple[list[str], list[Any]]:
+        """The wake-up part of any script that appends to ``mq`` (``wake_owners`` in Lua): the
+        state key of every subscription of the topic, and per key a fresh (token, payload) pair."""
+        subs = self.subscriptions(mq.topic)
+        state_keys = [keys.sub_state(mq.tag, s) for s in subs]
+        args: list[Any] = []
+        if subs:
+            token = new_token()
+            mq_key = mq.key
+            for i, s in enumerate(subs):
+                t = f"{token}.{i}"
+                args.append(t)
+                args.append(WakeUp(s, mq_key, t).encode())
+        return state_keys, args
+
     def _call(self, script: Any, req: AppendRequest, client: Any) -> Any:
         mq = req.mq
-        subs = self.subscriptions(mq.topic)
         tag = mq.tag
-        kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag)]
-        kl.extend(keys.sub_state(tag, s) for s in subs)
+        state_keys, wake_args = self.wake_tail(mq)
+        kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag), *state_keys]
         args: list[Any] = [len(req.entries), "0" if req.ids is None else "1"]
         if req.ids is None:
             for h, b in req.entries:
@@ -135,13 +149,7 @@ class QueueAppender:
                 args.append(b)
         args.append(self.pending_ttl_ms)
         args.append(keys.wake_channel(""))
-        if subs:
-            token = new_token()
-            mq_key = mq.key
-            for i, s in enumerate(subs):
-                t = f"{token}.{i}"
-                args.append(t)
-                args.append(WakeUp(s, mq_key, t).encode())
+        args.extend(wake_args)
         return script(keys=kl, args=args, client=client)
 
 

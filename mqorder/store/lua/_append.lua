@@ -2,22 +2,23 @@
 -- that publishes staged messages) appends and wakes through these two functions, so offsets,
 -- idempotency and wake-ups follow one rule wherever messages enter a queue.
 
--- append_entries(k_log, k_next, k_ids, n, idempotent, base)
---   Appends n messages read from ARGV[base + 1 ...]: (header, body) pairs, or (id, header, body)
---   triples when idempotent. Offsets are contiguous from the queue's next-offset counter; a stream
+-- append_entries(k_log, k_next, k_ids, n, idempotent, base, src)
+--   Appends n messages read from src[base + 1 ...] (src: ARGV unless given, e.g. rows a script
+--   assembled itself): (header, body) pairs, or (id, header, body) triples when idempotent. Offsets are contiguous from the queue's next-offset counter; a stream
 --   entry is "<offset>-1" with fields h (header), b (body), s (store time, Redis clock).
 --   Idempotent: an id already recorded in k_ids (HASH id -> offset), or earlier in this same call,
 --   is not stored again; its existing offset is reported. So a retried or duplicated writer (a
 --   Spark task retry, speculation, a producer retry) adds nothing twice and never reorders.
 --   Returns first offset, number stored, and a flat list {index (0-based), offset} per duplicate.
-local function append_entries(k_log, k_next, k_ids, n, idempotent, base)
+local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src)
+  src = src or ARGV
   local first = tonumber(redis.call('GET', k_next) or 0)
   local off = first
   local stride = idempotent and 3 or 2
   local known = {}
   if idempotent and n > 0 then
     local ids = {}
-    for i = 1, n do ids[i] = ARGV[base + stride * (i - 1) + 1] end
+    for i = 1, n do ids[i] = src[base + stride * (i - 1) + 1] end
     local stored = redis.call('HMGET', k_ids, unpack(ids))
     for i = 1, n do
       if stored[i] then known[ids[i]] = tonumber(stored[i]) end
@@ -29,16 +30,16 @@ local function append_entries(k_log, k_next, k_ids, n, idempotent, base)
     local prev = nil
     if idempotent then
       a = a + 1
-      prev = known[ARGV[a]]
+      prev = known[src[a]]
     end
     if prev then
       dups[#dups + 1] = i - 1
       dups[#dups + 1] = prev
     else
-      redis.call('XADD', k_log, off .. '-1', 'h', ARGV[a + 1], 'b', ARGV[a + 2], 's', now)
+      redis.call('XADD', k_log, off .. '-1', 'h', src[a + 1], 'b', src[a + 2], 's', now)
       if idempotent then
-        redis.call('HSET', k_ids, ARGV[a], off)
-        known[ARGV[a]] = off
+        redis.call('HSET', k_ids, src[a], off)
+        known[src[a]] = off
       end
       off = off + 1
     end

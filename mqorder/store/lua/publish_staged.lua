@@ -59,9 +59,8 @@ for r = 1, k do
   more[r] = #heads[r] == 4 * chunk
 end
 
--- append_entries reads its (id, header, body) triples from ARGV: the merged rows go after the
--- arguments this call was given.
-local base = #ARGV
+-- The merged rows, as the (id, header, body) triples append_entries reads.
+local rows = {}
 local m = 0
 while m < chunk do
   local best = nil
@@ -76,14 +75,14 @@ while m < chunk do
   end
   if best == nil or blocked then break end
   local h, i = heads[best], at[best]
-  ARGV[base + 3 * m + 1] = h[i + 1]
-  ARGV[base + 3 * m + 2] = h[i + 2]
-  ARGV[base + 3 * m + 3] = h[i + 3]
+  rows[3 * m + 1] = h[i + 1]
+  rows[3 * m + 2] = h[i + 2]
+  rows[3 * m + 3] = h[i + 3]
   at[best] = i + 4
   m = m + 1
 end
 
-local first, stored, dups = append_entries(KEYS[1], KEYS[2], KEYS[3], m, true, base)
+local first, stored, dups = append_entries(KEYS[1], KEYS[2], KEYS[3], m, true, 0, rows)
 
 local remaining = 0
 for r = 1, k do

@@ -79,3 +79,21 @@ def test_service_sweep_dispatches_an_assigned_backlog_through_the_lock_manager(
     assert (d.sub, d.mq, d.client) == ("g", MQ, "c1")
     assert r.hget(keys.sub_state(MQ.tag, "g"), "pending") == d.token.encode()
     assert svc.sweep(["g"]) == []  # its request is pending now
+
+
+def test_a_group_on_two_topics_keeps_the_assignment_of_both(brokers: BrokerRegistry, settings) -> None:  # noqa: ANN001
+    from mqorder.model import MessageModel
+    from mqorder.rebalance.membership import Subscription
+    from mqorder.store.topics import TopicManager
+
+    tm = TopicManager(brokers)
+    tm.create_topic("ta", 2)
+    tm.create_topic("tb", 3)
+    svc = RebalanceService(brokers, settings)
+    svc.registry.register("c1", [Subscription("g", "ta", MessageModel.CLUSTERING),
+                                 Subscription("g", "tb", MessageModel.CLUSTERING)])
+    svc.rebalance()
+    # lock_all, the sweep and a clean leave all read this: it must name the queues of both topics.
+    assert {mq.topic for mq in svc.assigned_queues("g", "c1")} == {"ta", "tb"}
+    assert len(svc.assigned_queues("g", "c1")) == 5
+    assert svc.lock_all("c1", ["g"]) == 5

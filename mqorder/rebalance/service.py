@@ -116,6 +116,9 @@ class RebalanceService:
                 if model is MessageModel.CLUSTERING:
                     lanes.setdefault((group, topic), [])
         pending_ttl = self.settings.ms(self.settings.pending_ttl)
+        # The assignment hint of a lane covers every topic it subscribes to: written once per lane,
+        # after all its topics are assigned (one delete per topic would keep only the last one's).
+        hints: dict[str, list[str]] = defaultdict(list)
         for (sub, topic), cids in sorted(lanes.items()):
             try:
                 route = self.topics.describe_topic(topic)
@@ -133,12 +136,7 @@ class RebalanceService:
                 assignment = allocate_all(self.strategy, keys.group_of_sub(sub), mqs, cids)
             triples = [(mq, assignment.get(mq, keys.NOBODY), new_token()) for mq in mqs]
             results = self.locks.assign(sub, triples, dead, pending_ttl)
-            hint = [x for mq, a, _ in triples if a != keys.NOBODY for x in (mq.key, a)]
-            pipe = self.brokers.meta.pipeline(transaction=False)
-            pipe.delete(keys.assignment(sub))
-            if hint:
-                pipe.hset(keys.assignment(sub), items=hint)
-            pipe.execute()
+            hints[sub].extend(x for mq, a, _ in triples if a != keys.NOBODY for x in (mq.key, a))
             for mq, assignee, tok in triples:
                 r = results[mq]
                 if assignee != keys.NOBODY:
@@ -149,6 +147,12 @@ class RebalanceService:
                     report.busy += 1
                 if r == "DISPATCH":
                     report.dispatches.append(Dispatch(sub, mq, assignee, tok))
+        pipe = self.brokers.meta.pipeline(transaction=False)
+        for sub, hint in hints.items():
+            pipe.delete(keys.assignment(sub))
+            if hint:
+                pipe.hset(keys.assignment(sub), items=hint)
+        pipe.execute()
         # Forget heartbeats that lapsed more than a lease ago: their locks are gone by now.
         self.registry.forget_dead(dead, now - self.settings.ms(self.settings.lock_max_live_time))
         report.took_ms = (time.perf_counter() - t0) * 1000

@@ -109,7 +109,7 @@ class Broker:
             self.client.ping()
         except redis.RedisError as exc:
             raise BrokerUnavailableError(
-                f"cannot reach Redis broker {self.name!r} at {self.safe_url}: {exc}. "
+                f"cannot reach Redis broker {self.name!r} at {self.safe_url}: {str(exc).rstrip('.')}. "
                 "Start redis-server or point MQORDER_REDIS_URL at a running one"
             ) from exc
 

@@ -32,6 +32,11 @@ def paired(rows: list[dict[str, Any]] | None) -> Summary | None:
     return summarize(xs) if xs else None
 
 
+def _values(summary_json: dict[str, Any] | None) -> Summary | None:
+    """A Summary stored as JSON (``Summary.to_json``) back as one; None when absent."""
+    return summarize(summary_json["values"]) if summary_json and summary_json.get("values") else None
+
+
 def fmt_paired(s: Summary | None) -> str:
     if s is None:
         return "n/a"
@@ -107,6 +112,12 @@ class Figures:
         self.r_raw32, self.r_raw1 = ratio(self.s_b32, self.s_raw), ratio(self.s_b1, self.s_raw)
         self.r_nv32, self.r_nv1 = ratio(self.s_b32, self.s_naive), ratio(self.s_b1, self.s_naive)
         self.r_ln32, self.r_ln1 = ratio(self.s_b32, self.s_lane), ratio(self.s_b1, self.s_lane)
+
+        # Spark: per-pair ratios of the Spark publish to send_orderly_batch, and to the one-by-one loop.
+        self.spark: dict[str, Any] = res.get("spark") or {}
+        self.spark_rows: int = self.spark.get("rows", 0)
+        self.s_spark_batch = _values(self.spark.get("ratio_vs_batch"))
+        self.s_spark_one = _values(self.spark.get("ratio_vs_one_by_one"))
 
         # Latency: p99 of every mqorder configuration measured, by results key.
         self.lat_short = {k: short for k, short, _ in lat_configs(self.lat)}

@@ -45,8 +45,8 @@ class Report:
 
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
-                    self.produce, self.failover, self.rebalance, self.memory, self.growth, self.history,
-                    self.notes)
+                    self.produce, self.failover, self.rebalance, self.memory, self.growth, self.spark,
+                    self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
     def header(self) -> list[str]:
@@ -437,6 +437,14 @@ class Report:
                 "curve of more processes and more queues (scheduling, rebalance, per-queue runs), not scaling. "
                 "With 4 queues and more pool processes than queues, some processes have nothing to do.", ""]
         return out
+
+    def spark(self) -> list[str]:
+        """The data pipeline: Spark publish next to the Python producer, and a batch read."""
+        if not self.res.get("spark"):
+            return []
+        from bench import spark
+
+        return ["## Spark data pipeline", "", *spark.markdown(self.res["spark"]).splitlines(), ""]
 
     def history(self) -> list[str]:
         """Before/after figures of past hot-path changes, from ``bench/history.json`` (not this run's)."""

@@ -165,10 +165,16 @@ def sec_growth(cfg: Config, res: dict[str, Any]) -> None:
                      "runs": growth.run(cfg, messages=n, concurrency=c, runs=cfg.runs)}
 
 
+def sec_spark(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import spark
+
+    res["spark"] = spark.run(cfg)
+
+
 RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "raw": sec_raw, "mqorder": sec_mqorder, "costs": sec_costs, "naive": sec_naive,
     "single_lane": sec_single_lane, "latency": sec_latency, "produce": sec_produce, "failover": sec_failover,
-    "rebalance": sec_rebalance, "memory": sec_memory, "growth": sec_growth,
+    "rebalance": sec_rebalance, "memory": sec_memory, "growth": sec_growth, "spark": sec_spark,
 }
 
 

@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from bench.common import Config, client, log, redis_server, summarize
+from bench.targets import threshold
 from mqorder import Producer
 from mqorder.model import MessageModel
 
@@ -40,8 +41,6 @@ GROUP = "g-spark-bench"
 QUEUES = 16
 BATCH_CALL = 10_000
 #: Targets of the issue: Spark publish vs send_orderly_batch, and vs the one-by-one loop.
-TARGET_VS_BATCH = 0.7
-TARGET_VS_ONE_BY_ONE = 5.0
 
 
 def pairs(rows: int, n_keys: int, body_size: int) -> list[tuple[str, bytes]]:
@@ -197,8 +196,8 @@ def markdown(res: dict[str, Any]) -> str:
         f"| Spark `publish` (Arrow writer, exactly once, commit included) | {rates(res['spark_publish'])} | |",
         f"| `send_orderly_batch`, one Python process, same data | {rates(res['send_orderly_batch'])} | |",
         f"| `send_orderly` one by one | {one['rate']:,.0f} msg/s ({one['messages']:,} messages) | |",
-        f"| Spark publish / send_orderly_batch | {ratio('ratio_vs_batch', TARGET_VS_BATCH, 2)} |",
-        f"| Spark publish / send_orderly | {ratio('ratio_vs_one_by_one', TARGET_VS_ONE_BY_ONE, 1)} |",
+        f"| Spark publish / send_orderly_batch | {ratio('ratio_vs_batch', threshold('spark_publish'), 2)} |",
+        f"| Spark publish / send_orderly | {ratio('ratio_vs_one_by_one', threshold('spark_one_by_one'), 1)} |",
         f"| Spark batch read into a count | {read['rate']:,.0f} msg/s ({read['messages']:,} messages) | |",
         f"| Spark session start (once per application, not in the rates) | {res['session_start_s']:.1f} s | |",
     ]

@@ -135,4 +135,13 @@ TARGETS: tuple[Target, ...] = (
            50, AT_MOST, " ms", 0, lambda f: _of_median(f.s_rb, "ms")),
     Target("memory_peak", "worker peak RSS draining a {f.mem_n:,}-message backlog {bound}",
            200, AT_MOST, " MiB", 0, lambda f: _of_worst(f.s_mem, "MiB")),
+    Target("spark_publish", "Spark publish of {f.spark_rows:,} rows (exactly once, `local[2]`) {bound} "
+           "`send_orderly_batch` on the same data", 0.7, AT_LEAST, "x", 1, lambda f: _of_paired(f.s_spark_batch)),
+    Target("spark_one_by_one", "Spark publish {bound} a one-by-one `send_orderly` loop",
+           5, AT_LEAST, "x", 0, lambda f: _of_paired(f.s_spark_one)),
 )
+
+
+def threshold(target_id: str) -> float:
+    """The threshold of one target, for a section that prints its own verdict next to its figures."""
+    return next(t.threshold for t in TARGETS if t.id == target_id)

@@ -30,6 +30,8 @@ SIZES = {
     "growth_messages": (50_000, 5_000),
     "costs_messages": (200_000, 10_000),
     "costs_profile": (50_000, 5_000),
+    "spark_rows": (1_000_000, 200_000),
+    "spark_one_by_one": (20_000, 5_000),
 }
 
 

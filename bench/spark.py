@@ -32,6 +32,7 @@ import time
 from typing import Any
 
 from bench.common import Config, client, log, redis_server, summarize
+from bench.plan import size
 from bench.targets import threshold
 from mqorder import Producer
 from mqorder.model import MessageModel
@@ -106,8 +107,8 @@ def run(cfg: Config | None = None, *, rows: int | None = None, n_keys: int = 200
     is taken per pair (the median pair is reported).
     """
     cfg = cfg or Config()
-    rows = rows or cfg.n(1_000_000, 200_000)
-    one_by_one = one_by_one or cfg.n(20_000, 5_000)
+    rows = rows or size(cfg, "spark_rows")
+    one_by_one = one_by_one or size(cfg, "spark_one_by_one")
     runs = runs or (1 if cfg.quick else cfg.runs)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     out: dict[str, Any] = {"rows": rows, "n_keys": n_keys, "body_size": body_size, "queues": QUEUES,

@@ -184,7 +184,7 @@ class CeleryWorker:
 
     def start(self) -> CeleryWorker:
         self.logfile.parent.mkdir(parents=True, exist_ok=True)
-        out = open(self.logfile, "ab")  # noqa: SIM115 - handed to the child
+        out = open(self.logfile, "ab")
         try:
             self.proc = subprocess.Popen(self.args, env=self.env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
                                          start_new_session=True)

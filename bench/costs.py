@@ -27,7 +27,7 @@ from mqorder import ConsumeOrderlyStatus, keys
 from mqorder.codec import decode_entries
 
 
-def _noop(msgs, ctx):  # noqa: ANN001, ANN202
+def _noop(msgs, ctx):
     return ConsumeOrderlyStatus.SUCCESS
 
 

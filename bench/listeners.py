@@ -34,11 +34,11 @@ def _redis() -> redis.Redis:
     return _r
 
 
-def noop(msgs, ctx):  # noqa: ANN001, ANN201
+def noop(msgs, ctx):
     return SUCCESS
 
 
-def latency(msgs, ctx):  # noqa: ANN001, ANN201
+def latency(msgs, ctx):
     now = time.time_ns()
     _redis().rpush(LAT_KEY, *[now - int(m.body) for m in msgs])
     return SUCCESS

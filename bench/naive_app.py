@@ -23,7 +23,7 @@ app = make_app("bench_naive")
 
 
 @app.task(name="bench.naive.handle", bind=True, max_retries=None)
-def handle(self, key: str, seq: int, sent_ns: int = 0) -> None:  # noqa: ANN001
+def handle(self, key: str, seq: int, sent_ns: int = 0) -> None:
     c = r()
     lock = f"bench:naive:lock:{key}"
     if not c.set(lock, uuid.uuid4().hex, nx=True, px=LOCK_PX):

@@ -427,7 +427,7 @@ def produce(
         raise typer.Exit(EXIT_BAD)
 
 
-class _lines:  # noqa: N801 - used as a context manager
+class _lines:
     """Binary lines of ``path`` or stdin, and the total size when known (a file, or stdin
     redirected from one) for the progress bar."""
 

@@ -56,7 +56,7 @@ class WorkerProcess:
             "-c", str(self.concurrency), "--loglevel", self.loglevel, "--without-mingle",
             "--without-gossip", *self.extra_args,
         ]
-        out = open(self.logfile, "ab") if self.logfile else subprocess.DEVNULL  # noqa: SIM115
+        out = open(self.logfile, "ab") if self.logfile else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             args, env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )
@@ -135,7 +135,7 @@ class BeatProcess:
             *_celery(), "-A", self.app, "beat", "-s", str(self.workdir / "celerybeat-schedule"),
             "--pidfile", "", "--loglevel", self.loglevel,
         ]
-        out = open(self.logfile, "ab") if self.logfile else subprocess.DEVNULL  # noqa: SIM115
+        out = open(self.logfile, "ab") if self.logfile else subprocess.DEVNULL
         self.proc = subprocess.Popen(
             args, env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
         )

@@ -46,7 +46,7 @@ _client: redis.Redis | None = None
 _apply = None
 
 
-def _script():  # noqa: ANN202
+def _script():
     global _client, _apply
     if _apply is None:
         _client = redis.Redis.from_url(settings.redis_url)
@@ -55,7 +55,7 @@ def _script():  # noqa: ANN202
 
 
 @orderly_listener(topic=ORDERS_TOPIC, group=ORDERS_GROUP)
-def on_order_event(msgs, ctx):  # noqa: ANN001, ANN201
+def on_order_event(msgs, ctx):
     apply = _script()
     for m in msgs:
         try:

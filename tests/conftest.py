@@ -53,7 +53,7 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def settings(redis_url: str):  # noqa: ANN201
+def settings(redis_url: str):
     return load_settings(redis_url=redis_url)
 
 
@@ -117,7 +117,7 @@ def ledger(client: redis.Redis, group: str) -> list[dict]:
     return out
 
 
-def wait_for(pred, timeout: float = 60.0, interval: float = 0.1, what: str = "condition"):  # noqa: ANN001, ANN201
+def wait_for(pred, timeout: float = 60.0, interval: float = 0.1, what: str = "condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = pred()

@@ -29,7 +29,7 @@ def r() -> redis.Redis:
     return _r
 
 
-def _record(group: str, msgs, ctx, status: ConsumeOrderlyStatus) -> ConsumeOrderlyStatus:  # noqa: ANN001
+def _record(group: str, msgs, ctx, status: ConsumeOrderlyStatus) -> ConsumeOrderlyStatus:
     c = r()
     ctl = {k.decode(): v.decode() for k, v in c.hgetall(f"ctl:{group}").items()}
     start = time.time_ns() // 1000
@@ -58,27 +58,27 @@ def _record(group: str, msgs, ctx, status: ConsumeOrderlyStatus) -> ConsumeOrder
 
 
 @orderly_listener(topic="t-order", group="g-order")
-def ordered(msgs, ctx):  # noqa: ANN001, ANN201
+def ordered(msgs, ctx):
     return _record("g-order", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
 
 
 @orderly_listener(topic="t-excl", group="g-excl", consume_message_batch_max_size=2)
-def exclusive(msgs, ctx):  # noqa: ANN001, ANN201
+def exclusive(msgs, ctx):
     return _record("g-excl", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
 
 
 @orderly_listener(topic="t-suspend", group="g-suspend", max_reconsume_times=2,
                   suspend_current_queue_time_millis=300)
-def suspending(msgs, ctx):  # noqa: ANN001, ANN201
+def suspending(msgs, ctx):
     return _record("g-suspend", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
 
 
 @orderly_listener(topic="t-bcast", group="g-bcast", message_model=MessageModel.BROADCASTING)
-def broadcast(msgs, ctx):  # noqa: ANN001, ANN201
+def broadcast(msgs, ctx):
     return _record("g-bcast", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
 
 
 @orderly_listener(topic="t-late", group="g-late")
-def late(msgs, ctx):  # noqa: ANN001, ANN201
+def late(msgs, ctx):
     """Its topic is created only after the workers started (instant pick-up of a new topic)."""
     return _record("g-late", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)

@@ -66,7 +66,7 @@ def _faulty_sources() -> list[type]:
         def _done_key(self) -> str:
             return f"test:succeeded:{self.plan.job_id}"
 
-        def write(self, iterator):  # noqa: ANN001, ANN201
+        def write(self, iterator):
             msg = super().write(iterator)
             client = redis.Redis.from_url(self.plan.conn.redis_url)
             try:
@@ -93,7 +93,7 @@ def _faulty_sources() -> list[type]:
         """Micro-batch 2 publishes, then its commit fails (once): the query dies before Spark
         records the batch as done, so a restarted query replays batch 2 with the same rows."""
 
-        def commit(self, messages, batchId):  # noqa: ANN001, ANN201, N803
+        def commit(self, messages, batchId):
             super().commit(messages, batchId)
             if batchId == 2:
                 client = redis.Redis.from_url(self.plan.conn.redis_url)

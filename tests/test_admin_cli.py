@@ -32,7 +32,7 @@ from mqorder.store.topics import TopicManager
 S = ConsumeOrderlyStatus
 
 
-def cli(*args: str, input: bytes | str | None = None) -> Result:  # noqa: A002
+def cli(*args: str, input: bytes | str | None = None) -> Result:
     return CliRunner().invoke(app, list(args), input=input, catch_exceptions=False)
 
 

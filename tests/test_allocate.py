@@ -33,7 +33,7 @@ def clients(c: int) -> list[str]:
     return [f"cid-{i:02d}" for i in range(c)]
 
 
-def per_client(strategy, mq_all, cid_all) -> list[list[MessageQueue]]:  # noqa: ANN001
+def per_client(strategy, mq_all, cid_all) -> list[list[MessageQueue]]:
     return [strategy.allocate(GROUP, cid, mq_all, cid_all) for cid in cid_all]
 
 
@@ -126,7 +126,7 @@ def test_by_circle_covers_every_queue_once_with_balanced_sizes(n: int, c: int) -
 
 
 @pytest.mark.parametrize("strategy", COVERING_STRATEGIES)
-def test_every_queue_is_assigned_to_exactly_one_client(strategy) -> None:  # noqa: ANN001
+def test_every_queue_is_assigned_to_exactly_one_client(strategy) -> None:
     mq_all = sorted(mixed_queues())
     cid_all = clients(3)
     got = per_client(strategy, mq_all, cid_all)
@@ -139,7 +139,7 @@ def test_every_queue_is_assigned_to_exactly_one_client(strategy) -> None:  # noq
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
 @settings(max_examples=30, deadline=None)
 @given(data=st.data())
-def test_allocate_all_is_independent_of_input_order_and_duplicate_clients(strategy, data) -> None:  # noqa: ANN001
+def test_allocate_all_is_independent_of_input_order_and_duplicate_clients(strategy, data) -> None:
     mq_all = mixed_queues()
     cid_all = ["worker-b@host2", "worker-a@host1", "worker-c@host1", "worker-d@host3"]
     reference = allocate_all(strategy, GROUP, sorted(mq_all), sorted(cid_all))
@@ -149,26 +149,26 @@ def test_allocate_all_is_independent_of_input_order_and_duplicate_clients(strate
 
 
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
-def test_client_not_in_cid_all_gets_nothing(strategy) -> None:  # noqa: ANN001
+def test_client_not_in_cid_all_gets_nothing(strategy) -> None:
     mq_all = sorted(mixed_queues())
     assert strategy.allocate(GROUP, "ghost", mq_all, clients(3)) == []
     assert "ghost" not in allocate_all(strategy, GROUP, mq_all, clients(3)).values()
 
 
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
-def test_no_queues_means_nothing_to_allocate(strategy) -> None:  # noqa: ANN001
+def test_no_queues_means_nothing_to_allocate(strategy) -> None:
     assert strategy.allocate(GROUP, "cid-00", [], clients(3)) == []
     assert allocate_all(strategy, GROUP, [], clients(3)) == {}
 
 
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
-def test_empty_current_cid_is_refused(strategy) -> None:  # noqa: ANN001
+def test_empty_current_cid_is_refused(strategy) -> None:
     with pytest.raises(ValueError, match="current_cid is empty"):
         strategy.allocate(GROUP, "", queues(4), clients(2))
 
 
 @pytest.mark.parametrize("strategy", ALL_STRATEGIES)
-def test_no_clients_leaves_every_queue_unassigned(strategy) -> None:  # noqa: ANN001
+def test_no_clients_leaves_every_queue_unassigned(strategy) -> None:
     assert allocate_all(strategy, GROUP, queues(4), []) == {}
 
 
@@ -244,7 +244,7 @@ def test_by_machine_room_with_all_rooms_covers_every_queue() -> None:
 
 @settings(max_examples=50, deadline=None)
 @given(n=st.integers(1, 64), c=st.integers(2, 8), data=st.data())
-def test_consistent_hash_removing_a_client_moves_only_its_queues(n: int, c: int, data) -> None:  # noqa: ANN001
+def test_consistent_hash_removing_a_client_moves_only_its_queues(n: int, c: int, data) -> None:
     strategy = AllocateMessageQueueConsistentHash()
     mq_all, cid_all = queues(n), clients(c)
     before = allocate_all(strategy, GROUP, mq_all, cid_all)

@@ -22,7 +22,7 @@ MQ1 = MessageQueue("t", "broker-a", 1)
 
 
 @pytest.fixture
-def appender(redis_url: str):  # noqa: ANN201
+def appender(redis_url: str):
     brokers = BrokerRegistry(redis_url)
     TopicManager(brokers).create_topic("t", 2)
     yield QueueAppender(brokers, pending_ttl_ms=10_000, timeout=3.0)

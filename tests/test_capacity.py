@@ -8,7 +8,7 @@ import time
 from mqorder.celery.capacity import STALE_AFTER_S, CapacityPublisher, CapacitySignal
 
 
-def _child_reads(sig: CapacitySignal, conn) -> None:  # noqa: ANN001
+def _child_reads(sig: CapacitySignal, conn) -> None:
     # Wait until the parent publishes after the fork: proves the page is shared, not copied.
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and sig.read()[1] != 7:

@@ -152,7 +152,7 @@ def ledger(redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> I
         listeners._r.close()
 
 
-def test_a_refused_commit_is_recorded_by_the_hook_and_proves_the_overlap(settings, ledger) -> None:  # noqa: ANN001
+def test_a_refused_commit_is_recorded_by_the_hook_and_proves_the_overlap(settings, ledger) -> None:
     p = Producer(settings=settings)
     p.create_topic(listeners.TOPIC, queues=1)
     for s in (1, 2, 3):
@@ -163,7 +163,7 @@ def test_a_refused_commit_is_recorded_by_the_hook_and_proves_the_overlap(setting
     spec = get_listener(listeners.GROUP, listeners.TOPIC)
     assert spec is not None and any(isinstance(h, listeners.RefusalRecorder) for h in spec.hooks)
 
-    def handover_then_handle(msgs, ctx):  # noqa: ANN001, ANN202
+    def handover_then_handle(msgs, ctx):
         if msgs[0].queue_offset == 1:  # the queue moves to c2 while c1's run is in its second call
             locks.assign(listeners.GROUP, [(MQ, "c2", "other")], dead_clients=["c1"])
         return listeners.handle(msgs, ctx)

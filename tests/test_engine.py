@@ -21,7 +21,7 @@ S = ConsumeOrderlyStatus
 
 
 @pytest.fixture
-def env(settings):  # noqa: ANN001, ANN201
+def env(settings):
     p = Producer(settings=settings)
     p.create_topic("t", queues=1)
     eng = ConsumerEngine(settings, "c1")
@@ -51,13 +51,13 @@ def drain(eng: ConsumerEngine, spec: ListenerSpec, sub: str = "g", max_runs: int
     return outcomes
 
 
-def test_messages_are_delivered_in_offset_order_and_committed(env) -> None:  # noqa: ANN001
+def test_messages_are_delivered_in_offset_order_and_committed(env) -> None:
     p, eng = env
     for i in range(100):
         p.send_orderly("t", str(i).encode(), sharding_key="k")
     seen: list[int] = []
 
-    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+    def listener(msgs, ctx):
         seen.extend(m.queue_offset for m in msgs)
         assert [int(m.body) for m in msgs] == [m.queue_offset for m in msgs]
         return S.SUCCESS
@@ -68,14 +68,14 @@ def test_messages_are_delivered_in_offset_order_and_committed(env) -> None:  # n
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 100
 
 
-def test_suspended_message_blocks_later_offsets_until_it_succeeds(env) -> None:  # noqa: ANN001
+def test_suspended_message_blocks_later_offsets_until_it_succeeds(env) -> None:
     p, eng = env
     for i in range(5):
         p.send_orderly("t", str(i).encode(), sharding_key="k")
     calls: list[tuple[int, int]] = []
     fails = {2: 2}
 
-    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+    def listener(msgs, ctx):
         (m,) = msgs
         calls.append((m.queue_offset, m.reconsume_times))
         if fails.get(m.queue_offset, 0) > 0:
@@ -88,13 +88,13 @@ def test_suspended_message_blocks_later_offsets_until_it_succeeds(env) -> None: 
     assert calls == [(0, 0), (1, 0), (2, 0), (2, 1), (2, 2), (3, 0), (4, 0)]
 
 
-def test_message_goes_to_dlq_after_max_reconsume_times_and_queue_moves_on(env) -> None:  # noqa: ANN001
+def test_message_goes_to_dlq_after_max_reconsume_times_and_queue_moves_on(env) -> None:
     p, eng = env
     for i in range(3):
         p.send_orderly("t", str(i).encode(), sharding_key="k", keys=[f"key{i}"])
     calls: list[int] = []
 
-    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+    def listener(msgs, ctx):
         calls.append(msgs[0].queue_offset)
         return S.SUSPEND_CURRENT_QUEUE_A_MOMENT if msgs[0].queue_offset == 1 else S.SUCCESS
 
@@ -108,13 +108,13 @@ def test_message_goes_to_dlq_after_max_reconsume_times_and_queue_moves_on(env) -
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 3
 
 
-def test_listener_exception_and_none_count_as_suspend(env) -> None:  # noqa: ANN001
+def test_listener_exception_and_none_count_as_suspend(env) -> None:
     p, eng = env
     p.send_orderly("t", b"x", sharding_key="k")
     results = iter([RuntimeError("boom"), None, S.SUCCESS])
     calls = []
 
-    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+    def listener(msgs, ctx):
         calls.append(msgs[0].reconsume_times)
         r = next(results)
         if isinstance(r, Exception):
@@ -125,7 +125,7 @@ def test_listener_exception_and_none_count_as_suspend(env) -> None:  # noqa: ANN
     assert calls == [0, 1, 2]
 
 
-def test_undecodable_stored_message_goes_to_dlq_without_blocking(env) -> None:  # noqa: ANN001
+def test_undecodable_stored_message_goes_to_dlq_without_blocking(env) -> None:
     p, eng = env
     p.send_orderly("t", b"a", sharding_key="k")
     c = eng.brokers.default.client
@@ -135,7 +135,7 @@ def test_undecodable_stored_message_goes_to_dlq_without_blocking(env) -> None:  
     p.send_orderly("t", b"c", sharding_key="k")
     seen = []
 
-    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+    def listener(msgs, ctx):
         seen.extend(m.body for m in msgs)
         return S.SUCCESS
 
@@ -146,14 +146,14 @@ def test_undecodable_stored_message_goes_to_dlq_without_blocking(env) -> None:  
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 3
 
 
-def test_manual_commit_and_rollback(env) -> None:  # noqa: ANN001
+def test_manual_commit_and_rollback(env) -> None:
     p, eng = env
     for i in range(4):
         p.send_orderly("t", str(i).encode(), sharding_key="k")
     calls: list[int] = []
     rolled = {"done": False}
 
-    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+    def listener(msgs, ctx):
         ctx.auto_commit = False
         ctx.suspend_current_queue_time_millis = 10
         off = msgs[0].queue_offset
@@ -171,14 +171,14 @@ def test_manual_commit_and_rollback(env) -> None:  # noqa: ANN001
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 4
 
 
-def test_commit_of_a_replaced_holder_is_fenced_and_ctx_sees_it(env) -> None:  # noqa: ANN001
+def test_commit_of_a_replaced_holder_is_fenced_and_ctx_sees_it(env) -> None:
     p, eng = env
     for i in range(3):
         p.send_orderly("t", str(i).encode(), sharding_key="k")
     observed = []
     locks = RebalanceLockManager(eng.brokers)
 
-    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+    def listener(msgs, ctx):
         if msgs[0].queue_offset == 1:
             # Another client takes the queue while this call runs (a pause past the lease).
             locks.assign("g", [(MQ, "c2", "other")], dead_clients=["c1"])
@@ -192,7 +192,7 @@ def test_commit_of_a_replaced_holder_is_fenced_and_ctx_sees_it(env) -> None:  # 
     assert locks.lock_entry("g", MQ).owner == "c2"
 
 
-def test_refused_commit_reaches_hooks_as_a_structured_record(env) -> None:  # noqa: ANN001
+def test_refused_commit_reaches_hooks_as_a_structured_record(env) -> None:
     p, eng = env
     for i in range(3):
         p.send_orderly("t", str(i).encode(), sharding_key="k")
@@ -201,13 +201,13 @@ def test_refused_commit_reaches_hooks_as_a_structured_record(env) -> None:  # no
     run_ids = set()
 
     class Recorder(ConsumeMessageHook):
-        def consume_message_before(self, context):  # noqa: ANN001, ANN202
+        def consume_message_before(self, context):
             run_ids.add(context.run_id)
 
-        def consume_refused(self, context):  # noqa: ANN001, ANN202
+        def consume_refused(self, context):
             refused.append(context)
 
-    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+    def listener(msgs, ctx):
         assert ctx.run_id in run_ids
         if msgs[0].queue_offset == 1:
             locks.assign("g", [(MQ, "c2", "other")], dead_clients=["c1"])
@@ -220,17 +220,17 @@ def test_refused_commit_reaches_hooks_as_a_structured_record(env) -> None:  # no
     assert rec.run_id in run_ids and rec.offset == 3  # the run handled all three, then tried to commit
 
 
-def test_hooks_run_before_and_after_each_call(env) -> None:  # noqa: ANN001
+def test_hooks_run_before_and_after_each_call(env) -> None:
     p, eng = env
     for i in range(3):
         p.send_orderly("t", str(i).encode(), sharding_key="k")
     events = []
 
     class Recorder(ConsumeMessageHook):
-        def consume_message_before(self, context):  # noqa: ANN001, ANN202
+        def consume_message_before(self, context):
             events.append(("before", context.msg_list[0].queue_offset))
 
-        def consume_message_after(self, context):  # noqa: ANN001, ANN202
+        def consume_message_after(self, context):
             events.append(("after", context.msg_list[0].queue_offset, context.status, context.success))
 
     drain(eng, ListenerSpec(lambda m, c: S.SUCCESS, "t", "g", hooks=[Recorder()]))
@@ -241,7 +241,7 @@ def test_hooks_run_before_and_after_each_call(env) -> None:  # noqa: ANN001
     ]
 
 
-def test_time_budget_requeues_the_request(settings) -> None:  # noqa: ANN001
+def test_time_budget_requeues_the_request(settings) -> None:
     s = settings.model_copy(update={"max_time_consume_continuously": 0.05})
     p = Producer(settings=s)
     p.create_topic("t", queues=1)
@@ -249,7 +249,7 @@ def test_time_budget_requeues_the_request(settings) -> None:  # noqa: ANN001
     for i in range(50):
         p.send_orderly("t", str(i).encode(), sharding_key="k")
 
-    def slow(msgs, ctx):  # noqa: ANN001, ANN202
+    def slow(msgs, ctx):
         time.sleep(0.01)
         return S.SUCCESS
 
@@ -258,7 +258,7 @@ def test_time_budget_requeues_the_request(settings) -> None:  # noqa: ANN001
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 50
 
 
-def test_stale_or_duplicate_token_does_nothing(env) -> None:  # noqa: ANN001
+def test_stale_or_duplicate_token_does_nothing(env) -> None:
     p, eng = env
     p.send_orderly("t", b"x", sharding_key="k")
     RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
@@ -270,7 +270,7 @@ def test_stale_or_duplicate_token_does_nothing(env) -> None:  # noqa: ANN001
     assert called == []
 
 
-def test_message_with_unencodable_metadata_still_reaches_the_dlq(env) -> None:  # noqa: ANN001
+def test_message_with_unencodable_metadata_still_reaches_the_dlq(env) -> None:
     p, eng = env
     c = eng.brokers.default.client
     # Valid JSON, wrong types, and a lone surrogate in a key: nothing about it can be re-encoded.
@@ -285,7 +285,7 @@ def test_message_with_unencodable_metadata_still_reaches_the_dlq(env) -> None:  
     assert dead.body == b"payload" and dead.properties["ORIGIN_QUEUE_OFFSET"] == "0"
 
 
-def test_oversized_stored_message_goes_to_dlq_with_reason(settings) -> None:  # noqa: ANN001
+def test_oversized_stored_message_goes_to_dlq_with_reason(settings) -> None:
     big = Producer(settings=settings)  # default 4 MiB limit: this producer may write 64 bytes
     big.create_topic("t", queues=1)
     big.send_orderly("t", b"x" * 64, sharding_key="k")
@@ -300,7 +300,7 @@ def test_oversized_stored_message_goes_to_dlq_with_reason(settings) -> None:  # 
     assert "over max_message_size 16" in dead.properties["DLQ_REASON"]
 
 
-def test_consume_counters_reach_redis(env) -> None:  # noqa: ANN001
+def test_consume_counters_reach_redis(env) -> None:
     from mqorder.consumer.stats import ConsumerStatsManager
 
     p, eng = env
@@ -311,7 +311,7 @@ def test_consume_counters_reach_redis(env) -> None:  # noqa: ANN001
     assert stats["ok"] == 7 and stats["rt_n"] == 7 and stats["rt_ms"] >= 0
 
 
-def test_drained_request_lingers_for_a_trickle_when_allowed(env) -> None:  # noqa: ANN001
+def test_drained_request_lingers_for_a_trickle_when_allowed(env) -> None:
     import threading
 
     p, eng = env
@@ -333,7 +333,7 @@ def test_drained_request_lingers_for_a_trickle_when_allowed(env) -> None:  # noq
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 6
 
 
-def _linger_run(env, may_linger: Callable[[], bool] = lambda: True):  # noqa: ANN001, ANN202
+def _linger_run(env, may_linger: Callable[[], bool] = lambda: True):
     """Send one message and drain in a thread; return once the run is lingering after it.
 
     Returns (producer, engine, bodies seen, outcomes, [end time], thread, redis client).
@@ -360,7 +360,7 @@ def _linger_run(env, may_linger: Callable[[], bool] = lambda: True):  # noqa: AN
     return p, eng, seen, outs, ended, t, eng.brokers.default.client
 
 
-def test_lingering_request_gives_its_slot_back_as_soon_as_a_request_waits(env) -> None:  # noqa: ANN001
+def test_lingering_request_gives_its_slot_back_as_soon_as_a_request_waits(env) -> None:
     waiting = False
     _, eng, seen, outs, ended, t, _ = _linger_run(env, lambda: not waiting)
     waiting, flipped = True, time.monotonic()
@@ -370,7 +370,7 @@ def test_lingering_request_gives_its_slot_back_as_soon_as_a_request_waits(env) -
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 1
 
 
-def test_lingering_request_stops_when_its_queue_is_reassigned(env) -> None:  # noqa: ANN001
+def test_lingering_request_stops_when_its_queue_is_reassigned(env) -> None:
     _, eng, seen, outs, ended, t, r = _linger_run(env)
     r.hset(keys.sub_state(MQ.tag, "g"), "assignee", "c2")  # what a rebalance writes
     flipped = time.monotonic()
@@ -383,7 +383,7 @@ def test_lingering_request_stops_when_its_queue_is_reassigned(env) -> None:  # n
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 1
 
 
-def test_lingering_request_that_lost_its_lock_hands_nothing_to_the_listener(env) -> None:  # noqa: ANN001
+def test_lingering_request_that_lost_its_lock_hands_nothing_to_the_listener(env) -> None:
     """Messages read while lingering did not come through a fenced commit: if the lock moved to a
     new epoch meanwhile (a takeover), the run must stop without calling the listener on them."""
     p, eng, seen, outs, ended, t, r = _linger_run(env)
@@ -396,7 +396,7 @@ def test_lingering_request_that_lost_its_lock_hands_nothing_to_the_listener(env)
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 1  # the new owner starts at b"1"
 
 
-def test_commit_recovers_when_redis_lost_its_scripts(env) -> None:  # noqa: ANN001
+def test_commit_recovers_when_redis_lost_its_scripts(env) -> None:
     """After a Redis restart (or SCRIPT FLUSH) the pipelined commit gets NOSCRIPT: it loads the
     script and sends the commit and the pull again, losing and repeating nothing."""
     p, eng = env
@@ -410,7 +410,7 @@ def test_commit_recovers_when_redis_lost_its_scripts(env) -> None:  # noqa: ANN0
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 100
 
 
-def test_request_does_not_linger_by_default(env) -> None:  # noqa: ANN001
+def test_request_does_not_linger_by_default(env) -> None:
     p, eng = env
     p.send_orderly("t", b"0", sharding_key="k")
     t0 = time.monotonic()
@@ -418,7 +418,7 @@ def test_request_does_not_linger_by_default(env) -> None:  # noqa: ANN001
     assert [o.verb for o in outs] == ["IDLE"] and time.monotonic() - t0 < 0.05
 
 
-def test_run_paused_past_its_run_lease_is_fenced_even_within_one_client(settings) -> None:  # noqa: ANN001
+def test_run_paused_past_its_run_lease_is_fenced_even_within_one_client(settings) -> None:
     """A pool process paused mid-call (its worker still alive) must not commit or believe it owns
     the queue once another run of the same client took over."""
     import threading
@@ -436,7 +436,7 @@ def test_run_paused_past_its_run_lease_is_fenced_even_within_one_client(settings
     release = threading.Event()
     observed: list[bool] = []
 
-    def stuck(msgs, ctx):  # noqa: ANN001, ANN202
+    def stuck(msgs, ctx):
         if msgs[0].queue_offset == 0 and not observed:
             release.wait(5)  # "paused" past the run lease
             observed.append(ctx.still_owner())

@@ -89,7 +89,7 @@ def api(url: str, auth: tuple[str, str] | None = None) -> tuple[int, object]:
     if auth is not None:
         req.add_header("Authorization", "Basic " + base64.b64encode(":".join(auth).encode()).decode())
     try:
-        with urllib.request.urlopen(req, timeout=5) as resp:  # noqa: S310 - loopback only
+        with urllib.request.urlopen(req, timeout=5) as resp:
             status, raw = resp.status, resp.read()
     except urllib.error.HTTPError as exc:
         return exc.code, None
@@ -105,7 +105,7 @@ def api(url: str, auth: tuple[str, str] | None = None) -> tuple[int, object]:
 def flower(cluster: Cluster) -> Iterator[str]:
     """``celery -A workers.app flower`` with basic auth on a free loopback port; yields its base URL."""
     port = free_port()
-    log = open(cluster.tmp / "flower.log", "wb")  # noqa: SIM115 - closed at teardown
+    log = open(cluster.tmp / "flower.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "celery", "-A", "workers.app", "flower", f"--port={port}", "--address=127.0.0.1",
          f"--basic_auth={USER}:{PASSWORD}", f"--tasks_columns={TASKS_COLUMNS}"],

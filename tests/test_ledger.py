@@ -19,7 +19,7 @@ MQ = MessageQueue("t", "broker-a", 0)
 
 
 @pytest.fixture
-def env(settings):  # noqa: ANN001, ANN201
+def env(settings):
     p = Producer(settings=settings)
     p.create_topic("t", queues=1)
     eng = ConsumerEngine(settings, "c1")
@@ -44,13 +44,13 @@ def ledger(r: redis.Redis) -> list[dict]:
     return [decode_record(f[b"r"]) for _, f in r.xrange(keys.ledger("g"))]
 
 
-def test_every_handled_message_gets_one_record_with_its_outcome(env, r: redis.Redis) -> None:  # noqa: ANN001
+def test_every_handled_message_gets_one_record_with_its_outcome(env, r: redis.Redis) -> None:
     p, eng = env
     for i in range(4):
         p.send_orderly_batch("t", [(f"k{i % 2}", str(i).encode())])
     fails = {1: 1}
 
-    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+    def listener(msgs, ctx):
         off = msgs[0].queue_offset
         if fails.get(off, 0) > 0:
             fails[off] -= 1
@@ -70,7 +70,7 @@ def test_every_handled_message_gets_one_record_with_its_outcome(env, r: redis.Re
     assert len({x["run"] for x in recs}) == 2  # the suspend ended the first run
 
 
-def test_dlq_and_poison_messages_are_recorded_as_dlq(env, r: redis.Redis) -> None:  # noqa: ANN001
+def test_dlq_and_poison_messages_are_recorded_as_dlq(env, r: redis.Redis) -> None:
     p, eng = env
     p.send_orderly("t", b"bad", sharding_key="k")
     p.send_orderly("t", b"ok", sharding_key="k")
@@ -84,13 +84,13 @@ def test_dlq_and_poison_messages_are_recorded_as_dlq(env, r: redis.Redis) -> Non
     ]
 
 
-def test_a_call_whose_commit_was_refused_is_still_recorded(env, r: redis.Redis) -> None:  # noqa: ANN001
+def test_a_call_whose_commit_was_refused_is_still_recorded(env, r: redis.Redis) -> None:
     p, eng = env
     for i in range(3):
         p.send_orderly("t", str(i).encode(), sharding_key="k")
     locks = RebalanceLockManager(eng.brokers)
 
-    def listener(msgs, ctx):  # noqa: ANN001, ANN202
+    def listener(msgs, ctx):
         if msgs[0].queue_offset == 1:
             locks.assign("g", [(MQ, "c2", "other")], dead_clients=["c1"])
         return S.SUCCESS
@@ -102,14 +102,14 @@ def test_a_call_whose_commit_was_refused_is_still_recorded(env, r: redis.Redis) 
     assert {x["epoch"] for x in recs} == {1}
 
 
-def test_no_ledger_unless_asked(env, r: redis.Redis) -> None:  # noqa: ANN001
+def test_no_ledger_unless_asked(env, r: redis.Redis) -> None:
     p, eng = env
     p.send_orderly("t", b"x", sharding_key="k")
     run_until_idle(eng, ListenerSpec(lambda m, c: S.SUCCESS, "t", "g"))
     assert not r.exists(keys.ledger("g"))
 
 
-def test_the_setting_turns_it_on_and_bounds_its_length(settings, r: redis.Redis) -> None:  # noqa: ANN001
+def test_the_setting_turns_it_on_and_bounds_its_length(settings, r: redis.Redis) -> None:
     s = settings.model_copy(update={"ledger": True, "ledger_max_len": 1000})
     p = Producer(settings=s)
     p.create_topic("t", queues=1)

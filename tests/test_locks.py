@@ -17,7 +17,7 @@ MQS = [MessageQueue("t", "broker-a", i) for i in range(4)]
 
 
 @pytest.fixture
-def brokers(redis_url: str):  # noqa: ANN201
+def brokers(redis_url: str):
     b = BrokerRegistry(redis_url)
     yield b
     b.close()
@@ -28,7 +28,7 @@ def locks(brokers: BrokerRegistry) -> RebalanceLockManager:
     return RebalanceLockManager(brokers, lock_max_live_time_ms=60_000)
 
 
-def commit(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, epoch: int, offset: int):  # noqa: ANN201
+def commit(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, epoch: int, offset: int):
     """Run commit.lua as a ConsumeRequest holding ``token`` would."""
     c = brokers.default.client
     st = keys.sub_state(mq.tag, sub)
@@ -39,7 +39,7 @@ def commit(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, epo
     )
 
 
-def begin(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, token: str):  # noqa: ANN201
+def begin(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, token: str):
     """Run begin.lua as the ConsumeRequest carrying ``token`` does when it starts."""
     tag = mq.tag
     return brokers.default.scripts.begin(
@@ -48,7 +48,7 @@ def begin(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, toke
     )
 
 
-def finish(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, token: str):  # noqa: ANN201
+def finish(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, token: str):
     """Run finish.lua as the ConsumeRequest carrying ``token`` does when its run ends."""
     return brokers.default.scripts.finish(
         keys=[keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)],

@@ -26,7 +26,7 @@ from mqorder.store.log import MessageLog
 
 
 @pytest.fixture
-def producer(settings):  # noqa: ANN001, ANN201
+def producer(settings):
     p = Producer(settings=settings)
     p.create_topic("orders", queues=8)
     yield p
@@ -103,7 +103,7 @@ def test_bad_topic_names_are_refused(producer: Producer, name: str) -> None:
         producer.create_topic(name, queues=1)
 
 
-def test_oversized_body_is_refused_and_nothing_is_written(settings) -> None:  # noqa: ANN001
+def test_oversized_body_is_refused_and_nothing_is_written(settings) -> None:
     p = Producer(settings=settings, max_message_size=1024)
     p.create_topic("orders", queues=1)
     with pytest.raises(MessageTooLargeError, match="1,025 bytes"):
@@ -157,7 +157,7 @@ def test_a_redis_that_refuses_writes_gives_a_clear_error_and_stores_nothing() ->
             p.close()
 
 
-def test_password_never_appears_in_errors(redis_server) -> None:  # noqa: ANN001
+def test_password_never_appears_in_errors(redis_server) -> None:
     from mqorder.embedded import free_port
 
     p = Producer(f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0", send_msg_timeout=0.5)

@@ -34,7 +34,7 @@ class SlowRebalance(RebalanceService):
         return super()._rebalance()
 
 
-def test_rebalance_takes_and_releases_the_mutex(brokers: BrokerRegistry, settings, r: redis.Redis) -> None:  # noqa: ANN001
+def test_rebalance_takes_and_releases_the_mutex(brokers: BrokerRegistry, settings, r: redis.Redis) -> None:
     report = RebalanceService(brokers, settings).rebalance()
     assert report.dispatches == [] and report.took_ms > 0
     assert r.get(keys.rebalance_mutex()) is None
@@ -42,7 +42,7 @@ def test_rebalance_takes_and_releases_the_mutex(brokers: BrokerRegistry, setting
 
 
 def test_rebalance_skips_with_an_empty_report_while_another_holds_the_mutex(
-    brokers: BrokerRegistry, settings, r: redis.Redis, caplog: pytest.LogCaptureFixture  # noqa: ANN001
+    brokers: BrokerRegistry, settings, r: redis.Redis, caplog: pytest.LogCaptureFixture
 ) -> None:
     r.set(keys.rebalance_mutex(), "other", px=30_000)
     t0 = time.monotonic()
@@ -56,7 +56,7 @@ def test_rebalance_skips_with_an_empty_report_while_another_holds_the_mutex(
 
 
 def test_rebalance_that_outlived_its_mutex_still_returns_and_spares_the_next_holder(
-    brokers: BrokerRegistry, settings, r: redis.Redis, caplog: pytest.LogCaptureFixture,  # noqa: ANN001
+    brokers: BrokerRegistry, settings, r: redis.Redis, caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setattr(service_mod, "MUTEX_TIMEOUT_S", 0.2)
@@ -69,7 +69,7 @@ def test_rebalance_that_outlived_its_mutex_still_returns_and_spares_the_next_hol
 
 
 def test_service_sweep_dispatches_an_assigned_backlog_through_the_lock_manager(
-    brokers: BrokerRegistry, settings, r: redis.Redis  # noqa: ANN001
+    brokers: BrokerRegistry, settings, r: redis.Redis
 ) -> None:
     svc = RebalanceService(brokers, settings)
     svc.locks.try_lock_batch("g", [MQ], "c1")
@@ -81,7 +81,7 @@ def test_service_sweep_dispatches_an_assigned_backlog_through_the_lock_manager(
     assert svc.sweep(["g"]) == []  # its request is pending now
 
 
-def test_a_group_on_two_topics_keeps_the_assignment_of_both(brokers: BrokerRegistry, settings) -> None:  # noqa: ANN001
+def test_a_group_on_two_topics_keeps_the_assignment_of_both(brokers: BrokerRegistry, settings) -> None:
     from mqorder.model import MessageModel
     from mqorder.rebalance.membership import Subscription
     from mqorder.store.topics import TopicManager

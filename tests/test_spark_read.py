@@ -32,7 +32,7 @@ def test_batch_read_gives_every_stored_message_and_honours_offsets(spark, redis_
         sent = produce(p, "events", 90)
     per_queue = {q: sum(1 for v in sent.values() if v[0] == q) for q in range(3)}
 
-    def read(**opts: str):  # noqa: ANN202
+    def read(**opts: str):
         r = spark.read.format("mqorder").option("topic", "events")
         for k, v in opts.items():
             r = r.option(k, v)

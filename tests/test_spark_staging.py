@@ -93,7 +93,7 @@ def test_bad_rows_are_counted_not_dropped() -> None:
 
 
 @pytest.fixture
-def area(redis_url: str):  # noqa: ANN201
+def area(redis_url: str):
     with Producer(redis_url) as p:
         p.create_topic("t", queues=2)
         yield StagingArea(p.brokers, "t", [QueueRef(i, "broker-a", i) for i in range(2)], "job1", ttl_ms=60_000)

@@ -30,7 +30,7 @@ def test_stream_write_restarted_from_its_checkpoint_is_exactly_once_and_ordered(
              .select((F.col("value") % 7).cast("string").alias("key"), F.col("value"),
                      F.concat(F.lit("v"), F.col("value").cast("string")).alias("body")))
 
-    def start(fmt: str, **trigger: bool):  # noqa: ANN202
+    def start(fmt: str, **trigger: bool):
         w = (ticks.writeStream.format(fmt).option("topic", "ticks").option("key", "key").option("orderBy", "value")
              .option("body", "body").option("stageChunk", "16").option("checkpointLocation", str(tmp_path / "ckpt")))
         return (w.trigger(**trigger) if trigger else w).start()

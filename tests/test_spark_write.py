@@ -47,7 +47,7 @@ def check_ordered_once(url: str, topic: str, rows: list[tuple[str, int, str]], q
 
 
 @pytest.fixture
-def producer(redis_url: str):  # noqa: ANN201
+def producer(redis_url: str):
     p = Producer(redis_url)
     yield p
     p.close()
@@ -199,7 +199,7 @@ def test_bad_options_fail_before_any_task_runs(spark, redis_url: str, producer: 
     with pytest.raises(ConfigError, match="orderBy column 'departure' is not in the DataFrame"):
         ms.publish(df, "opts", key="tailnum", order_by="departure")
 
-    def w():  # noqa: ANN202 - a DataFrameWriter keeps its options: a fresh one per attempt
+    def w():
         return df.write.format("mqorder").option("topic", "opts").option("key", "tailnum")
 
     with pytest.raises(PySparkException, match="orderBy"):

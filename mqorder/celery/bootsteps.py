@@ -34,7 +34,7 @@ class ConsumerClientStep(bootsteps.StartStopStep):
 
     requires = ("celery.worker.components:Pool",)
 
-    def __init__(self, worker, **kwargs) -> None:  # noqa: ANN001
+    def __init__(self, worker, **kwargs) -> None:
         super().__init__(worker, **kwargs)
         self.client: ClientInstance | None = None
         self.capacity: CapacityPublisher | None = None
@@ -42,7 +42,7 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         # the metrics directory and hook (mqorder.metrics.multiproc).
         worker_metrics.start(get_settings(), SIGNAL)
 
-    def start(self, worker) -> None:  # noqa: ANN001
+    def start(self, worker) -> None:
         self.capacity = runtime.enable_linger(
             worker.pool, worker.concurrency, bool(worker.app.conf.get("worker_disable_prefetch", False))
         )
@@ -50,7 +50,7 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         self.client = ClientInstance(worker.hostname, get_settings(), dispatcher(worker.app), details)
         self.client.start()
 
-    def stop(self, worker) -> None:  # noqa: ANN001
+    def stop(self, worker) -> None:
         if self.capacity is not None:
             self.capacity.stop()  # children stop lingering before the client leaves
             self.capacity = None
@@ -58,5 +58,5 @@ class ConsumerClientStep(bootsteps.StartStopStep):
             self.client.stop()
             self.client = None
 
-    def shutdown(self, worker) -> None:  # noqa: ANN001
+    def shutdown(self, worker) -> None:
         self.stop(worker)

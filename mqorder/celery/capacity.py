@@ -103,7 +103,7 @@ class CapacityPublisher:
         while not self._stop.is_set():
             try:
                 self.signal.publish(self.waiting())
-            except Exception:  # noqa: BLE001 - a statistic: stop publishing, children stop lingering
+            except Exception:
                 log.exception("mqorder: capacity publisher failed; prefork children will not linger")
                 self.signal.clear()
                 return

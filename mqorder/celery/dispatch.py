@@ -64,7 +64,7 @@ def dispatch(app: Celery, sub: str, mq_key: str, token: str, client_id: str, cou
     try:
         app.send_task(CONSUME_REQUEST, args=(sub, mq_key, token), **options)
         return True
-    except Exception:  # noqa: BLE001 - broker down: the sweep recovers
+    except Exception:
         log.warning("could not dispatch ConsumeRequest %s %s to %s", sub, mq_key, client_id, exc_info=True)
         return False
 

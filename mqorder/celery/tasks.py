@@ -34,7 +34,7 @@ def rebalance_service() -> RebalanceService:
 
 
 @shared_task(name=CONSUME_REQUEST, bind=True, ignore_result=True, acks_late=False)
-def consume_request(self, sub: str, mq_key: str, token: str) -> dict:  # noqa: ANN001
+def consume_request(self, sub: str, mq_key: str, token: str) -> dict:
     """One ConsumeRequest run over one queue (see ``mqorder.consumer.consume_request``)."""
     client_id = self.request.hostname
     mq = MessageQueue.from_key(mq_key)
@@ -58,7 +58,7 @@ def consume_request(self, sub: str, mq_key: str, token: str) -> dict:  # noqa: A
 
 
 @shared_task(name="mqorder.rebalance", bind=True, ignore_result=True)
-def rebalance(self) -> dict:  # noqa: ANN001
+def rebalance(self) -> dict:
     """Recompute the assignment of every group and apply it (beat, and on join/leave)."""
     report = rebalance_service().rebalance()
     for d in report.dispatches:

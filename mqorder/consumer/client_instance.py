@@ -187,7 +187,7 @@ class ClientInstance:
                 log.warning("mqorder: Redis error in client duties (%s); retrying in %.1fs", exc, delay)
                 self._stop.wait(delay)
                 continue
-            except Exception:  # noqa: BLE001 - the duties must survive anything
+            except Exception:
                 log.exception("mqorder: client duty failed")
             wait = min(next_hb, next_lock, next_sweep) - time.monotonic()
             self._stop.wait(max(wait, 0.01))
@@ -239,7 +239,7 @@ class ClientInstance:
                 delay = backoff.next()
                 log.warning("mqorder: wake channel lost (%s); resubscribing in %.1fs", exc, delay)
                 self._stop.wait(delay)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 log.exception("mqorder: wake loop failed")
                 self._stop.wait(1.0)
             finally:

@@ -418,7 +418,7 @@ class ConsumeRequest:
         t0 = time.perf_counter()
         try:
             status = self.spec.func(msgs, ctx)
-        except Exception:  # noqa: BLE001 - RocketMQ: an exception is a suspend
+        except Exception:
             log.exception("listener %s raised on %s offsets %d..%d; suspending the queue",
                           self.spec.name, self.mq.key, msgs[0].queue_offset, msgs[-1].queue_offset)
             status = SUSPEND
@@ -583,7 +583,7 @@ class ConsumeRequest:
             return
         try:
             self.ledger.flush(self.redis)
-        except Exception:  # noqa: BLE001 - the ledger must never break consumption
+        except Exception:
             log.warning("ledger records of %s for %s could not be written", self.mq.key, self.sub, exc_info=True)
 
     def _on_refused(self, verb: str, res: list[Any]) -> None:
@@ -656,5 +656,5 @@ class ConsumeRequest:
         self.engine.stats_flushed_at = now
         try:
             self.stats.flush(self.engine.brokers.meta)
-        except Exception:  # noqa: BLE001 - stats must never break consumption
+        except Exception:
             log.debug("stats flush failed", exc_info=True)

@@ -62,13 +62,13 @@ class ConsumeMessageHook:
     def hook_name(self) -> str:
         return type(self).__name__
 
-    def consume_message_before(self, context: ConsumeMessageContext) -> None:  # noqa: B027
+    def consume_message_before(self, context: ConsumeMessageContext) -> None:
         pass
 
-    def consume_message_after(self, context: ConsumeMessageContext) -> None:  # noqa: B027
+    def consume_message_after(self, context: ConsumeMessageContext) -> None:
         pass
 
-    def consume_refused(self, context: RefusedContext) -> None:  # noqa: B027
+    def consume_refused(self, context: RefusedContext) -> None:
         """The run's fenced commit was refused; it stops, the new owner redelivers."""
 
 
@@ -96,7 +96,7 @@ def _run(hooks: list[ConsumeMessageHook], method: str, ctx: object, when: str) -
     for h in hooks:
         try:
             getattr(h, method)(ctx)
-        except Exception:  # noqa: BLE001
+        except Exception:
             log.exception("consume hook %s failed %s", h.hook_name(), when)
 
 

@@ -37,7 +37,7 @@ class AllocateMessageQueueAveragely:
 
     name = "averagely"
 
-    def allocate(self, group, current_cid, mq_all, cid_all):  # noqa: ANN001, ANN201
+    def allocate(self, group, current_cid, mq_all, cid_all):
         if not _check(current_cid, mq_all, cid_all):
             return []
         index = list(cid_all).index(current_cid)
@@ -59,7 +59,7 @@ class AllocateMessageQueueAveragelyByCircle:
 
     name = "averagely_by_circle"
 
-    def allocate(self, group, current_cid, mq_all, cid_all):  # noqa: ANN001, ANN201
+    def allocate(self, group, current_cid, mq_all, cid_all):
         if not _check(current_cid, mq_all, cid_all):
             return []
         index = list(cid_all).index(current_cid)
@@ -88,7 +88,7 @@ class AllocateMessageQueueByConfig:
                     ) from None
         self.config = {cid: set(qs) for cid, qs in config.items()}
 
-    def allocate(self, group, current_cid, mq_all, cid_all):  # noqa: ANN001, ANN201
+    def allocate(self, group, current_cid, mq_all, cid_all):
         wanted = self.config.get(current_cid, set())
         return [mq for mq in mq_all if mq.key in wanted]
 
@@ -111,7 +111,7 @@ class AllocateMessageQueueByMachineRoom:
                 )
         self.rooms = set(rooms)
 
-    def allocate(self, group, current_cid, mq_all, cid_all):  # noqa: ANN001, ANN201
+    def allocate(self, group, current_cid, mq_all, cid_all):
         if not _check(current_cid, mq_all, cid_all):
             return []
         index = list(cid_all).index(current_cid)
@@ -145,7 +145,7 @@ class AllocateMessageQueueConsistentHash:
         )
         return [p for p, _ in points], [c for _, c in points]
 
-    def allocate(self, group, current_cid, mq_all, cid_all):  # noqa: ANN001, ANN201
+    def allocate(self, group, current_cid, mq_all, cid_all):
         if not _check(current_cid, mq_all, cid_all):
             return []
         hashes, owners = self._ring(cid_all)
@@ -157,7 +157,7 @@ class AllocateMessageQueueConsistentHash:
         return out
 
 
-def strategy_from_settings(settings) -> AllocateMessageQueueStrategy:  # noqa: ANN001
+def strategy_from_settings(settings) -> AllocateMessageQueueStrategy:
     name = settings.allocate_strategy
     if name == "averagely":
         return AllocateMessageQueueAveragely()

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
     from mqorder.spark.audit_model import Latency, QueueStats

@@ -45,7 +45,7 @@ class MQOrderDataSource(DataSource):
     def writer(self, schema: StructType, overwrite: bool) -> MQOrderWriter:
         return self.writer_class(self._plan(schema, overwrite))
 
-    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:  # noqa: N802
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
         return self.stream_writer_class(self._plan(schema, overwrite))
 
     def reader(self, schema: StructType) -> DataSourceReader:
@@ -53,5 +53,5 @@ class MQOrderDataSource(DataSource):
             return LedgerReader(ledger_options(self.options))
         return MQOrderReader(read_options(self.options, streaming=False))
 
-    def streamReader(self, schema: StructType) -> DataSourceStreamReader:  # noqa: N802
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return MQOrderStreamReader(read_options(self.options, streaming=True))

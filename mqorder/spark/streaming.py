@@ -81,7 +81,7 @@ class MQOrderStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             brokers.close()
         return {i: nxt for i, (_, nxt) in limits.items()}
 
-    def initialOffset(self) -> Offset:  # noqa: N802 - Spark's name
+    def initialOffset(self) -> Offset:
         brokers = self.opts.conn.registry()
         try:
             limits = bounds(brokers, self.opts.topic, self.spans)
@@ -90,14 +90,14 @@ class MQOrderStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         wanted = parse_offsets(self.opts.starting, self.opts.topic, self.spans, EARLIEST, "startingOffsets")
         return _to_offset(resolve(wanted, limits))
 
-    def getDefaultReadLimit(self) -> ReadLimit:  # noqa: N802
+    def getDefaultReadLimit(self) -> ReadLimit:
         n = self.opts.max_offsets_per_trigger
         return ReadMaxRows(n) if n else ReadAllAvailable()
 
-    def prepareForTriggerAvailableNow(self) -> None:  # noqa: N802
+    def prepareForTriggerAvailableNow(self) -> None:
         self._target = self._stored()
 
-    def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:  # noqa: N802
+    def latestOffset(self, start: Offset, limit: ReadLimit) -> Offset:
         latest = self._target if self._target is not None else self._stored()
         begin = _from_offset(start)
         # Never behind where the query already is (a queue's counter cannot go back, but be safe).

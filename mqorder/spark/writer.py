@@ -120,7 +120,7 @@ class _Staging:
         return StagedRuns(job, run, attempt, {i: len(r) for i, r in enc.runs.items()}, enc.skipped_nulls, sizes,
                           timing)
 
-    def _area(self, brokers, job: str) -> StagingArea:  # noqa: ANN001 - a BrokerRegistry
+    def _area(self, brokers, job: str) -> StagingArea:
         p = self.plan
         return StagingArea(brokers, p.topic, p.queues, job, ttl_ms=p.staging_ttl_ms,
                            pending_ttl_ms=p.conn.pending_ttl_ms, timeout=max(p.conn.timeout, 10.0))
@@ -186,7 +186,7 @@ class _Staging:
         finally:
             brokers.close()
 
-    def _report(self, brokers, job: str, fields: dict[str, object]) -> None:  # noqa: ANN001
+    def _report(self, brokers, job: str, fields: dict[str, object]) -> None:
         key = keys.spark_job(job)
         pipe = brokers.meta.pipeline(transaction=False)
         pipe.hset(key, mapping={k: json.dumps(v) for k, v in fields.items()})
@@ -271,8 +271,8 @@ class MQOrderStreamWriter(_Staging, DataSourceStreamArrowWriter):
         batch_id = self._batch_id()
         return self._stage_partition(iterator, self._job(batch_id), f"{batch_id}.")
 
-    def commit(self, messages: list[StagedRuns | None], batchId: int) -> None:  # type: ignore[override]  # noqa: N803
+    def commit(self, messages: list[StagedRuns | None], batchId: int) -> None:  # type: ignore[override]
         self._commit(messages, self._job(batchId), batchId)
 
-    def abort(self, messages: list[StagedRuns | None], batchId: int) -> None:  # type: ignore[override]  # noqa: N803
+    def abort(self, messages: list[StagedRuns | None], batchId: int) -> None:  # type: ignore[override]
         self._abort(messages, self._job(batchId))

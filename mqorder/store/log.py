@@ -15,7 +15,7 @@ class MessageLog:
     def __init__(self, brokers: BrokerRegistry) -> None:
         self.brokers = brokers
 
-    def _client(self, mq: MessageQueue):  # noqa: ANN202
+    def _client(self, mq: MessageQueue):
         return self.brokers.get(mq.broker_name).client
 
     def max_offset(self, mq: MessageQueue) -> int:

@@ -28,7 +28,7 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import pyarrow as pa
@@ -201,6 +201,8 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
         out.refusal.largest = largest
     if out.refusal:
         return out
+    # Null bodies were refused above (or their rows skipped before this table was built).
+    present = cast("list[bytes]", bodies)
 
     keys_col = table.column(plan.key)
     if plan.key_kind == "int":
@@ -228,7 +230,7 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
             k = keys_b[i]
             h = base.copy()
             h.update(len(k).to_bytes(4, "big") + k + len(ob).to_bytes(4, "big") + ob)
-            h.update(bodies[i])
+            h.update(present[i])
             mid = id_prefix + h.hexdigest()
         else:
             mid = user_ids[i]
@@ -268,6 +270,6 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
         run = runs.get(q)
         if run is None:
             run = runs[q] = []
-        run.append((sk if not dup else sk + b".%d" % dup, mid, header, bodies[i]))
+        run.append((sk if not dup else sk + b".%d" % dup, mid, header, present[i]))
     out.runs = {} if out.refusal else runs
     return out

@@ -26,6 +26,7 @@ from mqorder.spark.reader import queue_spans
 from mqorder.spark.session import register
 from mqorder.spark.writer import JobRefusedError
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.replies import text
 from mqorder.tokens import new_token
 
 
@@ -136,4 +137,4 @@ def _report(url: str, extra: dict[str, str], job: str) -> dict[str, Any]:
         raw = brokers.meta.hgetall(keys.spark_job(job))
     finally:
         brokers.close()
-    return {k.decode(): json.loads(v) for k, v in raw.items()}
+    return {text(k): json.loads(v) for k, v in raw.items()}

@@ -28,6 +28,7 @@ from mqorder.errors import ConfigError
 from mqorder.model import MessageQueue
 from mqorder.spark.options import Connection, ReadOptions
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 
 #: The schema of ``spark.read.format("mqorder")`` (as DDL for ``DataSource.schema``).
@@ -174,7 +175,7 @@ def read_range(conn: Connection, part: QueueRange) -> Iterator[pa.RecordBatch]:
             if not entries:
                 break
             yield _batch(part, entries)
-            nxt = int(entries[-1][0].split(b"-", 1)[0]) + 1
+            nxt = int(text(entries[-1][0]).split("-", 1)[0]) + 1
     finally:
         brokers.close()
 

@@ -35,6 +35,7 @@ from mqorder.spark.plan import QueueRef
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.failures import translated
+from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 
 #: Rows moved from staging into a log per script call (a call never holds Redis for long).
@@ -190,7 +191,7 @@ class StagingArea:
     def registered_runs(self) -> dict[int, set[int]]:
         runs: dict[int, set[int]] = defaultdict(set)
         for m in self.brokers.meta.smembers(keys.spark_job_runs(self.job)):
-            index, run = m.decode().split(":")
+            index, run = text(m).split(":")
             if int(index) in self.queues:
                 runs[int(index)].add(int(run))
         return runs

@@ -17,10 +17,10 @@ import redis
 
 pytest.importorskip("pyspark")
 
-from mqorder import Producer, keys  # noqa: E402
-from mqorder.consumer.ledger import FIELDS, LedgerBuffer, LedgerOutcome  # noqa: E402
-from mqorder.model import MessageExt  # noqa: E402
-from mqorder.store.log import MessageLog  # noqa: E402
+from mqorder import Producer, keys
+from mqorder.consumer.ledger import FIELDS, LedgerBuffer, LedgerOutcome
+from mqorder.model import MessageExt
+from mqorder.store.log import MessageLog
 
 TOPIC, GROUP = "t-audit", "g-audit"
 
@@ -55,14 +55,14 @@ def _publish(p: Producer, topic: str, per_key: dict[str, list[int]]) -> None:
 
 
 @pytest.fixture
-def producer(settings) -> Producer:  # noqa: ANN001
+def producer(settings) -> Producer:
     p = Producer(settings=settings)
     yield p
     p.close()
 
 
 def test_the_ledger_reads_as_a_typed_dataframe_from_every_broker(spark, producer: Producer, r: redis.Redis,
-                                                                 redis_url: str) -> None:  # noqa: ANN001
+                                                                 redis_url: str) -> None:
     producer.create_topic(TOPIC, queues=2)
     _publish(producer, TOPIC, {"a": [1, 2, 3], "b": [1, 2]})
     w = LedgerWriter(r)
@@ -84,11 +84,55 @@ def test_the_ledger_reads_as_a_typed_dataframe_from_every_broker(spark, producer
     assert df.rdd.getNumPartitions() >= 2  # cut by id range
 
 
-def test_no_ledger_for_the_group_says_how_to_switch_it_on(spark, redis_url: str) -> None:  # noqa: ANN001
+def test_no_ledger_for_the_group_says_how_to_switch_it_on(spark, redis_url: str) -> None:
     from mqorder.spark.ledger import LedgerNotFoundError, read_ledger
 
     with pytest.raises(LedgerNotFoundError, match="MQORDER_LEDGER=1"):
         read_ledger("nobody", redis_url=redis_url)
+
+
+@pytest.mark.parametrize(("stored", "committed", "extent", "start", "expected"), [
+    # [earliest, next) = [0, 10) throughout; Extent(delivered below / from committed, lowest, highest)
+    ((0, 10), 10, (10, 0, 0, 9), "stored", (0, 0, 0, 0)),  # every message delivered
+    ((0, 10), 6, (6, 0, 0, 5), "stored", (0, 0, 4, 0)),  # 6..9 not reached yet: pending
+    ((0, 10), 6, (5, 0, 0, 5), "stored", (1, 0, 4, 0)),  # one of 0..5 never delivered: a gap
+    ((0, 10), 4, (4, 3, 0, 8), "stored", (0, 2, 1, 0)),  # 4..8 has 3 delivered: 2 holes; 9 pending
+    ((0, 10), 6, (3, 0, 3, 5), "stored", (3, 0, 4, 0)),  # the ledger starts at 3: 0..2 are gaps...
+    ((0, 10), 6, (3, 0, 3, 5), "ledger", (0, 0, 4, 3)),  # ...or unaudited, from the ledger's start
+    ((5, 10), 10, (5, 0, 5, 9), "stored", (0, 0, 0, 0)),  # retention trimmed 0..4: not stored, not owed
+    ((0, 10), 8, (0, 0, None, None), "ledger", (0, 0, 2, 8)),  # no record of the queue at all
+])
+def test_phase_one_counts_unread_stored_messages_by_subtraction(stored, committed, extent, start,
+                                                                expected) -> None:
+    from mqorder.spark.audit_frames import Extent, unseen
+    from mqorder.spark.audit_model import QueueInfo
+
+    q = QueueInfo(0, "broker-a", 0, max_offset=stored[1], committed=committed, earliest=stored[0])
+    u = unseen(q, Extent(*extent), start)
+    assert (u.gaps, u.holes, u.pending, u.unaudited) == expected
+
+
+def test_a_clean_ledger_is_audited_from_the_ledger_alone_counting_the_pending(spark, producer: Producer,
+                                                                             r: redis.Redis,
+                                                                             redis_url: str) -> None:
+    from mqorder.client.selector import queue_index
+    from mqorder.spark import audit
+
+    producer.create_topic(TOPIC, queues=2)
+    _publish(producer, TOPIC, {"a": [1, 2, 3], "b": [1, 2], "d": [1, 2]})
+    assert {queue_index(k, 2) for k in "abd"} == {0, 1}  # both queues hold messages
+    w = LedgerWriter(r)
+    queues = _stored(producer, TOPIC)
+    for q, msgs in enumerate(queues):
+        for m in msgs[:-1]:  # the last message of each queue is not consumed yet
+            w.handle(m)
+        mq = producer.describe_topic(TOPIC).message_queues[q]
+        r.hset(keys.sub_state(mq.tag, GROUP), "offset", len(msgs) - 1)
+    w.flush()
+    rep = audit(spark, TOPIC, GROUP, redis_url=redis_url)
+    assert rep.ok and not rep.read_stored  # nothing to name: the stored messages were not read
+    assert (rep.messages_stored, rep.messages_succeeded, rep.pending, rep.gap_count) == (7, 5, 2, 0)
+    assert [(q.stored, q.pending, q.lag) for q in rep.queues] == [(len(m), 1, 1) for m in queues]
 
 
 def _faulty_ledger(p: Producer, r: redis.Redis) -> dict[str, tuple[int, int]]:
@@ -123,12 +167,12 @@ def _faulty_ledger(p: Producer, r: redis.Redis) -> dict[str, tuple[int, int]]:
 
 def test_the_audit_names_a_swapped_pair_a_missing_message_and_the_duplicates(spark, producer: Producer,
                                                                              r: redis.Redis, redis_url: str,
-                                                                             tmp_path: Path) -> None:  # noqa: ANN001
+                                                                             tmp_path: Path) -> None:
     from mqorder.spark import audit
 
     where = _faulty_ledger(producer, r)
     rep = audit(spark, TOPIC, GROUP, order_field="s", redis_url=redis_url, report_dir=tmp_path)
-    assert not rep.ok
+    assert not rep.ok and rep.read_stored
     assert [(v.key, v.queue, v.offset, v.after_offset) for v in rep.violations] == [
         ("a", 0, where["a2"][1], where["a3"][1])]
     assert [(g.key, g.queue, g.offset) for g in rep.gaps] == [("b", 0, where["b2"][1])]
@@ -153,7 +197,7 @@ def test_the_audit_names_a_swapped_pair_a_missing_message_and_the_duplicates(spa
 # -- the CLI, end to end --------------------------------------------------------------------------
 
 
-def _cli(*args: str):  # noqa: ANN202
+def _cli(*args: str):
     from typer.testing import CliRunner
 
     from mqorder.cli import app
@@ -166,7 +210,7 @@ def _caught_up(log: MessageLog, p: Producer, topic: str, group: str) -> bool:
 
 
 def test_publish_consume_with_prefork_workers_then_audit_passes(spark, cluster, producer: Producer, r: redis.Redis,
-                                                                 tmp_path: Path) -> None:  # noqa: ANN001
+                                                                 tmp_path: Path) -> None:
     import random
 
     from mqorder.spark import read_ledger
@@ -215,7 +259,7 @@ def test_publish_consume_with_prefork_workers_then_audit_passes(spark, cluster, 
 
 
 def test_the_cli_audit_exits_1_on_a_gap_below_the_committed_offset_and_counts_the_pending(
-        spark, producer: Producer, r: redis.Redis, tmp_path: Path) -> None:  # noqa: ANN001
+        spark, producer: Producer, r: redis.Redis, tmp_path: Path) -> None:
     producer.create_topic(TOPIC, queues=1)
     _publish(producer, TOPIC, {"a": [1], "b": [1], "c": [1], "d": [1]})
     (msgs,) = _stored(producer, TOPIC)

@@ -2,11 +2,12 @@
 
 ``audit(spark, topic, group)`` joins three sources, read in this order on purpose:
 
-1. from Redis, each queue's committed offset and next offset (read first: every message below a
-   committed offset was handled before the ledger is read, so its record is there);
-2. the group's consumption ledger (``format("mqorder").option("ledger", group)``);
-3. the topic's stored messages (``format("mqorder").option("topic", topic)``), and the group's
-   dead letters (``%DLQ%<group>``, by their ``ORIGIN_*`` properties).
+1. from Redis, each queue's first stored, next and committed offsets (read first: every message
+   below a committed offset was handled before the ledger is read, so its record is there);
+2. the group's consumption ledger (``format("mqorder").option("ledger", group)``) and its dead
+   letters (``%DLQ%<group>``, by their ``ORIGIN_*`` properties);
+3. only if needed (``audit_frames``: phase 2), the stored messages themselves (queue, offset, key:
+   ``stored_index``, a light read of the topic).
 
 One row per message, then Spark window functions over each *lane* — a key within its queue
 (``ordering="key"``, the default; keyless messages of a queue form one lane), or the whole queue
@@ -25,14 +26,17 @@ One row per message, then Spark window functions over each *lane* — a key with
 
 An audit passes (``AuditReport.ok``) when it finds no order violation (of offsets or of the domain
 field) and no gap. Duplicates are reported, not failed: a failover may redeliver by design.
-A ledger Redis has trimmed (``MQORDER_LEDGER_MAX_LEN``) has lost its oldest records: the gap check
-then starts, per queue, at the lowest offset the ledger still holds (``unaudited`` counts the rest).
+The gap check starts at each queue's first stored message (``start="stored"``), or at the first
+offset the ledger records for it (``start="ledger"``: for a ledger switched on after consumption
+began, and forced when Redis trimmed the ledger, ``MQORDER_LEDGER_MAX_LEN``); what lies below is
+counted as ``unaudited``, never as a gap.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from pyspark.sql import DataFrame, SparkSession
@@ -40,12 +44,15 @@ from pyspark.sql import functions as F
 
 from mqorder import keys
 from mqorder.errors import ConfigError, TopicNotFoundError
+from mqorder.model import MessageQueue
 from mqorder.names import check_name, check_topic
 from mqorder.settings import Settings, get_settings, load_settings
 from mqorder.spark import audit_frames as frames
-from mqorder.spark.audit_model import AuditReport, QueueInfo
+from mqorder.spark.audit_model import AuditReport, Gap, QueueInfo
 from mqorder.spark.ledger import LedgerNotFoundError, ledger_streams, no_ledger_hint
 from mqorder.spark.session import register
+from mqorder.spark.stored_index import FORMAT as INDEX_FORMAT
+from mqorder.spark.stored_index import register_index
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.log import MessageLog
 from mqorder.store.topics import TopicManager
@@ -53,6 +60,7 @@ from mqorder.store.topics import TopicManager
 __all__ = ["AuditReport", "audit"]
 
 ORDERINGS = ("key", "queue")
+STARTS = ("stored", "ledger")
 #: At most this many cases of each kind are listed in a report (their counts are always exact).
 DEFAULT_MAX_LISTED = 1000
 
@@ -61,8 +69,8 @@ def queue_infos(brokers: BrokerRegistry, topic: str, group: str) -> list[QueueIn
     """Each queue's next offset and the group's committed offset, straight from Redis."""
     route = TopicManager(brokers).describe_topic(topic)
     log = MessageLog(brokers)
-    return [QueueInfo(i, mq.broker_name, mq.queue_id, log.max_offset(mq), log.consume_offset(group, mq))
-            for i, mq in enumerate(route.message_queues)]
+    return [QueueInfo(i, mq.broker_name, mq.queue_id, log.max_offset(mq), log.consume_offset(group, mq),
+                      log.min_offset(mq)) for i, mq in enumerate(route.message_queues)]
 
 
 def _load(spark: SparkSession, settings: Settings, **options: str) -> DataFrame:
@@ -74,11 +82,14 @@ def _load(spark: SparkSession, settings: Settings, **options: str) -> DataFrame:
 
 
 def _stored(spark: SparkSession, settings: Settings, topic: str, order_field: str | None) -> DataFrame:
-    cols = [F.col("queue").alias("qi"), "offset", F.col("key").alias("s_key"), F.col("msg_id").alias("s_msg_id")]
+    """(qi, offset, key, msg id, order field) of every stored message: the audit's own light read
+    (``stored_index``), not the full topic read that would move every body into the JVM."""
+    conn = {"redisUrl": settings.redis_url, "topic": topic}
+    if settings.brokers:
+        conn["brokers"] = json.dumps(settings.brokers)
     if order_field:
-        path = "$['" + order_field.replace("\\", "\\\\").replace("'", "\\'") + "']"
-        cols.append(F.get_json_object(F.col("body").cast("string"), path).alias("field_value"))
-    return _load(spark, settings, topic=topic).select(*cols).withColumn("stored", F.lit(True))
+        conn["orderField"] = order_field
+    return register_index(spark).read.format(INDEX_FORMAT).options(**conn).load()
 
 
 def _dead_letters(spark: SparkSession, settings: Settings, brokers: BrokerRegistry, topic: str, group: str,
@@ -99,6 +110,21 @@ def _dead_letters(spark: SparkSession, settings: Settings, brokers: BrokerRegist
     return F.broadcast(origins)
 
 
+def _with_msg_ids(brokers: BrokerRegistry, topic: str, infos: list[QueueInfo], gaps: list[Gap]) -> list[Gap]:
+    """The listed gaps with their message ids, read from the log (the audit's Spark side carries none:
+    a string column would cost its fold the fast hash aggregation)."""
+    if not gaps:
+        return gaps
+    log = MessageLog(brokers)
+    out = []
+    for g in gaps:
+        q = infos[g.queue]
+        found = log.read(MessageQueue(topic, q.broker, q.queue_id), g.offset, 1)
+        msg_id = found[0].msg_id if found and found[0].queue_offset == g.offset else None
+        out.append(replace(g, msg_id=msg_id if isinstance(msg_id, str) else None))
+    return out
+
+
 def audit(
     spark: SparkSession,
     topic: str,
@@ -109,6 +135,7 @@ def audit(
     report_dir: str | Path | None = None,
     redis_url: str | None = None,
     max_listed: int = DEFAULT_MAX_LISTED,
+    start: str = "stored",
 ) -> AuditReport:
     """Audit how ``group`` consumed ``topic``; with ``report_dir``, also write ``report.json``,
     ``report.md`` and the PNG plots there.
@@ -120,6 +147,9 @@ def audit(
     check_name("group", group)
     if ordering not in ORDERINGS:
         raise ConfigError(f"ordering={ordering!r}: choose key (order per sharding key) or queue (per whole queue)")
+    if start not in STARTS:
+        raise ConfigError(f"start={start!r}: choose stored (check from each queue's first stored message) or ledger "
+                          "(from the first offset the ledger records, for a ledger switched on after consumption began)")
     if order_field is not None and not order_field:
         raise ConfigError("order_field must name a field of the JSON bodies")
     settings = load_settings(redis_url=redis_url) if redis_url else get_settings()
@@ -135,23 +165,40 @@ def audit(
         if not streams:
             raise LedgerNotFoundError(no_ledger_hint(group))
         report.ledger_trimmed = sum(s.trimmed for s in streams)
+        start_mode = "ledger" if start == "ledger" or report.ledger_trimmed else "stored"
+        report.start = start_mode
         route = frames.route_frame(spark, infos, {})
-        folded = frames.delivered(_load(spark, settings, ledger=group, topic=topic), route)
-        start_at = frames.audit_from(folded, streams, infos)
-        if start_at:
-            route = frames.route_frame(spark, infos, start_at)
-        stored = _stored(spark, settings, topic, order_field)
+        recs = frames.records(_load(spark, settings, ledger=group, topic=topic), route)
         dead = _dead_letters(spark, settings, brokers, topic, group, route)
+        bucket_ms = frames.throughput_bucket_ms(streams)
+
+        # Phase 1: the ledger alone (see audit_frames).
+        m = frames.messages(recs, None, dead, route, ordering, None, bucket_ms).persist()
+        try:
+            extents = frames.summary(m, infos, report, bucket_ms)
+            counts = {q.index: frames.unseen(q, extents.get(q.index, frames.Extent()), start_mode) for q in infos}
+            done = order_field is None and not any(u.gaps or u.holes for u in counts.values())
+            if done:
+                frames.settle_unseen(report, infos, counts)
+                frames.listed(m, report, max_listed)
+        finally:
+            m.unpersist()
+
+        if not done:  # Phase 2: the stored messages too, each one classified.
+            report = AuditReport(topic, group, ordering, order_field, report.started_at_ms, start=start_mode,
+                                 read_stored=True, ledger_trimmed=report.ledger_trimmed)
+            starts = {q.index: frames.audit_start(q, extents.get(q.index, frames.Extent()), start_mode) for q in infos}
+            route = frames.route_frame(spark, infos, starts)
+            stored = _stored(spark, settings, topic, order_field)
+            m = frames.messages(recs, stored, dead, route, ordering, order_field, bucket_ms).persist()
+            try:
+                frames.summary(m, infos, report, bucket_ms)
+                frames.listed(m, report, max_listed)
+            finally:
+                m.unpersist()
+        report.gaps = _with_msg_ids(brokers, topic, infos, report.gaps)
     finally:
         brokers.close()
-
-    m = frames.messages(folded, stored, dead, route, ordering, order_field).persist()
-    try:
-        overall = frames.summary(m, infos, report)
-        frames.series(m, overall, report)
-        frames.listed(m, report, max_listed)
-    finally:
-        m.unpersist()
     report.seconds = round(time.perf_counter() - t_start, 3)
     if report_dir is not None:
         from mqorder.spark.audit_report import write_report

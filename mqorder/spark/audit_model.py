@@ -19,6 +19,8 @@ class QueueInfo:
     queue_id: int
     max_offset: int
     committed: int
+    #: The first offset still stored (retention may have trimmed below it).
+    earliest: int = 0
 
     @property
     def lag(self) -> int:
@@ -103,6 +105,11 @@ class AuditReport:
     ordering: str
     order_field: str | None
     started_at_ms: int
+    #: Where the gap check starts per queue: ``stored`` (its first stored offset) or ``ledger``
+    #: (the first offset its ledger records; forced when Redis trimmed the ledger).
+    start: str = "stored"
+    #: Whether the stored messages themselves were read (phase 2: something to name, or a body field).
+    read_stored: bool = False
     seconds: float = 0.0
     ledger_records: int = 0
     ledger_trimmed: int = 0

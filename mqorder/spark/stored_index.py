@@ -1,0 +1,152 @@
+"""The audit's view of a topic: one row per stored message, with only what an audit needs.
+
+``format("mqorder").option("topic", T)`` gives every column of a message, bodies and property maps
+included; Python data sources cannot prune columns, so an audit reading it would move every body
+into the JVM to use none of them (18-33 s for 1,000,000 messages on ``local[2]`` here, against
+~7 s for this reader). This internal format, ``mqorder_audit_index``, yields queue index, offset,
+key and message id, plus, with option ``orderField``, that field of each JSON body (as text:
+numbers as written, strings unquoted; null when absent or not JSON).
+
+Ranges are planned exactly as the topic reader plans them (``reader.queue_spans`` / ``bounds`` /
+``split``): from each queue's first stored offset to its next offset at planning.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import pyarrow as pa
+from pyspark.sql import SparkSession
+from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
+
+from mqorder import keys
+from mqorder.errors import ConfigError
+from mqorder.model import MessageQueue
+from mqorder.names import check_topic
+from mqorder.spark.options import Connection, connection
+from mqorder.spark.reader import READ_PAGE, QueueRange, bounds, queue_spans, split
+
+FORMAT = "mqorder_audit_index"
+SCHEMA_DDL = "qi INT, offset BIGINT, key STRING, msg_id STRING, field_value STRING"
+ARROW_SCHEMA = pa.schema([("qi", pa.int32()), ("offset", pa.int64()), ("key", pa.string()),
+                          ("msg_id", pa.string()), ("field_value", pa.string())])
+#: Offsets per Spark partition (a queue longer than this is read by several tasks).
+MAX_ROWS_PER_PARTITION = 250_000
+_KNOWN = ("topic", "redisurl", "brokers", "orderfield", "path")
+_REGISTERED = "_mqorder_audit_index_registered"
+
+
+@dataclass(frozen=True)
+class IndexOptions:
+    topic: str
+    order_field: str | None
+    conn: Connection
+
+
+def index_options(options: Mapping[str, Any]) -> IndexOptions:
+    opts = {str(k).lower(): str(v) for k, v in options.items() if v is not None}
+    unknown = sorted(set(opts) - set(_KNOWN))
+    if unknown:
+        raise ConfigError(f"unknown {FORMAT} option(s) {', '.join(map(repr, unknown))}; known: topic, redisUrl, "
+                          "brokers, orderField")
+    if not opts.get("topic"):
+        raise ConfigError(f"format('{FORMAT}') needs option('topic', <name>)")
+    return IndexOptions(check_topic(opts["topic"]), opts.get("orderfield") or None, connection(opts))
+
+
+def _field_text(body: bytes, name: str) -> str | None:
+    try:
+        doc = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    v = doc.get(name) if isinstance(doc, dict) else None
+    if v is None:
+        return None
+    if isinstance(v, str):
+        return v
+    return orjson.dumps(v).decode()
+
+
+def read_index(conn: Connection, part: QueueRange, order_field: str | None) -> Iterator[pa.RecordBatch]:
+    brokers = conn.registry()
+    try:
+        client = brokers.get(part.span.broker).client
+        log_key = keys.queue_log(MessageQueue(part.topic, part.span.broker, part.span.queue_id).tag)
+        nxt = part.start
+        while nxt < part.end:
+            entries = client.xrange(log_key, min=f"{nxt}-0", max=f"{part.end - 1}-18446744073709551615",
+                                    count=READ_PAGE)
+            if not entries:
+                break
+            yield _batch(part, entries, order_field)
+            nxt = int(entries[-1][0].split(b"-", 1)[0]) + 1
+    finally:
+        brokers.close()
+
+
+def _batch(part: QueueRange, entries: list, order_field: str | None) -> pa.RecordBatch:
+    offsets, keys_, ids, values = [], [], [], []
+    loads = orjson.loads
+    for entry_id, fields in entries:
+        f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=False))
+        offsets.append(int(entry_id.split(b"-", 1)[0]))
+        try:
+            h = loads(f.get(b"h", b"{}"))
+        except orjson.JSONDecodeError:
+            h = {}
+        if not isinstance(h, dict):
+            h = {}
+        k, i = h.get("k"), h.get("i")
+        keys_.append(k[0] if isinstance(k, list) and k and isinstance(k[0], str) else None)
+        ids.append(i if isinstance(i, str) else None)
+        values.append(_field_text(f.get(b"b", b""), order_field) if order_field else None)
+    n = len(offsets)
+    return pa.RecordBatch.from_arrays([
+        pa.array([part.span.index] * n, pa.int32()), pa.array(offsets, pa.int64()), pa.array(keys_, pa.string()),
+        pa.array(ids, pa.string()), pa.array(values, pa.string()),
+    ], schema=ARROW_SCHEMA)
+
+
+class StoredIndexReader(DataSourceReader):
+    def __init__(self, opts: IndexOptions) -> None:
+        self.opts = opts
+        brokers = opts.conn.registry()
+        try:
+            spans = queue_spans(brokers, opts.topic)
+            limits = bounds(brokers, opts.topic, spans)
+        finally:
+            brokers.close()
+        self.ranges = split(opts.topic, spans, {i: lo for i, (lo, _) in limits.items()},
+                            {i: hi for i, (_, hi) in limits.items()}, MAX_ROWS_PER_PARTITION)
+
+    def partitions(self) -> Sequence[InputPartition]:
+        return self.ranges
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, QueueRange)
+        yield from read_index(self.opts.conn, partition, self.opts.order_field)
+
+
+class StoredIndexSource(DataSource):
+    """``format("mqorder_audit_index")``: internal to the audit (batch reads only)."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> str:
+        return SCHEMA_DDL
+
+    def reader(self, schema: Any) -> DataSourceReader:
+        return StoredIndexReader(index_options(self.options))
+
+
+def register_index(spark: SparkSession) -> SparkSession:
+    """Register the format on ``spark`` once."""
+    if not getattr(spark, _REGISTERED, False):
+        spark.dataSource.register(StoredIndexSource)
+        setattr(spark, _REGISTERED, True)
+    return spark

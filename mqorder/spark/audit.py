@@ -49,9 +49,11 @@ from mqorder.names import check_name, check_topic
 from mqorder.settings import Settings, get_settings, load_settings
 from mqorder.spark import audit_frames as frames
 from mqorder.spark.audit_model import AuditReport, Gap, QueueInfo
-from mqorder.spark.ledger import LedgerNotFoundError, ledger_streams, no_ledger_hint
+from mqorder.spark.ledger import LEDGER_SCHEMA_DDL, LedgerNotFoundError, ledger_streams, no_ledger_hint
+from mqorder.spark.reader import SCHEMA_DDL as TOPIC_SCHEMA
 from mqorder.spark.session import register
 from mqorder.spark.stored_index import FORMAT as INDEX_FORMAT
+from mqorder.spark.stored_index import SCHEMA_DDL as INDEX_SCHEMA
 from mqorder.spark.stored_index import register_index
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.log import MessageLog
@@ -73,27 +75,23 @@ def queue_infos(brokers: BrokerRegistry, topic: str, group: str) -> list[QueueIn
                       log.min_offset(mq)) for i, mq in enumerate(route.message_queues)]
 
 
-def _load(spark: SparkSession, settings: Settings, **options: str) -> DataFrame:
-    # Executors may not see the driver's environment: name the Redis explicitly.
-    conn = {"redisUrl": settings.redis_url}
+def _load(spark: SparkSession, settings: Settings, schema: str, fmt: str = "mqorder", **options: str) -> DataFrame:
+    """A read of ``fmt`` with its schema given: Spark then starts no Python process to ask for it."""
+    conn = {"redisUrl": settings.redis_url}  # executors may not see the driver's environment
     if settings.brokers:
         conn["brokers"] = json.dumps(settings.brokers)
-    return spark.read.format("mqorder").options(**conn, **options).load()
+    return spark.read.format(fmt).schema(schema).options(**conn, **options).load()
 
 
 def _stored(spark: SparkSession, settings: Settings, topic: str, order_field: str | None) -> DataFrame:
     """(qi, offset, key, msg id, order field) of every stored message: the audit's own light read
     (``stored_index``), not the full topic read that would move every body into the JVM."""
-    conn = {"redisUrl": settings.redis_url, "topic": topic}
-    if settings.brokers:
-        conn["brokers"] = json.dumps(settings.brokers)
-    if order_field:
-        conn["orderField"] = order_field
-    return register_index(spark).read.format(INDEX_FORMAT).options(**conn).load()
+    extra = {"orderField": order_field} if order_field else {}
+    return _load(register_index(spark), settings, INDEX_SCHEMA, INDEX_FORMAT, topic=topic, **extra)
 
 
 def _dead_letters(spark: SparkSession, settings: Settings, brokers: BrokerRegistry, topic: str, group: str,
-                  route: DataFrame) -> DataFrame | None:
+                  route: frames.Route) -> DataFrame | None:
     """(qi, offset) of the group's dead letters that came from ``topic``; None without a DLQ topic."""
     dlq_topic = keys.dlq_topic(group)
     try:
@@ -101,12 +99,11 @@ def _dead_letters(spark: SparkSession, settings: Settings, brokers: BrokerRegist
     except TopicNotFoundError:
         return None
     p = F.col("properties")
-    origins = (_load(spark, settings, topic=dlq_topic)
+    origins = (_load(spark, settings, TOPIC_SCHEMA, topic=dlq_topic)
                .where(p["ORIGIN_TOPIC"] == topic)
-               .select(p["ORIGIN_BROKER"].alias("broker"), p["ORIGIN_QUEUE_ID"].cast("int").alias("queue_id"),
+               .select(route.index(p["ORIGIN_BROKER"], p["ORIGIN_QUEUE_ID"].cast("int")).alias("qi"),
                        p["ORIGIN_QUEUE_OFFSET"].cast("long").alias("offset"))
-               .join(route.select("qi", "broker", "queue_id"), ["broker", "queue_id"])
-               .select("qi", "offset").distinct().withColumn("in_dlq", F.lit(True)))
+               .where(F.col("qi").isNotNull()).distinct().withColumn("in_dlq", F.lit(True)))
     return F.broadcast(origins)
 
 
@@ -167,8 +164,8 @@ def audit(
         report.ledger_trimmed = sum(s.trimmed for s in streams)
         start_mode = "ledger" if start == "ledger" or report.ledger_trimmed else "stored"
         report.start = start_mode
-        route = frames.route_frame(spark, infos, {})
-        recs = frames.records(_load(spark, settings, ledger=group, topic=topic), route)
+        route = frames.Route.of(infos)
+        recs = frames.records(_load(spark, settings, LEDGER_SCHEMA_DDL, ledger=group, topic=topic), route)
         dead = _dead_letters(spark, settings, brokers, topic, group, route)
         bucket_ms = frames.throughput_bucket_ms(streams)
 
@@ -188,7 +185,7 @@ def audit(
             report = AuditReport(topic, group, ordering, order_field, report.started_at_ms, start=start_mode,
                                  read_stored=True, ledger_trimmed=report.ledger_trimmed)
             starts = {q.index: frames.audit_start(q, extents.get(q.index, frames.Extent()), start_mode) for q in infos}
-            route = frames.route_frame(spark, infos, starts)
+            route = frames.Route.of(infos, starts)
             stored = _stored(spark, settings, topic, order_field)
             m = frames.messages(recs, stored, dead, route, ordering, order_field, bucket_ms).persist()
             try:

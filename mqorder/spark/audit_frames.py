@@ -32,7 +32,7 @@ from dataclasses import dataclass, replace
 from functools import reduce
 from typing import Any
 
-from pyspark.sql import Column, DataFrame, SparkSession, Window
+from pyspark.sql import Column, DataFrame, Window
 from pyspark.sql import functions as F
 
 from mqorder.spark.audit_model import (
@@ -58,19 +58,44 @@ PLOT_BINS = 40
 PERCENTILES = (0.5, 0.95, 0.99)
 
 
-def route_frame(spark: SparkSession, infos: Sequence[QueueInfo], audit_from: dict[int, int]) -> DataFrame:
-    """The topic's queues (index, broker, id, committed offset, where the gap check starts), broadcast."""
-    rows = [(q.index, q.broker, q.queue_id, q.committed, audit_from.get(q.index, q.earliest), q.earliest, q.max_offset)
-            for q in infos]
-    schema = ("qi INT, broker STRING, queue_id INT, committed BIGINT, audit_from BIGINT, earliest BIGINT, "
-              "next_offset BIGINT")
-    return F.broadcast(spark.createDataFrame(rows, schema))
+@dataclass(frozen=True)
+class Route:
+    """The topic's queues as literal SQL expressions: a queue index from (broker, queue id), and each
+    queue's committed, first stored, next offset and audit start from its index. Literals, not a
+    joined table: a small DataFrame costs a ``createDataFrame`` and a broadcast job per use."""
+
+    infos: tuple[QueueInfo, ...]
+    starts: tuple[int, ...]
+
+    @classmethod
+    def of(cls, infos: Sequence[QueueInfo], starts: dict[int, int] | None = None) -> Route:
+        return cls(tuple(infos), tuple((starts or {}).get(q.index, q.earliest) for q in infos))
+
+    def index(self, broker: Column, queue_id: Column) -> Column:
+        """``qi`` of a (broker, queue id) pair, null for a queue the topic does not have."""
+        pairs = [x for q in self.infos for x in (F.lit(f"{q.broker}\x00{q.queue_id}"), F.lit(q.index))]
+        return F.element_at(F.create_map(*pairs), F.concat_ws("\x00", broker, queue_id.cast("string")))
+
+    def _by_index(self, values: Sequence[int]) -> Column:
+        return F.element_at(F.array(*(F.lit(v).cast("long") for v in values)), F.col("qi") + 1)
+
+    def committed(self) -> Column:
+        return self._by_index([q.committed for q in self.infos])
+
+    def earliest(self) -> Column:
+        return self._by_index([q.earliest for q in self.infos])
+
+    def next_offset(self) -> Column:
+        return self._by_index([q.max_offset for q in self.infos])
+
+    def audit_from(self) -> Column:
+        return self._by_index(self.starts)
 
 
-def records(ledger: DataFrame, route: DataFrame) -> DataFrame:
+def records(ledger: DataFrame, route: Route) -> DataFrame:
     """Ledger records with their queue index; a record that is not the engine's (or of a queue not
     in the route) keeps a null ``qi`` and ``offset``: counted as malformed, checked for nothing."""
-    located = ledger.join(route.select("qi", "broker", F.col("queue_id").alias("queue")), ["broker", "queue"], "left")
+    located = ledger.withColumn("qi", route.index(F.col("broker"), F.col("queue")))
     bad = F.col("outcome").isNull() | F.col("offset").isNull() | F.col("qi").isNull()
     return located.select(
         F.when(~bad, F.col("qi")).alias("qi"),
@@ -120,7 +145,7 @@ def _fold(rows: DataFrame, ordering: str, order_field: str | None) -> DataFrame:
     return rows.repartition(*_lane_columns(ordering)).groupBy("qi", "key", "offset").agg(*aggs)
 
 
-def messages(recs: DataFrame, stored: DataFrame | None, dead: DataFrame | None, route: DataFrame, ordering: str,
+def messages(recs: DataFrame, stored: DataFrame | None, dead: DataFrame | None, route: Route, ordering: str,
              order_field: str | None, bucket_ms: int) -> DataFrame:
     """Every message with the flags and bins the report counts: the delivered ones only (phase 1,
     ``stored`` None: whether each is still stored is judged from its queue's offset range), or the
@@ -129,8 +154,8 @@ def messages(recs: DataFrame, stored: DataFrame | None, dead: DataFrame | None, 
     m = _fold(rows, ordering, order_field)
     # Broadcast joins keep the lane partitioning the windows below rely on.
     m = m.join(dead, ["qi", "offset"], "left") if dead is not None else m.withColumn("in_dlq", F.lit(None).cast("boolean"))
-    in_range = (F.col("offset") >= F.col("earliest")) & (F.col("offset") < F.col("next_offset"))
-    m = (m.join(route.select("qi", "committed", "audit_from", "earliest", "next_offset"), "qi", "left")
+    in_range = (F.col("offset") >= route.earliest()) & (F.col("offset") < route.next_offset())
+    m = (m.withColumn("committed", route.committed()).withColumn("audit_from", route.audit_from())
          .withColumn("stored", (F.col("is_stored") == 1) if stored is not None else F.coalesce(in_range, F.lit(False))))
 
     lane_cols = _lane_columns(ordering)

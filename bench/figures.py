@@ -118,6 +118,8 @@ class Figures:
         self.spark_rows: int = self.spark.get("rows", 0)
         self.s_spark_batch = _values(self.spark.get("ratio_vs_batch"))
         self.s_spark_one = _values(self.spark.get("ratio_vs_one_by_one"))
+        self.audit: dict[str, Any] = res.get("spark_audit") or {}
+        self.audit_records: int = self.audit.get("records", 0)
 
         # Latency: p99 of every mqorder configuration measured, by results key.
         self.lat_short = {k: short for k, short, _ in lat_configs(self.lat)}

@@ -440,11 +440,21 @@ class Report:
 
     def spark(self) -> list[str]:
         """The data pipeline: Spark publish next to the Python producer, and a batch read."""
-        if not self.res.get("spark"):
-            return []
-        from bench import spark
+        out: list[str] = []
+        if self.res.get("spark"):
+            from bench import spark
 
-        return ["## Spark data pipeline", "", *spark.markdown(self.res["spark"]).splitlines(), ""]
+            out += ["## Spark data pipeline", "", *spark.markdown(self.res["spark"]).splitlines(), ""]
+        a = self.res.get("spark_audit")
+        if a:
+            out += ["## Ordering audit", "",
+                    f"`mqorder.spark.audit` of a ledger of {a['records']:,} records (one per handled message) on "
+                    f"`{a['master']}`: {a['audit_s']:.1f} s ({a['records_per_s']:,} records/s) plus "
+                    f"{a['report_files_s']:.1f} s for report.json, report.md and the plots; the Spark session "
+                    f"started in {a['session_start_s']:.1f} s, apart. Verdict on this clean ledger: "
+                    f"{'passed' if a['audit_ok'] else 'FAILED'} ({a['violations']} violations, {a['gaps']} gaps); "
+                    f"latency p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms.", ""]
+        return out
 
     def history(self) -> list[str]:
         """Before/after figures of past hot-path changes, from ``bench/history.json`` (not this run's)."""

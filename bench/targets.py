@@ -111,6 +111,15 @@ def _of_failover(f: Figures) -> Reading:
     return Reading(p99, f"p99 {p99:.2f} s (p50 {percentile(f.fo_t, 50):.2f} s)")
 
 
+def _of_audit(f: Figures) -> Reading:
+    """The audit's own time (the Spark session start is reported apart)."""
+    a = f.audit
+    if not a.get("audit_s"):
+        return Reading(None, "n/a")
+    return Reading(a["audit_s"], f"{a['audit_s']:.1f} s ({a['records_per_s']:,} records/s; session start "
+                   f"{a['session_start_s']:.1f} s apart; audit {'passed' if a.get('audit_ok') else 'FAILED'})")
+
+
 AT_LEAST, AT_MOST = Comparison.AT_LEAST, Comparison.AT_MOST
 
 #: Every target of the benchmark. Per row: id; description (the report's text, ``{bound}`` standing
@@ -139,6 +148,8 @@ TARGETS: tuple[Target, ...] = (
            "`send_orderly_batch` on the same data", 0.7, AT_LEAST, "x", 1, lambda f: _of_paired(f.s_spark_batch)),
     Target("spark_one_by_one", "Spark publish {bound} a one-by-one `send_orderly` loop",
            5, AT_LEAST, "x", 0, lambda f: _of_paired(f.s_spark_one)),
+    Target("audit", "audit of a {f.audit_records:,}-record ledger on `local[2]` {bound}",
+           60, AT_MOST, " s", 0, _of_audit),
 )
 
 

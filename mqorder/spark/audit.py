@@ -169,17 +169,21 @@ def audit(
         dead = _dead_letters(spark, settings, brokers, topic, group, route)
         bucket_ms = frames.throughput_bucket_ms(streams)
 
-        # Phase 1: the ledger alone (see audit_frames).
-        m = frames.messages(recs, None, dead, route, ordering, None, bucket_ms).persist()
-        try:
-            extents = frames.summary(m, infos, report, bucket_ms)
-            counts = {q.index: frames.unseen(q, extents.get(q.index, frames.Extent()), start_mode) for q in infos}
-            done = order_field is None and not any(u.gaps or u.holes for u in counts.values())
-            if done:
-                frames.settle_unseen(report, infos, counts)
-                frames.listed(m, report, max_listed)
-        finally:
-            m.unpersist()
+        # Phase 1: the ledger alone (see audit_frames). A body field needs the stored messages
+        # anyway: then phase 1 runs only when the audit start depends on the ledger's first offsets.
+        extents: dict[int, frames.Extent] = {}
+        done = False
+        if order_field is None or start_mode == "ledger":
+            m = frames.messages(recs, None, dead, route, ordering, None, bucket_ms).persist()
+            try:
+                extents = frames.summary(m, infos, report, bucket_ms)
+                counts = {q.index: frames.unseen(q, extents.get(q.index, frames.Extent()), start_mode) for q in infos}
+                done = order_field is None and not any(u.gaps or u.holes for u in counts.values())
+                if done:
+                    frames.settle_unseen(report, infos, counts)
+                    frames.listed(m, report, max_listed)
+            finally:
+                m.unpersist()
 
         if not done:  # Phase 2: the stored messages too, each one classified.
             report = AuditReport(topic, group, ordering, order_field, report.started_at_ms, start=start_mode,

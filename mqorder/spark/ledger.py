@@ -171,7 +171,7 @@ def plan_slices(group: str, streams: Sequence[LedgerStream], max_rows: int, topi
     Equal time spans hold about equal record counts when records arrive at a steady pace; a burst
     makes one slice bigger, never wrong: together the slices cover ``[first_id, last_id]`` exactly.
     """
-    out = []
+    out: list[LedgerSlice] = []
     for s in streams:
         (lo_ms, lo_seq), (hi_ms, hi_seq) = _id(s.first_id), _id(s.last_id)
         want = math.ceil(s.length / max_rows)

@@ -28,6 +28,7 @@ from mqorder.model import MessageQueue
 from mqorder.names import check_topic
 from mqorder.spark.options import Connection, connection
 from mqorder.spark.reader import READ_PAGE, QueueRange, bounds, queue_spans, split
+from mqorder.store.replies import text
 
 FORMAT = "mqorder_audit_index"
 SCHEMA_DDL = "qi INT, offset BIGINT, key STRING, msg_id STRING, field_value STRING"
@@ -82,7 +83,7 @@ def read_index(conn: Connection, part: QueueRange, order_field: str | None) -> I
             if not entries:
                 break
             yield _batch(part, entries, order_field)
-            nxt = int(entries[-1][0].split(b"-", 1)[0]) + 1
+            nxt = int(text(entries[-1][0]).split("-", 1)[0]) + 1
     finally:
         brokers.close()
 

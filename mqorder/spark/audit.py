@@ -168,13 +168,15 @@ def audit(
         recs = frames.records(_load(spark, settings, LEDGER_SCHEMA_DDL, ledger=group, topic=topic), route)
         dead = _dead_letters(spark, settings, brokers, topic, group, route)
         bucket_ms = frames.throughput_bucket_ms(streams)
+        parts = frames.lane_partitions(spark.sparkContext.defaultParallelism, sum(s.length for s in streams),
+                                       int(spark.conf.get("spark.sql.shuffle.partitions") or 200))
 
         # Phase 1: the ledger alone (see audit_frames). A body field needs the stored messages
         # anyway: then phase 1 runs only when the audit start depends on the ledger's first offsets.
         extents: dict[int, frames.Extent] = {}
         done = False
         if order_field is None or start_mode == "ledger":
-            m = frames.messages(recs, None, dead, route, ordering, None, bucket_ms).persist()
+            m = frames.messages(recs, None, dead, route, ordering, None, bucket_ms, parts).persist()
             try:
                 extents = frames.summary(m, infos, report, bucket_ms)
                 counts = {q.index: frames.unseen(q, extents.get(q.index, frames.Extent()), start_mode) for q in infos}
@@ -191,7 +193,7 @@ def audit(
             starts = {q.index: frames.audit_start(q, extents.get(q.index, frames.Extent()), start_mode) for q in infos}
             route = frames.Route.of(infos, starts)
             stored = _stored(spark, settings, topic, order_field)
-            m = frames.messages(recs, stored, dead, route, ordering, order_field, bucket_ms).persist()
+            m = frames.messages(recs, stored, dead, route, ordering, order_field, bucket_ms, parts).persist()
             try:
                 frames.summary(m, infos, report, bucket_ms)
                 frames.listed(m, report, max_listed)

@@ -124,7 +124,14 @@ def _lane_columns(ordering: str) -> list[str]:
     return ["qi"] if ordering == "queue" else ["qi", "key"]
 
 
-def _fold(rows: DataFrame, ordering: str, order_field: str | None) -> DataFrame:
+def lane_partitions(spark_parallelism: int, records: int, limit: int) -> int:
+    """How many partitions the lane shuffle makes: enough for the cores and for ~200k rows each,
+    at most ``spark.sql.shuffle.partitions``. Set explicitly because adaptive execution does not
+    coalesce the partitions of a cached plan: 200 tasks of a few rows each cost seconds each stage."""
+    return max(1, min(limit, max(2 * spark_parallelism, math.ceil(records / 200_000))))
+
+
+def _fold(rows: DataFrame, ordering: str, order_field: str | None, partitions: int) -> DataFrame:
     """One row per message. Grouping by (qi, key, offset) after partitioning by the lane keeps the
     lane partitioning (no second shuffle): a message's records and its stored row share its key."""
     ok, dlq = F.col("ok") == 1, F.col("dlq") == 1
@@ -142,16 +149,16 @@ def _fold(rows: DataFrame, ordering: str, order_field: str | None) -> DataFrame:
     ]
     if order_field:
         aggs.append(F.max("field_value").alias("field_value"))  # a string buffer: only when asked
-    return rows.repartition(*_lane_columns(ordering)).groupBy("qi", "key", "offset").agg(*aggs)
+    return rows.repartition(partitions, *_lane_columns(ordering)).groupBy("qi", "key", "offset").agg(*aggs)
 
 
 def messages(recs: DataFrame, stored: DataFrame | None, dead: DataFrame | None, route: Route, ordering: str,
-             order_field: str | None, bucket_ms: int) -> DataFrame:
+             order_field: str | None, bucket_ms: int, partitions: int) -> DataFrame:
     """Every message with the flags and bins the report counts: the delivered ones only (phase 1,
     ``stored`` None: whether each is still stored is judged from its queue's offset range), or the
     delivered and the stored ones (phase 2, the stored messages read)."""
     rows = recs if stored is None else recs.unionByName(stored_rows(stored))
-    m = _fold(rows, ordering, order_field)
+    m = _fold(rows, ordering, order_field, partitions)
     # Broadcast joins keep the lane partitioning the windows below rely on.
     m = m.join(dead, ["qi", "offset"], "left") if dead is not None else m.withColumn("in_dlq", F.lit(None).cast("boolean"))
     in_range = (F.col("offset") >= route.earliest()) & (F.col("offset") < route.next_offset())

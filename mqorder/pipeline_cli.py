@@ -252,6 +252,8 @@ def audit(
     report: Path = typer.Option(..., "--report", help="directory for report.json, report.md and the plots"),
     order_field: str = typer.Option(None, "--order-field", help="also check this JSON body field never goes down"),
     ordering: str = typer.Option("key", "--ordering", help="key: order per sharding key; queue: per whole queue"),
+    start: str = typer.Option("stored", "--start", help="stored: check from each queue's first stored message; "
+                                                          "ledger: from the first offset its ledger records"),
     master: str = MASTER,
 ) -> None:
     """Audit how GROUP consumed TOPIC from its ledger; exit 1 on any order violation or gap."""
@@ -264,7 +266,8 @@ def audit(
         with _progress() as progress:
             spark = _session(progress, master)
             with _tracked(progress, spark, f"auditing {records:,} ledger records of {group} on {topic}"):
-                rep = spark_audit(spark, topic, group, order_field=order_field, ordering=ordering, report_dir=report)
+                rep = spark_audit(spark, topic, group, order_field=order_field, ordering=ordering, report_dir=report,
+                                  start=start)
     except MQOrderError as exc:
         _fail(exc)
         return

@@ -135,6 +135,28 @@ def test_a_clean_ledger_is_audited_from_the_ledger_alone_counting_the_pending(sp
     assert [(q.stored, q.pending, q.lag) for q in rep.queues] == [(len(m), 1, 1) for m in queues]
 
 
+def test_a_ledger_switched_on_late_shows_gaps_from_the_first_stored_message_or_unaudited_from_its_start(
+        spark, producer: Producer, r: redis.Redis, redis_url: str) -> None:
+    from mqorder.spark import audit
+
+    producer.create_topic(TOPIC, queues=1)
+    _publish(producer, TOPIC, {"a": [1, 2, 3, 4, 5, 6]})
+    (msgs,) = _stored(producer, TOPIC)
+    w = LedgerWriter(r)
+    for m in msgs[3:]:  # offsets 0..2 were consumed before the ledger was on (or lost)
+        w.handle(m)
+    w.flush()
+    mq = producer.describe_topic(TOPIC).message_queues[0]
+    r.hset(keys.sub_state(mq.tag, GROUP), "offset", 6)
+    strict = audit(spark, TOPIC, GROUP, redis_url=redis_url)
+    assert not strict.ok and strict.read_stored
+    assert [(g.key, g.offset, g.reason, g.msg_id) for g in strict.gaps] == [
+        ("a", o, "below the committed offset 6", msgs[o].msg_id) for o in range(3)]
+    lenient = audit(spark, TOPIC, GROUP, redis_url=redis_url, start="ledger")
+    assert lenient.ok and not lenient.read_stored
+    assert (lenient.unaudited, lenient.gap_count, lenient.messages_succeeded, lenient.start) == (3, 0, 3, "ledger")
+
+
 def _faulty_ledger(p: Producer, r: redis.Redis) -> dict[str, tuple[int, int]]:
     """One queue; keys a, b, c, d, e. Key a: offsets of seq 2 and 3 delivered swapped. Key b: seq 2
     never delivered (seq 3 is). Key c: seq 1 handled twice under one epoch. Key d: its body field

@@ -25,6 +25,7 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/ruff check mqorder workers tasks config tests bench chaos
+	$(BIN)/mypy
 	$(BIN)/python -m pytest -q tests
 
 demo: $(STAMP)
@@ -38,6 +39,7 @@ bench: $(STAMP)
 
 lint: $(STAMP)
 	$(BIN)/ruff check mqorder workers tasks config tests bench chaos
+	$(BIN)/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -16,6 +16,7 @@ import io
 import json
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 import pyarrow as pa
@@ -27,7 +28,7 @@ from mqorder import keys
 from mqorder.errors import ConfigError
 from mqorder.model import MessageQueue
 from mqorder.spark.options import Connection, ReadOptions
-from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 
@@ -88,10 +89,7 @@ def _mq(topic: str, span: QueueSpan) -> MessageQueue:
 def bounds(brokers: BrokerRegistry, topic: str, spans: Sequence[QueueSpan]) -> dict[int, tuple[int, int]]:
     """(earliest stored offset, next offset) of every queue, in one round trip per broker."""
     out: dict[int, tuple[int, int]] = {}
-    by_broker: dict[str, list[QueueSpan]] = {}
-    for s in spans:
-        by_broker.setdefault(s.broker, []).append(s)
-    for name, group in by_broker.items():
+    for name, group in group_by_broker(spans, lambda s: _mq(topic, s)).items():
         pipe = brokers.get(name).client.pipeline(transaction=False)
         for s in group:
             tag = _mq(topic, s).tag
@@ -162,8 +160,9 @@ def split(topic: str, spans: Sequence[QueueSpan], start: Mapping[int, int], end:
     return parts
 
 
-def read_range(conn: Connection, part: QueueRange) -> Iterator[pa.RecordBatch]:
-    """The messages of ``part`` as Arrow batches of up to ``READ_PAGE`` rows."""
+def read_pages(conn: Connection, part: QueueRange) -> Iterator[list[Any]]:
+    """The stream entries of ``part``, a page of up to ``READ_PAGE`` per ``XRANGE``, in offset order
+    (shared by the topic reader and the audit's stored index)."""
     brokers = conn.registry()
     try:
         client = brokers.get(part.span.broker).client
@@ -174,8 +173,25 @@ def read_range(conn: Connection, part: QueueRange) -> Iterator[pa.RecordBatch]:
                                     count=READ_PAGE)
             if not entries:
                 break
-            yield _batch(part, entries)
+            yield entries
             nxt = int(text(entries[-1][0]).split("-", 1)[0]) + 1
+    finally:
+        brokers.close()
+
+
+def read_range(conn: Connection, part: QueueRange) -> Iterator[pa.RecordBatch]:
+    """The messages of ``part`` as Arrow batches of up to ``READ_PAGE`` rows."""
+    for entries in read_pages(conn, part):
+        yield _batch(part, entries)
+
+
+def topic_layout(conn: Connection, topic: str) -> tuple[list[QueueSpan], dict[int, tuple[int, int]]]:
+    """The topic's queues and each one's (earliest stored offset, next offset), read once when a
+    read is planned (shared by the topic reader and the audit's stored index)."""
+    brokers = conn.registry()
+    try:
+        spans = queue_spans(brokers, topic)
+        return spans, bounds(brokers, topic, spans)
     finally:
         brokers.close()
 
@@ -277,12 +293,7 @@ class MQOrderReader(DataSourceReader):
 
     def __init__(self, opts: ReadOptions) -> None:
         self.opts = opts
-        brokers = opts.conn.registry()
-        try:
-            spans = queue_spans(brokers, opts.topic)
-            limits = bounds(brokers, opts.topic, spans)
-        finally:
-            brokers.close()
+        spans, limits = topic_layout(opts.conn, opts.topic)
         start = resolve(parse_offsets(opts.starting, opts.topic, spans, EARLIEST, "startingOffsets"), limits)
         end = resolve(parse_offsets(opts.ending, opts.topic, spans, LATEST, "endingOffsets"), limits)
         self.ranges = split(opts.topic, spans, start, end, opts.max_rows_per_partition)

@@ -22,13 +22,10 @@ import pyarrow as pa
 from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
-from mqorder import keys
 from mqorder.errors import ConfigError
-from mqorder.model import MessageQueue
 from mqorder.names import check_topic
 from mqorder.spark.options import Connection, connection
-from mqorder.spark.reader import READ_PAGE, QueueRange, bounds, queue_spans, split
-from mqorder.store.replies import text
+from mqorder.spark.reader import QueueRange, read_pages, split, topic_layout
 
 FORMAT = "mqorder_audit_index"
 SCHEMA_DDL = "qi INT, offset BIGINT, key STRING, msg_id STRING, field_value STRING"
@@ -72,20 +69,8 @@ def _field_text(body: bytes, name: str) -> str | None:
 
 
 def read_index(conn: Connection, part: QueueRange, order_field: str | None) -> Iterator[pa.RecordBatch]:
-    brokers = conn.registry()
-    try:
-        client = brokers.get(part.span.broker).client
-        log_key = keys.queue_log(MessageQueue(part.topic, part.span.broker, part.span.queue_id).tag)
-        nxt = part.start
-        while nxt < part.end:
-            entries = client.xrange(log_key, min=f"{nxt}-0", max=f"{part.end - 1}-18446744073709551615",
-                                    count=READ_PAGE)
-            if not entries:
-                break
-            yield _batch(part, entries, order_field)
-            nxt = int(text(entries[-1][0]).split("-", 1)[0]) + 1
-    finally:
-        brokers.close()
+    for entries in read_pages(conn, part):
+        yield _batch(part, entries, order_field)
 
 
 def _batch(part: QueueRange, entries: list, order_field: str | None) -> pa.RecordBatch:
@@ -114,12 +99,7 @@ def _batch(part: QueueRange, entries: list, order_field: str | None) -> pa.Recor
 class StoredIndexReader(DataSourceReader):
     def __init__(self, opts: IndexOptions) -> None:
         self.opts = opts
-        brokers = opts.conn.registry()
-        try:
-            spans = queue_spans(brokers, opts.topic)
-            limits = bounds(brokers, opts.topic, spans)
-        finally:
-            brokers.close()
+        spans, limits = topic_layout(opts.conn, opts.topic)
         self.ranges = split(opts.topic, spans, {i: lo for i, (lo, _) in limits.items()},
                             {i: hi for i, (_, hi) in limits.items()}, MAX_ROWS_PER_PARTITION)
 

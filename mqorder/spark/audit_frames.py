@@ -385,12 +385,12 @@ def _latency(bins: dict[int, int], lat_max: float | None) -> Latency:
     for b in order:
         acc += bins[b]
         cum.append(acc)
-    ps = []
-    for p in PERCENTILES:
-        i = bisect.bisect_left(cum, math.ceil(p * count))
-        value = _bin_value(order[min(i, len(order) - 1)])
-        ps.append(round(min(value, lat_max) if lat_max is not None else value, 3))
-    return Latency(count, *ps, None if lat_max is None else round(lat_max, 3))
+    def at(p: float) -> float:
+        value = _bin_value(order[min(bisect.bisect_left(cum, math.ceil(p * count)), len(order) - 1)])
+        return round(min(value, lat_max) if lat_max is not None else value, 3)
+
+    p50, p95, p99 = (at(p) for p in PERCENTILES)
+    return Latency(count, p50, p95, p99, None if lat_max is None else round(lat_max, 3))
 
 
 def _plot_bins(bins: dict[int, int]) -> list[tuple[float, float, int]]:

@@ -82,6 +82,9 @@ def test_the_ledger_reads_as_a_typed_dataframe_from_every_broker(spark, producer
     assert sorted((x["queue"], x["offset"], x["key"]) for x in rows[:-1]) == sorted(
         (m.queue_id, m.queue_offset, m.keys[0]) for m in msgs)
     assert df.rdd.getNumPartitions() >= 2  # cut by id range
+    narrow = (spark.read.format("mqorder").schema("offset BIGINT, outcome STRING").option("ledger", GROUP)
+              .option("redisUrl", redis_url).load())  # only these columns are parsed and shipped
+    assert sorted(tuple(x) for x in narrow.collect() if x.outcome) == sorted((m.queue_offset, "SUCCESS") for m in msgs)
 
 
 def test_no_ledger_for_the_group_says_how_to_switch_it_on(spark, redis_url: str) -> None:

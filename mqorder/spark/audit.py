@@ -49,7 +49,7 @@ from mqorder.names import check_name, check_topic
 from mqorder.settings import Settings, get_settings, load_settings
 from mqorder.spark import audit_frames as frames
 from mqorder.spark.audit_model import AuditReport, Gap, QueueInfo
-from mqorder.spark.ledger import LEDGER_SCHEMA_DDL, LedgerNotFoundError, ledger_streams, no_ledger_hint
+from mqorder.spark.ledger import LedgerNotFoundError, ledger_streams, no_ledger_hint
 from mqorder.spark.reader import SCHEMA_DDL as TOPIC_SCHEMA
 from mqorder.spark.session import register
 from mqorder.spark.stored_index import FORMAT as INDEX_FORMAT
@@ -165,7 +165,7 @@ def audit(
         start_mode = "ledger" if start == "ledger" or report.ledger_trimmed else "stored"
         report.start = start_mode
         route = frames.Route.of(infos)
-        recs = frames.records(_load(spark, settings, LEDGER_SCHEMA_DDL, ledger=group, topic=topic), route)
+        recs = frames.records(_load(spark, settings, frames.LEDGER_COLUMNS, ledger=group, topic=topic), route)
         dead = _dead_letters(spark, settings, brokers, topic, group, route)
         bucket_ms = frames.throughput_bucket_ms(streams)
         parts = frames.lane_partitions(spark.sparkContext.defaultParallelism, sum(s.length for s in streams),

@@ -56,6 +56,9 @@ MIN_LATENCY_MS = 0.001
 #: Bars of the latency histogram plot (the fine bins merged).
 PLOT_BINS = 40
 PERCENTILES = (0.5, 0.95, 0.99)
+#: The ledger columns the audit reads (the reader then parses and ships only these).
+LEDGER_COLUMNS = ("broker STRING, queue INT, offset BIGINT, key STRING, born_ms BIGINT, start_ms DOUBLE, "
+                  "end_ms DOUBLE, epoch BIGINT, outcome STRING")
 
 
 @dataclass(frozen=True)

@@ -68,8 +68,6 @@ READ_PAGE = 5000
 #: A broker's ledger is cut into Spark partitions of about this many records.
 DEFAULT_MAX_ROWS_PER_PARTITION = 250_000
 _KNOWN = ("ledger", "topic", "redisurl", "brokers", "maxrowsperpartition", "path")
-_JSON_PARSE = pj.ParseOptions(explicit_schema=pa.schema([f for f in LEDGER_ARROW_SCHEMA if f.name != "entry"]),
-                              unexpected_field_behavior="ignore")
 _JSON_READ = pj.ReadOptions(use_threads=False, block_size=64 << 20)
 _INT_FIELDS = {"queue", "offset", "born_ms", "attempt", "epoch"}
 _FLOAT_FIELDS = {"start_ms", "end_ms"}
@@ -205,10 +203,28 @@ def _records(client: redis.Redis, group: str, start: str, end: str) -> Iterator[
         nxt = "(" + _text(page[-1][0])
 
 
-def _page_fast(page: list[tuple[bytes, bytes]]) -> pa.Table:
+def _columns_of(schema: Any) -> tuple[str, ...]:
+    """The ledger columns a read was asked for (a ``.schema(...)`` given to the reader), in order;
+    all of them without one. A narrower schema is cheaper: fewer values parsed and moved to the JVM."""
+    if schema is None:
+        return tuple(LEDGER_ARROW_SCHEMA.names)
+    names = tuple(f.name for f in schema.fields)
+    unknown = [n for n in names if n not in LEDGER_ARROW_SCHEMA.names]
+    if unknown:
+        raise ConfigError(f"ledger reads have no column(s) {', '.join(map(repr, unknown))}; columns: "
+                          f"{', '.join(LEDGER_ARROW_SCHEMA.names)}")
+    return names
+
+
+def _json_options(columns: Sequence[str], topic: str | None) -> pj.ParseOptions:
+    wanted = set(columns) | ({"topic"} if topic is not None else set())
+    return pj.ParseOptions(explicit_schema=pa.schema([f for f in LEDGER_ARROW_SCHEMA if f.name in wanted
+                                                      and f.name != "entry"]), unexpected_field_behavior="ignore")
+
+
+def _page_fast(page: list[tuple[bytes, bytes]], parse: pj.ParseOptions) -> pa.Table:
     """A page parsed in C++ by ``pyarrow.json`` against the schema: the engine's records always fit."""
-    table = pj.read_json(io.BytesIO(b"\n".join(raw for _, raw in page)), parse_options=_JSON_PARSE,
-                         read_options=_JSON_READ)
+    table = pj.read_json(io.BytesIO(b"\n".join(raw for _, raw in page)), parse_options=parse, read_options=_JSON_READ)
     if table.num_rows != len(page):
         raise pa.ArrowInvalid(f"{table.num_rows} rows parsed from {len(page)} records")
     return table.append_column("entry", pa.array([_text(i) for i, _ in page], pa.string()))
@@ -243,20 +259,22 @@ def _page_checked(page: list[tuple[bytes, bytes]]) -> pa.Table:
         [pa.array([r[f.name] for r in rows], f.type) for f in LEDGER_ARROW_SCHEMA], schema=LEDGER_ARROW_SCHEMA)])
 
 
-def read_slice(conn: Connection, part: LedgerSlice) -> Iterator[pa.RecordBatch]:
-    """The records of ``part`` (of ``part.topic`` only, if set) as Arrow batches."""
+def read_slice(conn: Connection, part: LedgerSlice, columns: Sequence[str] | None = None) -> Iterator[pa.RecordBatch]:
+    """The records of ``part`` (of ``part.topic`` only, if set) as Arrow batches of ``columns``."""
+    columns = tuple(columns or LEDGER_ARROW_SCHEMA.names)
+    parse = _json_options(columns, part.topic)
     brokers = conn.registry()
     try:
         client = brokers.get(part.broker).client
         for page in _records(client, part.group, part.start, part.end):
             try:
-                table = _page_fast(page)
+                table = _page_fast(page, parse)
             except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
                 table = _page_checked(page)
             if part.topic is not None:
                 table = table.filter(pc.equal(table["topic"], part.topic))
             if table.num_rows:
-                yield from table.combine_chunks().to_batches()
+                yield from table.select(list(columns)).combine_chunks().to_batches()
     finally:
         brokers.close()
 
@@ -264,8 +282,9 @@ def read_slice(conn: Connection, part: LedgerSlice) -> Iterator[pa.RecordBatch]:
 class LedgerReader(DataSourceReader):
     """``spark.read.format("mqorder").option("ledger", group)``: slices fixed at planning."""
 
-    def __init__(self, opts: LedgerOptions) -> None:
+    def __init__(self, opts: LedgerOptions, schema: Any = None) -> None:
         self.opts = opts
+        self.columns = _columns_of(schema)
         brokers = opts.conn.registry()
         try:
             self.streams = ledger_streams(brokers, opts.group)
@@ -280,7 +299,7 @@ class LedgerReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, LedgerSlice)
-        yield from read_slice(self.opts.conn, partition)
+        yield from read_slice(self.opts.conn, partition, self.columns)
 
 
 def no_ledger_hint(group: str) -> str:
@@ -304,6 +323,6 @@ def read_ledger(group: str, *, topic: str | None = None, redis_url: str | None =
     reader = LedgerReader(ledger_options(options))
     out: list[dict[str, Any]] = []
     for part in reader.slices:
-        for batch in read_slice(reader.opts.conn, part):
+        for batch in read_slice(reader.opts.conn, part, reader.columns):
             out.extend(batch.to_pylist())
     return out

@@ -50,7 +50,7 @@ class MQOrderDataSource(DataSource):
 
     def reader(self, schema: StructType) -> DataSourceReader:
         if "ledger" in self.options:
-            return LedgerReader(ledger_options(self.options))
+            return LedgerReader(ledger_options(self.options), schema)
         return MQOrderReader(read_options(self.options, streaming=False))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:

@@ -155,6 +155,7 @@ def test_a_ledger_switched_on_late_shows_gaps_from_the_first_stored_message_or_u
     assert not strict.ok and strict.read_stored
     assert [(g.key, g.offset, g.reason, g.msg_id) for g in strict.gaps] == [
         ("a", o, "below the committed offset 6", msgs[o].msg_id) for o in range(3)]
+    assert "--start ledger" in strict.failures()[-1]
     lenient = audit(spark, TOPIC, GROUP, redis_url=redis_url, start="ledger")
     assert lenient.ok and not lenient.read_stored
     assert (lenient.unaudited, lenient.gap_count, lenient.messages_succeeded, lenient.start) == (3, 0, 3, "ledger")

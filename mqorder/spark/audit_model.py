@@ -150,6 +150,9 @@ class AuditReport:
         if self.gap_count:
             first = "; ".join(f"key {g.key!r} queue {g.queue} offset {g.offset} ({g.reason})" for g in self.gaps[:3])
             out.append(f"{self.gap_count} gap(s), stored but never handled nor dead-lettered: {first}")
+            if self.start == "stored" and any(g.reason.startswith("below the committed offset") for g in self.gaps):
+                out.append("if the ledger was switched on after this group began consuming, audit from the "
+                           "ledger's first records instead: --start ledger (start='ledger')")
         if self.domain_violation_count:
             first = "; ".join(f"key {d.key!r} queue {d.queue} offset {d.offset}: {self.order_field}={d.value} after "
                               f"{d.after_value} (offset {d.after_offset})" for d in self.domain_violations[:3])

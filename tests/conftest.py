@@ -57,6 +57,20 @@ def settings(redis_url: str):
     return load_settings(redis_url=redis_url)
 
 
+@pytest.fixture
+def env(settings):
+    """A producer with a one-queue topic ``t`` and a Celery-free consumer engine for client ``c1``."""
+    from mqorder import Producer
+    from mqorder.consumer.consume_request import ConsumerEngine
+
+    p = Producer(settings=settings)
+    p.create_topic("t", queues=1)
+    eng = ConsumerEngine(settings, "c1")
+    yield p, eng
+    p.close()
+    eng.brokers.close()
+
+
 class Cluster:
     """Worker subprocesses (and optionally beat) of one test, all stopped at teardown."""
 

@@ -20,14 +20,6 @@ from mqorder.store.log import MessageLog
 S = ConsumeOrderlyStatus
 
 
-@pytest.fixture
-def env(settings):
-    p = Producer(settings=settings)
-    p.create_topic("t", queues=1)
-    eng = ConsumerEngine(settings, "c1")
-    yield p, eng
-    p.close()
-    eng.brokers.close()
 
 
 MQ = MessageQueue("t", "broker-a", 0)

@@ -18,14 +18,6 @@ S = ConsumeOrderlyStatus
 MQ = MessageQueue("t", "broker-a", 0)
 
 
-@pytest.fixture
-def env(settings):
-    p = Producer(settings=settings)
-    p.create_topic("t", queues=1)
-    eng = ConsumerEngine(settings, "c1")
-    yield p, eng
-    p.close()
-    eng.brokers.close()
 
 
 def run_until_idle(eng: ConsumerEngine, spec: ListenerSpec, max_runs: int = 50) -> list[Verb]:

@@ -217,7 +217,9 @@ def sub_state(tag: str, sub: str) -> str:
         re-enter its live run after a Redis outage, a duplicate delivery of the task gets BUSY.
     ``pending``
         Token of the queue's one pending ConsumeRequest, ``''`` for none. Set by ``send``
-        (waking the owner), ``sweep``, ``assign`` (DISPATCH) and ``finish`` (the next request);
+        (waking the owner), ``sweep``, ``assign`` (DISPATCH), ``finish`` (the next request) and
+        ``adopt`` (a lingering request of the owner watches the idle queue: ``IdleQueueWatch``;
+        the adoption ends through ``finish`` with the same token);
         cleared by ``commit`` and ``finish`` when the queue goes idle, by ``assign`` on a MOVED
         queue with no backlog, and by ``release_lock`` in ``assign`` / ``finish``; *kept* by
         ``unlock_batch`` (the dispatched request stays the queue's one request: see
@@ -225,7 +227,8 @@ def sub_state(tag: str, sub: str) -> str:
         (SUPERSEDED), ``touch``, ``finish`` (STALE), ``send`` and ``sweep`` (no second request
         while one is pending), and the lingering read.
     ``pend_until``
-        When the pending request is presumed lost: dispatch time + pending TTL, then the run
+        When the pending request is presumed lost: dispatch time + pending TTL (an adoption:
+        2 s, renewed while its request lingers), then the run
         lease while it runs (``begin``, ``commit``, ``touch``); 0 whenever ``pending`` is
         cleared. Read by ``send`` and ``sweep``: after it, they replace the token.
     ``offset``

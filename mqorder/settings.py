@@ -66,6 +66,11 @@ class Settings(BaseSettings):
     #: worker has idle pool slots (threads and prefork pools; never solo). It gives the slot back
     #: within about 10 ms once another request waits for one, or the queue is reassigned.
     consume_linger_ms: int = Field(1000, ge=0, le=10_000)
+    #: While it lingers, a drained request also watches every other idle queue of its subscription
+    #: that its client owns (one blocking read over all of them) and runs whichever gets a message
+    #: first, claimed through begin.lua: with fewer pool slots than queues, sends to idle queues
+    #: then skip the wake-up and the new Celery task. Off: it watches its own queue only.
+    consume_linger_idle_queues: bool = True
     #: Record every handled message in the consumption ledger (``mqorder:ledger:<group>``), for
     #: audits; a listener may switch it on for itself with ``@orderly_listener(ledger=True)``.
     ledger: bool = False

@@ -53,7 +53,10 @@ def consume_request(self, sub: str, mq_key: str, token: str) -> dict:
     if outcome is None:
         return {"verb": "REDIS_DOWN"}
     if outcome.needs_dispatch:
-        dispatch(self.app, sub, mq_key, outcome.token, outcome.target, outcome.countdown)
+        key = outcome.queue.key if outcome.queue is not None else mq_key
+        dispatch(self.app, sub, key, outcome.token, outcome.target, outcome.countdown)
+    for f in outcome.follow_ups:
+        dispatch(self.app, sub, f.mq.key, f.token, f.target, f.countdown)
     return {"verb": outcome.verb, "consumed": outcome.consumed, "target": outcome.target}
 
 

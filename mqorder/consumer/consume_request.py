@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 from typing import Any
 
@@ -36,6 +36,7 @@ from mqorder.consumer.hooks import (
     run_before,
     run_refused,
 )
+from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.stats import ConsumerStatsManager
@@ -60,6 +61,8 @@ ROLLBACK = ConsumeOrderlyStatus.ROLLBACK
 BUDGET_REQUEUE_S = 0.01
 #: A lingering request re-checks the worker's capacity at least this often.
 LINGER_SLICE_S = 0.01
+#: How old the list of this client's queues a lingering request watches may be.
+OWNED_CACHE_S = 1.0
 #: Consume counters are pushed to Redis at most this often per process.
 STATS_FLUSH_INTERVAL_S = 1.0
 #: How long a ConsumeRequest keeps retrying through a Redis outage before leaving it to the sweep.
@@ -107,17 +110,21 @@ class Pull:
     """What a fenced commit-and-pull, or a lingering read, brought back.
 
     ``lost``: the run no longer holds its queue (stop, fenced); ``ended``: the commit ended the run
-    on a drained queue; otherwise ``count`` new messages are in the ProcessQueue (0: none).
+    on a drained queue; ``switch``: the lingering read found messages on another idle queue of
+    this client (``ConsumeRequest.switch_to``): end this run, run that one; otherwise ``count``
+    new messages are in the ProcessQueue (0: none).
     """
 
     count: int = 0
     lost: bool = False
     ended: bool = False
+    switch: bool = False
 
 
 LOST = Pull(lost=True)
 ENDED = Pull(ended=True)
 NOTHING = Pull()
+SWITCH = Pull(switch=True)
 
 
 @dataclass(slots=True)
@@ -143,6 +150,11 @@ class Outcome:
     token: str = ""
     countdown: float = 0.0
     consumed: int = 0
+    #: More ConsumeRequests to send, for other queues this execution ran or watched (a lingering
+    #: request that switched queues, see ``IdleQueueWatch``).
+    follow_ups: tuple[FollowUp, ...] = ()
+    #: The queue ``verb`` is about when it is not the task's own (the run switched queues).
+    queue: MessageQueue | None = None
 
     @property
     def needs_dispatch(self) -> bool:
@@ -171,6 +183,30 @@ class ConsumerEngine:
             topics=self.topics, action="DLQ write",
         )
         self.dlq = DeadLetterWriter(appender, self.topics, self.brokers.default_name, client_id)
+        self._owned: dict[str, tuple[float, list[MessageQueue]]] = {}
+
+    def owned_queues(self, sub: str) -> list[MessageQueue]:
+        """Queues of ``sub`` the rebalance assigned to this client (its read hint, at most a second
+        old): what a lingering request may watch. The locks, not this list, decide who consumes."""
+        now = time.monotonic()
+        hit = self._owned.get(sub)
+        if hit is not None and now - hit[0] < OWNED_CACHE_S:
+            return hit[1]
+        me = self.client_id
+        raw = self.brokers.meta.hgetall(keys.assignment(sub))
+        mqs = sorted(MessageQueue.from_key(text(k)) for k, v in raw.items() if text(v) == me)
+        self._owned[sub] = (now, mqs)
+        return mqs
+
+    def idle_watch(self, sub: str, mq: MessageQueue) -> IdleQueueWatch | None:
+        """A watch over the other idle queues of ``sub`` on ``mq``'s broker, for a lingering request
+        (None when lingering on other queues is off)."""
+        s = self.settings
+        if not s.consume_linger_idle_queues:
+            return None
+        broker = self.brokers.get(mq.broker_name)
+        return IdleQueueWatch(self.client_id, sub, mq.broker_name, broker.scripts, broker.client,
+                              lambda: self.owned_queues(sub), s.ms(s.pending_ttl), s.ms(s.lock_max_live_time))
 
     def new_process_queue(self) -> ProcessQueue:
         s = self.settings
@@ -187,18 +223,53 @@ class ConsumerEngine:
         comes back (a duplicate delivery of the task, with another runner id, cannot). The Celery
         broker is usually the same Redis, so a re-publish would fail too. Returns None when Redis
         stayed unreachable for ``REDIS_RETRY_BUDGET_S``: the sweep re-dispatches once it is back.
+
+        A drained run that lingers watches the client's other idle queues too (``IdleQueueWatch``);
+        when one gets messages first, the run ends and that queue runs next here, in the same task
+        and pool slot. The outcome is then about the last queue run (``Outcome.queue``), and
+        ``follow_ups`` lists the requests to send for the others.
         """
         runner = new_token()
+        watch: IdleQueueWatch | None = None
+        follow_ups: list[FollowUp] = []
+        consumed = 0
+        while True:
+            req, outcome = self._run_one(spec, sub, mq, token, runner, watch)
+            if outcome is None:
+                return None  # Redis stayed down: adoptions lapse, the sweep re-dispatches
+            consumed += outcome.consumed
+            watch = req.watch
+            if req.switch_to is None or watch is None:
+                break
+            # The lingering read found messages on an adopted idle queue: this run ended (its own
+            # queue drained), that queue runs next in this same task, with the adoption token.
+            if outcome.needs_dispatch:
+                follow_ups.append(FollowUp(mq, outcome.target, outcome.token, outcome.countdown))
+            mq, token = req.switch_to, watch.token
+            watch.forget(mq)
+        if watch is not None:
+            try:
+                follow_ups.extend(watch.release())
+            except (redis.RedisError, BrokerUnavailableError) as exc:
+                log.warning("could not end the adoptions of %s (%s); they lapse within %d ms",
+                            sub, exc, ADOPT_TTL_MS)
+        if watch is None or (not follow_ups and consumed == outcome.consumed):
+            return outcome
+        return replace(outcome, consumed=consumed, follow_ups=tuple(follow_ups), queue=mq)
+
+    def _run_one(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str,
+                 watch: IdleQueueWatch | None) -> tuple[ConsumeRequest, Outcome | None]:
         backoff = Backoff(first=0.25, cap=5.0)
         waited = 0.0
         while True:
+            req = ConsumeRequest(self, spec, sub, mq, token, runner=runner, watch=watch)
             try:
-                return ConsumeRequest(self, spec, sub, mq, token, runner=runner).run()
+                return req, req.run()
             except (redis.RedisError, BrokerUnavailableError) as exc:
                 if waited >= REDIS_RETRY_BUDGET_S:
                     log.error("ConsumeRequest %s %s: Redis unreachable for %.0fs (%s); the sweep will "
                               "re-dispatch when it is back", sub, mq.key, waited, exc)
-                    return None
+                    return req, None
                 delay = backoff.next()
                 log.warning("ConsumeRequest %s %s: Redis error (%s); retrying in %.2fs", sub, mq.key, exc, delay)
                 time.sleep(delay)
@@ -209,7 +280,8 @@ class ConsumeRequest:
     """One run over (subscription, queue), started with the dispatch ``token`` it was given."""
 
     def __init__(
-        self, engine: ConsumerEngine, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str = ""
+        self, engine: ConsumerEngine, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str = "",
+        watch: IdleQueueWatch | None = None,
     ) -> None:
         s = engine.settings
         self.engine = engine
@@ -245,6 +317,10 @@ class ConsumeRequest:
         ledger_on = spec.ledger if spec.ledger is not None else s.ledger
         self.ledger = LedgerBuffer(spec.group, self.client_id, self.run_id, s.ledger_max_len) if ledger_on else None
         self.pq = engine.new_process_queue()
+        #: The other idle queues this task execution watches while it lingers (made on first use).
+        self.watch = watch
+        #: Set when the lingering read found messages on one of them: the queue to run next.
+        self.switch_to: MessageQueue | None = None
         self.epoch = 0
         self.committed = 0  # offset persisted in Redis
         self.commit_point = 0  # offset the ProcessQueue says may be persisted
@@ -328,6 +404,8 @@ class ConsumeRequest:
                     pulled = self._linger(min(deadline, time.monotonic() + self.linger_s))
                     if pulled.lost:
                         return LoopEnd(Stop.FENCED)
+                    if pulled.switch:
+                        return LoopEnd(Stop.DONE)
                 if not pulled.count:
                     return LoopEnd(Stop.DONE)
                 continue
@@ -359,15 +437,25 @@ class ConsumeRequest:
         """
         last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
         me, epoch, token = self.client_id, str(self.epoch), self.token
+        if self.watch is None:
+            self.watch = self.engine.idle_watch(self.sub, self.mq)
+        watch = self.watch
+        own_key = self.k_log.encode()
         while True:
             left = until - time.monotonic()
             if left <= 0 or not self.engine.may_linger():
                 return NOTHING
             block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
+            names, ids = [self.k_log], [last_id]
+            if watch is not None:
+                watch.refresh(self.mq)
+                more, more_ids = watch.streams(self.mq)
+                names += more
+                ids += more_ids
             # The state is read *after* the blocking XREAD (Redis runs a connection's commands in
             # order): what it says holds for the moment the batch was read, not 10 ms before.
             pipe = self.redis.pipeline(transaction=False)
-            pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", self.k_log, last_id)
+            pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", *names, *ids)
             pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
             reply, (owner, cur_epoch, pending, assignee) = pipe.execute()
             if text(owner or b"") != me or text(cur_epoch or b"0") != epoch or text(pending or b"") != token:
@@ -379,11 +467,20 @@ class ConsumeRequest:
             self.pq.mark_locked()
             if assignee and text(assignee) != me:
                 return NOTHING  # reassigned: ending the run now hands the queue over (finish.lua)
-            if reply:
-                # RESP2 gives [[stream, entries]]; RESP3 gives {stream: entries}.
-                entries = next(iter(reply.values())) if isinstance(reply, dict) else reply[0][1]
+            if not reply:
+                continue
+            # RESP2 gives [[stream, entries], ...]; RESP3 gives {stream: entries}.
+            by_stream = dict(reply.items()) if isinstance(reply, dict) else {k: v for k, v in reply}
+            entries = by_stream.pop(own_key, None)
+            if entries:
                 self._put(entries, None)
                 return Pull(len(entries))
+            for key in by_stream:
+                other = watch.queue_of(text(key)) if watch is not None else None
+                if other is not None:
+                    # Its entries are only a signal: begin.lua reads them again under the lock.
+                    self.switch_to = other
+                    return SWITCH
 
     def _split_poison(self, msgs: list[MessageExt]) -> list[MessageExt]:
         """Send an undecodable head message to the DLQ; never hand one to the listener."""

@@ -32,6 +32,7 @@ NAMES = (
     "stage",  # mqorder.spark: a Spark task stages its rows for one queue
     "publish_staged",  # mqorder.spark: a committed job's staged rows enter the log
     "reset_offset",  # mqorder.admin.offsets: `mqorder offsets reset`, fenced
+    "adopt",  # mqorder.consumer.idle_watch: a lingering request watches another idle queue
 )
 
 

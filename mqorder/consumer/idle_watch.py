@@ -1,0 +1,149 @@
+"""``IdleQueueWatch``: a lingering ConsumeRequest waits on every idle queue its client owns.
+
+With fewer pool slots than owned queues (stock ``celery worker``: one slot per core, 8 queues per
+worker), a request that lingers on its own drained queue leaves the worker's other idle queues to
+the wake-up path: the producer publishes a wake-up, the worker's main process sends a Celery task,
+and the task waits for a slot, which the lingering request gives back within a slice. Each step is
+small, but together they put milliseconds, sometimes tens, between a send and its handling.
+
+Instead the lingering request *adopts* the other idle queues of its subscription on the same
+broker (``adopt.lua``: their pending slot takes this watch's token, so a send wakes nobody), reads
+all of them in its one blocking ``XREAD``, and when one gets a message it ends its own run and
+runs that queue next in the same task, claiming it through ``begin.lua`` like any dispatched
+request (lock, epoch, run mark: the same fencing). When the request stops lingering, ``release``
+ends every adoption through ``finish.lua`` with the same token, which also says who must consume a
+queue that got messages meanwhile (a follow-up the caller dispatches).
+
+An adoption is an ordinary pending request with a short ``pend_until`` renewed while the request
+lingers, so a process that dies while adopting costs at most ``ADOPT_TTL_MS`` plus a sweep on
+those queues, never a lost message.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from mqorder import keys
+from mqorder.model import MessageQueue
+from mqorder.store.replies import text
+from mqorder.tokens import new_token
+
+log = logging.getLogger(__name__)
+
+#: How often a lingering request re-adopts: new idle queues, and the renewal of its adoptions.
+ADOPT_REFRESH_S = 0.2
+#: pend_until of an adoption, renewed every refresh: what a crash while adopting can cost a queue
+#: before the send path or the sweep dispatch it normally.
+ADOPT_TTL_MS = 2000
+
+
+@dataclass(frozen=True, slots=True)
+class FollowUp:
+    """A ConsumeRequest to send after the run: (queue, target client, token, countdown in s)."""
+
+    mq: MessageQueue
+    target: str
+    token: str
+    countdown: float = 0.0
+
+
+class IdleQueueWatch:
+    """The adopted idle queues of one task execution (one pool slot), on one broker."""
+
+    def __init__(
+        self, client_id: str, sub: str, broker_name: str, scripts: Any, redis_client: Any,
+        owned: Callable[[], list[MessageQueue]], pending_ttl_ms: int, lock_ms: int,
+    ) -> None:
+        self.client_id = client_id
+        self.sub = sub
+        self.broker_name = broker_name
+        self.scripts = scripts
+        self.redis = redis_client
+        self._owned = owned
+        self.pending_ttl_ms = pending_ttl_ms
+        self.lock_ms = lock_ms
+        #: The pending token of every adopted queue; a queue switched to runs with it.
+        self.token = new_token()
+        #: Adopted queues: log stream key -> (queue, committed offset when adopted).
+        self.adopted: dict[str, tuple[MessageQueue, int]] = {}
+        self._refreshed = 0.0
+
+    def streams(self, exclude: MessageQueue) -> tuple[list[str], list[str]]:
+        """Stream keys and XREAD ids of the adopted queues (``exclude``: the caller's own)."""
+        names, ids = [], []
+        for k, (mq, offset) in self.adopted.items():
+            if mq == exclude:
+                continue
+            names.append(k)
+            ids.append(f"{offset - 1}-1" if offset > 0 else "0-0")
+        return names, ids
+
+    def queue_of(self, stream_key: str) -> MessageQueue | None:
+        hit = self.adopted.get(stream_key)
+        return hit[0] if hit else None
+
+    def refresh(self, running: MessageQueue) -> None:
+        """Adopt the idle owned queues not adopted yet and renew the others (at most every
+        ``ADOPT_REFRESH_S``). ``running``: the caller's own queue, never adopted."""
+        now = time.monotonic()
+        if now - self._refreshed < ADOPT_REFRESH_S:
+            return
+        self._refreshed = now
+        wanted = [mq for mq in self._owned() if mq.broker_name == self.broker_name and mq != running]
+        if not wanted:
+            self.adopted.clear()
+            return
+        replies = self._eval_all("adopt", [
+            ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)], [self.client_id, self.token, ADOPT_TTL_MS])
+            for mq in wanted
+        ])
+        adopted: dict[str, tuple[MessageQueue, int]] = {}
+        for mq, res in zip(wanted, replies, strict=True):
+            if int(res[0]):
+                adopted[keys.queue_log(mq.tag)] = (mq, int(res[1]))
+        self.adopted = adopted
+
+    def forget(self, mq: MessageQueue) -> None:
+        """``mq`` is about to run with this watch's token: its run ends its adoption."""
+        self.adopted.pop(keys.queue_log(mq.tag), None)
+        self._refreshed = 0.0  # the queue just left behind is idle now: adopt it at the next read
+
+    def release(self) -> list[FollowUp]:
+        """End every adoption (``finish.lua``, action done): an idle queue gets its pending slot
+        back; one that got messages meanwhile gets a new request, returned for the caller to send."""
+        if not self.adopted:
+            return []
+        items = list(self.adopted.values())
+        self.adopted = {}
+        replies = self._eval_all("finish", [
+            ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)],
+             [self.client_id, self.token, "done", new_token(), self.pending_ttl_ms, self.lock_ms])
+            for mq, _ in items
+        ])
+        out = []
+        for (mq, _), res in zip(items, replies, strict=True):
+            verb = text(res[0])
+            if verb in ("REQUEUE", "HANDOVER", "DISPATCH"):
+                out.append(FollowUp(mq, text(res[1]), text(res[2])))
+        return out
+
+    def _eval_all(self, name: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
+        """One round trip of script ``name`` per call; loads the script once if Redis lacks it
+        (first use, or after a restart: a refused EVALSHA changed nothing, so it is sent again)."""
+        for attempt in (0, 1):
+            pipe = self.redis.pipeline(transaction=False)
+            for k, a in calls:
+                self.scripts.queue_in(pipe, name, k, a)
+            try:
+                return list(pipe.execute())
+            except NoScriptError:
+                if attempt:
+                    raise
+                self.scripts.load(name)
+        raise AssertionError("unreachable")  # pragma: no cover

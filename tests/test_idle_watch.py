@@ -1,0 +1,136 @@
+"""A lingering ConsumeRequest watches its client's other idle queues (``IdleQueueWatch``), against a
+real redis-server: sends to those queues wake nobody and are handled by the lingering request, in
+order, each claimed through begin.lua; ending the watch hands a queue that got messages meanwhile
+to a new request; and only idle queues of the caller are ever adopted."""
+
+from __future__ import annotations
+
+import threading
+import time
+import zlib
+
+import redis
+
+from mqorder import ConsumeOrderlyStatus, Producer, keys
+from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest
+from mqorder.consumer.idle_watch import IdleQueueWatch
+from mqorder.consumer.listener import ListenerSpec
+from mqorder.model import MessageQueue
+from mqorder.rebalance.lock_manager import RebalanceLockManager
+
+TOPIC, SUB, ME = "tw", "g", "c1"
+QUEUES = [MessageQueue(TOPIC, "broker-a", i) for i in range(4)]
+
+
+def key_for(queue_id: int, n: int = 4) -> str:
+    """A sharding key that lands on ``queue_id`` (crc32 mod queues, the producer's default)."""
+    i = 0
+    while zlib.crc32(f"k{i}".encode()) % n != queue_id:
+        i += 1
+    return f"k{i}"
+
+
+def owned_idle_queues(settings, r: redis.Redis) -> tuple[Producer, ConsumerEngine]:
+    """Topic ``tw`` with 4 queues, all assigned to and locked by c1, all idle."""
+    p = Producer(settings=settings)
+    p.create_topic(TOPIC, queues=4)
+    eng = ConsumerEngine(settings, ME)
+    r.hset(keys.assignment(SUB), mapping={mq.key: ME for mq in QUEUES})
+    res = RebalanceLockManager(eng.brokers).assign(SUB, [(mq, ME, f"tok{mq.queue_id}") for mq in QUEUES])
+    spec = ListenerSpec(lambda msgs, ctx: ConsumeOrderlyStatus.SUCCESS, TOPIC, SUB)
+    for mq in QUEUES:
+        assert res[mq] in ("MOVED", "DISPATCH")  # locked by c1 (with a request if not empty)
+        if res[mq] == "DISPATCH":
+            assert ConsumeRequest(eng, spec, SUB, mq, f"tok{mq.queue_id}").run().verb == "IDLE"
+    return p, eng
+
+
+def test_sends_to_idle_queues_wake_nobody_and_the_lingering_request_runs_them_in_order(settings, r) -> None:
+    p, eng = owned_idle_queues(settings, r)
+    seen: list[tuple[int, int]] = []
+
+    def listener(msgs, ctx):
+        for m in msgs:
+            seen.append((m.queue_id, int(m.body)))
+        return ConsumeOrderlyStatus.SUCCESS
+
+    linger = threading.Event()
+    linger.set()
+    eng.may_linger = linger.is_set
+    spec = ListenerSpec(listener, TOPIC, SUB)
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+    wakes = r.pubsub(ignore_subscribe_messages=True)
+    wakes.subscribe(keys.wake_channel(ME))
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], "t0")))
+    t.start()
+    try:
+        time.sleep(0.5)  # the run drained queue 0 and lingers, watching queues 1-3
+        sent = []
+        for seq in range(30):
+            qid = 1 + seq % 3
+            p.send_orderly(TOPIC, str(seq).encode(), sharding_key=key_for(qid))
+            sent.append((qid, seq))
+            time.sleep(0.01)
+        deadline = time.monotonic() + 10
+        while len(seen) < len(sent) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(seen) == sorted(sent)
+        for qid in (1, 2, 3):  # per queue, in send (offset) order
+            assert [s for q, s in seen if q == qid] == [s for q, s in sent if q == qid]
+        assert wakes.get_message(timeout=0.2) is None, "a send woke the client: the queue was not watched"
+    finally:
+        linger.clear()
+        t.join(timeout=10)
+        wakes.close()
+    (out,) = result
+    assert out.consumed == 30 and out.follow_ups == ()
+    for mq in QUEUES:  # every run and adoption ended: nothing pending, everything committed
+        state = {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, SUB)).items()}
+        assert state["pending"] == "" and state["run"] == "0"
+        assert int(state["offset"]) == int(r.get(keys.queue_next(mq.tag)) or 0)
+    p.close()
+    eng.brokers.close()
+
+
+def test_ending_the_watch_hands_a_queue_that_got_messages_to_a_new_request(settings, r) -> None:
+    p, eng = owned_idle_queues(settings, r)
+    broker = eng.brokers.get("broker-a")
+    watch = IdleQueueWatch(ME, SUB, "broker-a", broker.scripts, broker.client, lambda: eng.owned_queues(SUB),
+                           10_000, 60_000)
+    watch.refresh(QUEUES[0])
+    assert sorted(mq for mq, _ in watch.adopted.values()) == QUEUES[1:]
+    res = p.send_orderly(TOPIC, b"x", sharding_key=key_for(2))
+    assert res.message_queue == QUEUES[2]
+    state = keys.sub_state(QUEUES[2].tag, SUB)
+    assert r.hget(state, "pending").decode() == watch.token  # the send woke nobody
+    (follow,) = watch.release()
+    assert (follow.mq, follow.target) == (QUEUES[2], ME)
+    assert r.hget(state, "pending").decode() == follow.token  # a new request, to be dispatched
+    for mq in (QUEUES[1], QUEUES[3]):  # idle ones just get their pending slot back
+        assert r.hget(keys.sub_state(mq.tag, SUB), "pending") == b""
+    p.close()
+    eng.brokers.close()
+
+
+def test_only_idle_queues_locked_by_the_caller_are_adopted(settings, r) -> None:
+    p, eng = owned_idle_queues(settings, r)
+    scripts = eng.brokers.get("broker-a").scripts
+    scripts.load("adopt")
+
+    def adopt(mq: MessageQueue, client: str = ME, token: str = "w") -> int:
+        return int(scripts.adopt(keys=[keys.sub_state(mq.tag, SUB), keys.queue_next(mq.tag)],
+                                 args=[client, token, 2000])[0])
+
+    assert adopt(QUEUES[0]) == 1 and adopt(QUEUES[0]) == 1  # idle, mine; again with the same token
+    assert adopt(QUEUES[0], token="other") == 0  # adopted by another watch
+    assert adopt(QUEUES[1], client="c2") == 0  # locked by c1, not c2
+    p.send_orderly(TOPIC, b"x", sharding_key=key_for(1))  # wakes c1: queue 1 has a request pending
+    assert adopt(QUEUES[1]) == 0
+    r.hset(keys.sub_state(QUEUES[2].tag, SUB), mapping={"pending": "", "offset": 0})
+    r.set(keys.queue_next(QUEUES[2].tag), 5)  # a backlog and no request: not idle, not adopted
+    assert adopt(QUEUES[2]) == 0
+    r.hset(keys.sub_state(QUEUES[3].tag, SUB), "run", 2**62)  # running
+    assert adopt(QUEUES[3]) == 0
+    p.close()
+    eng.brokers.close()

@@ -245,8 +245,8 @@ class ConsumerEngine:
             # queue drained), that queue runs next in this same task, with the adoption token.
             if outcome.needs_dispatch:
                 follow_ups.append(FollowUp(mq, outcome.target, outcome.token, outcome.countdown))
+            watch.switched(mq, req.switch_to)
             mq, token = req.switch_to, watch.token
-            watch.forget(mq)
         if watch is not None:
             try:
                 follow_ups.extend(watch.release())

@@ -239,12 +239,13 @@ class ConsumerEngine:
                 return None  # Redis stayed down: adoptions lapse, the sweep re-dispatches
             consumed += outcome.consumed
             watch = req.watch
-            if req.switch_to is None or watch is None:
+            if req.switch_to is None or watch is None or outcome.needs_dispatch:
+                # No switch; or the queue just left got messages between the read and the end of
+                # its run and needs a request now, which only the caller can send: stop chaining
+                # (the queue switched to is released below and gets its own request).
                 break
             # The lingering read found messages on an adopted idle queue: this run ended (its own
             # queue drained), that queue runs next in this same task, with the adoption token.
-            if outcome.needs_dispatch:
-                follow_ups.append(FollowUp(mq, outcome.target, outcome.token, outcome.countdown))
             watch.switched(mq, req.switch_to)
             mq, token = req.switch_to, watch.token
         if watch is not None:

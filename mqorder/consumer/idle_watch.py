@@ -27,8 +27,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
 from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.store.replies import text
@@ -112,7 +110,7 @@ class IdleQueueWatch:
         queues rather than replace them (the renewal of a full refresh replaces them)."""
         if not wanted:
             return
-        replies = self._eval_all("adopt", [
+        replies = self.scripts.run_pipelined("adopt", [
             ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)], [self.client_id, self.token, ADOPT_TTL_MS])
             for mq in wanted
         ])
@@ -136,7 +134,7 @@ class IdleQueueWatch:
             return []
         items = list(self.adopted.values())
         self.adopted = {}
-        replies = self._eval_all("finish", [
+        replies = self.scripts.run_pipelined("finish", [
             ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)],
              [self.client_id, self.token, "done", new_token(), self.pending_ttl_ms, self.lock_ms])
             for mq, _ in items
@@ -147,18 +145,3 @@ class IdleQueueWatch:
             if verb in ("REQUEUE", "HANDOVER", "DISPATCH"):
                 out.append(FollowUp(mq, text(res[1]), text(res[2])))
         return out
-
-    def _eval_all(self, name: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
-        """One round trip of script ``name`` per call; loads the script once if Redis lacks it
-        (first use, or after a restart: a refused EVALSHA changed nothing, so it is sent again)."""
-        for attempt in (0, 1):
-            pipe = self.redis.pipeline(transaction=False)
-            for k, a in calls:
-                self.scripts.queue_in(pipe, name, k, a)
-            try:
-                return list(pipe.execute())
-            except NoScriptError:
-                if attempt:
-                    raise
-                self.scripts.load(name)
-        raise AssertionError("unreachable")  # pragma: no cover

@@ -26,8 +26,6 @@ from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-import redis
-
 from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.spark.encoding import StagedRow
@@ -132,7 +130,7 @@ class StagingArea:
             start = end
             if len(calls) >= STAGE_PIPELINE or trip_bytes >= TRIP_BYTES or start == n:
                 with translated(mq.broker_name, broker.safe_url, self.timeout, "stage"):
-                    replies = _run_pipelined(broker, "stage", calls)
+                    replies = broker.scripts.run_pipelined("stage", calls)
                 staged += sum(int(r[0]) for r in replies)
                 calls, trip_bytes = [], 0
                 if after_chunk is not None:
@@ -174,7 +172,7 @@ class StagingArea:
 
     def _publish_round(self, broker: Any, idxs: list[int], pending: dict[int, list[int]],
                        chunks: dict[int, int]) -> list[Any]:
-        return _run_pipelined(broker, "publish_staged", [self._publish_call(i, pending[i], chunks[i]) for i in idxs])
+        return broker.scripts.run_pipelined("publish_staged", [self._publish_call(i, pending[i], chunks[i]) for i in idxs])
 
     def _publish_call(self, index: int, runs: list[int], chunk: int) -> tuple[list[str], list[Any]]:
         """KEYS and ARGV of ``publish_staged.lua``: the append keys, the runs, then the wake-up tail
@@ -214,22 +212,3 @@ class StagingArea:
         """After a successful publish: the run registry is no longer needed."""
         self.brokers.meta.delete(keys.spark_job_runs(self.job))
 
-
-def _run_pipelined(broker: Any, name: str, calls: list[tuple[list[str], list[Any]]]) -> list[Any]:
-    """``EVALSHA`` of script ``name`` once per call, in one round trip.
-
-    Every call of these scripts is safe to repeat (staging by position, publishing by id), so
-    after ``NOSCRIPT`` (first use on this Redis, or a Redis restart) the script is loaded and the
-    whole pipeline is simply sent again.
-    """
-    for attempt in (0, 1):
-        pipe = broker.client.pipeline(transaction=False)
-        for kl, args in calls:
-            broker.scripts.queue_in(pipe, name, kl, args)
-        try:
-            return list(pipe.execute())
-        except redis.exceptions.NoScriptError:
-            if attempt:
-                raise
-            broker.scripts.load(name)
-    raise AssertionError("unreachable")

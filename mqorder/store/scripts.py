@@ -85,6 +85,24 @@ class Scripts:
         """
         pipe.execute_command("EVALSHA", getattr(self, name).sha, len(keys), *keys, *args)
 
+    def run_pipelined(self, name: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> list[Any]:
+        """``EVALSHA`` of script ``name`` once per ``(keys, args)`` call, in one round trip.
+
+        After ``NOSCRIPT`` (first use on this Redis, or a restart) the script is loaded and the
+        pipeline sent again: every call in it was refused alike, so none of them changed anything.
+        """
+        for attempt in (0, 1):
+            pipe = self._client.pipeline(transaction=False)
+            for k, a in calls:
+                self.queue_in(pipe, name, k, a)
+            try:
+                return list(pipe.execute())
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                self.load(name)
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def load(self, name: str) -> None:
         """(Re)load script ``name`` into Redis, e.g. after a ``NoScriptError``."""
         script = getattr(self, name)

@@ -177,7 +177,7 @@ def test_a_publish_wakes_the_owner_of_an_idle_queue(area: StagingArea, r: redis.
 
 def test_the_reader_turns_every_stored_entry_into_a_row_even_a_damaged_one(redis_url: str, r: redis.Redis) -> None:
     from mqorder import keys
-    from mqorder.spark.reader import QueueRange, QueueSpan, read_range
+    from mqorder.spark.reader import QueueRange, QueueRef, read_range
 
     with Producer(redis_url) as p:
         p.create_topic("mixed", queues=1)
@@ -189,7 +189,7 @@ def test_the_reader_turns_every_stored_entry_into_a_row_even_a_damaged_one(redis
     r.xadd(log_key, {"h": b'{"i": 7, "b": "x", "k": "a"}', "b": b"odd"}, id="3-1")
     r.set(keys.queue_next(mq.tag), 4)
     for start in (0, 2):  # a page with only well-formed headers takes the fast path; a mixed one the careful one
-        batches = list(read_range(Connection(redis_url), QueueRange("mixed", QueueSpan(0, "broker-a", 0), start, 4)))
+        batches = list(read_range(Connection(redis_url), QueueRange("mixed", QueueRef(0, "broker-a", 0), start, 4)))
         rows = pa.Table.from_batches(batches).to_pylist()
         assert [row["offset"] for row in rows] == list(range(start, 4))
         by_off = {row["offset"]: row for row in rows}
@@ -200,7 +200,7 @@ def test_the_reader_turns_every_stored_entry_into_a_row_even_a_damaged_one(redis
         assert (by_off[2]["msg_id"], by_off[2]["body"], by_off[2]["store_timestamp"].year) == (None, b"junk", 1970)
         assert (by_off[3]["msg_id"], by_off[3]["key"], by_off[3]["born_timestamp"], by_off[3]["body"]) == \
             (None, None, None, b"odd")
-    only_good = list(read_range(Connection(redis_url), QueueRange("mixed", QueueSpan(0, "broker-a", 0), 0, 1)))
+    only_good = list(read_range(Connection(redis_url), QueueRange("mixed", QueueRef(0, "broker-a", 0), 0, 1)))
     assert pa.Table.from_batches(only_good).column("key").to_pylist() == ["a"]
 
 
@@ -265,3 +265,16 @@ def test_max_offsets_per_trigger_is_shared_over_the_queues_with_a_backlog() -> N
     assert all(start[i] <= end[i] <= latest[i] for i in start)
     assert end == {0: 45, 1: 5, 2: 7} == cap(start, latest, 40)  # the small backlog is taken whole
     assert cap(start, latest, 10_000) == latest
+
+
+def test_ledger_and_audit_index_reads_refuse_unknown_options_listing_the_known_ones() -> None:
+    from mqorder.errors import ConfigError
+    from mqorder.spark.ledger import ledger_options
+    from mqorder.spark.stored_index import FORMAT, index_options
+
+    with pytest.raises(ConfigError, match=r"unknown ledger read option\(s\) 'bogus'.*known options: ledger, topic, "
+                                          r"redisUrl, brokers, maxRowsPerPartition"):
+        ledger_options({"ledger": "g", "bogus": "1"})
+    with pytest.raises(ConfigError, match=rf"'orderby'.*format\('{FORMAT}'\).*known options: topic, redisUrl, "
+                                          r"brokers, orderField"):
+        index_options({"topic": "t", "orderBy": "seq"})

@@ -34,7 +34,7 @@ from mqorder import keys
 from mqorder.consumer.ledger import FIELDS
 from mqorder.errors import BrokerUnavailableError, ConfigError, MQOrderError
 from mqorder.names import check_name, check_topic
-from mqorder.spark.options import Connection, connection
+from mqorder.spark.options import Connection, check_known, connection, lower_options
 from mqorder.store.brokers import BrokerRegistry
 
 #: The schema of a ledger read, as DDL for ``DataSource.schema`` (``FIELDS`` in order, then ``entry``).
@@ -87,11 +87,8 @@ class LedgerOptions:
 
 def ledger_options(options: Mapping[str, Any]) -> LedgerOptions:
     """The options of a ledger read, checked before anything runs (names arrive lower-cased)."""
-    opts = {str(k).lower(): str(v) for k, v in options.items() if v is not None}
-    unknown = sorted(set(opts) - set(_KNOWN))
-    if unknown:
-        raise ConfigError(f"unknown ledger read option(s) {', '.join(map(repr, unknown))}; known options: "
-                          "ledger, topic, redisUrl, brokers, maxRowsPerPartition")
+    opts = lower_options(options)
+    check_known(opts, _KNOWN, "ledger read")
     group = check_name("group", opts.get("ledger", ""))
     topic = check_topic(opts["topic"], allow_dlq=True) if opts.get("topic") else None
     raw = opts.get("maxrowsperpartition") or str(DEFAULT_MAX_ROWS_PER_PARTITION)

@@ -44,6 +44,7 @@ _SPELLING = {
     "stagingttl": "stagingTtl", "stagechunk": "stageChunk", "jobid": "jobId", "maxmessagesize": "maxMessageSize",
     "startingoffsets": "startingOffsets", "endingoffsets": "endingOffsets",
     "maxrowsperpartition": "maxRowsPerPartition", "maxoffsetspertrigger": "maxOffsetsPerTrigger",
+    "orderfield": "orderField",
 }
 
 
@@ -66,15 +67,17 @@ class Connection:
                    settings.ms(settings.pending_ttl), settings.send_msg_timeout)
 
 
-def _lower(options: Mapping[str, Any]) -> dict[str, str]:
+def lower_options(options: Mapping[str, Any]) -> dict[str, str]:
+    """Option names without case (Spark lower-cases them on some paths), values as given."""
     return {str(k).lower(): str(v) for k, v in options.items() if v is not None}
 
 
-def _check_known(opts: Mapping[str, str], known: tuple[str, ...], what: str) -> None:
+def check_known(opts: Mapping[str, str], known: tuple[str, ...], what: str, fmt: str = "mqorder") -> None:
+    """Refuse an option none of ``known`` names, listing the known ones as users spell them."""
     unknown = sorted(set(opts) - set(known))
     if unknown:
         names = ", ".join(_SPELLING.get(k, k) for k in known if k not in _SPARK)
-        raise ConfigError(f"unknown {what} option(s) {', '.join(map(repr, unknown))} for format('mqorder'); "
+        raise ConfigError(f"unknown {what} option(s) {', '.join(map(repr, unknown))} for format('{fmt}'); "
                           f"known options: {names}")
 
 
@@ -137,8 +140,8 @@ class WriteOptions:
 
 
 def write_options(options: Mapping[str, Any]) -> WriteOptions:
-    opts = _lower(options)
-    _check_known(opts, _WRITE, "write")
+    opts = lower_options(options)
+    check_known(opts, _WRITE, "write")
     topic = topic_of(opts)
     for name in ("key", "orderby"):
         if not opts.get(name):
@@ -178,8 +181,8 @@ class ReadOptions:
 
 def read_options(options: Mapping[str, Any], *, streaming: bool) -> ReadOptions:
     """Kafka's defaults: a batch reads from earliest to latest, a stream starts at latest."""
-    opts = _lower(options)
-    _check_known(opts, _READ, "read")
+    opts = lower_options(options)
+    check_known(opts, _READ, "read")
     if streaming and "endingoffsets" in opts:
         raise ConfigError("endingOffsets is for batch reads only; a stream reads what is stored as it arrives")
     per_trigger = _int(opts, "maxoffsetspertrigger", 0, 0, 2**62)

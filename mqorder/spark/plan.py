@@ -31,7 +31,7 @@ from pyspark.sql.types import (
 
 from mqorder.errors import ConfigError
 from mqorder.spark.options import BODY_JSON, Connection, WriteOptions
-from mqorder.spark.queues import INTERNAL_PREFIX
+from mqorder.spark.queues import INTERNAL_PREFIX, QueueRef
 
 _INTEGRAL = (ByteType, ShortType, IntegerType, LongType)
 #: How an orderBy column is turned into order-preserving bytes (``mqorder.spark.encoding``).
@@ -44,15 +44,6 @@ _ORDER_KINDS: tuple[tuple[type[DataType] | tuple[type[DataType], ...], str], ...
     (DateType, "date"),
     ((TimestampType, TimestampNTZType), "timestamp"),
 )
-
-
-@dataclass(frozen=True)
-class QueueRef:
-    """One queue of the topic, by its index in the route (what ``crc32(key) mod n`` picks)."""
-
-    index: int
-    broker: str
-    queue_id: int
 
 
 @dataclass(frozen=True)

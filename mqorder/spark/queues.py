@@ -8,6 +8,8 @@ and their order holds together.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pyspark.sql import Column
 from pyspark.sql import functions as F
 
@@ -17,6 +19,16 @@ INTERNAL_PREFIX = "__mqorder_"
 QUEUE_COLUMN = f"{INTERNAL_PREFIX}queue"
 #: The sharding key as text, added by ``publish`` when the key column is not a string.
 KEY_COLUMN = f"{INTERNAL_PREFIX}key"
+
+
+@dataclass(frozen=True)
+class QueueRef:
+    """One queue of the topic, by its index in the route (what ``crc32(key) mod n`` picks) and where
+    it lives: what a write task stages to and a read task reads from."""
+
+    index: int
+    broker: str
+    queue_id: int
 
 
 def key_string(key: str | Column) -> Column:

@@ -28,6 +28,7 @@ from mqorder import keys
 from mqorder.errors import ConfigError
 from mqorder.model import MessageQueue
 from mqorder.spark.options import Connection, ReadOptions
+from mqorder.spark.queues import QueueRef
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -58,35 +59,26 @@ EARLIEST, LATEST = -2, -1
 
 
 @dataclass(frozen=True)
-class QueueSpan:
-    """One queue of the topic (its index in the route) and where it lives."""
-
-    index: int
-    broker: str
-    queue_id: int
-
-
-@dataclass(frozen=True)
 class QueueRange(InputPartition):
     """Offsets ``[start, end)`` of one queue: the unit a read task reads."""
 
     topic: str
-    span: QueueSpan
+    span: QueueRef
     start: int
     end: int
 
 
-def queue_spans(brokers: BrokerRegistry, topic: str) -> list[QueueSpan]:
+def queue_spans(brokers: BrokerRegistry, topic: str) -> list[QueueRef]:
     """The topic's queues in route order; ``TopicNotFoundError`` (with a hint) if it does not exist."""
     route = TopicManager(brokers).describe_topic(topic)
-    return [QueueSpan(i, mq.broker_name, mq.queue_id) for i, mq in enumerate(route.message_queues)]
+    return [QueueRef(i, mq.broker_name, mq.queue_id) for i, mq in enumerate(route.message_queues)]
 
 
-def _mq(topic: str, span: QueueSpan) -> MessageQueue:
+def _mq(topic: str, span: QueueRef) -> MessageQueue:
     return MessageQueue(topic, span.broker, span.queue_id)
 
 
-def bounds(brokers: BrokerRegistry, topic: str, spans: Sequence[QueueSpan]) -> dict[int, tuple[int, int]]:
+def bounds(brokers: BrokerRegistry, topic: str, spans: Sequence[QueueRef]) -> dict[int, tuple[int, int]]:
     """(earliest stored offset, next offset) of every queue, in one round trip per broker."""
     out: dict[int, tuple[int, int]] = {}
     for name, group in group_by_broker(spans, lambda s: _mq(topic, s)).items():
@@ -104,7 +96,7 @@ def bounds(brokers: BrokerRegistry, topic: str, spans: Sequence[QueueSpan]) -> d
     return out
 
 
-def parse_offsets(spec: str, topic: str, spans: Sequence[QueueSpan], default: int, what: str) -> dict[int, int]:
+def parse_offsets(spec: str, topic: str, spans: Sequence[QueueRef], default: int, what: str) -> dict[int, int]:
     """``earliest`` / ``latest`` / JSON into {queue index: offset or EARLIEST / LATEST}."""
     s = spec.strip()
     if s.lower() == "earliest":
@@ -148,7 +140,7 @@ def resolve(offsets: Mapping[int, int], limits: Mapping[int, tuple[int, int]]) -
     return out
 
 
-def split(topic: str, spans: Sequence[QueueSpan], start: Mapping[int, int], end: Mapping[int, int],
+def split(topic: str, spans: Sequence[QueueRef], start: Mapping[int, int], end: Mapping[int, int],
           max_rows: int) -> list[QueueRange]:
     """One partition per queue with something to read, large ranges cut into ``max_rows`` pieces."""
     parts = []
@@ -185,7 +177,7 @@ def read_range(conn: Connection, part: QueueRange) -> Iterator[pa.RecordBatch]:
         yield _batch(part, entries)
 
 
-def topic_layout(conn: Connection, topic: str) -> tuple[list[QueueSpan], dict[int, tuple[int, int]]]:
+def topic_layout(conn: Connection, topic: str) -> tuple[list[QueueRef], dict[int, tuple[int, int]]]:
     """The topic's queues and each one's (earliest stored offset, next offset), read once when a
     read is planned (shared by the topic reader and the audit's stored index)."""
     brokers = conn.registry()

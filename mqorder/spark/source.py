@@ -12,7 +12,7 @@ from pyspark.sql.types import StructType
 
 from mqorder.spark.ledger import LEDGER_SCHEMA_DDL, LedgerReader, ledger_options
 from mqorder.spark.options import read_options, write_options
-from mqorder.spark.plan import QueueRef, WritePlan, build_plan
+from mqorder.spark.plan import WritePlan, build_plan
 from mqorder.spark.reader import SCHEMA_DDL, MQOrderReader, queue_spans
 from mqorder.spark.streaming import MQOrderStreamReader
 from mqorder.spark.writer import MQOrderStreamWriter, MQOrderWriter
@@ -36,10 +36,9 @@ class MQOrderDataSource(DataSource):
         opts = write_options(self.options)
         brokers = opts.conn.registry()
         try:
-            spans = queue_spans(brokers, opts.topic)
+            queues = queue_spans(brokers, opts.topic)
         finally:
             brokers.close()
-        queues = [QueueRef(s.index, s.broker, s.queue_id) for s in spans]
         return build_plan(opts, schema, queues, overwrite=overwrite)
 
     def writer(self, schema: StructType, overwrite: bool) -> MQOrderWriter:

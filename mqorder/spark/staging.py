@@ -29,7 +29,7 @@ from typing import Any
 from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.spark.encoding import StagedRow
-from mqorder.spark.plan import QueueRef
+from mqorder.spark.queues import QueueRef
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.failures import translated

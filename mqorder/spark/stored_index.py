@@ -24,7 +24,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from mqorder.errors import ConfigError
 from mqorder.names import check_topic
-from mqorder.spark.options import Connection, connection
+from mqorder.spark.options import Connection, check_known, connection, lower_options
 from mqorder.spark.reader import QueueRange, read_pages, split, topic_layout
 
 FORMAT = "mqorder_audit_index"
@@ -45,11 +45,8 @@ class IndexOptions:
 
 
 def index_options(options: Mapping[str, Any]) -> IndexOptions:
-    opts = {str(k).lower(): str(v) for k, v in options.items() if v is not None}
-    unknown = sorted(set(opts) - set(_KNOWN))
-    if unknown:
-        raise ConfigError(f"unknown {FORMAT} option(s) {', '.join(map(repr, unknown))}; known: topic, redisUrl, "
-                          "brokers, orderField")
+    opts = lower_options(options)
+    check_known(opts, _KNOWN, "audit index read", FORMAT)
     if not opts.get("topic"):
         raise ConfigError(f"format('{FORMAT}') needs option('topic', <name>)")
     return IndexOptions(check_topic(opts["topic"]), opts.get("orderfield") or None, connection(opts))

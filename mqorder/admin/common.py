@@ -13,10 +13,11 @@ import redis
 
 from mqorder import keys
 from mqorder.errors import BrokerUnavailableError, MQOrderError
-from mqorder.model import MessageModel, MessageQueue
+from mqorder.model import MessageExt, MessageModel, MessageQueue
 from mqorder.rebalance.membership import ClientInfo, ClientRegistry
 from mqorder.settings import Settings, get_settings
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.log import MessageLog
 from mqorder.store.topics import TopicManager, TopicRoute
 
 
@@ -120,3 +121,16 @@ class Admin:
         client = self.brokers.get(broker).client if broker else self.brokers.meta
         sec, usec = client.time()
         return int(sec) * 1000 + int(usec) // 1000
+
+
+def message_at(admin: Admin, mq: MessageQueue, offset: int, where: str, hint: str = "") -> MessageExt:
+    """The message stored at ``offset`` of ``mq``, or a ``BadArgumentError`` saying which offsets the
+    queue holds (``where`` names it in the message; ``hint`` is added after the range)."""
+    log = MessageLog(admin.brokers)
+    msgs = log.read(mq, offset, 1)
+    if not msgs or msgs[0].queue_offset != offset:
+        raise BadArgumentError(
+            f"{where} has no message at offset {offset}; it holds offsets "
+            f"[{log.min_offset(mq)}, {log.max_offset(mq)}){hint}"
+        )
+    return msgs[0]

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mqorder import keys
-from mqorder.admin.common import Admin, BadArgumentError
+from mqorder.admin.common import Admin, BadArgumentError, message_at
 from mqorder.codec import encode_header
 from mqorder.errors import TopicNotFoundError
 from mqorder.model import MessageExt, MessageQueue
@@ -146,14 +146,7 @@ def dlq_list(admin: Admin, group: str, start: int = 0, limit: int = 50) -> DlqPa
 
 def dlq_show(admin: Admin, group: str, offset: int) -> DeadLetter:
     mq = dlq_queue(admin, group)
-    log = MessageLog(admin.brokers)
-    msgs = log.read(mq, offset, 1)
-    if not msgs or msgs[0].queue_offset != offset:
-        raise BadArgumentError(
-            f"{mq.topic} has no message at offset {offset}; it holds offsets "
-            f"[{log.min_offset(mq)}, {log.max_offset(mq)}) (see `mqorder dlq list {group}`)"
-        )
-    return DeadLetter.of(msgs[0])
+    return DeadLetter.of(message_at(admin, mq, offset, mq.topic, f" (see `mqorder dlq list {group}`)"))
 
 
 def iter_dead_letters(admin: Admin, mq: MessageQueue, start: int = 0, end: int | None = None) -> Iterator[DeadLetter]:

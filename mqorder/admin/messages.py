@@ -18,11 +18,10 @@ from typing import Any
 import orjson
 
 from mqorder import keys
-from mqorder.admin.common import Admin, BadArgumentError
+from mqorder.admin.common import Admin, BadArgumentError, message_at
 from mqorder.admin.dlq import body_json
 from mqorder.codec import decode_entries
 from mqorder.model import MessageExt, MessageModel, MessageQueue
-from mqorder.store.log import MessageLog
 from mqorder.store.replies import text
 
 #: Entries read per ``XRANGE`` while scanning for an id.
@@ -79,14 +78,8 @@ def queue_of(admin: Admin, topic: str, queue_id: int, broker: str | None = None)
 
 def show(admin: Admin, topic: str, queue_id: int, offset: int, broker: str | None = None) -> FoundMessage:
     mq = queue_of(admin, topic, queue_id, broker)
-    log = MessageLog(admin.brokers)
-    msgs = log.read(mq, offset, 1)
-    if not msgs or msgs[0].queue_offset != offset:
-        raise BadArgumentError(
-            f"queue {mq.key} has no message at offset {offset}; it holds offsets "
-            f"[{log.min_offset(mq)}, {log.max_offset(mq)})"
-        )
-    return FoundMessage(msgs[0], group_views(admin, msgs[0]))
+    msg = message_at(admin, mq, offset, f"queue {mq.key}")
+    return FoundMessage(msg, group_views(admin, msg))
 
 
 def find_by_id(

@@ -21,6 +21,7 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:rebalance:seen:<crc>                    STR   one worker reacts to a membership change
     mqorder:topology                                STR   version: bumped by a new topic or subscription
     mqorder:wake:<client>                           CHAN  pub/sub: "a queue of yours has new messages"
+    mqorder:nudge:<client>                          STREAM "a request waits for a slot": ends lingering reads
     mqorder:stats:<sub>                             HASH  <queue key>#<counter> -> per-queue consume count
     mqorder:ledger:<group>                          STREAM consumption ledger (opt-in), one per broker
     mqorder:{t:b:q}:log                             STREAM message log, entry id "<offset>-1"
@@ -124,6 +125,12 @@ def topology_version() -> str:
 
 def wake_channel(client_id: str) -> str:
     return f"{PREFIX}:wake:{client_id}"
+
+
+def linger_nudge(client_id: str) -> str:
+    """STREAM a client's lingering ConsumeRequests also read: an entry means "a request of yours
+    waits for a pool slot; give yours back" (``mqorder.consumer.nudge``). One per broker."""
+    return f"{PREFIX}:nudge:{client_id}"
 
 
 def stats(sub: str) -> str:

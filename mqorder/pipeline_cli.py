@@ -53,6 +53,20 @@ def _fail(exc: Exception) -> None:
     raise typer.Exit(2)
 
 
+@contextmanager
+def _reported() -> Iterator[None]:
+    """A command's error as one line and exit code 2: ours as they are, Spark's own (bad column,
+    unreadable file) by their first line, without the JVM stack trace."""
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except MQOrderError as exc:
+        _fail(exc)
+    except Exception as exc:  # noqa: BLE001 - Spark's own errors: say them plainly
+        _fail(_spark_error(exc))
+
+
 # -- checks before Spark --------------------------------------------------------------------------
 
 
@@ -184,7 +198,7 @@ def publish(
     master: str = MASTER,
 ) -> None:
     """Publish INPUT to TOPIC, each key's rows in --order-by order, exactly once."""
-    try:
+    with _reported():
         fmt = _input_file(input_path)
         if on_null not in ("fail", "skip"):
             raise ConfigError(f"--on-null {on_null!r}: choose fail or skip")
@@ -198,12 +212,6 @@ def publish(
             with _tracked(progress, spark, f"publishing {input_path.name} to {topic} ({queues} queues)"):
                 rep = spark_publish(df, topic, key=key, order_by=order_by, body=body, id_column=id_column,
                                     on_null=on_null)
-    except MQOrderError as exc:
-        _fail(exc)
-        return
-    except Exception as exc:  # noqa: BLE001 - Spark's own errors (bad column, unreadable file): say them plainly
-        _fail(_spark_error(exc))
-        return
     console.print(f"published {rep.stored:,} of {rep.rows:,} rows to {topic} "
                   f"({rep.duplicates:,} already stored, {rep.skipped_nulls:,} skipped for nulls); job {rep.job_id}")
 
@@ -217,7 +225,7 @@ def export(
     master: str = MASTER,
 ) -> None:
     """Export TOPIC's stored messages (or, with --ledger G, G's ledger records of TOPIC) to Parquet."""
-    try:
+    with _reported():
         _out_file(out, overwrite)
         with _brokers() as brokers:
             _check_topic(brokers, topic)
@@ -236,12 +244,6 @@ def export(
                 spark.read.format("mqorder").options(**options).load().write.mode(
                     "overwrite" if overwrite else "errorifexists").parquet(str(out))
             rows = spark.read.parquet(str(out)).count()  # from the Parquet footers
-    except MQOrderError as exc:
-        _fail(exc)
-        return
-    except Exception as exc:  # noqa: BLE001
-        _fail(_spark_error(exc))
-        return
     console.print(f"exported {rows:,} rows to {out}")
 
 
@@ -257,7 +259,7 @@ def audit(
     master: str = MASTER,
 ) -> None:
     """Audit how GROUP consumed TOPIC from its ledger; exit 1 on any order violation or gap."""
-    try:
+    with _reported():
         with _brokers() as brokers:
             _check_topic(brokers, topic)
             records = _check_ledger(brokers, group)
@@ -268,12 +270,6 @@ def audit(
             with _tracked(progress, spark, f"auditing {records:,} ledger records of {group} on {topic}"):
                 rep = spark_audit(spark, topic, group, order_field=order_field, ordering=ordering, report_dir=report,
                                   start=start)
-    except MQOrderError as exc:
-        _fail(exc)
-        return
-    except Exception as exc:  # noqa: BLE001
-        _fail(_spark_error(exc))
-        return
     _print_audit(rep, report)
     raise typer.Exit(0 if rep.ok else 1)
 

@@ -10,9 +10,11 @@ from mqorder.celery import runtime
 from mqorder.celery.capacity import SIGNAL, CapacityPublisher
 from mqorder.celery.dispatch import dispatcher
 from mqorder.consumer.client_instance import ClientInstance
+from mqorder.consumer.nudge import LingerNudge
 from mqorder.metrics import worker as worker_metrics
 from mqorder.rebalance.membership import ClientDetails
 from mqorder.settings import get_settings
+from mqorder.store.brokers import BrokerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -38,22 +40,29 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         super().__init__(worker, **kwargs)
         self.client: ClientInstance | None = None
         self.capacity: CapacityPublisher | None = None
+        self.nudge: LingerNudge | None = None
         # Here, not in start(): the pool forks between the two, and prefork children must inherit
         # the metrics directory and hook (mqorder.metrics.multiproc).
         worker_metrics.start(get_settings(), SIGNAL)
 
     def start(self, worker) -> None:
+        s = get_settings()
+        self.nudge = LingerNudge(BrokerRegistry(s.redis_url, s.brokers), worker.hostname)
         self.capacity = runtime.enable_linger(
-            worker.pool, worker.concurrency, bool(worker.app.conf.get("worker_disable_prefetch", False))
+            worker.pool, worker.concurrency, bool(worker.app.conf.get("worker_disable_prefetch", False)),
+            nudge=self.nudge,
         )
         details = ClientDetails(pool_name(worker.pool), int(worker.concurrency or 0))
-        self.client = ClientInstance(worker.hostname, get_settings(), dispatcher(worker.app), details)
+        self.client = ClientInstance(worker.hostname, s, dispatcher(worker.app), details)
         self.client.start()
 
     def stop(self, worker) -> None:
         if self.capacity is not None:
             self.capacity.stop()  # children stop lingering before the client leaves
             self.capacity = None
+        if self.nudge is not None:
+            self.nudge.close()
+            self.nudge = None
         if self.client is not None:
             self.client.stop()
             self.client = None

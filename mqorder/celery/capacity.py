@@ -10,7 +10,8 @@ bookkeeping lives in the worker's main process. So the main process publishes it
   bootsteps -> runtime -> here), so every child, including ones forked later to replace others,
   maps the same page;
 * ``CapacityPublisher``, a thread of the main process started by the worker bootstep, writes
-  ``(now, waiting)`` every ``PUBLISH_INTERVAL_S``;
+  ``(now, waiting)`` every ``PUBLISH_INTERVAL_S``, and while requests wait it nudges the lingering
+  reads (``mqorder.consumer.nudge``) so they end at once rather than at their slice end;
 * a child lingers only while the stamp is fresh and ``waiting`` is 0. A missing, stopped or stuck
   publisher leaves a stale stamp, which reads as "do not linger": failure falls back to the
   no-linger behaviour, never to a slot kept from a waiting request.
@@ -82,9 +83,12 @@ class CapacityPublisher:
     """The main-process thread that keeps ``SIGNAL`` current while the worker runs."""
 
     def __init__(self, waiting: Callable[[], int], signal: CapacitySignal = SIGNAL,
-                 interval: float = PUBLISH_INTERVAL_S) -> None:
+                 interval: float = PUBLISH_INTERVAL_S, nudge: Callable[[], None] | None = None) -> None:
         self.signal = signal
         self.waiting = waiting
+        #: Called while requests wait for a slot: ends the lingering reads of this client
+        #: (``mqorder.consumer.nudge.LingerNudge``), which otherwise notice only at their slice end.
+        self.nudge = nudge
         self.interval = interval
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -102,7 +106,10 @@ class CapacityPublisher:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                self.signal.publish(self.waiting())
+                waiting = self.waiting()
+                self.signal.publish(waiting)
+                if waiting and self.nudge is not None:
+                    self.nudge()
             except Exception:
                 log.exception("mqorder: capacity publisher failed; prefork children will not linger")
                 self.signal.clear()

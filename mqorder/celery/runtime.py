@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 from mqorder.celery.capacity import SIGNAL, CapacityPublisher, celery_waiting
 from mqorder.consumer.consume_request import ConsumerEngine
@@ -23,13 +24,17 @@ _linger_pid: int | None = None
 _slots = 1
 
 
-def enable_linger(pool: object, slots: int, prefetch_disabled: bool = False) -> CapacityPublisher | None:
+def enable_linger(
+    pool: object, slots: int, prefetch_disabled: bool = False, nudge: Callable[[], None] | None = None,
+) -> CapacityPublisher | None:
     """Let drained ConsumeRequests linger while this worker has idle pool slots (``slots``: its
     concurrency).
 
     Threads pool: tasks run in this process and read Celery's bookkeeping of received requests.
-    Prefork: the children read it from ``capacity.SIGNAL``, which the returned
-    ``CapacityPublisher`` (a thread of this main process; stop it on shutdown) keeps current.
+    Prefork: the children read it from ``capacity.SIGNAL``. Either way the returned
+    ``CapacityPublisher`` (a thread of this main process; stop it on shutdown) keeps the signal
+    current and calls ``nudge`` while requests wait for a slot, which ends the lingering reads at
+    once (``mqorder.consumer.nudge``).
     Solo cannot receive while a task runs, so a lingering request there could keep another queue
     waiting: it never lingers. Neither does a worker with ``worker_disable_prefetch``: it stops
     fetching once every slot is busy, so requests waiting for a slot stay in the broker, where
@@ -42,12 +47,11 @@ def enable_linger(pool: object, slots: int, prefetch_disabled: bool = False) -> 
     module = type(pool).__module__
     if module.endswith(".thread"):
         _linger_pid, _slots = os.getpid(), max(1, slots)
+    elif not module.endswith(".prefork"):
         return None
-    if module.endswith(".prefork"):
-        publisher = CapacityPublisher(lambda: celery_waiting(max(1, slots)))
-        publisher.start()
-        return publisher
-    return None
+    publisher = CapacityPublisher(lambda: celery_waiting(max(1, slots)), nudge=nudge)
+    publisher.start()
+    return publisher
 
 
 def may_linger() -> bool:

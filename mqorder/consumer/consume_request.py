@@ -59,8 +59,11 @@ ROLLBACK = ConsumeOrderlyStatus.ROLLBACK
 
 #: RocketMQ re-submits after the time budget 10 ms later, and after a failed lock 100 ms later.
 BUDGET_REQUEUE_S = 0.01
-#: A lingering request re-checks the worker's capacity at least this often.
-LINGER_SLICE_S = 0.01
+#: A lingering read blocks this long at most. It ends sooner when a message arrives on a watched
+#: queue or when the worker nudges its lingering requests (a request waits for a slot,
+#: ``mqorder.consumer.nudge``); the slice bounds how late a missed nudge or a reassignment of the
+#: queue is noticed.
+LINGER_SLICE_S = 0.1
 #: How old the list of this client's queues a lingering request watches may be.
 OWNED_CACHE_S = 1.0
 #: Consume counters are pushed to Redis at most this often per process.
@@ -184,6 +187,8 @@ class ConsumerEngine:
         )
         self.dlq = DeadLetterWriter(appender, self.topics, self.brokers.default_name, client_id)
         self._owned: dict[str, tuple[float, list[MessageQueue]]] = {}
+        #: The newest entry of this client's nudge stream seen by a lingering read (per process).
+        self.nudge_seen = "0-0"
 
     def owned_queues(self, sub: str) -> list[MessageQueue]:
         """Queues of ``sub`` the rebalance assigned to this client (its read hint, at most a second
@@ -442,12 +447,13 @@ class ConsumeRequest:
             self.watch = self.engine.idle_watch(self.sub, self.mq)
         watch = self.watch
         own_key = self.k_log.encode()
+        nudge_key = keys.linger_nudge(me)
         while True:
             left = until - time.monotonic()
             if left <= 0 or not self.engine.may_linger():
                 return NOTHING
             block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
-            names, ids = [self.k_log], [last_id]
+            names, ids = [self.k_log, nudge_key], [last_id, self.engine.nudge_seen]
             if watch is not None:
                 watch.refresh(self.mq)
                 more, more_ids = watch.streams(self.mq)
@@ -472,6 +478,10 @@ class ConsumeRequest:
                 continue
             # RESP2 gives [[stream, entries], ...]; RESP3 gives {stream: entries}.
             by_stream = dict(reply.items()) if isinstance(reply, dict) else {k: v for k, v in reply}
+            nudges = by_stream.pop(nudge_key.encode(), None)
+            if nudges:
+                # A request waits for a slot (or an old nudge, seen once): may_linger() decides.
+                self.engine.nudge_seen = text(nudges[-1][0])
             entries = by_stream.pop(own_key, None)
             if entries:
                 self._put(entries, None)

@@ -134,3 +134,37 @@ def test_only_idle_queues_locked_by_the_caller_are_adopted(settings, r) -> None:
     assert adopt(QUEUES[3]) == 0
     p.close()
     eng.brokers.close()
+
+
+def test_a_nudge_ends_a_lingering_read_at_once_not_at_its_slice_end(settings, r, monkeypatch) -> None:
+    """The worker's main process nudges (``LingerNudge``) while a request waits for a slot: a
+    lingering read blocked for a long slice returns right away and gives the slot back."""
+    from mqorder.consumer import consume_request
+    from mqorder.consumer.nudge import LingerNudge
+
+    # A long slice (below the broker connection's 3 s socket timeout, which would end it too).
+    monkeypatch.setattr(consume_request, "LINGER_SLICE_S", 2.5)
+    settings = settings.model_copy(update={"consume_linger_ms": 20_000, "run_lease": 60, "lock_max_live_time": 60})
+    p, eng = owned_idle_queues(settings, r)
+    linger = threading.Event()
+    linger.set()
+    eng.may_linger = linger.is_set
+    spec = ListenerSpec(lambda msgs, ctx: ConsumeOrderlyStatus.SUCCESS, TOPIC, SUB)
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (eng.run(spec, SUB, QUEUES[0], "t0"), done.set()))
+    t.start()
+    try:
+        time.sleep(0.5)  # lingering now, in a read that blocks until about 2.5 s
+        assert not done.is_set()
+        linger.clear()  # a request waits for a slot...
+        t0 = time.monotonic()
+        nudge = LingerNudge(eng.brokers, ME)
+        nudge()  # ...and the main process says so
+        assert done.wait(1.2), "the lingering read did not end on the nudge"
+        assert time.monotonic() - t0 < 1.2
+    finally:
+        linger.clear()
+        t.join(timeout=10)
+    p.close()
+    eng.brokers.close()

@@ -82,8 +82,9 @@ def celery_waiting(slots: int) -> int:
 class CapacityPublisher:
     """The main-process thread that keeps ``SIGNAL`` current while the worker runs."""
 
-    def __init__(self, waiting: Callable[[], int], signal: CapacitySignal = SIGNAL,
+    def __init__(self, waiting: Callable[[], int], signal: CapacitySignal | None = SIGNAL,
                  interval: float = PUBLISH_INTERVAL_S, nudge: Callable[[], None] | None = None) -> None:
+        #: None: only nudge (the threads pool reads Celery's bookkeeping itself, no shared page).
         self.signal = signal
         self.waiting = waiting
         #: Called while requests wait for a slot: ends the lingering reads of this client
@@ -101,18 +102,22 @@ class CapacityPublisher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(1.0)
-        self.signal.clear()
+        if self.signal is not None:
+            self.signal.clear()
 
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
                 waiting = self.waiting()
-                self.signal.publish(waiting)
+                if self.signal is not None:
+                    self.signal.publish(waiting)
                 if waiting and self.nudge is not None:
                     self.nudge()
             except Exception:
                 log.exception("mqorder: capacity publisher failed; prefork children will not linger")
-                self.signal.clear()
+                if self.signal is not None:
+                    self.signal.clear()
                 return
             self._stop.wait(self.interval)
-        self.signal.clear()
+        if self.signal is not None:
+            self.signal.clear()

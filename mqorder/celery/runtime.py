@@ -49,7 +49,8 @@ def enable_linger(
         _linger_pid, _slots = os.getpid(), max(1, slots)
     elif not module.endswith(".prefork"):
         return None
-    publisher = CapacityPublisher(lambda: celery_waiting(max(1, slots)), nudge=nudge)
+    threads = module.endswith(".thread")
+    publisher = CapacityPublisher(lambda: celery_waiting(max(1, slots)), None if threads else SIGNAL, nudge=nudge)
     publisher.start()
     return publisher
 

@@ -43,6 +43,7 @@ from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.errors import BrokerUnavailableError
 from mqorder.model import ConsumeOrderlyStatus, MessageExt, MessageQueue
 from mqorder.process_queue import ProcessQueue
+from mqorder.rebalance.service import assigned_queues
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
@@ -197,9 +198,7 @@ class ConsumerEngine:
         hit = self._owned.get(sub)
         if hit is not None and now - hit[0] < OWNED_CACHE_S:
             return hit[1]
-        me = self.client_id
-        raw = self.brokers.meta.hgetall(keys.assignment(sub))
-        mqs = sorted(MessageQueue.from_key(text(k)) for k, v in raw.items() if text(v) == me)
+        mqs = assigned_queues(self.brokers.meta, sub, self.client_id)
         self._owned[sub] = (now, mqs)
         return mqs
 

@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import redis
 from redis.exceptions import LockError
 
 from mqorder import keys
@@ -44,6 +45,15 @@ class Dispatch:
     mq: MessageQueue
     client: str
     token: str
+
+
+def assigned_queues(meta: redis.Redis, sub: str, client_id: str | None = None) -> list[MessageQueue]:
+    """The queues of ``sub`` the last rebalance assigned (to ``client_id``, or to anyone), sorted:
+    its read hint ``keys.assignment``. The locks, not this hint, decide who consumes."""
+    raw = meta.hgetall(keys.assignment(sub))
+    return sorted(
+        MessageQueue.from_key(text(k)) for k, v in raw.items() if client_id is None or text(v) == client_id
+    )
 
 
 @dataclass
@@ -161,10 +171,7 @@ class RebalanceService:
     # -- lease renewal and sweeping ------------------------------------------------------------------
 
     def assigned_queues(self, sub: str, client_id: str | None = None) -> list[MessageQueue]:
-        raw = self.brokers.meta.hgetall(keys.assignment(sub))
-        return sorted(
-            MessageQueue.from_key(text(k)) for k, v in raw.items() if client_id is None or text(v) == client_id
-        )
+        return assigned_queues(self.brokers.meta, sub, client_id)
 
     def lanes_of(self, client: ClientInfo) -> list[str]:
         out = []

@@ -21,9 +21,11 @@ from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.hooks import ConsumeMessageContext, ConsumeMessageHook, register_consume_message_hook
 from mqorder.consumer.listener import orderly_listener
 from mqorder.errors import (
+    BrokerFullError,
     BrokerRefusedError,
     BrokerUnavailableError,
     ConfigError,
+    EvictionPolicyError,
     InvalidNameError,
     MessageError,
     MessageTooLargeError,
@@ -43,9 +45,11 @@ from mqorder.model import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "BrokerFullError",
     "BrokerRefusedError",
     "BrokerUnavailableError",
     "ConfigError",
+    "EvictionPolicyError",
     "ConsumeMessageContext",
     "ConsumeMessageHook",
     "ConsumeOrderlyContext",

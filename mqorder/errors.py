@@ -15,6 +15,10 @@ class ConfigError(MQOrderError, ValueError):
     """A setting (``MQORDER_*`` variable or keyword argument) has a bad value."""
 
 
+class EvictionPolicyError(ConfigError):
+    """A Redis broker's ``maxmemory-policy`` may evict keys (``mqorder.store.capacity``)."""
+
+
 class InvalidNameError(MQOrderError, ValueError):
     """A topic, group, broker or client name is not allowed (charset or length)."""
 
@@ -49,3 +53,8 @@ class BrokerRefusedError(BrokerUnavailableError):
 
 class ListenerError(MQOrderError):
     """A listener was registered wrongly (bad signature, duplicate group/topic pair...)."""
+
+
+class BrokerFullError(BrokerRefusedError):
+    """A broker's used memory passed ``MQORDER_MAX_MEMORY_RATIO`` of its ``maxmemory``: the send was
+    refused before anything was stored (consumption and trimming go on, so it drains)."""

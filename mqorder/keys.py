@@ -24,6 +24,8 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:nudge:<client>                          STREAM "a request waits for a slot": ends lingering reads
     mqorder:stats:<sub>                             HASH  <queue key>#<counter> -> per-queue consume count
     mqorder:ledger:<group>                          STREAM consumption ledger (opt-in), one per broker
+    mqorder:retention:pass                          STR   one worker per interval runs the trim pass
+    mqorder:retention:seen                          HASH  sub -> ms it was last seen live (consumed policy)
     mqorder:{t:b:q}:log                             STREAM message log, entry id "<offset>-1"
     mqorder:{t:b:q}:next                            STR   next offset to assign (= max offset + 1)
     mqorder:{t:b:q}:ids                             HASH  msg id -> offset, for idempotent appends only
@@ -140,6 +142,19 @@ def stats(sub: str) -> str:
 def ledger(group: str) -> str:
     """The consumption ledger of ``group`` on one broker: one entry per handled message (opt-in)."""
     return f"{PREFIX}:ledger:{group}"
+
+
+def retention_pass() -> str:
+    """Held (``SET NX PX``) by the worker running this interval's trim pass: the others skip it.
+    Only an economy: trimming is safe with any number of trimmers at once."""
+    return f"{PREFIX}:retention:pass"
+
+
+def retention_seen() -> str:
+    """HASH subscription id -> when (ms, Redis clock) a live client last consumed it: under the
+    ``consumed`` policy a group gone for longer than its topic's ``retention_ms`` stops holding
+    data back."""
+    return f"{PREFIX}:retention:seen"
 
 
 def queue_key(topic: str, broker: str, queue_id: int) -> str:

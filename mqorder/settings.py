@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mqorder.errors import ConfigError
+from mqorder.retention.policy import RetentionPolicy, RetentionRule, check_policy
 from mqorder.store.brokers import check_redis_url, redact_url
 
 ALLOCATE_STRATEGIES = ("averagely", "averagely_by_circle", "by_config", "by_machine_room", "consistent_hash")
@@ -77,6 +78,27 @@ class Settings(BaseSettings):
     #: About how many records each ledger stream keeps (older ones are trimmed).
     ledger_max_len: int = Field(1_000_000, ge=1000, le=1_000_000_000)
 
+    # -- retention and capacity (mqorder.retention, mqorder.store.capacity) ----------------------
+    #: Default retention of every topic that did not choose its own (RocketMQ's fileReservedTime,
+    #: 72 h): ``time`` trims what is older, consumed or not; ``consumed`` only what every group
+    #: holding the topic has consumed (see ``mqorder.retention.policy``).
+    retention_policy: str = "time"
+    retention_ms: int = Field(72 * 3600 * 1000, ge=1000, le=366 * 24 * 3600 * 1000)
+    #: ``consumed`` keeps at least this long of consumed messages, for replay.
+    retention_min_ms: int = Field(3600 * 1000, ge=0, le=366 * 24 * 3600 * 1000)
+    #: Most messages kept per queue (0: no cap).
+    retention_max_messages: int = Field(0, ge=0)
+    #: How often a worker's housekeeping runs a trim pass (one worker per interval does it).
+    retention_interval: float = Field(5.0, gt=0, le=3600)
+    #: Entries one trim script call removes at most: bounds how long Redis is busy (a few ms).
+    retention_trim_chunk: int = Field(500, ge=1, le=100_000)
+    #: Start workers and producers on a Redis whose ``maxmemory-policy`` may evict keys (an evicted
+    #: stream or lock hash is silent data loss): only for throwaway setups.
+    allow_eviction: bool = False
+    #: Refuse sends with ``BrokerFullError`` once Redis's used memory passes this share of its
+    #: ``maxmemory`` (RocketMQ's diskMaxUsedSpaceRatio, 75 %); consumption and trimming go on.
+    max_memory_ratio: float = Field(0.75, gt=0, le=1.0)
+
     # -- metrics ---------------------------------------------------------------------------------
     #: TCP port of this worker's Prometheus endpoint (``/metrics``, ``mqorder.metrics.worker``);
     #: unset or empty: no endpoint, and no metrics work at all on the consume path.
@@ -115,6 +137,14 @@ class Settings(BaseSettings):
         if v not in ALLOCATE_STRATEGIES:
             raise ValueError(f"unknown strategy {v!r}; choose one of {', '.join(ALLOCATE_STRATEGIES)}")
         return v
+
+    @field_validator("retention_policy")
+    @classmethod
+    def _retention_policy(cls, v: str) -> str:
+        try:
+            return check_policy(v).value
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("metrics_port", mode="before")
     @classmethod
@@ -159,6 +189,11 @@ class Settings(BaseSettings):
                 f"({self.run_lease}s) and of lock_max_live_time ({self.lock_max_live_time}s): a lingering "
                 "request renews neither, so its run must not lapse while it waits"
             )
+        if {"retention_min_ms", "retention_ms"} <= self.model_fields_set and self.retention_min_ms > self.retention_ms:
+            raise ValueError(
+                f"retention_min_ms ({self.retention_min_ms} ms) must not exceed retention_ms "
+                f"({self.retention_ms} ms): what is kept for replay cannot outlive the retention itself"
+            )
         if self.lock_interval >= self.lock_max_live_time:
             raise ValueError(
                 f"lock_interval ({self.lock_interval}s) must be shorter than lock_max_live_time "
@@ -173,6 +208,14 @@ class Settings(BaseSettings):
     @property
     def listener_modules(self) -> list[str]:
         return [m.strip() for m in self.listeners.split(",") if m.strip()]
+
+    @property
+    def retention_defaults(self) -> RetentionRule:
+        """The retention rule of a topic that chose nothing itself."""
+        # A default replay window longer than the retention is cut to it (a short MQORDER_RETENTION_MS
+        # alone must not need MQORDER_RETENTION_MIN_MS too); both given and at odds is refused above.
+        return RetentionRule(RetentionPolicy(self.retention_policy), self.retention_ms,
+                             min(self.retention_min_ms, self.retention_ms), self.retention_max_messages)
 
     def ms(self, seconds: float) -> int:
         return int(seconds * 1000)

@@ -66,7 +66,7 @@ class Admin:
 
     @property
     def topics(self) -> TopicManager:
-        return TopicManager(self.brokers)
+        return TopicManager(self.brokers, self.settings.retention_defaults)
 
     @property
     def registry(self) -> ClientRegistry:

@@ -130,12 +130,15 @@ def status(console: Console, st: GroupStatus) -> None:
     lanes = any(q.sub != st.group for q in st.queues)
     cols = [*(["topic"] if multi_topic else []), *(["lane"] if lanes else []), "queue", "max offset",
             "committed", "lag", "owner", "lease", "epoch", "request", "retries", "last commit", "waiting"]
+    skipped = any(q.skipped for q in st.queues)
+    if skipped:
+        cols.append("skipped")  # trimmed by retention before the group read them
     stuck = st.stuck
     # "retries": reconsume count of the head message; "waiting": how long the backlog has waited
     # without progress; "last commit": when the committed offset last moved.
     title = (f"group {st.group}: lag {st.lag:,} over {len(st.queues)} queues; "
              f"{len(stuck)} stuck (backlog waiting > {duration(st.stuck_after_ms)})")
-    t = _table(title, cols, right=("max offset", "committed", "lag", "lease", "epoch", "retries"))
+    t = _table(title, cols, right=("max offset", "committed", "lag", "lease", "epoch", "retries", "skipped"))
     for q in st.queues:
         request = "running" if q.running else "pending" if q.pending else "-"
         row = [*([q.topic] if multi_topic else []), *([q.sub] if lanes else []), f"{q.broker}:{q.queue_id}",
@@ -143,8 +146,13 @@ def status(console: Console, st: GroupStatus) -> None:
                duration(q.lease_left_ms) if q.owner else "-", str(q.epoch), request,
                "-" if q.head_reconsume is None else str(q.head_reconsume), ago(q.commit_ms, q.now_ms),
                duration(q.waiting_ms) if q.waiting_ms is not None else "-"]
+        if skipped:
+            row.append(f"{q.skipped:,}")
         t.add_row(*row, style="bold red" if q.stuck else None)
     console.print(t)
+    if skipped:
+        console.print(f"[yellow]skipped: {sum(q.skipped for q in st.queues):,} messages were trimmed by retention "
+                      "before this group consumed them (time policy); it moved on in order")
     for missing in st.missing_topics:
         console.print(f"[yellow]{st.group} subscribes to topic {missing!r}, which does not exist")
     if stuck:

@@ -27,7 +27,8 @@ from mqorder.store.replies import text
 #: Default of ``--stuck-after``: a backlog that has not moved for this long is reported stuck.
 DEFAULT_STUCK_AFTER_S = 60.0
 
-_STATE_FIELDS = ("owner", "lease", "epoch", "offset", "pending", "pend_until", "run", "assignee", "commit_ms")
+_STATE_FIELDS = ("owner", "lease", "epoch", "offset", "pending", "pend_until", "run", "assignee", "commit_ms",
+                 "skipped")
 
 
 @dataclass(frozen=True)
@@ -51,10 +52,15 @@ class QueueStatus:
     commit_ms: int | None  # when the committed offset last moved; None if never recorded
     now_ms: int
     stuck: bool
+    #: First offset the queue still stores (retention trims below it).
+    first_offset: int = 0
+    #: Messages retention trimmed before this lane consumed them (counted by its fenced commits).
+    skipped: int = 0
 
     @property
     def lag(self) -> int:
-        return max(0, self.max_offset - self.committed)
+        """Messages still to consume: what retention already trimmed is not owed any more."""
+        return max(0, self.max_offset - max(self.committed, self.first_offset))
 
     @property
     def waiting_ms(self) -> int | None:
@@ -129,20 +135,23 @@ def _read_broker(
     for sub, mq in lanes:
         pipe.get(keys.queue_next(mq.tag))
         pipe.hmget(keys.sub_state(mq.tag, sub), *_STATE_FIELDS)
+        pipe.xrange(keys.queue_log(mq.tag), count=1)
     replies = pipe.execute()
     sec, usec = replies[0]
     now = int(sec) * 1000 + int(usec) // 1000
     states = []
+    firsts = []
     for i in range(len(lanes)):
-        nxt, raw = replies[1 + 2 * i], replies[2 + 2 * i]
+        nxt, raw, first = replies[1 + 3 * i], replies[2 + 3 * i], replies[3 + 3 * i]
         states.append((int(nxt or 0), dict(zip(_STATE_FIELDS, (text(v) for v in raw), strict=True))))
+        firsts.append(int(text(first[0][0]).split("-", 1)[0]) if first else int(nxt or 0))
     # The head message (the next to consume) of every queue with a backlog: its store time and the
     # reconsume count an earlier run recorded for it (commit.lua's retries HASH).
     pipe = client.pipeline(transaction=False)
-    heads = [i for i, (nxt, st) in enumerate(states) if nxt > _int(st["offset"])]
+    heads = [i for i, (nxt, st) in enumerate(states) if nxt > max(_int(st["offset"]), firsts[i])]
     for i in heads:
         sub, mq = lanes[i]
-        offset = _int(states[i][1]["offset"])
+        offset = max(_int(states[i][1]["offset"]), firsts[i])
         pipe.xrange(keys.queue_log(mq.tag), min=str(offset), count=1)
         pipe.hget(keys.sub_retries(mq.tag, sub), str(offset))
     head_replies = pipe.execute() if heads else []
@@ -158,7 +167,7 @@ def _read_broker(
         committed = _int(st["offset"])
         head_store, head_retries = head.get(i, (None, 0))
         commit_ms = _int(st["commit_ms"]) or None
-        waited = waiting_ms(max(0, nxt - committed), commit_ms, head_store, now)
+        waited = waiting_ms(max(0, nxt - max(committed, firsts[i])), commit_ms, head_store, now)
         out[(sub, mq)] = QueueStatus(
             sub=sub, topic=mq.topic, broker=mq.broker_name, queue_id=mq.queue_id, max_offset=nxt,
             committed=committed, owner=st["owner"] if live else "", lease_left_ms=lease - now if live else 0,
@@ -166,6 +175,7 @@ def _read_broker(
             pending=bool(st["pending"]) and _int(st["pend_until"]) >= now, running=_int(st["run"]) > now,
             head_reconsume=head_retries if i in head else None, head_store_ms=head_store,
             commit_ms=commit_ms, now_ms=now, stuck=waited is not None and waited > stuck_after_ms,
+            first_offset=firsts[i], skipped=_int(st["skipped"]),
         )
     return out
 

@@ -19,9 +19,11 @@ from mqorder.codec import MsgIdGenerator, check_body, encode_header
 from mqorder.errors import BrokerUnavailableError, MessageError, TopicNotWritableError
 from mqorder.model import MessageQueue, SendResult, SendStatus
 from mqorder.names import check_topic
+from mqorder.retention.policy import TopicRetention
 from mqorder.settings import Settings, get_settings, load_settings
 from mqorder.store.append import AppendReply, AppendRequest, QueueAppender
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.capacity import CapacityGuard
 from mqorder.store.failures import TRANSIENT, unavailable
 from mqorder.store.topics import TopicManager, TopicRoute
 
@@ -69,7 +71,7 @@ class Producer:
         self.brokers = brokers or BrokerRegistry(
             settings.redis_url, settings.brokers, socket_timeout=settings.send_msg_timeout
         )
-        self.topics = TopicManager(self.brokers)
+        self.topics = TopicManager(self.brokers, settings.retention_defaults)
         self._ids = MsgIdGenerator()
         self._rr = itertools.count()
         self._lock = threading.Lock()
@@ -77,20 +79,31 @@ class Producer:
         self.appender = QueueAppender(
             self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout,
             topics=self.topics,
+            guard=CapacityGuard(allow_eviction=settings.allow_eviction, max_memory_ratio=settings.max_memory_ratio),
         )
 
     # -- admin -----------------------------------------------------------------------------------
 
     def create_topic(
-        self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, perm: str = "rw"
+        self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, perm: str = "rw",
+        retention_policy: str | None = None, retention_ms: int | None = None, retention_min_ms: int | None = None,
+        retention_max_messages: int | None = None,
     ) -> TopicRoute:
         """Create ``topic`` with ``queues`` queues on each broker (idempotent for the same layout).
 
         ``perm`` (``rw``, ``r``, ``w``; for a new topic) is RocketMQ's topic permission: a
         write-only topic fills without being consumed until ``TopicManager.update_perm`` opens it.
+        ``retention_*`` override the ``MQORDER_RETENTION_*`` defaults for this topic (for a new
+        topic; ``TopicManager.update_retention`` changes them later): ``retention_policy`` ``time``
+        or ``consumed``, ``retention_ms``, ``retention_min_ms`` (``consumed``: kept for replay) and
+        ``retention_max_messages`` per queue (``mqorder.retention.policy``).
         """
+        retention = TopicRetention.of(
+            policy=retention_policy, retention_ms=retention_ms, retention_min_ms=retention_min_ms,
+            retention_max_messages=retention_max_messages,
+        )
         try:
-            route = self.topics.create_topic(topic, queues, brokers=brokers, perm=perm)
+            route = self.topics.create_topic(topic, queues, brokers=brokers, perm=perm, retention=retention)
         except TRANSIENT as exc:
             raise self._unavailable(self.brokers.default_name, exc) from exc
         with self._lock:

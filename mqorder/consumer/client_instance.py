@@ -10,6 +10,8 @@ executors:
 * ``lock_all`` of its own queues every ``lock_interval`` (so leases never depend on beat);
 * the sweep every ``sweep_interval``: owned queues with a backlog and no live ConsumeRequest get
   one (a task deleted from the Celery broker costs one sweep, never a stall);
+* a retention trim pass every ``retention_interval`` (``mqorder.retention.trimmer``; one worker
+  per interval does it);
 * wake-ups: producers publish on ``mqorder:wake:<client>`` when an idle queue gets a message, and
   this client turns that into a ConsumeRequest for itself.
 
@@ -31,13 +33,16 @@ import redis
 from mqorder import keys
 from mqorder.backoff import Backoff
 from mqorder.consumer.listener import registered_listeners
+from mqorder.errors import EvictionPolicyError
 from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageModel
 from mqorder.names import check_client_id
 from mqorder.rebalance.membership import ClientDetails, Subscription, redis_now_ms
 from mqorder.rebalance.service import Dispatch, RebalanceService
+from mqorder.retention.trimmer import RetentionTrimmer
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.capacity import check_eviction_policy
 from mqorder.store.replies import text
 from mqorder.store.wake import WakeUp
 
@@ -64,6 +69,8 @@ class ClientInstance:
         self.settings = settings
         self.brokers = BrokerRegistry(settings.redis_url, settings.brokers)
         self.service = RebalanceService(self.brokers, settings)
+        self.trimmer = RetentionTrimmer(self.brokers, settings)
+        self._policy_checked = False
         self.subscriptions = [
             Subscription(spec.group, spec.topic, spec.message_model) for spec in registered_listeners()
         ]
@@ -82,6 +89,11 @@ class ClientInstance:
     # -- lifecycle -------------------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the client's threads; ``EvictionPolicyError`` if a broker may evict keys."""
+        try:
+            self._check_brokers()
+        except redis.RedisError as exc:
+            log.warning("mqorder: cannot check Redis's maxmemory-policy yet (%s); checking before joining", exc)
         if not self.subscriptions:
             log.warning(
                 "mqorder: worker %s has no orderly listeners; set MQORDER_LISTENERS to the modules "
@@ -128,7 +140,21 @@ class ClientInstance:
 
     # -- registration ----------------------------------------------------------------------------
 
+    def _check_brokers(self) -> None:
+        """An evicting Redis is silent data loss: refuse it (``mqorder.store.capacity``)."""
+        for name in self.brokers.names:
+            check_eviction_policy(self.brokers.get(name), allow=self.settings.allow_eviction)
+        self._policy_checked = True
+
     def _register(self) -> None:
+        if not self._policy_checked:
+            try:
+                self._check_brokers()
+            except EvictionPolicyError as exc:
+                # Found only now (Redis was down at start): stop here, consuming nothing.
+                log.critical("mqorder: client %s will not consume: %s", self.client_id, exc)
+                self._stop.set()
+                return
         for s in self.subscriptions:
             self.service.topics.subscribe(s.group, s.topic, s.model)
             if s.model is MessageModel.BROADCASTING:
@@ -165,6 +191,7 @@ class ClientInstance:
     def _duty_loop(self) -> None:
         s = self.settings
         next_hb = next_lock = next_sweep = 0.0
+        next_trim = time.monotonic() + s.retention_interval
         backoff = Backoff()
         while not self._stop.is_set():
             now = time.monotonic()
@@ -181,6 +208,9 @@ class ClientInstance:
                 if now >= next_sweep:
                     next_sweep = now + s.sweep_interval
                     self._dispatch_all(self.service.sweep(self.lanes, self.client_id))
+                if now >= next_trim and self._registered:
+                    next_trim = now + s.retention_interval
+                    self.trimmer.run_if_due(self.client_id)
                 backoff.reset()
             except redis.RedisError as exc:
                 delay = backoff.next()
@@ -189,7 +219,7 @@ class ClientInstance:
                 continue
             except Exception:
                 log.exception("mqorder: client duty failed")
-            wait = min(next_hb, next_lock, next_sweep) - time.monotonic()
+            wait = min(next_hb, next_lock, next_sweep, next_trim) - time.monotonic()
             self._stop.wait(max(wait, 0.01))
 
     def _fingerprint_now(self) -> str:

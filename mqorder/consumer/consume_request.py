@@ -190,6 +190,8 @@ class ConsumerEngine:
         self._owned: dict[str, tuple[float, list[MessageQueue]]] = {}
         #: The newest entry of this client's nudge stream seen by a lingering read (per process).
         self.nudge_seen = "0-0"
+        #: (sub, queue key) whose trimmed messages were logged already: a warning once per queue.
+        self.skips_logged: set[tuple[str, str]] = set()
 
     def owned_queues(self, sub: str) -> list[MessageQueue]:
         """Queues of ``sub`` the rebalance assigned to this client (its read hint, at most a second
@@ -332,6 +334,11 @@ class ConsumeRequest:
         self.pulled_to = 0  # one past the highest offset pulled
         self.retry_updates: dict[int, int] = {}
         self.retries: dict[int, int] | None = None
+        #: Ranges retention trimmed before this run read them: (end, count), reported to Redis
+        #: (``skipped``) with the first commit at or past ``end``; ``_skip_floor``: where a run that
+        #: found everything up to the queue's end trimmed commits to once nothing else is held.
+        self._skips: list[tuple[int, int]] = []
+        self._skip_floor = 0
         # Counters of this run, handed to the stats manager once at the end (not per message).
         self.consumed = 0
         self._failed = 0
@@ -372,6 +379,8 @@ class ConsumeRequest:
         self.pulled_to = self.committed
         self.pq.mark_locked()
         self._put(res[4], res[5])
+        if not res[4]:
+            self._check_trimmed_tail(int(res[3]))
         return None
 
     def _put(self, entries: list[Any], raw_retries: list[Any] | None) -> None:
@@ -381,8 +390,45 @@ class ConsumeRequest:
             self.retries = {int(raw_retries[i]): int(raw_retries[i + 1]) for i in range(0, len(raw_retries), 2)}
         msgs = decode_entries(self.mq, entries, self.retries, self.max_size)
         if msgs:
+            if msgs[0].queue_offset > self.pulled_to:
+                # Offsets are contiguous and only retention removes entries: the read started
+                # below the queue's first stored offset.
+                self._note_trimmed(self.pulled_to, msgs[0].queue_offset)
             self.pulled_to = msgs[-1].queue_offset + 1
             self.pq.put_messages(msgs)
+
+    def _check_trimmed_tail(self, nxt: int) -> None:
+        """A read from ``pulled_to`` found nothing although the queue's next offset is past it:
+        everything in between was trimmed (an append stores its entry and bumps ``next`` in one
+        step, so ``next`` never runs ahead of the log). Move on to ``nxt``."""
+        if nxt <= self.pulled_to:
+            return
+        start = self.pulled_to
+        self._note_trimmed(start, nxt)
+        self.pulled_to = nxt
+        self._skip_floor = nxt
+        self._apply_skip_floor()
+
+    def _apply_skip_floor(self) -> None:
+        pq = self.pq
+        if self._skip_floor > self.commit_point and not pq.consuming and not pq.msg_tree:
+            self.commit_point = self._skip_floor
+
+    def _note_trimmed(self, start: int, end: int) -> None:
+        """Retention took ``[start, end)`` before this group read it (``time`` policy, or a group
+        gone for longer than ``retention_ms``): the run moves past it in order, the fenced commit
+        that does so counts it (``skipped`` in the queue's state), and it is logged once per queue
+        per process."""
+        n = end - start
+        self._skips.append((end, n))
+        self.stats.inc_consume_skipped(self.sub, self.mq.key, n)
+        seen = self.engine.skips_logged
+        key = (self.sub, self.mq.key)
+        level = logging.DEBUG if key in seen else logging.WARNING
+        seen.add(key)
+        log.log(level, "retention trimmed %d messages of %s (offsets %d..%d) before %s consumed them; moving on "
+                "at offset %d, in order (counted as skipped in `mqorder status`)", n, self.mq.key, start, end - 1,
+                self.sub, end)
 
     # -- the loop: take, consume, settle ----------------------------------------------------------
 
@@ -626,15 +672,20 @@ class ConsumeRequest:
         offset = self.pq.commit()
         if offset > self.commit_point:
             self.commit_point = offset
+        if self._skip_floor:
+            self._apply_skip_floor()
 
     def _persist(self, pull: bool, idle_if_drained: bool = False) -> Pull:
         """Run ``commit.lua`` (with the next read pipelined behind it when ``pull``): what it read,
         ``ENDED`` if it ended the run on a drained queue (``idle_if_drained``), or ``LOST`` when
         the commit was refused."""
         idle = idle_if_drained and pull and not self.retry_updates and not self.pq.consuming
+        skipped = 0
+        if self._skips:
+            skipped = sum(n for end, n in self._skips if end <= self.commit_point)
         args: list[Any] = [
             self.client_id, self.epoch, self.token, self.commit_point, self.run_lease_ms,
-            self.lock_ms, "1" if idle else "0",
+            self.lock_ms, "1" if idle else "0", skipped,
         ]
         for off, n in self.retry_updates.items():
             args.append(off)
@@ -649,17 +700,22 @@ class ConsumeRequest:
         verb = text(res[0])
         if verb == "IDLE":
             self.committed = self.commit_point
+            self._skips.clear()  # all at or below the commit that drained the queue
             return ENDED
         if verb != "OK":
             self._on_refused(verb, res)
             return LOST
         self.retry_updates.clear()
         self.committed = self.commit_point
+        if skipped:
+            self._skips = [(end, n) for end, n in self._skips if end > self.committed]
         self.pq.mark_locked()
         if text(res[2]):
             self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else
             return NOTHING
         self._put(entries, None)
+        if pull and not entries:
+            self._check_trimmed_tail(int(res[1]))
         return Pull(len(entries))
 
     def _commit_pipelined(self, keys_: list[str], args: list[Any], pull: bool) -> tuple[Any, Any]:

@@ -3,7 +3,7 @@
 Counters are kept in process memory (no Redis call per message) and flushed to a Redis hash at
 the end of every ConsumeRequest run, so every process of every worker adds to one view:
 ``mqorder:stats:<sub>`` with fields ``<queue key>#<counter>`` for the counters ``ok``, ``failed``,
-``rt_ms`` and ``rt_n`` (``stats_field`` / ``parse_stats_field``). ``#`` is in no topic or broker
+``rt_ms``, ``rt_n`` and ``skipped`` (messages retention trimmed before the group read them) (``stats_field`` / ``parse_stats_field``). ``#`` is in no topic or broker
 name, so a field splits back into its queue key and counter whatever the names hold. TPS is the
 rate of ``ok``/``failed`` between two reads; the mean RT is ``rt_ms / rt_n``.
 """
@@ -20,7 +20,7 @@ from mqorder import keys
 from mqorder.store.replies import text
 
 #: The counters of one queue, as named in the stats hash.
-COUNTERS = ("ok", "failed", "rt_ms", "rt_n")
+COUNTERS = ("ok", "failed", "rt_ms", "rt_n", "skipped")
 
 
 def stats_field(mq_key: str, counter: str) -> str:
@@ -43,6 +43,7 @@ class QueueStats:
     failed: int = 0
     rt_ms: float = 0.0
     rt_n: int = 0
+    skipped: int = 0
 
 
 class ConsumerStatsManager:
@@ -55,6 +56,9 @@ class ConsumerStatsManager:
 
     def inc_consume_failed(self, sub: str, mq_key: str, n: int) -> None:
         self._pending[(sub, mq_key)].failed += n
+
+    def inc_consume_skipped(self, sub: str, mq_key: str, n: int) -> None:
+        self._pending[(sub, mq_key)].skipped += n
 
     def inc_consume_rt_total(self, sub: str, mq_key: str, rt_ms_sum: float, calls: int) -> None:
         s = self._pending[(sub, mq_key)]
@@ -73,6 +77,8 @@ class ConsumerStatsManager:
                 pipe.hincrby(k, stats_field(mq_key, "ok"), s.ok)
             if s.failed:
                 pipe.hincrby(k, stats_field(mq_key, "failed"), s.failed)
+            if s.skipped:
+                pipe.hincrby(k, stats_field(mq_key, "skipped"), s.skipped)
             if s.rt_n:
                 pipe.hincrbyfloat(k, stats_field(mq_key, "rt_ms"), round(s.rt_ms, 3))
                 pipe.hincrby(k, stats_field(mq_key, "rt_n"), s.rt_n)

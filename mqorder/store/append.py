@@ -20,6 +20,7 @@ from typing import Any
 from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
+from mqorder.store.capacity import CapacityGuard
 from mqorder.store.failures import translated
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -69,6 +70,7 @@ class QueueAppender:
         timeout: float,
         topics: TopicManager | None = None,
         action: str = "send",
+        guard: CapacityGuard | None = None,
     ) -> None:
         self.brokers = brokers
         self.topics = topics or TopicManager(brokers)
@@ -76,6 +78,10 @@ class QueueAppender:
         #: Quoted in the error when a broker does not answer.
         self.timeout = timeout
         self.action = action
+        #: Producers and the Spark writer refuse a full or evicting broker before writing
+        #: (``mqorder.store.capacity``); the DLQ writer has none: moving a poison message on is
+        #: part of draining a full broker.
+        self.guard = guard
         self._subs: dict[str, tuple[float, list[str]]] = {}
 
     def append(self, mq: MessageQueue, entries: Sequence[Entry], *, ids: Sequence[str] | None = None) -> AppendReply:
@@ -85,7 +91,8 @@ class QueueAppender:
     def append_many(self, requests: Sequence[AppendRequest]) -> list[AppendReply]:
         """One script call per request, pipelined per broker: one round trip per broker.
 
-        Raises ``BrokerUnavailableError`` / ``BrokerRefusedError`` (``mqorder.store.failures``).
+        Raises ``BrokerUnavailableError`` / ``BrokerRefusedError`` (``mqorder.store.failures``), and
+        with a guard ``BrokerFullError`` / ``EvictionPolicyError`` before anything is written.
         """
         replies: list[AppendReply | None] = [None] * len(requests)
         for req in requests:
@@ -97,6 +104,8 @@ class QueueAppender:
         for broker_name, idxs in by_broker.items():
             broker = self.brokers.get(broker_name)
             with translated(broker_name, broker.safe_url, self.timeout, self.action):
+                if self.guard is not None:
+                    self.guard.before_send(broker, self.action)
                 if len(idxs) == 1:
                     raw = [self._call(broker.scripts.send, requests[idxs[0]], None)]
                 else:

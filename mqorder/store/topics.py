@@ -8,16 +8,20 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from mqorder import keys
 from mqorder.errors import ConfigError, TopicExistsError, TopicNotFoundError
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.names import check_name, check_topic
+from mqorder.retention.policy import RetentionPolicy, RetentionRule, TopicRetention, field_names
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.replies import text
 
 MAX_QUEUES_PER_BROKER = 1024
+#: RocketMQ's defaults (``MQORDER_RETENTION_*`` give the process's own; ``Settings.retention_defaults``).
+DEFAULT_RETENTION = RetentionRule(RetentionPolicy.TIME, 72 * 3600 * 1000, 3600 * 1000)
 #: RocketMQ's topic permissions (``PERM_READ | PERM_WRITE``, ``mqadmin updateTopicPerm``): a topic
 #: that is not readable is consumed by nobody (its queues are assigned to no client, so its
 #: backlog waits); one that is not writable refuses sends.
@@ -30,6 +34,8 @@ class TopicRoute:
     queues_per_broker: dict[str, int]
     created_ms: int
     perm: str = "rw"
+    #: The topic's own retention choices (``None`` fields follow ``MQORDER_RETENTION_*``).
+    retention: TopicRetention = field(default_factory=TopicRetention)
 
     @property
     def readable(self) -> bool:
@@ -79,15 +85,18 @@ class TopicManager:
     rebalance (up to 20 s later).
     """
 
-    def __init__(self, brokers: BrokerRegistry) -> None:
+    def __init__(self, brokers: BrokerRegistry, retention_defaults: RetentionRule | None = None) -> None:
         self.brokers = brokers
+        #: What a topic's retention falls back to, for checking a topic's own choices.
+        self.retention_defaults = retention_defaults or DEFAULT_RETENTION
 
     def create_topic(
         self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, allow_dlq: bool = False,
-        perm: str = "rw",
+        perm: str = "rw", retention: TopicRetention | None = None,
     ) -> TopicRoute:
-        """Create ``topic`` (idempotent for the same layout). ``perm`` applies to a new topic only;
-        ``update_perm`` changes it later (e.g. create write-only, fill, then open for reading)."""
+        """Create ``topic`` (idempotent for the same layout). ``perm`` and ``retention`` apply to a
+        new topic only; ``update_perm`` / ``update_retention`` change them later (e.g. create
+        write-only, fill, then open for reading)."""
         check_topic(topic, allow_dlq=allow_dlq)
         n = _check_queue_count(queues)
         perm = _check_perm(perm)
@@ -99,8 +108,12 @@ class TopicManager:
         created = int(time.time() * 1000)
         route_key = keys.topic_route(topic)
         # HSETNX makes concurrent creators agree on one layout.
+        if retention is not None:
+            retention.resolve(self.retention_defaults)  # refuse a bad combination before storing
         if meta.hsetnx(route_key, "layout", json.dumps(layout, sort_keys=True)):
-            meta.hset(route_key, mapping={"created_ms": created, "perm": perm})
+            route_fields: dict[Any, Any] = {"created_ms": created, "perm": perm}
+            route_fields.update(retention.to_fields() if retention else {})
+            meta.hset(route_key, mapping=route_fields)
             meta.sadd(keys.topics(), topic)
             meta.incr(keys.topology_version())
         existing = self.describe_topic(topic)
@@ -114,13 +127,15 @@ class TopicManager:
     def describe_topic(self, topic: str) -> TopicRoute:
         if not isinstance(topic, str):
             raise TopicNotFoundError(f"topic must be a str, got {type(topic).__name__}")
-        raw = self.brokers.meta.hmget(keys.topic_route(topic), "layout", "created_ms", "perm")
+        names = field_names()
+        raw = self.brokers.meta.hmget(keys.topic_route(topic), "layout", "created_ms", "perm", *names)
         if raw[0] is None:
             raise TopicNotFoundError(
                 f"topic {topic!r} does not exist; create it first with "
                 f"Producer().create_topic({topic!r}, queues=8) or `mqorder topic create {topic} --queues 8`"
             )
-        return TopicRoute(topic, json.loads(raw[0]), int(raw[1] or 0), text(raw[2]) or "rw")
+        retention = TopicRetention.from_fields({n: text(v) for n, v in zip(names, raw[3:], strict=True) if v})
+        return TopicRoute(topic, json.loads(raw[0]), int(raw[1] or 0), text(raw[2]) or "rw", retention)
 
     def update_perm(self, topic: str, perm: str) -> TopicRoute:
         """Change a topic's permission (``mqadmin updateTopicPerm``); workers rebalance at once."""
@@ -128,6 +143,17 @@ class TopicManager:
         self.describe_topic(topic)  # refuses an unknown topic
         self.brokers.meta.hset(keys.topic_route(topic), "perm", perm)
         self.brokers.meta.incr(keys.topology_version())
+        return self.describe_topic(topic)
+
+    def update_retention(self, topic: str, retention: TopicRetention) -> TopicRoute:
+        """Change a topic's retention; values not given keep what the topic had. The next trim
+        pass applies it (``MQORDER_RETENTION_INTERVAL``)."""
+        route = self.describe_topic(topic)  # refuses an unknown topic
+        merged = route.retention.merged(retention)
+        merged.resolve(self.retention_defaults)
+        changed: dict[Any, Any] = merged.to_fields()
+        if changed:
+            self.brokers.meta.hset(keys.topic_route(topic), mapping=changed)
         return self.describe_topic(topic)
 
     def list_topics(self) -> list[str]:

@@ -12,7 +12,10 @@
 -- ARGV[1] client  ARGV[2] epoch  ARGV[3] token  ARGV[4] new offset  ARGV[5] run_lease_ms
 -- ARGV[6] lock_lease_ms  ARGV[7] '1': if nothing is left to read, end the run here (what
 -- finish.lua would do for an idle queue, one round trip earlier)
--- ARGV[8..] pairs (offset, reconsume times) to record
+-- ARGV[8] messages the run skipped since its last commit because retention trimmed them before
+--         they were read (the committed offset was below the queue's first stored offset): added
+--         to the state's 'skipped' count with the commit that moves past them ('' or absent: 0)
+-- ARGV[9..] pairs (offset, reconsume times) to record
 -- Returns {'OK', next, revoked_to}, {'IDLE'} (run ended, queue drained)
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset}
 -- State HASH fields: see mqorder.keys.sub_state.
@@ -31,13 +34,15 @@ local moved_ms = st[6] or 0
 if new > cur then moved_ms = now end
 redis.call('HSET', KEYS[1], 'offset', new, 'run', run_until, 'pend_until', run_until,
   'lease', now + tonumber(ARGV[6]), 'commit_ms', moved_ms)
+local skipped = tonumber(ARGV[8] or 0) or 0
+if skipped > 0 then redis.call('HINCRBY', KEYS[1], 'skipped', skipped) end
 if new > cur and redis.call('EXISTS', KEYS[3]) == 1 then
   local fields = redis.call('HKEYS', KEYS[3])
   for _, f in ipairs(fields) do
     if tonumber(f) < new then redis.call('HDEL', KEYS[3], f) end
   end
 end
-for i = 8, #ARGV, 2 do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
+for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
 local assignee = st[5] or ''
 local revoked = ''
 if assignee ~= '' and assignee ~= ARGV[1] then revoked = assignee end

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import redis
@@ -47,8 +48,11 @@ class RedisServer:
         password: str | None = None,
         workdir: str | None = None,
         tls: bool = False,
+        extra_args: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
+        #: More ``redis-server`` arguments (``--maxmemory-policy allkeys-lru``, ``--rename-command``...).
+        self.extra_args = list(extra_args)
         self.appendonly = appendonly
         self.appendfsync = appendfsync
         self.password = password
@@ -91,6 +95,7 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        args += self.extra_args
         if self.tls:
             if not (self.dir / "server.crt").exists():
                 self._make_certs()

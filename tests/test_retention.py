@@ -1,0 +1,274 @@
+"""Retention against a real redis-server: what each policy trims, what it must never trim, and how a
+consumer that falls below the first stored offset moves on (fenced, in order, counted)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from mqorder import ConsumeOrderlyStatus, Producer, keys
+from mqorder.admin.common import Admin
+from mqorder.admin.status import group_status
+from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest
+from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.stats import ConsumerStatsManager
+from mqorder.errors import ConfigError
+from mqorder.model import MessageModel, MessageQueue
+from mqorder.rebalance.lock_manager import RebalanceLockManager
+from mqorder.retention.policy import RetentionPolicy, TopicRetention
+from mqorder.retention.trimmer import RetentionTrimmer
+from mqorder.settings import load_settings
+from mqorder.store.log import MessageLog
+
+S = ConsumeOrderlyStatus
+MQ = MessageQueue("t", "broker-a", 0)
+
+
+def offsets_stored(r, mq: MessageQueue = MQ) -> list[int]:
+    return [int(e[0].split(b"-")[0]) for e in r.xrange(keys.queue_log(mq.tag))]
+
+
+def send(p: Producer, n: int, topic: str = "t", start: int = 0) -> None:
+    p.send_orderly_batch(topic, [("k", str(start + i).encode()) for i in range(n)])
+
+
+def run_queue(eng: ConsumerEngine, spec: ListenerSpec, sub: str = "g") -> list:
+    """Assign MQ to c1 and follow its ConsumeRequests as the Celery task would."""
+    locks = RebalanceLockManager(eng.brokers)
+    res = locks.assign(sub, [(MQ, "c1", "tok0")])
+    assert res[MQ] == "DISPATCH"
+    token, outs = "tok0", []
+    for _ in range(50):
+        out = ConsumeRequest(eng, spec, sub, MQ, token).run()
+        outs.append(out)
+        if not out.needs_dispatch or out.target != "c1":
+            break
+        time.sleep(out.countdown)
+        token = out.token
+    return outs
+
+
+# -- time policy ----------------------------------------------------------------------------------
+
+
+def test_time_policy_trims_exactly_what_is_older_than_retention_and_offsets_keep_their_meaning(settings, r) -> None:
+    s = settings.model_copy(update={"retention_ms": 1000})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1)
+    send(p, 30)
+    time.sleep(1.1)
+    send(p, 5, start=30)
+    report = RetentionTrimmer(p.brokers, s).run()
+    assert report.trimmed == 30
+    assert offsets_stored(r) == list(range(30, 35))
+    # The message at offset 31 is still the 32nd one sent, and the next send gets offset 35.
+    assert r.xrange(keys.queue_log(MQ.tag), "31-1", "31-1")[0][1][b"b"] == b"31"
+    assert p.send_orderly("t", b"35", sharding_key="k").queue_offset == 35
+    assert RetentionTrimmer(p.brokers, s).run().trimmed == 0  # nothing more is due
+    p.close()
+
+
+def test_each_script_call_trims_at_most_one_chunk_and_the_pass_finishes_the_job(settings, r) -> None:
+    s = settings.model_copy(update={"retention_ms": 1000, "retention_trim_chunk": 7})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1)
+    send(p, 50)
+    time.sleep(1.1)
+    report = RetentionTrimmer(p.brokers, s).run()
+    assert report.trimmed == 50
+    assert report.calls >= 50 // 7  # bounded chunks, not one call removing all
+    assert offsets_stored(r) == []
+    p.close()
+
+
+def test_max_messages_caps_each_queue_under_the_time_policy(settings, r) -> None:
+    p = Producer(settings=settings)
+    p.create_topic("t", queues=1, retention_max_messages=10)
+    send(p, 25)
+    RetentionTrimmer(p.brokers, settings).run()
+    assert offsets_stored(r) == list(range(15, 25))
+    p.close()
+
+
+# -- consumed policy --------------------------------------------------------------------------------
+
+
+def commit_offset(p: Producer, sub: str, offset: int) -> None:
+    p.brokers.meta.hset(keys.sub_state(MQ.tag, sub), "offset", offset)
+
+
+def test_consumed_policy_never_trims_what_a_lagging_group_has_not_consumed(settings, r) -> None:
+    s = settings.model_copy(update={"retention_ms": 1000, "retention_min_ms": 0})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1, retention_policy="consumed")
+    p.topics.subscribe("fast", "t", MessageModel.CLUSTERING)
+    p.topics.subscribe("slow", "t", MessageModel.CLUSTERING)
+    send(p, 40)
+    commit_offset(p, "fast", 40)
+    commit_offset(p, "slow", 12)
+    time.sleep(1.1)  # every message is older than retention_ms: the time policy would take them all
+    trimmer = RetentionTrimmer(p.brokers, s)
+    report = trimmer.run()
+    assert report.holders["t"] == ["fast", "slow"]
+    assert offsets_stored(r) == list(range(12, 40))  # only below the lowest committed offset
+    commit_offset(p, "slow", 30)
+    trimmer.run()
+    assert offsets_stored(r) == list(range(30, 40))
+    p.close()
+
+
+def test_consumed_policy_keeps_retention_min_ms_for_replay(settings, r) -> None:
+    s = settings.model_copy(update={"retention_ms": 60_000, "retention_min_ms": 1000})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1, retention_policy="consumed")
+    p.topics.subscribe("g", "t", MessageModel.CLUSTERING)
+    send(p, 10)
+    commit_offset(p, "g", 10)
+    trimmer = RetentionTrimmer(p.brokers, s)
+    assert trimmer.run().trimmed == 0  # consumed, but younger than retention_min_ms
+    time.sleep(1.1)
+    send(p, 5, start=10)
+    assert trimmer.run().trimmed == 10
+    assert offsets_stored(r) == list(range(10, 15))
+    p.close()
+
+
+def test_a_group_gone_for_longer_than_retention_stops_holding_data_back(settings, r) -> None:
+    s = settings.model_copy(update={"retention_ms": 1000, "retention_min_ms": 0})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1, retention_policy="consumed")
+    p.topics.subscribe("gone", "t", MessageModel.CLUSTERING)
+    send(p, 20)
+    time.sleep(1.1)
+    trimmer = RetentionTrimmer(p.brokers, s)
+    # Never seen by a trimmer before: it holds for a whole retention from now.
+    assert trimmer.run().trimmed == 0
+    assert trimmer.run().holders["t"] == ["gone"]
+    # Last seen live long ago: it no longer holds anything back.
+    r.hset(keys.retention_seen(), "gone", int(time.time() * 1000) - 5000)
+    report = trimmer.run()
+    assert report.holders["t"] == []
+    assert report.trimmed == 20
+    p.close()
+
+
+# -- consumers behind the first stored offset -------------------------------------------------------
+
+
+def test_a_group_below_the_first_stored_offset_moves_forward_fenced_and_counts_the_skip(env, settings, r) -> None:
+    p, eng = env
+    p.topics.subscribe("g", "t", MessageModel.CLUSTERING)
+    send(p, 25)
+    commit_offset(p, "g", 5)  # the group consumed 0..4, then fell behind
+    p.brokers.meta.xtrim(keys.queue_log(MQ.tag), minid="20", approximate=False)  # what the time policy does
+    seen: list[int] = []
+
+    def listener(msgs, ctx):
+        seen.extend(m.queue_offset for m in msgs)
+        return S.SUCCESS
+
+    outs = run_queue(eng, ListenerSpec(listener, "t", "g"))
+    assert seen == list(range(20, 25))  # in order, from the first stored offset
+    assert outs[-1].verb == "IDLE"
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 25
+    assert int(r.hget(keys.sub_state(MQ.tag, "g"), "skipped")) == 15
+    eng.stats.flush(eng.brokers.meta)
+    assert ConsumerStatsManager.read(eng.brokers.meta, "g")[MQ.key]["skipped"] == 15
+    with Admin.open(settings) as admin:
+        (q,) = group_status(admin, "g").queues
+    assert (q.skipped, q.first_offset, q.committed, q.lag) == (15, 20, 25, 0)
+
+
+def test_a_queue_trimmed_to_its_end_is_skipped_to_its_next_offset_without_a_listener_call(env, r) -> None:
+    p, eng = env
+    send(p, 12)
+    p.brokers.meta.xtrim(keys.queue_log(MQ.tag), minid="12", approximate=False)  # everything went
+    calls: list[int] = []
+
+    def listener(msgs, ctx):
+        calls.extend(m.queue_offset for m in msgs)
+        return S.SUCCESS
+
+    outs = run_queue(eng, ListenerSpec(listener, "t", "g"))
+    assert calls == []
+    assert outs[-1].verb == "IDLE"  # no redispatch loop over a backlog that no longer exists
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 12
+    assert int(r.hget(keys.sub_state(MQ.tag, "g"), "skipped")) == 12
+    send(p, 1, start=12)
+    r.hset(keys.sub_state(MQ.tag, "g"), "pending", "tok1")  # the wake-up the send would give the owner
+    ConsumeRequest(eng, ListenerSpec(listener, "t", "g"), "g", MQ, "tok1").run()
+    assert calls == [12]
+
+
+def test_a_stale_holder_cannot_commit_a_skip(env, r) -> None:
+    """The skip rides on the fenced commit: a run whose epoch was replaced moves nothing."""
+    p, eng = env
+    send(p, 10)
+    p.brokers.meta.xtrim(keys.queue_log(MQ.tag), minid="6", approximate=False)
+    spec = ListenerSpec(lambda msgs, ctx: S.SUCCESS, "t", "g")
+    locks = RebalanceLockManager(eng.brokers)
+    locks.assign("g", [(MQ, "c1", "tok0")])
+    req = ConsumeRequest(eng, spec, "g", MQ, "tok0")
+    assert req._check() is None
+    r.hincrby(keys.sub_state(MQ.tag, "g"), "epoch", 1)  # a new owner took over meanwhile
+    req._consume_loop()
+    assert r.hget(keys.sub_state(MQ.tag, "g"), "skipped") is None
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 0
+
+
+# -- odds and ends ----------------------------------------------------------------------------------
+
+
+def test_ids_of_trimmed_idempotent_appends_are_dropped_with_them(settings, r) -> None:
+    s = settings.model_copy(update={"retention_ms": 1000})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1)
+    from mqorder.codec import encode_header
+
+    entries = [(encode_header(f"id-{i}"), b"x") for i in range(8)]
+    p.appender.append(MQ, entries, ids=[f"id-{i}" for i in range(8)])
+    assert r.hlen(keys.queue_ids(MQ.tag)) == 8
+    time.sleep(1.1)
+    later = [(encode_header(f"id-{i}"), b"y") for i in range(8, 10)]
+    p.appender.append(MQ, later, ids=["id-8", "id-9"])
+    RetentionTrimmer(p.brokers, s).run()
+    assert sorted(r.hkeys(keys.queue_ids(MQ.tag))) == [b"id-8", b"id-9"]
+    p.close()
+
+
+def test_retention_settings_and_topic_options_refuse_bad_values_clearly(settings) -> None:
+    p = Producer(settings=settings)
+    with pytest.raises(ConfigError, match="retention policy must be 'time'.*or 'consumed'"):
+        p.create_topic("t", queues=1, retention_policy="forever")
+    with pytest.raises(ConfigError, match="retention_ms must be a whole number of milliseconds"):
+        p.create_topic("t", queues=1, retention_ms=-5)
+    with pytest.raises(ConfigError, match="retention_min_ms .* must not exceed retention_ms"):
+        p.create_topic("t", queues=1, retention_ms=5000, retention_min_ms=10_000)
+    with pytest.raises(ConfigError, match="retention_max_messages must be a whole number"):
+        p.create_topic("t", queues=1, retention_max_messages="lots")  # type: ignore[arg-type]
+    assert p.topics.list_topics() == []  # nothing was created by a refused call
+    with pytest.raises(ConfigError, match="MQORDER_RETENTION_POLICY"):
+        load_settings(redis_url=settings.redis_url, retention_policy="sometimes")
+    with pytest.raises(ConfigError, match="MQORDER_MAX_MEMORY_RATIO"):
+        load_settings(redis_url=settings.redis_url, max_memory_ratio=1.5)
+    p.close()
+
+
+def test_update_retention_keeps_what_it_does_not_name(settings) -> None:
+    p = Producer(settings=settings)
+    p.create_topic("t", queues=1, retention_policy="consumed", retention_ms=5000)
+    route = p.topics.update_retention("t", TopicRetention.of(retention_max_messages=100))
+    assert route.retention == TopicRetention(RetentionPolicy.CONSUMED, 5000, None, 100)
+    rule = route.retention.resolve(settings.retention_defaults)
+    assert (rule.policy, rule.retention_ms, rule.retention_min_ms, rule.retention_max_messages) == (
+        RetentionPolicy.CONSUMED, 5000, 5000, 100)  # the default replay window is cut to the retention
+    p.close()
+
+
+def test_only_one_worker_runs_a_pass_per_interval(settings, r) -> None:
+    p = Producer(settings=settings)
+    trimmer = RetentionTrimmer(p.brokers, settings)
+    assert not trimmer.run_if_due("w1").skipped
+    assert trimmer.run_if_due("w2").skipped
+    p.close()

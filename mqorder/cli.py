@@ -33,11 +33,13 @@ from mqorder.pipeline_cli import app as pipeline_app
 EXIT_OK, EXIT_CHECK, EXIT_BAD = 0, 1, 2
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="RocketMQ-style orderly consumption on Celery + Redis")
-topic_app = typer.Typer(no_args_is_help=True, help="Create, list, describe, delete topics and set their permission")
+topic_app = typer.Typer(no_args_is_help=True, help="Create, list, describe, delete topics and set their permission and retention")
 dlq_app = typer.Typer(no_args_is_help=True, help="Inspect and replay a group's dead-letter queue (%DLQ%<group>)")
 offsets_app = typer.Typer(no_args_is_help=True, help="Move a group's committed offsets (fenced)")
 message_app = typer.Typer(no_args_is_help=True, help="Look messages up by queue and offset, or by msg id")
+retention_app = typer.Typer(no_args_is_help=True, help="Trim topics to their retention now")
 app.add_typer(topic_app, name="topic")
+app.add_typer(retention_app, name="retention")
 app.add_typer(dlq_app, name="dlq")
 app.add_typer(offsets_app, name="offsets")
 app.add_typer(message_app, name="message")
@@ -139,13 +141,21 @@ def topic_create(
     queues: int = typer.Option(8, help="queues per broker (cannot change later: keys would move)"),
     broker: list[str] = typer.Option(None, help="broker names (default: the default broker); repeat for several"),
     perm: str = typer.Option("rw", help="rw, r (consumed, sends refused) or w (filled, not consumed yet)"),
+    retention_policy: str = typer.Option(None, help="time (trim what is older, consumed or not) or consumed "
+                                         "(only what every group consumed); default MQORDER_RETENTION_POLICY"),
+    retention_ms: int = typer.Option(None, help="how long messages are kept (ms); default MQORDER_RETENTION_MS (72 h)"),
+    retention_min_ms: int = typer.Option(None, help="consumed policy: consumed messages kept this long for replay (ms)"),
+    retention_max_messages: int = typer.Option(None, help="most messages kept per queue (0: no cap)"),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Create a topic (idempotent for the same layout); running workers pick it up at once."""
     from mqorder.admin import render, topics
+    from mqorder.retention.policy import TopicRetention
 
+    retention = TopicRetention.of(policy=retention_policy, retention_ms=retention_ms,
+                                  retention_min_ms=retention_min_ms, retention_max_messages=retention_max_messages)
     with _admin() as admin:
-        info = topics.create(admin, name, queues, broker or None, perm)
+        info = topics.create(admin, name, queues, broker or None, perm, retention)
     if as_json:
         _print_json(info.to_json())
     else:
@@ -192,6 +202,30 @@ def topic_perm(
 
     with _admin() as admin:
         info = topics.update_perm(admin, name, perm)
+    if as_json:
+        _print_json(info.to_json())
+    else:
+        render.topic(_out(), info)
+
+
+@topic_app.command("retention")
+@handled
+def topic_retention(
+    name: str = typer.Argument(..., help="topic name"),
+    policy: str = typer.Option(None, "--policy", help="time or consumed"),
+    retention_ms: int = typer.Option(None, "--ms", help="how long messages are kept (ms)"),
+    retention_min_ms: int = typer.Option(None, "--min-ms", help="consumed policy: kept this long for replay (ms)"),
+    max_messages: int = typer.Option(None, "--max-messages", help="most messages kept per queue (0: no cap)"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Show a topic's retention, or change it (values not given stay); the next trim pass applies it."""
+    from mqorder.admin import render, topics
+    from mqorder.retention.policy import TopicRetention
+
+    change = TopicRetention.of(policy=policy, retention_ms=retention_ms, retention_min_ms=retention_min_ms,
+                               retention_max_messages=max_messages)
+    with _admin() as admin:
+        info = topics.update_retention(admin, name, change) if change.to_fields() else topics.describe(admin, name)
     if as_json:
         _print_json(info.to_json())
     else:
@@ -450,6 +484,87 @@ class _lines:
     def __exit__(self, *exc: object) -> None:
         if self.stream is not None:
             self.stream.close()
+
+
+# -- retention and health ----------------------------------------------------------------------------
+
+
+@retention_app.command("run")
+@handled
+def retention_run(
+    topic: list[str] = typer.Option(None, "--topic", help="only these topics (repeat); default every topic"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Run one trim pass now (workers run one every MQORDER_RETENTION_INTERVAL on their own)."""
+    from mqorder.retention.trimmer import RetentionTrimmer
+
+    with _admin() as admin:
+        if topic:
+            for t in topic:
+                admin.route(t)  # an unknown topic is refused with how to create it
+        report = RetentionTrimmer(admin.brokers, admin.settings).run(topic or None)
+    if as_json:
+        _print_json(report.to_json())
+        return
+    out = _out()
+    for t, n in sorted(report.by_topic().items()):
+        rule = report.rules[t]
+        held = f"; held back by {', '.join(report.holders[t])}" if report.holders.get(t) else ""
+        out.print(f"{t}: trimmed {n:,} ({rule.policy.value}, retention {rule.retention_ms:,} ms{held})")
+    out.print(f"trimmed {report.trimmed:,} messages and {report.ledger_trimmed:,} ledger records in "
+              f"{report.calls} script calls, {report.took_ms:.1f} ms")
+
+
+@app.command()
+@handled
+def doctor(
+    celery_app: str = typer.Option("workers.app:app", "--app", help="Celery app to check (module:attribute); '' to skip"),
+    strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings too"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Check Redis (version, persistence, eviction, memory, clocks) and Celery settings; exit 1 on a problem."""
+    from mqorder.admin.doctor import diagnose
+    from mqorder.settings import get_settings
+    from mqorder.store.brokers import BrokerRegistry
+
+    conf, conf_error = _celery_conf(celery_app)
+    settings = get_settings()
+    brokers = BrokerRegistry(settings.redis_url, settings.brokers, socket_timeout=2.0)
+    try:
+        report = diagnose(settings, brokers, conf, conf_error)
+    finally:
+        brokers.close()
+    if as_json:
+        _print_json(report.to_json())
+    else:
+        out = _out()
+        from rich.markup import escape
+
+        colour = {"OK": "green", "WARN": "yellow", "FAIL": "bold red"}
+        for f in report.findings:
+            where = f" ({f.broker})" if f.broker else ""
+            out.print(f"[{colour[f.verdict.value]}]{f.verdict.value:4}[/] {escape(f.check + where)}: {escape(f.detail)}",
+                      highlight=False)
+            if f.fix:
+                out.print(f"      fix: {escape(f.fix)}", highlight=False)
+    if report.failed(strict):
+        raise typer.Exit(EXIT_CHECK)
+
+
+def _celery_conf(spec: str) -> tuple[dict[str, Any] | None, str]:
+    """The configuration of Celery app ``module:attribute``, or why it could not be loaded."""
+    if not spec:
+        return None, ""
+    module, _, attr = spec.partition(":")
+    try:
+        import importlib
+
+        app_obj = getattr(importlib.import_module(module), attr or "app")
+        conf = app_obj.conf
+        return {k: conf.get(k) for k in ("broker_url", "task_serializer", "result_serializer", "event_serializer",
+                                         "accept_content", "broker_transport_options")}, ""
+    except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
+        return None, f"{spec} could not be loaded ({type(exc).__name__}: {exc})"
 
 
 app.command("exporter")(exporter)

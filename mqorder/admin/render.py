@@ -98,6 +98,16 @@ def topic(console: Console, info: TopicInfo) -> None:
         f"{timestamp(info.created_ms)}; {info.messages:,} messages, {size(info.bytes)}; groups: "
         f"{', '.join(info.groups) or 'none'}"
     )
+    if info.retention is not None:
+        own = info.retention_own.to_fields()
+        r = info.retention
+        parts = [f"policy {r.policy.value}", f"retention {duration(r.retention_ms)}"]
+        if r.policy.value == "consumed":
+            parts.append(f"kept for replay {duration(r.retention_min_ms)}")
+        if r.retention_max_messages:
+            parts.append(f"at most {r.retention_max_messages:,} messages per queue")
+        origin = "set on the topic: " + ", ".join(sorted(k.removeprefix("retention_") for k in own)) if own else "defaults"
+        console.print(f"retention: {'; '.join(parts)} ({origin})")
     t = _table("", ("broker", "queue", "min offset", "max offset", "messages", "size"),
                right=("queue", "min offset", "max offset", "messages", "size"))
     for q in info.queues:

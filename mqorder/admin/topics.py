@@ -17,7 +17,9 @@ from typing import Any
 
 from mqorder import keys
 from mqorder.admin.common import Admin, RefusedError
+from mqorder.errors import ConfigError
 from mqorder.model import MessageQueue
+from mqorder.retention.policy import RetentionRule, TopicRetention
 from mqorder.store.brokers import group_by_broker
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicRoute
@@ -49,6 +51,10 @@ class TopicInfo:
     queues_per_broker: dict[str, int]
     queues: list[QueueInfo]
     groups: list[str]
+    #: The effective retention rule (the topic's own choices on top of MQORDER_RETENTION_*).
+    retention: RetentionRule | None = None
+    #: Which of its values the topic chose itself (the others follow the defaults).
+    retention_own: TopicRetention = field(default_factory=TopicRetention)
 
     @property
     def messages(self) -> int:
@@ -63,13 +69,22 @@ class TopicInfo:
             "topic": self.topic, "perm": self.perm, "created_ms": self.created_ms,
             "queue_count": len(self.queues), "queues_per_broker": self.queues_per_broker,
             "messages": self.messages, "bytes": self.bytes, "groups": self.groups,
+            "retention": self.retention.to_json() if self.retention else None,
+            "retention_own": sorted(self.retention_own.to_fields()),
             "queues": [q.to_json() for q in self.queues],
         }
 
 
-def create(admin: Admin, topic: str, queues: int, brokers: list[str] | None = None, perm: str = "rw") -> TopicInfo:
+def create(admin: Admin, topic: str, queues: int, brokers: list[str] | None = None, perm: str = "rw",
+           retention: TopicRetention | None = None) -> TopicInfo:
     """Create ``topic`` (idempotent for the same layout); workers pick it up at once."""
-    admin.topics.create_topic(topic, queues, brokers=brokers, perm=perm)
+    admin.topics.create_topic(topic, queues, brokers=brokers, perm=perm, retention=retention)
+    return describe(admin, topic)
+
+
+def update_retention(admin: Admin, topic: str, retention: TopicRetention) -> TopicInfo:
+    """Change a topic's retention (values not given stay); the next trim pass applies it."""
+    admin.topics.update_retention(topic, retention)
     return describe(admin, topic)
 
 
@@ -88,9 +103,13 @@ def subscribers(admin: Admin, topic: str) -> list[str]:
 def describe(admin: Admin, topic: str) -> TopicInfo:
     """The route and every queue's min/max offset, message count and memory (``MEMORY USAGE``)."""
     route = admin.route(topic)
+    try:
+        rule: RetentionRule | None = route.retention.resolve(admin.settings.retention_defaults)
+    except ConfigError:
+        rule = None  # stored choices that no longer fit the defaults: the trimmer uses the defaults
     return TopicInfo(
         topic, route.perm, route.created_ms, route.queues_per_broker, _queue_infos(admin, route),
-        subscribers(admin, topic),
+        subscribers(admin, topic), rule, route.retention,
     )
 
 

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import socket
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, cast
@@ -136,12 +137,16 @@ class ClientRegistry:
         self, client_id: str, subscriptions: list[Subscription], details: ClientDetails | None = None
     ) -> None:
         details = details or ClientDetails()
+        t0 = time.time()
+        redis_ms = redis_now_ms(self.meta)
+        # This host's clock against Redis's, for `mqorder doctor` (leases use Redis's clock only).
+        skew_ms = int((t0 + time.time()) / 2 * 1000) - redis_ms
         self.meta.hset(
             keys.client_info(client_id),
             mapping={
                 "subs": encode_subscriptions(subscriptions), "pid": os.getpid(), "host": socket.gethostname(),
                 "pool": details.pool, "concurrency": details.concurrency,
-                "hb_timeout_ms": self.heartbeat_timeout_ms, "started_ms": redis_now_ms(self.meta),
+                "hb_timeout_ms": self.heartbeat_timeout_ms, "started_ms": redis_ms, "skew_ms": skew_ms,
             },
         )
         self.heartbeat(client_id)

@@ -1,0 +1,251 @@
+"""``mqorder doctor``: checks a deployment against what mqorder's guarantees rest on, and explains.
+
+Each check gives a ``Finding``: OK, WARN (works, but a guarantee is weaker than it could be) or
+FAIL (a guarantee does not hold, or sends are being refused). The command exits non-zero on any
+FAIL (with ``--strict``, on any WARN too), so it can gate a deploy.
+
+What is checked, per Redis broker, and why:
+
+* **version**: retention trims with ``XTRIM MINID`` (Redis 6.2+); 7.0+ is what the suite runs.
+* **persistence**: an acknowledged send survives a Redis crash only with AOF on; ``appendfsync
+  everysec`` can lose about a second, ``always`` nothing, ``no`` whatever the OS had not flushed.
+* **eviction**: any ``maxmemory-policy`` but ``noeviction`` may delete a stream or a lock hash
+  (``mqorder.store.capacity``).
+* **memory**: without ``maxmemory`` a full Redis is killed by the OS instead of refusing sends;
+  past ``MQORDER_MAX_MEMORY_RATIO`` sends are being refused now.
+* **clock**: leases are judged by Redis's clock, but born/handled times in the ledger and the
+  audit come from the hosts: this host's and every live worker's skew against Redis.
+
+And for Celery (when an app's configuration is given): JSON only (a pickle-accepting worker runs
+code from the broker), and on a Redis transport a visibility timeout longer than a
+ConsumeRequest may run (``MQORDER_RUN_LEASE``), or Redis hands a running request out again.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import redis
+
+from mqorder import keys
+from mqorder.settings import Settings
+from mqorder.store.brokers import Broker, BrokerRegistry
+from mqorder.store.capacity import SAFE_POLICY, eviction_policy, read_memory
+from mqorder.store.replies import text
+
+#: Skew between a host and Redis above which born/handled times stop being comparable.
+MAX_SKEW_MS = 1000
+#: Redis versions: what retention needs, and what the suite runs.
+MIN_VERSION = (6, 2)
+GOOD_VERSION = (7, 0)
+
+
+class Verdict(StrEnum):
+    OK = "OK"
+    WARN = "WARN"
+    FAIL = "FAIL"
+
+
+@dataclass(frozen=True)
+class Finding:
+    check: str
+    verdict: Verdict
+    detail: str
+    #: What to do about it (empty when OK).
+    fix: str = ""
+    #: The broker it is about ('' for Celery and cluster-wide checks).
+    broker: str = ""
+
+    def to_json(self) -> dict[str, str]:
+        return {"check": self.check, "broker": self.broker, "verdict": self.verdict.value, "detail": self.detail,
+                "fix": self.fix}
+
+
+@dataclass
+class DoctorReport:
+    findings: list[Finding] = field(default_factory=list)
+
+    def failed(self, strict: bool = False) -> bool:
+        bad = {Verdict.FAIL, Verdict.WARN} if strict else {Verdict.FAIL}
+        return any(f.verdict in bad for f in self.findings)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": not self.failed(), "findings": [f.to_json() for f in self.findings]}
+
+
+def diagnose(settings: Settings, brokers: BrokerRegistry, celery_conf: Mapping[str, Any] | None = None,
+             celery_error: str = "") -> DoctorReport:
+    """Every check; a broker that does not answer is one FAIL, and the others are still checked."""
+    report = DoctorReport()
+    for name in brokers.names:
+        broker = brokers.get(name)
+        try:
+            report.findings.extend(_broker_findings(settings, broker))
+        except redis.RedisError as exc:
+            report.findings.append(Finding(
+                "reachable", Verdict.FAIL, f"{broker.safe_url} did not answer: {exc}",
+                "start that redis-server, or fix MQORDER_REDIS_URL / MQORDER_BROKERS", name))
+    try:
+        report.findings.extend(worker_clocks(brokers, settings))
+    except redis.RedisError:
+        pass  # already reported as unreachable
+    if celery_conf is not None:
+        report.findings.extend(celery_findings(settings, celery_conf))
+    elif celery_error:
+        report.findings.append(Finding("celery", Verdict.WARN, f"Celery configuration not checked: {celery_error}",
+                                       "pass --app with your Celery app (module:attribute)"))
+    return report
+
+
+def _broker_findings(settings: Settings, broker: Broker) -> list[Finding]:
+    c = broker.client
+    server = c.info("server")
+    return [
+        version_finding(str(server.get("redis_version", "0")), broker.name),
+        persistence_finding(c, broker.name),
+        eviction_finding(c, settings, broker.name),
+        memory_finding(c, settings, broker.name),
+        clock_finding(c, broker.name),
+    ]
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    parts = []
+    for p in version.split(".")[:3]:
+        digits = "".join(ch for ch in p if ch.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts)
+
+
+def version_finding(version: str, broker: str) -> Finding:
+    v = _version_tuple(version)
+    if v < MIN_VERSION:
+        return Finding("version", Verdict.FAIL, f"Redis {version}: retention needs XTRIM MINID (Redis 6.2+)",
+                       "upgrade Redis to 7.x", broker)
+    if v < GOOD_VERSION:
+        return Finding("version", Verdict.WARN, f"Redis {version} works; mqorder is tested on 7.x",
+                       "upgrade Redis to 7.x when you can", broker)
+    return Finding("version", Verdict.OK, f"Redis {version}", broker=broker)
+
+
+def persistence_finding(c: redis.Redis, broker: str) -> Finding:
+    aof = str(c.info("persistence").get("aof_enabled", 0)) == "1"
+    if not aof:
+        return Finding("persistence", Verdict.WARN,
+                       "AOF is off: sends acknowledged since the last RDB snapshot are lost if Redis crashes",
+                       "set `appendonly yes` and `appendfsync everysec` (or always) in redis.conf", broker)
+    try:
+        fsync = str(c.config_get("appendfsync").get("appendfsync", ""))
+    except redis.ResponseError:
+        fsync = ""
+    if fsync == "no":
+        return Finding("persistence", Verdict.WARN,
+                       "AOF on with appendfsync no: what the OS had not flushed is lost on a power cut",
+                       "set `appendfsync everysec` (about 1 s at risk) or `always` (none)", broker)
+    what = {"always": "no acknowledged send is lost on a crash",
+            "everysec": "at most about 1 s of acknowledged sends is lost on a power cut"}.get(
+        fsync, "appendfsync could not be read (CONFIG disabled)")
+    return Finding("persistence", Verdict.OK, f"AOF on, appendfsync {fsync or '?'}: {what}", broker=broker)
+
+
+def eviction_finding(c: redis.Redis, settings: Settings, broker: str) -> Finding:
+    policy, source = eviction_policy(c)
+    if not source:
+        return Finding("eviction", Verdict.WARN, "maxmemory-policy cannot be read (CONFIG and INFO refused)",
+                       "make sure it is noeviction: an evicted stream or lock is silent data loss", broker)
+    if policy == SAFE_POLICY:
+        return Finding("eviction", Verdict.OK, f"maxmemory-policy {policy}: Redis never deletes a key for room",
+                       broker=broker)
+    verdict = Verdict.WARN if settings.allow_eviction else Verdict.FAIL
+    allowed = " (allowed by MQORDER_ALLOW_EVICTION)" if settings.allow_eviction else "; workers and producers refuse it"
+    return Finding("eviction", verdict,
+                   f"maxmemory-policy {policy}: Redis may evict a queue's stream or a lock hash{allowed}",
+                   "CONFIG SET maxmemory-policy noeviction (and in redis.conf)", broker)
+
+
+def memory_finding(c: redis.Redis, settings: Settings, broker: str) -> Finding:
+    m = read_memory(c)
+    used = f"{m.used / 1048576:,.1f} MiB used"
+    if not m.maxmemory:
+        return Finding("memory", Verdict.WARN,
+                       f"{used}, no maxmemory: a full Redis is killed by the OS instead of refusing sends",
+                       f"set maxmemory (sends are refused at MQORDER_MAX_MEMORY_RATIO={settings.max_memory_ratio} "
+                       "of it) and a retention that fits (`mqorder topic retention`)", broker)
+    ratio = m.ratio or 0.0
+    detail = f"{used} of {m.maxmemory / 1048576:,.1f} MiB ({ratio:.0%}); sends refused from {settings.max_memory_ratio:.0%}"
+    if ratio >= settings.max_memory_ratio:
+        return Finding("memory", Verdict.FAIL, detail + ": sends are being refused now (BrokerFullError)",
+                       "let consumers drain it, shorten retention, or raise maxmemory", broker)
+    if ratio >= 0.9 * settings.max_memory_ratio:
+        return Finding("memory", Verdict.WARN, detail + ": close to refusing sends",
+                       "shorten retention or raise maxmemory", broker)
+    return Finding("memory", Verdict.OK, detail, broker=broker)
+
+
+def clock_finding(c: redis.Redis, broker: str) -> Finding:
+    t0 = time.time()
+    sec, usec = c.time()
+    t1 = time.time()
+    skew = int(((t0 + t1) / 2 - (sec + usec / 1e6)) * 1000)
+    if abs(skew) > MAX_SKEW_MS:
+        return Finding("clock", Verdict.WARN, f"this host's clock is {skew:+,} ms off Redis's",
+                       "run NTP (chrony) on every host: ledger and audit times come from the hosts", broker)
+    return Finding("clock", Verdict.OK, f"this host is {skew:+,} ms off Redis's clock (leases use Redis's)",
+                   broker=broker)
+
+
+def worker_clocks(brokers: BrokerRegistry, settings: Settings) -> list[Finding]:
+    """Each live worker's skew against Redis, as it measured it when it registered."""
+    meta = brokers.meta
+    from mqorder.rebalance.membership import ClientRegistry  # the admin side reads registrations
+
+    clients, _, _ = ClientRegistry(meta, settings.ms(settings.heartbeat_timeout)).clients()
+    out = []
+    for c in clients:
+        raw = meta.hget(keys.client_info(c.client_id), "skew_ms")
+        if raw is None:
+            continue
+        skew = int(text(raw))
+        if abs(skew) > MAX_SKEW_MS:
+            out.append(Finding("clock", Verdict.WARN, f"worker {c.client_id}'s clock is {skew:+,} ms off Redis's",
+                               "run NTP (chrony) on that host"))
+    if clients and not out:
+        out.append(Finding("clock", Verdict.OK, f"{len(clients)} live workers within {MAX_SKEW_MS} ms of Redis"))
+    return out
+
+
+def celery_findings(settings: Settings, conf: Mapping[str, Any]) -> list[Finding]:
+    out = []
+    unsafe = {
+        name: conf.get(name) for name in ("task_serializer", "result_serializer", "event_serializer")
+        if conf.get(name) not in (None, "json")
+    }
+    accept = set(conf.get("accept_content") or ["json"])
+    if unsafe or not accept <= {"json", "application/json"}:
+        shown = ", ".join(f"{k}={v!r}" for k, v in unsafe.items())
+        out.append(Finding("celery serializers", Verdict.FAIL,
+                           f"not JSON only ({shown}{', ' if shown else ''}accept_content={sorted(accept)}): a worker "
+                           "that accepts pickle runs code from whoever can write to the broker",
+                           "task_serializer = result_serializer = 'json', accept_content = ['json']"))
+    else:
+        out.append(Finding("celery serializers", Verdict.OK, "JSON only"))
+    url = str(conf.get("broker_url") or settings.effective_celery_broker_url)
+    if url.startswith(("redis://", "rediss://", "unix://")):
+        vt = float((conf.get("broker_transport_options") or {}).get("visibility_timeout", 3600))
+        need = max(settings.run_lease, settings.max_time_consume_continuously)
+        if vt <= need:
+            out.append(Finding("celery visibility timeout", Verdict.FAIL,
+                               f"visibility_timeout {vt:g} s is not longer than a ConsumeRequest may run "
+                               f"({need:g} s, MQORDER_RUN_LEASE / MAX_TIME_CONSUME_CONTINUOUSLY): Redis hands a "
+                               "running request out again", f"broker_transport_options visibility_timeout > {need:g}"))
+        else:
+            out.append(Finding("celery visibility timeout", Verdict.OK,
+                               f"visibility_timeout {vt:g} s > {need:g} s a ConsumeRequest may run"))
+    else:
+        out.append(Finding("celery visibility timeout", Verdict.OK,
+                           f"broker {url.split('://', 1)[0]}:// redelivers lost tasks itself (no visibility timeout)"))
+    return out

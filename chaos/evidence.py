@@ -114,6 +114,12 @@ class Evidence:
         log(f"{self.name}: {kind} {target} {kw.get('queues', '') or ''}".rstrip())
         return e
 
+    def trimmed(self) -> int:
+        """Messages retention removed so far: the sum of the queues' first stored offsets."""
+        from mqorder.retention.trimmer import first_offsets
+
+        return sum(first_offsets(self.brokers, self.mqs).values())
+
     # -- the lock table -------------------------------------------------------------------------
 
     def owners(self) -> dict[int, str]:

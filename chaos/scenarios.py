@@ -166,6 +166,21 @@ def everything(f: Faults, quick: bool) -> None:
         clock.at(72 if not quick else 42)
 
 
+def retention(f: Faults, quick: bool) -> None:
+    """Trimming right behind the commits (consumed policy, no replay window, a pass every second
+    in 50-entry chunks) while queue owners are killed and restarted: nothing unconsumed may go."""
+    clock = Clock()
+    clock.at(4)
+    for _ in range(2 if quick else 4):
+        f.kill_and_restart(after=5)
+        time.sleep(4)
+    trimmed = f.evidence.trimmed()
+    f.evidence.event("trimmed", fault=False, info={"messages": trimmed})
+    log(f"retention: {trimmed} consumed messages trimmed during the run")
+    if not trimmed:
+        raise RuntimeError("retention trimmed nothing during the run: the scenario would prove nothing")
+
+
 def smoke(f: Faults, quick: bool) -> None:
     """The ``make test`` smoke: one kill -9 (and restart), two lost-task deletions."""
     clock = Clock()
@@ -198,6 +213,11 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              enforce={"poison_bound"}),
     Scenario("beat", "beat killed past the 6 s lease and restarted; then two beats at once", beat,
              env={**SHORT_LEASE, "MQORDER_REBALANCE_INTERVAL": "5"}, enforce={"beat"}),
+    Scenario("retention", "consumed-policy trimming right behind the commits (every 1 s, 50-entry chunks) "
+             "with kill -9 of queue owners", retention,
+             env={"MQORDER_RETENTION_POLICY": "consumed", "MQORDER_RETENTION_MS": "5000",
+                  "MQORDER_RETENTION_MIN_MS": "0", "MQORDER_RETENTION_INTERVAL": "1",
+                  "MQORDER_RETENTION_TRIM_CHUNK": "50"}),
     Scenario("all", "all of the above together (6 s lease, appendfsync always)", everything, fsync="always",
              env={**SHORT_LEASE, "MQORDER_REBALANCE_INTERVAL": "5"}),
 ]}

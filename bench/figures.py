@@ -142,3 +142,11 @@ class Figures:
         self.mem: list[dict[str, Any]] = (res.get("memory") or {}).get("runs") or []
         self.s_mem = summarize(x["peak_rss_mib"] for x in self.mem) if self.mem else None
         self.mem_n: int = self.mem[0]["messages"] if self.mem else size(cfg, "memory_messages")
+
+        # Retention: memory under a steady load with trimming, and the drain with trimming on vs off.
+        self.ret: dict[str, Any] = res.get("retention") or {}
+        self.ret_steady: dict[str, Any] = self.ret.get("steady") or {}
+        self.ret_ratio: float | None = self.ret_steady.get("ratio")
+        ret_drain = self.ret.get("drain") or {}
+        self.s_ret_on, self.s_ret_off = rates(ret_drain.get("on")), rates(ret_drain.get("off"))
+        self.r_ret = ratio(self.s_ret_on, self.s_ret_off)

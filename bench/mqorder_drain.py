@@ -60,6 +60,8 @@ class DrainSpec:
     plan: list[tuple[int, int]] = field(default_factory=lambda: [(16, 200_000)] * 3)
     #: Messages of an unmeasured warm-up run first (16 queues); 0 for none.
     warmup: int = 5_000
+    #: More ``MQORDER_*`` settings for the workers (e.g. retention on or off).
+    env: dict[str, str] = field(default_factory=dict)
 
 
 def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
@@ -81,6 +83,7 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
             MQORDER_PULL_BATCH_SIZE=str(spec.pull),
             # No periodic rebalance during a run: the run's own kick is the only one.
             MQORDER_REBALANCE_INTERVAL="3600",
+            **spec.env,
         )
         names = [f"{spec.tag}-w{i}" for i in range(spec.workers)]
         log(f"drain {spec.tag}: starting {spec.workers} worker(s) -P {spec.pool} -c {spec.concurrency}")

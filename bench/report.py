@@ -45,7 +45,7 @@ class Report:
 
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
-                    self.produce, self.failover, self.rebalance, self.memory, self.growth, self.spark,
+                    self.produce, self.failover, self.rebalance, self.memory, self.growth, self.retention, self.spark,
                     self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
@@ -436,6 +436,34 @@ class Report:
                 f"{self.facts['nproc']} cores**: more workers add processes, not CPU, so this shows the overhead "
                 "curve of more processes and more queues (scheduling, rebalance, per-queue runs), not scaling. "
                 "With 4 queues and more pool processes than queues, some processes have nothing to do.", ""]
+        return out
+
+    def retention(self) -> list[str]:
+        """Redis memory under a steady load with trimming, and what trimming costs a drain."""
+        s = self.f.ret_steady
+        if not s:
+            return []
+        mib = 1048576
+        out = ["## Retention", ""]
+        rows = [
+            ["sent", f"{s['sent']:,} messages of {s['body']} B in {s['elapsed_s']:.0f} s ({s['send_rate']:,.0f} msg/s)"],
+            ["retention", f"{s['retention_ms'] / 1000:.0f} s, time policy, trim pass every 5 s (the default)"],
+            ["working set (first retention of traffic)", f"{s['working_set'] / mib:.1f} MiB"],
+            ["highest `used_memory` above the start, afterwards", f"{s['peak_excess'] / mib:.1f} MiB = "
+             f"{(s['ratio'] or 0):.2f}x the working set"],
+            ["highest consumer lag sampled", f"{s['max_lag']:,} messages (at the end: {s['lag_end']:,})"],
+        ]
+        if self.f.s_ret_on and self.f.s_ret_off:
+            rows.append(["drain, trimming right behind the consumers", fmt_summary(self.f.s_ret_on)])
+            rows.append(["drain, trimming off", fmt_summary(self.f.s_ret_off)])
+        out += _table(["measure", "value"], rows)
+        out += [f"Two stock workers -c {s['concurrency']} consume a {s['queues']}-queue topic while this process sends "
+                "with `send_orderly_batch` every 50 ms; Redis `used_memory` (`INFO memory`) is sampled every second. "
+                "The working set is what the first retention period of traffic added (nothing may be trimmed "
+                "before it). The drain rows are the throughput section's no-op drain of "
+                f"{(self.f.ret.get('drain') or {}).get('messages', 0):,} messages, consumed policy with no replay "
+                "window and a pass every second, against no pass during the run; alternating runs, one worker pair each."
+                + (f" Plot: `{self.f.ret.get('plot')}`." if self.f.ret.get("plot") else ""), ""]
         return out
 
     def spark(self) -> list[str]:

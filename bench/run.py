@@ -165,6 +165,19 @@ def sec_growth(cfg: Config, res: dict[str, Any]) -> None:
                      "runs": growth.run(cfg, messages=n, concurrency=c, runs=cfg.runs)}
 
 
+def sec_retention(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import retention
+
+    c = concurrency(cfg)
+    out: dict[str, Any] = {"steady": retention.steady(cfg, rate=5000, seconds=size(cfg, "retention_seconds"),
+                                                      retention_ms=size(cfg, "retention_ms"), concurrency=c)}
+    res["retention"] = out  # kept even if the drain comparison fails
+    out["drain"] = retention.drain_cost(cfg, messages=size(cfg, "retention_drain_messages"), runs=cfg.runs,
+                                        concurrency=c)
+    png = retention.plot(out, cfg.logdir / "retention_memory.png")
+    out["plot"] = str(png) if png else None
+
+
 def sec_spark(cfg: Config, res: dict[str, Any]) -> None:
     from bench import spark
 
@@ -180,7 +193,8 @@ def sec_spark_audit(cfg: Config, res: dict[str, Any]) -> None:
 RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "raw": sec_raw, "mqorder": sec_mqorder, "costs": sec_costs, "naive": sec_naive,
     "single_lane": sec_single_lane, "latency": sec_latency, "produce": sec_produce, "failover": sec_failover,
-    "rebalance": sec_rebalance, "memory": sec_memory, "growth": sec_growth, "spark": sec_spark,
+    "rebalance": sec_rebalance, "memory": sec_memory, "growth": sec_growth, "retention": sec_retention,
+    "spark": sec_spark,
     "spark_audit": sec_spark_audit,
 }
 

@@ -111,6 +111,15 @@ def _of_failover(f: Figures) -> Reading:
     return Reading(p99, f"p99 {p99:.2f} s (p50 {percentile(f.fo_t, 50):.2f} s)")
 
 
+def _of_retention_memory(f: Figures) -> Reading:
+    s = f.ret_steady
+    if f.ret_ratio is None:
+        return Reading(None, "n/a")
+    mib = 1048576
+    return Reading(f.ret_ratio, f"{f.ret_ratio:.2f}x (peak {s['peak_excess'] / mib:.0f} MiB above the start, working set "
+                   f"{s['working_set'] / mib:.0f} MiB; {s['send_rate']:,.0f} msg/s for {s['elapsed_s']:.0f} s)")
+
+
 def _of_audit(f: Figures) -> Reading:
     """The audit's own time (the Spark session start is reported apart)."""
     a = f.audit
@@ -144,6 +153,10 @@ TARGETS: tuple[Target, ...] = (
            50, AT_MOST, " ms", 0, lambda f: _of_median(f.s_rb, "ms")),
     Target("memory_peak", "worker peak RSS draining a {f.mem_n:,}-message backlog {bound}",
            200, AT_MOST, " MiB", 0, lambda f: _of_worst(f.s_mem, "MiB")),
+    Target("retention_memory", "Redis `used_memory` at 5,000 msg/s of 1 KiB with a 30 s retention {bound} its "
+           "30-second working set", 2.0, AT_MOST, "x", 1, _of_retention_memory),
+    Target("retention_drain", "no-op drain with trimming right behind the consumers {bound} trimming off",
+           0.9, AT_LEAST, "x", 1, lambda f: _of_ratio(f.r_ret)),
     Target("spark_publish", "Spark publish of {f.spark_rows:,} rows (exactly once, `local[2]`) {bound} "
            "`send_orderly_batch` on the same data", 0.7, AT_LEAST, "x", 1, lambda f: _of_paired(f.s_spark_batch)),
     Target("spark_one_by_one", "Spark publish {bound} a one-by-one `send_orderly` loop",

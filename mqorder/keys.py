@@ -264,6 +264,10 @@ def sub_state(tag: str, sub: str) -> str:
         When ``offset`` last moved: written by ``commit`` in its existing HSET (kept when a commit
         does not move the offset) and by ``reset_offset``. Read only by ``mqorder status``, which
         tells a stuck queue (a backlog waiting since then) from a slow one.
+    ``skipped``
+        Messages retention trimmed before this subscription consumed them (``time`` policy, or a
+        group gone for longer than ``retention_ms``): ``commit`` adds them (its ``ARGV[8]``) in the
+        fenced commit that moves past them. Read by ``mqorder status``.
     """
     return f"{PREFIX}:{tag}:s:{sub}"
 

@@ -317,3 +317,37 @@ def test_trimming_behind_real_workers_under_load_loses_nothing_and_keeps_order(c
     # Trimming really ran behind the consumers (a pass every 0.5 s takes what all of them consumed).
     wait_for(lambda: sum(first_offsets(p.brokers, mqs).values()) >= 1000, timeout=10, what="consumed messages trimmed")
     p.close()
+
+
+def test_many_trimmers_at_once_trim_exactly_once_and_never_what_is_held(settings, r) -> None:
+    """Four trimmers in parallel (the mutex bypassed, as `mqorder retention run` does) over a
+    consumed-policy topic while a producer appends: each script call decides from what it reads in
+    the same atomic step, so together they trim exactly what one would."""
+    import threading
+
+    s = settings.model_copy(update={"retention_ms": 60_000, "retention_min_ms": 0, "retention_trim_chunk": 13})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1, retention_policy="consumed")
+    p.topics.subscribe("g", "t", MessageModel.CLUSTERING)
+    send(p, 400)
+    commit_offset(p, "g", 250)
+    errors: list[BaseException] = []
+    totals: list[int] = []
+
+    def trim() -> None:
+        try:
+            t = RetentionTrimmer(p.brokers, s)
+            totals.append(sum(t.run().trimmed for _ in range(3)))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=trim) for _ in range(4)]
+    for t in threads:
+        t.start()
+    send(p, 100, start=400)
+    for t in threads:
+        t.join(30)
+    assert errors == []
+    assert sum(totals) == 250  # each message trimmed by exactly one of them
+    assert offsets_stored(r) == list(range(250, 500))
+    p.close()

@@ -421,7 +421,6 @@ class ConsumeRequest:
         per process."""
         n = end - start
         self._skips.append((end, n))
-        self.stats.inc_consume_skipped(self.sub, self.mq.key, n)
         seen = self.engine.skips_logged
         key = (self.sub, self.mq.key)
         level = logging.DEBUG if key in seen else logging.WARNING
@@ -698,17 +697,18 @@ class ConsumeRequest:
         else:
             res, entries = self.scripts.commit(keys=keys_, args=args), []
         verb = text(res[0])
+        if skipped and verb in ("OK", "IDLE"):
+            # Counted where the fenced commit counted them: once, by the run that moved past them.
+            self.stats.inc_consume_skipped(self.sub, self.mq.key, skipped)
+            self._skips = [(end, n) for end, n in self._skips if end > self.commit_point]
         if verb == "IDLE":
             self.committed = self.commit_point
-            self._skips.clear()  # all at or below the commit that drained the queue
             return ENDED
         if verb != "OK":
             self._on_refused(verb, res)
             return LOST
         self.retry_updates.clear()
         self.committed = self.commit_point
-        if skipped:
-            self._skips = [(end, n) for end, n in self._skips if end > self.committed]
         self.pq.mark_locked()
         if text(res[2]):
             self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else

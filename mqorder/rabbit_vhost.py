@@ -74,7 +74,7 @@ class RabbitVhost:
 
     def check(self) -> None:
         """One AMQP connection into the vhost: the port answers and the user may use the vhost."""
-        import amqp  # py-amqp: kombu's AMQP client, not Celery
+        import amqp  # type: ignore[import-untyped]  # py-amqp: kombu's AMQP client, not Celery
 
         conn = amqp.Connection(host=f"{self.host}:{self.port}", userid=self.user, password=self.password,
                                virtual_host=self.name, connect_timeout=5)

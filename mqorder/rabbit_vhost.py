@@ -91,9 +91,10 @@ class RabbitVhost:
             except Exception:  # noqa: BLE001 - nothing to release on a failed connect
                 pass
 
-    def queues(self) -> dict[str, int]:
-        """Every queue of the vhost with its ready message count (``rabbitmqctl list_queues``)."""
-        out = self.ctl("list_queues", "-p", self.name, "--quiet", "--no-table-headers", "name", "messages_ready")
+    def queues(self, column: str = "messages_ready") -> dict[str, int]:
+        """Every queue of the vhost with one count of ``rabbitmqctl list_queues``: ready messages by
+        default, or ``messages_unacknowledged`` (delivered to a consumer, not yet acked)."""
+        out = self.ctl("list_queues", "-p", self.name, "--quiet", "--no-table-headers", "name", column)
         counts: dict[str, int] = {}
         for line in out.splitlines():
             name, _, n = line.rpartition("\t")

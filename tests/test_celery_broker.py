@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -13,9 +14,10 @@ from celery import Celery
 
 from mqorder.celery.setup import install
 from mqorder.errors import ConfigError
+from mqorder.rabbit_vhost import RabbitVhost
 from mqorder.settings import load_settings
 from mqorder.store.brokers import check_celery_broker_url, redact_url
-from tests.conftest import ROOT
+from tests.conftest import ROOT, Cluster, wait_for
 
 REDIS = "redis://127.0.0.1:1/0"
 
@@ -119,3 +121,26 @@ def test_reference_app_gets_redis_options_only_on_redis(broker: str | None, expe
     assert proc.returncode == 0, proc.stderr
     url, options = json.loads(proc.stdout.strip().splitlines()[-1])
     assert url == (broker or REDIS) and options == expected
+
+
+def test_tasks_a_killed_worker_had_fetched_go_back_to_its_rabbitmq_queue(rabbitmq: RabbitVhost, cluster: Cluster) -> None:
+    """What RabbitMQ gives over Redis (README, "Choosing Celery's broker"): a task delivered to a
+    worker that dies before acking it is requeued by the broker, not lost with the process."""
+    from celery.utils.nodenames import worker_direct
+
+    cluster.celery_broker_url = rabbitmq.url
+    w = cluster.start_worker("kw", concurrency=1)
+    direct = worker_direct(w.hostname).name
+    app = Celery("t-kill", broker=rabbitmq.url, set_as_current=False)
+    try:
+        w.signal(signal.SIGSTOP)
+        for _ in range(3):  # with countdowns: held unacked in the worker until due (as suspend-and-requeue does)
+            app.send_task("mqorder.lock_all", queue=worker_direct(w.hostname), countdown=60)
+        wait_for(lambda: rabbitmq.queues("messages_unacknowledged").get(direct, 0) >= 1, timeout=30, interval=0.3,
+                 what="a task delivered to the paused worker")
+        w.kill()
+        wait_for(lambda: rabbitmq.queues().get(direct) == 3, timeout=30, interval=0.3,
+                 what="all 3 tasks back in the killed worker's queue")
+        assert rabbitmq.queues("messages_unacknowledged").get(direct) == 0
+    finally:
+        app.close()

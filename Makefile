@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; }
 	@{ command -v docker-compose || docker compose version; } >/dev/null 2>&1 || { echo "installing docker-compose to validate docker-compose.yml"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose) >/dev/null; }
+	@# RabbitMQ (Celery's other broker) runs as a service; Flower reads its queue lengths from the management API.
+	@command -v rabbitmq-plugins >/dev/null && { rabbitmq-plugins list -e -m | grep -qx rabbitmq_management || \
+	  { echo "enabling RabbitMQ's management plugin (Flower's RabbitMQ queue lengths)"; rabbitmq-plugins enable -q rabbitmq_management >/dev/null; }; } || true
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev,spark]'

@@ -253,6 +253,26 @@ def wait_celery_ready(app: Any, hostnames: Sequence[str], timeout: float = 90.0)
 # -- mqorder helpers ------------------------------------------------------------------------------------
 
 
+def celery_broker_url(stack: contextlib.ExitStack, kind: str, redis_url: str) -> str:
+    """Celery's broker of one bench rig: the rig's own Redis (``redis``), or a RabbitMQ vhost of the
+    rig's own (``rabbitmq``), deleted when ``stack`` closes. Call it before starting the rig's
+    workers, so the vhost outlives them."""
+    if kind == "redis":
+        return redis_url
+    if kind != "rabbitmq":
+        raise ValueError(f"unknown Celery broker {kind!r}; use redis or rabbitmq")
+    from mqorder.rabbit_vhost import RabbitVhost
+
+    vhost = RabbitVhost("mqorder-bench")
+    stack.callback(vhost.stop)
+    return vhost.start().url
+
+
+def broker_env(broker_url: str, redis_url: str) -> dict[str, str]:
+    """``MQORDER_CELERY_BROKER_URL`` for the workers when Celery's broker is not the rig's Redis."""
+    return {} if broker_url == redis_url else {"MQORDER_CELERY_BROKER_URL": broker_url}
+
+
 def ctl_app(url: str, name: str = "bench-ctl") -> Any:
     """A fresh Celery app publishing to (and controlling workers on) the broker at ``url``."""
     from celery import Celery

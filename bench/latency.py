@@ -24,6 +24,8 @@ from typing import Any
 from bench.common import (
     Config,
     Workload,
+    broker_env,
+    celery_broker_url,
     celery_task_totals,
     cpu_s,
     ctl_app,
@@ -77,6 +79,8 @@ class MqLatSpec:
     concurrency: int = 1
     #: Extra settings for the workers (e.g. ``MQORDER_CONSUME_LINGER_MS``).
     env: dict[str, str] = field(default_factory=dict)
+    #: Celery's broker: ``redis`` (the configuration's redis-server) or ``rabbitmq`` (a vhost of its own).
+    celery_broker: str = "redis"
 
 
 class _MqLatRig:
@@ -90,14 +94,16 @@ class _MqLatRig:
         self.p = Producer(srv.url)
         st.callback(self.p.close)
         self.p.create_topic(self.topic, queues=queues)
-        env = mq_env(srv.url, topic=self.topic, group=self.group, mode="latency", **spec.env)
+        broker = celery_broker_url(st, spec.celery_broker, srv.url)
+        env = mq_env(srv.url, topic=self.topic, group=self.group, mode="latency", **broker_env(broker, srv.url),
+                     **spec.env)
         log(f"latency mqorder [{spec.key}]: starting {workers} worker(s) -P {spec.pool} -c {spec.concurrency}"
             + (f" {spec.env}" if spec.env else ""))
         self.ws = start_mq_workers(st, srv.url, [f"lat-{spec.key}-w{i}" for i in range(workers)], env,
                                    spec.concurrency, cfg.logdir / "latency", pool=spec.pool)
         self.mqs = queues_of(self.topic, queues)
         self.wl = Workload(n_keys)  # same seed: every configuration gets the same key sequence
-        self.app = ctl_app(srv.url)
+        self.app = ctl_app(broker)
         st.callback(self.app.close)
         self.hostnames = [w.hostname for w in self.ws]
         self.redis_pid = server_pid(srv)

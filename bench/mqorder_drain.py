@@ -21,6 +21,8 @@ from typing import Any
 
 from bench.common import (
     Config,
+    broker_env,
+    celery_broker_url,
     celery_task_totals,
     commandstats,
     cpu_s,
@@ -62,6 +64,8 @@ class DrainSpec:
     warmup: int = 5_000
     #: More ``MQORDER_*`` settings for the workers (e.g. retention on or off).
     env: dict[str, str] = field(default_factory=dict)
+    #: Celery's broker: ``redis`` (the run's redis-server) or ``rabbitmq`` (a vhost of the run's own).
+    celery_broker: str = "redis"
 
 
 def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
@@ -77,6 +81,7 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
         srv, r = redis_and_client(st)
         topic, group = f"drain-{spec.tag}", f"g-{spec.tag}"
         plan = ([(16, spec.warmup)] if spec.warmup else []) + list(spec.plan)
+        broker = celery_broker_url(st, spec.celery_broker, srv.url)
         env = mq_env(
             srv.url, topic=topic, group=group, lanes=len(plan),
             MQORDER_CONSUME_MESSAGE_BATCH_MAX_SIZE=str(spec.batch_max),
@@ -84,12 +89,13 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
             # No periodic rebalance during a run: the run's own kick is the only one.
             MQORDER_REBALANCE_INTERVAL="3600",
             **spec.env,
+            **broker_env(broker, srv.url),
         )
         names = [f"{spec.tag}-w{i}" for i in range(spec.workers)]
         log(f"drain {spec.tag}: starting {spec.workers} worker(s) -P {spec.pool} -c {spec.concurrency}")
         ws = start_mq_workers(st, srv.url, names, env, spec.concurrency, cfg.logdir / spec.tag, pool=spec.pool)
         hostnames = [w.hostname for w in ws]
-        app = ctl_app(srv.url)
+        app = ctl_app(broker)
         st.callback(app.close)
         brokers = BrokerRegistry(srv.url)
         st.callback(brokers.close)
@@ -123,7 +129,7 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
             calls = int(sum(s.get("rt_n", 0) for s in stats))
             res = {
                 "run": run, "queues": queues, "workers": spec.workers, "concurrency": spec.concurrency,
-                "pool": spec.pool,
+                "pool": spec.pool, "celery_broker": spec.celery_broker,
                 "batch_max": spec.batch_max, "messages": messages, "seconds": secs, "rate": messages / secs,
                 "produce_s": produce_s, "lag_after": lag, "consumed_ok": ok, "listener_calls": calls,
                 "consume_tasks": tasks, "evalsha": cs.get("evalsha", {}).get("calls", 0),

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from bench.common import Config
 
-SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "produce", "failover", "rebalance",
-            "memory", "growth", "retention", "spark", "spark_audit")
+SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "celery_broker", "produce", "failover",
+            "rebalance", "memory", "growth", "retention", "spark", "spark_audit")
 DEFAULT_CONCURRENCY = 2
 #: Threads-pool worker concurrency of the latency section and of the threads drain row.
 LAT_THREADS_C = 8

@@ -45,7 +45,8 @@ class Report:
 
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
-                    self.produce, self.failover, self.rebalance, self.memory, self.growth, self.retention, self.spark,
+                    self.celery_broker, self.produce, self.failover, self.rebalance, self.memory, self.growth,
+                    self.retention, self.spark,
                     self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
@@ -325,6 +326,12 @@ class Report:
                     "offered: its queue grows during the run, and its latency is mostly queueing delay."]
         out.append("")
         return out
+
+    def celery_broker(self) -> list[str]:
+        """Drain throughput and latency with Celery's broker on Redis and on RabbitMQ (``bench.celery_broker``)."""
+        from bench import celery_broker
+
+        return celery_broker.markdown(self.res.get("celery_broker") or {})
 
     def produce(self) -> list[str]:
         f = self.f

@@ -129,6 +129,13 @@ def sec_latency(cfg: Config, res: dict[str, Any]) -> None:
     }
 
 
+def sec_celery_broker(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import celery_broker
+
+    res["celery_broker"] = celery_broker.run(cfg, messages=size(cfg, "drain_messages"), runs=cfg.runs,
+                                             concurrency=concurrency(cfg), seconds=size(cfg, "latency_seconds"))
+
+
 def sec_produce(cfg: Config, res: dict[str, Any]) -> None:
     from bench import produce
 
@@ -192,9 +199,9 @@ def sec_spark_audit(cfg: Config, res: dict[str, Any]) -> None:
 
 RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "raw": sec_raw, "mqorder": sec_mqorder, "costs": sec_costs, "naive": sec_naive,
-    "single_lane": sec_single_lane, "latency": sec_latency, "produce": sec_produce, "failover": sec_failover,
-    "rebalance": sec_rebalance, "memory": sec_memory, "growth": sec_growth, "retention": sec_retention,
-    "spark": sec_spark,
+    "single_lane": sec_single_lane, "latency": sec_latency, "celery_broker": sec_celery_broker,
+    "produce": sec_produce, "failover": sec_failover, "rebalance": sec_rebalance, "memory": sec_memory,
+    "growth": sec_growth, "retention": sec_retention, "spark": sec_spark,
     "spark_audit": sec_spark_audit,
 }
 

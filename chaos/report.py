@@ -19,7 +19,7 @@ from chaos.checker import BEAT_OUTAGE_MAX_GAP, DUP_WINDOW, FSYNC_WINDOW, POISON_
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"
 MARK = "chaos-results:"
-ORDER = ["kill", "sigstop", "sigstop-lease", "sigstop-child", "redis-always", "redis-everysec", "churn", "lost-tasks", "poison",
+ORDER = ["kill", "kill-rabbitmq", "sigstop", "sigstop-lease", "sigstop-child", "redis-always", "redis-everysec", "churn", "lost-tasks", "poison",
          "beat", "all"]
 
 

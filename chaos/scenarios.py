@@ -13,6 +13,7 @@ from chaos import listeners
 from chaos.checker import Result, RunData, check
 from chaos.faults import Faults
 from chaos.runner import Cluster, log
+from mqorder.rabbit_vhost import RabbitVhost
 
 #: The lock lease variant: a 6 s lease renewed every 2 s, so a pause or a beat outage of 10-15 s
 #: is longer than the lease itself, not only longer than the 3 s heartbeat timeout.
@@ -29,6 +30,9 @@ class Scenario:
     enforce: set[str] = field(default_factory=set)
     workers: int = 3
     rate: float = 300.0
+    #: Celery's broker: ``redis`` (the Redis under test) or ``rabbitmq`` (a vhost of the run's own
+    #: on the RabbitMQ service, deleted afterwards); mqorder's store is the Redis under test either way.
+    celery_broker: str = "redis"
 
 
 class Clock:
@@ -196,6 +200,8 @@ def smoke(f: Faults, quick: bool) -> None:
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("kill", "kill -9 of a queue owner, repeatedly, with restarts (defaults)", kill_loop,
              enforce={"failover_target"}),
+    Scenario("kill-rabbitmq", "kill -9 of a queue owner, repeatedly, with restarts; RabbitMQ as Celery's broker",
+             kill_loop, enforce={"failover_target"}, celery_broker="rabbitmq"),
     Scenario("sigstop", "SIGSTOP of a queue owner past the 3 s liveness lease (8 s), then SIGCONT", sigstop),
     Scenario("sigstop-lease", "SIGSTOP past the lock lease too (6 s lease, 10 s pause), then SIGCONT",
              sigstop_lease, env=dict(SHORT_LEASE)),
@@ -227,7 +233,12 @@ SMOKE = Scenario("smoke", "smoke: one kill -9 and two lost-task bursts", smoke)
 
 def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_timeout: float = 60.0) -> Result:
     log(f"== scenario {sc.name}: {sc.title}")
-    c = Cluster(sc.name, fsync=sc.fsync, env=sc.env, workers=sc.workers, rate=sc.rate, keep_logs=keep_logs)
+    env = dict(sc.env)
+    vhost = RabbitVhost("mqorder-chaos") if sc.celery_broker == "rabbitmq" else None
+    if vhost is not None:
+        vhost.start()  # fails saying how to get RabbitMQ when it is not running
+        env["MQORDER_CELERY_BROKER_URL"] = vhost.url
+    c = Cluster(sc.name, fsync=sc.fsync, env=env, workers=sc.workers, rate=sc.rate, keep_logs=keep_logs)
     try:
         c.start()
         assert c.faults is not None and c.traffic is not None
@@ -238,7 +249,11 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
         time.sleep(1.0)  # let the last listener calls finish their ledger writes
         data = _run_data(sc, c, drained)
     finally:
-        c.stop()
+        try:
+            c.stop()
+        finally:
+            if vhost is not None:
+                vhost.stop()
     res = check(data)
     log(f"== {sc.name}: {'PASS' if res.passed else 'FAIL'}: produced {res.produced}, handled {res.handled}, "
         f"violations {len(res.violations)}, lost {len(res.lost)}, dups {res.duplicates}, "

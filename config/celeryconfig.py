@@ -25,4 +25,7 @@ beat_schedule = beat_schedule
 # any queue with a backlog and no live request), so the stock workers need no unacked-message
 # bookkeeping. Without it, a Redis restart cannot trip kombu 5.7's restore of unacked messages on
 # a closed connection (AttributeError in _connparams), which made workers exit in the chaos runs.
-broker_transport_options = {"ack_emulation": False}
+# Redis only: ack emulation is the Redis transport's stand-in for broker acks. On RabbitMQ acks
+# are the broker's own (a delivered, unacked message returns to its queue when the worker's
+# connection closes), and the option would mean nothing there.
+broker_transport_options = {"ack_emulation": False} if settings.celery_transport == "redis" else {}

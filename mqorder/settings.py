@@ -17,7 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mqorder.errors import ConfigError
 from mqorder.retention.policy import RetentionPolicy, RetentionRule, check_policy
-from mqorder.store.brokers import check_redis_url, redact_url
+from mqorder.store.brokers import celery_transport, check_celery_broker_url, check_redis_url, redact_url
 
 ALLOCATE_STRATEGIES = ("averagely", "averagely_by_circle", "by_config", "by_machine_room", "consistent_hash")
 #: A DNS host name (RFC 1123 labels), for ``metrics_addr`` when it is not an IP address.
@@ -30,7 +30,8 @@ class Settings(BaseSettings):
 
     # -- where things are ------------------------------------------------------------------------
     redis_url: str = "redis://127.0.0.1:6379/0"
-    #: Celery's own broker; defaults to ``redis_url``.
+    #: Celery's own broker; defaults to ``redis_url``. Redis or RabbitMQ (``amqp://``): it carries
+    #: only mqorder's tasks, the store stays in Redis (README: "Choosing Celery's broker").
     celery_broker_url: str | None = None
     #: More named brokers, as JSON: ``{"broker-b": "redis://host:6380/0"}``.
     brokers: dict[str, str] = Field(default_factory=dict)
@@ -121,7 +122,7 @@ class Settings(BaseSettings):
     def _celery_url(cls, v: str | None) -> str | None:
         if v is None or v == "":
             return None
-        return check_redis_url(v, "MQORDER_CELERY_BROKER_URL")
+        return check_celery_broker_url(v, "MQORDER_CELERY_BROKER_URL")
 
     @field_validator("brokers")
     @classmethod
@@ -204,6 +205,11 @@ class Settings(BaseSettings):
     @property
     def effective_celery_broker_url(self) -> str:
         return self.celery_broker_url or self.redis_url
+
+    @property
+    def celery_transport(self) -> str:
+        """``redis`` or ``amqp`` (RabbitMQ): the kind of Celery's broker, whose settings differ."""
+        return celery_transport(self.effective_celery_broker_url)
 
     @property
     def listener_modules(self) -> list[str]:

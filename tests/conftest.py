@@ -1,5 +1,6 @@
 """Fixtures: one real ``redis-server`` per test session on a free loopback port, flushed before
-every test, and real ``celery worker`` subprocesses (prefork) started per test."""
+every test, and real ``celery worker`` subprocesses (prefork) started per test. With RabbitMQ as
+Celery's broker (``broker_cluster``), each test gets a RabbitMQ vhost of its own."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ import pytest
 import redis
 
 from mqorder.embedded import RedisServer
+from mqorder.errors import BrokerUnavailableError
 from mqorder.launcher import BeatProcess, WorkerProcess, project_env
+from mqorder.rabbit_vhost import RabbitVhost
 from mqorder.settings import get_settings, load_settings
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -80,9 +83,13 @@ class Cluster:
         self.client = client
         self.workers: dict[str, WorkerProcess] = {}
         self.beat: BeatProcess | None = None
+        #: Celery's broker when it is not the store's Redis (``broker_cluster``: a RabbitMQ vhost).
+        self.celery_broker_url: str | None = None
+        self.rabbit: RabbitVhost | None = None
 
     def env(self, **extra: str) -> dict[str, str]:
-        return project_env(self.url, **{**FAST, **extra})
+        broker = {"MQORDER_CELERY_BROKER_URL": self.celery_broker_url} if self.celery_broker_url else {}
+        return project_env(self.url, **{**FAST, **broker, **extra})
 
     def start_worker(self, name: str, *, concurrency: int = 2, pool: str = "prefork", wait: bool = True,
                      **extra: str) -> WorkerProcess:
@@ -110,6 +117,38 @@ def cluster(redis_url: str, r: redis.Redis, tmp_path: Path) -> Iterator[Cluster]
     c = Cluster(redis_url, tmp_path, r)
     yield c
     c.stop()
+
+
+@pytest.fixture
+def rabbitmq() -> Iterator[RabbitVhost]:
+    """A RabbitMQ vhost of this test's own (created, then deleted with all its queues), on the
+    RabbitMQ service at 127.0.0.1:5672. Without one the test fails saying how to get it: CI runs
+    RabbitMQ, and a skip would hide that half of the suite never ran."""
+    vhost = RabbitVhost("mqorder-test")
+    try:
+        vhost.start()
+    except BrokerUnavailableError as exc:
+        vhost.stop()
+        pytest.fail(str(exc), pytrace=False)
+    yield vhost
+    vhost.stop()
+
+
+#: Celery's brokers every ``broker_cluster`` test runs on.
+CELERY_BROKERS = ["redis", "rabbitmq"]
+
+
+@pytest.fixture(params=CELERY_BROKERS)
+def broker_cluster(request: pytest.FixtureRequest) -> Cluster:
+    """``cluster``, once with Celery's broker on the store's Redis and once on RabbitMQ.
+
+    The vhost is set up before the cluster, so it is deleted only after every worker stopped.
+    """
+    vhost: RabbitVhost | None = request.getfixturevalue("rabbitmq") if request.param == "rabbitmq" else None
+    c: Cluster = request.getfixturevalue("cluster")
+    if vhost is not None:
+        c.celery_broker_url, c.rabbit = vhost.url, vhost
+    return c
 
 
 # -- ledger helpers ---------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """End to end: real redis-server, real ``celery worker`` subprocesses (prefork), real listeners.
 
 Every assertion is computed from the ledger the listeners in ``tests/listeners.py`` append to.
+Tests taking ``broker_cluster`` run twice: with Celery's broker on the store's Redis and on
+RabbitMQ (a vhost of the test's own).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections import defaultdict
 
 import pytest
 import redis
+from celery.utils.nodenames import worker_direct
 
 from mqorder import Producer, keys
 from mqorder.model import MessageQueue
@@ -22,7 +25,8 @@ def _handled(r: redis.Redis, group: str, n: int) -> bool:
     return len({(e["key"], e["seq"]) for e in ledger(r, group) if e["ok"]}) >= n
 
 
-def test_two_workers_eight_queues_2000_keys_every_key_in_order_none_lost(cluster: Cluster, r: redis.Redis) -> None:
+def test_two_workers_eight_queues_2000_keys_every_key_in_order_none_lost(broker_cluster: Cluster, r: redis.Redis) -> None:
+    cluster = broker_cluster
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=8)
     cluster.start_worker("w1")
@@ -36,6 +40,9 @@ def test_two_workers_eight_queues_2000_keys_every_key_in_order_none_lost(cluster
     assert violations == []
     assert handled == 8000
     assert {e["client"] for e in entries} == {cluster.workers["w1"].hostname, cluster.workers["w2"].hostname}
+    if cluster.rabbit is not None:  # the ConsumeRequests really went through RabbitMQ's direct queues
+        direct = {worker_direct(w.hostname).name for w in cluster.workers.values()}
+        assert direct <= set(cluster.rabbit.queues())
     log = MessageLog(p.brokers)
     assert sum(log.lag("g-order", mq) for mq in p.describe_topic("t-order").message_queues) == 0
 
@@ -69,7 +76,8 @@ def test_no_two_listener_calls_of_one_queue_overlap_on_prefork_c4(cluster: Clust
     assert len(processes) >= 3  # the calls really were spread over several pool processes
 
 
-def test_suspended_message_is_retried_after_countdown_then_dlq_and_queue_moves_on(cluster: Cluster, r: redis.Redis) -> None:
+def test_suspended_message_is_retried_after_countdown_then_dlq_and_queue_moves_on(broker_cluster: Cluster, r: redis.Redis) -> None:
+    cluster = broker_cluster
     p = Producer(cluster.url)
     p.create_topic("t-suspend", queues=1)
     r.hset("ctl:g-suspend", mapping={"suspend:a:2": 2, "suspend:b:1": 99})
@@ -109,7 +117,8 @@ def test_undecodable_stored_message_goes_to_dlq_and_does_not_block_its_queue(clu
     assert "undecodable" in dlq[0].properties["DLQ_REASON"]
 
 
-def test_worker_joining_and_leaving_mid_stream_keeps_order_and_loses_nothing(cluster: Cluster, r: redis.Redis) -> None:
+def test_worker_joining_and_leaving_mid_stream_keeps_order_and_loses_nothing(broker_cluster: Cluster, r: redis.Redis) -> None:
+    cluster = broker_cluster
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=8)
     r.hset("ctl:g-order", "sleep_ms", 1)
@@ -148,6 +157,74 @@ def test_worker_joining_and_leaving_mid_stream_keeps_order_and_loses_nothing(clu
     clients = {e["client"] for e in entries}
     assert cluster.workers["w3"].hostname in clients  # the newcomer got queues
     assert cluster.workers["w1"].hostname in clients  # the leaver consumed before leaving
+
+
+def _owned_by(r: redis.Redis, mqs: list[MessageQueue], group: str, client: str) -> set[int]:
+    return {mq.queue_id for mq in mqs if (r.hget(keys.sub_state(mq.tag, group), "owner") or b"").decode() == client}
+
+
+def test_kill_9_of_a_queue_owner_fails_over_in_order_and_the_restarted_worker_rejoins(
+    broker_cluster: Cluster, r: redis.Redis
+) -> None:
+    """``kill -9`` of a worker (its pool too) mid-stream: no clean leave, whatever it had fetched
+    from Celery's broker is lost (Redis) or back in its direct queue (RabbitMQ). Its queues move
+    to the survivor within seconds; restarted under the same name, it gets its stale
+    ConsumeRequests (RabbitMQ) and queues again; every key stays in order and nothing is lost."""
+    cluster = broker_cluster
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=8)
+    mqs = p.describe_topic("t-order").message_queues
+    r.hset("ctl:g-order", "sleep_ms", 1)
+    w1 = cluster.start_worker("w1")
+    w2 = cluster.start_worker("w2")
+    n_keys, min_steps = 200, 12
+    stop = threading.Event()
+    steps = [0]
+
+    def produce() -> None:
+        prod = Producer(cluster.url)
+        while not stop.is_set() or steps[0] < min_steps:
+            seq = steps[0] + 1
+            prod.send_orderly_batch("t-order", [(f"k{i}", body(f"k{i}", seq)) for i in range(n_keys)])
+            steps[0] = seq
+            time.sleep(0.3)
+        prod.close()
+
+    t = threading.Thread(target=produce)
+    t.start()
+    try:
+        victims = wait_for(lambda: _owned_by(r, mqs, "g-order", w1.hostname), timeout=30, what="w1 owns queues")
+        wait_for(lambda: any(e["client"] == w1.hostname for e in ledger(r, "g-order")), timeout=30,
+                 what="w1 consuming")
+        killed_us = time.time_ns() // 1000
+        w1.kill()
+
+        def taken_over() -> dict[int, int]:
+            first: dict[int, int] = {}
+            for e in ledger(r, "g-order"):
+                if e["client"] == w2.hostname and e["queue"] in victims and e["start"] > killed_us:
+                    first.setdefault(e["queue"], e["start"])
+            return first if set(first) == victims else {}
+
+        first = wait_for(taken_over, timeout=30, what=f"w2 consuming w1's queues {sorted(victims)}")
+        failover_s = (max(first.values()) - killed_us) / 1e6
+        # heartbeat_timeout (3 s) + one heartbeat + a rebalance; a lost task would cost a sweep.
+        assert failover_s < 10, f"failover took {failover_s:.1f}s"
+        restarted_us = time.time_ns() // 1000
+        cluster.start_worker("w1")  # same name: same direct queue, stale requests in it on RabbitMQ
+        wait_for(lambda: any(e["client"] == w1.hostname and e["start"] > restarted_us
+                             for e in ledger(r, "g-order")), timeout=30, what="the restarted w1 consuming")
+    finally:
+        stop.set()
+        t.join()
+    total = n_keys * steps[0]
+    wait_for(lambda: _handled(r, "g-order", total), timeout=120, what=f"{total} handled")
+    violations, handled, _ = check_order(ledger(r, "g-order"))
+    assert violations == []
+    assert handled == total
+    log = MessageLog(p.brokers)
+    assert sum(log.lag("g-order", mq) for mq in mqs) == 0
+    p.close()
 
 
 def test_broadcast_group_delivers_every_message_to_every_worker_in_order(cluster: Cluster, r: redis.Redis) -> None:

@@ -8,6 +8,7 @@ import logging
 from celery import Celery
 
 from mqorder.celery.bootsteps import ConsumerClientStep
+from mqorder.celery.broker import transport_options
 from mqorder.errors import ConfigError
 from mqorder.settings import Settings, get_settings
 
@@ -38,8 +39,9 @@ def install(app: Celery, settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
     import mqorder.celery.tasks  # noqa: F401 - registers the shared tasks
 
+    broker_url = app.conf.broker_url or settings.effective_celery_broker_url
     app.conf.update(
-        broker_url=app.conf.broker_url or settings.effective_celery_broker_url,
+        broker_url=broker_url,
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
@@ -49,7 +51,8 @@ def install(app: Celery, settings: Settings | None = None) -> Celery:
         # Tasks are short re-dispatching runs; prefetching many would only delay other queues.
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
-        broker_transport_options={"visibility_timeout": 3600, **(app.conf.broker_transport_options or {})},
+        # Redis transport options only on Redis (mqorder.celery.broker says what each broker needs).
+        broker_transport_options=transport_options(broker_url, app.conf.broker_transport_options),
     )
     schedule = dict(app.conf.beat_schedule or {})
     schedule.update(beat_schedule(settings))

@@ -7,9 +7,10 @@ topic routes, group subscriptions and client heartbeats live there. More brokers
 
 from __future__ import annotations
 
+import re
 import threading
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar, cast, overload
+from typing import Any, Literal, TypeVar, cast, overload
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
@@ -21,10 +22,26 @@ from mqorder.store.scripts import Scripts
 
 DEFAULT_BROKER_NAME = "broker-a"
 _SCHEMES = ("redis", "rediss", "unix")
+#: RabbitMQ, through py-amqp (kombu's ``amqp``/``pyamqp`` transports; ``amqps`` is AMQP over TLS).
+#: Accepted for Celery's own broker only: mqorder's store is always Redis.
+AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
+#: kombu's failover list (``amqp://h1//;amqp://h2//``): a ``;`` that starts another URL.
+_FAILOVER_SEP = re.compile(r";(?=[A-Za-z][A-Za-z0-9+.-]*://)")
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password replaced by ``***``: safe to log and to put in errors."""
+    """The URL with any password replaced by ``***``: safe to log and to put in errors.
+
+    A kombu failover list (``amqp://u:p1@h1//;amqp://u:p2@h2//``) is redacted URL by URL: parsed
+    as one URL, the passwords after the first would be shown.
+    """
+    parts = _FAILOVER_SEP.split(url)
+    if len(parts) > 1:
+        return ";".join(_redact_one(u) for u in parts)
+    return _redact_one(url)
+
+
+def _redact_one(url: str) -> str:
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -47,6 +64,40 @@ def check_redis_url(url: object, what: str = "MQORDER_REDIS_URL") -> str:
         raise ConfigError(
             f"{what}={redact_url(url)!r} has scheme {scheme!r}; use redis://host:port/db, "
             "rediss:// for TLS, or unix:///path/to/socket"
+        )
+    return url
+
+
+def celery_transport(url: str) -> Literal["redis", "amqp"]:
+    """Which kind of broker a (checked) Celery broker URL names: its settings differ
+    (``mqorder.celery.broker``)."""
+    scheme = urlsplit(_FAILOVER_SEP.split(url)[0]).scheme
+    return "amqp" if scheme in AMQP_SCHEMES else "redis"
+
+
+def check_celery_broker_url(url: object, what: str = "MQORDER_CELERY_BROKER_URL") -> str:
+    """Celery's own broker: Redis (as the store) or RabbitMQ. Only ``consume_request``,
+    ``rebalance`` and ``lock_all`` tasks travel there; messages, locks and offsets stay in Redis.
+    Every URL of a kombu failover list is checked, and all of them must be of one kind."""
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"{what} must be a non-empty redis:// or amqp:// URL, got {url!r}")
+    kinds = set()
+    for one in _FAILOVER_SEP.split(url):
+        scheme = urlsplit(one).scheme
+        if scheme in AMQP_SCHEMES:
+            kinds.add("amqp")
+        elif scheme in _SCHEMES:
+            kinds.add("redis")
+        else:
+            raise ConfigError(
+                f"{what}={redact_url(url)!r} has scheme {scheme!r}; Celery's broker must be Redis "
+                "(redis://host:port/db, rediss:// for TLS, unix:///path/to/socket) or RabbitMQ "
+                "(amqp://user:password@host:5672/vhost, amqps:// for TLS, pyamqp://)"
+            )
+    if len(kinds) > 1:
+        raise ConfigError(
+            f"{what}={redact_url(url)!r} mixes Redis and RabbitMQ URLs; a failover list "
+            "(url1;url2) must name brokers of one kind"
         )
     return url
 

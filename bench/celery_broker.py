@@ -1,0 +1,69 @@
+"""Celery's broker, Redis or RabbitMQ, side by side: drain throughput and send-to-handle latency at
+1,000 msg/s with the same stock workers, the same store (a redis-server of each rig's own) and
+only Celery's broker changed.
+
+Celery's broker carries ConsumeRequests, not messages: the drain dispatches one task per queue
+(16) and the ConsumeRequests then drain their queues in batches, so the broker matters little
+there; at 1,000 msg/s with linger the workers rarely need a new task either. The rows say how
+much that "little" is. Each Redis/RabbitMQ pair is measured in the same section of the same run:
+the two drains back to back, the two latency configurations interleaved run by run
+(``bench.latency.mqorder_latency``).
+
+    python -m bench.run --only celery_broker
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.common import Config, log, summarize
+from bench.latency import MqLatSpec, mqorder_latency
+from bench.mqorder_drain import DrainSpec, drain
+
+BROKERS = ("redis", "rabbitmq")
+LABELS = {"redis": "Redis (the store's own server)", "rabbitmq": "RabbitMQ (a vhost of the run's own)"}
+
+
+def run(cfg: Config, *, messages: int, runs: int, concurrency: int, seconds: float, rate: int = 1000) -> dict[str, Any]:
+    out: dict[str, Any] = {"messages": messages, "concurrency": concurrency, "rate": rate, "seconds": seconds,
+                           "drain": {}, "latency": {}}
+    plan = [(16, messages)] * runs
+    for kind in BROKERS:
+        log(f"celery_broker: drain with Celery on {kind}")
+        out["drain"][kind] = drain(cfg, DrainSpec(tag=f"cb-{kind}", concurrency=concurrency, batch_max=32, plan=plan,
+                                                  warmup=min(5000, messages), celery_broker=kind))
+    specs = [MqLatSpec(kind, f"prefork -c {concurrency}, Celery on {kind}", pool="prefork", concurrency=concurrency,
+                       celery_broker=kind) for kind in BROKERS]
+    out["latency"] = mqorder_latency(cfg, rate=rate, seconds=seconds, runs=runs, specs=specs)
+    return out
+
+
+def markdown(res: dict[str, Any]) -> list[str]:
+    """The section of RESULTS.md: one row per broker."""
+    out = ["## Celery's broker: Redis or RabbitMQ", ""]
+    if not res:
+        return out
+    rows = []
+    for kind in BROKERS:
+        dr, lat = res["drain"].get(kind) or [], res["latency"].get(kind) or []
+        if not dr and not lat:
+            continue
+        rows.append([
+            LABELS[kind],
+            summarize(r["rate"] for r in dr).fmt(0, "msg/s") if dr else "not measured",
+            summarize(r["consume_tasks"] for r in dr).fmt(0) if dr else "",
+            summarize(r["p50_ms"] for r in lat).fmt(2, "ms") if lat else "not measured",
+            summarize(r["p99_ms"] for r in lat).fmt(2, "ms") if lat else "",
+            summarize(r["send_rate"] for r in lat).fmt(0, "msg/s") if lat else "",
+            summarize(r["tasks_per_msg"] for r in lat).fmt(3) if lat else "",
+        ])
+    out += ["| Celery's broker | drain throughput | Celery tasks per drain | p50 send → handle | "
+            "p99 send → handle | achieved send rate | Celery tasks per message |",
+            "|---|---|---|---|---|---|---|", *("| " + " | ".join(r) + " |" for r in rows), ""]
+    out += [f"Both rows: 2 stock workers, prefork -c {res['concurrency']}, stock settings, mqorder's store on a "
+            f"redis-server of the rig's own; only `MQORDER_CELERY_BROKER_URL` differs. Drain: a "
+            f"{res['messages']:,}-message backlog over 16 queues and 2,000 keys, consume batch 32, measured as in "
+            f"the throughput section (the two drains back to back). Latency: {res['rate']:,} msg/s for "
+            f"{res['seconds']} s per run after 1 s of warm-up, consume batch 1, the two configurations' runs "
+            "interleaved. Medians of runs (min–max).", ""]
+    return out

@@ -27,6 +27,8 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:{t:b:q}:log                             STREAM message log, entry id "<offset>-1"
     mqorder:{t:b:q}:next                            STR   next offset to assign (= max offset + 1)
     mqorder:{t:b:q}:ids                             HASH  msg id -> offset, for idempotent appends only
+    mqorder:{t:b:q}:dedup                           HASH  producer dedup key -> offset, within the window
+    mqorder:{t:b:q}:dedup:exp                       ZSET  producer dedup key -> end of its window (ms)
     mqorder:{t:b:q}:s:<sub>                         HASH  lock/epoch/offset/pending state of sub on q
     mqorder:{t:b:q}:r:<sub>                         HASH  offset -> reconsume times (retrying head)
     mqorder:{t:b:q}:stage:<job>:<run>               LIST  rows one Spark task staged for q until its job commits (TTL)
@@ -177,6 +179,18 @@ def queue_next(tag: str) -> str:
 def queue_ids(tag: str) -> str:
     """Ids of the messages appended idempotently to the queue (``append_entries`` in Lua)."""
     return f"{PREFIX}:{tag}:ids"
+
+
+def queue_dedup(tag: str) -> str:
+    """The producer's dedup window on one queue: dedup key -> offset of the first send
+    (``append_entries`` with a window). Unlike ``queue_ids`` it forgets: see ``queue_dedup_expiry``."""
+    return f"{PREFIX}:{tag}:dedup"
+
+
+def queue_dedup_expiry(tag: str) -> str:
+    """When each key of ``queue_dedup`` leaves the window (ZSET, ms by Redis's clock): trimmed in the
+    same Lua step as every windowed append, and both keys expire a window after the last one."""
+    return f"{PREFIX}:{tag}:dedup:exp"
 
 
 def sub_state(tag: str, sub: str) -> str:

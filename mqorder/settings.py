@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from mqorder.errors import ConfigError
 from mqorder.store.brokers import check_redis_url, redact_url
 
+DEDUP_DERIVE = ("none", "msg_id", "content")
 ALLOCATE_STRATEGIES = ("averagely", "averagely_by_circle", "by_config", "by_machine_room", "consistent_hash")
 #: A DNS host name (RFC 1123 labels), for ``metrics_addr`` when it is not an IP address.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -88,6 +89,13 @@ class Settings(BaseSettings):
     max_message_size: int = Field(4 * 1024 * 1024, ge=1, le=512 * 1024 * 1024)
     send_msg_timeout: float = Field(3.0, gt=0, le=600)
     retry_times_when_send_failed: int = Field(2, ge=0, le=16)
+    #: How long a producer dedup key is remembered per queue (SQS FIFO's 5 minutes): a resend of
+    #: the same key within it returns the first send's result and stores nothing.
+    dedup_window: float = Field(300.0, gt=0, le=86_400)
+    #: The dedup key of a send that names none: ``none`` (only ``dedup_key=`` deduplicates),
+    #: ``msg_id`` (every send is keyed by its own id: the producer's retries never duplicate) or
+    #: ``content`` (the body's SHA-256, SQS's content-based deduplication).
+    dedup_derive: str = "none"
 
     @field_validator("redis_url")
     @classmethod
@@ -114,6 +122,14 @@ class Settings(BaseSettings):
         v = v.strip().lower().replace("-", "_")
         if v not in ALLOCATE_STRATEGIES:
             raise ValueError(f"unknown strategy {v!r}; choose one of {', '.join(ALLOCATE_STRATEGIES)}")
+        return v
+
+    @field_validator("dedup_derive")
+    @classmethod
+    def _dedup_derive(cls, v: str) -> str:
+        v = v.strip().lower().replace("-", "_")
+        if v not in DEDUP_DERIVE:
+            raise ValueError(f"unknown dedup key derivation {v!r}; choose one of {', '.join(DEDUP_DERIVE)}")
         return v
 
     @field_validator("metrics_port", mode="before")

@@ -53,11 +53,16 @@ class AppendReply:
 
 @dataclass(frozen=True, slots=True)
 class AppendRequest:
-    """Messages for one queue; ``ids`` (one per message) makes the append idempotent."""
+    """Messages for one queue; ``ids`` (one per message) makes the append idempotent.
+
+    With ``dedup_window_ms`` the ids are producer dedup keys, remembered only that long (in the
+    queue's dedup window, ``keys.queue_dedup``), not for good like the Spark writer's ids.
+    """
 
     mq: MessageQueue
     entries: Sequence[Entry]
     ids: Sequence[str] | None = None
+    dedup_window_ms: int | None = None
 
 
 class QueueAppender:
@@ -78,9 +83,12 @@ class QueueAppender:
         self.action = action
         self._subs: dict[str, tuple[float, list[str]]] = {}
 
-    def append(self, mq: MessageQueue, entries: Sequence[Entry], *, ids: Sequence[str] | None = None) -> AppendReply:
+    def append(
+        self, mq: MessageQueue, entries: Sequence[Entry], *, ids: Sequence[str] | None = None,
+        dedup_window_ms: int | None = None,
+    ) -> AppendReply:
         """Append to one queue in one script call (``len(entries) <= MAX_PER_CALL``)."""
-        return self.append_many([AppendRequest(mq, entries, ids)])[0]
+        return self.append_many([AppendRequest(mq, entries, ids, dedup_window_ms)])[0]
 
     def append_many(self, requests: Sequence[AppendRequest]) -> list[AppendReply]:
         """One script call per request, pipelined per broker: one round trip per broker.
@@ -136,8 +144,13 @@ class QueueAppender:
         mq = req.mq
         tag = mq.tag
         state_keys, wake_args = self.wake_tail(mq)
-        kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag), *state_keys]
         args: list[Any] = [len(req.entries), "0" if req.ids is None else "1"]
+        if req.ids is not None and req.dedup_window_ms is not None:
+            kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_dedup(tag), keys.queue_dedup_expiry(tag),
+                  *state_keys]
+            args = [len(req.entries), "2", req.dedup_window_ms]
+        else:
+            kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag), *state_keys]
         if req.ids is None:
             for h, b in req.entries:
                 args.append(h)

@@ -38,5 +38,5 @@ def run(cfg: Config, *, messages: int, runs: int = 3, queues: int = 16, n_keys: 
                 secs = time.perf_counter() - t0
                 out[variant].append({"messages": messages, "seconds": secs, "rate": messages / secs})
                 p.close()
-            log("dedup run {}: ".format(run_no) + ", ".join(f"{v} {out[v][-1]['rate']:,.0f}/s" for v in VARIANTS))
+            log(f"dedup run {run_no}: " + ", ".join(f"{v} {out[v][-1]['rate']:,.0f}/s" for v in VARIANTS))
     return out

@@ -17,6 +17,7 @@ Celery; ``mqorder.celery`` holds the Celery tasks and the worker bootstep.
 """
 
 from mqorder.client.producer import Producer
+from mqorder.client.pull_consumer import PullConsumer, PullResult, PullStatus
 from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.hooks import ConsumeMessageContext, ConsumeMessageHook, register_consume_message_hook
 from mqorder.consumer.listener import orderly_listener
@@ -28,6 +29,8 @@ from mqorder.errors import (
     MessageError,
     MessageTooLargeError,
     MQOrderError,
+    OffsetFencedError,
+    OffsetIllegalError,
     TopicNotFoundError,
     TopicNotWritableError,
 )
@@ -57,7 +60,12 @@ __all__ = [
     "MessageModel",
     "MessageQueue",
     "MessageTooLargeError",
+    "OffsetFencedError",
+    "OffsetIllegalError",
     "Producer",
+    "PullConsumer",
+    "PullResult",
+    "PullStatus",
     "SendResult",
     "SendStatus",
     "TopicNotFoundError",

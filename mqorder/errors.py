@@ -49,3 +49,12 @@ class BrokerRefusedError(BrokerUnavailableError):
 
 class ListenerError(MQOrderError):
     """A listener was registered wrongly (bad signature, duplicate group/topic pair...)."""
+
+
+class OffsetFencedError(MQOrderError):
+    """A pull consumer's ``update_offset`` was refused: it no longer holds the queue at the epoch it
+    was given (a rebalance moved it, or its lease lapsed and another consumer took it)."""
+
+
+class OffsetIllegalError(MQOrderError, ValueError):
+    """An offset a pull consumer gave is not allowed (backward, or past the end of the queue)."""

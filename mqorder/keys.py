@@ -30,6 +30,10 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:{t:b:q}:dedup                           HASH  producer dedup key -> offset, within the window
     mqorder:{t:b:q}:dedup:exp                       ZSET  producer dedup key -> end of its window (ms)
     mqorder:{t:b:q}:s:<sub>                         HASH  lock/epoch/offset/pending state of sub on q
+    mqorder:{t:b:q}:txn                             ZSET  half message txid -> when to check it back (ms)
+    mqorder:{t:b:q}:txn:half                        HASH  "<txid>:h|b|n|t" header, body, checks, prepared ms
+    mqorder:{t:b:q}:txn:log                         STREAM how each transaction ended and why (capped)
+    mqorder:txn:topics                              SET   topics that ever had half messages (check-back)
     mqorder:{t:b:q}:r:<sub>                         HASH  offset -> reconsume times (retrying head)
     mqorder:{t:b:q}:stage:<job>:<run>               LIST  rows one Spark task staged for q until its job commits (TTL)
     mqorder:{t:b:q}:stage:<job>:cursor              HASH  run -> rows of it already published (TTL)
@@ -191,6 +195,27 @@ def queue_dedup_expiry(tag: str) -> str:
     """When each key of ``queue_dedup`` leaves the window (ZSET, ms by Redis's clock): trimmed in the
     same Lua step as every windowed append, and both keys expire a window after the last one."""
     return f"{PREFIX}:{tag}:dedup:exp"
+
+
+def txn_index(tag: str) -> str:
+    """The half messages of one queue awaiting phase two, by when the check-back asks about them."""
+    return f"{PREFIX}:{tag}:txn"
+
+
+def txn_half(tag: str) -> str:
+    """The half messages of one queue (header, body, check count, prepared time per txid): never
+    in the log, so no consumer sees them until ``txn_end.lua`` commits one."""
+    return f"{PREFIX}:{tag}:txn:half"
+
+
+def txn_log(tag: str) -> str:
+    """How each transaction of one queue ended: COMMIT (at which offset) or ROLLBACK, and why."""
+    return f"{PREFIX}:{tag}:txn:log"
+
+
+def txn_topics() -> str:
+    """Topics that ever had half messages: where the check-back looks."""
+    return f"{PREFIX}:txn:topics"
 
 
 def sub_state(tag: str, sub: str) -> str:

@@ -97,6 +97,14 @@ class Settings(BaseSettings):
     #: ``content`` (the body's SHA-256, SQS's content-based deduplication).
     dedup_derive: str = "none"
 
+    # -- transactional messages (RocketMQ's broker defaults) -----------------------------------
+    #: A half message is first checked back this long after phase one (transactionTimeout).
+    transaction_timeout: float = Field(6.0, gt=0, le=86_400)
+    #: Checked back at most this many times, then rolled back with that reason (transactionCheckMax).
+    transaction_check_max: int = Field(15, ge=1, le=1000)
+    #: How often the check-back beat task runs (transactionCheckInterval).
+    transaction_check_interval: float = Field(60.0, gt=0, le=86_400)
+
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, v: str) -> str:

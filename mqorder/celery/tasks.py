@@ -13,6 +13,7 @@ from celery import shared_task
 from mqorder import keys
 from mqorder.celery.dispatch import CONSUME_REQUEST, dispatch
 from mqorder.celery.runtime import engine_for
+from mqorder.client.transaction_check import TransactionCheckService
 from mqorder.consumer.listener import get_listener
 from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageQueue
@@ -87,3 +88,19 @@ def lock_all() -> dict:
     Workers also renew their own leases from their bootstep, so leases never depend on beat alone.
     """
     return {"locked": rebalance_service().lock_all_clients()}
+
+
+_txn_check: TransactionCheckService | None = None
+
+
+@shared_task(name="mqorder.transaction_check", ignore_result=True)
+def transaction_check() -> dict:
+    """The transaction check-back (beat, every ``transaction_check_interval``): ask the
+    ``@transaction_checker`` of each due half message's topic, commit, roll back or wait."""
+    global _txn_check
+    if _txn_check is None:
+        s = get_settings()
+        _txn_check = TransactionCheckService(BrokerRegistry(s.redis_url, s.brokers), s)
+    report = _txn_check.check_once()
+    return {"checked": report.checked, "committed": report.committed, "rolled_back": report.rolled_back,
+            "unknown": report.unknown, "gave_up": report.gave_up}

@@ -34,6 +34,9 @@ NAMES = (
     "reset_offset",  # mqorder.admin.offsets: `mqorder offsets reset`, fenced
     "adopt",  # mqorder.consumer.idle_watch: a lingering request watches another idle queue
     "update_offset",  # mqorder.client.pull_consumer: PullConsumer.update_offset, fenced
+    "txn_prepare",  # mqorder.store.transactions: phase one stores a half message
+    "txn_end",  # mqorder.store.transactions: phase two (or the check-back) commits or rolls back
+    "txn_due",  # mqorder.store.transactions: the check-back claims due half messages
 )
 
 

@@ -34,6 +34,10 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:{t:b:q}:txn:half                        HASH  "<txid>:h|b|n|t" header, body, checks, prepared ms
     mqorder:{t:b:q}:txn:log                         STREAM how each transaction ended and why (capped)
     mqorder:txn:topics                              SET   topics that ever had half messages (check-back)
+    mqorder:{t:b:q}:delay                           ZSET  delayed message member -> due ms
+    mqorder:{t:b:q}:delay:msg                       HASH  "<member>:h|b" header, body of delayed messages
+    mqorder:{t:b:q}:delay:seq                       STR   sequence of members (send order among equal due times)
+    mqorder:delay:queues                            SET   queue keys that ever had delayed messages (the mover)
     mqorder:{t:b:q}:r:<sub>                         HASH  offset -> reconsume times (retrying head)
     mqorder:{t:b:q}:stage:<job>:<run>               LIST  rows one Spark task staged for q until its job commits (TTL)
     mqorder:{t:b:q}:stage:<job>:cursor              HASH  run -> rows of it already published (TTL)
@@ -211,6 +215,26 @@ def txn_half(tag: str) -> str:
 def txn_log(tag: str) -> str:
     """How each transaction of one queue ended: COMMIT (at which offset) or ROLLBACK, and why."""
     return f"{PREFIX}:{tag}:txn:log"
+
+
+def delay_schedule(tag: str) -> str:
+    """Delayed messages of one queue by due time: stored, but not in the log until the mover
+    (``delay_move.lua``) appends them (RocketMQ's ``SCHEDULE_TOPIC_XXXX``)."""
+    return f"{PREFIX}:{tag}:delay"
+
+
+def delay_messages(tag: str) -> str:
+    return f"{PREFIX}:{tag}:delay:msg"
+
+
+def delay_seq(tag: str) -> str:
+    return f"{PREFIX}:{tag}:delay:seq"
+
+
+def delay_queues() -> str:
+    """Queue keys that ever had delayed messages: where the mover looks (never shrinks: bounded by
+    the number of queues, and removing one could race a new delayed send)."""
+    return f"{PREFIX}:delay:queues"
 
 
 def txn_topics() -> str:

@@ -19,6 +19,20 @@ from mqorder.errors import ConfigError
 from mqorder.store.brokers import check_redis_url, redact_url
 
 DEDUP_DERIVE = ("none", "msg_id", "content")
+_DELAY_UNITS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_delay_levels(text: str) -> list[int]:
+    """RocketMQ's ``messageDelayLevel`` ("1s 5s 10s 30s 1m ... 2h") as ms per level."""
+    out = []
+    for item in text.split():
+        unit = _DELAY_UNITS.get(item[-1:])
+        if unit is None or not item[:-1].isdigit() or int(item[:-1]) <= 0:
+            raise ValueError(f"delay level {item!r} is not a positive number followed by s, m, h or d (e.g. '1s 5s 1m')")
+        out.append(int(item[:-1]) * unit)
+    if not out:
+        raise ValueError("needs at least one level, e.g. '1s 5s 10s 30s 1m'")
+    return out
 ALLOCATE_STRATEGIES = ("averagely", "averagely_by_circle", "by_config", "by_machine_room", "consistent_hash")
 #: A DNS host name (RFC 1123 labels), for ``metrics_addr`` when it is not an IP address.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -97,6 +111,12 @@ class Settings(BaseSettings):
     #: ``content`` (the body's SHA-256, SQS's content-based deduplication).
     dedup_derive: str = "none"
 
+    # -- delay messages (RocketMQ's messageDelayLevel) -----------------------------------------
+    #: The delay of each ``delay_time_level`` (1 = the first), RocketMQ's broker default.
+    message_delay_level: str = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+    #: How often the mover (beat task ``mqorder.delay_move``) makes due delayed messages visible.
+    delay_move_interval: float = Field(1.0, gt=0, le=3600)
+
     # -- transactional messages (RocketMQ's broker defaults) -----------------------------------
     #: A half message is first checked back this long after phase one (transactionTimeout).
     transaction_timeout: float = Field(6.0, gt=0, le=86_400)
@@ -139,6 +159,17 @@ class Settings(BaseSettings):
         if v not in DEDUP_DERIVE:
             raise ValueError(f"unknown dedup key derivation {v!r}; choose one of {', '.join(DEDUP_DERIVE)}")
         return v
+
+    @field_validator("message_delay_level")
+    @classmethod
+    def _delay_levels(cls, v: str) -> str:
+        parse_delay_levels(v)
+        return v
+
+    @property
+    def delay_levels_ms(self) -> list[int]:
+        """The delay of level 1, 2, ... in ms."""
+        return parse_delay_levels(self.message_delay_level)
 
     @field_validator("metrics_port", mode="before")
     @classmethod

@@ -23,6 +23,7 @@ from mqorder.names import check_topic
 from mqorder.settings import Settings, get_settings, load_settings
 from mqorder.store.append import AppendReply, AppendRequest, QueueAppender
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.delay import DelayStore
 from mqorder.store.failures import TRANSIENT, unavailable
 from mqorder.store.log import MessageLog
 from mqorder.store.topics import TopicManager, TopicRoute
@@ -90,6 +91,7 @@ class Producer:
             topics=self.topics,
         )
         self._log = MessageLog(self.brokers)
+        self.delays = DelayStore(self.brokers, self.appender, timeout=settings.send_msg_timeout)
 
     # -- admin -----------------------------------------------------------------------------------
 
@@ -123,6 +125,7 @@ class Producer:
         tags: str | None = None,
         properties: dict[str, str] | None = None,
         dedup_key: str | None = None,
+        delay_time_level: int = 0,
     ) -> SendResult:
         """Send to the next queue round-robin; on a broker failure retry elsewhere.
 
@@ -132,9 +135,22 @@ class Producer:
         A send with a dedup key (``dedup_key=`` or ``MQORDER_DEDUP_DERIVE``) is retried on the
         *same* queue instead, since the key is remembered per queue: a given or content key picks
         its queue by hash (so a resend meets the first copy), a msg-id key the next one round-robin.
+
+        ``delay_time_level`` (1 to 18 with RocketMQ's levels: 1s 5s 10s 30s 1m ... 2h,
+        ``MQORDER_MESSAGE_DELAY_LEVEL``) holds the message beside its queue until it is due; the
+        mover (``mqorder.store.delay``) then appends it, so ``queue_offset`` is -1 here. A delayed
+        send is tried once (its schedule is not deduplicated) and takes no dedup key.
         """
         route, queues = self._route(topic)
+        delay_ms = self._delay_ms(delay_time_level)
         header, msg_id, body = self._prepare(body, keys, tags, properties)
+        if delay_ms:
+            if dedup_key is not None:
+                raise MessageError("a delayed send cannot take a dedup_key (the delay schedule does not deduplicate); "
+                                   "drop one of the two")
+            mq = self._select_round_robin(queues, None)
+            self.delays.schedule(mq, header, body, delay_ms)
+            return SendResult(SendStatus.SEND_OK, msg_id, mq, -1, 0)
         key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body)
         if key is not None:
             by_hash = dedup_key is not None or self.settings.dedup_derive == "content"
@@ -163,6 +179,7 @@ class Producer:
         tags: str | None = None,
         properties: dict[str, str] | None = None,
         dedup_key: str | None = None,
+        delay_time_level: int = 0,
     ) -> SendResult:
         """Send to the queue the selector picks for ``sharding_key`` (default: crc32 mod n).
 
@@ -172,7 +189,17 @@ class Producer:
         is idempotent within ``MQORDER_DEDUP_WINDOW``: a resend of the key returns the first send's
         result and stores nothing, and a timed-out attempt is retried on the same queue up to
         ``retry_times_when_send_failed`` times, which can neither duplicate nor reorder it.
+
+        ``delay_time_level`` is refused: a delayed message cannot keep its place among its key's
+        messages (RocketMQ's orderly send has no delay either).
         """
+        if delay_time_level:
+            raise MessageError(
+                f"send_orderly cannot delay a message (delay_time_level={delay_time_level!r}): it would be "
+                "overtaken by the later messages of its sharding key, breaking their order. Send it with "
+                "send(..., delay_time_level=...) to a topic nobody consumes in order, or delay it in your "
+                "application before sending; nothing was sent"
+            )
         _, queues = self._route(topic)
         header, msg_id, body = self._prepare(body, keys, tags, properties)
         mq = self._select(queues, sharding_key, body, selector)
@@ -232,6 +259,15 @@ class Producer:
         self.close()
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _delay_ms(self, level: object) -> int:
+        levels = self.settings.delay_levels_ms
+        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= len(levels):
+            raise MessageError(
+                f"delay_time_level must be an int from 0 (no delay) to {len(levels)}, got {level!r}; the levels are "
+                f"{self.settings.message_delay_level!r} (MQORDER_MESSAGE_DELAY_LEVEL)"
+            )
+        return levels[level - 1] if level else 0
 
     def _send_keyed(self, mq: MessageQueue, header: bytes, body: bytes, msg_id: str, key: str) -> SendResult:
         """Store once per ``key`` within the window, retrying on ``mq`` after a broker failure.

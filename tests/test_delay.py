@@ -73,3 +73,23 @@ def test_the_beat_mover_delivers_a_delayed_message_to_a_worker(cluster, r: redis
                    what="the delayed message to be consumed")
     assert got[0]["start"] / 1e6 - t0 >= 0.95  # not before its delay
     p.close()
+
+
+def test_deleting_a_topic_removes_its_delayed_half_and_dedup_state(redis_url: str, r: redis.Redis) -> None:
+    from mqorder import keys
+    from mqorder.admin.common import Admin
+    from mqorder.admin.topics import delete
+    from mqorder.client.transaction import LocalTransactionState, TransactionProducer
+
+    p = TransactionProducer(settings=load_settings(redis_url=redis_url))
+    p.create_topic("doomed", queues=1)
+    p.send("doomed", b"later", delay_time_level=1)
+    p.send_orderly("doomed", b"once", sharding_key="k", dedup_key="e1")
+    p.send_in_transaction("doomed", b"half", sharding_key="k", executor=lambda m, a: LocalTransactionState.UNKNOWN)
+    admin = Admin.open(load_settings(redis_url=redis_url))
+    report = delete(admin, "doomed", force=True)
+    assert {"delay", "dedup", "txn"} <= set(report.keys_by_kind)
+    assert not list(r.scan_iter(match="mqorder:{doomed:*"))
+    assert not r.sismember(keys.txn_topics(), "doomed") and not r.smembers(keys.delay_queues())
+    admin.brokers.close()
+    p.close()

@@ -45,8 +45,8 @@ class Report:
 
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
-                    self.celery_broker, self.produce, self.failover, self.rebalance, self.memory, self.growth,
-                    self.retention, self.spark,
+                    self.celery_broker, self.produce, self.dedup, self.failover, self.rebalance, self.memory,
+                    self.growth, self.retention, self.spark,
                     self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
@@ -352,6 +352,21 @@ class Report:
                 "The raw XADD has its headers encoded and queues chosen before the clock starts; the producer does "
                 "validation, ids, header encoding and queue selection inside.", ""]
         return out
+
+    def dedup(self) -> list[str]:
+        """Dedup-window overhead on ``send_orderly`` (``bench.dedup``), only when that section ran."""
+        d = self.res.get("dedup")
+        if not d:
+            return []
+        plain = rates(d.get("no_key"))
+        labels = {"no_key": "`send_orderly`, no dedup key", "dedup_key": "`send_orderly(dedup_key=...)`",
+                  "derive_msg_id": "`send_orderly`, `MQORDER_DEDUP_DERIVE=msg_id`"}
+        rows = [[label, fmt_summary(rates(d.get(k))), fmt_ratio(ratio(rates(d.get(k)), plain))]
+                for k, label in labels.items()]
+        return ["## Dedup-window overhead on `send_orderly`", "",
+                *_table(["producer", "messages/s", "vs no key"], rows),
+                f"{size(self.cfg, 'dedup_messages'):,} messages per run, the three variants interleaved run by "
+                "run on one redis-server; 16 queues, 2,000 keys, one subscribing group.", ""]
 
     def failover(self) -> list[str]:
         fo = self.f.fo

@@ -17,6 +17,9 @@ Celery; ``mqorder.celery`` holds the Celery tasks and the worker bootstep.
 """
 
 from mqorder.client.producer import Producer
+from mqorder.client.pull_consumer import PullConsumer, PullResult, PullStatus
+from mqorder.client.transaction import LocalTransactionState, TransactionProducer, TransactionSendResult
+from mqorder.client.transaction_check import transaction_checker
 from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.hooks import ConsumeMessageContext, ConsumeMessageHook, register_consume_message_hook
 from mqorder.consumer.listener import orderly_listener
@@ -30,6 +33,8 @@ from mqorder.errors import (
     MessageError,
     MessageTooLargeError,
     MQOrderError,
+    OffsetFencedError,
+    OffsetIllegalError,
     TopicNotFoundError,
     TopicNotWritableError,
 )
@@ -55,17 +60,26 @@ __all__ = [
     "ConsumeOrderlyContext",
     "ConsumeOrderlyStatus",
     "InvalidNameError",
+    "LocalTransactionState",
     "MQOrderError",
     "MessageError",
     "MessageExt",
     "MessageModel",
     "MessageQueue",
     "MessageTooLargeError",
+    "OffsetFencedError",
+    "OffsetIllegalError",
     "Producer",
+    "PullConsumer",
+    "PullResult",
+    "PullStatus",
     "SendResult",
     "SendStatus",
     "TopicNotFoundError",
     "TopicNotWritableError",
+    "TransactionProducer",
+    "TransactionSendResult",
     "orderly_listener",
     "register_consume_message_hook",
+    "transaction_checker",
 ]

@@ -58,3 +58,10 @@ class ListenerError(MQOrderError):
 class BrokerFullError(BrokerRefusedError):
     """A broker's used memory passed ``MQORDER_MAX_MEMORY_RATIO`` of its ``maxmemory``: the send was
     refused before anything was stored (consumption and trimming go on, so it drains)."""
+class OffsetFencedError(MQOrderError):
+    """A pull consumer's ``update_offset`` was refused: it no longer holds the queue at the epoch it
+    was given (a rebalance moved it, or its lease lapsed and another consumer took it)."""
+
+
+class OffsetIllegalError(MQOrderError, ValueError):
+    """An offset a pull consumer gave is not allowed (backward, or past the end of the queue)."""

@@ -29,7 +29,17 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:{t:b:q}:log                             STREAM message log, entry id "<offset>-1"
     mqorder:{t:b:q}:next                            STR   next offset to assign (= max offset + 1)
     mqorder:{t:b:q}:ids                             HASH  msg id -> offset, for idempotent appends only
+    mqorder:{t:b:q}:dedup                           HASH  producer dedup key -> offset, within the window
+    mqorder:{t:b:q}:dedup:exp                       ZSET  producer dedup key -> end of its window (ms)
     mqorder:{t:b:q}:s:<sub>                         HASH  lock/epoch/offset/pending state of sub on q
+    mqorder:{t:b:q}:txn                             ZSET  half message txid -> when to check it back (ms)
+    mqorder:{t:b:q}:txn:half                        HASH  "<txid>:h|b|n|t" header, body, checks, prepared ms
+    mqorder:{t:b:q}:txn:log                         STREAM how each transaction ended and why (capped)
+    mqorder:txn:topics                              SET   topics that ever had half messages (check-back)
+    mqorder:{t:b:q}:delay                           ZSET  delayed message member -> due ms
+    mqorder:{t:b:q}:delay:msg                       HASH  "<member>:h|b" header, body of delayed messages
+    mqorder:{t:b:q}:delay:seq                       STR   sequence of members (send order among equal due times)
+    mqorder:delay:queues                            SET   queue keys that ever had delayed messages (the mover)
     mqorder:{t:b:q}:r:<sub>                         HASH  offset -> reconsume times (retrying head)
     mqorder:{t:b:q}:stage:<job>:<run>               LIST  rows one Spark task staged for q until its job commits (TTL)
     mqorder:{t:b:q}:stage:<job>:cursor              HASH  run -> rows of it already published (TTL)
@@ -192,6 +202,59 @@ def queue_next(tag: str) -> str:
 def queue_ids(tag: str) -> str:
     """Ids of the messages appended idempotently to the queue (``append_entries`` in Lua)."""
     return f"{PREFIX}:{tag}:ids"
+
+
+def queue_dedup(tag: str) -> str:
+    """The producer's dedup window on one queue: dedup key -> offset of the first send
+    (``append_entries`` with a window). Unlike ``queue_ids`` it forgets: see ``queue_dedup_expiry``."""
+    return f"{PREFIX}:{tag}:dedup"
+
+
+def queue_dedup_expiry(tag: str) -> str:
+    """When each key of ``queue_dedup`` leaves the window (ZSET, ms by Redis's clock): trimmed in the
+    same Lua step as every windowed append, and both keys expire a window after the last one."""
+    return f"{PREFIX}:{tag}:dedup:exp"
+
+
+def txn_index(tag: str) -> str:
+    """The half messages of one queue awaiting phase two, by when the check-back asks about them."""
+    return f"{PREFIX}:{tag}:txn"
+
+
+def txn_half(tag: str) -> str:
+    """The half messages of one queue (header, body, check count, prepared time per txid): never
+    in the log, so no consumer sees them until ``txn_end.lua`` commits one."""
+    return f"{PREFIX}:{tag}:txn:half"
+
+
+def txn_log(tag: str) -> str:
+    """How each transaction of one queue ended: COMMIT (at which offset) or ROLLBACK, and why."""
+    return f"{PREFIX}:{tag}:txn:log"
+
+
+def delay_schedule(tag: str) -> str:
+    """Delayed messages of one queue by due time: stored, but not in the log until the mover
+    (``delay_move.lua``) appends them (RocketMQ's ``SCHEDULE_TOPIC_XXXX``)."""
+    return f"{PREFIX}:{tag}:delay"
+
+
+def delay_messages(tag: str) -> str:
+    return f"{PREFIX}:{tag}:delay:msg"
+
+
+def delay_seq(tag: str) -> str:
+    return f"{PREFIX}:{tag}:delay:seq"
+
+
+def delay_queues() -> str:
+    """Queue keys that ever had delayed messages: where the mover looks (never shrinks: bounded by
+    the number of queues, and removing one could race a new delayed send)."""
+    return f"{PREFIX}:delay:queues"
+
+
+def txn_topics() -> str:
+    """Topics that ever had half messages: where the check-back looks."""
+    return f"{PREFIX}:txn:topics"
 
 
 def sub_state(tag: str, sub: str) -> str:

@@ -19,6 +19,21 @@ from mqorder.errors import ConfigError
 from mqorder.retention.policy import RetentionPolicy, RetentionRule, check_policy
 from mqorder.store.brokers import celery_transport, check_celery_broker_url, check_redis_url, redact_url
 
+DEDUP_DERIVE = ("none", "msg_id", "content")
+_DELAY_UNITS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+
+
+def parse_delay_levels(text: str) -> list[int]:
+    """RocketMQ's ``messageDelayLevel`` ("1s 5s 10s 30s 1m ... 2h") as ms per level."""
+    out = []
+    for item in text.split():
+        unit = _DELAY_UNITS.get(item[-1:])
+        if unit is None or not item[:-1].isdigit() or int(item[:-1]) <= 0:
+            raise ValueError(f"delay level {item!r} is not a positive number followed by s, m, h or d (e.g. '1s 5s 1m')")
+        out.append(int(item[:-1]) * unit)
+    if not out:
+        raise ValueError("needs at least one level, e.g. '1s 5s 10s 30s 1m'")
+    return out
 ALLOCATE_STRATEGIES = ("averagely", "averagely_by_circle", "by_config", "by_machine_room", "consistent_hash")
 #: A DNS host name (RFC 1123 labels), for ``metrics_addr`` when it is not an IP address.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -111,6 +126,27 @@ class Settings(BaseSettings):
     max_message_size: int = Field(4 * 1024 * 1024, ge=1, le=512 * 1024 * 1024)
     send_msg_timeout: float = Field(3.0, gt=0, le=600)
     retry_times_when_send_failed: int = Field(2, ge=0, le=16)
+    #: How long a producer dedup key is remembered per queue (SQS FIFO's 5 minutes): a resend of
+    #: the same key within it returns the first send's result and stores nothing.
+    dedup_window: float = Field(300.0, gt=0, le=86_400)
+    #: The dedup key of a send that names none: ``none`` (only ``dedup_key=`` deduplicates),
+    #: ``msg_id`` (every send is keyed by its own id: the producer's retries never duplicate) or
+    #: ``content`` (the body's SHA-256, SQS's content-based deduplication).
+    dedup_derive: str = "none"
+
+    # -- delay messages (RocketMQ's messageDelayLevel) -----------------------------------------
+    #: The delay of each ``delay_time_level`` (1 = the first), RocketMQ's broker default.
+    message_delay_level: str = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
+    #: How often the mover (beat task ``mqorder.delay_move``) makes due delayed messages visible.
+    delay_move_interval: float = Field(1.0, gt=0, le=3600)
+
+    # -- transactional messages (RocketMQ's broker defaults) -----------------------------------
+    #: A half message is first checked back this long after phase one (transactionTimeout).
+    transaction_timeout: float = Field(6.0, gt=0, le=86_400)
+    #: Checked back at most this many times, then rolled back with that reason (transactionCheckMax).
+    transaction_check_max: int = Field(15, ge=1, le=1000)
+    #: How often the check-back beat task runs (transactionCheckInterval).
+    transaction_check_interval: float = Field(60.0, gt=0, le=86_400)
 
     @field_validator("redis_url")
     @classmethod
@@ -146,6 +182,24 @@ class Settings(BaseSettings):
             return check_policy(v).value
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
+    @field_validator("dedup_derive")
+    @classmethod
+    def _dedup_derive(cls, v: str) -> str:
+        v = v.strip().lower().replace("-", "_")
+        if v not in DEDUP_DERIVE:
+            raise ValueError(f"unknown dedup key derivation {v!r}; choose one of {', '.join(DEDUP_DERIVE)}")
+        return v
+
+    @field_validator("message_delay_level")
+    @classmethod
+    def _delay_levels(cls, v: str) -> str:
+        parse_delay_levels(v)
+        return v
+
+    @property
+    def delay_levels_ms(self) -> list[int]:
+        """The delay of level 1, 2, ... in ms."""
+        return parse_delay_levels(self.message_delay_level)
 
     @field_validator("metrics_port", mode="before")
     @classmethod

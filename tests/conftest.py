@@ -101,8 +101,8 @@ class Cluster:
             w.wait_registered(self.client, timeout=60)
         return w
 
-    def start_beat(self) -> BeatProcess:
-        self.beat = BeatProcess(env=self.env(), workdir=self.tmp / "beat", logfile=self.tmp / "beat.log", cwd=ROOT)
+    def start_beat(self, **extra: str) -> BeatProcess:
+        self.beat = BeatProcess(env=self.env(**extra), workdir=self.tmp / "beat", logfile=self.tmp / "beat.log", cwd=ROOT)
         return self.beat.start()
 
     def stop(self) -> None:

@@ -243,6 +243,9 @@ def _delete_meta(
             pipe.hdel(keys.stats(sub), *stats_fields[sub])
     pipe.delete(keys.topic_route(topic), keys.topic_subs(topic))
     pipe.srem(keys.topics(), topic)
+    # Where the transaction check-back and the delay mover look (their per-queue keys went above).
+    pipe.srem(keys.txn_topics(), topic)
+    pipe.srem(keys.delay_queues(), *queue_keys)
     pipe.execute()
     for g in groups:
         raw = meta.hget(keys.groups(), g)

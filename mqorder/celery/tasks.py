@@ -13,12 +13,15 @@ from celery import shared_task
 from mqorder import keys
 from mqorder.celery.dispatch import CONSUME_REQUEST, dispatch
 from mqorder.celery.runtime import engine_for
+from mqorder.client.transaction_check import TransactionCheckService
 from mqorder.consumer.listener import get_listener
 from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageQueue
 from mqorder.rebalance.service import RebalanceService
 from mqorder.settings import get_settings
+from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.delay import DelayMover
 
 log = logging.getLogger(__name__)
 
@@ -87,3 +90,34 @@ def lock_all() -> dict:
     Workers also renew their own leases from their bootstep, so leases never depend on beat alone.
     """
     return {"locked": rebalance_service().lock_all_clients()}
+
+
+_txn_check: TransactionCheckService | None = None
+
+
+@shared_task(name="mqorder.transaction_check", ignore_result=True)
+def transaction_check() -> dict:
+    """The transaction check-back (beat, every ``transaction_check_interval``): ask the
+    ``@transaction_checker`` of each due half message's topic, commit, roll back or wait."""
+    global _txn_check
+    if _txn_check is None:
+        s = get_settings()
+        _txn_check = TransactionCheckService(BrokerRegistry(s.redis_url, s.brokers), s)
+    report = _txn_check.check_once()
+    return {"checked": report.checked, "committed": report.committed, "rolled_back": report.rolled_back,
+            "unknown": report.unknown, "gave_up": report.gave_up}
+
+
+_mover: DelayMover | None = None
+
+
+@shared_task(name="mqorder.delay_move", ignore_result=True)
+def delay_move() -> dict:
+    """The delay mover (beat, every ``delay_move_interval``): due delayed messages become visible."""
+    global _mover
+    if _mover is None:
+        s = get_settings()
+        brokers = BrokerRegistry(s.redis_url, s.brokers)
+        _mover = DelayMover(brokers, QueueAppender(brokers, pending_ttl_ms=s.ms(s.pending_ttl), timeout=s.send_msg_timeout))
+    report = _mover.move_once()
+    return {"moved": report.moved, "queues": report.queues}

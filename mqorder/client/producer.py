@@ -14,6 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from mqorder.client.dedup import dedup_key_of, first_send_result
 from mqorder.client.selector import Selector, resolve, select_by_hash
 from mqorder.codec import MsgIdGenerator, check_body, encode_header
 from mqorder.errors import BrokerUnavailableError, MessageError, TopicNotWritableError
@@ -24,13 +25,18 @@ from mqorder.settings import Settings, get_settings, load_settings
 from mqorder.store.append import AppendReply, AppendRequest, QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.capacity import CapacityGuard
+from mqorder.store.delay import DelayStore
 from mqorder.store.failures import TRANSIENT, unavailable
+from mqorder.store.log import MessageLog
 from mqorder.store.topics import TopicManager, TopicRoute
 
 #: How long a topic route is cached (RocketMQ polls the NameServer every 30 s).
 ROUTE_TTL = 30.0
 #: At most this many messages per append call in a batch.
 BATCH_CHUNK = 256
+#: Pause before the n-th retry of a keyed send on its queue (seconds): a blip costs little, and a
+#: broker that refuses connections outright is not hammered.
+KEYED_RETRY_PAUSE = (0.05, 0.2, 0.5, 1.0)
 
 
 class Producer:
@@ -50,8 +56,14 @@ class Producer:
         max_message_size: int | None = None,
         send_msg_timeout: float | None = None,
         retry_times_when_send_failed: int | None = None,
+        dedup_window: float | None = None,
+        dedup_derive: str | None = None,
     ) -> None:
         overrides: dict[str, Any] = {}
+        if dedup_window is not None:
+            overrides["dedup_window"] = dedup_window
+        if dedup_derive is not None:
+            overrides["dedup_derive"] = dedup_derive
         if redis_url is not None:
             overrides["redis_url"] = redis_url
         if max_message_size is not None:
@@ -81,6 +93,8 @@ class Producer:
             topics=self.topics,
             guard=CapacityGuard(allow_eviction=settings.allow_eviction, max_memory_ratio=settings.max_memory_ratio),
         )
+        self._log = MessageLog(self.brokers)
+        self.delays = DelayStore(self.brokers, self.appender, timeout=settings.send_msg_timeout)
 
     # -- admin -----------------------------------------------------------------------------------
 
@@ -123,14 +137,38 @@ class Producer:
         keys: str | list[str] | None = None,
         tags: str | None = None,
         properties: dict[str, str] | None = None,
+        dedup_key: str | None = None,
+        delay_time_level: int = 0,
     ) -> SendResult:
         """Send to the next queue round-robin; on a broker failure retry elsewhere.
 
         Like RocketMQ's ``sendDefaultImpl``: up to ``retry_times_when_send_failed`` more attempts,
         each on a queue of a different broker than the one that just failed, when there is one.
+
+        A send with a dedup key (``dedup_key=`` or ``MQORDER_DEDUP_DERIVE``) is retried on the
+        *same* queue instead, since the key is remembered per queue: a given or content key picks
+        its queue by hash (so a resend meets the first copy), a msg-id key the next one round-robin.
+
+        ``delay_time_level`` (1 to 18 with RocketMQ's levels: 1s 5s 10s 30s 1m ... 2h,
+        ``MQORDER_MESSAGE_DELAY_LEVEL``) holds the message beside its queue until it is due; the
+        mover (``mqorder.store.delay``) then appends it, so ``queue_offset`` is -1 here. A delayed
+        send is tried once (its schedule is not deduplicated) and takes no dedup key.
         """
         route, queues = self._route(topic)
+        delay_ms = self._delay_ms(delay_time_level)
         header, msg_id, body = self._prepare(body, keys, tags, properties)
+        if delay_ms:
+            if dedup_key is not None:
+                raise MessageError("a delayed send cannot take a dedup_key (the delay schedule does not deduplicate); "
+                                   "drop one of the two")
+            mq = self._select_round_robin(queues, None)
+            self.delays.schedule(mq, header, body, delay_ms)
+            return SendResult(SendStatus.SEND_OK, msg_id, mq, -1, 0)
+        key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body)
+        if key is not None:
+            by_hash = dedup_key is not None or self.settings.dedup_derive == "content"
+            mq = select_by_hash(queues, key, body) if by_hash else self._select_round_robin(queues, None)
+            return self._send_keyed(mq, header, body, msg_id, key)
         attempts = 1 + self.settings.retry_times_when_send_failed
         last_broker: str | None = None
         last_exc: Exception | None = None
@@ -153,15 +191,34 @@ class Producer:
         keys: str | list[str] | None = None,
         tags: str | None = None,
         properties: dict[str, str] | None = None,
+        dedup_key: str | None = None,
+        delay_time_level: int = 0,
     ) -> SendResult:
         """Send to the queue the selector picks for ``sharding_key`` (default: crc32 mod n).
 
         No retry on another queue: that would break the order of the key (RocketMQ's
-        ``sendSelectImpl`` does not retry either). A failure raises; the caller decides.
+        ``sendSelectImpl`` does not retry either). Without a dedup key a failure raises and the
+        caller decides. With one (``dedup_key=``, or derived by ``MQORDER_DEDUP_DERIVE``) the send
+        is idempotent within ``MQORDER_DEDUP_WINDOW``: a resend of the key returns the first send's
+        result and stores nothing, and a timed-out attempt is retried on the same queue up to
+        ``retry_times_when_send_failed`` times, which can neither duplicate nor reorder it.
+
+        ``delay_time_level`` is refused: a delayed message cannot keep its place among its key's
+        messages (RocketMQ's orderly send has no delay either).
         """
+        if delay_time_level:
+            raise MessageError(
+                f"send_orderly cannot delay a message (delay_time_level={delay_time_level!r}): it would be "
+                "overtaken by the later messages of its sharding key, breaking their order. Send it with "
+                "send(..., delay_time_level=...) to a topic nobody consumes in order, or delay it in your "
+                "application before sending; nothing was sent"
+            )
         _, queues = self._route(topic)
         header, msg_id, body = self._prepare(body, keys, tags, properties)
         mq = self._select(queues, sharding_key, body, selector)
+        key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body)
+        if key is not None:
+            return self._send_keyed(mq, header, body, msg_id, key)
         return _result(mq, msg_id, self.appender.append(mq, [(header, body)]))
 
     def send_orderly_batch(
@@ -215,6 +272,37 @@ class Producer:
         self.close()
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _delay_ms(self, level: object) -> int:
+        levels = self.settings.delay_levels_ms
+        if isinstance(level, bool) or not isinstance(level, int) or not 0 <= level <= len(levels):
+            raise MessageError(
+                f"delay_time_level must be an int from 0 (no delay) to {len(levels)}, got {level!r}; the levels are "
+                f"{self.settings.message_delay_level!r} (MQORDER_MESSAGE_DELAY_LEVEL)"
+            )
+        return levels[level - 1] if level else 0
+
+    def _send_keyed(self, mq: MessageQueue, header: bytes, body: bytes, msg_id: str, key: str) -> SendResult:
+        """Store once per ``key`` within the window, retrying on ``mq`` after a broker failure.
+
+        Every attempt sends the same header (same msg id) under the same key, so whichever attempt
+        Redis runs first stores the message and every other one (a retry, or a timed-out attempt
+        Redis runs late, even after a later message) is a duplicate that stores nothing.
+        """
+        window_ms = self.settings.ms(self.settings.dedup_window)
+        attempts = 1 + self.settings.retry_times_when_send_failed
+        for attempt in range(attempts):
+            try:
+                reply = self.appender.append(mq, [(header, body)], ids=[key], dedup_window_ms=window_ms)
+            except BrokerUnavailableError:
+                if attempt + 1 >= attempts:
+                    raise
+                time.sleep(KEYED_RETRY_PAUSE[min(attempt, len(KEYED_RETRY_PAUSE) - 1)])
+                continue
+            if reply.stored:
+                return _result(mq, msg_id, reply)
+            return first_send_result(self._log, mq, reply.offsets[0])
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _prepare(
         self, body: object, keys_: object, tags: object, properties: object

@@ -30,6 +30,9 @@ from mqorder.store.replies import text
 log = logging.getLogger(__name__)
 
 _SUB_FIELDS = frozenset({"group", "topic", "model"})
+#: The ``pool`` a ``PullConsumer`` registers with: it takes queues in the rebalance like a worker,
+#: but takes no ConsumeRequests (its application pulls), so nobody dispatches to it.
+PULL_POOL = "pull"
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from mqorder.errors import TopicNotFoundError
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.allocate import AllocateMessageQueueStrategy, allocate_all, strategy_from_settings
 from mqorder.rebalance.lock_manager import RebalanceLockManager
-from mqorder.rebalance.membership import ClientInfo, ClientRegistry, redis_now_ms
+from mqorder.rebalance.membership import PULL_POOL, ClientInfo, ClientRegistry, redis_now_ms
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.replies import text
@@ -126,6 +126,7 @@ class RebalanceService:
                 if model is MessageModel.CLUSTERING:
                     lanes.setdefault((group, topic), [])
         pending_ttl = self.settings.ms(self.settings.pending_ttl)
+        pullers = {c.client_id for c in clients if c.pool == PULL_POOL}
         # The assignment hint of a lane covers every topic it subscribes to: written once per lane,
         # after all its topics are assigned (one delete per topic would keep only the last one's).
         hints: dict[str, list[str]] = defaultdict(list)
@@ -155,7 +156,7 @@ class RebalanceService:
                     report.moved += 1
                 if r == "BUSY":
                     report.busy += 1
-                if r == "DISPATCH":
+                if r == "DISPATCH" and assignee not in pullers:  # a PullConsumer takes no requests
                     report.dispatches.append(Dispatch(sub, mq, assignee, tok))
         pipe = self.brokers.meta.pipeline(transaction=False)
         for sub, hint in hints.items():
@@ -196,10 +197,14 @@ class RebalanceService:
         """Queues with a backlog, a live owner and no live ConsumeRequest: dispatch them again."""
         out: list[Dispatch] = []
         pending_ttl = self.settings.ms(self.settings.pending_ttl)
+        pullers: set[str] = set()
+        if not client_id:  # the central sweep sees every owner; PullConsumers take no requests
+            pullers = {c.client_id for c in self.registry.clients()[0] if c.pool == PULL_POOL}
         for sub in subs:
             candidates = [(mq, new_token()) for mq in self.assigned_queues(sub, client_id or None)]
             for r in self.locks.sweep(sub, candidates, client_id, pending_ttl):
-                out.append(Dispatch(sub, r.mq, r.owner, r.token))
+                if r.owner not in pullers:
+                    out.append(Dispatch(sub, r.mq, r.owner, r.token))
         return out
 
     def all_lanes(self) -> list[str]:

@@ -19,7 +19,7 @@ from typing import Any
 
 from mqorder import keys
 from mqorder.model import MessageQueue
-from mqorder.store.brokers import BrokerRegistry, group_by_broker
+from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
 from mqorder.store.capacity import CapacityGuard
 from mqorder.store.failures import translated
 from mqorder.store.replies import text
@@ -54,11 +54,16 @@ class AppendReply:
 
 @dataclass(frozen=True, slots=True)
 class AppendRequest:
-    """Messages for one queue; ``ids`` (one per message) makes the append idempotent."""
+    """Messages for one queue; ``ids`` (one per message) makes the append idempotent.
+
+    With ``dedup_window_ms`` the ids are producer dedup keys, remembered only that long (in the
+    queue's dedup window, ``keys.queue_dedup``), not for good like the Spark writer's ids.
+    """
 
     mq: MessageQueue
     entries: Sequence[Entry]
     ids: Sequence[str] | None = None
+    dedup_window_ms: int | None = None
 
 
 class QueueAppender:
@@ -84,9 +89,12 @@ class QueueAppender:
         self.guard = guard
         self._subs: dict[str, tuple[float, list[str]]] = {}
 
-    def append(self, mq: MessageQueue, entries: Sequence[Entry], *, ids: Sequence[str] | None = None) -> AppendReply:
+    def append(
+        self, mq: MessageQueue, entries: Sequence[Entry], *, ids: Sequence[str] | None = None,
+        dedup_window_ms: int | None = None,
+    ) -> AppendReply:
         """Append to one queue in one script call (``len(entries) <= MAX_PER_CALL``)."""
-        return self.append_many([AppendRequest(mq, entries, ids)])[0]
+        return self.append_many([AppendRequest(mq, entries, ids, dedup_window_ms)])[0]
 
     def append_many(self, requests: Sequence[AppendRequest]) -> list[AppendReply]:
         """One script call per request, pipelined per broker: one round trip per broker.
@@ -104,8 +112,7 @@ class QueueAppender:
         for broker_name, idxs in by_broker.items():
             broker = self.brokers.get(broker_name)
             with translated(broker_name, broker.safe_url, self.timeout, self.action):
-                if self.guard is not None:
-                    self.guard.before_send(broker, self.action)
+                self.check_capacity(broker)
                 if len(idxs) == 1:
                     raw = [self._call(broker.scripts.send, requests[idxs[0]], None)]
                 else:
@@ -116,6 +123,12 @@ class QueueAppender:
             for i, reply in zip(idxs, raw, strict=True):
                 replies[i] = _parse(reply, len(requests[i].entries))
         return [r for r in replies if r is not None]
+
+    def check_capacity(self, broker: Broker, action: str | None = None) -> None:
+        """The guard's ``EvictionPolicyError`` / ``BrokerFullError`` before anything is written
+        (what else holds messages for a queue, delayed and half messages, asks it too)."""
+        if self.guard is not None:
+            self.guard.before_send(broker, action or self.action)
 
     def subscriptions(self, topic: str) -> list[str]:
         now = time.monotonic()
@@ -145,8 +158,13 @@ class QueueAppender:
         mq = req.mq
         tag = mq.tag
         state_keys, wake_args = self.wake_tail(mq)
-        kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag), *state_keys]
         args: list[Any] = [len(req.entries), "0" if req.ids is None else "1"]
+        if req.ids is not None and req.dedup_window_ms is not None:
+            kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_dedup(tag), keys.queue_dedup_expiry(tag),
+                  *state_keys]
+            args = [len(req.entries), "2", req.dedup_window_ms]
+        else:
+            kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag), *state_keys]
         if req.ids is None:
             for h, b in req.entries:
                 args.append(h)

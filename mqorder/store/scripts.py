@@ -34,6 +34,12 @@ NAMES = (
     "reset_offset",  # mqorder.admin.offsets: `mqorder offsets reset`, fenced
     "adopt",  # mqorder.consumer.idle_watch: a lingering request watches another idle queue
     "trim",  # mqorder.retention.trimmer: one bounded chunk of retention trimming
+    "update_offset",  # mqorder.client.pull_consumer: PullConsumer.update_offset, fenced
+    "txn_prepare",  # mqorder.store.transactions: phase one stores a half message
+    "txn_end",  # mqorder.store.transactions: phase two (or the check-back) commits or rolls back
+    "txn_due",  # mqorder.store.transactions: the check-back claims due half messages
+    "delay_schedule",  # mqorder.store.delay: a delayed message waits beside its queue's log
+    "delay_move",  # mqorder.store.delay: the mover appends due delayed messages, in order
 )
 
 

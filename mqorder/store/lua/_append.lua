@@ -2,16 +2,34 @@
 -- that publishes staged messages) appends and wakes through these two functions, so offsets,
 -- idempotency and wake-ups follow one rule wherever messages enter a queue.
 
--- append_entries(k_log, k_next, k_ids, n, idempotent, base, src)
+-- forget_expired(k_ids, k_exp, limit)
+--   Drops up to limit ids whose dedup window ended (ZSET k_exp: id -> expiry ms, Redis clock)
+--   from both k_ids and k_exp. Each windowed append adds at most n ids and forgets up to 2n + 16,
+--   so the expired backlog only shrinks and no call does unbounded work (Redis 7.0 has no HEXPIRE).
+local function forget_expired(k_ids, k_exp, limit)
+  local gone = redis.call('ZRANGEBYSCORE', k_exp, '-inf', now, 'LIMIT', 0, limit)
+  if #gone > 0 then
+    redis.call('HDEL', k_ids, unpack(gone))
+    redis.call('ZREM', k_exp, unpack(gone))
+  end
+end
+
+-- append_entries(k_log, k_next, k_ids, n, idempotent, base, src, window)
 --   Appends n messages read from src[base + 1 ...] (src: ARGV unless given, e.g. rows a script
 --   assembled itself): (header, body) pairs, or (id, header, body) triples when idempotent. Offsets are contiguous from the queue's next-offset counter; a stream
 --   entry is "<offset>-1" with fields h (header), b (body), s (store time, Redis clock).
 --   Idempotent: an id already recorded in k_ids (HASH id -> offset), or earlier in this same call,
 --   is not stored again; its existing offset is reported. So a retried or duplicated writer (a
 --   Spark task retry, speculation, a producer retry) adds nothing twice and never reorders.
+--   window (optional, idempotent only): {k_exp = ZSET id -> expiry ms, ms = window length}. The
+--   ids then form a *dedup window* (the producer's dedup keys, SQS FIFO's 5 minutes): k_ids holds
+--   only windowed ids, each new one is remembered until now + ms, expired ones are forgotten
+--   first (forget_expired), and both keys expire ms after the last write, so the window stays
+--   bounded and an idle queue keeps nothing. Without it ids are remembered for good (Spark).
 --   Returns first offset, number stored, and a flat list {index (0-based), offset} per duplicate.
-local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src)
+local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src, window)
   src = src or ARGV
+  if window then forget_expired(k_ids, window.k_exp, 2 * n + 16) end
   local first = tonumber(redis.call('GET', k_next) or 0)
   local off = first
   local stride = idempotent and 3 or 2
@@ -40,11 +58,18 @@ local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src)
       if idempotent then
         redis.call('HSET', k_ids, src[a], off)
         known[src[a]] = off
+        if window then redis.call('ZADD', window.k_exp, now + window.ms, src[a]) end
       end
       off = off + 1
     end
   end
-  if off > first then redis.call('SET', k_next, off) end
+  if off > first then
+    redis.call('SET', k_next, off)
+    if window then
+      redis.call('PEXPIRE', k_ids, window.ms)
+      redis.call('PEXPIRE', window.k_exp, window.ms)
+    end
+  end
   return first, off - first, dups
 end
 

@@ -1,0 +1,339 @@
+"""``PullConsumer``: RocketMQ's pull consumer, where the application drives consumption itself.
+
+    consumer = PullConsumer("audit")
+    for mq in consumer.fetch_message_queues_in_balance("orders"):
+        offset = consumer.fetch_consume_offset(mq)
+        result = consumer.pull(mq, offset, 32)
+        handle(result.msg_found_list)
+        consumer.update_offset(mq, result.next_begin_offset)
+
+It is a client of its group like a Celery worker is: registered with a heartbeat, it takes part in
+the same rebalance (``mqorder.rebalance``: the configured allocation strategy, ``assign.lua``) and
+holds its queues with the same leases and fencing epochs (``RebalanceLockManager``). It registers
+with the ``pull`` pool, so no ConsumeRequest is ever dispatched to it. A daemon thread heartbeats,
+renews its leases every ``lock_interval`` and rebalances the group's lanes when a member joins or
+lapses, so the application's loop only pulls and commits.
+
+Committing is fenced like the engine's commit (invariant 3): ``update_offset`` names the epoch
+``fetch_message_queues_in_balance`` granted, and ``update_offset.lua`` refuses it in the same atomic
+step if a rebalance moved the queue or a lapsed lease let another consumer take it since. The
+refused consumer learns it (``OffsetFencedError``) and the new holder starts from the last commit:
+some messages may be handled twice, none is skipped, order per queue holds.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import socket
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from mqorder import keys
+from mqorder.codec import decode_entries
+from mqorder.errors import MQOrderError, OffsetFencedError, OffsetIllegalError
+from mqorder.model import MessageExt, MessageModel, MessageQueue
+from mqorder.names import check_client_id, check_group, check_topic
+from mqorder.rebalance.allocate import allocate_all, strategy_from_settings
+from mqorder.rebalance.lock_manager import RebalanceLockManager
+from mqorder.rebalance.membership import PULL_POOL, ClientDetails, ClientRegistry, Subscription
+from mqorder.settings import Settings, get_settings
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.log import MessageLog
+from mqorder.store.replies import text
+from mqorder.store.topics import TopicManager
+from mqorder.tokens import new_token
+
+log = logging.getLogger(__name__)
+
+#: RocketMQ's pull batch limit is 32 by default; a pull of more than this is refused.
+MAX_PULL_NUMS = 1024
+#: How long a rebalance waits for another one holding the mutex.
+REBALANCE_WAIT_S = 5.0
+
+
+class PullStatus(enum.Enum):
+    """RocketMQ's ``PullStatus`` (``NO_MATCHED_MSG`` does not arise: there is no tag filter)."""
+
+    FOUND = "FOUND"
+    NO_NEW_MSG = "NO_NEW_MSG"
+    OFFSET_ILLEGAL = "OFFSET_ILLEGAL"
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """RocketMQ's ``PullResult``: pull again from ``next_begin_offset``.
+
+    ``OFFSET_ILLEGAL``: the offset is below what the queue still holds (retention trimmed it) or
+    past its end; ``next_begin_offset`` is then the nearest legal offset.
+    """
+
+    pull_status: PullStatus
+    next_begin_offset: int
+    min_offset: int
+    max_offset: int
+    msg_found_list: list[MessageExt] = field(default_factory=list)
+
+
+def default_client_id() -> str:
+    """``pull-<pid>@<host>``: unique per process, and a valid client id."""
+    return f"pull-{os.getpid()}@{socket.gethostname()}"
+
+
+class PullConsumer:
+    """A consumer group member whose application pulls and commits itself.
+
+    ``start()`` is implicit in the first ``fetch_message_queues_in_balance``; ``shutdown()`` leaves
+    the group (its queues are rebalanced to the others at once) and should be called on exit.
+    """
+
+    def __init__(
+        self,
+        group: str,
+        *,
+        settings: Settings | None = None,
+        client_id: str | None = None,
+        brokers: BrokerRegistry | None = None,
+    ) -> None:
+        self.group = check_group(group)
+        self.settings = settings or get_settings()
+        self.client_id = check_client_id(client_id or default_client_id())
+        self._own_brokers = brokers is None
+        self.brokers = brokers or BrokerRegistry(self.settings.redis_url, self.settings.brokers)
+        self.topics = TopicManager(self.brokers)
+        self.locks = RebalanceLockManager(self.brokers, self.settings.ms(self.settings.lock_max_live_time))
+        self.registry = ClientRegistry(self.brokers.meta, self.settings.ms(self.settings.heartbeat_timeout))
+        self.strategy = strategy_from_settings(self.settings)
+        self.log = MessageLog(self.brokers)
+        self._lock = threading.RLock()
+        self._topics: list[str] = []
+        #: Queue -> the epoch it was granted by ``fetch_message_queues_in_balance``.
+        self._epochs: dict[MessageQueue, int] = {}
+        self._fingerprint = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- the RocketMQ surface --------------------------------------------------------------------
+
+    def fetch_message_queues_in_balance(self, topic: str) -> list[MessageQueue]:
+        """The queues of ``topic`` this consumer holds now, each with a fresh lease and epoch.
+
+        Subscribes (and joins the group) on first use. Call it again whenever ``update_offset``
+        says a queue was fenced, and now and then anyway: a rebalance moves queues as members come
+        and go, and only the queues returned here may be committed.
+        """
+        topic = check_topic(topic)
+        with self._lock:
+            if topic not in self._topics:
+                self.topics.describe_topic(topic)  # TopicNotFoundError, with its advice, if absent
+                self._topics.append(topic)
+                self.topics.subscribe(self.group, topic, MessageModel.CLUSTERING)
+                self._register()
+            if self._membership_changed():
+                self._rebalance()
+            assigned = [mq for mq in self._assigned() if mq.topic == topic]
+            held = self.locks.try_lock_batch(self.group, assigned, self.client_id) if assigned else {}
+            for mq in [m for m in self._epochs if m.topic == topic]:
+                del self._epochs[mq]
+            self._epochs.update(held)
+            return sorted(held)
+
+    def pull(self, mq: MessageQueue, offset: int, max_nums: int = 32, *, block_ms: int = 0) -> PullResult:
+        """Read up to ``max_nums`` messages of ``mq`` from ``offset`` (nothing is committed).
+
+        Reading needs no lock, as in RocketMQ; committing does. With ``block_ms`` the call waits
+        that long for a first message when there is none yet (RocketMQ's ``pullBlockIfNotFound``).
+        """
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise OffsetIllegalError(f"offset must be an int >= 0, got {offset!r}")
+        if isinstance(max_nums, bool) or not isinstance(max_nums, int) or not 1 <= max_nums <= MAX_PULL_NUMS:
+            raise OffsetIllegalError(f"max_nums must be an int from 1 to {MAX_PULL_NUMS}, got {max_nums!r}")
+        client = self.brokers.get(mq.broker_name).client
+        min_off, max_off = self.log.min_offset(mq), self.log.max_offset(mq)
+        if offset < min_off or offset > max_off:
+            nearest = min_off if offset < min_off else max_off
+            return PullResult(PullStatus.OFFSET_ILLEGAL, nearest, min_off, max_off)
+        log_key = keys.queue_log(mq.tag)
+        raw: Any = client.xrange(log_key, min=f"{offset}-0", count=max_nums)
+        if not raw and block_ms > 0:
+            after = f"{offset - 1}-1" if offset > 0 else "0-0"
+            got: Any = client.xread({log_key: after}, count=max_nums, block=block_ms)
+            # RESP2 gives [[stream, entries]]; RESP3 gives {stream: entries}.
+            streams = list(got.values()) if isinstance(got, dict) else [e for _, e in got or []]
+            raw = streams[0] if streams else []
+        msgs = decode_entries(mq, raw, max_message_size=self.settings.max_message_size)
+        if not msgs:
+            return PullResult(PullStatus.NO_NEW_MSG, offset, min_off, max_off)
+        return PullResult(PullStatus.FOUND, msgs[-1].queue_offset + 1, min_off, max(max_off, msgs[-1].queue_offset + 1),
+                          msgs)
+
+    def update_offset(self, mq: MessageQueue, offset: int) -> None:
+        """Commit ``offset`` (the next message to consume) for the group on ``mq``, fenced.
+
+        Raises ``OffsetFencedError`` if this consumer no longer holds ``mq`` at the epoch it was
+        given (then fetch the queues in balance again), ``OffsetIllegalError`` for an offset behind
+        the committed one or past the end of the queue. Renews the lease.
+        """
+        if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+            raise OffsetIllegalError(f"offset must be an int >= 0, got {offset!r}")
+        epoch = self._epochs.get(mq)
+        if epoch is None:
+            raise OffsetFencedError(
+                f"{mq} is not in this consumer's balance (group {self.group!r}); call "
+                f"fetch_message_queues_in_balance({mq.topic!r}) and commit only the queues it returns"
+            )
+        broker = self.brokers.get(mq.broker_name)
+        reply = broker.scripts.update_offset(
+            keys=[keys.sub_state(mq.tag, self.group), keys.queue_next(mq.tag)],
+            args=[self.client_id, epoch, offset, self.settings.ms(self.settings.lock_max_live_time)],
+        )
+        verdict = text(reply[0])
+        if verdict == "OK":
+            return
+        if verdict == "FENCED":
+            with self._lock:
+                self._epochs.pop(mq, None)
+            owner = text(reply[2]) or "nobody"
+            raise OffsetFencedError(
+                f"update_offset({mq}, {offset}) refused: epoch {epoch} of {self.client_id} is stale (the queue "
+                f"is at epoch {int(reply[1])}, held by {owner}); nothing was committed. Fetch the queues in "
+                "balance again and resume from fetch_consume_offset"
+            )
+        if verdict == "BACKWARD":
+            raise OffsetIllegalError(
+                f"update_offset({mq}, {offset}) refused: the group already committed {int(reply[1])}, and "
+                "offsets only move forward (reset them with `mqorder offsets reset`)"
+            )
+        raise OffsetIllegalError(
+            f"update_offset({mq}, {offset}) refused: the queue holds offsets below {int(reply[1])} only; "
+            "commit the offset after the last message you handled (PullResult.next_begin_offset)"
+        )
+
+    def fetch_consume_offset(self, mq: MessageQueue) -> int:
+        """The group's committed offset on ``mq``: the next message to consume."""
+        return self.log.consume_offset(self.group, mq)
+
+    def shutdown(self) -> None:
+        """Leave the group: unregister, rebalance its queues to the others, release its locks."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        try:
+            if self._thread is not None:
+                self.registry.unregister(self.client_id)
+                self._rebalance()
+                mqs = self._assigned(everyone=True)
+                if mqs:
+                    self.locks.unlock_batch(self.group, mqs, self.client_id, force=True)
+        except redis.RedisError as exc:
+            log.warning("pull consumer %s could not leave cleanly (%s); its leases will lapse", self.client_id, exc)
+        finally:
+            self._epochs.clear()
+            if self._own_brokers:
+                self.brokers.close()
+
+    def __enter__(self) -> PullConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- membership and rebalance ----------------------------------------------------------------
+
+    def _register(self) -> None:
+        subs = [Subscription(self.group, t, MessageModel.CLUSTERING) for t in self._topics]
+        self.registry.register(self.client_id, subs, ClientDetails(pool=PULL_POOL))
+        self._fingerprint = ""  # rebalance on the next fetch
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._duties, name=f"mqorder-pull-{self.client_id}", daemon=True)
+            self._thread.start()
+
+    def _fingerprint_now(self) -> str:
+        topology = text(self.brokers.meta.get(keys.topology_version()))
+        return f"{self.registry.membership_fingerprint()}\n{topology}"
+
+    def _membership_changed(self) -> bool:
+        return self._fingerprint_now() != self._fingerprint
+
+    def _rebalance(self) -> None:
+        """Apply the group's allocation to its lanes of the topics this consumer reads.
+
+        The same deterministic answer a worker's rebalance computes (same strategy, same members),
+        applied under the same mutex through ``assign.lua``: whoever runs it, a queue is assigned once.
+        """
+        fingerprint = self._fingerprint_now()
+        meta = self.brokers.meta
+        mutex = meta.lock(keys.rebalance_mutex(), timeout=30, blocking_timeout=REBALANCE_WAIT_S, sleep=0.02)
+        if not mutex.acquire():
+            return
+        try:
+            clients, dead, _ = self.registry.clients()
+            members: dict[str, list[str]] = defaultdict(list)
+            for c in clients:
+                for s in c.subscriptions:
+                    if s.group == self.group and s.model is MessageModel.CLUSTERING:
+                        members[s.topic].append(c.client_id)
+            hint: dict[str, str] = {}
+            stale: list[str] = []
+            for topic in self._topics:
+                route = self.topics.describe_topic(topic)
+                mqs = route.message_queues
+                assignment = allocate_all(self.strategy, self.group, mqs, members[topic]) if route.readable else {}
+                triples = [(mq, assignment.get(mq, keys.NOBODY), new_token()) for mq in mqs]
+                self.locks.assign(self.group, triples, dead, self.settings.ms(self.settings.pending_ttl))
+                stale += [mq.key for mq in mqs]
+                hint.update({mq.key: a for mq, a, _ in triples if a != keys.NOBODY})
+            pipe = meta.pipeline(transaction=False)
+            if stale:
+                pipe.hdel(keys.assignment(self.group), *stale)
+            if hint:
+                pipe.hset(keys.assignment(self.group), items=[x for kv in hint.items() for x in kv])
+            pipe.execute()
+        finally:
+            try:
+                mutex.release()
+            except redis.exceptions.LockError:
+                log.warning("pull consumer %s: rebalance mutex lapsed before its release", self.client_id)
+        self._fingerprint = fingerprint
+
+    def _assigned(self, everyone: bool = False) -> list[MessageQueue]:
+        raw = self.brokers.meta.hgetall(keys.assignment(self.group))
+        return sorted(
+            MessageQueue.from_key(text(k)) for k, v in raw.items()
+            if everyone or text(v) == self.client_id
+        )
+
+    def _duties(self) -> None:
+        """Heartbeat, lease renewal and rebalance on a membership change, off the application's loop."""
+        s = self.settings
+        next_lock = 0.0
+        while not self._stop.wait(s.heartbeat_interval):
+            try:
+                self.registry.heartbeat(self.client_id)
+                with self._lock:
+                    if self._membership_changed():
+                        self._rebalance()
+                    now = time.monotonic()
+                    if now >= next_lock:
+                        next_lock = now + s.lock_interval
+                        self._renew()
+            except redis.RedisError as exc:
+                log.warning("pull consumer %s: Redis error in its duties (%s); retrying", self.client_id, exc)
+            except MQOrderError as exc:
+                log.warning("pull consumer %s: %s", self.client_id, exc)
+
+    def _renew(self) -> None:
+        """Renew the leases of the queues held; one whose epoch changed is dropped from the balance
+        (only ``fetch_message_queues_in_balance`` grants an epoch to commit with)."""
+        if not self._epochs:
+            return
+        held = self.locks.try_lock_batch(self.group, list(self._epochs), self.client_id)
+        for mq, epoch in list(self._epochs.items()):
+            if held.get(mq) != epoch:
+                del self._epochs[mq]

@@ -1,0 +1,141 @@
+"""``TransactionProducer``: RocketMQ's transactional messages (two phases, with check-back).
+
+    producer = TransactionProducer()
+    result = producer.send_in_transaction("orders", body, sharding_key="42", executor=debit)
+
+1. Phase one stores a *half* message beside its queue's log (``HalfStore.prepare``): no consumer
+   can see it.
+2. The local transaction runs: ``executor(msg, arg)`` returns ``LocalTransactionState``.
+3. Phase two: COMMIT appends the message to its queue *now*, at the position of the commit (so the
+   committed messages of a key are in commit order); ROLLBACK discards it; UNKNOWN (or an
+   executor that raised, or a producer that died) leaves it to the check-back.
+4. Check-back (``mqorder.client.transaction_check``, a beat task in the Celery adapter): a half
+   message older than ``transaction_timeout`` is shown to the ``@transaction_checker`` of its
+   topic, at most ``transaction_check_max`` times, then rolled back with that reason recorded.
+
+So a producer killed between the phases leaves a half message that ends visible or rolled back,
+never stuck. Orderly topics are fine: the message waits in its key's queue's half store, and its
+place among the key's messages is decided by when it commits.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mqorder.client.producer import Producer
+from mqorder.client.selector import Selector
+from mqorder.codec import decode_entries
+from mqorder.errors import MessageError
+from mqorder.model import MessageExt, MessageQueue
+from mqorder.store.transactions import HalfStore, TxnEnd
+
+log = logging.getLogger(__name__)
+
+#: Property names RocketMQ sets on a transactional message.
+PROPERTY_TRANSACTION_PREPARED = "TRAN_MSG"
+PROPERTY_PRODUCER_GROUP = "PGROUP"
+
+
+class LocalTransactionState(enum.Enum):
+    """What the local transaction (or the checker) says (RocketMQ's ``LocalTransactionState``)."""
+
+    COMMIT_MESSAGE = "COMMIT_MESSAGE"
+    ROLLBACK_MESSAGE = "ROLLBACK_MESSAGE"
+    UNKNOW = "UNKNOW"  # RocketMQ's spelling
+
+    # Short names as in the issue (COMMIT / ROLLBACK / UNKNOWN), the same members.
+    COMMIT = "COMMIT_MESSAGE"
+    ROLLBACK = "ROLLBACK_MESSAGE"
+    UNKNOWN = "UNKNOW"
+
+
+#: ``executor(msg, arg) -> LocalTransactionState``: the local transaction, run between the phases.
+LocalTransactionExecutor = Callable[[MessageExt, Any], "LocalTransactionState | None"]
+
+
+@dataclass(frozen=True)
+class TransactionSendResult:
+    """RocketMQ's ``TransactionSendResult``: the local state, and where the message went.
+
+    ``queue_offset`` is the committed message's offset, or -1 while it is not committed (rolled
+    back, or left to the check-back).
+    """
+
+    msg_id: str
+    transaction_id: str
+    message_queue: MessageQueue
+    local_transaction_state: LocalTransactionState
+    queue_offset: int = -1
+    store_timestamp: int = 0
+
+
+def as_state(value: object, who: str) -> LocalTransactionState:
+    """An executor's or checker's answer; anything but a state (None, an exception) is UNKNOWN,
+    which RocketMQ treats the same way: the check-back asks again later."""
+    if isinstance(value, LocalTransactionState):
+        return value
+    if value is not None:
+        log.warning("%s returned %r, not a LocalTransactionState; treated as UNKNOWN", who, value)
+    return LocalTransactionState.UNKNOWN
+
+
+class TransactionProducer(Producer):
+    """A ``Producer`` that can also send in a transaction (RocketMQ's ``TransactionMQProducer``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.half_store = HalfStore(self.brokers, self.appender, timeout=self.settings.send_msg_timeout)
+
+    def send_in_transaction(
+        self,
+        topic: str,
+        body: bytes,
+        *,
+        executor: LocalTransactionExecutor,
+        sharding_key: object = None,
+        arg: Any = None,
+        selector: Selector | None = None,
+        keys: str | list[str] | None = None,
+        tags: str | None = None,
+        properties: dict[str, str] | None = None,
+    ) -> TransactionSendResult:
+        """Store a half message, run ``executor(msg, arg)``, then commit or roll back.
+
+        With a ``sharding_key`` the queue is the one ``send_orderly`` picks for it; without, the
+        next one round-robin. An executor that raises leaves the message to the check-back (the
+        exception propagates after phase two is skipped), as does an UNKNOWN answer.
+        """
+        if not callable(executor):
+            raise MessageError(f"executor must be a callable (msg, arg) -> LocalTransactionState, got {executor!r}")
+        _, queues = self._route(topic)
+        props = dict(properties or {})
+        props[PROPERTY_TRANSACTION_PREPARED] = "true"
+        props[PROPERTY_PRODUCER_GROUP] = self.producer_group
+        header, msg_id, body = self._prepare(body, keys, tags, props)
+        if sharding_key is None:
+            mq = self._select_round_robin(queues, None)
+        else:
+            mq = self._select(queues, sharding_key, body, selector)
+        prepared_ms = self.half_store.prepare(mq, msg_id, header, body, self.settings.ms(self.settings.transaction_timeout))
+        (msg,) = decode_entries(mq, [(b"0-1", [b"h", header, b"b", body, b"s", str(prepared_ms).encode()])])
+        msg.queue_offset = -1
+        try:
+            state = as_state(executor(msg, arg), "the local transaction executor")
+        except Exception:
+            log.exception("local transaction of %s raised; left to the check-back", msg_id)
+            raise
+        return self.end_transaction(mq, msg_id, state, by=f"producer {self.producer_group}")
+
+    def end_transaction(
+        self, mq: MessageQueue, txid: str, state: LocalTransactionState, *, by: str, reason: str = ""
+    ) -> TransactionSendResult:
+        """Phase two for ``state`` (UNKNOWN: nothing now; the check-back will ask)."""
+        if state is LocalTransactionState.UNKNOWN:
+            return TransactionSendResult(txid, txid, mq, state)
+        verdict = TxnEnd.COMMIT if state is LocalTransactionState.COMMIT else TxnEnd.ROLLBACK
+        reply = self.half_store.end(mq, txid, verdict, reason or f"local transaction answered {state.value}", by)
+        return TransactionSendResult(txid, txid, mq, state, reply.offset, reply.store_ms)

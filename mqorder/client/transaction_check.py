@@ -1,0 +1,133 @@
+"""The check-back of transactional messages: ``@transaction_checker`` and ``TransactionCheckService``.
+
+RocketMQ's broker scans its half messages every ``transactionCheckInterval`` and asks a producer of
+the group (``checkLocalTransaction``) about each one older than ``transactionTimeout`` (6 s), at
+most ``transactionCheckMax`` (15) times, then discards it. Here a beat task of the Celery adapter
+(``mqorder.transaction_check``) runs ``TransactionCheckService.check_once`` on some worker, which
+asks the checker registered for the message's topic (import it through ``MQORDER_LISTENERS``):
+
+    @transaction_checker(topic="orders")
+    def check(msg: MessageExt) -> LocalTransactionState:
+        return COMMIT if db.has_debit(msg.msg_id) else UNKNOWN
+
+COMMIT and ROLLBACK end the transaction (``txn_end.lua``, exactly once even if the producer ends
+it at the same moment); UNKNOWN, an exception or no checker at all leave it for the next check;
+the check after the last allowed one rolls it back and records why, in the queue's outcome log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from mqorder.client.transaction import LocalTransactionState, as_state
+from mqorder.errors import ListenerError
+from mqorder.model import MessageExt
+from mqorder.names import check_topic
+from mqorder.settings import Settings
+from mqorder.store.append import QueueAppender
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.topics import TopicManager
+from mqorder.store.transactions import HalfMessage, HalfStore, TxnEnd
+
+log = logging.getLogger(__name__)
+
+#: ``checker(msg) -> LocalTransactionState``
+TransactionChecker = Callable[[MessageExt], "LocalTransactionState | None"]
+#: Half messages claimed per queue per check (the rest wait for the next run).
+CHECK_BATCH = 100
+
+_checkers: dict[str, TransactionChecker] = {}
+
+
+def transaction_checker(*, topic: str) -> Callable[[TransactionChecker], TransactionChecker]:
+    """Register the function that tells the check-back the state of ``topic``'s transactions."""
+    check_topic(topic)
+
+    def register(fn: TransactionChecker) -> TransactionChecker:
+        if not callable(fn):
+            raise ListenerError(f"@transaction_checker(topic={topic!r}) must decorate a function")
+        known = _checkers.get(topic)
+        if known is not None and known is not fn and _qualname(known) != _qualname(fn):
+            raise ListenerError(
+                f"topic {topic!r} already has a transaction checker ({_qualname(known)}); register one per topic"
+            )
+        _checkers[topic] = fn
+        return fn
+
+    return register
+
+
+def get_transaction_checker(topic: str) -> TransactionChecker | None:
+    return _checkers.get(topic)
+
+
+def _qualname(fn: Callable[..., object]) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
+
+
+@dataclass
+class CheckReport:
+    checked: int = 0
+    committed: int = 0
+    rolled_back: int = 0
+    unknown: int = 0
+    gave_up: list[str] = field(default_factory=list)
+
+
+class TransactionCheckService:
+    """One check-back pass over every queue of every topic that had half messages."""
+
+    def __init__(self, brokers: BrokerRegistry, settings: Settings) -> None:
+        self.brokers = brokers
+        self.settings = settings
+        self.topics = TopicManager(brokers)
+        appender = QueueAppender(brokers, pending_ttl_ms=settings.ms(settings.pending_ttl),
+                                 timeout=settings.send_msg_timeout, topics=self.topics)
+        self.store = HalfStore(brokers, appender, timeout=settings.send_msg_timeout)
+
+    def check_once(self) -> CheckReport:
+        report = CheckReport()
+        # Claimed ones are not asked again for half an interval: the next pass finds them due.
+        recheck_ms = max(1, self.settings.ms(self.settings.transaction_check_interval) // 2)
+        for topic in self.store.topics():
+            try:
+                queues = self.topics.describe_topic(topic).message_queues
+            except LookupError:
+                continue
+            for mq in queues:
+                for half in self.store.due(mq, CHECK_BATCH, recheck_ms, self.settings.max_message_size):
+                    self._check(half, report)
+        return report
+
+    def _check(self, half: HalfMessage, report: CheckReport) -> None:
+        report.checked += 1
+        limit = self.settings.transaction_check_max
+        if half.checks > limit:
+            reason = f"still UNKNOWN after {limit} check-backs (transaction_check_max); rolled back"
+            self.store.end(half.mq, half.txid, TxnEnd.ROLLBACK, reason, "check-back")
+            report.rolled_back += 1
+            report.gave_up.append(half.txid)
+            log.warning("transaction %s on %s: %s", half.txid, half.mq.key, reason)
+            return
+        checker = get_transaction_checker(half.mq.topic)
+        if checker is None:
+            log.warning("no @transaction_checker for topic %r on this worker (MQORDER_LISTENERS); transaction %s "
+                        "stays half (check %d of %d)", half.mq.topic, half.txid, half.checks, limit)
+            report.unknown += 1
+            return
+        try:
+            state = as_state(checker(half.message), f"transaction checker of {half.mq.topic!r}")
+        except Exception:
+            log.exception("transaction checker of %r raised for %s; counted as UNKNOWN", half.mq.topic, half.txid)
+            state = LocalTransactionState.UNKNOWN
+        if state is LocalTransactionState.UNKNOWN:
+            report.unknown += 1
+            return
+        verdict = TxnEnd.COMMIT if state is LocalTransactionState.COMMIT else TxnEnd.ROLLBACK
+        self.store.end(half.mq, half.txid, verdict, f"check-back {half.checks} answered {state.value}", "check-back")
+        if verdict is TxnEnd.COMMIT:
+            report.committed += 1
+        else:
+            report.rolled_back += 1

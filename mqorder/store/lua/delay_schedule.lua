@@ -1,0 +1,17 @@
+-- delay_schedule.lua: hold a delayed message (RocketMQ's delay_time_level) beside its queue's log
+-- until it is due. Like RocketMQ's SCHEDULE_TOPIC_XXXX it is stored but not in the log, so no
+-- consumer sees it; delay_move.lua appends it to the log once due.
+--
+-- KEYS[1] the queue's schedule (ZSET member -> due ms, Redis clock)
+-- KEYS[2] the queue's delayed messages (HASH "<member>:h" header, "<member>:b" body)
+-- KEYS[3] the queue's schedule sequence (STRING counter)
+-- ARGV[1] delay in ms   ARGV[2] header JSON   ARGV[3] body
+-- Returns {due ms}
+-- Members are a zero-padded per-queue sequence: messages due at the same ms keep their send order
+-- (a ZSET orders equal scores by member).
+local seq = redis.call('INCR', KEYS[3])
+local member = string.format('%015d', seq)
+local due = now + tonumber(ARGV[1])
+redis.call('HSET', KEYS[2], member .. ':h', ARGV[2], member .. ':b', ARGV[3])
+redis.call('ZADD', KEYS[1], due, member)
+return {due}

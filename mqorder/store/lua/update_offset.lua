@@ -1,0 +1,27 @@
+-- update_offset.lua: a pull consumer's fenced commit of its consume offset (PullConsumer.update_offset).
+--
+-- The same rule as the engine's commit.lua (invariant 3): the offset moves only forward, and only
+-- if the caller still holds the queue at the epoch fetch_message_queues_in_balance gave it. A pull
+-- consumer that was paused past its lease, or whose queue a rebalance moved, is refused here in the
+-- same atomic step as the write, so it can never commit over the new holder's progress. There is
+-- no dispatch token (the application drives its own loop), and an offset past the end of the log
+-- is refused: nothing can be acknowledged before it was stored. Success renews the lease.
+--
+-- KEYS[1] state HASH of the group on the queue   KEYS[2] the queue's next-offset counter
+-- ARGV[1] client id   ARGV[2] epoch   ARGV[3] new offset   ARGV[4] lock_lease_ms
+-- Returns {'OK', previous offset}, {'FENCED', current epoch, current owner},
+--         {'BACKWARD', committed offset} or {'ILLEGAL', next offset}
+-- State HASH fields: see mqorder.keys.sub_state.
+local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'offset', 'commit_ms')
+if st[1] ~= ARGV[1] or tonumber(st[2] or 0) ~= tonumber(ARGV[2]) then
+  return {'FENCED', tonumber(st[2] or 0), st[1] or ''}
+end
+local cur = tonumber(st[3] or 0)
+local new = tonumber(ARGV[3])
+if new < cur then return {'BACKWARD', cur} end
+local nxt = tonumber(redis.call('GET', KEYS[2]) or 0)
+if new > nxt then return {'ILLEGAL', nxt} end
+local moved_ms = st[4] or 0
+if new > cur then moved_ms = now end
+redis.call('HSET', KEYS[1], 'offset', new, 'commit_ms', moved_ms, 'lease', now + tonumber(ARGV[4]))
+return {'OK', cur}

@@ -1,0 +1,131 @@
+"""Producer idempotence against a real redis-server: dedup keys, their window, and retries after a
+lost reply (a proxy drops Redis's answer: stored, but the producer times out) that neither
+duplicate nor reorder."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import redis
+
+from mqorder import Producer, keys
+from mqorder.errors import BrokerUnavailableError, ConfigError, MessageError
+from mqorder.model import MessageQueue
+from mqorder.store.log import MessageLog
+
+
+@pytest.fixture
+def producer(settings):
+    p = Producer(settings=settings)
+    p.create_topic("orders", queues=4)
+    yield p
+    p.close()
+
+
+def bodies(p: Producer, mq: MessageQueue) -> list[bytes]:
+    return [m.body for m in MessageLog(p.brokers).read(mq, 0, 1000)]
+
+
+def test_a_resend_of_a_key_returns_the_first_result_and_stores_nothing(producer: Producer) -> None:
+    first = producer.send_orderly("orders", b"paid", sharding_key="42", dedup_key="evt-1")
+    again = producer.send_orderly("orders", b"paid (resent)", sharding_key="42", dedup_key="evt-1")
+    other = producer.send_orderly("orders", b"shipped", sharding_key="42", dedup_key="evt-2")
+    assert again == first
+    assert other.queue_offset == first.queue_offset + 1
+    assert bodies(producer, first.message_queue) == [b"paid", b"shipped"]
+
+
+def test_keyed_send_without_sharding_key_picks_its_queue_by_key(producer: Producer) -> None:
+    a = producer.send("orders", b"x", dedup_key="k-1")
+    b = producer.send("orders", b"x again", dedup_key="k-1")
+    assert a == b
+    assert sum(MessageLog(producer.brokers).max_offset(mq) for mq in producer.describe_topic("orders").message_queues) == 1
+
+
+def test_the_window_forgets_keys_and_stays_bounded(settings, r: redis.Redis) -> None:
+    p = Producer(settings=settings, dedup_window=0.3)
+    p.create_topic("orders", queues=1)
+    mq = p.describe_topic("orders").message_queues[0]
+    for i in range(50):
+        p.send_orderly("orders", b"x", sharding_key="k", dedup_key=f"evt-{i}")
+    assert r.hlen(keys.queue_dedup(mq.tag)) == 50
+    assert 0 < r.pttl(keys.queue_dedup(mq.tag)) <= 300
+    assert r.hlen(keys.queue_ids(mq.tag)) == 0  # the Spark writer's permanent ids are untouched
+    time.sleep(0.2)
+    p.send_orderly("orders", b"x", sharding_key="k", dedup_key="late")  # keeps the keys alive 0.3 s more
+    time.sleep(0.15)  # the first 50 are out of their window, "late" is not
+    again = p.send_orderly("orders", b"x", sharding_key="k", dedup_key="evt-0")
+    assert again.queue_offset == 51  # stored again: its window ended
+    # One send forgets at most 2n + 16 = 18 expired keys: bounded work per call, and it only shrinks.
+    assert r.zcard(keys.queue_dedup_expiry(mq.tag)) == 51 - 18 + 1
+    assert r.hlen(keys.queue_dedup(mq.tag)) == 51 - 18 + 1
+    for i in range(3):
+        p.send_orderly("orders", b"x", sharding_key="k", dedup_key=f"new-{i}")
+    assert r.hlen(keys.queue_dedup(mq.tag)) == 5  # the 32 expired gone after two sends; 5 live keys
+    time.sleep(0.4)
+    assert not r.exists(keys.queue_dedup(mq.tag), keys.queue_dedup_expiry(mq.tag))  # idle: nothing kept
+    p.close()
+
+
+def test_content_based_dedup_drops_an_identical_body(settings) -> None:
+    p = Producer(settings=settings, dedup_derive="content")
+    p.create_topic("orders", queues=2)
+    a = p.send_orderly("orders", b"same", sharding_key="k")
+    b = p.send_orderly("orders", b"same", sharding_key="k")
+    c = p.send_orderly("orders", b"different", sharding_key="k")
+    assert a == b and c.queue_offset == a.queue_offset + 1
+    p.close()
+
+
+def test_bad_dedup_settings_and_keys_are_refused_clearly(settings, producer: Producer) -> None:
+    with pytest.raises(ConfigError, match="MQORDER_DEDUP_DERIVE"):
+        Producer(settings=settings, dedup_derive="sha1")
+    with pytest.raises(MessageError, match="dedup_key must be a non-empty str"):
+        producer.send_orderly("orders", b"x", sharding_key="k", dedup_key="")
+    with pytest.raises(MessageError, match="over 128"):
+        producer.send_orderly("orders", b"x", sharding_key="k", dedup_key="x" * 129)
+
+
+@pytest.fixture
+def proxy(redis_url: str):
+    from urllib.parse import urlsplit
+
+    from tests.lossy_proxy import LossyProxy
+
+    u = urlsplit(redis_url)
+    px = LossyProxy(u.hostname or "127.0.0.1", u.port or 6379)
+    yield px
+    px.close()
+
+
+def test_retries_after_a_lost_reply_neither_duplicate_nor_reorder(settings, proxy) -> None:
+    """Redis stores A1 but its reply is lost twice: the producer times out, sends again, and gets
+    the first send's result; A2 follows A1 and nothing is stored twice."""
+    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout=0.3, dedup_derive="msg_id")
+    p.create_topic("orders", queues=1)
+    mq = p.describe_topic("orders").message_queues[0]
+    p.send_orderly("orders", b"A0", sharding_key="k")
+    proxy.lose_next_replies(2)
+    a1 = p.send_orderly("orders", b"A1", sharding_key="k")
+    a2 = p.send_orderly("orders", b"A2", sharding_key="k")
+    assert bodies(p, mq) == [b"A0", b"A1", b"A2"]
+    assert (a1.queue_offset, a2.queue_offset) == (1, 2)
+    (stored,) = MessageLog(p.brokers).read(mq, 1, 1)
+    assert a1.msg_id == stored.msg_id
+    p.close()
+
+
+def test_without_a_key_a_lost_reply_stores_the_send_twice(settings, proxy) -> None:
+    """The failure a dedup key prevents: the same lost reply, and a retry (redis-py's own, here)."""
+    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout=0.3)
+    p.create_topic("orders", queues=1)
+    mq = p.describe_topic("orders").message_queues[0]
+    p.send_orderly("orders", b"A0", sharding_key="k")
+    proxy.lose_next_replies(1)
+    try:
+        p.send_orderly("orders", b"A1", sharding_key="k")
+    except BrokerUnavailableError:
+        p.send_orderly("orders", b"A1", sharding_key="k")  # what an application does after a timeout
+    assert bodies(p, mq) == [b"A0", b"A1", b"A1"]
+    p.close()

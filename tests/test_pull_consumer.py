@@ -1,0 +1,141 @@
+"""PullConsumer against a real redis-server: balance, pull, fenced update_offset, and a stale
+holder refused after a rebalance moved its queue."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import redis
+
+from mqorder import Producer, keys
+from mqorder.client.pull_consumer import PullConsumer, PullStatus
+from mqorder.errors import OffsetFencedError, OffsetIllegalError, TopicNotFoundError
+from mqorder.model import MessageQueue
+from mqorder.rebalance.service import RebalanceService
+from mqorder.settings import load_settings
+
+
+@pytest.fixture
+def fast(redis_url: str):
+    return load_settings(redis_url=redis_url, heartbeat_interval=0.2, heartbeat_timeout=1.0)
+
+
+@pytest.fixture
+def producer(fast):
+    p = Producer(settings=fast)
+    p.create_topic("orders", queues=4)
+    yield p
+    p.close()
+
+
+def drain(c: PullConsumer, topic: str) -> dict[MessageQueue, list[bytes]]:
+    """The application's loop: pull each queue in balance from its committed offset, commit."""
+    seen: dict[MessageQueue, list[bytes]] = {}
+    for mq in c.fetch_message_queues_in_balance(topic):
+        offset = c.fetch_consume_offset(mq)
+        while True:
+            res = c.pull(mq, offset, 3)
+            if res.pull_status is not PullStatus.FOUND:
+                break
+            seen.setdefault(mq, []).extend(m.body for m in res.msg_found_list)
+            c.update_offset(mq, res.next_begin_offset)
+            offset = res.next_begin_offset
+    return seen
+
+
+def test_one_consumer_holds_every_queue_and_drains_in_order(fast, producer: Producer) -> None:
+    for i in range(20):
+        producer.send_orderly("orders", f"k{i % 5}:{i}".encode(), sharding_key=f"k{i % 5}")
+    with PullConsumer("audit", settings=fast, client_id="p1") as c:
+        seen = drain(c, "orders")
+        assert c.fetch_message_queues_in_balance("orders") == producer.describe_topic("orders").message_queues
+        assert sum(len(v) for v in seen.values()) == 20
+        for bodies in seen.values():
+            idx = [int(b.split(b":")[1]) for b in bodies]
+            assert idx == sorted(idx)  # per queue, in send order
+        for mq in seen:
+            assert c.fetch_consume_offset(mq) == len(seen[mq])
+        assert drain(c, "orders") == {}  # committed: nothing again
+
+
+def test_two_consumers_split_the_queues_and_a_leaver_hands_its_queues_over(fast, producer: Producer) -> None:
+    a = PullConsumer("audit", settings=fast, client_id="pa")
+    b = PullConsumer("audit", settings=fast, client_id="pb")
+    a.fetch_message_queues_in_balance("orders")
+    qb = b.fetch_message_queues_in_balance("orders")
+    qa = a.fetch_message_queues_in_balance("orders")
+    assert len(qa) == len(qb) == 2 and not set(qa) & set(qb)
+    a.shutdown()
+    assert len(b.fetch_message_queues_in_balance("orders")) == 4
+    b.shutdown()
+
+
+def test_a_stale_holder_cannot_commit_after_its_queue_moved(fast, producer: Producer, r: redis.Redis) -> None:
+    for i in range(6):
+        producer.send_orderly("orders", f"{i}".encode(), sharding_key="k")
+    a = PullConsumer("audit", settings=fast, client_id="pa")
+    (mq,) = [q for q in a.fetch_message_queues_in_balance("orders") if a.log.max_offset(q)]
+    res = a.pull(mq, 0, 3)
+    a.update_offset(mq, res.next_begin_offset)  # a holds it: committed
+    a._stop.set()  # a is paused: no heartbeat from now on
+    time.sleep(1.3)  # its heartbeat lapses
+    b = PullConsumer("audit", settings=fast, client_id="pb")
+    assert mq in b.fetch_message_queues_in_balance("orders")
+    # a wakes up and commits what it pulled in the meantime: refused in the same step as the write
+    with pytest.raises(OffsetFencedError, match="stale"):
+        a.update_offset(mq, 6)
+    assert b.fetch_consume_offset(mq) == 3
+    res = b.pull(mq, b.fetch_consume_offset(mq), 32)
+    assert [m.body for m in res.msg_found_list] == [b"3", b"4", b"5"]
+    b.update_offset(mq, res.next_begin_offset)
+    assert int(r.hget(keys.sub_state(mq.tag, "audit"), "offset")) == 6
+    with pytest.raises(OffsetFencedError, match="not in this consumer's balance"):
+        a.update_offset(mq, 6)  # and it stays out until it fetches its balance again
+    b.shutdown()
+    a.shutdown()
+
+
+def test_bad_offsets_are_refused_and_pull_reports_illegal_offsets(fast, producer: Producer) -> None:
+    r0 = producer.send_orderly("orders", b"x", sharding_key="k")
+    mq = r0.message_queue
+    with PullConsumer("audit", settings=fast, client_id="p1") as c:
+        assert mq in c.fetch_message_queues_in_balance("orders")
+        assert c.pull(mq, 5, 10).pull_status is PullStatus.OFFSET_ILLEGAL
+        assert c.pull(mq, 5, 10).next_begin_offset == 1
+        assert c.pull(mq, 1, 10).pull_status is PullStatus.NO_NEW_MSG
+        with pytest.raises(OffsetIllegalError, match="max_nums"):
+            c.pull(mq, 0, 0)
+        with pytest.raises(OffsetIllegalError, match="below 1 only"):
+            c.update_offset(mq, 2)
+        c.update_offset(mq, 1)
+        with pytest.raises(OffsetIllegalError, match="only move forward"):
+            c.update_offset(mq, 0)
+        with pytest.raises(TopicNotFoundError):
+            c.fetch_message_queues_in_balance("nope")
+
+
+def test_pull_blocks_until_a_message_arrives(fast, producer: Producer) -> None:
+    mq = producer.send_orderly("orders", b"first", sharding_key="k").message_queue
+    with PullConsumer("audit", settings=fast, client_id="p1") as c:
+        c.fetch_message_queues_in_balance("orders")
+        threading.Timer(0.3, lambda: producer.send_orderly("orders", b"second", sharding_key="k")).start()
+        t0 = time.monotonic()
+        res = c.pull(mq, 1, 10, block_ms=3000)
+        assert res.pull_status is PullStatus.FOUND and [m.body for m in res.msg_found_list] == [b"second"]
+        assert 0.2 < time.monotonic() - t0 < 2.5
+
+
+def test_no_consume_request_is_ever_dispatched_to_a_pull_consumer(fast, producer: Producer) -> None:
+    for i in range(8):
+        producer.send_orderly("orders", b"x", sharding_key=f"k{i}")
+    with PullConsumer("audit", settings=fast, client_id="p1") as c:
+        c.fetch_message_queues_in_balance("orders")
+        svc = RebalanceService(producer.brokers, fast.model_copy(update={"pending_ttl": 0.2}))
+        for mq in producer.describe_topic("orders").message_queues:  # make every queue movable again
+            svc.locks.unlock_batch("audit", [mq], "p1", force=True)
+        report = svc.rebalance()
+        assert report.assigned == 4 and report.moved == 4 and report.dispatches == []
+        time.sleep(0.3)  # the pending tokens assign.lua gave lapse: the central sweep would re-dispatch
+        assert svc.sweep(["audit"]) == []

@@ -1,0 +1,163 @@
+"""Transactional messages against a real redis-server: half messages nobody sees, commit at the
+commit position, rollback with a reason, the check-back (UNKNOWN, check max), and, on real
+workers and beat, producers killed -9 between the two phases."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from mqorder import Producer, keys
+from mqorder.client.transaction import LocalTransactionState, TransactionProducer
+from mqorder.client.transaction_check import TransactionCheckService, _checkers, transaction_checker
+from mqorder.errors import MessageError
+from mqorder.launcher import project_env
+from mqorder.model import MessageExt
+from mqorder.settings import load_settings
+from mqorder.store.log import MessageLog
+from tests.conftest import ROOT, body, ledger, wait_for
+
+COMMIT, ROLLBACK, UNKNOWN = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK, LocalTransactionState.UNKNOWN
+
+
+@pytest.fixture
+def tx(redis_url: str):
+    s = load_settings(redis_url=redis_url, transaction_timeout=0.2, transaction_check_interval=0.2,
+                      transaction_check_max=3)
+    p = TransactionProducer(settings=s)
+    p.create_topic("tx", queues=2)
+    yield p
+    p.close()
+    _checkers.pop("tx", None)
+
+
+def bodies(p: Producer, mq) -> list[bytes]:
+    return [m.body for m in MessageLog(p.brokers).read(mq, 0, 100)]
+
+
+def test_a_half_message_is_invisible_and_commits_at_the_commit_position(tx: TransactionProducer) -> None:
+    seen_during: list[list[bytes]] = []
+
+    def executor(msg: MessageExt, arg: object) -> LocalTransactionState:
+        seen_during.append(bodies(tx, msg.message_queue))  # phase one done: not in the log
+        tx.send_orderly("tx", b"sent meanwhile", sharding_key="k")  # the same key, during the txn
+        return COMMIT
+
+    res = tx.send_in_transaction("tx", b"txn", sharding_key="k", executor=executor)
+    assert seen_during == [[]]
+    assert res.local_transaction_state is COMMIT and res.queue_offset == 1
+    assert bodies(tx, res.message_queue) == [b"sent meanwhile", b"txn"]  # commit order, not prepare order
+    (m,) = MessageLog(tx.brokers).read(res.message_queue, 1, 1)
+    assert m.msg_id == res.msg_id and m.properties["TRAN_MSG"] == "true"
+    assert tx.half_store.pending(res.message_queue) == []
+
+
+def test_rollback_stores_nothing_and_records_why(tx: TransactionProducer) -> None:
+    res = tx.send_in_transaction("tx", b"txn", sharding_key="k", executor=lambda m, a: ROLLBACK)
+    assert res.queue_offset == -1 and bodies(tx, res.message_queue) == []
+    (o,) = tx.half_store.outcomes(res.message_queue)
+    assert (o.txid, o.outcome, o.offset) == (res.msg_id, "ROLLBACK", -1)
+    assert "ROLLBACK_MESSAGE" in o.reason and o.by.startswith("producer")
+
+
+def test_unknown_and_a_raising_executor_are_resolved_by_the_checker(tx: TransactionProducer) -> None:
+    answers = {"txn-unknown": COMMIT, "txn-raised": ROLLBACK}
+    transaction_checker(topic="tx")(lambda msg: answers[msg.body.decode()])
+    r1 = tx.send_in_transaction("tx", b"txn-unknown", sharding_key="k", executor=lambda m, a: UNKNOWN)
+
+    def boom(msg: MessageExt, arg: object) -> LocalTransactionState:
+        raise RuntimeError("local database down")
+
+    with pytest.raises(RuntimeError):
+        tx.send_in_transaction("tx", b"txn-raised", sharding_key="k", executor=boom)
+    mq = r1.message_queue
+    assert len(tx.half_store.pending(mq)) == 2 and bodies(tx, mq) == []
+    svc = TransactionCheckService(tx.brokers, tx.settings)
+    assert svc.check_once().checked == 0  # younger than transaction_timeout: not asked yet
+    time.sleep(0.25)
+    report = svc.check_once()
+    assert (report.checked, report.committed, report.rolled_back) == (2, 1, 1)
+    assert bodies(tx, mq) == [b"txn-unknown"] and tx.half_store.pending(mq) == []
+    assert {o.outcome for o in tx.half_store.outcomes(mq)} == {"COMMIT", "ROLLBACK"}
+
+
+def test_still_unknown_after_check_max_is_rolled_back_with_the_reason(tx: TransactionProducer) -> None:
+    asked: list[str] = []
+    transaction_checker(topic="tx")(lambda msg: asked.append(msg.msg_id) or UNKNOWN)
+    res = tx.send_in_transaction("tx", b"txn", sharding_key="k", executor=lambda m, a: UNKNOWN)
+    svc = TransactionCheckService(tx.brokers, tx.settings)
+    deadline = time.monotonic() + 5
+    while tx.half_store.pending(res.message_queue) and time.monotonic() < deadline:
+        svc.check_once()
+        time.sleep(0.05)
+    assert asked == [res.msg_id] * 3  # transaction_check_max checks, then no more
+    (o,) = tx.half_store.outcomes(res.message_queue)
+    assert o.outcome == "ROLLBACK" and "transaction_check_max" in o.reason and o.by == "check-back"
+    assert o.checks == 4 and bodies(tx, res.message_queue) == []
+
+
+def test_producer_and_check_back_end_a_transaction_once(tx: TransactionProducer) -> None:
+    res = tx.send_in_transaction("tx", b"txn", sharding_key="k", executor=lambda m, a: UNKNOWN)
+    first = tx.end_transaction(res.message_queue, res.transaction_id, COMMIT, by="check-back")
+    again = tx.end_transaction(res.message_queue, res.transaction_id, ROLLBACK, by="producer")
+    assert first.queue_offset == 0 and again.queue_offset == -1
+    assert bodies(tx, res.message_queue) == [b"txn"]
+    assert [o.outcome for o in tx.half_store.outcomes(res.message_queue)] == ["COMMIT"]
+
+
+def test_bad_executor_is_refused_before_anything_is_stored(tx: TransactionProducer, r: redis.Redis) -> None:
+    with pytest.raises(MessageError, match="executor must be a callable"):
+        tx.send_in_transaction("tx", b"x", sharding_key="k", executor="commit")  # type: ignore[arg-type]
+    assert not r.exists(keys.txn_topics())
+
+
+def _killed_mid_transaction(url: str, tmp: Path, key: str, seq: int, local: str) -> str:
+    """Run tests.txn_proc until its local transaction is running, kill -9 it; return the msg id."""
+    marker = tmp / f"marker-{key}-{seq}"
+    proc = subprocess.Popen([sys.executable, "-m", "tests.txn_proc", "t-order", key, str(seq), local, str(marker)],
+                            env=project_env(url), cwd=ROOT)
+    try:
+        wait_for(marker.exists, timeout=30, what="the producer to reach its local transaction")
+    finally:
+        proc.kill()
+        proc.wait(10)
+    return marker.read_text()
+
+
+def test_producers_killed_between_the_phases_end_visible_or_rolled_back(cluster, r: redis.Redis, tmp_path: Path) -> None:
+    txn_env = {"MQORDER_LISTENERS": "tests.listeners,tests.txn_checkers", "MQORDER_TRANSACTION_TIMEOUT": "1",
+               "MQORDER_TRANSACTION_CHECK_INTERVAL": "0.5", "MQORDER_TRANSACTION_CHECK_MAX": "3"}
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=2)
+    cluster.start_worker("w1", **txn_env)
+    cluster.start_beat(**txn_env)
+    p.send_orderly("t-order", body("a", 1), sharding_key="a")
+    committed = _killed_mid_transaction(cluster.url, tmp_path, "a", 2, "COMMIT")
+    unknown = _killed_mid_transaction(cluster.url, tmp_path, "b", 1, "-")
+    p.send_orderly("t-order", body("a", 3), sharding_key="a")  # sent while a's txn hangs half-way
+    route = p.describe_topic("t-order").message_queues
+    log = MessageLog(p.brokers)
+    assert all(json.loads(m.body)["s"] != 2 and json.loads(m.body)["k"] != "b"
+               for mq in route for m in log.read(mq, 0, 100))  # nothing half-way is visible
+    # The check-back commits a's transaction (its local state says COMMIT) and the worker consumes it.
+    wait_for(lambda: any(e["key"] == "a" and e["seq"] == 2 for e in ledger(r, "g-order")), timeout=60,
+             what="the committed transaction to be consumed")
+    # b's checker never learns anything: rolled back after transaction_check_max, with the reason.
+    from mqorder.store.transactions import HalfStore
+
+    store = HalfStore(p.brokers, p.appender, timeout=3)
+    wait_for(lambda: not any(store.pending(mq) for mq in route), timeout=60, what="no half message left")
+    outcomes = {o.txid: o for mq in route for o in store.outcomes(mq)}
+    assert outcomes[committed].outcome == "COMMIT" and outcomes[committed].by == "check-back"
+    assert outcomes[unknown].outcome == "ROLLBACK" and "transaction_check_max" in outcomes[unknown].reason
+    assert int(r.get(f"checked:{unknown}")) == 3
+    a_seqs = [e["seq"] for e in ledger(r, "g-order") if e["key"] == "a" and e["ok"]]
+    assert a_seqs == [1, 3, 2]  # the committed message took its place at the commit
+    assert not any(e["key"] == "b" for e in ledger(r, "g-order"))
+    p.close()

@@ -33,6 +33,7 @@ NAMES = (
     "publish_staged",  # mqorder.spark: a committed job's staged rows enter the log
     "reset_offset",  # mqorder.admin.offsets: `mqorder offsets reset`, fenced
     "adopt",  # mqorder.consumer.idle_watch: a lingering request watches another idle queue
+    "key_commit",  # mqorder.consumer.key_request: a key-ordered run's fenced commit + offset map
 )
 
 

@@ -1,6 +1,7 @@
 """Encoding of messages into stream entries, and back.
 
-A stream entry has three fields: ``h`` (a JSON header: msg id, keys, tags, properties, born time),
+A stream entry has three fields: ``h`` (a JSON header: msg id, keys, tags, properties, born time,
+and the sharding key's hash for key-ordered consumption),
 ``b`` (the raw body bytes, never re-encoded) and ``s`` (the store time, written by the send script
 from Redis's own clock). JSON only: a stored message can never execute code when it is read.
 
@@ -100,7 +101,15 @@ def encode_header(
     tags: object = None,
     properties: object = None,
     born_ms: int | None = None,
+    key_hash: int | None = None,
 ) -> bytes:
+    """The JSON header of one message.
+
+    ``key_hash`` (header field ``h``) is the hash of the sharding key the message was sent with
+    (``mqorder.client.selector.key_hash``): what a key-ordered listener (``ordering="key"``) uses
+    to tell keys of one queue apart. Stored as a hash, not the key, so the header stays small
+    whatever the key; a message without one counts as one key per queue.
+    """
     if tags is not None and not isinstance(tags, str):
         raise MessageError(f"tags must be a str or None, got {type(tags).__name__}")
     header: dict[str, Any] = {"i": msg_id, "b": born_ms if born_ms is not None else int(time.time() * 1000)}
@@ -112,6 +121,8 @@ def encode_header(
     p = _check_props(properties)
     if p:
         header["p"] = p
+    if key_hash is not None:
+        header["h"] = key_hash
     try:
         raw = _dumps(header).encode("utf-8")
     except UnicodeEncodeError as exc:
@@ -137,6 +148,8 @@ def _header_type_error(msg: MessageExt) -> str | None:
         return "header field 'p' (properties) is not an object of strings"
     if isinstance(msg.born_timestamp, bool) or not isinstance(msg.born_timestamp, int):
         return "header field 'b' (born timestamp) is not an integer"
+    if msg.key_hash is not None and (isinstance(msg.key_hash, bool) or not isinstance(msg.key_hash, int)):
+        return "header field 'h' (sharding key hash) is not an integer"
     return None
 
 
@@ -167,12 +180,13 @@ def decode_entries(
                 f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=False))
                 raw_h, body, raw_s = f[b"h"], f[b"b"], f.get(b"s", b"0")
             h = _decode_header(raw_h)
-            mid, born, k, t, p = h["i"], h.get("b", 0), h.get("k"), h.get("t"), h.get("p")
+            mid, born, k, t, p, kh = h["i"], h.get("b", 0), h.get("k"), h.get("t"), h.get("p"), h.get("h")
             msg = MessageExt(mid, topic, broker, qid, offset, body, [] if k is None else k, t,
-                             {} if p is None else p, born, int(raw_s))
+                             {} if p is None else p, born, int(raw_s), 0, None, kh)
             if not (
                 type(mid) is str and type(born) is int and p is None and (t is None or type(t) is str)
                 and (k is None or (type(k) is list and all(type(x) is str for x in k)))
+                and (kh is None or type(kh) is int)
             ):
                 msg.decode_error = _header_type_error(msg)
             if len(body) > max_message_size:

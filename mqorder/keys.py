@@ -323,6 +323,13 @@ def sub_state(tag: str, sub: str) -> str:
         fence the running owner). Read by ``begin`` (first pull), ``commit``, ``assign`` /
         ``finish`` / ``sweep`` (backlog means ``next`` > ``offset``), ``MessageLog``
         (``consume_offset``, ``lag``, ``state``) and ``mqorder status``.
+    ``done``
+        Key-ordered consumption only (``ordering="key"``): the offsets finished *above*
+        ``offset`` (which is then the lowest unfinished one), as ``<offset>:r<runs>`` or
+        ``<offset>:b<hex>`` (``mqorder.consumer.offset_map``). Written only by ``key_commit``,
+        with the offset, fenced like ``commit``; deleted by ``reset_offset``. Read by ``begin``
+        (returned to the run, which skips those offsets), and void whenever its base is not the
+        current ``offset`` (anything else that moved the offset).
     ``commit_ms``
         When ``offset`` last moved: written by ``commit`` in its existing HSET (kept when a commit
         does not move the offset) and by ``reset_offset``. Read only by ``mqorder status``, which

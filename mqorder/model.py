@@ -64,6 +64,10 @@ class MessageExt:
     store_timestamp: int
     reconsume_times: int = 0
     decode_error: str | None = None
+    #: Hash of the sharding key the message was sent with (``crc32(utf8(key))``, the number the
+    #: default selector takes modulo the queue count), None when it was sent without one. Key-
+    #: ordered listeners (``ordering="key"``) order and serialise messages per ``key_hash``.
+    key_hash: int | None = None
 
     @property
     def message_queue(self) -> MessageQueue:

@@ -88,6 +88,12 @@ class Settings(BaseSettings):
     #: first, claimed through begin.lua: with fewer pool slots than queues, sends to idle queues
     #: then skip the wake-up and the new Celery task. Off: it watches its own queue only.
     consume_linger_idle_queues: bool = True
+    #: Key-ordered listeners (``@orderly_listener(ordering="key")``): at most this many keys of one
+    #: queue are handled at once (one call per key at a time, in offset order per key).
+    key_concurrency: int = Field(16, ge=1, le=1024)
+    #: Key-ordered listeners: stop pulling a queue while its pulled span (highest pulled offset
+    #: minus the lowest unfinished one) is this wide (RocketMQ's consumeConcurrentlyMaxSpan).
+    consume_concurrently_max_span: int = Field(2000, ge=1, le=100_000)
     #: Record every handled message in the consumption ledger (``mqorder:ledger:<group>``), for
     #: audits; a listener may switch it on for itself with ``@orderly_listener(ledger=True)``.
     ledger: bool = False

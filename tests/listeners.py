@@ -6,13 +6,16 @@ end-to-end assertion (order, loss, duplicates, overlap) is computed from. Behavi
 per group through the Redis hash ``ctl:<group>`` so a test changes it without restarting workers:
 
 * ``sleep_ms``: sleep inside every call (to widen overlap windows);
-* ``suspend:<key>:<seq>``: how many more times to return SUSPEND for that message.
+* ``suspend:<key>:<seq>``: how many more times to return SUSPEND for that message;
+* ``rand_sleep_ms``: sleep a random time up to this inside every call (key mode's tests);
+* ``fail:<key>``: always return SUSPEND for that key's messages.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 import time
 
 import redis
@@ -36,6 +39,9 @@ def _record(group: str, msgs, ctx, status: ConsumeOrderlyStatus) -> ConsumeOrder
     sleep_ms = float(ctl.get("sleep_ms", 0))
     if sleep_ms:
         time.sleep(sleep_ms / 1000)
+    rand_ms = float(ctl.get("rand_sleep_ms", 0))
+    if rand_ms:
+        time.sleep(random.random() * rand_ms / 1000)
     lines = []
     for m in msgs:
         body = json.loads(m.body)
@@ -43,6 +49,8 @@ def _record(group: str, msgs, ctx, status: ConsumeOrderlyStatus) -> ConsumeOrder
         sk = f"suspend:{key}:{seq}"
         if int(ctl.get(sk, 0)) > 0:
             c.hincrby(f"ctl:{group}", sk, -1)
+            status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        if ctl.get(f"fail:{key}"):
             status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
         lines.append((key, seq, m))
     end = time.time_ns() // 1000
@@ -82,3 +90,10 @@ def broadcast(msgs, ctx):
 def late(msgs, ctx):
     """Its topic is created only after the workers started (instant pick-up of a new topic)."""
     return _record("g-late", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
+
+
+@orderly_listener(topic="t-keys", group="g-keys", ordering="key", key_concurrency=16, max_reconsume_times=2,
+                  suspend_current_queue_time_millis=50)
+def keyed(msgs, ctx):
+    """Key-ordered (issue 14): keys of one queue in parallel, one call at a time per key."""
+    return _record("g-keys", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)

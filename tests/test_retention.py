@@ -351,3 +351,21 @@ def test_many_trimmers_at_once_trim_exactly_once_and_never_what_is_held(settings
     assert sum(totals) == 250  # each message trimmed by exactly one of them
     assert offsets_stored(r) == list(range(250, 500))
     p.close()
+
+
+def test_a_key_ordered_queue_trimmed_to_its_end_moves_on_too(env, r) -> None:
+    p, eng = env
+    send(p, 9)
+    p.brokers.meta.xtrim(keys.queue_log(MQ.tag), minid="9", approximate=False)
+    calls: list[int] = []
+
+    def listener(msgs, ctx):
+        calls.extend(m.queue_offset for m in msgs)
+        return S.SUCCESS
+
+    from mqorder.consumer.key_request import KeyConsumeRequest
+
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    out = KeyConsumeRequest(eng, ListenerSpec(listener, "t", "g", ordering="key"), "g", MQ, "tok0").run()
+    assert calls == [] and out.verb == "IDLE"  # not a redispatch over a backlog that is gone
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 9

@@ -278,3 +278,16 @@ def test_ledger_and_audit_index_reads_refuse_unknown_options_listing_the_known_o
     with pytest.raises(ConfigError, match=rf"'orderby'.*format\('{FORMAT}'\).*known options: topic, redisUrl, "
                                           r"brokers, orderField"):
         index_options({"topic": "t", "orderBy": "seq"})
+
+
+def test_the_spark_writer_stores_the_key_hash_the_producer_stores() -> None:
+    """Key-ordered listeners read header ``h``: a row published from Spark must carry the same
+    ``crc32(utf8(key))`` as a ``send_orderly`` of that key, an empty key included."""
+    import json
+    import zlib
+
+    from mqorder.client.selector import key_hash
+
+    enc = encode_partition(table([("acct-1", 1, b"a"), ("é", 2, b"b"), ("", 3, b"c")]), plan())
+    got = {bytes(b): json.loads(h)["h"] for run in enc.runs.values() for _, _, h, b in run}
+    assert got == {b"a": zlib.crc32(b"acct-1"), b"b": key_hash("é"), b"c": key_hash("")}

@@ -64,6 +64,8 @@ class DeadLetter:
     tags: str | None
     properties: dict[str, str]  # the original's own properties (DLQ_PROPERTIES removed)
     body: bytes
+    #: The original's sharding key hash (header ``h``): a replayed copy keeps its key.
+    key_hash: int | None = None
 
     @classmethod
     def of(cls, msg: MessageExt) -> DeadLetter:
@@ -77,6 +79,7 @@ class DeadLetter:
             keys=list(msg.keys) if isinstance(msg.keys, list) else [],
             tags=msg.tags if isinstance(msg.tags, str) else None,
             properties={k: v for k, v in p.items() if k not in DLQ_PROPERTIES}, body=msg.body,
+            key_hash=msg.key_hash if type(msg.key_hash) is int else None,
         )
 
     @property
@@ -297,4 +300,5 @@ def _header(d: DeadLetter, group: str) -> bytes:
     from (``DLQ_REPLAYED_FROM``). Its born time is the replay's."""
     props = dict(d.properties)
     props[REPLAYED_FROM] = f"{keys.dlq_topic(group)}@{d.dlq_offset}"
-    return encode_header(d.origin_msg_id or replay_id(group, d.dlq_offset), d.keys, d.tags, props)
+    return encode_header(d.origin_msg_id or replay_id(group, d.dlq_offset), d.keys, d.tags, props,
+                         key_hash=d.key_hash)

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from mqorder.client.dedup import dedup_key_of, first_send_result
-from mqorder.client.selector import Selector, resolve, select_by_hash
+from mqorder.client.selector import Selector, key_hash, resolve, select_by_hash
 from mqorder.codec import MsgIdGenerator, check_body, encode_header
 from mqorder.errors import BrokerUnavailableError, MessageError, TopicNotWritableError
 from mqorder.model import MessageQueue, SendResult, SendStatus
@@ -214,7 +214,7 @@ class Producer:
                 "application before sending; nothing was sent"
             )
         _, queues = self._route(topic)
-        header, msg_id, body = self._prepare(body, keys, tags, properties)
+        header, msg_id, body = self._prepare(body, keys, tags, properties, key_hash(sharding_key))
         mq = self._select(queues, sharding_key, body, selector)
         key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body)
         if key is not None:
@@ -242,7 +242,7 @@ class Producer:
                 raise MessageError(f"item {i} must be a (sharding_key, body) tuple, got {item!r}"[:200])
             key, body = item
             try:
-                header, msg_id, body = self._prepare(body, key, tags, None)
+                header, msg_id, body = self._prepare(body, key, tags, None, key_hash(key))
                 mq = self._select(queues, key, body, selector)
             except MessageError as exc:
                 raise MessageError(f"item {i}: {exc}; nothing of this batch was sent") from None
@@ -305,13 +305,15 @@ class Producer:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _prepare(
-        self, body: object, keys_: object, tags: object, properties: object
+        self, body: object, keys_: object, tags: object, properties: object, hash_: int | None = None
     ) -> tuple[bytes, str, bytes]:
+        """Check and encode one message; ``hash_`` is its sharding key's hash (``key_hash``), stored
+        for key-ordered listeners."""
         body_b = check_body(body, self.settings.max_message_size)
         msg_id = self._ids.next()
         if keys_ is not None and not isinstance(keys_, (str, list, tuple)):
             keys_ = str(keys_)
-        header = encode_header(msg_id, keys_, tags, properties)
+        header = encode_header(msg_id, keys_, tags, properties, key_hash=hash_)
         return header, msg_id, body_b
 
     def _select(

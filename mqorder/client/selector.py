@@ -41,6 +41,21 @@ def queue_index(sharding_key: object, queue_count: int) -> int:
     return zlib.crc32(key_bytes(sharding_key)) % queue_count
 
 
+def key_hash(sharding_key: object) -> int | None:
+    """The hash stored with a message (header ``h``) so key-ordered listeners can tell its key
+    apart from the other keys of its queue: ``crc32(utf8(key))``, the very number the default
+    selector takes modulo the queue count (and Spark's ``crc32(key)``), so every append path
+    computes it alike.
+
+    None for a key this module cannot turn into bytes (a custom selector may take any object):
+    such messages count as one key per queue, which is safe (serialised), only slower.
+    """
+    try:
+        return zlib.crc32(key_bytes(sharding_key))
+    except MessageError:
+        return None
+
+
 def select_by_hash(queues: Sequence[MessageQueue], sharding_key: object, body: bytes) -> MessageQueue:
     return queues[queue_index(sharding_key, len(queues))]
 

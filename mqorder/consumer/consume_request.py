@@ -268,8 +268,9 @@ class ConsumerEngine:
                  watch: IdleQueueWatch | None) -> tuple[ConsumeRequest, Outcome | None]:
         backoff = Backoff(first=0.25, cap=5.0)
         waited = 0.0
+        cls = _request_class(spec)
         while True:
-            req = ConsumeRequest(self, spec, sub, mq, token, runner=runner, watch=watch)
+            req = cls(self, spec, sub, mq, token, runner=runner, watch=watch)
             try:
                 return req, req.run()
             except (redis.RedisError, BrokerUnavailableError) as exc:
@@ -281,6 +282,16 @@ class ConsumerEngine:
                 log.warning("ConsumeRequest %s %s: Redis error (%s); retrying in %.2fs", sub, mq.key, exc, delay)
                 time.sleep(delay)
                 waited += delay
+
+
+def _request_class(spec: ListenerSpec) -> type[ConsumeRequest]:
+    """``ConsumeRequest`` for RocketMQ's queue order (the default); ``KeyConsumeRequest`` for a
+    listener with ``ordering="key"`` (imported here: it is a subclass of this module's class)."""
+    if spec.ordering == "key":
+        from mqorder.consumer.key_request import KeyConsumeRequest
+
+        return KeyConsumeRequest
+    return ConsumeRequest
 
 
 class ConsumeRequest:
@@ -378,10 +389,14 @@ class ConsumeRequest:
         self.committed = self.commit_point = int(res[2])
         self.pulled_to = self.committed
         self.pq.mark_locked()
+        self._begun(res)
+        return None
+
+    def _begun(self, res: list[Any]) -> None:
+        """Take ``begin.lua``'s first pull (a key-ordered run also reads its offset map there)."""
         self._put(res[4], res[5])
         if not res[4]:
             self._check_trimmed_tail(int(res[3]))
-        return None
 
     def _put(self, entries: list[Any], raw_retries: list[Any] | None) -> None:
         # Reconsume counts exist only for the head of the queue, written by an earlier run that
@@ -587,8 +602,7 @@ class ConsumeRequest:
             log.warning("listener %s returned %r, not a ConsumeOrderlyStatus; treating it as SUSPEND",
                         self.spec.name, status)
             status = SUSPEND
-        self._rt_sum += rt
-        self._rt_n += 1
+        self._note_rt(rt)
         if hook_ctx is not None:
             hook_ctx.status = status.value
             hook_ctx.success = status in (SUCCESS, COMMIT)
@@ -597,6 +611,10 @@ class ConsumeRequest:
         if self.ledger is None:
             return Handled(status)
         return Handled(status, wall0 * 1000, wall0 * 1000 + rt)
+
+    def _note_rt(self, rt: float) -> None:
+        self._rt_sum += rt
+        self._rt_n += 1
 
     def _settle(self, msgs: list[MessageExt], handled: Handled, ctx: ConsumeOrderlyContext) -> LoopEnd | None:
         """``processConsumeResult``: commit, suspend (with DLQ after max reconsume), rollback.

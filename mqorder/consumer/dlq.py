@@ -66,8 +66,10 @@ class DeadLetterWriter:
         keys_ = msg.keys if isinstance(msg.keys, list) and all(isinstance(k, str) for k in msg.keys) else []
         tags = msg.tags if isinstance(msg.tags, str) else None
         dlq_id = f"DLQ-{msg.msg_id if isinstance(msg.msg_id, str) else ''}-{msg.queue_offset}"
+        # The sharding key's hash stays with the dead letter, so a replayed copy keeps its key.
+        hash_ = msg.key_hash if type(msg.key_hash) is int else None
         try:
-            return encode_header(dlq_id, keys_, tags, props)
+            return encode_header(dlq_id, keys_, tags, props, key_hash=hash_)
         except MessageError:
             # Even a message whose metadata cannot be re-encoded must reach the DLQ: keep the body
             # and where it came from, drop the unencodable metadata.

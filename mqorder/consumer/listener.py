@@ -33,6 +33,12 @@ class ListenerSpec:
     hooks: list[ConsumeMessageHook] = field(default_factory=list)
     #: Record every handled message in the ledger (``None``: ``MQORDER_LEDGER``).
     ledger: bool | None = None
+    #: ``"queue"`` (RocketMQ's orderly consumption: one call at a time per queue) or ``"key"``
+    #: (one call at a time per sharding key, keys of one queue in parallel: ``key_request``).
+    ordering: str = "queue"
+    #: Key mode only (``None``: ``MQORDER_KEY_CONCURRENCY`` / ``MQORDER_CONSUME_CONCURRENTLY_MAX_SPAN``).
+    key_concurrency: int | None = None
+    consume_concurrently_max_span: int | None = None
 
     @property
     def name(self) -> str:
@@ -60,10 +66,20 @@ def orderly_listener(
     suspend_current_queue_time_millis: int | None = None,
     hooks: list[ConsumeMessageHook] | None = None,
     ledger: bool | None = None,
+    ordering: str = "queue",
+    key_concurrency: int | None = None,
+    consume_concurrently_max_span: int | None = None,
 ) -> Callable[[ListenerFunc], ListenerFunc]:
     """Register ``func(msgs, ctx) -> ConsumeOrderlyStatus`` as the orderly listener of a group.
 
     Returning ``None`` or raising counts as ``SUSPEND_CURRENT_QUEUE_A_MOMENT`` (as in RocketMQ).
+
+    ``ordering="queue"`` (the default) is RocketMQ's orderly consumption: one call at a time per
+    queue, in offset order. ``ordering="key"`` orders per sharding key instead: messages of
+    different keys of one queue are handled in parallel (up to ``key_concurrency``), one call at
+    a time per key and in offset order per key; a suspend holds back only its key
+    (``mqorder.consumer.key_request``). In key mode a batch (``consume_message_batch_max_size``)
+    holds messages of one key only.
     """
     check_topic(topic)
     check_name("group", group)
@@ -78,6 +94,11 @@ def orderly_listener(
     _positive("pull_batch_size", pull_batch_size)
     _positive("max_reconsume_times", max_reconsume_times, -1)
     _positive("suspend_current_queue_time_millis", suspend_current_queue_time_millis, 10)
+    if ordering not in ("queue", "key"):
+        raise ListenerError(f"ordering must be 'queue' (one call at a time per queue) or 'key' "
+                            f"(one call at a time per sharding key), got {ordering!r}")
+    _positive("key_concurrency", key_concurrency)
+    _positive("consume_concurrently_max_span", consume_concurrently_max_span)
     if ledger is not None and not isinstance(ledger, bool):
         raise ListenerError(f"ledger must be True, False or None (from MQORDER_LEDGER), got {ledger!r}")
     for h in hooks or []:
@@ -104,6 +125,9 @@ def orderly_listener(
             suspend_current_queue_time_millis=suspend_current_queue_time_millis,
             hooks=list(hooks or []),
             ledger=ledger,
+            ordering=ordering,
+            key_concurrency=key_concurrency,
+            consume_concurrently_max_span=consume_concurrently_max_span,
         )
         old = _REGISTRY.get((group, topic))
         if old is not None and old.name != spec.name:

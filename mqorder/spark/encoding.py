@@ -209,11 +209,11 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
         keys_col = keys_col.cast(pa.string())
     keys_b: list[bytes] = keys_col.cast(pa.binary()).to_pylist()
     count = plan.queue_count
+    crc32 = zlib.crc32
     if QUEUE_COLUMN in table.column_names:
         queues: list[int] = table.column(QUEUE_COLUMN).to_pylist()
     else:
-        crc = zlib.crc32
-        queues = [crc(k) % count for k in keys_b]
+        queues = [crc32(k) % count for k in keys_b]
     order_vals, enc = order_values(table.column(plan.order_by), plan.order_kind)
     user_ids = [str(v) for v in table.column(plan.id_column).to_pylist()] if plan.id_column else None
 
@@ -243,8 +243,9 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
     ).to_pylist()
 
     born = int(time.time() * 1000) if born_ms is None else born_ms
-    # The header codec.encode_header writes ({"i", "b", "k"}), formatted directly: the key's JSON
-    # is computed once per distinct key, and a generated id is hex (nothing to escape).
+    # The header codec.encode_header writes ({"i", "b", "k", "h"}), formatted directly: the key's
+    # JSON (with its hash "h", crc32 of the key as the producer stores it for key-ordered
+    # listeners) is computed once per distinct key, and a generated id is hex (nothing to escape).
     key_json: dict[bytes, bytes] = {}
     dumps = orjson.dumps
     runs: dict[int, list[StagedRow]] = {}
@@ -261,7 +262,7 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
         kb = keys_b[i]
         kj = key_json.get(kb)
         if kj is None:
-            kj = key_json[kb] = b',"k":[' + dumps(kb.decode("utf-8")) + b"]" if kb else b""
+            kj = key_json[kb] = (b',"k":[' + dumps(kb.decode("utf-8")) + b"]" if kb else b"") + b',"h":%d' % crc32(kb)
         header = b'{"i":%s,"b":%d%s}' % (dumps(mid), born, kj)
         if len(header) > MAX_HEADER_SIZE:
             out.refusal.too_large += 1

@@ -40,6 +40,7 @@ NAMES = (
     "txn_due",  # mqorder.store.transactions: the check-back claims due half messages
     "delay_schedule",  # mqorder.store.delay: a delayed message waits beside its queue's log
     "delay_move",  # mqorder.store.delay: the mover appends due delayed messages, in order
+    "key_commit",  # mqorder.consumer.key_request: a key-ordered run's fenced commit + offset map
 )
 
 

@@ -8,11 +8,13 @@
 -- ARGV[1] client id   ARGV[2] token   ARGV[3] run_lease_ms   ARGV[4] lock_lease_ms   ARGV[5] pull_n
 -- ARGV[6] runner id: unique per task execution; the same execution may re-enter its own live run
 --         (after a Redis outage interrupted it), a duplicate delivery of the task may not
--- Returns {'OK', epoch, offset, next, entries, retries}
+-- Returns {'OK', epoch, offset, next, entries, retries, done} (done: the offset map a key-ordered
+--         run committed with the offset, key_commit.lua; '' if none)
 --      or {'STALE'} (token superseded), {'BUSY'} (this token already running),
 --         {'NOT_LOCKED', owner, assignee}, {'REVOKED', assignee}
 -- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead: _lock.lua.
-local st = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'epoch', 'assignee', 'offset', 'pending', 'run', 'runner')
+local st = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'epoch', 'assignee', 'offset', 'pending', 'run', 'runner',
+  'done')
 if st[6] ~= ARGV[2] then return {'STALE'} end
 if ahead(st[7]) and st[8] ~= ARGV[6] then return {'BUSY'} end
 local client = ARGV[1]
@@ -41,4 +43,4 @@ if pull_n > 0 and nxt > offset then
 end
 local rc = {}
 if redis.call('EXISTS', KEYS[4]) == 1 then rc = redis.call('HGETALL', KEYS[4]) end
-return {'OK', epoch, offset, nxt, entries, rc}
+return {'OK', epoch, offset, nxt, entries, rc, st[9] or ''}

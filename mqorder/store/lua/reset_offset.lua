@@ -11,7 +11,8 @@
 --    one ends as FENCED or STALE (finish.lua) without dispatching anything;
 -- 3. the offset is written (commit.lua's only-forward rule is for consumers; a reset is an
 --    operator's decision), and commit_ms with it, so the queue is not reported stuck at once;
--- 4. the retries HASH is deleted: reconsume counts belong to the old head message.
+-- 4. the retries HASH is deleted: reconsume counts belong to the old head message; so is a
+--    key-ordered run's offset map ('done', key_commit.lua): it described the old offset.
 --
 -- The caller then bumps the topology version: the workers rebalance, assign.lua finds the lock
 -- free, gives it to the assignee under a new epoch and dispatches a ConsumeRequest that starts at
@@ -30,6 +31,7 @@ for i = 1, #KEYS, 2 do
   local epoch = redis.call('HINCRBY', KEYS[i], 'epoch', 1)
   release_lock(KEYS[i], false)
   redis.call('HSET', KEYS[i], 'offset', tonumber(ARGV[q]), 'commit_ms', now)
+  redis.call('HDEL', KEYS[i], 'done')
   redis.call('DEL', KEYS[i + 1])
   out[q] = {tonumber(st[3] or 0), epoch, held}
 end

@@ -1,0 +1,123 @@
+"""``KeyLanes``: the pulled messages of one queue, split into one lane per sharding key.
+
+The key-ordered counterpart of ``ProcessQueue`` (``ordering="key"``). Each lane holds its key's
+messages in offset order; a lane is *busy* while a call of its key runs, and *blocked* until a
+time after its key suspended. ``take`` hands out the head of a lane that is neither, so
+
+* never two calls of one key at once (a busy lane hands out nothing),
+* a key's later message never before its earlier unfinished one (only a lane's head goes out, and
+  a suspended batch goes back to the head of its lane: ``make_message_to_consume_again``),
+* a suspended key holds back only itself: the other lanes stay ready.
+
+Among ready lanes the one with the lowest head offset goes first, so the committed offset (the
+lowest unfinished one) keeps moving. Used by one thread only (the run's dispatcher); the calls
+themselves run elsewhere and report back to that thread.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Iterable
+
+from mqorder.model import MessageExt
+
+#: The lane of messages sent without a sharding key (``key_hash`` None): one key per queue.
+NO_KEY = -1
+
+
+def lane_key(msg: MessageExt) -> int:
+    h = msg.key_hash
+    return NO_KEY if h is None else h
+
+
+class KeyLanes:
+    def __init__(self) -> None:
+        self.lanes: dict[int, deque[MessageExt]] = {}
+        self.busy: set[int] = set()
+        self.blocked: dict[int, float] = {}
+        self._ready: list[tuple[int, int]] = []  # (head offset, key), validated when popped
+        self._unblock: list[tuple[float, int]] = []  # (until, key)
+        #: Messages in lanes, not handed out.
+        self.buffered = 0
+
+    def put(self, msg: MessageExt) -> None:
+        """Add a pulled message (pulls come in offset order, so it goes to its lane's tail)."""
+        key = lane_key(msg)
+        lane = self.lanes.get(key)
+        if lane is None:
+            lane = self.lanes[key] = deque()
+        lane.append(msg)
+        self.buffered += 1
+        if len(lane) == 1:
+            self._maybe_ready(key)
+
+    def _maybe_ready(self, key: int) -> None:
+        lane = self.lanes.get(key)
+        if lane and key not in self.busy and key not in self.blocked:
+            heapq.heappush(self._ready, (lane[0].queue_offset, key))
+
+    def take(self, batch_max: int) -> tuple[int, list[MessageExt]] | None:
+        """The head (up to ``batch_max`` messages) of the ready lane with the lowest head offset,
+        now busy; None when no lane is ready."""
+        ready = self._ready
+        while ready:
+            off, key = heapq.heappop(ready)
+            lane = self.lanes.get(key)
+            if not lane or key in self.busy or key in self.blocked or lane[0].queue_offset != off:
+                continue  # a stale entry: the lane was taken, emptied or blocked since
+            n = min(batch_max, len(lane))
+            msgs = [lane.popleft() for _ in range(n)]
+            if not lane:
+                del self.lanes[key]
+            self.buffered -= n
+            self.busy.add(key)
+            return key, msgs
+        return None
+
+    def done(self, key: int) -> None:
+        """The call of ``key`` ended and its messages finished: its lane may go on."""
+        self.busy.discard(key)
+        self._maybe_ready(key)
+
+    def retry(self, key: int, msgs: Iterable[MessageExt], until: float) -> None:
+        """The call of ``key`` suspended: its messages go back to the head of the lane, which is
+        blocked until ``until`` (monotonic seconds)."""
+        back = list(msgs)
+        self.busy.discard(key)
+        if back:
+            lane = self.lanes.get(key)
+            if lane is None:
+                lane = self.lanes[key] = deque()
+            lane.extendleft(reversed(back))
+            self.buffered += len(back)
+        self.blocked[key] = until
+        heapq.heappush(self._unblock, (until, key))
+
+    def unblock(self, now: float) -> None:
+        """Lanes whose suspend time is over become ready again."""
+        q = self._unblock
+        while q and q[0][0] <= now:
+            until, key = heapq.heappop(q)
+            if self.blocked.get(key) == until:
+                del self.blocked[key]
+                self._maybe_ready(key)
+
+    def next_unblock(self) -> float | None:
+        """When the earliest blocked lane becomes ready (monotonic seconds), None if none is."""
+        q = self._unblock
+        while q and self.blocked.get(q[0][1]) != q[0][0]:
+            heapq.heappop(q)
+        return q[0][0] if q else None
+
+    @property
+    def has_ready(self) -> bool:
+        return bool(self._ready)
+
+    def clear(self) -> None:
+        self.lanes.clear()
+        self.busy.clear()
+        self.blocked.clear()
+        self._ready.clear()
+        self._unblock.clear()
+        self.buffered = 0

@@ -1,0 +1,457 @@
+"""``KeyConsumeRequest``: one run over one queue of a key-ordered listener (``ordering="key"``).
+
+RocketMQ orders a whole queue: one slow or suspended message holds back every key that hashes to
+that queue, and a queue is capped at one listener call at a time. In key mode the order that
+matters is per sharding key (an order, an account), as in Confluent's Parallel Consumer (KEY
+mode) and Pulsar's Key_Shared: messages of different keys of one queue run in parallel, up to
+``key_concurrency``, while each key sees its messages one call at a time, in offset order.
+
+How the guarantees carry over from queue mode:
+
+* **One run per queue, as before.** The run is claimed, fenced and ended exactly like a queue-mode
+  ``ConsumeRequest`` (``begin.lua``, ``touch.lua``, ``finish.lua``); only its loop differs. So
+  all the calls of one queue happen inside one run, in one process, and the per-key rules below
+  need no lock outside that process: *never two calls of one key at once on any worker* follows
+  from *never two runs of one queue at once* (invariant 2, with the same exception: a run whose
+  lease lapsed under a paused process is fenced and cannot commit).
+* **Lanes.** The run's dispatcher (the task's own thread) pulls messages into ``KeyLanes``, one
+  lane per key hash, and hands the head of each ready lane to a small pool of lane workers; a
+  lane is busy until its call ends, and a suspended batch goes back to the head of its lane,
+  which is blocked for the suspend time (``key_lanes``).
+* **Offsets.** A message finishes when its call succeeds or it goes to the DLQ. The committed
+  offset is the lowest unfinished one (RocketMQ's ``removeMessage``), and the offsets finished
+  above it are committed with it as the offset map (``offset_map``), both in ``key_commit.lua``,
+  fenced by epoch like ``commit.lua``. A new owner skips what the map says finished, and
+  redelivers the rest in offset order: per key, whatever is redelivered comes before everything
+  of that key that finished.
+* **Flow control.** No pull while the span from the lowest unfinished to the highest pulled
+  offset is ``consume_concurrently_max_span`` or more (RocketMQ's ``consumeConcurrentlyMaxSpan``),
+  or while ``pull_threshold_for_queue`` messages are held. That also bounds the offset map.
+* **Suspend and DLQ per key.** SUSPEND (or an exception, or ROLLBACK) blocks only its lane for
+  the suspend time and counts a reconsume (persisted in the retries HASH, so a new owner keeps
+  counting); past ``max_reconsume_times`` the messages go to ``%DLQ%<group>`` and the lane moves
+  on. Other lanes keep flowing. A run whose only work left is a blocked lane waits for it in
+  place while its worker has spare pool slots (``may_linger``), and otherwise ends with a
+  re-queue after the suspend time, as queue mode does, so it never holds a slot others need.
+
+Why lanes are threads inside the run and not Celery tasks of their own: a lane task would need its
+own per-key lock in Redis, its own fencing and a round trip per message to claim and finish keys,
+and the offset map would be written by many tasks at once; inside one run the dispatcher alone
+commits, with one fenced script per pulled batch as in queue mode. The lane workers are a thread
+pool (``LanePool``); under ``celery worker -P gevent`` threads are greenlets (Celery monkey-patches
+before anything is imported), so the same code runs lanes as greenlets there, and a prefork child
+runs its lanes as threads of that child. ``ctx.epoch`` and ``ctx.still_owner()`` work per call.
+
+``auto_commit`` has no effect in key mode: a SUCCESS or COMMIT finishes its messages, a ROLLBACK
+counts as a suspend. Lingering on a drained queue (``consume_linger_ms``) is not done in key mode:
+a drained run ends and the next send wakes the owner.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from redis.exceptions import NoScriptError
+
+from mqorder.codec import decode_entries
+from mqorder.consumer.consume_request import (
+    BUDGET_REQUEUE_S,
+    COMMIT,
+    ENDED,
+    LOST,
+    NOTHING,
+    ROLLBACK,
+    SUCCESS,
+    SUSPEND,
+    ConsumeRequest,
+    Handled,
+    LoopEnd,
+    Outcome,
+    Pull,
+    Stop,
+    Verb,
+)
+from mqorder.consumer.context import ConsumeOrderlyContext
+from mqorder.consumer.key_lanes import KeyLanes
+from mqorder.consumer.ledger import LedgerOutcome
+from mqorder.consumer.offset_map import OffsetTracker, decode_done
+from mqorder.model import MessageExt
+from mqorder.store.replies import text
+
+log = logging.getLogger(__name__)
+
+#: Progress (offset, map, reconsume counts) is committed at least this often while calls finish,
+#: even when no pull is due: what a failover would redeliver stays within this much work.
+COMMIT_INTERVAL_S = 0.1
+#: After a pull found nothing new, the next one waits this long (while calls still run).
+EMPTY_PULL_BACKOFF_S = 0.05
+#: ``key_commit.lua`` refuses a larger map (a bitset of a 100,000-offset span is 25,000 hex digits).
+MAX_MAP_BYTES = 64 * 1024
+
+
+@dataclass(slots=True)
+class LaneResult:
+    """One finished listener call of one key, reported to the dispatcher."""
+
+    key: int
+    msgs: list[MessageExt]
+    handled: Handled
+    ctx: ConsumeOrderlyContext
+
+
+class LanePool:
+    """Lane workers, kept per process between runs (a run borrows a pool of ``key_concurrency``
+    workers and gives it back), so a run does not start threads. Per pid: after a fork the
+    parent's threads are gone."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = os.getpid()
+        self._free: dict[int, list[ThreadPoolExecutor]] = {}
+
+    def borrow(self, size: int) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._pid, self._free = os.getpid(), {}
+            free = self._free.get(size)
+            if free:
+                return free.pop()
+        return ThreadPoolExecutor(max_workers=size, thread_name_prefix="mqorder-lane")
+
+    def give_back(self, size: int, pool: ThreadPoolExecutor) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                self._free.setdefault(size, []).append(pool)
+
+
+LANE_POOL = LanePool()
+
+
+class KeyConsumeRequest(ConsumeRequest):
+    """A ``ConsumeRequest`` whose loop runs the keys of its queue in parallel (module docstring)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        s = self.engine.settings
+        self.key_concurrency = self.spec.key_concurrency or s.key_concurrency
+        self.max_span = self.spec.consume_concurrently_max_span or s.consume_concurrently_max_span
+        self.threshold = s.pull_threshold_for_queue
+        #: Pull again when fewer messages than this wait in lanes.
+        self.low_water = max(self.pull_n, 2 * self.key_concurrency)
+        self.lanes = KeyLanes()
+        self.tracker = OffsetTracker(0)
+        self.results: queue.Queue[LaneResult] = queue.Queue()
+        self.in_flight = 0
+        self.poison: list[MessageExt] = []
+        #: Progress not committed yet (finished offsets, skipped ones).
+        self.dirty = False
+        self.fenced = False
+        self.last_persist = 0.0
+        self.empty_pull_at = 0.0
+        self._rt_lock = threading.Lock()
+
+    # -- check: begin.lua's reply carries the offset map ----------------------------------------
+
+    def _begun(self, res: list[Any]) -> None:
+        raw_map = res[6] if len(res) > 6 else None
+        self.tracker = OffsetTracker(self.committed, decode_done(raw_map, self.committed))
+        self._put(res[4], res[5])
+        if not res[4]:
+            self._check_trimmed_tail(int(res[3]))
+
+    def _check_trimmed_tail(self, nxt: int) -> None:
+        """Everything from ``pulled_to`` to the queue's end was trimmed by retention: the tracker
+        moves on to ``nxt`` (gaps inside a pull are skipped by the tracker itself)."""
+        t = self.tracker
+        if nxt <= t.pulled_to:
+            return
+        self._note_trimmed(t.pulled_to, nxt)
+        t.skip_to(nxt)
+        self.pulled_to = nxt
+        self.dirty = True
+
+    def _put(self, entries: list[Any], raw_retries: list[Any] | None) -> None:
+        if raw_retries:
+            self.retries = {int(raw_retries[i]): int(raw_retries[i + 1]) for i in range(0, len(raw_retries), 2)}
+        if not entries:
+            return
+        t, lanes = self.tracker, self.lanes
+        for m in decode_entries(self.mq, entries, self.retries, self.max_size):
+            if not t.pulled(m.queue_offset):
+                self.dirty = True  # finished by a previous owner: skipped, never handed out
+            elif m.decode_error is not None:
+                self.poison.append(m)
+            else:
+                lanes.put(m)
+        self.pulled_to = t.pulled_to
+
+    # -- the loop: dispatch to lanes, settle, commit ----------------------------------------------
+
+    def _consume_loop(self) -> LoopEnd:
+        pool = LANE_POOL.borrow(self.key_concurrency)
+        try:
+            return self._dispatch_loop(pool)
+        finally:
+            # Never leave a call running past the run (an exception included): the next run of
+            # this queue, maybe in this process, must not call the same key beside it.
+            while self.in_flight:
+                self._wait_one(None, discard=True)
+            LANE_POOL.give_back(self.key_concurrency, pool)
+
+    def _dispatch_loop(self, pool: ThreadPoolExecutor) -> LoopEnd:
+        deadline = time.monotonic() + self.budget
+        lanes = self.lanes
+        stop: LoopEnd | None = None
+        while True:
+            stop = self._settle_finished(stop)
+            if stop is None:
+                stop = self._should_stop(deadline)
+            if stop is not None:
+                if self.in_flight:
+                    stop = self._wait_one(None, stop=stop)
+                    continue
+                return stop
+            if self.poison:
+                stop = self._dead_letter_poison()
+                continue
+            now = time.monotonic()
+            lanes.unblock(now)
+            while self.in_flight < self.key_concurrency:
+                got = lanes.take(self.batch_max)
+                if got is None:
+                    break
+                self._submit(pool, *got)
+            if self._wants_pull(now):
+                pulled = self._persist(pull=True)
+                if pulled.lost:
+                    stop = LoopEnd(Stop.FENCED)
+                    continue
+                self.empty_pull_at = 0.0 if pulled.count else now
+                if pulled.count:
+                    continue
+            elif (self.dirty or self.retry_updates) and now - self.last_persist >= COMMIT_INTERVAL_S:
+                if self._persist(pull=False).lost:
+                    stop = LoopEnd(Stop.FENCED)
+                    continue
+            if self.in_flight:
+                stop = self._wait_one(self._wait_time(now, COMMIT_INTERVAL_S))
+                continue
+            # Nothing runs: drained, or only suspended keys are left.
+            if not lanes.buffered and not lanes.blocked:
+                pulled = self._persist(pull=True, idle_if_drained=True)
+                if pulled.lost:
+                    return LoopEnd(Stop.FENCED)
+                if pulled.ended:
+                    return LoopEnd(Stop.IDLE)
+                if pulled.count:
+                    continue
+                return LoopEnd(Stop.DONE)
+            nxt = lanes.next_unblock()
+            if nxt is None:  # pragma: no cover - a buffered lane is ready or blocked
+                time.sleep(EMPTY_PULL_BACKOFF_S)
+                continue
+            if not self.engine.may_linger():
+                # No spare slot: give this one back and come back after the suspend time.
+                return LoopEnd(Stop.REQUEUE, max(BUDGET_REQUEUE_S, nxt - now))
+            time.sleep(max(0.0, min(nxt - now, EMPTY_PULL_BACKOFF_S)))
+
+    def _should_stop(self, deadline: float) -> LoopEnd | None:
+        if self.pq.dropped:
+            return LoopEnd(Stop.DONE)  # revoked: finish.lua hands the queue over
+        if time.monotonic() > deadline:
+            return LoopEnd(Stop.REQUEUE, BUDGET_REQUEUE_S)  # MAX_TIME_CONSUME_CONTINUOUSLY
+        if self.pq.is_lock_expired() and not self._touch():
+            self.fenced = True
+            return LoopEnd(Stop.FENCED)
+        return None
+
+    def _wants_pull(self, now: float) -> bool:
+        t, lanes = self.tracker, self.lanes
+        if lanes.buffered >= self.low_water or t.span >= self.max_span:
+            return False
+        if lanes.buffered + self.in_flight >= self.threshold:
+            return False
+        return not self.empty_pull_at or now - self.empty_pull_at >= EMPTY_PULL_BACKOFF_S
+
+    def _wait_time(self, now: float, cap: float) -> float:
+        nxt = self.lanes.next_unblock()
+        if nxt is not None:
+            cap = min(cap, max(0.0, nxt - now))
+        return cap
+
+    # -- lanes ------------------------------------------------------------------------------------
+
+    def _submit(self, pool: ThreadPoolExecutor, key: int, msgs: list[MessageExt]) -> None:
+        self.in_flight += 1
+        ctx = self._context()
+        pool.submit(self._lane_call, key, msgs, ctx)
+
+    def _lane_call(self, key: int, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> None:
+        """Runs on a lane worker: hooks, the listener, hooks (``_consume``), then reports back.
+        Whatever happens, a result is reported, or the dispatcher would wait for it forever."""
+        handled = Handled(SUSPEND)
+        try:
+            handled = self._consume(msgs, ctx)
+        except Exception:
+            log.exception("lane call of %s on %s failed outside the listener (a hook?); suspending its key",
+                          self.spec.name, self.mq.key)
+        finally:
+            self.results.put(LaneResult(key, msgs, handled, ctx))
+
+    def _note_rt(self, rt: float) -> None:
+        with self._rt_lock:  # lane workers report concurrently
+            self._rt_sum += rt
+            self._rt_n += 1
+
+    def _wait_one(self, timeout: float | None, stop: LoopEnd | None = None, discard: bool = False) -> LoopEnd | None:
+        """Wait up to ``timeout`` for a call to end, then settle every call that ended."""
+        try:
+            res = self.results.get(timeout=timeout)
+        except queue.Empty:
+            return stop
+        stop = self._settle_one(res, stop, discard)
+        return self._settle_finished(stop, discard)
+
+    def _settle_finished(self, stop: LoopEnd | None, discard: bool = False) -> LoopEnd | None:
+        while True:
+            try:
+                res = self.results.get_nowait()
+            except queue.Empty:
+                return stop
+            stop = self._settle_one(res, stop, discard)
+
+    def _settle_one(self, res: LaneResult, stop: LoopEnd | None, discard: bool) -> LoopEnd | None:
+        """``processConsumeResult`` for one key: finish its messages, or suspend only its lane
+        (DLQ past ``max_reconsume_times``). A fenced run settles nothing: the new owner
+        redelivers from the last commit."""
+        self.in_flight -= 1
+        if discard or self.fenced:
+            self.lanes.busy.discard(res.key)
+            return stop
+        msgs, handled, ctx = res.msgs, res.handled, res.ctx
+        status = handled.status
+        if status is SUCCESS or status is COMMIT:
+            self._finished(msgs, LedgerOutcome.SUCCESS, handled)
+            self.consumed += len(msgs)
+            self.lanes.done(res.key)
+            return stop
+        if status is ROLLBACK:
+            log.warning("%s returned ROLLBACK in key mode; its key is suspended", self.spec.name)
+        self._failed += len(msgs)
+        limit = self.max_reconsume
+        dead = 0
+        if limit != -1:
+            while dead < len(msgs) and msgs[dead].reconsume_times >= limit:
+                dead += 1
+        if dead:
+            if not self._touch():
+                self.fenced = True
+                return LoopEnd(Stop.FENCED)
+            for m in msgs[:dead]:
+                self.engine.dlq.send(
+                    self.spec.group, m, f"max reconsume times {limit} reached (listener kept suspending)", self.epoch
+                )
+            self._finished(msgs[:dead], LedgerOutcome.DLQ, handled)
+        rest = msgs[dead:]
+        if not rest:
+            self.lanes.done(res.key)
+            return stop
+        if self.ledger is not None:
+            self.ledger.note(rest, LedgerOutcome.SUSPEND, handled.start_ms, handled.end_ms, self.epoch)
+        for m in rest:
+            m.reconsume_times += 1
+            self.retry_updates[m.queue_offset] = m.reconsume_times
+        self.lanes.retry(res.key, rest, time.monotonic() + ctx.suspend_current_queue_time_millis / 1000.0)
+        return stop
+
+    def _finished(self, msgs: list[MessageExt], outcome: LedgerOutcome, handled: Handled) -> None:
+        if self.ledger is not None:
+            self.ledger.note(msgs, outcome, handled.start_ms, handled.end_ms, self.epoch)
+        t = self.tracker
+        for m in msgs:
+            t.finish(m.queue_offset)
+            if m.reconsume_times:
+                self.retry_updates[m.queue_offset] = 0  # its reconsume count is void now
+        self.dirty = True
+
+    def _dead_letter_poison(self) -> LoopEnd | None:
+        """Undecodable messages have no key to wait behind: straight to the DLQ, finished."""
+        msgs, self.poison = self.poison, []
+        for m in msgs:
+            self.engine.dlq.send(self.spec.group, m, m.decode_error or "undecodable", self.epoch)
+        now_ms = time.time() * 1000
+        self._finished(msgs, LedgerOutcome.DLQ, Handled(SUSPEND, now_ms, now_ms))
+        return None
+
+    # -- Redis calls ------------------------------------------------------------------------------
+
+    def _persist(self, pull: bool, idle_if_drained: bool = False) -> Pull:
+        """``key_commit.lua``: the lowest unfinished offset and the map of what finished above it,
+        fenced (with the next read pipelined behind it when ``pull``)."""
+        t = self.tracker
+        idle = (idle_if_drained and pull and not self.retry_updates and not self.in_flight
+                and not self.lanes.buffered and not self.lanes.blocked)
+        offset = t.base
+        args: list[Any] = [
+            self.client_id, self.epoch, self.token, offset, self.run_lease_ms, self.lock_ms,
+            "1" if idle else "0", t.encoded(), MAX_MAP_BYTES,
+        ]
+        for off, n in self.retry_updates.items():
+            args.append(off)
+            args.append(n)
+        res, entries = self._key_commit_pipelined([self.k_state, self.k_next, self.k_retries], args, pull)
+        verb = text(res[0])
+        self.last_persist = time.monotonic()
+        if verb == "IDLE":
+            self.committed = self.commit_point = offset
+            self.dirty = False
+            return ENDED
+        if verb != "OK":
+            if verb == "BADMAP":
+                log.error("offset map of %s for %s refused: %s", self.mq.key, self.sub, text(res[1]))
+            self.fenced = True
+            self._on_refused(verb, res)
+            return LOST
+        self.retry_updates.clear()
+        self.committed = self.commit_point = offset
+        self.dirty = False
+        self.pq.mark_locked()
+        if text(res[2]):
+            self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else
+            return NOTHING
+        self._put(entries, None)
+        if pull and not entries:
+            self._check_trimmed_tail(int(res[1]))
+        return Pull(len(entries))
+
+    def _key_commit_pipelined(self, keys_: list[str], args: list[Any], pull: bool) -> tuple[Any, Any]:
+        """``key_commit.lua``, then ``XRANGE`` of the next batch (``pull``) and the ledger records:
+        one round trip, as ``ConsumeRequest._commit_pipelined`` does for ``commit.lua``."""
+        for attempt in (0, 1):
+            pipe = self.redis.pipeline(transaction=False)
+            self.scripts.queue_in(pipe, "key_commit", keys_, args)
+            if pull:
+                pipe.execute_command("XRANGE", self.k_log, self.tracker.pulled_to, "+", "COUNT", self.pull_n)
+            if self.ledger is not None:
+                self.ledger.queue_in(pipe)
+            try:
+                replies = pipe.execute()
+            except NoScriptError:
+                if attempt:
+                    raise
+                self.scripts.load("key_commit")
+                continue
+            return replies[0], replies[1] if pull else []
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _finish(self, end: LoopEnd) -> Outcome:
+        if self.epoch and not self.fenced and (self.dirty or self.retry_updates) and self._persist(pull=False).lost:
+            return Outcome(Verb.FENCED, consumed=self.consumed)
+        return super()._finish(end)

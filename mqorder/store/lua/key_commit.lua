@@ -1,0 +1,64 @@
+-- key_commit.lua: the fenced commit of a key-ordered run (ordering="key"), with its offset map.
+--
+-- The fence, the forward-only offset, the lease and run renewal and the idle ending are
+-- commit.lua's, rule for rule (invariant 3): the caller must still be the owner at the epoch it was
+-- given, with its pending token. What differs: the offset is the lowest *unfinished* offset
+-- (RocketMQ's concurrent removeMessage rule) and the offsets finished above it are stored with it,
+-- in the same atomic step, as the state HASH field 'done' (mqorder.consumer.offset_map): a new
+-- owner after a failover redelivers only unfinished offsets. A map must be relative to the offset
+-- committed with it ('<offset>:...') and at most ARGV[9] bytes: anything else is refused, so a
+-- map can never describe other offsets than the ones its commit covers.
+--
+-- The caller pipelines a plain XRANGE for the next batch right behind this script, as with
+-- commit.lua, and discards it if the commit was refused.
+--
+-- KEYS[1] state HASH  KEYS[2] next counter  KEYS[3] retries HASH
+-- ARGV[1] client  ARGV[2] epoch  ARGV[3] token  ARGV[4] new offset (lowest unfinished)
+-- ARGV[5] run_lease_ms  ARGV[6] lock_lease_ms  ARGV[7] '1': end the run here if nothing is left
+-- ARGV[8] the offset map ('' when nothing finished above the offset)  ARGV[9] its size limit
+-- ARGV[10..] pairs (offset, reconsume times) to record; times 0 deletes the offset's count
+-- Returns {'OK', next, revoked_to}, {'IDLE'}
+--      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset},
+--         {'BADMAP', reason}
+-- State HASH fields: see mqorder.keys.sub_state.
+local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'pending', 'offset', 'assignee', 'commit_ms')
+if st[1] ~= ARGV[1] or tonumber(st[2] or 0) ~= tonumber(ARGV[2]) then
+  return {'FENCED', tonumber(st[2] or 0), st[1] or ''}
+end
+if st[3] ~= ARGV[3] then return {'SUPERSEDED'} end
+local cur = tonumber(st[4] or 0)
+local new = tonumber(ARGV[4])
+if new < cur then return {'BACKWARD', cur} end
+local map = ARGV[8]
+if map ~= '' then
+  if #map > tonumber(ARGV[9]) then return {'BADMAP', 'map of ' .. #map .. ' bytes over ' .. ARGV[9]} end
+  local prefix = ARGV[4] .. ':'
+  if string.sub(map, 1, #prefix) ~= prefix then return {'BADMAP', 'map not relative to offset ' .. ARGV[4]} end
+end
+local run_until = now + tonumber(ARGV[5])
+local moved_ms = st[6] or 0
+if new > cur then moved_ms = now end
+redis.call('HSET', KEYS[1], 'offset', new, 'done', map, 'run', run_until, 'pend_until', run_until,
+  'lease', now + tonumber(ARGV[6]), 'commit_ms', moved_ms)
+if new > cur and redis.call('EXISTS', KEYS[3]) == 1 then
+  local fields = redis.call('HKEYS', KEYS[3])
+  for _, f in ipairs(fields) do
+    if tonumber(f) < new then redis.call('HDEL', KEYS[3], f) end
+  end
+end
+for i = 10, #ARGV, 2 do
+  if ARGV[i + 1] == '0' then
+    redis.call('HDEL', KEYS[3], ARGV[i])
+  else
+    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
+  end
+end
+local assignee = st[5] or ''
+local revoked = ''
+if assignee ~= '' and assignee ~= ARGV[1] then revoked = assignee end
+local nxt = tonumber(redis.call('GET', KEYS[2]) or 0)
+if ARGV[7] == '1' and revoked == '' and nxt <= new then
+  redis.call('HSET', KEYS[1], 'run', 0, 'pending', '', 'pend_until', 0)
+  return {'IDLE'}
+end
+return {'OK', nxt, revoked}

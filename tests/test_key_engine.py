@@ -1,0 +1,196 @@
+"""Key-ordered consumption (``ordering="key"``) in the Celery-free engine, against a real
+redis-server: per-key order, no two calls of one key at once, a suspend that holds back only its
+key, the DLQ, and a failover that redelivers only unfinished offsets. The end-to-end tests run the
+same engine in real Celery workers on prefork, threads and gevent (``test_key_e2e``)."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import defaultdict
+
+from mqorder import ConsumeOrderlyStatus, keys
+from mqorder.consumer.consume_request import ConsumerEngine, Outcome
+from mqorder.consumer.key_request import KeyConsumeRequest
+from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.offset_map import decode_done
+from mqorder.model import MessageQueue
+from mqorder.rebalance.lock_manager import RebalanceLockManager
+from mqorder.store.log import MessageLog
+
+S = ConsumeOrderlyStatus
+MQ = MessageQueue("t", "broker-a", 0)
+
+
+def key_spec(func, **kw) -> ListenerSpec:
+    return ListenerSpec(func, "t", "g", ordering="key", **kw)
+
+
+def drain(eng: ConsumerEngine, spec: ListenerSpec, client: str = "c1", token: str = "tok0",
+          max_runs: int = 200) -> list[Outcome]:
+    """Assign the queue to ``client`` and follow the outcomes as the Celery task would."""
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, client, token)])
+    outcomes = []
+    for _ in range(max_runs):
+        out = eng.run(spec, "g", MQ, token)
+        assert out is not None
+        outcomes.append(out)
+        if not out.needs_dispatch or out.target != client:
+            break
+        time.sleep(out.countdown)
+        token = out.token
+    return outcomes
+
+
+class Recorder:
+    """A listener that sleeps randomly and records, per key, the offsets it saw and any overlap."""
+
+    def __init__(self, sleep_ms: float = 3.0) -> None:
+        self.lock = threading.Lock()
+        self.seen: dict[str, list[int]] = defaultdict(list)
+        self.running: dict[str, int] = defaultdict(int)
+        self.overlaps: list[str] = []
+        self.now_running = 0
+        self.max_running = 0
+        self.sleep_ms = sleep_ms
+        self.rng = random.Random(3)
+
+    def key_of(self, body: bytes) -> str:
+        return body.decode().split(":")[0]
+
+    def __call__(self, msgs, ctx):
+        key = self.key_of(msgs[0].body)
+        with self.lock:
+            self.running[key] += 1
+            if self.running[key] > 1:
+                self.overlaps.append(key)
+            self.now_running += 1
+            self.max_running = max(self.max_running, self.now_running)
+            delay = self.rng.random() * self.sleep_ms / 1000
+        time.sleep(delay)
+        with self.lock:
+            self.seen[key].extend(m.queue_offset for m in msgs)
+            self.running[key] -= 1
+            self.now_running -= 1
+        return self.status(msgs, ctx)
+
+    def status(self, msgs, ctx) -> S:
+        return S.SUCCESS
+
+
+def send_keys(p, n_keys: int, per_key: int) -> dict[str, list[int]]:
+    """Interleaved sends of ``per_key`` messages for each of ``n_keys`` keys to the one queue."""
+    sent: dict[str, list[int]] = defaultdict(list)
+    items = [(f"k{k}", f"k{k}:{i}".encode()) for i in range(per_key) for k in range(n_keys)]
+    for (key, _), res in zip(items, p.send_orderly_batch("t", items), strict=True):
+        sent[key].append(res.queue_offset)
+    return sent
+
+
+def test_keys_run_in_parallel_in_offset_order_per_key_never_two_calls_of_one_key(env) -> None:
+    p, eng = env
+    sent = send_keys(p, 40, 10)
+    rec = Recorder()
+    outs = drain(eng, key_spec(rec, key_concurrency=8))
+    assert dict(rec.seen) == dict(sent)  # every message once, each key in offset order
+    assert rec.overlaps == []
+    assert rec.max_running > 1  # keys of one queue really ran side by side
+    assert rec.max_running <= 8
+    assert outs[-1].verb in ("IDLE", "STALE") or not outs[-1].needs_dispatch
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 400
+
+
+def test_a_suspended_key_holds_back_only_itself_and_reaches_the_dlq(env) -> None:
+    p, eng = env
+    sent = send_keys(p, 10, 5)
+    done_at: dict[str, float] = {}
+    dlq_seen: list[int] = []
+
+    class Failing(Recorder):
+        def status(self, msgs, ctx):
+            if self.key_of(msgs[0].body) == "k3":
+                ctx.suspend_current_queue_time_millis = 20
+                dlq_seen.extend(m.reconsume_times for m in msgs)
+                return S.SUSPEND_CURRENT_QUEUE_A_MOMENT
+            done_at[self.key_of(msgs[0].body)] = time.monotonic()
+            return S.SUCCESS
+
+    rec = Failing(sleep_ms=1)
+    t0 = time.monotonic()
+    drain(eng, key_spec(rec, max_reconsume_times=2, key_concurrency=4))
+    for k, offs in sent.items():
+        if k != "k3":
+            assert rec.seen[k] == offs
+    # k3: each message tried 3 times (0, 1, 2 reconsumes), in order, then the DLQ.
+    assert rec.seen["k3"] == [o for o in sent["k3"] for _ in range(3)]
+    dlq = MessageQueue(keys.dlq_topic("g"), "broker-a", 0)
+    dead = MessageLog(eng.brokers).read(dlq, 0, 100)
+    assert [int(m.properties["ORIGIN_QUEUE_OFFSET"]) for m in dead] == sent["k3"]
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 50
+    # The other keys did not wait behind k3 (5 messages x 3 tries x 20 ms suspend >= 300 ms).
+    assert max(done_at.values()) - t0 < 0.3
+
+
+def test_failover_mid_flight_redelivers_only_unfinished_offsets(env, settings) -> None:
+    """c1 finishes every key but k0, whose first call hangs; c2 takes over (new epoch): c2 gets k0's
+    messages and nothing that c1 finished, and c1's late commit is refused."""
+    p, eng = env
+    sent = send_keys(p, 6, 4)
+    release = threading.Event()
+    hanging = threading.Event()
+
+    class Hang(Recorder):
+        def status(self, msgs, ctx):
+            if self.key_of(msgs[0].body) == "k0":
+                hanging.set()
+                release.wait(30)
+            return S.SUCCESS
+
+    rec1 = Hang(sleep_ms=0)
+    spec1 = key_spec(rec1, key_concurrency=4)
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    result: list[Outcome | None] = []
+    t = threading.Thread(target=lambda: result.append(eng.run(spec1, "g", MQ, "tok0")))
+    t.start()
+    state = keys.sub_state(MQ.tag, "g")
+    r = eng.brokers.default.client
+    finished = {o for k, offs in sent.items() if k != "k0" for o in offs}
+
+    def committed_map() -> set[int]:
+        off, raw = r.hmget(state, "offset", "done")
+        return decode_done(raw, int(off or 0))
+
+    deadline = time.monotonic() + 20
+    while committed_map() != finished and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert hanging.is_set() and committed_map() == finished
+    assert int(r.hget(state, "offset")) == sent["k0"][0]  # the lowest unfinished offset
+    # Failover: c1's lease lapses (a paused or dead process); the queue goes to c2, new epoch.
+    r.hset(state, mapping={"lease": 0})
+    eng2 = ConsumerEngine(settings, "c2")
+    rec2 = Recorder(sleep_ms=0)
+    drain(eng2, key_spec(rec2), client="c2", token="tok1")
+    assert dict(rec2.seen) == {"k0": sent["k0"]}  # only what c1 had not finished
+    release.set()
+    t.join(10)
+    assert result and result[0] is not None and result[0].verb in ("FENCED", "STALE")
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 24
+    eng2.brokers.close()
+
+
+def test_queue_mode_is_untouched_by_key_hashes(env) -> None:
+    """The default ordering still runs one call at a time for the whole queue."""
+    p, eng = env
+    send_keys(p, 5, 4)
+    rec = Recorder(sleep_ms=1)
+    drain(eng, ListenerSpec(rec, "t", "g"))
+    assert rec.max_running == 1
+    assert sorted(o for offs in rec.seen.values() for o in offs) == list(range(20))
+
+
+def test_key_consume_request_is_what_the_engine_runs_for_ordering_key() -> None:
+    from mqorder.consumer.consume_request import ConsumeRequest, _request_class
+
+    assert _request_class(key_spec(lambda m, c: S.SUCCESS)) is KeyConsumeRequest
+    assert _request_class(ListenerSpec(lambda m, c: S.SUCCESS, "t", "g")) is ConsumeRequest

@@ -36,7 +36,7 @@ SIZES = {
     "audit_records": (1_000_000, 100_000),
     "retention_seconds": (300, 40),
     "retention_ms": (30_000, 10_000),
-    "retention_drain_messages": (200_000, 10_000),
+    "retention_drain_messages": (1_000_000, 10_000),
 }
 
 

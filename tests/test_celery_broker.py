@@ -133,6 +133,10 @@ def test_tasks_a_killed_worker_had_fetched_go_back_to_its_rabbitmq_queue(rabbitm
     direct = worker_direct(w.hostname).name
     app = Celery("t-kill", broker=rabbitmq.url, set_as_current=False)
     try:
+        # The worker registers with mqorder before its Celery consumer subscribes to its direct
+        # queue; paused before that, nothing could be delivered to it.
+        wait_for(lambda: rabbitmq.queues("consumers").get(direct, 0) >= 1, timeout=30, interval=0.3,
+                 what="the worker consuming its direct queue")
         w.signal(signal.SIGSTOP)
         for _ in range(3):  # with countdowns: held unacked in the worker until due (as suspend-and-requeue does)
             app.send_task("mqorder.lock_all", queue=worker_direct(w.hostname), countdown=60)

@@ -5,9 +5,9 @@ only Celery's broker changed.
 Celery's broker carries ConsumeRequests, not messages: the drain dispatches one task per queue
 (16) and the ConsumeRequests then drain their queues in batches, so the broker matters little
 there; at 1,000 msg/s with linger the workers rarely need a new task either. The rows say how
-much that "little" is. Each Redis/RabbitMQ pair is measured in the same section of the same run:
-the two drains back to back, the two latency configurations interleaved run by run
-(``bench.latency.mqorder_latency``).
+much that "little" is. Each Redis/RabbitMQ pair is measured in the same section of the same run,
+interleaved run by run: the drains on fresh workers per run, the latency configurations as in
+``bench.latency.mqorder_latency``.
 
     python -m bench.run --only celery_broker
 """
@@ -27,11 +27,16 @@ LABELS = {"redis": "Redis (the store's own server)", "rabbitmq": "RabbitMQ (a vh
 def run(cfg: Config, *, messages: int, runs: int, concurrency: int, seconds: float, rate: int = 1000) -> dict[str, Any]:
     out: dict[str, Any] = {"messages": messages, "concurrency": concurrency, "rate": rate, "seconds": seconds,
                            "drain": {}, "latency": {}}
-    plan = [(16, messages)] * runs
-    for kind in BROKERS:
-        log(f"celery_broker: drain with Celery on {kind}")
-        out["drain"][kind] = drain(cfg, DrainSpec(tag=f"cb-{kind}", concurrency=concurrency, batch_max=32, plan=plan,
-                                                  warmup=min(5000, messages), celery_broker=kind))
+    out["drain"] = {kind: [] for kind in BROKERS}
+    for run in range(runs):
+        # Interleaved, the order alternating: fresh workers per run, so a burst of other load on the
+        # machine falls on both brokers alike.
+        for kind in BROKERS if run % 2 == 0 else BROKERS[::-1]:
+            log(f"celery_broker: drain run {run} with Celery on {kind}")
+            (res,) = drain(cfg, DrainSpec(tag=f"cb-{kind}", concurrency=concurrency, batch_max=32,
+                                          plan=[(16, messages)], warmup=min(5000, messages), celery_broker=kind))
+            res["run"] = run
+            out["drain"][kind].append(res)
     specs = [MqLatSpec(kind, f"prefork -c {concurrency}, Celery on {kind}", pool="prefork", concurrency=concurrency,
                        celery_broker=kind) for kind in BROKERS]
     out["latency"] = mqorder_latency(cfg, rate=rate, seconds=seconds, runs=runs, specs=specs)
@@ -63,7 +68,8 @@ def markdown(res: dict[str, Any]) -> list[str]:
     out += [f"Both rows: 2 stock workers, prefork -c {res['concurrency']}, stock settings, mqorder's store on a "
             f"redis-server of the rig's own; only `MQORDER_CELERY_BROKER_URL` differs. Drain: a "
             f"{res['messages']:,}-message backlog over 16 queues and 2,000 keys, consume batch 32, measured as in "
-            f"the throughput section (the two drains back to back). Latency: {res['rate']:,} msg/s for "
-            f"{res['seconds']} s per run after 1 s of warm-up, consume batch 1, the two configurations' runs "
-            "interleaved. Medians of runs (min–max).", ""]
+            f"the throughput section, on fresh workers each run. Latency: {res['rate']:,} msg/s for "
+            f"{res['seconds']} s per run after 1 s of warm-up, consume batch 1. In both, the runs of the two "
+            "brokers are interleaved (run i of each back to back, the order alternating). Medians of runs "
+            "(min–max).", ""]
     return out

@@ -198,7 +198,10 @@ class Faults:
     def steal_tasks(self, burst: float = 1.0) -> Event:
         """Lost tasks: for ``burst`` seconds, take every ConsumeRequest task published to any worker
         direct queue away from the broker (a competing BRPOP that throws them away), and delete
-        kombu's ``unacked`` structures."""
+        kombu's ``unacked`` structures. On RabbitMQ: a competing consumer (``chaos.amqp_steal``)."""
+        amqp_url = self.procs.env_extra.get("MQORDER_CELERY_BROKER_URL")
+        if amqp_url:
+            return self._steal_amqp(amqp_url, burst)
         c = redis.Redis.from_url(self.procs.url, socket_timeout=5)
         e = self._event("delete-tasks", "broker")
         stolen = 0
@@ -219,6 +222,17 @@ class Faults:
             e.t_end = time.time()
             e.info["stolen"] = stolen
             e.info["taken"] = taken
+        return e
+
+    def _steal_amqp(self, url: str, burst: float) -> Event:
+        from chaos.amqp_steal import steal
+
+        e = self._event("delete-tasks", "broker")
+        try:
+            names = [worker_direct(w.hostname).name for w in self.procs.workers.values()]
+            e.info["stolen"], e.info["taken"] = steal(url, names, burst, TOPIC)
+        finally:
+            e.t_end = time.time()
         return e
 
     @contextmanager

@@ -19,8 +19,8 @@ from chaos.checker import BEAT_OUTAGE_MAX_GAP, DUP_WINDOW, FSYNC_WINDOW, POISON_
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"
 MARK = "chaos-results:"
-ORDER = ["kill", "kill-rabbitmq", "sigstop", "sigstop-lease", "sigstop-child", "redis-always", "redis-everysec", "churn", "lost-tasks", "poison",
-         "beat", "all"]
+ORDER = ["kill", "kill-rabbitmq", "sigstop", "sigstop-lease", "sigstop-child", "redis-always", "redis-everysec", "churn",
+         "lost-tasks", "lost-tasks-rabbitmq", "poison", "beat", "all"]
 
 
 def engine_version() -> str:

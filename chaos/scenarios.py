@@ -215,6 +215,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("churn", "workers joining and leaving (warm shutdown) every 3 s", churn),
     Scenario("lost-tasks", "ConsumeRequest tasks taken from the Celery broker (1 s bursts every 4 s)", lost_tasks,
              enforce={"stall_bound"}),
+    Scenario("lost-tasks-rabbitmq", "ConsumeRequest tasks taken from RabbitMQ as Celery's broker (a competing "
+             "consumer, 1 s bursts every 4 s)", lost_tasks, enforce={"stall_bound"}, celery_broker="rabbitmq"),
     Scenario("poison", "poison messages that always SUSPEND (max_reconsume_times=3, 1 s suspend)", poison,
              enforce={"poison_bound"}),
     Scenario("beat", "beat killed past the 6 s lease and restarted; then two beats at once", beat,

@@ -45,7 +45,7 @@ class Report:
 
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
-                    self.produce, self.dedup, self.failover, self.rebalance, self.memory, self.growth, self.spark,
+                    self.produce, self.dedup, self.transactions, self.failover, self.rebalance, self.memory, self.growth, self.spark,
                     self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
@@ -360,6 +360,19 @@ class Report:
                 *_table(["producer", "messages/s", "vs no key"], rows),
                 f"{size(self.cfg, 'dedup_messages'):,} messages per run, the three variants interleaved run by "
                 "run on one redis-server; 16 queues, 2,000 keys, one subscribing group.", ""]
+
+    def transactions(self) -> list[str]:
+        """Transactional send rate against ``send_orderly`` (``bench.transactions``), when it ran."""
+        d = self.res.get("transactions")
+        if not d:
+            return []
+        plain = rates(d.get("send_orderly"))
+        rows = [[label, fmt_summary(rates(d.get(k))), fmt_ratio(ratio(rates(d.get(k)), plain))]
+                for k, label in (("send_orderly", "`send_orderly`"),
+                                 ("send_in_transaction", "`send_in_transaction`, executor commits at once"))]
+        return ["## Transactional send rate", "", *_table(["producer", "messages/s", "vs send_orderly"], rows),
+                f"{size(self.cfg, 'transactions_messages'):,} messages per run, both interleaved run by run on one "
+                "redis-server; 16 queues, 2,000 keys, one subscribing group.", ""]
 
     def failover(self) -> list[str]:
         fo = self.f.fo

@@ -111,6 +111,15 @@ def test_producer_and_check_back_end_a_transaction_once(tx: TransactionProducer)
     assert [o.outcome for o in tx.half_store.outcomes(res.message_queue)] == ["COMMIT"]
 
 
+def test_phase_one_survives_a_script_flush(tx: TransactionProducer, r: redis.Redis) -> None:
+    """Phase one pipelines the check-back index with its script: after a Redis restart (NOSCRIPT)
+    the script is loaded and the pipeline sent again."""
+    tx.send_in_transaction("tx", b"a", sharding_key="k", executor=lambda m, a: COMMIT)
+    r.script_flush()
+    res = tx.send_in_transaction("tx", b"b", sharding_key="k", executor=lambda m, a: COMMIT)
+    assert res.queue_offset == 1 and r.sismember(keys.txn_topics(), "tx")
+
+
 def test_bad_executor_is_refused_before_anything_is_stored(tx: TransactionProducer, r: redis.Redis) -> None:
     with pytest.raises(MessageError, match="executor must be a callable"):
         tx.send_in_transaction("tx", b"x", sharding_key="k", executor="commit")  # type: ignore[arg-type]

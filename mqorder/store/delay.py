@@ -18,6 +18,7 @@ from mqorder.model import MessageQueue
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.failures import translated
+from mqorder.store.indexed import run_indexed
 from mqorder.store.replies import text
 
 #: Messages made visible per queue per script call (the mover calls again while some are due).
@@ -41,14 +42,12 @@ class DelayStore:
 
         The queue is recorded for the mover *first*, so no delayed message is ever out of its sight.
         """
-        self.brokers.meta.sadd(keys.delay_queues(), mq.key)
         broker = self.brokers.get(mq.broker_name)
         tag = mq.tag
         with translated(broker.name, broker.safe_url, self.timeout):
-            reply = broker.scripts.delay_schedule(
-                keys=[keys.delay_schedule(tag), keys.delay_messages(tag), keys.delay_seq(tag)],
-                args=[delay_ms, header, body],
-            )
+            reply = run_indexed(self.brokers, keys.delay_queues(), mq.key, broker, "delay_schedule",
+                                [keys.delay_schedule(tag), keys.delay_messages(tag), keys.delay_seq(tag)],
+                                [delay_ms, header, body])
         return int(reply[0])
 
     def waiting(self, mq: MessageQueue) -> int:

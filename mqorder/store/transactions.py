@@ -27,6 +27,7 @@ from mqorder.model import MessageExt, MessageQueue
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.failures import translated
+from mqorder.store.indexed import run_indexed
 from mqorder.store.replies import text
 
 #: About how many outcomes each queue's outcome log keeps.
@@ -78,12 +79,11 @@ class HalfStore:
 
     def prepare(self, mq: MessageQueue, txid: str, header: bytes, body: bytes, transaction_timeout_ms: int) -> int:
         """Phase one: store the half message; returns when it was prepared (ms, Redis clock)."""
-        self.brokers.meta.sadd(keys.txn_topics(), mq.topic)
         broker = self.brokers.get(mq.broker_name)
         with translated(broker.name, broker.safe_url, self.timeout, "prepare"):
-            reply = broker.scripts.txn_prepare(
-                keys=[keys.txn_index(mq.tag), keys.txn_half(mq.tag)], args=[txid, header, body, transaction_timeout_ms]
-            )
+            reply = run_indexed(self.brokers, keys.txn_topics(), mq.topic, broker, "txn_prepare",
+                                [keys.txn_index(mq.tag), keys.txn_half(mq.tag)],
+                                [txid, header, body, transaction_timeout_ms])
         return int(reply[0])
 
     def end(self, mq: MessageQueue, txid: str, verdict: TxnEnd, reason: str, by: str) -> EndReply:

@@ -155,12 +155,18 @@ class PullConsumer:
         if isinstance(max_nums, bool) or not isinstance(max_nums, int) or not 1 <= max_nums <= MAX_PULL_NUMS:
             raise OffsetIllegalError(f"max_nums must be an int from 1 to {MAX_PULL_NUMS}, got {max_nums!r}")
         client = self.brokers.get(mq.broker_name).client
-        min_off, max_off = self.log.min_offset(mq), self.log.max_offset(mq)
+        log_key = keys.queue_log(mq.tag)
+        # One round trip: the queue's bounds and the batch (discarded if the offset is illegal).
+        pipe = client.pipeline(transaction=False)
+        pipe.xrange(log_key, count=1)
+        pipe.get(keys.queue_next(mq.tag))
+        pipe.xrange(log_key, min=f"{offset}-0", count=max_nums)
+        head, nxt, raw = pipe.execute()
+        max_off = int(nxt or 0)
+        min_off = int(head[0][0].split(b"-", 1)[0]) if head else max_off
         if offset < min_off or offset > max_off:
             nearest = min_off if offset < min_off else max_off
             return PullResult(PullStatus.OFFSET_ILLEGAL, nearest, min_off, max_off)
-        log_key = keys.queue_log(mq.tag)
-        raw: Any = client.xrange(log_key, min=f"{offset}-0", count=max_nums)
         if not raw and block_ms > 0:
             after = f"{offset - 1}-1" if offset > 0 else "0-0"
             got: Any = client.xread({log_key: after}, count=max_nums, block=block_ms)

@@ -36,6 +36,21 @@ def test_a_resend_of_a_key_returns_the_first_result_and_stores_nothing(producer:
     assert bodies(producer, first.message_queue) == [b"paid", b"shipped"]
 
 
+def test_a_resent_batch_returns_the_first_results_and_stores_nothing(producer: Producer) -> None:
+    items = [(f"k{i % 3}", f"{i}".encode()) for i in range(9)]
+    keys_ = [f"evt-{i}" for i in range(9)]
+    first = producer.send_orderly_batch("orders", items, dedup_keys=keys_)
+    again = producer.send_orderly_batch("orders", items + [("k0", b"new")], dedup_keys=keys_ + ["evt-9"])
+    assert again[:9] == first
+    assert again[9].queue_offset == max(r.queue_offset for r in first if r.message_queue == again[9].message_queue) + 1
+    total = sum(MessageLog(producer.brokers).max_offset(mq) for mq in producer.describe_topic("orders").message_queues)
+    assert total == 10
+    twice = producer.send_orderly_batch("orders", [("k", b"a"), ("k", b"a again")], dedup_keys=["same", "same"])
+    assert twice[0] == twice[1]
+    with pytest.raises(MessageError, match="one key per item"):
+        producer.send_orderly_batch("orders", items, dedup_keys=keys_[:3])
+
+
 def test_keyed_send_without_sharding_key_picks_its_queue_by_key(producer: Producer) -> None:
     a = producer.send("orders", b"x", dedup_key="k-1")
     b = producer.send("orders", b"x again", dedup_key="k-1")
@@ -113,6 +128,19 @@ def test_retries_after_a_lost_reply_neither_duplicate_nor_reorder(settings, prox
     assert (a1.queue_offset, a2.queue_offset) == (1, 2)
     (stored,) = MessageLog(p.brokers).read(mq, 1, 1)
     assert a1.msg_id == stored.msg_id
+    p.close()
+
+
+def test_a_batch_whose_reply_was_lost_is_sent_again_without_duplicates(settings, proxy) -> None:
+    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout=0.3, dedup_derive="msg_id")
+    p.create_topic("orders", queues=1)
+    mq = p.describe_topic("orders").message_queues[0]
+    p.send_orderly("orders", b"A0", sharding_key="k")
+    proxy.lose_next_replies(1)
+    results = p.send_orderly_batch("orders", [("k", b"A1"), ("k", b"A2")])
+    assert bodies(p, mq) == [b"A0", b"A1", b"A2"]
+    assert [r.queue_offset for r in results] == [1, 2]
+    assert [r.msg_id for r in results] == [m.msg_id for m in MessageLog(p.brokers).read(mq, 1, 2)]
     p.close()
 
 

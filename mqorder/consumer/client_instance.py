@@ -10,6 +10,8 @@ executors:
 * ``lock_all`` of its own queues every ``lock_interval`` (so leases never depend on beat);
 * the sweep every ``sweep_interval``: owned queues with a backlog and no live ConsumeRequest get
   one (a task deleted from the Celery broker costs one sweep, never a stall);
+* the delay mover every ``delay_move_interval``: due delayed messages become visible
+  (``mqorder.store.delay``; every worker runs it, each message is moved exactly once);
 * wake-ups: producers publish on ``mqorder:wake:<client>`` when an idle queue gets a message, and
   this client turns that into a ConsumeRequest for itself.
 
@@ -37,7 +39,9 @@ from mqorder.names import check_client_id
 from mqorder.rebalance.membership import ClientDetails, Subscription, redis_now_ms
 from mqorder.rebalance.service import Dispatch, RebalanceService
 from mqorder.settings import Settings
+from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.delay import DelayMover
 from mqorder.store.replies import text
 from mqorder.store.wake import WakeUp
 
@@ -64,6 +68,9 @@ class ClientInstance:
         self.settings = settings
         self.brokers = BrokerRegistry(settings.redis_url, settings.brokers)
         self.service = RebalanceService(self.brokers, settings)
+        #: RocketMQ's ScheduleMessageService, as a client duty: due delayed messages become visible.
+        self.delay_mover = DelayMover(self.brokers, QueueAppender(
+            self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout))
         self.subscriptions = [
             Subscription(spec.group, spec.topic, spec.message_model) for spec in registered_listeners()
         ]
@@ -164,7 +171,7 @@ class ClientInstance:
 
     def _duty_loop(self) -> None:
         s = self.settings
-        next_hb = next_lock = next_sweep = 0.0
+        next_hb = next_lock = next_sweep = next_delay = 0.0
         backoff = Backoff()
         while not self._stop.is_set():
             now = time.monotonic()
@@ -181,6 +188,9 @@ class ClientInstance:
                 if now >= next_sweep:
                     next_sweep = now + s.sweep_interval
                     self._dispatch_all(self.service.sweep(self.lanes, self.client_id))
+                if now >= next_delay:
+                    next_delay = now + s.delay_move_interval
+                    self.delay_mover.move_once()
                 backoff.reset()
             except redis.RedisError as exc:
                 delay = backoff.next()
@@ -189,7 +199,7 @@ class ClientInstance:
                 continue
             except Exception:
                 log.exception("mqorder: client duty failed")
-            wait = min(next_hb, next_lock, next_sweep) - time.monotonic()
+            wait = min(next_hb, next_lock, next_sweep, next_delay) - time.monotonic()
             self._stop.wait(max(wait, 0.01))
 
     def _fingerprint_now(self) -> str:

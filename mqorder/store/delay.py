@@ -3,8 +3,8 @@
 RocketMQ rewrites a delayed message into ``SCHEDULE_TOPIC_XXXX`` (one queue per level) and a timer
 per level copies due messages back to their real topic. Here a delayed message waits in its target
 queue's schedule (``delay_schedule.lua``: a ZSET by due time and a HASH of the messages, in the
-queue's hash tag), where no consumer reads, and ``DelayMover.move_once`` (the beat task
-``mqorder.delay_move``, or any loop of the application) appends every due one to the log in one
+queue's hash tag), where no consumer reads, and ``DelayMover.move_once`` (a duty of every
+worker's ``ClientInstance``, or any loop of an application without workers) appends every due one to the log in one
 atomic step per queue (``delay_move.lua``, through the one append path), in due order and, for
 equal due times, in send order. Its offset is the one it gets when it becomes visible.
 """

@@ -62,6 +62,13 @@ def test_one_consumer_holds_every_queue_and_drains_in_order(fast, producer: Prod
         assert drain(c, "orders") == {}  # committed: nothing again
 
 
+def test_default_client_ids_differ_within_a_process(fast) -> None:
+    a, b = PullConsumer("audit", settings=fast), PullConsumer("audit", settings=fast)
+    assert a.client_id != b.client_id and a.client_id.startswith("pull-")
+    a.shutdown()
+    b.shutdown()
+
+
 def test_two_consumers_split_the_queues_and_a_leaver_hands_its_queues_over(fast, producer: Producer) -> None:
     a = PullConsumer("audit", settings=fast, client_id="pa")
     b = PullConsumer("audit", settings=fast, client_id="pb")

@@ -24,6 +24,7 @@ some messages may be handled twice, none is skipped, order per queue holds.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import os
 import socket
@@ -81,9 +82,12 @@ class PullResult:
     msg_found_list: list[MessageExt] = field(default_factory=list)
 
 
+_instances = itertools.count(1)
+
+
 def default_client_id() -> str:
-    """``pull-<pid>@<host>``: unique per process, and a valid client id."""
-    return f"pull-{os.getpid()}@{socket.gethostname()}"
+    """``pull-<pid>-<n>@<host>``: unique per consumer of a process, and a valid client id."""
+    return f"pull-{os.getpid()}-{next(_instances)}@{socket.gethostname()}"
 
 
 class PullConsumer:

@@ -141,7 +141,7 @@ def _killed_mid_transaction(url: str, tmp: Path, key: str, seq: int, local: str)
 
 def test_producers_killed_between_the_phases_end_visible_or_rolled_back(cluster, r: redis.Redis, tmp_path: Path) -> None:
     txn_env = {"MQORDER_LISTENERS": "tests.listeners,tests.txn_checkers", "MQORDER_TRANSACTION_TIMEOUT": "1",
-               "MQORDER_TRANSACTION_CHECK_INTERVAL": "0.5", "MQORDER_TRANSACTION_CHECK_MAX": "3"}
+               "MQORDER_TRANSACTION_CHECK_INTERVAL": "0.5", "MQORDER_TRANSACTION_CHECK_MAX": "5"}
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=2)
     cluster.start_worker("w1", **txn_env)
@@ -149,11 +149,15 @@ def test_producers_killed_between_the_phases_end_visible_or_rolled_back(cluster,
     p.send_orderly("t-order", body("a", 1), sharding_key="a")
     committed = _killed_mid_transaction(cluster.url, tmp_path, "a", 2, "COMMIT")
     unknown = _killed_mid_transaction(cluster.url, tmp_path, "b", 1, "-")
+    late = _killed_mid_transaction(cluster.url, tmp_path, "c", 1, "-")
     p.send_orderly("t-order", body("a", 3), sharding_key="a")  # sent while a's txn hangs half-way
     route = p.describe_topic("t-order").message_queues
     log = MessageLog(p.brokers)
     assert all(json.loads(m.body)["s"] != 2 and json.loads(m.body)["k"] != "b"
                for mq in route for m in log.read(mq, 0, 100))  # nothing half-way is visible
+    # c's checker answers UNKNOWN twice, then its local transaction is found committed.
+    wait_for(lambda: int(r.get(f"checked:{late}") or 0) >= 2, timeout=60, what="two check-backs of c")
+    r.set(f"local:{late}", "COMMIT")
     # The check-back commits a's transaction (its local state says COMMIT) and the worker consumes it.
     wait_for(lambda: any(e["key"] == "a" and e["seq"] == 2 for e in ledger(r, "g-order")), timeout=60,
              what="the committed transaction to be consumed")
@@ -165,7 +169,9 @@ def test_producers_killed_between_the_phases_end_visible_or_rolled_back(cluster,
     outcomes = {o.txid: o for mq in route for o in store.outcomes(mq)}
     assert outcomes[committed].outcome == "COMMIT" and outcomes[committed].by == "check-back"
     assert outcomes[unknown].outcome == "ROLLBACK" and "transaction_check_max" in outcomes[unknown].reason
-    assert int(r.get(f"checked:{unknown}")) == 3
+    assert int(r.get(f"checked:{unknown}")) == 5  # transaction_check_max, then rolled back unasked
+    assert outcomes[late].outcome == "COMMIT" and outcomes[late].checks >= 3
+    wait_for(lambda: any(e["key"] == "c" for e in ledger(r, "g-order")), timeout=60, what="c to be consumed")
     a_seqs = [e["seq"] for e in ledger(r, "g-order") if e["key"] == "a" and e["ok"]]
     assert a_seqs == [1, 3, 2]  # the committed message took its place at the commit
     assert not any(e["key"] == "b" for e in ledger(r, "g-order"))

@@ -120,6 +120,24 @@ def test_phase_one_survives_a_script_flush(tx: TransactionProducer, r: redis.Red
     assert res.queue_offset == 1 and r.sismember(keys.txn_topics(), "tx")
 
 
+def test_mqorder_txn_shows_half_transactions_and_why_others_ended(tx: TransactionProducer) -> None:
+    from typer.testing import CliRunner
+
+    from mqorder.cli import app
+
+    half = tx.send_in_transaction("tx", b"a", sharding_key="k", executor=lambda m, a: UNKNOWN)
+    gone = tx.send_in_transaction("tx", b"b", sharding_key="k", executor=lambda m, a: ROLLBACK)
+    res = CliRunner().invoke(app, ["txn", "tx", "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.stdout
+    out = json.loads(res.stdout)
+    assert [(h["txid"], h["checks"]) for h in out["half"]] == [(half.msg_id, 0)]
+    (ended,) = out["ended"]
+    assert (ended["txid"], ended["outcome"]) == (gone.msg_id, "ROLLBACK") and "ROLLBACK_MESSAGE" in ended["reason"]
+    human = CliRunner().invoke(app, ["txn", "tx"], catch_exceptions=False)
+    assert "1 transaction(s) half-way" in human.stdout and half.msg_id in human.stdout
+    assert CliRunner().invoke(app, ["txn", "nope"]).exit_code == 2
+
+
 def test_bad_executor_is_refused_before_anything_is_stored(tx: TransactionProducer, r: redis.Redis) -> None:
     with pytest.raises(MessageError, match="executor must be a callable"):
         tx.send_in_transaction("tx", b"x", sharding_key="k", executor="commit")  # type: ignore[arg-type]

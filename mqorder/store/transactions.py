@@ -115,6 +115,17 @@ class HalfStore:
             out.append(HalfMessage(mq, text(txid), msg, int(checks), int(prepared)))
         return out
 
+    def pending_details(self, mq: MessageQueue) -> list[tuple[str, int, int, int]]:
+        """(txid, prepared ms, checks so far, next check ms) of each half message of ``mq``."""
+        client = self.brokers.get(mq.broker_name).client
+        due: Any = client.zrange(keys.txn_index(mq.tag), 0, -1, withscores=True)
+        if not due:
+            return []
+        fields = [f"{text(t)}:{x}" for t, _ in due for x in ("t", "n")]
+        raw: Any = client.hmget(keys.txn_half(mq.tag), fields)
+        return [(text(t), int(raw[2 * i] or 0), int(raw[2 * i + 1] or 0), int(score))
+                for i, (t, score) in enumerate(due)]
+
     def pending(self, mq: MessageQueue) -> list[str]:
         """Txids of the half messages of ``mq`` not ended yet."""
         client = self.brokers.get(mq.broker_name).client

@@ -28,7 +28,7 @@ COMMIT, ROLLBACK, UNKNOWN = LocalTransactionState.COMMIT, LocalTransactionState.
 
 @pytest.fixture
 def tx(redis_url: str):
-    s = load_settings(redis_url=redis_url, transaction_timeout=0.2, transaction_check_interval=0.2,
+    s = load_settings(redis_url=redis_url, transaction_timeout=1.0, transaction_check_interval=0.2,
                       transaction_check_max=3)
     p = TransactionProducer(settings=s)
     p.create_topic("tx", queues=2)
@@ -80,7 +80,7 @@ def test_unknown_and_a_raising_executor_are_resolved_by_the_checker(tx: Transact
     assert len(tx.half_store.pending(mq)) == 2 and bodies(tx, mq) == []
     svc = TransactionCheckService(tx.brokers, tx.settings)
     assert svc.check_once().checked == 0  # younger than transaction_timeout: not asked yet
-    time.sleep(0.25)
+    time.sleep(1.05)
     report = svc.check_once()
     assert (report.checked, report.committed, report.rolled_back) == (2, 1, 1)
     assert bodies(tx, mq) == [b"txn-unknown"] and tx.half_store.pending(mq) == []

@@ -187,3 +187,15 @@ def test_a_pull_consumer_beside_real_workers_and_beat_drains_its_group_in_order(
         assert assigned == {"puller"}
     wait_for(lambda: len([e for e in ledger(r, "g-order") if e["ok"]]) >= 200, timeout=60, what="the worker group")
     p.close()
+
+
+def test_an_unreachable_redis_is_one_clear_error(fast) -> None:
+    from mqorder.errors import BrokerUnavailableError
+
+    dead = fast.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
+    c = PullConsumer("audit", settings=dead, client_id="p1")
+    with pytest.raises(BrokerUnavailableError, match="did not answer .* Retry when it is back"):
+        c.fetch_message_queues_in_balance("orders")
+    with pytest.raises(BrokerUnavailableError, match="fetch_consume_offset"):
+        c.fetch_consume_offset(MessageQueue("orders", "broker-a", 0))
+    c.shutdown()

@@ -354,10 +354,14 @@ class Report:
         plain = rates(d.get("no_key"))
         labels = {"no_key": "`send_orderly`, no dedup key", "dedup_key": "`send_orderly(dedup_key=...)`",
                   "derive_msg_id": "`send_orderly`, `MQORDER_DEDUP_DERIVE=msg_id`"}
-        rows = [[label, fmt_summary(rates(d.get(k))), fmt_ratio(ratio(rates(d.get(k)), plain))]
+        def redis_us(k: str) -> str:
+            vals = [x["redis_usec_per_call"] for x in d.get(k) or [] if "redis_usec_per_call" in x]
+            return summarize(vals).fmt(1, "µs") if vals else "n/a"
+
+        rows = [[label, fmt_summary(rates(d.get(k))), fmt_ratio(ratio(rates(d.get(k)), plain)), redis_us(k)]
                 for k, label in labels.items()]
         return ["## Dedup-window overhead on `send_orderly`", "",
-                *_table(["producer", "messages/s", "vs no key"], rows),
+                *_table(["producer", "messages/s", "vs no key", "Redis time per send script"], rows),
                 f"{size(self.cfg, 'dedup_messages'):,} messages per run, the three variants interleaved run by "
                 "run on one redis-server; 16 queues, 2,000 keys, one subscribing group.", ""]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from bench.common import Config
 
 SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "celery_broker", "produce", "failover",
-            "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "dedup")
+            "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "dedup", "transactions")
 DEFAULT_CONCURRENCY = 2
 #: Threads-pool worker concurrency of the latency section and of the threads drain row.
 LAT_THREADS_C = 8
@@ -25,6 +25,7 @@ SIZES = {
     "produce_batch": (100_000, 5_000),
     "produce_raw": (100_000, 5_000),
     "dedup_messages": (5_000, 500),
+    "transactions_messages": (5_000, 500),
     "failover_kills": (10, 2),
     "rebalance_runs": (5, 1),
     "memory_messages": (1_000_000, 20_000),

@@ -45,8 +45,8 @@ class Report:
 
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
-                    self.celery_broker, self.produce, self.dedup, self.failover, self.rebalance, self.memory,
-                    self.growth, self.retention, self.spark,
+                    self.celery_broker, self.produce, self.dedup, self.transactions, self.failover, self.rebalance,
+                    self.memory, self.growth, self.retention, self.spark,
                     self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
@@ -361,12 +361,29 @@ class Report:
         plain = rates(d.get("no_key"))
         labels = {"no_key": "`send_orderly`, no dedup key", "dedup_key": "`send_orderly(dedup_key=...)`",
                   "derive_msg_id": "`send_orderly`, `MQORDER_DEDUP_DERIVE=msg_id`"}
-        rows = [[label, fmt_summary(rates(d.get(k))), fmt_ratio(ratio(rates(d.get(k)), plain))]
+        def redis_us(k: str) -> str:
+            vals = [x["redis_usec_per_call"] for x in d.get(k) or [] if "redis_usec_per_call" in x]
+            return summarize(vals).fmt(1, "µs") if vals else "n/a"
+
+        rows = [[label, fmt_summary(rates(d.get(k))), fmt_ratio(ratio(rates(d.get(k)), plain)), redis_us(k)]
                 for k, label in labels.items()]
         return ["## Dedup-window overhead on `send_orderly`", "",
-                *_table(["producer", "messages/s", "vs no key"], rows),
+                *_table(["producer", "messages/s", "vs no key", "Redis time per send script"], rows),
                 f"{size(self.cfg, 'dedup_messages'):,} messages per run, the three variants interleaved run by "
                 "run on one redis-server; 16 queues, 2,000 keys, one subscribing group.", ""]
+
+    def transactions(self) -> list[str]:
+        """Transactional send rate against ``send_orderly`` (``bench.transactions``), when it ran."""
+        d = self.res.get("transactions")
+        if not d:
+            return []
+        plain = rates(d.get("send_orderly"))
+        rows = [[label, fmt_summary(rates(d.get(k))), fmt_ratio(ratio(rates(d.get(k)), plain))]
+                for k, label in (("send_orderly", "`send_orderly`"),
+                                 ("send_in_transaction", "`send_in_transaction`, executor commits at once"))]
+        return ["## Transactional send rate", "", *_table(["producer", "messages/s", "vs send_orderly"], rows),
+                f"{size(self.cfg, 'transactions_messages'):,} messages per run, both interleaved run by run on one "
+                "redis-server; 16 queues, 2,000 keys, one subscribing group.", ""]
 
     def failover(self) -> list[str]:
         fo = self.f.fo

@@ -32,6 +32,7 @@ import redis
 from celery.signals import before_task_publish
 
 from chaos import records
+from chaos import txn as _txn  # noqa: F401 - registers the transactions scenario's checker
 from mqorder import ConsumeOrderlyStatus, orderly_listener
 from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.hooks import ConsumeMessageHook, RefusedContext

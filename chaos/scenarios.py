@@ -13,6 +13,8 @@ from chaos import listeners
 from chaos.checker import Result, RunData, check
 from chaos.faults import Faults
 from chaos.runner import Cluster, log
+from chaos.txn import ENV as TXN_ENV
+from chaos.txn import LATE_CHECKS, TxnTraffic
 from mqorder.rabbit_vhost import RabbitVhost
 
 #: The lock lease variant: a 6 s lease renewed every 2 s, so a pause or a beat outage of 10-15 s
@@ -24,7 +26,8 @@ SHORT_LEASE = {"MQORDER_LOCK_MAX_LIVE_TIME": "6", "MQORDER_LOCK_INTERVAL": "2"}
 class Scenario:
     name: str
     title: str
-    script: Callable[[Faults, bool], None]
+    #: The timeline; it may return notes for the report (what it verified beyond the checker).
+    script: Callable[[Faults, bool], list[str] | None]
     fsync: str = "everysec"
     env: dict[str, str] = field(default_factory=dict)
     enforce: set[str] = field(default_factory=set)
@@ -183,6 +186,23 @@ def retention(f: Faults, quick: bool) -> None:
     log(f"retention: {trimmed} consumed messages trimmed during the run")
     if not trimmed:
         raise RuntimeError("retention trimmed nothing during the run: the scenario would prove nothing")
+def transactions(f: Faults, quick: bool) -> list[str]:
+    """Transactional producers killed -9 between the two phases, checkers answering UNKNOWN a few
+    times (or for ever), and a kill -9 of a worker, over the regular traffic: every transaction
+    ends committed exactly once or rolled back, none half-way (``chaos.txn``)."""
+    tx = TxnTraffic(f.procs.url, f.procs.env(), f.procs.ledger_url)
+    clock = Clock()
+    with tx.running(producers=2):
+        clock.at(4)
+        f.kill_and_restart(after=6)
+        clock.at(16 if quick else 30)
+    f_ = tx.verify()
+    note = (f"{f_['transactions']} transactions, {f_['producers_killed']} producers killed -9 between the phases: "
+            f"{f_['committed']} committed once each ({f_.get('kind_unknown-commit', 0)} by a check-back, "
+            f"{f_.get('kind_late', 0)} after {LATE_CHECKS} UNKNOWN answers, {f_.get('kind_hang-commit', 0)} of killed "
+            f"producers), the rest rolled back ({f_.get('kind_never', 0)} after transaction_check_max), none half-way")
+    log(f"   {note}")
+    return [note]
 
 
 def smoke(f: Faults, quick: bool) -> None:
@@ -226,6 +246,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              env={"MQORDER_RETENTION_POLICY": "consumed", "MQORDER_RETENTION_MS": "5000",
                   "MQORDER_RETENTION_MIN_MS": "0", "MQORDER_RETENTION_INTERVAL": "1",
                   "MQORDER_RETENTION_TRIM_CHUNK": "50"}),
+    Scenario("transactions", "transactional producers killed -9 between the phases, checkers answering UNKNOWN, "
+             "a worker kill", transactions, env=dict(TXN_ENV)),
     Scenario("all", "all of the above together (6 s lease, appendfsync always)", everything, fsync="always",
              env={**SHORT_LEASE, "MQORDER_REBALANCE_INTERVAL": "5"}),
 ]}
@@ -245,7 +267,7 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
         c.start()
         assert c.faults is not None and c.traffic is not None
         c.traffic.start()
-        sc.script(c.faults, quick)
+        notes = sc.script(c.faults, quick) or []
         c.traffic.stop()
         drained = c.traffic.drain(drain_timeout)
         time.sleep(1.0)  # let the last listener calls finish their ledger writes
@@ -257,6 +279,7 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
             if vhost is not None:
                 vhost.stop()
     res = check(data)
+    res.notes.extend(notes)
     log(f"== {sc.name}: {'PASS' if res.passed else 'FAIL'}: produced {res.produced}, handled {res.handled}, "
         f"violations {len(res.violations)}, lost {len(res.lost)}, dups {res.duplicates}, "
         f"failover max {res.failover_max} p99 {res.failover_p99}")

@@ -294,6 +294,27 @@ def consumers(group: str = typer.Argument(..., help="consumer group"), as_json: 
         render.consumers(_out(), gc)
 
 
+# -- transactions --------------------------------------------------------------------------------
+
+
+@app.command()
+@handled
+def txn(
+    topic: str = typer.Argument(..., help="topic"),
+    last: int = typer.Option(20, min=0, help="recent ends to show per queue"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Transactions of a topic still half-way (age, check-backs), and how recent ones ended and why."""
+    from mqorder.admin import transactions
+
+    with _admin() as admin:
+        report = transactions.txn_report(admin, topic, last)
+    if as_json:
+        _print_json(report.to_json())
+    else:
+        transactions.render(_out(), report)
+
+
 # -- dlq -------------------------------------------------------------------------------------------
 
 

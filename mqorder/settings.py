@@ -143,7 +143,7 @@ class Settings(BaseSettings):
     # -- delay messages (RocketMQ's messageDelayLevel) -----------------------------------------
     #: The delay of each ``delay_time_level`` (1 = the first), RocketMQ's broker default.
     message_delay_level: str = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
-    #: How often the mover (beat task ``mqorder.delay_move``) makes due delayed messages visible.
+    #: How often each worker's client moves due delayed messages into their queues (a client duty).
     delay_move_interval: float = Field(1.0, gt=0, le=3600)
 
     # -- transactional messages (RocketMQ's broker defaults) -----------------------------------

@@ -36,6 +36,21 @@ def test_a_resend_of_a_key_returns_the_first_result_and_stores_nothing(producer:
     assert bodies(producer, first.message_queue) == [b"paid", b"shipped"]
 
 
+def test_a_resent_batch_returns_the_first_results_and_stores_nothing(producer: Producer) -> None:
+    items = [(f"k{i % 3}", f"{i}".encode()) for i in range(9)]
+    keys_ = [f"evt-{i}" for i in range(9)]
+    first = producer.send_orderly_batch("orders", items, dedup_keys=keys_)
+    again = producer.send_orderly_batch("orders", items + [("k0", b"new")], dedup_keys=keys_ + ["evt-9"])
+    assert again[:9] == first
+    assert again[9].queue_offset == max(r.queue_offset for r in first if r.message_queue == again[9].message_queue) + 1
+    total = sum(MessageLog(producer.brokers).max_offset(mq) for mq in producer.describe_topic("orders").message_queues)
+    assert total == 10
+    twice = producer.send_orderly_batch("orders", [("k", b"a"), ("k", b"a again")], dedup_keys=["same", "same"])
+    assert twice[0] == twice[1]
+    with pytest.raises(MessageError, match="one key per item"):
+        producer.send_orderly_batch("orders", items, dedup_keys=keys_[:3])
+
+
 def test_keyed_send_without_sharding_key_picks_its_queue_by_key(producer: Producer) -> None:
     a = producer.send("orders", b"x", dedup_key="k-1")
     b = producer.send("orders", b"x again", dedup_key="k-1")
@@ -44,17 +59,17 @@ def test_keyed_send_without_sharding_key_picks_its_queue_by_key(producer: Produc
 
 
 def test_the_window_forgets_keys_and_stays_bounded(settings, r: redis.Redis) -> None:
-    p = Producer(settings=settings, dedup_window=0.3)
+    p = Producer(settings=settings, dedup_window=1.0)
     p.create_topic("orders", queues=1)
     mq = p.describe_topic("orders").message_queues[0]
     for i in range(50):
         p.send_orderly("orders", b"x", sharding_key="k", dedup_key=f"evt-{i}")
     assert r.hlen(keys.queue_dedup(mq.tag)) == 50
-    assert 0 < r.pttl(keys.queue_dedup(mq.tag)) <= 300
+    assert 0 < r.pttl(keys.queue_dedup(mq.tag)) <= 1000
     assert r.hlen(keys.queue_ids(mq.tag)) == 0  # the Spark writer's permanent ids are untouched
-    time.sleep(0.2)
-    p.send_orderly("orders", b"x", sharding_key="k", dedup_key="late")  # keeps the keys alive 0.3 s more
-    time.sleep(0.15)  # the first 50 are out of their window, "late" is not
+    time.sleep(0.6)
+    p.send_orderly("orders", b"x", sharding_key="k", dedup_key="late")  # keeps the keys alive 1 s more
+    time.sleep(0.5)  # the first 50 are out of their window, "late" is not
     again = p.send_orderly("orders", b"x", sharding_key="k", dedup_key="evt-0")
     assert again.queue_offset == 51  # stored again: its window ended
     # One send forgets at most 2n + 16 = 18 expired keys: bounded work per call, and it only shrinks.
@@ -63,7 +78,7 @@ def test_the_window_forgets_keys_and_stays_bounded(settings, r: redis.Redis) -> 
     for i in range(3):
         p.send_orderly("orders", b"x", sharding_key="k", dedup_key=f"new-{i}")
     assert r.hlen(keys.queue_dedup(mq.tag)) == 5  # the 32 expired gone after two sends; 5 live keys
-    time.sleep(0.4)
+    time.sleep(1.1)
     assert not r.exists(keys.queue_dedup(mq.tag), keys.queue_dedup_expiry(mq.tag))  # idle: nothing kept
     p.close()
 
@@ -102,7 +117,7 @@ def proxy(redis_url: str):
 def test_retries_after_a_lost_reply_neither_duplicate_nor_reorder(settings, proxy) -> None:
     """Redis stores A1 but its reply is lost twice: the producer times out, sends again, and gets
     the first send's result; A2 follows A1 and nothing is stored twice."""
-    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout=0.3, dedup_derive="msg_id")
+    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout=0.5, dedup_derive="msg_id")
     p.create_topic("orders", queues=1)
     mq = p.describe_topic("orders").message_queues[0]
     p.send_orderly("orders", b"A0", sharding_key="k")
@@ -116,9 +131,22 @@ def test_retries_after_a_lost_reply_neither_duplicate_nor_reorder(settings, prox
     p.close()
 
 
+def test_a_batch_whose_reply_was_lost_is_sent_again_without_duplicates(settings, proxy) -> None:
+    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout=0.5, dedup_derive="msg_id")
+    p.create_topic("orders", queues=1)
+    mq = p.describe_topic("orders").message_queues[0]
+    p.send_orderly("orders", b"A0", sharding_key="k")
+    proxy.lose_next_replies(1)
+    results = p.send_orderly_batch("orders", [("k", b"A1"), ("k", b"A2")])
+    assert bodies(p, mq) == [b"A0", b"A1", b"A2"]
+    assert [r.queue_offset for r in results] == [1, 2]
+    assert [r.msg_id for r in results] == [m.msg_id for m in MessageLog(p.brokers).read(mq, 1, 2)]
+    p.close()
+
+
 def test_without_a_key_a_lost_reply_stores_the_send_twice(settings, proxy) -> None:
     """The failure a dedup key prevents: the same lost reply, and a retry (redis-py's own, here)."""
-    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout=0.3)
+    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout=0.5)
     p.create_topic("orders", queues=1)
     mq = p.describe_topic("orders").message_queues[0]
     p.send_orderly("orders", b"A0", sharding_key="k")

@@ -1,4 +1,4 @@
-"""Delay messages against a real redis-server (and on a real worker with beat): held out of the
+"""Delay messages against a real redis-server (and on a real worker): held out of the
 log until due, made visible in order by the mover, refused by orderly sends."""
 
 from __future__ import annotations
@@ -62,11 +62,10 @@ def test_delay_levels_default_to_rocketmqs_18_and_bad_ones_are_refused() -> None
         load_settings(message_delay_level="1s 5x")
 
 
-def test_the_beat_mover_delivers_a_delayed_message_to_a_worker(cluster, r: redis.Redis) -> None:
+def test_the_workers_mover_delivers_a_delayed_message_when_due(cluster, r: redis.Redis) -> None:
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=2)
-    cluster.start_worker("w1")
-    cluster.start_beat(MQORDER_DELAY_MOVE_INTERVAL="0.2")
+    cluster.start_worker("w1", MQORDER_DELAY_MOVE_INTERVAL="0.2")  # no beat: the worker's client moves it
     t0 = time.time()
     p.send("t-order", body("d", 1), delay_time_level=1)
     got = wait_for(lambda: [e for e in ledger(r, "g-order") if e["key"] == "d"], timeout=60,

@@ -3,6 +3,7 @@ holder refused after a rebalance moved its queue."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -15,6 +16,7 @@ from mqorder.errors import OffsetFencedError, OffsetIllegalError, TopicNotFoundE
 from mqorder.model import MessageQueue
 from mqorder.rebalance.service import RebalanceService
 from mqorder.settings import load_settings
+from mqorder.store.replies import text
 
 
 @pytest.fixture
@@ -58,6 +60,13 @@ def test_one_consumer_holds_every_queue_and_drains_in_order(fast, producer: Prod
         for mq in seen:
             assert c.fetch_consume_offset(mq) == len(seen[mq])
         assert drain(c, "orders") == {}  # committed: nothing again
+
+
+def test_default_client_ids_differ_within_a_process(fast) -> None:
+    a, b = PullConsumer("audit", settings=fast), PullConsumer("audit", settings=fast)
+    assert a.client_id != b.client_id and a.client_id.startswith("pull-")
+    a.shutdown()
+    b.shutdown()
 
 
 def test_two_consumers_split_the_queues_and_a_leaver_hands_its_queues_over(fast, producer: Producer) -> None:
@@ -139,3 +148,54 @@ def test_no_consume_request_is_ever_dispatched_to_a_pull_consumer(fast, producer
         assert report.assigned == 4 and report.moved == 4 and report.dispatches == []
         time.sleep(0.3)  # the pending tokens assign.lua gave lapse: the central sweep would re-dispatch
         assert svc.sweep(["audit"]) == []
+
+
+def test_a_pull_consumer_beside_real_workers_and_beat_drains_its_group_in_order(cluster, r: redis.Redis) -> None:
+    """Workers and beat rebalance every lane, the pull group's too, every second: the pull consumer
+    keeps its queues (never fenced, never sent a ConsumeRequest) while a worker group drains the
+    same topic."""
+    from tests.conftest import body, ledger, wait_for
+
+    fast = load_settings(redis_url=cluster.url, heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=4)
+    cluster.start_worker("w1")
+    cluster.start_beat(MQORDER_REBALANCE_INTERVAL="1", MQORDER_LOCK_INTERVAL="1")
+    got: dict[str, list[int]] = {}
+    with PullConsumer("audit", settings=fast, client_id="puller") as c:
+        c.fetch_message_queues_in_balance("t-order")
+        last_rebalance = r.get(keys.rebalance_last())
+        n = 0
+        deadline = time.monotonic() + 60
+        while sum(len(v) for v in got.values()) < 200 and time.monotonic() < deadline:
+            if n < 200:
+                for _ in range(20):
+                    p.send_orderly("t-order", body(f"k{n % 7}", n // 7 + 1), sharding_key=f"k{n % 7}")
+                    n += 1
+            for mq in c.fetch_message_queues_in_balance("t-order"):
+                res = c.pull(mq, c.fetch_consume_offset(mq), 32)
+                for m in res.msg_found_list:
+                    d = json.loads(m.body)
+                    got.setdefault(d["k"], []).append(d["s"])
+                if res.pull_status is PullStatus.FOUND:
+                    c.update_offset(mq, res.next_begin_offset)  # never fenced: it raises otherwise
+            time.sleep(0.3)
+        assert r.get(keys.rebalance_last()) != last_rebalance  # the workers' rebalance ran meanwhile
+        assert got == {f"k{i}": list(range(1, len(got[f'k{i}']) + 1)) for i in range(7)}
+        assert sum(len(v) for v in got.values()) == 200
+        assigned = {text(v) for v in r.hvals(keys.assignment("audit"))}
+        assert assigned == {"puller"}
+    wait_for(lambda: len([e for e in ledger(r, "g-order") if e["ok"]]) >= 200, timeout=60, what="the worker group")
+    p.close()
+
+
+def test_an_unreachable_redis_is_one_clear_error(fast) -> None:
+    from mqorder.errors import BrokerUnavailableError
+
+    dead = fast.model_copy(update={"redis_url": "redis://127.0.0.1:1/0"})
+    c = PullConsumer("audit", settings=dead, client_id="p1")
+    with pytest.raises(BrokerUnavailableError, match="did not answer .* Retry when it is back"):
+        c.fetch_message_queues_in_balance("orders")
+    with pytest.raises(BrokerUnavailableError, match="fetch_consume_offset"):
+        c.fetch_consume_offset(MessageQueue("orders", "broker-a", 0))
+    c.shutdown()

@@ -28,7 +28,7 @@ COMMIT, ROLLBACK, UNKNOWN = LocalTransactionState.COMMIT, LocalTransactionState.
 
 @pytest.fixture
 def tx(redis_url: str):
-    s = load_settings(redis_url=redis_url, transaction_timeout=0.2, transaction_check_interval=0.2,
+    s = load_settings(redis_url=redis_url, transaction_timeout=1.0, transaction_check_interval=0.2,
                       transaction_check_max=3)
     p = TransactionProducer(settings=s)
     p.create_topic("tx", queues=2)
@@ -80,7 +80,7 @@ def test_unknown_and_a_raising_executor_are_resolved_by_the_checker(tx: Transact
     assert len(tx.half_store.pending(mq)) == 2 and bodies(tx, mq) == []
     svc = TransactionCheckService(tx.brokers, tx.settings)
     assert svc.check_once().checked == 0  # younger than transaction_timeout: not asked yet
-    time.sleep(0.25)
+    time.sleep(1.05)
     report = svc.check_once()
     assert (report.checked, report.committed, report.rolled_back) == (2, 1, 1)
     assert bodies(tx, mq) == [b"txn-unknown"] and tx.half_store.pending(mq) == []
@@ -111,6 +111,33 @@ def test_producer_and_check_back_end_a_transaction_once(tx: TransactionProducer)
     assert [o.outcome for o in tx.half_store.outcomes(res.message_queue)] == ["COMMIT"]
 
 
+def test_phase_one_survives_a_script_flush(tx: TransactionProducer, r: redis.Redis) -> None:
+    """Phase one pipelines the check-back index with its script: after a Redis restart (NOSCRIPT)
+    the script is loaded and the pipeline sent again."""
+    tx.send_in_transaction("tx", b"a", sharding_key="k", executor=lambda m, a: COMMIT)
+    r.script_flush()
+    res = tx.send_in_transaction("tx", b"b", sharding_key="k", executor=lambda m, a: COMMIT)
+    assert res.queue_offset == 1 and r.sismember(keys.txn_topics(), "tx")
+
+
+def test_mqorder_txn_shows_half_transactions_and_why_others_ended(tx: TransactionProducer) -> None:
+    from typer.testing import CliRunner
+
+    from mqorder.cli import app
+
+    half = tx.send_in_transaction("tx", b"a", sharding_key="k", executor=lambda m, a: UNKNOWN)
+    gone = tx.send_in_transaction("tx", b"b", sharding_key="k", executor=lambda m, a: ROLLBACK)
+    res = CliRunner().invoke(app, ["txn", "tx", "--json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.stdout
+    out = json.loads(res.stdout)
+    assert [(h["txid"], h["checks"]) for h in out["half"]] == [(half.msg_id, 0)]
+    (ended,) = out["ended"]
+    assert (ended["txid"], ended["outcome"]) == (gone.msg_id, "ROLLBACK") and "ROLLBACK_MESSAGE" in ended["reason"]
+    human = CliRunner().invoke(app, ["txn", "tx"], catch_exceptions=False)
+    assert "1 transaction(s) half-way" in human.stdout and half.msg_id in human.stdout
+    assert CliRunner().invoke(app, ["txn", "nope"]).exit_code == 2
+
+
 def test_bad_executor_is_refused_before_anything_is_stored(tx: TransactionProducer, r: redis.Redis) -> None:
     with pytest.raises(MessageError, match="executor must be a callable"):
         tx.send_in_transaction("tx", b"x", sharding_key="k", executor="commit")  # type: ignore[arg-type]
@@ -132,7 +159,7 @@ def _killed_mid_transaction(url: str, tmp: Path, key: str, seq: int, local: str)
 
 def test_producers_killed_between_the_phases_end_visible_or_rolled_back(cluster, r: redis.Redis, tmp_path: Path) -> None:
     txn_env = {"MQORDER_LISTENERS": "tests.listeners,tests.txn_checkers", "MQORDER_TRANSACTION_TIMEOUT": "1",
-               "MQORDER_TRANSACTION_CHECK_INTERVAL": "0.5", "MQORDER_TRANSACTION_CHECK_MAX": "3"}
+               "MQORDER_TRANSACTION_CHECK_INTERVAL": "0.5", "MQORDER_TRANSACTION_CHECK_MAX": "5"}
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=2)
     cluster.start_worker("w1", **txn_env)
@@ -140,11 +167,15 @@ def test_producers_killed_between_the_phases_end_visible_or_rolled_back(cluster,
     p.send_orderly("t-order", body("a", 1), sharding_key="a")
     committed = _killed_mid_transaction(cluster.url, tmp_path, "a", 2, "COMMIT")
     unknown = _killed_mid_transaction(cluster.url, tmp_path, "b", 1, "-")
+    late = _killed_mid_transaction(cluster.url, tmp_path, "c", 1, "-")
     p.send_orderly("t-order", body("a", 3), sharding_key="a")  # sent while a's txn hangs half-way
     route = p.describe_topic("t-order").message_queues
     log = MessageLog(p.brokers)
     assert all(json.loads(m.body)["s"] != 2 and json.loads(m.body)["k"] != "b"
                for mq in route for m in log.read(mq, 0, 100))  # nothing half-way is visible
+    # c's checker answers UNKNOWN twice, then its local transaction is found committed.
+    wait_for(lambda: int(r.get(f"checked:{late}") or 0) >= 2, timeout=60, what="two check-backs of c")
+    r.set(f"local:{late}", "COMMIT")
     # The check-back commits a's transaction (its local state says COMMIT) and the worker consumes it.
     wait_for(lambda: any(e["key"] == "a" and e["seq"] == 2 for e in ledger(r, "g-order")), timeout=60,
              what="the committed transaction to be consumed")
@@ -156,7 +187,9 @@ def test_producers_killed_between_the_phases_end_visible_or_rolled_back(cluster,
     outcomes = {o.txid: o for mq in route for o in store.outcomes(mq)}
     assert outcomes[committed].outcome == "COMMIT" and outcomes[committed].by == "check-back"
     assert outcomes[unknown].outcome == "ROLLBACK" and "transaction_check_max" in outcomes[unknown].reason
-    assert int(r.get(f"checked:{unknown}")) == 3
+    assert int(r.get(f"checked:{unknown}")) == 5  # transaction_check_max, then rolled back unasked
+    assert outcomes[late].outcome == "COMMIT" and outcomes[late].checks >= 3
+    wait_for(lambda: any(e["key"] == "c" for e in ledger(r, "g-order")), timeout=60, what="c to be consumed")
     a_seqs = [e["seq"] for e in ledger(r, "g-order") if e["key"] == "a" and e["ok"]]
     assert a_seqs == [1, 3, 2]  # the committed message took its place at the commit
     assert not any(e["key"] == "b" for e in ledger(r, "g-order"))

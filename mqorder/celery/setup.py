@@ -23,8 +23,6 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
         # RocketMQ's transaction check-back (transactionCheckInterval): resolves half messages.
         "mqorder-transaction-check": {"task": "mqorder.transaction_check",
                                       "schedule": settings.transaction_check_interval},
-        # RocketMQ's ScheduleMessageService: due delayed messages become visible.
-        "mqorder-delay-move": {"task": "mqorder.delay_move", "schedule": settings.delay_move_interval},
     }
 
 

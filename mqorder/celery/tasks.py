@@ -19,9 +19,7 @@ from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageQueue
 from mqorder.rebalance.service import RebalanceService
 from mqorder.settings import get_settings
-from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
-from mqorder.store.delay import DelayMover
 
 log = logging.getLogger(__name__)
 
@@ -107,17 +105,3 @@ def transaction_check() -> dict:
     return {"checked": report.checked, "committed": report.committed, "rolled_back": report.rolled_back,
             "unknown": report.unknown, "gave_up": report.gave_up}
 
-
-_mover: DelayMover | None = None
-
-
-@shared_task(name="mqorder.delay_move", ignore_result=True)
-def delay_move() -> dict:
-    """The delay mover (beat, every ``delay_move_interval``): due delayed messages become visible."""
-    global _mover
-    if _mover is None:
-        s = get_settings()
-        brokers = BrokerRegistry(s.redis_url, s.brokers)
-        _mover = DelayMover(brokers, QueueAppender(brokers, pending_ttl_ms=s.ms(s.pending_ttl), timeout=s.send_msg_timeout))
-    report = _mover.move_once()
-    return {"moved": report.moved, "queues": report.queues}

@@ -228,15 +228,24 @@ class Producer:
         *,
         selector: Selector | None = None,
         tags: str | None = None,
+        dedup_keys: Sequence[str] | None = None,
     ) -> list[SendResult]:
         """Send many ``(sharding_key, body)`` pairs; per-key order is the order of ``items``.
 
         All pairs are validated before anything is written, so a bad item refuses the whole batch
         and nothing is half-sent. Messages are grouped per queue and written with one script call
         per queue chunk, pipelined per broker.
+
+        With dedup keys (``dedup_keys``, one per item, or derived by ``MQORDER_DEDUP_DERIVE``) each
+        message is stored at most once per queue within the dedup window, and a batch that timed
+        out is sent again whole (up to ``retry_times_when_send_failed`` times): what was stored
+        already is a duplicate, whose result is the first send's.
         """
         _, queues = self._route(topic)
-        prepared: list[tuple[MessageQueue, bytes, bytes, str]] = []
+        items = list(items)
+        if dedup_keys is not None and (isinstance(dedup_keys, str) or len(dedup_keys) != len(items)):
+            raise MessageError(f"dedup_keys must be a list with one key per item ({len(items)}); nothing was sent")
+        prepared: list[tuple[MessageQueue, bytes, bytes, str, str | None]] = []
         for i, item in enumerate(items):
             if not (isinstance(item, tuple) and len(item) == 2):
                 raise MessageError(f"item {i} must be a (sharding_key, body) tuple, got {item!r}"[:200])
@@ -244,21 +253,42 @@ class Producer:
             try:
                 header, msg_id, body = self._prepare(body, key, tags, None, key_hash(key))
                 mq = self._select(queues, key, body, selector)
+                given = None if dedup_keys is None else dedup_keys[i]
+                dkey = dedup_key_of(given, self.settings.dedup_derive, msg_id, body)
             except MessageError as exc:
                 raise MessageError(f"item {i}: {exc}; nothing of this batch was sent") from None
-            prepared.append((mq, header, body, msg_id))
+            prepared.append((mq, header, body, msg_id, dkey))
+        keyed = bool(prepared) and prepared[0][4] is not None
+        window_ms = self.settings.ms(self.settings.dedup_window) if keyed else None
         by_queue: dict[MessageQueue, list[int]] = defaultdict(list)
-        for i, (mq, _, _, _) in enumerate(prepared):
-            by_queue[mq].append(i)
+        for i, p in enumerate(prepared):
+            by_queue[p[0]].append(i)
         chunks = [idxs[c : c + BATCH_CHUNK] for idxs in by_queue.values() for c in range(0, len(idxs), BATCH_CHUNK)]
-        replies = self.appender.append_many(
-            [AppendRequest(prepared[idxs[0]][0], [(prepared[i][1], prepared[i][2]) for i in idxs]) for idxs in chunks]
-        )
+        requests = [
+            AppendRequest(prepared[idxs[0]][0], [(prepared[i][1], prepared[i][2]) for i in idxs],
+                          [str(prepared[i][4]) for i in idxs] if keyed else None, window_ms)
+            for idxs in chunks
+        ]
+        attempts = 1 + self.settings.retry_times_when_send_failed if keyed else 1
+        for attempt in range(attempts):
+            try:
+                replies = self.appender.append_many(requests)
+                break
+            except BrokerUnavailableError:
+                if attempt + 1 >= attempts:
+                    raise
+                time.sleep(KEYED_RETRY_PAUSE[min(attempt, len(KEYED_RETRY_PAUSE) - 1)])
         results: list[SendResult | None] = [None] * len(prepared)
         for idxs, reply in zip(chunks, replies, strict=True):
+            by_offset: dict[int, SendResult] = {}
             for i, off in zip(idxs, reply.offsets, strict=True):
-                mq, _, _, msg_id = prepared[i]
-                results[i] = SendResult(SendStatus.SEND_OK, msg_id, mq, off, reply.store_ms)
+                mq, _, _, msg_id, _ = prepared[i]
+                if off in by_offset:  # the same key twice in this batch: one message, one result
+                    results[i] = by_offset[off]
+                elif off < reply.first_offset:  # stored by an earlier send (or attempt) of its key
+                    results[i] = by_offset[off] = first_send_result(self._log, mq, off)
+                else:
+                    results[i] = by_offset[off] = SendResult(SendStatus.SEND_OK, msg_id, mq, off, reply.store_ms)
         return [r for r in results if r is not None]
 
     def close(self) -> None:

@@ -24,12 +24,15 @@ some messages may be handled twice, none is skipped, order per queue holds.
 from __future__ import annotations
 
 import enum
+import itertools
 import logging
 import os
 import socket
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,7 +40,7 @@ import redis
 
 from mqorder import keys
 from mqorder.codec import decode_entries
-from mqorder.errors import MQOrderError, OffsetFencedError, OffsetIllegalError
+from mqorder.errors import BrokerUnavailableError, MQOrderError, OffsetFencedError, OffsetIllegalError
 from mqorder.model import MessageExt, MessageModel, MessageQueue
 from mqorder.names import check_client_id, check_group, check_topic
 from mqorder.rebalance.allocate import allocate_all, strategy_from_settings
@@ -45,6 +48,7 @@ from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.rebalance.membership import PULL_POOL, ClientDetails, ClientRegistry, Subscription
 from mqorder.settings import Settings, get_settings
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.failures import TRANSIENT
 from mqorder.store.log import MessageLog
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -81,9 +85,25 @@ class PullResult:
     msg_found_list: list[MessageExt] = field(default_factory=list)
 
 
+_instances = itertools.count(1)
+
+
+@contextmanager
+def _reachable(consumer: PullConsumer, action: str) -> Iterator[None]:
+    """A Redis that does not answer, as the one error a caller acts on, with what to do."""
+    try:
+        yield
+    except TRANSIENT as exc:
+        raise BrokerUnavailableError(
+            f"{action} of pull consumer {consumer.client_id} (group {consumer.group!r}) failed: Redis at "
+            f"{consumer.brokers.default.safe_url} did not answer ({type(exc).__name__}: {exc}). Retry when it is "
+            "back: pulls only read, and update_offset is fenced and only moves forward, so repeating it is safe"
+        ) from exc
+
+
 def default_client_id() -> str:
-    """``pull-<pid>@<host>``: unique per process, and a valid client id."""
-    return f"pull-{os.getpid()}@{socket.gethostname()}"
+    """``pull-<pid>-<n>@<host>``: unique per consumer of a process, and a valid client id."""
+    return f"pull-{os.getpid()}-{next(_instances)}@{socket.gethostname()}"
 
 
 class PullConsumer:
@@ -128,6 +148,10 @@ class PullConsumer:
         says a queue was fenced, and now and then anyway: a rebalance moves queues as members come
         and go, and only the queues returned here may be committed.
         """
+        with _reachable(self, "fetch_message_queues_in_balance"):
+            return self._fetch_in_balance(topic)
+
+    def _fetch_in_balance(self, topic: str) -> list[MessageQueue]:
         topic = check_topic(topic)
         with self._lock:
             if topic not in self._topics:
@@ -150,17 +174,27 @@ class PullConsumer:
         Reading needs no lock, as in RocketMQ; committing does. With ``block_ms`` the call waits
         that long for a first message when there is none yet (RocketMQ's ``pullBlockIfNotFound``).
         """
+        with _reachable(self, "pull"):
+            return self._pull(mq, offset, max_nums, block_ms)
+
+    def _pull(self, mq: MessageQueue, offset: int, max_nums: int, block_ms: int) -> PullResult:
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise OffsetIllegalError(f"offset must be an int >= 0, got {offset!r}")
         if isinstance(max_nums, bool) or not isinstance(max_nums, int) or not 1 <= max_nums <= MAX_PULL_NUMS:
             raise OffsetIllegalError(f"max_nums must be an int from 1 to {MAX_PULL_NUMS}, got {max_nums!r}")
         client = self.brokers.get(mq.broker_name).client
-        min_off, max_off = self.log.min_offset(mq), self.log.max_offset(mq)
+        log_key = keys.queue_log(mq.tag)
+        # One round trip: the queue's bounds and the batch (discarded if the offset is illegal).
+        pipe = client.pipeline(transaction=False)
+        pipe.xrange(log_key, count=1)
+        pipe.get(keys.queue_next(mq.tag))
+        pipe.xrange(log_key, min=f"{offset}-0", count=max_nums)
+        head, nxt, raw = pipe.execute()
+        max_off = int(nxt or 0)
+        min_off = int(head[0][0].split(b"-", 1)[0]) if head else max_off
         if offset < min_off or offset > max_off:
             nearest = min_off if offset < min_off else max_off
             return PullResult(PullStatus.OFFSET_ILLEGAL, nearest, min_off, max_off)
-        log_key = keys.queue_log(mq.tag)
-        raw: Any = client.xrange(log_key, min=f"{offset}-0", count=max_nums)
         if not raw and block_ms > 0:
             after = f"{offset - 1}-1" if offset > 0 else "0-0"
             got: Any = client.xread({log_key: after}, count=max_nums, block=block_ms)
@@ -180,6 +214,10 @@ class PullConsumer:
         given (then fetch the queues in balance again), ``OffsetIllegalError`` for an offset behind
         the committed one or past the end of the queue. Renews the lease.
         """
+        with _reachable(self, "update_offset"):
+            self._update_offset(mq, offset)
+
+    def _update_offset(self, mq: MessageQueue, offset: int) -> None:
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise OffsetIllegalError(f"offset must be an int >= 0, got {offset!r}")
         epoch = self._epochs.get(mq)
@@ -217,7 +255,8 @@ class PullConsumer:
 
     def fetch_consume_offset(self, mq: MessageQueue) -> int:
         """The group's committed offset on ``mq``: the next message to consume."""
-        return self.log.consume_offset(self.group, mq)
+        with _reachable(self, "fetch_consume_offset"):
+            return self.log.consume_offset(self.group, mq)
 
     def shutdown(self) -> None:
         """Leave the group: unregister, rebalance its queues to the others, release its locks."""

@@ -12,6 +12,8 @@ executors:
   one (a task deleted from the Celery broker costs one sweep, never a stall);
 * a retention trim pass every ``retention_interval`` (``mqorder.retention.trimmer``; one worker
   per interval does it);
+* the delay mover every ``delay_move_interval``: due delayed messages become visible
+  (``mqorder.store.delay``; every worker runs it, each message is moved exactly once);
 * wake-ups: producers publish on ``mqorder:wake:<client>`` when an idle queue gets a message, and
   this client turns that into a ConsumeRequest for itself.
 
@@ -41,8 +43,10 @@ from mqorder.rebalance.membership import ClientDetails, Subscription, redis_now_
 from mqorder.rebalance.service import Dispatch, RebalanceService
 from mqorder.retention.trimmer import RetentionTrimmer
 from mqorder.settings import Settings
+from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.capacity import check_eviction_policy
+from mqorder.store.delay import DelayMover
 from mqorder.store.replies import text
 from mqorder.store.wake import WakeUp
 
@@ -71,6 +75,9 @@ class ClientInstance:
         self.service = RebalanceService(self.brokers, settings)
         self.trimmer = RetentionTrimmer(self.brokers, settings)
         self._policy_checked = False
+        #: RocketMQ's ScheduleMessageService, as a client duty: due delayed messages become visible.
+        self.delay_mover = DelayMover(self.brokers, QueueAppender(
+            self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout))
         self.subscriptions = [
             Subscription(spec.group, spec.topic, spec.message_model) for spec in registered_listeners()
         ]
@@ -190,7 +197,7 @@ class ClientInstance:
 
     def _duty_loop(self) -> None:
         s = self.settings
-        next_hb = next_lock = next_sweep = 0.0
+        next_hb = next_lock = next_sweep = next_delay = 0.0
         next_trim = time.monotonic() + s.retention_interval
         backoff = Backoff()
         while not self._stop.is_set():
@@ -211,6 +218,9 @@ class ClientInstance:
                 if now >= next_trim and self._registered:
                     next_trim = now + s.retention_interval
                     self.trimmer.run_if_due(self.client_id)
+                if now >= next_delay:
+                    next_delay = now + s.delay_move_interval
+                    self.delay_mover.move_once()
                 backoff.reset()
             except redis.RedisError as exc:
                 delay = backoff.next()
@@ -219,7 +229,7 @@ class ClientInstance:
                 continue
             except Exception:
                 log.exception("mqorder: client duty failed")
-            wait = min(next_hb, next_lock, next_sweep, next_trim) - time.monotonic()
+            wait = min(next_hb, next_lock, next_sweep, next_trim, next_delay) - time.monotonic()
             self._stop.wait(max(wait, 0.01))
 
     def _fingerprint_now(self) -> str:

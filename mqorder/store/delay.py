@@ -3,8 +3,8 @@
 RocketMQ rewrites a delayed message into ``SCHEDULE_TOPIC_XXXX`` (one queue per level) and a timer
 per level copies due messages back to their real topic. Here a delayed message waits in its target
 queue's schedule (``delay_schedule.lua``: a ZSET by due time and a HASH of the messages, in the
-queue's hash tag), where no consumer reads, and ``DelayMover.move_once`` (the beat task
-``mqorder.delay_move``, or any loop of the application) appends every due one to the log in one
+queue's hash tag), where no consumer reads, and ``DelayMover.move_once`` (a duty of every
+worker's ``ClientInstance``, or any loop of an application without workers) appends every due one to the log in one
 atomic step per queue (``delay_move.lua``, through the one append path), in due order and, for
 equal due times, in send order. Its offset is the one it gets when it becomes visible.
 """
@@ -18,6 +18,7 @@ from mqorder.model import MessageQueue
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.failures import translated
+from mqorder.store.indexed import run_indexed
 from mqorder.store.replies import text
 
 #: Messages made visible per queue per script call (the mover calls again while some are due).
@@ -41,15 +42,13 @@ class DelayStore:
 
         The queue is recorded for the mover *first*, so no delayed message is ever out of its sight.
         """
-        self.brokers.meta.sadd(keys.delay_queues(), mq.key)
         broker = self.brokers.get(mq.broker_name)
         tag = mq.tag
         with translated(broker.name, broker.safe_url, self.timeout):
             self.appender.check_capacity(broker)
-            reply = broker.scripts.delay_schedule(
-                keys=[keys.delay_schedule(tag), keys.delay_messages(tag), keys.delay_seq(tag)],
-                args=[delay_ms, header, body],
-            )
+            reply = run_indexed(self.brokers, keys.delay_queues(), mq.key, broker, "delay_schedule",
+                                [keys.delay_schedule(tag), keys.delay_messages(tag), keys.delay_seq(tag)],
+                                [delay_ms, header, body])
         return int(reply[0])
 
     def waiting(self, mq: MessageQueue) -> int:

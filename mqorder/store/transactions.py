@@ -27,6 +27,7 @@ from mqorder.model import MessageExt, MessageQueue
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.failures import translated
+from mqorder.store.indexed import run_indexed
 from mqorder.store.replies import text
 
 #: About how many outcomes each queue's outcome log keeps.
@@ -78,13 +79,12 @@ class HalfStore:
 
     def prepare(self, mq: MessageQueue, txid: str, header: bytes, body: bytes, transaction_timeout_ms: int) -> int:
         """Phase one: store the half message; returns when it was prepared (ms, Redis clock)."""
-        self.brokers.meta.sadd(keys.txn_topics(), mq.topic)
         broker = self.brokers.get(mq.broker_name)
         with translated(broker.name, broker.safe_url, self.timeout, "prepare"):
             self.appender.check_capacity(broker, "prepare")
-            reply = broker.scripts.txn_prepare(
-                keys=[keys.txn_index(mq.tag), keys.txn_half(mq.tag)], args=[txid, header, body, transaction_timeout_ms]
-            )
+            reply = run_indexed(self.brokers, keys.txn_topics(), mq.topic, broker, "txn_prepare",
+                                [keys.txn_index(mq.tag), keys.txn_half(mq.tag)],
+                                [txid, header, body, transaction_timeout_ms])
         return int(reply[0])
 
     def end(self, mq: MessageQueue, txid: str, verdict: TxnEnd, reason: str, by: str) -> EndReply:
@@ -115,6 +115,17 @@ class HalfStore:
             msg.queue_offset = -1
             out.append(HalfMessage(mq, text(txid), msg, int(checks), int(prepared)))
         return out
+
+    def pending_details(self, mq: MessageQueue) -> list[tuple[str, int, int, int]]:
+        """(txid, prepared ms, checks so far, next check ms) of each half message of ``mq``."""
+        client = self.brokers.get(mq.broker_name).client
+        due: Any = client.zrange(keys.txn_index(mq.tag), 0, -1, withscores=True)
+        if not due:
+            return []
+        fields = [f"{text(t)}:{x}" for t, _ in due for x in ("t", "n")]
+        raw: Any = client.hmget(keys.txn_half(mq.tag), fields)
+        return [(text(t), int(raw[2 * i] or 0), int(raw[2 * i + 1] or 0), int(score))
+                for i, (t, score) in enumerate(due)]
 
     def pending(self, mq: MessageQueue) -> list[str]:
         """Txids of the half messages of ``mq`` not ended yet."""

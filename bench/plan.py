@@ -9,7 +9,7 @@ from __future__ import annotations
 from bench.common import Config
 
 SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "produce", "failover", "rebalance",
-            "memory", "growth", "spark", "spark_audit")
+            "memory", "growth", "spark", "spark_audit", "keys")
 DEFAULT_CONCURRENCY = 2
 #: Threads-pool worker concurrency of the latency section and of the threads drain row.
 LAT_THREADS_C = 8
@@ -33,6 +33,7 @@ SIZES = {
     "spark_rows": (1_000_000, 200_000),
     "spark_one_by_one": (20_000, 5_000),
     "audit_records": (1_000_000, 100_000),
+    "keys_messages": (40_000, 4_000),
 }
 
 

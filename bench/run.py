@@ -177,11 +177,17 @@ def sec_spark_audit(cfg: Config, res: dict[str, Any]) -> None:
     res["spark_audit"] = spark_audit.run(size(cfg, "audit_records"))
 
 
+def sec_keys(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import keys
+
+    res["keys"] = keys.run(cfg, messages=size(cfg, "keys_messages"), runs=cfg.runs)
+
+
 RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "raw": sec_raw, "mqorder": sec_mqorder, "costs": sec_costs, "naive": sec_naive,
     "single_lane": sec_single_lane, "latency": sec_latency, "produce": sec_produce, "failover": sec_failover,
     "rebalance": sec_rebalance, "memory": sec_memory, "growth": sec_growth, "spark": sec_spark,
-    "spark_audit": sec_spark_audit,
+    "spark_audit": sec_spark_audit, "keys": sec_keys,
 }
 
 

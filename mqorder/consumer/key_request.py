@@ -96,6 +96,18 @@ EMPTY_PULL_BACKOFF_S = 0.05
 MAX_MAP_BYTES = 64 * 1024
 
 
+def low_water_mark(pull_n: int, key_concurrency: int) -> int:
+    """A key-ordered run pulls (and commits, in the same round trip) when fewer messages than
+    this wait in its lanes: enough to keep every lane busy while the next batch comes."""
+    return max(pull_n, 2 * key_concurrency)
+
+
+def uncommitted_bound(pull_n: int, key_concurrency: int) -> int:
+    """At most this many messages of a queue finish between two commits of its key-ordered run
+    (what a crash may redeliver): a pull batch, the low-water mark and the calls in flight."""
+    return pull_n + low_water_mark(pull_n, key_concurrency) + key_concurrency
+
+
 @dataclass(slots=True)
 class LaneResult:
     """One finished listener call of one key, reported to the dispatcher."""
@@ -144,7 +156,7 @@ class KeyConsumeRequest(ConsumeRequest):
         self.max_span = self.spec.consume_concurrently_max_span or s.consume_concurrently_max_span
         self.threshold = s.pull_threshold_for_queue
         #: Pull again when fewer messages than this wait in lanes.
-        self.low_water = max(self.pull_n, 2 * self.key_concurrency)
+        self.low_water = low_water_mark(self.pull_n, self.key_concurrency)
         self.lanes = KeyLanes()
         self.tracker = OffsetTracker(0)
         self.results: queue.Queue[LaneResult] = queue.Queue()

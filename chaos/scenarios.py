@@ -257,6 +257,7 @@ def _run_data(sc: Scenario, c: Cluster, drained: bool) -> RunData:
         pending_ttl=settings.pending_ttl, sweep_interval=settings.sweep_interval,
         ordering=sc.env.get(listeners.ORDERING_ENV, "queue"),
         # What a key-ordered run may finish between two commits (a crash redelivers it).
-        dup_bound=(uncommitted_bound(settings.pull_batch_size, settings.key_concurrency)
+        dup_bound=(uncommitted_bound(settings.pull_batch_size, settings.key_concurrency,
+                                     settings.consume_message_batch_max_size)
                    if sc.env.get(listeners.ORDERING_ENV) == "key" else 0),
     )

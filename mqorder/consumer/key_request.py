@@ -96,16 +96,12 @@ EMPTY_PULL_BACKOFF_S = 0.05
 MAX_MAP_BYTES = 64 * 1024
 
 
-def low_water_mark(pull_n: int, key_concurrency: int) -> int:
-    """A key-ordered run pulls (and commits, in the same round trip) when fewer messages than
-    this wait in its lanes: enough to keep every lane busy while the next batch comes."""
-    return max(pull_n, 2 * key_concurrency)
-
-
-def uncommitted_bound(pull_n: int, key_concurrency: int) -> int:
-    """At most this many messages of a queue finish between two commits of its key-ordered run
-    (what a crash may redeliver): a pull batch, the low-water mark and the calls in flight."""
-    return pull_n + low_water_mark(pull_n, key_concurrency) + key_concurrency
+def uncommitted_bound(pull_n: int, key_concurrency: int, batch_max: int = 1) -> int:
+    """At most this many messages of a queue were handled and not committed by its key-ordered run
+    at any moment (what a crash may redeliver): a run commits once ``pull_n`` finished messages
+    are unsaved (or ``COMMIT_INTERVAL_S`` passed), after settling every call that ended, and the
+    calls in flight may have handled theirs without being settled yet."""
+    return pull_n + 2 * key_concurrency * batch_max
 
 
 @dataclass(slots=True)
@@ -155,15 +151,15 @@ class KeyConsumeRequest(ConsumeRequest):
         self.key_concurrency = self.spec.key_concurrency or s.key_concurrency
         self.max_span = self.spec.consume_concurrently_max_span or s.consume_concurrently_max_span
         self.threshold = s.pull_threshold_for_queue
-        #: Pull again when fewer messages than this wait in lanes.
-        self.low_water = low_water_mark(self.pull_n, self.key_concurrency)
         self.lanes = KeyLanes()
         self.tracker = OffsetTracker(0)
         self.results: queue.Queue[LaneResult] = queue.Queue()
         self.in_flight = 0
         self.poison: list[MessageExt] = []
-        #: Progress not committed yet (finished offsets, skipped ones).
+        #: Progress not committed yet (finished offsets, skipped ones), and how many messages
+        #: finished since the last commit (``uncommitted_bound``).
         self.dirty = False
+        self.unsaved = 0
         self.fenced = False
         self.last_persist = 0.0
         self.empty_pull_at = 0.0
@@ -235,7 +231,9 @@ class KeyConsumeRequest(ConsumeRequest):
                 self.empty_pull_at = 0.0 if pulled.count else now
                 if pulled.count:
                     continue
-            elif (self.dirty or self.retry_updates) and now - self.last_persist >= COMMIT_INTERVAL_S:
+            elif (self.dirty or self.retry_updates) and (
+                self.unsaved >= self.pull_n or now - self.last_persist >= COMMIT_INTERVAL_S
+            ):
                 if self._persist(pull=False).lost:
                     stop = LoopEnd(Stop.FENCED)
                     continue
@@ -272,10 +270,12 @@ class KeyConsumeRequest(ConsumeRequest):
         return None
 
     def _wants_pull(self, now: float) -> bool:
+        """Pull while fewer keys are ready than lanes exist, within the span and the threshold
+        (RocketMQ's consumeConcurrentlyMaxSpan and pullThresholdForQueue)."""
         t, lanes = self.tracker, self.lanes
-        if lanes.buffered >= self.low_water or t.span >= self.max_span:
+        if t.span >= self.max_span or lanes.buffered + self.in_flight >= self.threshold:
             return False
-        if lanes.buffered + self.in_flight >= self.threshold:
+        if lanes.ready_count() >= self.key_concurrency:
             return False
         return not self.empty_pull_at or now - self.empty_pull_at >= EMPTY_PULL_BACKOFF_S
 
@@ -379,6 +379,7 @@ class KeyConsumeRequest(ConsumeRequest):
             if m.reconsume_times:
                 self.retry_updates[m.queue_offset] = 0  # its reconsume count is void now
         self.dirty = True
+        self.unsaved += len(msgs)
 
     def _dead_letter_poison(self) -> LoopEnd | None:
         """Undecodable messages have no key to wait behind: straight to the DLQ, finished."""
@@ -411,6 +412,7 @@ class KeyConsumeRequest(ConsumeRequest):
         if verb == "IDLE":
             self.committed = self.commit_point = offset
             self.dirty = False
+            self.unsaved = 0
             return ENDED
         if verb != "OK":
             if verb == "BADMAP":
@@ -421,6 +423,7 @@ class KeyConsumeRequest(ConsumeRequest):
         self.retry_updates.clear()
         self.committed = self.commit_point = offset
         self.dirty = False
+        self.unsaved = 0
         self.pq.mark_locked()
         if text(res[2]):
             self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else

@@ -261,15 +261,17 @@ def _order(data: RunData, regular: list[Entry], lost_fsync: dict[str, set[int]],
 
 def _runs(entries: list[Entry], r: Result, by_key: bool = False) -> None:
     """Inside one ConsumeRequest run, offsets go up and the epoch never changes (key order: the
-    offsets of each key of the run go up)."""
+    offsets of each key of the run go up, and a suspended offset may be handed out again in the
+    same run, as its key's next call: a key-ordered run retries a key without ending)."""
     by_run: dict[str, list[Entry]] = defaultdict(list)
     for e in entries:
         if e.run:
             by_run[f"{e.run} key {e.key}" if by_key else e.run].append(e)
     for run, es in by_run.items():
-        calls = sorted({(e.start, e.offset, e.epoch, e.queue) for e in es})
-        for (_, o1, ep1, q1), (t2, o2, ep2, q2) in zip(calls, calls[1:], strict=False):
-            if o2 <= o1 or ep2 != ep1 or q2 != q1:
+        calls = sorted({(e.start, e.offset, e.epoch, e.queue, e.ok) for e in es})
+        for (_, o1, ep1, q1, ok1), (t2, o2, ep2, q2, _) in zip(calls, calls[1:], strict=False):
+            retried = by_key and o2 == o1 and not ok1
+            if (o2 <= o1 and not retried) or ep2 != ep1 or q2 != q1:
                 r.violations.append(
                     f"run {run} on queue {q1}: offset {o2} (epoch {ep2}) handed out after offset {o1} "
                     f"(epoch {ep1}) at {t2:.3f}"

@@ -34,3 +34,15 @@ def test_a_key_going_back_in_its_run_is_an_order_violation_in_key_order() -> Non
                   ordering="key")
     assert any("run a key x on queue 0: offset 2" in v for v in res.violations)
     assert not res.passed
+
+
+def test_a_suspended_offset_retried_in_the_same_run_is_no_violation_in_key_order() -> None:
+    suspended = Entry(key="p", seq=0, queue=0, offset=3, epoch=1, client="c1", pid=1, start=10.0, end=10.1,
+                      reconsume=0, status="SUSPEND_CURRENT_QUEUE_A_MOMENT", still_owner=True, run="a")
+    again = Entry(key="p", seq=0, queue=0, offset=3, epoch=1, client="c1", pid=1, start=11.0, end=11.1,
+                  reconsume=1, status="SUSPEND_CURRENT_QUEUE_A_MOMENT", still_owner=True, run="a")
+    assert checked([suspended, again], ordering="key").violations == []
+    # A SUCCESS handed out again in the same run is still one.
+    done = Entry(**{**suspended.__dict__, "status": records.SUCCESS, "seq": 1})
+    twice = Entry(**{**again.__dict__, "status": records.SUCCESS, "seq": 1})
+    assert checked([done, twice], ordering="key").violations

@@ -227,3 +227,31 @@ def test_a_blocked_key_with_a_long_lane_does_not_stop_the_pulls_of_its_queue(env
     assert max(others_done) < first_bad_ok[0]  # nobody waited behind the blocked key
     assert rec.seen["bad"][:3] == [0, 0, 0] and rec.seen["bad"][3:] == list(range(1, 100))
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 200
+
+
+def test_pulling_pauses_while_the_span_from_the_lowest_unfinished_offset_is_too_wide(env) -> None:
+    """consume_concurrently_max_span: with offset 0 suspended, the run pulls no further than the
+    span allows; the rest of the queue waits for offset 0 (RocketMQ's consumeConcurrentlyMaxSpan)."""
+    p, eng = env
+    p.send_orderly("t", b"bad:0", sharding_key="bad")
+    p.send_orderly_batch("t", [(f"k{k}", f"k{k}:0".encode()) for k in range(100)])
+    handled_before: list[int] = []
+    bad_ok: list[bool] = []
+
+    class Span(Recorder):
+        def status(self, msgs, ctx):
+            if self.key_of(msgs[0].body) == "bad":
+                if msgs[0].reconsume_times == 0:
+                    ctx.suspend_current_queue_time_millis = 300
+                    return S.SUSPEND_CURRENT_QUEUE_A_MOMENT
+                bad_ok.append(True)
+            elif not bad_ok:
+                handled_before.extend(m.queue_offset for m in msgs)
+            return S.SUCCESS
+
+    rec = Span(sleep_ms=0)
+    eng.may_linger = lambda: True
+    drain(eng, key_spec(rec, consume_concurrently_max_span=10, pull_batch_size=4, key_concurrency=4))
+    assert 0 < len(handled_before) and max(handled_before) < 10 + 4  # at most one pull past the span
+    assert sum(len(v) for v in rec.seen.values()) == 102  # bad twice, then everything
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 101

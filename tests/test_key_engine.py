@@ -255,3 +255,33 @@ def test_pulling_pauses_while_the_span_from_the_lowest_unfinished_offset_is_too_
     assert 0 < len(handled_before) and max(handled_before) < 10 + 4  # at most one pull past the span
     assert sum(len(v) for v in rec.seen.values()) == 102  # bad twice, then everything
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 101
+
+
+def test_a_drained_key_ordered_run_lingers_and_takes_a_new_message_itself(env) -> None:
+    p, eng = env
+    send_keys(p, 3, 2)
+    runs: list[str] = []
+
+    class Runs(Recorder):
+        def status(self, msgs, ctx):
+            runs.append(ctx.run_id)
+            return S.SUCCESS
+
+    rec = Runs(sleep_ms=0)
+    eng.may_linger = lambda: True  # the worker has spare slots
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    out: list[Outcome | None] = []
+    t = threading.Thread(target=lambda: out.append(eng.run(key_spec(rec), "g", MQ, "tok0")))
+    t.start()
+    deadline = time.monotonic() + 5
+    while len(runs) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    sent_at = time.monotonic()
+    p.send_orderly("t", b"late:0", sharding_key="late")
+    while len(runs) < 7 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(runs) == 7 and time.monotonic() - sent_at < 0.5
+    assert len(set(runs)) == 1  # the same run handled the late message: no wake-up, no new task
+    t.join(10)
+    assert out and out[0] is not None and out[0].verb == "IDLE"

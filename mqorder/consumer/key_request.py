@@ -43,8 +43,8 @@ before anything is imported), so the same code runs lanes as greenlets there, an
 runs its lanes as threads of that child. ``ctx.epoch`` and ``ctx.still_owner()`` work per call.
 
 ``auto_commit`` has no effect in key mode: a SUCCESS or COMMIT finishes its messages, a ROLLBACK
-counts as a suspend. Lingering on a drained queue (``consume_linger_ms``) is not done in key mode:
-a drained run ends and the next send wakes the owner.
+counts as a suspend. A drained run lingers as in queue mode (``ConsumeRequest._linger``: its own
+stream and its client's other idle queues, while the worker has spare slots).
 """
 
 from __future__ import annotations
@@ -242,11 +242,20 @@ class KeyConsumeRequest(ConsumeRequest):
                 continue
             # Nothing runs: drained, or only suspended keys are left.
             if not lanes.buffered and not lanes.blocked:
-                pulled = self._persist(pull=True, idle_if_drained=True)
+                linger = self.linger_s > 0 and self.engine.may_linger()
+                pulled = self._persist(pull=True, idle_if_drained=not linger)
                 if pulled.lost:
                     return LoopEnd(Stop.FENCED)
                 if pulled.ended:
                     return LoopEnd(Stop.IDLE)
+                if not pulled.count and linger and not self.pq.dropped:
+                    # Queue mode's lingering read (``ConsumeRequest._linger``), fenced the same way.
+                    pulled = self._linger(min(deadline, time.monotonic() + self.linger_s))
+                    if pulled.lost:
+                        self.fenced = True
+                        return LoopEnd(Stop.FENCED)
+                    if pulled.switch:
+                        return LoopEnd(Stop.DONE)
                 if pulled.count:
                     continue
                 return LoopEnd(Stop.DONE)

@@ -7,7 +7,12 @@ Configured from the environment so one module serves every section:
   workers can serve several measured runs, each on a topic created only when the run starts;
 * ``BENCH_MODE``: ``noop`` (returns SUCCESS, no I/O at all: completion is read from the consume
   offsets in Redis) or ``latency`` (the body is the send time in ns; one RPUSH per call of
-  ``handled_ns - sent_ns`` per message to ``bench:lat``).
+  ``handled_ns - sent_ns`` per message to ``bench:lat``) or ``sleep`` (the ``keys`` section:
+  ``BENCH_SLEEP_MS`` of I/O per message, counting what it finished in ``bench:ok:<group>``
+  (``OkCounter``); a message of sharding key ``BENCH_FAIL_KEY`` always returns SUSPEND, on the lanes
+  listed in ``BENCH_FAIL_LANES``);
+* ``BENCH_ORDERING``: ``queue`` (default) or ``key``, the listeners' ``ordering``;
+  ``BENCH_MAX_RECONSUME`` / ``BENCH_SUSPEND_MS`` their ``max_reconsume_times`` and suspend time.
 
 The consume batch size comes from ``MQORDER_CONSUME_MESSAGE_BATCH_MAX_SIZE`` (settings).
 """
@@ -15,7 +20,11 @@ The consume batch size comes from ``MQORDER_CONSUME_MESSAGE_BATCH_MAX_SIZE`` (se
 from __future__ import annotations
 
 import os
+import threading
 import time
+import zlib
+from collections.abc import Callable
+from typing import Any
 
 import redis
 
@@ -30,7 +39,8 @@ _r: redis.Redis | None = None
 def _redis() -> redis.Redis:
     global _r
     if _r is None or _r.connection_pool.pid != os.getpid():
-        _r = redis.Redis.from_url(os.environ["MQORDER_REDIS_URL"])
+        # Key order runs up to 16 calls per queue at once: more than redis-py's default 100 connections.
+        _r = redis.Redis.from_url(os.environ["MQORDER_REDIS_URL"], max_connections=4096)
     return _r
 
 
@@ -44,6 +54,55 @@ def latency(msgs, ctx):
     return SUCCESS
 
 
+class OkCounter:
+    """Messages a process's ``sleep`` listeners finished, added to ``bench:ok:<group>`` in Redis
+    every ``FLUSH_S`` by one thread per process: the listener's own work stays the sleep alone (a
+    round trip per call would be I/O the benchmark does not ask for), at 10 ms of precision."""
+
+    FLUSH_S = 0.01
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._counts: dict[str, int] = {}
+
+    def add(self, group: str, n: int) -> None:
+        with self._lock:
+            if self._pid != os.getpid():  # first call in this (pool) process
+                self._pid, self._counts = os.getpid(), {}
+                threading.Thread(target=self._flush_forever, daemon=True).start()
+            self._counts[group] = self._counts.get(group, 0) + n
+
+    def _flush_forever(self) -> None:
+        while True:
+            time.sleep(self.FLUSH_S)
+            with self._lock:
+                counts, self._counts = self._counts, {}
+            if counts:
+                pipe = _redis().pipeline(transaction=False)
+                for g, n in counts.items():
+                    pipe.incrby(f"bench:ok:{g}", n)
+                pipe.execute()
+
+
+OK_COUNTER = OkCounter()
+
+
+def sleeper(group: str, fail_hash: int | None) -> Callable[[Any, Any], ConsumeOrderlyStatus]:
+    """The ``sleep`` listener of one lane: I/O-bound work, and optionally one key that always fails."""
+    pause = float(os.environ.get("BENCH_SLEEP_MS", "10")) / 1000
+
+    def listener(msgs, ctx):
+        if fail_hash is not None and msgs[0].key_hash == fail_hash:
+            time.sleep(pause)
+            return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        time.sleep(pause * len(msgs))
+        OK_COUNTER.add(group, len(msgs))
+        return SUCCESS
+
+    return listener
+
+
 def lane_names(topic: str, group: str, lanes: int) -> list[tuple[str, str]]:
     if lanes <= 1:
         return [(topic, group)]
@@ -55,9 +114,22 @@ def _register() -> None:
     group = os.environ.get("BENCH_GROUP")
     if not topic or not group:
         return
-    func = latency if os.environ.get("BENCH_MODE", "noop") == "latency" else noop
-    for t, g in lane_names(topic, group, int(os.environ.get("BENCH_LANES", "1"))):
-        orderly_listener(topic=t, group=g)(func)
+    mode = os.environ.get("BENCH_MODE", "noop")
+    func = latency if mode == "latency" else noop
+    opts: dict[str, Any] = {}
+    if os.environ.get("BENCH_ORDERING"):
+        opts["ordering"] = os.environ["BENCH_ORDERING"]
+    if os.environ.get("BENCH_MAX_RECONSUME"):
+        opts["max_reconsume_times"] = int(os.environ["BENCH_MAX_RECONSUME"])
+    if os.environ.get("BENCH_SUSPEND_MS"):
+        opts["suspend_current_queue_time_millis"] = int(os.environ["BENCH_SUSPEND_MS"])
+    fail_key = os.environ.get("BENCH_FAIL_KEY")
+    fail_lanes = {int(x) for x in os.environ.get("BENCH_FAIL_LANES", "").split(",") if x}
+    for i, (t, g) in enumerate(lane_names(topic, group, int(os.environ.get("BENCH_LANES", "1")))):
+        if mode == "sleep":
+            fail = zlib.crc32(fail_key.encode()) if fail_key and i in fail_lanes else None
+            func = sleeper(g, fail)
+        orderly_listener(topic=t, group=g, **opts)(func)
 
 
 _register()

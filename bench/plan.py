@@ -9,7 +9,7 @@ from __future__ import annotations
 from bench.common import Config
 
 SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "celery_broker", "produce", "failover",
-            "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "dedup", "transactions")
+            "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "dedup", "transactions", "keys")
 DEFAULT_CONCURRENCY = 2
 #: Threads-pool worker concurrency of the latency section and of the threads drain row.
 LAT_THREADS_C = 8
@@ -38,6 +38,7 @@ SIZES = {
     "retention_seconds": (300, 40),
     "retention_ms": (30_000, 10_000),
     "retention_drain_messages": (1_000_000, 10_000),
+    "keys_messages": (40_000, 4_000),
 }
 
 

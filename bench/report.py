@@ -47,7 +47,7 @@ class Report:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
                     self.celery_broker, self.produce, self.dedup, self.transactions, self.failover, self.rebalance,
                     self.memory, self.growth, self.retention, self.spark,
-                    self.history, self.notes)
+                    self.keys, self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
     def header(self) -> list[str]:
@@ -522,6 +522,11 @@ class Report:
                     f"{'passed' if a['audit_ok'] else 'FAILED'} ({a['violations']} violations, {a['gaps']} gaps); "
                     f"latency p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms.", ""]
         return out
+
+    def keys(self) -> list[str]:
+        from bench import keys
+
+        return keys.report_lines(self.res.get("keys") or {})
 
     def history(self) -> list[str]:
         """Before/after figures of past hot-path changes, from ``bench/history.json`` (not this run's)."""

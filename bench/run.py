@@ -209,13 +209,18 @@ def sec_transactions(cfg: Config, res: dict[str, Any]) -> None:
     res["transactions"] = transactions.run(cfg, messages=size(cfg, "transactions_messages"), runs=cfg.runs)
 
 
+def sec_keys(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import keys
+
+    res["keys"] = keys.run(cfg, messages=size(cfg, "keys_messages"), runs=cfg.runs)
+
+
 RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "raw": sec_raw, "mqorder": sec_mqorder, "costs": sec_costs, "naive": sec_naive,
     "single_lane": sec_single_lane, "latency": sec_latency, "celery_broker": sec_celery_broker,
     "produce": sec_produce, "failover": sec_failover, "rebalance": sec_rebalance, "memory": sec_memory,
     "growth": sec_growth, "retention": sec_retention, "spark": sec_spark,
-    "spark_audit": sec_spark_audit, "dedup": sec_dedup,
-    "transactions": sec_transactions,
+    "spark_audit": sec_spark_audit, "dedup": sec_dedup, "transactions": sec_transactions, "keys": sec_keys,
 }
 
 

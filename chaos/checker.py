@@ -25,6 +25,11 @@ Definitions (all per the chaos issue):
   ``ctx.still_owner()`` must have said False in it, and its commit must have been refused;
 * **call after a refusal**: a listener call of a ConsumeRequest run that started after that run's
   commit (or lease touch) was refused: a refused run must stop, the new owner redelivers;
+* **key order** (scenarios whose listener has ``ordering="key"``): read "key" for "queue" in the
+  run and overlap rules: inside one run, the offsets of each key go up (keys interleave); an
+  overlap is two calls of one *key* at the same time, from any processes or threads (calls of
+  different keys of a queue may overlap); redeliveries per queue per fault are bounded by what a
+  key-ordered run may finish between two commits (``dup_bound``) instead of one pull batch;
 * **failover**: for each queue a killed worker owned, the time from the kill to the start of the
   first listener call on that queue by another process (another client, or the killed worker's
   restarted incarnation if it got the queue back first).
@@ -83,6 +88,11 @@ class RunData:
     pending_ttl: float = 10.0
     sweep_interval: float = 2.0
     failover_target: float = 5.0
+    #: The listener's ordering: "queue" (RocketMQ's) or "key" (``key_request``; see the module
+    #: docstring for what changes in the checks).
+    ordering: str = "queue"
+    #: Key order: most redeliveries allowed per queue per fault (0: one pull batch, ``batch``).
+    dup_bound: int = 0
 
 
 @dataclass
@@ -181,10 +191,10 @@ def check(data: RunData) -> Result:
 
     lost_fsync = _losses(data, handled, r)
     _order(data, regular, lost_fsync, r)
-    _runs(entries, r)
+    _runs(entries, r, by_key=data.ordering == "key")
     _duplicates(data, regular, faults, r)
     refused = _refused(data.refusals, r)
-    _overlaps_and_stale(entries, refused, r)
+    _overlaps_and_stale(entries, refused, r, by_key=data.ordering == "key")
     _after_refusal(entries, data.refusals, r)
     _failover(data, entries, r)
     _samples(data, r)
@@ -249,16 +259,19 @@ def _order(data: RunData, regular: list[Entry], lost_fsync: dict[str, set[int]],
         hw[e.key] = e.seq
 
 
-def _runs(entries: list[Entry], r: Result) -> None:
-    """Inside one ConsumeRequest run, offsets go up and the epoch never changes."""
+def _runs(entries: list[Entry], r: Result, by_key: bool = False) -> None:
+    """Inside one ConsumeRequest run, offsets go up and the epoch never changes (key order: the
+    offsets of each key of the run go up, and a suspended offset may be handed out again in the
+    same run, as its key's next call: a key-ordered run retries a key without ending)."""
     by_run: dict[str, list[Entry]] = defaultdict(list)
     for e in entries:
         if e.run:
-            by_run[e.run].append(e)
+            by_run[f"{e.run} key {e.key}" if by_key else e.run].append(e)
     for run, es in by_run.items():
-        calls = sorted({(e.start, e.offset, e.epoch, e.queue) for e in es})
-        for (_, o1, ep1, q1), (t2, o2, ep2, q2) in zip(calls, calls[1:], strict=False):
-            if o2 <= o1 or ep2 != ep1 or q2 != q1:
+        calls = sorted({(e.start, e.offset, e.epoch, e.queue, e.ok) for e in es})
+        for (_, o1, ep1, q1, ok1), (t2, o2, ep2, q2, _) in zip(calls, calls[1:], strict=False):
+            retried = by_key and o2 == o1 and not ok1
+            if (o2 <= o1 and not retried) or ep2 != ep1 or q2 != q1:
                 r.violations.append(
                     f"run {run} on queue {q1}: offset {o2} (epoch {ep2}) handed out after offset {o1} "
                     f"(epoch {ep1}) at {t2:.3f}"
@@ -301,9 +314,11 @@ def _duplicates(data: RunData, regular: list[Entry], faults: list[Event], r: Res
     by_fault: dict[str, int] = defaultdict(int)
     for (i, q), n in per_fault_queue.items():
         by_fault[f"{faults[i].kind} #{i}"] += n
-        if n > data.batch:
-            r.problems.append(f"{n} redeliveries on queue {q} after {faults[i].kind} #{i} (more than one "
-                              f"batch of {data.batch})")
+        bound = data.dup_bound or data.batch
+        if n > bound:
+            r.problems.append(f"{n} redeliveries on queue {q} after {faults[i].kind} #{i} (more than "
+                              + (f"one batch of {data.batch})" if not data.dup_bound
+                                 else f"the {bound} a key-ordered run may finish between two commits)"))
     r.dup_by_fault = dict(by_fault)
     r.dup_max_per_fault_queue = max(per_fault_queue.values(), default=0)
     if r.dup_unexplained:
@@ -357,18 +372,23 @@ class Call:
     still_owner: bool | None
 
 
-def _calls(entries: list[Entry]) -> dict[int, list[Call]]:
-    calls: dict[int, set[Call]] = defaultdict(set)
+def _calls(entries: list[Entry], by_key: bool = False) -> dict[int | str, list[Call]]:
+    """Listener calls per queue (key order: per queue and key, ``"<queue>/<key>"``)."""
+    calls: dict[int | str, set[Call]] = defaultdict(set)
     for e in entries:
-        calls[e.queue].add(Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.still_owner))
+        calls[f"{e.queue}/{e.key}" if by_key else e.queue].add(
+            Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.still_owner))
     return {q: sorted(c, key=lambda c: (c.start, c.end)) for q, c in calls.items()}
 
 
-def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result) -> None:
+def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by_key: bool = False) -> None:
     """An overlap is allowed only if the stale call (lower epoch; at one epoch, the older run) had
-    its commit refused *and* could see it was stale (``ctx.still_owner()`` False in it)."""
+    its commit refused *and* could see it was stale (``ctx.still_owner()`` False in it).
+
+    Key order: calls of one key, and two of them in one process count too (the lanes of a run are
+    threads of one process, so a process running two calls of one key at once would be a bug)."""
     stale: dict[Call, bool] = {}  # stale call -> "superseded at the same epoch"
-    for q, calls in _calls(entries).items():
+    for q, calls in _calls(entries, by_key).items():
         top_epoch = 0
         active: list[Call] = []
         for c in calls:
@@ -377,7 +397,7 @@ def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result) -> None:
             top_epoch = max(top_epoch, c.epoch)
             active = [a for a in active if a.end > c.start]
             for a in active:
-                if (a.client, a.pid) == (c.client, c.pid):
+                if (a.client, a.pid) == (c.client, c.pid) and not by_key:
                     continue
                 r.overlaps += 1
                 same = a.epoch == c.epoch

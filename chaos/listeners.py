@@ -94,8 +94,13 @@ def _work(ctx: ConsumeOrderlyContext) -> None:
         time.sleep(work_ms / 1000)
 
 
+#: ``CHAOS_ORDERING=key`` (the key-order scenarios) registers the listener with ``ordering="key"``.
+ORDERING_ENV = "CHAOS_ORDERING"
+
+
 @orderly_listener(topic=TOPIC, group=GROUP, max_reconsume_times=MAX_RECONSUME,
-                  suspend_current_queue_time_millis=SUSPEND_MS, hooks=[RefusalRecorder()])
+                  suspend_current_queue_time_millis=SUSPEND_MS, hooks=[RefusalRecorder()],
+                  ordering=os.environ.get(ORDERING_ENV, "queue"))
 def handle(msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> ConsumeOrderlyStatus:
     start = time.time()
     parsed = [(*_parse(m), m) for m in msgs]

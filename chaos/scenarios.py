@@ -15,11 +15,15 @@ from chaos.faults import Faults
 from chaos.runner import Cluster, log
 from chaos.txn import ENV as TXN_ENV
 from chaos.txn import LATE_CHECKS, TxnTraffic
+from mqorder.consumer.key_request import uncommitted_bound
 from mqorder.rabbit_vhost import RabbitVhost
 
 #: The lock lease variant: a 6 s lease renewed every 2 s, so a pause or a beat outage of 10-15 s
 #: is longer than the lease itself, not only longer than the 3 s heartbeat timeout.
 SHORT_LEASE = {"MQORDER_LOCK_MAX_LIVE_TIME": "6", "MQORDER_LOCK_INTERVAL": "2"}
+#: The key-order variant (issue 14): the chaos listener with ``ordering="key"``; the checker then
+#: holds order and overlap per key (``chaos.checker``).
+KEY_ORDER = {listeners.ORDERING_ENV: "key"}
 
 
 @dataclass
@@ -250,6 +254,14 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              "a worker kill", transactions, env=dict(TXN_ENV)),
     Scenario("all", "all of the above together (6 s lease, appendfsync always)", everything, fsync="always",
              env={**SHORT_LEASE, "MQORDER_REBALANCE_INTERVAL": "5"}),
+    Scenario("keys-kill", "key order: kill -9 of a queue owner, repeatedly, with restarts", kill_loop,
+             env=dict(KEY_ORDER)),
+    Scenario("keys-sigstop-lease", "key order: SIGSTOP past the lock lease (6 s lease, 10 s pause) inside "
+             "listener calls, then SIGCONT", sigstop_lease, env={**KEY_ORDER, **SHORT_LEASE}),
+    Scenario("keys-churn", "key order: workers joining and leaving (warm shutdown) every 3 s", churn,
+             env=dict(KEY_ORDER)),
+    Scenario("keys-poison", "key order: poison messages that always SUSPEND hold back only their key", poison,
+             env=dict(KEY_ORDER), enforce={"poison_bound"}),
 ]}
 
 SMOKE = Scenario("smoke", "smoke: one kill -9 and two lost-task bursts", smoke)
@@ -303,4 +315,9 @@ def _run_data(sc: Scenario, c: Cluster, drained: bool) -> RunData:
         drained=drained, batch=settings.pull_batch_size, max_reconsume=listeners.MAX_RECONSUME,
         suspend_s=listeners.SUSPEND_MS / 1000, enforce=set(sc.enforce),
         pending_ttl=settings.pending_ttl, sweep_interval=settings.sweep_interval,
+        ordering=sc.env.get(listeners.ORDERING_ENV, "queue"),
+        # What a key-ordered run may finish between two commits (a crash redelivers it).
+        dup_bound=(uncommitted_bound(settings.pull_batch_size, settings.key_concurrency,
+                                     settings.consume_message_batch_max_size)
+                   if sc.env.get(listeners.ORDERING_ENV) == "key" else 0),
     )

@@ -194,3 +194,94 @@ def test_key_consume_request_is_what_the_engine_runs_for_ordering_key() -> None:
 
     assert _request_class(key_spec(lambda m, c: S.SUCCESS)) is KeyConsumeRequest
     assert _request_class(ListenerSpec(lambda m, c: S.SUCCESS, "t", "g")) is ConsumeRequest
+
+
+def test_a_blocked_key_with_a_long_lane_does_not_stop_the_pulls_of_its_queue(env) -> None:
+    """100 messages of one key come first, and its first one suspends twice (300 ms each): the run
+    must keep pulling past that key's full lane, so the other keys finish meanwhile."""
+    p, eng = env
+    p.send_orderly_batch("t", [("bad", f"bad:{i}".encode()) for i in range(100)])
+    p.send_orderly_batch("t", [(f"k{k}", f"k{k}:{i}".encode()) for i in range(2) for k in range(50)])
+    fails = {0: 2}
+    first_bad_ok: list[float] = []
+    others_done: list[float] = []
+
+    class Blocking(Recorder):
+        def status(self, msgs, ctx):
+            m = msgs[0]
+            if self.key_of(m.body) == "bad":
+                if fails.get(m.queue_offset, 0) > 0:
+                    fails[m.queue_offset] -= 1
+                    ctx.suspend_current_queue_time_millis = 300
+                    return S.SUSPEND_CURRENT_QUEUE_A_MOMENT
+                if not first_bad_ok:
+                    first_bad_ok.append(time.monotonic())
+            else:
+                others_done.append(time.monotonic())
+            return S.SUCCESS
+
+    rec = Blocking(sleep_ms=1)
+    eng.may_linger = lambda: True  # a spare slot: the run waits for the blocked key in place
+    drain(eng, key_spec(rec, key_concurrency=8))
+    assert len(others_done) == 100 and rec.overlaps == []
+    assert max(others_done) < first_bad_ok[0]  # nobody waited behind the blocked key
+    assert rec.seen["bad"][:3] == [0, 0, 0] and rec.seen["bad"][3:] == list(range(1, 100))
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 200
+
+
+def test_pulling_pauses_while_the_span_from_the_lowest_unfinished_offset_is_too_wide(env) -> None:
+    """consume_concurrently_max_span: with offset 0 suspended, the run pulls no further than the
+    span allows; the rest of the queue waits for offset 0 (RocketMQ's consumeConcurrentlyMaxSpan)."""
+    p, eng = env
+    p.send_orderly("t", b"bad:0", sharding_key="bad")
+    p.send_orderly_batch("t", [(f"k{k}", f"k{k}:0".encode()) for k in range(100)])
+    handled_before: list[int] = []
+    bad_ok: list[bool] = []
+
+    class Span(Recorder):
+        def status(self, msgs, ctx):
+            if self.key_of(msgs[0].body) == "bad":
+                if msgs[0].reconsume_times == 0:
+                    ctx.suspend_current_queue_time_millis = 300
+                    return S.SUSPEND_CURRENT_QUEUE_A_MOMENT
+                bad_ok.append(True)
+            elif not bad_ok:
+                handled_before.extend(m.queue_offset for m in msgs)
+            return S.SUCCESS
+
+    rec = Span(sleep_ms=0)
+    eng.may_linger = lambda: True
+    drain(eng, key_spec(rec, consume_concurrently_max_span=10, pull_batch_size=4, key_concurrency=4))
+    assert 0 < len(handled_before) and max(handled_before) < 10 + 4  # at most one pull past the span
+    assert sum(len(v) for v in rec.seen.values()) == 102  # bad twice, then everything
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 101
+
+
+def test_a_drained_key_ordered_run_lingers_and_takes_a_new_message_itself(env) -> None:
+    p, eng = env
+    send_keys(p, 3, 2)
+    runs: list[str] = []
+
+    class Runs(Recorder):
+        def status(self, msgs, ctx):
+            runs.append(ctx.run_id)
+            return S.SUCCESS
+
+    rec = Runs(sleep_ms=0)
+    eng.may_linger = lambda: True  # the worker has spare slots
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    out: list[Outcome | None] = []
+    t = threading.Thread(target=lambda: out.append(eng.run(key_spec(rec), "g", MQ, "tok0")))
+    t.start()
+    deadline = time.monotonic() + 5
+    while len(runs) < 6 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    sent_at = time.monotonic()
+    p.send_orderly("t", b"late:0", sharding_key="late")
+    while len(runs) < 7 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(runs) == 7 and time.monotonic() - sent_at < 0.5
+    assert len(set(runs)) == 1  # the same run handled the late message: no wake-up, no new task
+    t.join(10)
+    assert out and out[0] is not None and out[0].verb == "IDLE"

@@ -159,3 +159,40 @@ def test_an_offset_reset_voids_the_map(brokers: BrokerRegistry) -> None:
     tag = MQ.tag
     brokers.default.scripts.reset_offset(keys=[keys.sub_state(tag, "g"), keys.sub_retries(tag, "g")], args=[3])
     assert brokers.default.client.hget(keys.sub_state(tag, "g"), "done") is None
+
+
+def test_the_committed_offset_moves_past_inherited_finished_offsets_not_pulled_yet() -> None:
+    """Found by the keys-poison chaos scenario: everything pulled finished and the next offsets
+    were finished by a previous owner; the committed offset is past them, and the map never
+    names the committed offset itself."""
+    t = OffsetTracker(100, inherited={101, 102, 105})
+    assert t.pulled(100)
+    t.finish(100)
+    assert t.base == 103 and t.done_offsets() == [105]
+    assert decode_done(t.encoded(), 103) == {105}
+    assert not t.pulled(101) and not t.pulled(102) and t.base == 103  # pulled later: skipped, no step back
+    assert t.pulled(103) and t.pulled(104) and not t.pulled(105)
+    t.finish(104)
+    assert t.base == 103 and t.done_offsets() == [104, 105]
+    t.finish(103)
+    assert t.base == 106 and t.done_offsets() == []
+
+
+@given(st.integers(0, 50), st.sets(st.integers(1, 40)), st.lists(st.integers(0, 1), min_size=1, max_size=60))
+def test_the_map_always_encodes_whatever_the_inherited_offsets_and_finishing_order(
+    base: int, inherited_rel: set[int], plan: list[int]
+) -> None:
+    t = OffsetTracker(base, {base + r for r in inherited_rel})
+    pending: list[int] = []
+    o = base
+    for step in plan:
+        if step == 0 or not pending:
+            if t.pulled(o):
+                pending.append(o)
+            o += 1
+        else:
+            t.finish(pending.pop(0 if len(pending) % 2 else -1))
+        done = t.done_offsets()
+        assert all(x > t.base for x in done)
+        assert decode_done(t.encoded(), t.base) == set(done)
+        assert t.base == min(pending, default=t.base)

@@ -110,9 +110,13 @@ class KeyLanes:
             heapq.heappop(q)
         return q[0][0] if q else None
 
-    @property
-    def has_ready(self) -> bool:
-        return bool(self._ready)
+    def ready_count(self) -> int:
+        """Lanes that could be handed out now (messages waiting, neither busy nor blocked): what
+        decides whether to pull more. Counting messages instead would let one blocked key with a
+        long lane stop the pulls of its whole queue."""
+        lanes = self.lanes
+        return (len(lanes) - sum(1 for k in self.busy if k in lanes)
+                - sum(1 for k in self.blocked if k in lanes))
 
     def clear(self) -> None:
         self.lanes.clear()

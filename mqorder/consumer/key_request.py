@@ -43,8 +43,8 @@ before anything is imported), so the same code runs lanes as greenlets there, an
 runs its lanes as threads of that child. ``ctx.epoch`` and ``ctx.still_owner()`` work per call.
 
 ``auto_commit`` has no effect in key mode: a SUCCESS or COMMIT finishes its messages, a ROLLBACK
-counts as a suspend. Lingering on a drained queue (``consume_linger_ms``) is not done in key mode:
-a drained run ends and the next send wakes the owner.
+counts as a suspend. A drained run lingers as in queue mode (``ConsumeRequest._linger``: its own
+stream and its client's other idle queues, while the worker has spare slots).
 """
 
 from __future__ import annotations
@@ -96,6 +96,14 @@ EMPTY_PULL_BACKOFF_S = 0.05
 MAX_MAP_BYTES = 64 * 1024
 
 
+def uncommitted_bound(pull_n: int, key_concurrency: int, batch_max: int = 1) -> int:
+    """At most this many messages of a queue were handled and not committed by its key-ordered run
+    at any moment (what a crash may redeliver): a run commits once ``pull_n`` finished messages
+    are unsaved (or ``COMMIT_INTERVAL_S`` passed), after settling every call that ended, and the
+    calls in flight may have handled theirs without being settled yet."""
+    return pull_n + 2 * key_concurrency * batch_max
+
+
 @dataclass(slots=True)
 class LaneResult:
     """One finished listener call of one key, reported to the dispatcher."""
@@ -143,15 +151,15 @@ class KeyConsumeRequest(ConsumeRequest):
         self.key_concurrency = self.spec.key_concurrency or s.key_concurrency
         self.max_span = self.spec.consume_concurrently_max_span or s.consume_concurrently_max_span
         self.threshold = s.pull_threshold_for_queue
-        #: Pull again when fewer messages than this wait in lanes.
-        self.low_water = max(self.pull_n, 2 * self.key_concurrency)
         self.lanes = KeyLanes()
         self.tracker = OffsetTracker(0)
         self.results: queue.Queue[LaneResult] = queue.Queue()
         self.in_flight = 0
         self.poison: list[MessageExt] = []
-        #: Progress not committed yet (finished offsets, skipped ones).
+        #: Progress not committed yet (finished offsets, skipped ones), and how many messages
+        #: finished since the last commit (``uncommitted_bound``).
         self.dirty = False
+        self.unsaved = 0
         self.fenced = False
         self.last_persist = 0.0
         self.empty_pull_at = 0.0
@@ -236,7 +244,9 @@ class KeyConsumeRequest(ConsumeRequest):
                 self.empty_pull_at = 0.0 if pulled.count else now
                 if pulled.count:
                     continue
-            elif (self.dirty or self.retry_updates) and now - self.last_persist >= COMMIT_INTERVAL_S:
+            elif (self.dirty or self.retry_updates) and (
+                self.unsaved >= self.pull_n or now - self.last_persist >= COMMIT_INTERVAL_S
+            ):
                 if self._persist(pull=False).lost:
                     stop = LoopEnd(Stop.FENCED)
                     continue
@@ -245,11 +255,20 @@ class KeyConsumeRequest(ConsumeRequest):
                 continue
             # Nothing runs: drained, or only suspended keys are left.
             if not lanes.buffered and not lanes.blocked:
-                pulled = self._persist(pull=True, idle_if_drained=True)
+                linger = self.linger_s > 0 and self.engine.may_linger()
+                pulled = self._persist(pull=True, idle_if_drained=not linger)
                 if pulled.lost:
                     return LoopEnd(Stop.FENCED)
                 if pulled.ended:
                     return LoopEnd(Stop.IDLE)
+                if not pulled.count and linger and not self.pq.dropped:
+                    # Queue mode's lingering read (``ConsumeRequest._linger``), fenced the same way.
+                    pulled = self._linger(min(deadline, time.monotonic() + self.linger_s))
+                    if pulled.lost:
+                        self.fenced = True
+                        return LoopEnd(Stop.FENCED)
+                    if pulled.switch:
+                        return LoopEnd(Stop.DONE)
                 if pulled.count:
                     continue
                 return LoopEnd(Stop.DONE)
@@ -273,10 +292,12 @@ class KeyConsumeRequest(ConsumeRequest):
         return None
 
     def _wants_pull(self, now: float) -> bool:
+        """Pull while fewer keys are ready than lanes exist, within the span and the threshold
+        (RocketMQ's consumeConcurrentlyMaxSpan and pullThresholdForQueue)."""
         t, lanes = self.tracker, self.lanes
-        if lanes.buffered >= self.low_water or t.span >= self.max_span:
+        if t.span >= self.max_span or lanes.buffered + self.in_flight >= self.threshold:
             return False
-        if lanes.buffered + self.in_flight >= self.threshold:
+        if lanes.ready_count() >= self.key_concurrency:
             return False
         return not self.empty_pull_at or now - self.empty_pull_at >= EMPTY_PULL_BACKOFF_S
 
@@ -380,6 +401,7 @@ class KeyConsumeRequest(ConsumeRequest):
             if m.reconsume_times:
                 self.retry_updates[m.queue_offset] = 0  # its reconsume count is void now
         self.dirty = True
+        self.unsaved += len(msgs)
 
     def _dead_letter_poison(self) -> LoopEnd | None:
         """Undecodable messages have no key to wait behind: straight to the DLQ, finished."""
@@ -412,6 +434,7 @@ class KeyConsumeRequest(ConsumeRequest):
         if verb == "IDLE":
             self.committed = self.commit_point = offset
             self.dirty = False
+            self.unsaved = 0
             return ENDED
         if verb != "OK":
             if verb == "BADMAP":
@@ -422,6 +445,7 @@ class KeyConsumeRequest(ConsumeRequest):
         self.retry_updates.clear()
         self.committed = self.commit_point = offset
         self.dirty = False
+        self.unsaved = 0
         self.pq.mark_locked()
         if text(res[2]):
             self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else

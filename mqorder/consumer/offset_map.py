@@ -145,11 +145,20 @@ class OffsetTracker:
         w, f = self.window, self.finished
         while w and w[0] in f:
             f.discard(w.popleft())
-        self.base = w[0] if w else self.pulled_to
+        if w:
+            self.base = w[0]
+            return
+        # Everything pulled finished: the lowest unfinished offset is the next one to pull, past
+        # those a previous owner finished (not pulled yet, but known finished).
+        base, inherited = self.pulled_to, self.inherited
+        while base in inherited:
+            base += 1
+        self.base = base
 
     @property
     def span(self) -> int:
-        """How far pulling ran ahead of the committed offset (``consume_concurrently_max_span``)."""
+        """How far pulling ran ahead of the committed offset (``consume_concurrently_max_span``;
+        negative while the committed offset is past inherited finished offsets not pulled yet)."""
         return self.pulled_to - self.base
 
     @property
@@ -172,7 +181,7 @@ class OffsetTracker:
             prev = o
         if w:
             out.extend(range(prev + 1, self.pulled_to))
-        out.extend(sorted(o for o in self.inherited if o >= self.pulled_to))
+        out.extend(sorted(o for o in self.inherited if o > self.base))
         return out
 
     def encoded(self) -> str:

@@ -1,0 +1,172 @@
+"""The ``keys`` section: queue order vs key order with an I/O-bound listener (issue 14).
+
+``python -m bench.run --only keys`` (``--quick`` for a smoke-sized run).
+
+A listener doing 10 ms of I/O (a sleep) per message, 16 queues, 2,000 keys, 2 workers. Queue
+order (RocketMQ's, the default) runs one call at a time per queue, so it is capped near
+16 queues / 10 ms = 1,600 msg/s whatever the pool; key order (``ordering="key"``) runs up to
+``key_concurrency`` (16) keys of each queue at once. Each worker set (one pool, one ordering)
+serves two measured runs on separate topics, back to back: the plain backlog, then the same
+backlog where one key (``FAIL_KEY``) always returns SUSPEND until the DLQ
+(``max_reconsume_times`` 3, suspend 10 ms). For that run the figure is the throughput of the
+*other* keys: messages of other keys / time until the listener finished all of them (it counts
+them in ``bench:ok:<group>``); the run ends when the lag is 0 (the failing key's messages in the
+DLQ).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bench.common import (
+    Config,
+    Workload,
+    cpu_s,
+    ctl_app,
+    kick,
+    load1,
+    log,
+    mq_env,
+    produce_backlog,
+    queues_of,
+    redis_and_client,
+    server_pid,
+    start_mq_workers,
+    summarize,
+    total_lag,
+    tree_cpu_s,
+    wait_lag_zero,
+)
+from bench.listeners import lane_names
+
+QUEUES = 16
+KEYS = 2_000
+SLEEP_MS = 10
+#: One of the workload's keys (``Workload`` names them ``key-<i>``).
+FAIL_KEY = "key-7"
+MAX_RECONSUME = 3
+SUSPEND_MS = 10
+#: Messages of the unmeasured warm-up run of each worker set.
+WARMUP = 2_000
+
+
+@dataclass(frozen=True)
+class KeysSpec:
+    tag: str
+    pool: str
+    concurrency: int
+    ordering: str
+
+
+#: The configurations of the issue: threads -c 128 and gevent -c 256, queue vs key order.
+SPECS = [
+    KeysSpec("thr-queue", "threads", 128, "queue"),
+    KeysSpec("thr-key", "threads", 128, "key"),
+    KeysSpec("gev-queue", "gevent", 256, "queue"),
+    KeysSpec("gev-key", "gevent", 256, "key"),
+]
+
+
+def fail_count(messages: int) -> int:
+    """How many of the workload's first ``messages`` messages belong to ``FAIL_KEY``."""
+    w = Workload(KEYS)
+    return sum(1 for k, _ in w.items(messages) if k == FAIL_KEY)
+
+
+def _wait_count(r: Any, key: str, n: int, timeout: float) -> float:
+    deadline = time.perf_counter() + timeout
+    while time.perf_counter() < deadline:
+        if int(r.get(key) or 0) >= n:
+            return time.perf_counter()
+        time.sleep(0.005)
+    raise TimeoutError(f"{key} did not reach {n} within {timeout:.0f}s")
+
+
+def measure(cfg: Config, spec: KeysSpec, messages: int, timeout: float = 600.0) -> list[dict[str, Any]]:
+    """Two measured runs on one worker set, after an unmeasured warm-up (lane 0; the lane pools
+    and connections of a fresh worker are made on first use): lane 1 without, lane 2 with the
+    failing key."""
+    out: list[dict[str, Any]] = []
+    bad = fail_count(messages)
+    with contextlib.ExitStack() as st:
+        srv, r = redis_and_client(st)
+        topic, group = f"keys-{spec.tag}", f"g-keys-{spec.tag}"
+        env = mq_env(srv.url, topic=topic, group=group, mode="sleep", lanes=3,
+                     BENCH_SLEEP_MS=str(SLEEP_MS), BENCH_ORDERING=spec.ordering, BENCH_FAIL_KEY=FAIL_KEY,
+                     BENCH_FAIL_LANES="2", BENCH_MAX_RECONSUME=str(MAX_RECONSUME), BENCH_SUSPEND_MS=str(SUSPEND_MS),
+                     MQORDER_REBALANCE_INTERVAL="3600")
+        names = [f"{spec.tag}-w{i}" for i in range(2)]
+        log(f"keys {spec.tag}: starting 2 workers -P {spec.pool} -c {spec.concurrency}, ordering={spec.ordering}")
+        ws = start_mq_workers(st, srv.url, names, env, spec.concurrency, cfg.logdir / f"keys-{spec.tag}",
+                              pool=spec.pool)
+        app = ctl_app(srv.url)
+        st.callback(app.close)
+        redis_pid = server_pid(srv)
+        for lane, (t, g) in enumerate(lane_names(topic, group, 3)):
+            fails = lane == 2
+            n = WARMUP if lane == 0 else messages
+            produce_backlog(srv.url, t, QUEUES, n, KEYS, hold=True)
+            mqs = queues_of(t, QUEUES)
+            time.sleep(0.3)
+            cpu_w0, cpu_r0 = tree_cpu_s(w.pid for w in ws), cpu_s(redis_pid)
+            t0 = time.perf_counter()
+            kick(srv.url, app, t)
+            others = n - bad if fails else n
+            t_others = _wait_count(r, f"bench:ok:{g}", others, timeout) - t0
+            t_all = wait_lag_zero(r, g, mqs, timeout, alive=lambda: all(w.alive() for w in ws)) - t0
+            cpu_w, cpu_r = tree_cpu_s(w.pid for w in ws) - cpu_w0, cpu_s(redis_pid) - cpu_r0
+            if lane == 0:
+                continue
+            res = {
+                "tag": spec.tag, "pool": spec.pool, "concurrency": spec.concurrency, "ordering": spec.ordering,
+                "failing_key": fails, "messages": messages, "failing_messages": bad if fails else 0,
+                "others_s": t_others, "others_rate": others / t_others, "all_s": t_all,
+                "lag_after": total_lag(r, g, mqs), "worker_cpu_s": cpu_w, "redis_cpu_s": cpu_r, "load1": load1(),
+            }
+            log(f"keys {spec.tag}{' +failing key' if fails else ''}: {others} msgs of the other keys in "
+                f"{t_others:.2f}s = {res['others_rate']:,.0f} msg/s (all, DLQ included: {t_all:.2f}s; "
+                f"worker CPU {cpu_w / messages * 1e6:.0f} µs/msg)")
+            out.append(res)
+    return out
+
+
+def run(cfg: Config, messages: int, runs: int) -> dict[str, Any]:
+    results: dict[str, list[dict[str, Any]]] = {s.tag: [] for s in SPECS}
+    for _ in range(runs):
+        for spec in SPECS:
+            results[spec.tag].extend(measure(cfg, spec, messages))
+    return {"messages": messages, "queues": QUEUES, "keys": KEYS, "sleep_ms": SLEEP_MS, "fail_key": FAIL_KEY,
+            "max_reconsume": MAX_RECONSUME, "suspend_ms": SUSPEND_MS, "runs": results}
+
+
+def _rate(rows: list[dict[str, Any]], fails: bool) -> float:
+    xs = [x["others_rate"] for x in rows if x["failing_key"] == fails]
+    return summarize(xs).median if xs else float("nan")
+
+
+def report_lines(res: dict[str, Any]) -> list[str]:
+    """The report's ``keys`` section (``bench.report``)."""
+    out = ["## Key order vs queue order (issue 14)", ""]
+    if not res:
+        return out
+    runs = res["runs"]
+    rows = []
+    for pool, c in (("threads", 128), ("gevent", 256)):
+        short = "thr" if pool == "threads" else "gev"
+        q, k = runs.get(f"{short}-queue") or [], runs.get(f"{short}-key") or []
+        q0, q1, k0, k1 = _rate(q, False), _rate(q, True), _rate(k, False), _rate(k, True)
+        rows.append([f"-P {pool} -c {c}", f"{q0:,.0f}", f"{k0:,.0f}", f"{k0 / q0:.1f}x",
+                     f"{q1:,.0f} ({q1 / q0:.2f}x)", f"{k1:,.0f} ({k1 / k0:.2f}x)"])
+    header = ["2 workers", "queue order msg/s", "key order msg/s", "key / queue",
+              "queue order, one key failing", "key order, one key failing"]
+    out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    out += ["", f"A listener sleeping {res['sleep_ms']} ms per message, {res['queues']} queues, {res['keys']:,} keys, "
+            f"{res['messages']:,} messages per run (medians). With one failing key (`{res['fail_key']}`: SUSPEND "
+            f"until the DLQ, max_reconsume_times {res['max_reconsume']}, suspend {res['suspend_ms']} ms) the figure "
+            "is the throughput of the other keys, and in brackets its ratio to the run without the failing key.",
+            ""]
+    return out

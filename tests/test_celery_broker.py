@@ -133,6 +133,9 @@ def test_tasks_a_killed_worker_had_fetched_go_back_to_its_rabbitmq_queue(rabbitm
     direct = worker_direct(w.hostname).name
     app = Celery("t-kill", broker=rabbitmq.url, set_as_current=False)
     try:
+        # Registered in Redis is not yet consuming from RabbitMQ: pause it only once it is.
+        wait_for(lambda: rabbitmq.queues("consumers").get(direct, 0) >= 1, timeout=30, interval=0.3,
+                 what="the worker consuming its direct queue")
         w.signal(signal.SIGSTOP)
         for _ in range(3):  # with countdowns: held unacked in the worker until due (as suspend-and-requeue does)
             app.send_task("mqorder.lock_all", queue=worker_direct(w.hostname), countdown=60)
@@ -143,4 +146,5 @@ def test_tasks_a_killed_worker_had_fetched_go_back_to_its_rabbitmq_queue(rabbitm
                  what="all 3 tasks back in the killed worker's queue")
         assert rabbitmq.queues("messages_unacknowledged").get(direct) == 0
     finally:
+        w.signal(signal.SIGCONT)  # a paused worker (if a wait failed) cannot take the teardown's SIGTERM
         app.close()

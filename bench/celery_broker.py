@@ -61,15 +61,21 @@ def markdown(res: dict[str, Any]) -> list[str]:
             summarize(r["p99_ms"] for r in lat).fmt(2, "ms") if lat else "",
             summarize(r["send_rate"] for r in lat).fmt(0, "msg/s") if lat else "",
             summarize(r["tasks_per_msg"] for r in lat).fmt(3) if lat else "",
+            summarize(r["worker_cpu_us_per_msg"] for r in lat).fmt(0, "µs") if lat else "",
+            summarize(r["redis_cpu_us_per_msg"] for r in lat).fmt(0, "µs") if lat else "",
+            summarize(r["rabbitmq_cpu_us_per_msg"] for r in lat).fmt(0, "µs")
+            if lat and "rabbitmq_cpu_us_per_msg" in lat[0] else "–",
         ])
     out += ["| Celery's broker | drain throughput | Celery tasks per drain | p50 send → handle | "
-            "p99 send → handle | achieved send rate | Celery tasks per message |",
-            "|---|---|---|---|---|---|---|", *("| " + " | ".join(r) + " |" for r in rows), ""]
+            "p99 send → handle | achieved send rate | Celery tasks per message | worker CPU per message | "
+            "redis-server CPU per message | RabbitMQ CPU per message |",
+            "|---|---|---|---|---|---|---|---|---|---|", *("| " + " | ".join(r) + " |" for r in rows), ""]
     out += [f"Both rows: 2 stock workers, prefork -c {res['concurrency']}, stock settings, mqorder's store on a "
             f"redis-server of the rig's own; only `MQORDER_CELERY_BROKER_URL` differs. Drain: a "
             f"{res['messages']:,}-message backlog over 16 queues and 2,000 keys, consume batch 32, measured as in "
             f"the throughput section, on fresh workers each run. Latency: {res['rate']:,} msg/s for "
             f"{res['seconds']} s per run after 1 s of warm-up, consume batch 1. In both, the runs of the two "
             "brokers are interleaved (run i of each back to back, the order alternating). Medians of runs "
-            "(min–max).", ""]
+            "(min–max). CPU per message: over the latency window, divided by the messages (RabbitMQ's is its "
+            "whole server's, `beam.smp`, which served only this run).", ""]
     return out

@@ -268,6 +268,14 @@ def celery_broker_url(stack: contextlib.ExitStack, kind: str, redis_url: str) ->
     return vhost.start().url
 
 
+def rabbitmq_pid() -> int:
+    """The pid of the local RabbitMQ server (Erlang's ``beam.smp``), to read its CPU; 0 if none."""
+    for p in psutil.process_iter(["name"]):
+        if p.info["name"] == "beam.smp":
+            return int(p.pid)
+    return 0
+
+
 def broker_env(broker_url: str, redis_url: str) -> dict[str, str]:
     """``MQORDER_CELERY_BROKER_URL`` for the workers when Celery's broker is not the rig's Redis."""
     return {} if broker_url == redis_url else {"MQORDER_CELERY_BROKER_URL": broker_url}

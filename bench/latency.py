@@ -33,6 +33,7 @@ from bench.common import (
     mq_env,
     percentile,
     queues_of,
+    rabbitmq_pid,
     redis_and_client,
     server_pid,
     start_mq_workers,
@@ -107,6 +108,9 @@ class _MqLatRig:
         st.callback(self.app.close)
         self.hostnames = [w.hostname for w in self.ws]
         self.redis_pid = server_pid(srv)
+        #: RabbitMQ's CPU counts too when it is Celery's broker (it serves every vhost: the runs of the
+        #: configurations are sequential, so it serves this one alone while measured).
+        self.broker_pid = rabbitmq_pid() if spec.celery_broker == "rabbitmq" else 0
 
     def send(self, _: int) -> None:
         k, _s = self.wl.next()
@@ -117,14 +121,18 @@ class _MqLatRig:
         r.delete(LAT_KEY)
         tasks0 = celery_task_totals(self.app, self.hostnames).get(CONSUME_TASK, 0)
         cpu_w0, cpu_r0 = tree_cpu_s(w.pid for w in ws), cpu_s(self.redis_pid)
+        cpu_b0 = cpu_s(self.broker_pid) if self.broker_pid else 0.0
         achieved = paced(n, rate, self.send)
         wait_lag_zero(r, self.group, self.mqs, 120, alive=lambda: all(w.alive() for w in ws))
         _wait_len(r, LAT_KEY, n, 30)
         cpu_w, cpu_r = tree_cpu_s(w.pid for w in ws) - cpu_w0, cpu_s(self.redis_pid) - cpu_r0
+        cpu_b = cpu_s(self.broker_pid) - cpu_b0 if self.broker_pid else 0.0
         tasks = celery_task_totals(self.app, self.hostnames).get(CONSUME_TASK, 0) - tasks0
         res = _summary([int(x) for x in r.lrange(LAT_KEY, 0, -1)], achieved)
         res.update({"tasks_per_msg": tasks / n, "worker_cpu_us_per_msg": cpu_w / n * 1e6,
                     "redis_cpu_us_per_msg": cpu_r / n * 1e6, "window_s": n / achieved})
+        if self.broker_pid:
+            res["rabbitmq_cpu_us_per_msg"] = cpu_b / n * 1e6
         return res
 
 

@@ -93,7 +93,7 @@ class RabbitVhost:
 
     def queues(self, column: str = "messages_ready") -> dict[str, int]:
         """Every queue of the vhost with one count of ``rabbitmqctl list_queues``: ready messages by
-        default, or ``messages_unacknowledged`` (delivered to a consumer, not yet acked)."""
+        default, ``messages_unacknowledged`` (delivered to a consumer, not yet acked) or ``consumers``."""
         out = self.ctl("list_queues", "-p", self.name, "--quiet", "--no-table-headers", "name", column)
         counts: dict[str, int] = {}
         for line in out.splitlines():

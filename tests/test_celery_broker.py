@@ -13,7 +13,8 @@ import pytest
 from celery import Celery
 
 from mqorder.celery.setup import install
-from mqorder.errors import ConfigError
+from mqorder.embedded import free_port
+from mqorder.errors import BrokerUnavailableError, ConfigError
 from mqorder.rabbit_vhost import RabbitVhost
 from mqorder.settings import load_settings
 from mqorder.store.brokers import check_celery_broker_url, redact_url
@@ -133,8 +134,7 @@ def test_tasks_a_killed_worker_had_fetched_go_back_to_its_rabbitmq_queue(rabbitm
     direct = worker_direct(w.hostname).name
     app = Celery("t-kill", broker=rabbitmq.url, set_as_current=False)
     try:
-        # The worker registers with mqorder before its Celery consumer subscribes to its direct
-        # queue; paused before that, nothing could be delivered to it.
+        # Registered in Redis is not yet consuming from RabbitMQ: pause it only once it is.
         wait_for(lambda: rabbitmq.queues("consumers").get(direct, 0) >= 1, timeout=30, interval=0.3,
                  what="the worker consuming its direct queue")
         w.signal(signal.SIGSTOP)
@@ -147,4 +147,20 @@ def test_tasks_a_killed_worker_had_fetched_go_back_to_its_rabbitmq_queue(rabbitm
                  what="all 3 tasks back in the killed worker's queue")
         assert rabbitmq.queues("messages_unacknowledged").get(direct) == 0
     finally:
+        w.signal(signal.SIGCONT)  # a paused worker (if a wait failed) cannot take the teardown's SIGTERM
         app.close()
+
+
+def test_an_unreachable_rabbitmq_fails_saying_how_to_get_it_and_leaves_no_vhost() -> None:
+    """The RabbitMQ variants fail (never skip) without RabbitMQ, with what to do."""
+    vhost = RabbitVhost("mqorder-test", port=free_port())
+    with pytest.raises(BrokerUnavailableError, match="cannot open an AMQP connection.*rabbitmq-server"):
+        with vhost:
+            pass
+    assert vhost.name not in RabbitVhost().ctl("list_vhosts", "--quiet").split()
+
+
+def test_a_missing_rabbitmqctl_fails_saying_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("mqorder.rabbit_vhost.shutil.which", lambda name: None)
+    with pytest.raises(BrokerUnavailableError, match="rabbitmqctl is not installed.*apt-get install -y rabbitmq-server"):
+        RabbitVhost().start()

@@ -43,6 +43,7 @@ def test_two_workers_eight_queues_2000_keys_every_key_in_order_none_lost(broker_
     if cluster.rabbit is not None:  # the ConsumeRequests really went through RabbitMQ's direct queues
         direct = {worker_direct(w.hostname).name for w in cluster.workers.values()}
         assert direct <= set(cluster.rabbit.queues())
+        assert r.keys("_kombu.binding.*") == []  # and none of Celery's queues lives in the store's Redis
     log = MessageLog(p.brokers)
     assert sum(log.lag("g-order", mq) for mq in p.describe_topic("t-order").message_queues) == 0
 

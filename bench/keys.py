@@ -147,6 +147,21 @@ def _rate(rows: list[dict[str, Any]], fails: bool) -> float:
     return summarize(xs).median if xs else float("nan")
 
 
+POOLS = (("threads", "thr", 128), ("gevent", "gev", 256))
+
+
+def ratios(res: dict[str, Any]) -> dict[str, tuple[float, float]]:
+    """Per pool: (key order / queue order, key order with a failing key / without), medians."""
+    out: dict[str, tuple[float, float]] = {}
+    runs = (res or {}).get("runs") or {}
+    for pool, short, _ in POOLS:
+        q, k = runs.get(f"{short}-queue") or [], runs.get(f"{short}-key") or []
+        if q and k:
+            k0 = _rate(k, False)
+            out[pool] = (k0 / _rate(q, False), _rate(k, True) / k0)
+    return out
+
+
 def report_lines(res: dict[str, Any]) -> list[str]:
     """The report's ``keys`` section (``bench.report``)."""
     out = ["## Key order vs queue order (issue 14)", ""]
@@ -154,8 +169,7 @@ def report_lines(res: dict[str, Any]) -> list[str]:
         return out
     runs = res["runs"]
     rows = []
-    for pool, c in (("threads", 128), ("gevent", 256)):
-        short = "thr" if pool == "threads" else "gev"
+    for pool, short, c in POOLS:
         q, k = runs.get(f"{short}-queue") or [], runs.get(f"{short}-key") or []
         q0, q1, k0, k1 = _rate(q, False), _rate(q, True), _rate(k, False), _rate(k, True)
         rows.append([f"-P {pool} -c {c}", f"{q0:,.0f}", f"{k0:,.0f}", f"{k0 / q0:.1f}x",

@@ -187,7 +187,7 @@ def report_lines(res: dict[str, Any]) -> list[str]:
     out += ["| " + " | ".join(r) + " |" for r in rows]
     out += ["", f"A listener sleeping {res['sleep_ms']} ms per message, {res['queues']} queues, {res['keys']:,} keys, "
             f"{res['messages']:,} messages per queue-order run and {5 * res['messages']:,} per key-order run "
-            "(medians). With one failing key (`{res['fail_key']}`: SUSPEND "
+            f"(medians). With one failing key (`{res['fail_key']}`: SUSPEND "
             f"until the DLQ, max_reconsume_times {res['max_reconsume']}, suspend {res['suspend_ms']} ms) the figure "
             "is the throughput of the other keys, and in brackets its ratio to the run without the failing key.",
             ""]

@@ -95,6 +95,8 @@ class Figures:
         self.costs: dict[str, Any] = res.get("costs") or {}
         self.lat: dict[str, Any] = res.get("latency") or {}
         self.prod: dict[str, Any] = res.get("produce") or {}
+        #: The ``keys`` section (``bench.keys``): queue vs key order.
+        self.keys: dict[str, Any] = res.get("keys") or {}
         self.best: int = self.mq.get("best_concurrency", concurrency(cfg))
         self.n_drain = size(cfg, "drain_messages")
         self.n_naive = size(cfg, "naive_messages")

@@ -129,6 +129,17 @@ def _of_audit(f: Figures) -> Reading:
                    f"{a['session_start_s']:.1f} s apart; audit {'passed' if a.get('audit_ok') else 'FAILED'})")
 
 
+def _of_keys(f: Figures, which: int) -> Reading:
+    """Key order (``bench.keys``): the lower pool's ratio is judged; both are shown."""
+    from bench.keys import ratios
+
+    rs = ratios(f.keys)
+    if not rs:
+        return Reading(None, "n/a")
+    worst = min(rs, key=lambda p: rs[p][which])
+    return Reading(rs[worst][which], "; ".join(f"{p}: {v[which]:.2f}x" for p, v in rs.items()), judged=worst)
+
+
 AT_LEAST, AT_MOST = Comparison.AT_LEAST, Comparison.AT_MOST
 
 #: Every target of the benchmark. Per row: id; description (the report's text, ``{bound}`` standing
@@ -163,6 +174,10 @@ TARGETS: tuple[Target, ...] = (
            5, AT_LEAST, "x", 0, lambda f: _of_paired(f.s_spark_one)),
     Target("audit", "audit of a {f.audit_records:,}-record ledger on `local[2]` {bound}",
            60, AT_MOST, " s", 0, _of_audit),
+    Target("keys_speedup", "key order {bound} queue order, 10 ms listener, 16 queues, 2,000 keys "
+           "(threads -c 128, gevent -c 256)", 8, AT_LEAST, "x", 0, lambda f: _of_keys(f, 0)),
+    Target("keys_failing_key", "key order, one key always failing: other keys' throughput {bound} the run "
+           "without it", 0.9, AT_LEAST, "x", 1, lambda f: _of_keys(f, 1)),
 )
 
 

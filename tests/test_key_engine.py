@@ -285,3 +285,15 @@ def test_a_drained_key_ordered_run_lingers_and_takes_a_new_message_itself(env) -
     assert len(set(runs)) == 1  # the same run handled the late message: no wake-up, no new task
     t.join(10)
     assert out and out[0] is not None and out[0].verb == "IDLE"
+
+
+def test_a_wrong_ordering_or_key_setting_is_refused_with_what_is_allowed() -> None:
+    import pytest
+
+    from mqorder.consumer.listener import orderly_listener
+    from mqorder.errors import ListenerError
+
+    with pytest.raises(ListenerError, match="ordering must be 'queue'.*or 'key'"):
+        orderly_listener(topic="t", group="g", ordering="keys")
+    with pytest.raises(ListenerError, match="key_concurrency must be an int >= 1"):
+        orderly_listener(topic="t", group="g", ordering="key", key_concurrency=0)

@@ -8,8 +8,8 @@ failover. Confluent's Parallel Consumer adds an *offset map*: the offsets finish
 committed one, encoded run-length or as a bitset (whichever is shorter), committed with it, so a
 new owner skips them. mqorder does both:
 
-* ``OffsetTracker`` (in memory, one per key-ordered run) knows every pulled offset, which of them
-  finished, and the committed offset they imply;
+* ``OffsetTracker`` (in memory, one per key-ordered run) knows which pulled offsets are still
+  unfinished, and the committed offset they imply;
 * ``encode_done`` writes the finished-above offsets as ``<base>:r<runs>`` or ``<base>:b<hex>``,
   ``base`` being the committed offset the map is relative to; ``key_commit.lua`` stores it in the
   queue's state HASH (field ``done``) in the same fenced step as the offset, and refuses a map
@@ -29,7 +29,7 @@ finished, so whatever a new owner redelivers of a key comes before all that key'
 
 from __future__ import annotations
 
-from collections import deque
+from bisect import bisect_left
 from collections.abc import Iterable
 
 #: Map kinds: run lengths (alternating unfinished/finished runs from ``base + 1``) or a bitset
@@ -40,22 +40,33 @@ BITS = "b"
 
 def encode_done(base: int, done: Iterable[int]) -> str:
     """The finished offsets above ``base`` (ascending, all > ``base``), as stored; ``''`` if none."""
-    offs = list(done)
-    if not offs:
+    intervals: list[tuple[int, int]] = []
+    last = base
+    for o in done:
+        if o <= last:
+            raise ValueError(f"done offsets must be ascending and above {base}; got {o} after {last}")
+        if intervals and intervals[-1][1] == o:
+            intervals[-1] = (intervals[-1][0], o + 1)
+        else:
+            intervals.append((o, o + 1))
+        last = o
+    return encode_intervals(base, intervals)
+
+
+def encode_intervals(base: int, intervals: list[tuple[int, int]]) -> str:
+    """Finished offsets above ``base`` given as ascending, disjoint, non-adjacent half-open
+    intervals ``[a, b)`` with ``a > base``: the stored map, ``''`` if none. Its cost follows the
+    number of intervals, not the span they cover."""
+    if not intervals:
         return ""
     runs: list[int] = []
-    nxt = base + 1  # first offset not described yet
     bits = 0
-    for o in offs:
-        if o < nxt:
-            raise ValueError(f"done offsets must be ascending and above {base}; got {o} after {nxt - 1}")
-        if runs and o == nxt:
-            runs[-1] += 1  # extends the finished run
-        else:
-            runs.append(o - nxt)  # unfinished run (may be 0 only at the start)
-            runs.append(1)
-        nxt = o + 1
-        bits |= 1 << (o - base - 1)
+    nxt = base + 1  # first offset not described yet
+    for a, b in intervals:
+        runs.append(a - nxt)  # unfinished run (0 only at the start)
+        runs.append(b - a)  # finished run
+        bits |= ((1 << (b - a)) - 1) << (a - base - 1)
+        nxt = b
     as_runs = RUNS + ",".join(map(str, runs))
     as_bits = BITS + format(bits, "x")
     return f"{base}:{as_runs if len(as_runs) <= len(as_bits) else as_bits}"
@@ -102,20 +113,25 @@ def decode_done(raw: bytes | str | None, offset: int) -> set[int]:
 class OffsetTracker:
     """Which pulled offsets of one queue are still unfinished, for one key-ordered run.
 
-    ``window`` holds every pulled offset from the committed one up, ascending (pulls read the
-    stream forward); ``finish`` marks one; the committed offset is the window's first unfinished
-    offset, or ``pulled_to`` once everything pulled finished (``removeMessage``'s rule).
+    ``unfinished`` holds the pulled offsets not finished yet, ascending (pulls read the stream
+    forward, so a pulled offset is appended; a finished one is removed wherever it is). The
+    committed offset is its first element, or, once everything pulled finished, ``pulled_to``
+    (``removeMessage``'s rule). Everything else below ``pulled_to`` finished, or is not in the
+    log (trimmed), or was finished by a previous owner: none of it is to be redelivered.
     ``inherited`` are offsets a previous owner recorded as finished and this run has not pulled
     yet: skipped when pulled, and kept in every map this run writes until then.
+
+    The list stays as short as the work in flight (calls running, messages waiting in lanes), so
+    the map costs that much to encode, whatever the span.
     """
 
     def __init__(self, committed: int, inherited: set[int] | None = None) -> None:
-        self.base = committed
         self.pulled_to = committed
-        self.window: deque[int] = deque()
-        self.finished: set[int] = set()
+        self.unfinished: list[int] = []
         self.inherited = set(inherited or ())
         self.skipped = 0
+        self.base = committed
+        self._advance()
 
     def pulled(self, offset: int) -> bool:
         """Record a pulled offset; False if a previous owner finished it (do not hand it out)."""
@@ -127,7 +143,8 @@ class OffsetTracker:
             self.skipped += 1
             self._advance()
             return False
-        self.window.append(offset)
+        self.unfinished.append(offset)
+        self._advance()
         return True
 
     def skip_to(self, offset: int) -> None:
@@ -138,15 +155,16 @@ class OffsetTracker:
             self._advance()
 
     def finish(self, offset: int) -> None:
-        self.finished.add(offset)
-        self._advance()
+        u = self.unfinished
+        i = bisect_left(u, offset)
+        if i < len(u) and u[i] == offset:
+            del u[i]
+            if i == 0:
+                self._advance()
 
     def _advance(self) -> None:
-        w, f = self.window, self.finished
-        while w and w[0] in f:
-            f.discard(w.popleft())
-        if w:
-            self.base = w[0]
+        if self.unfinished:
+            self.base = self.unfinished[0]
             return
         # Everything pulled finished: the lowest unfinished offset is the next one to pull, past
         # those a previous owner finished (not pulled yet, but known finished).
@@ -161,28 +179,32 @@ class OffsetTracker:
         negative while the committed offset is past inherited finished offsets not pulled yet)."""
         return self.pulled_to - self.base
 
-    @property
-    def unfinished(self) -> int:
-        return len(self.window) - len(self.finished)
-
-    def done_offsets(self) -> list[int]:
-        """Offsets above the committed one that must not be redelivered, ascending: finished ones,
-        gaps between pulled ones (trimmed from the log, or inherited and skipped), inherited ones."""
-        out: list[int] = []
-        add = out.append
-        w, f = self.window, self.finished
-        prev = self.base
-        for o in w:
-            if o == self.base:
+    def done_intervals(self) -> list[tuple[int, int]]:
+        """Offsets above the committed one that must not be redelivered, as ascending half-open
+        intervals: what lies between unfinished ones below ``pulled_to`` (finished, or not in the
+        log), then the inherited ones above."""
+        out: list[tuple[int, int]] = []
+        base = self.base
+        prev = base + 1
+        for u in self.unfinished:
+            if u <= base:
                 continue
-            out.extend(range(prev + 1, o))  # not in the log, or finished by a previous owner
-            if o in f:
-                add(o)
-            prev = o
-        if w:
-            out.extend(range(prev + 1, self.pulled_to))
-        out.extend(sorted(o for o in self.inherited if o > self.base))
+            if u > prev:
+                out.append((prev, u))
+            prev = u + 1
+        if self.unfinished and self.pulled_to > prev:
+            out.append((prev, self.pulled_to))
+        # Inherited offsets below pulled_to were never read back (trimmed since): nothing to say.
+        for o in sorted(o for o in self.inherited if o >= self.pulled_to and o > base):
+            if out and out[-1][1] == o:
+                out[-1] = (out[-1][0], o + 1)
+            else:
+                out.append((o, o + 1))
         return out
 
+    def done_offsets(self) -> list[int]:
+        """``done_intervals`` as a list of offsets (for tests and small maps)."""
+        return [o for a, b in self.done_intervals() for o in range(a, b)]
+
     def encoded(self) -> str:
-        return encode_done(self.base, self.done_offsets())
+        return encode_intervals(self.base, self.done_intervals())

@@ -10,7 +10,7 @@ import pytest
 from mqorder import ConsumeOrderlyStatus, Producer, keys
 from mqorder.admin.common import Admin
 from mqorder.admin.status import group_status
-from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest
+from mqorder.consumer.consume_request import ConsumeRequest
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.errors import ConfigError
@@ -20,6 +20,7 @@ from mqorder.retention.policy import RetentionPolicy, TopicRetention
 from mqorder.retention.trimmer import RetentionTrimmer
 from mqorder.settings import load_settings
 from mqorder.store.log import MessageLog
+from tests.test_engine import drain as run_queue
 
 S = ConsumeOrderlyStatus
 MQ = MessageQueue("t", "broker-a", 0)
@@ -31,22 +32,6 @@ def offsets_stored(r, mq: MessageQueue = MQ) -> list[int]:
 
 def send(p: Producer, n: int, topic: str = "t", start: int = 0) -> None:
     p.send_orderly_batch(topic, [("k", str(start + i).encode()) for i in range(n)])
-
-
-def run_queue(eng: ConsumerEngine, spec: ListenerSpec, sub: str = "g") -> list:
-    """Assign MQ to c1 and follow its ConsumeRequests as the Celery task would."""
-    locks = RebalanceLockManager(eng.brokers)
-    res = locks.assign(sub, [(MQ, "c1", "tok0")])
-    assert res[MQ] == "DISPATCH"
-    token, outs = "tok0", []
-    for _ in range(50):
-        out = ConsumeRequest(eng, spec, sub, MQ, token).run()
-        outs.append(out)
-        if not out.needs_dispatch or out.target != "c1":
-            break
-        time.sleep(out.countdown)
-        token = out.token
-    return outs
 
 
 # -- time policy ----------------------------------------------------------------------------------

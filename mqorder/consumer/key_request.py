@@ -153,7 +153,8 @@ class KeyConsumeRequest(ConsumeRequest):
         self.threshold = s.pull_threshold_for_queue
         self.lanes = KeyLanes()
         self.tracker = OffsetTracker(0)
-        self.results: queue.Queue[LaneResult] = queue.Queue()
+        #: Finished calls, reported by the lane workers (a C SimpleQueue: no Condition per put).
+        self.results: queue.SimpleQueue[LaneResult] = queue.SimpleQueue()
         self.in_flight = 0
         self.poison: list[MessageExt] = []
         #: Progress not committed yet (finished offsets, skipped ones), and how many messages

@@ -37,8 +37,9 @@ How the guarantees carry over from queue mode:
 Why lanes are threads inside the run and not Celery tasks of their own: a lane task would need its
 own per-key lock in Redis, its own fencing and a round trip per message to claim and finish keys,
 and the offset map would be written by many tasks at once; inside one run the dispatcher alone
-commits, with one fenced script per pulled batch as in queue mode. The lane workers are a thread
-pool (``LanePool``); under ``celery worker -P gevent`` threads are greenlets (Celery monkey-patches
+commits, with one fenced script per pulled batch as in queue mode. The lane workers are threads
+(``LaneWorkers``, kept per process by ``LanePool``); under ``celery worker -P gevent`` threads are
+greenlets (Celery monkey-patches
 before anything is imported), so the same code runs lanes as greenlets there, and a prefork child
 runs its lanes as threads of that child. ``ctx.epoch`` and ``ctx.still_owner()`` work per call.
 
@@ -54,7 +55,7 @@ import os
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,29 +115,55 @@ class LaneResult:
     ctx: ConsumeOrderlyContext
 
 
+class LaneWorkers:
+    """``size`` daemon threads (greenlets under gevent) running the calls handed to ``submit``, in
+    turn, from one queue. Cheaper per call than ``ThreadPoolExecutor``, whose futures and idle
+    semaphore cost a few locks per call that nothing here needs: a call reports its own result."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.SimpleQueue()
+        for i in range(size):
+            threading.Thread(target=self._work, name=f"mqorder-lane-{i}", daemon=True).start()
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        self._jobs.put((fn, args))
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, args = job
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("lane worker: a call escaped its own error handling")
+
+
 class LanePool:
-    """Lane workers, kept per process between runs (a run borrows a pool of ``key_concurrency``
-    workers and gives it back), so a run does not start threads. Per pid: after a fork the
-    parent's threads are gone."""
+    """Lane workers, kept per process between runs (a run borrows ``key_concurrency`` workers and
+    gives them back), so a run does not start threads. Per pid: after a fork the parent's threads
+    are gone."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pid = os.getpid()
-        self._free: dict[int, list[ThreadPoolExecutor]] = {}
+        self._free: dict[int, list[LaneWorkers]] = {}
 
-    def borrow(self, size: int) -> ThreadPoolExecutor:
+    def borrow(self, size: int) -> LaneWorkers:
         with self._lock:
             if self._pid != os.getpid():
                 self._pid, self._free = os.getpid(), {}
             free = self._free.get(size)
             if free:
                 return free.pop()
-        return ThreadPoolExecutor(max_workers=size, thread_name_prefix="mqorder-lane")
+        return LaneWorkers(size)
 
-    def give_back(self, size: int, pool: ThreadPoolExecutor) -> None:
+    def give_back(self, pool: LaneWorkers) -> None:
         with self._lock:
             if self._pid == os.getpid():
-                self._free.setdefault(size, []).append(pool)
+                self._free.setdefault(pool.size, []).append(pool)
 
 
 LANE_POOL = LanePool()
@@ -153,7 +180,8 @@ class KeyConsumeRequest(ConsumeRequest):
         self.threshold = s.pull_threshold_for_queue
         self.lanes = KeyLanes()
         self.tracker = OffsetTracker(0)
-        self.results: queue.Queue[LaneResult] = queue.Queue()
+        #: Finished calls, reported by the lane workers (a C SimpleQueue: no Condition per put).
+        self.results: queue.SimpleQueue[LaneResult] = queue.SimpleQueue()
         self.in_flight = 0
         self.poison: list[MessageExt] = []
         #: Progress not committed yet (finished offsets, skipped ones), and how many messages
@@ -211,9 +239,9 @@ class KeyConsumeRequest(ConsumeRequest):
             # this queue, maybe in this process, must not call the same key beside it.
             while self.in_flight:
                 self._wait_one(None, discard=True)
-            LANE_POOL.give_back(self.key_concurrency, pool)
+            LANE_POOL.give_back(pool)
 
-    def _dispatch_loop(self, pool: ThreadPoolExecutor) -> LoopEnd:
+    def _dispatch_loop(self, pool: LaneWorkers) -> LoopEnd:
         deadline = time.monotonic() + self.budget
         lanes = self.lanes
         stop: LoopEnd | None = None
@@ -309,7 +337,7 @@ class KeyConsumeRequest(ConsumeRequest):
 
     # -- lanes ------------------------------------------------------------------------------------
 
-    def _submit(self, pool: ThreadPoolExecutor, key: int, msgs: list[MessageExt]) -> None:
+    def _submit(self, pool: LaneWorkers, key: int, msgs: list[MessageExt]) -> None:
         self.in_flight += 1
         ctx = self._context()
         pool.submit(self._lane_call, key, msgs, ctx)

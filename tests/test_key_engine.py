@@ -323,3 +323,20 @@ def test_the_ledger_records_every_key_ordered_call(env) -> None:
     drain(eng, key_spec(lambda msgs, ctx: S.SUCCESS, ledger=True))
     r = eng.brokers.default.client
     assert r.xlen(keys.ledger("g")) == 20
+
+
+def test_many_lanes_may_ask_still_owner_at_once(env) -> None:
+    """150 lanes of one queue each ask ``ctx.still_owner()`` at the same moment: more than
+    redis-py's default pool of 100 connections, which must not turn into suspends."""
+    p, eng = env
+    send_keys(p, 150, 1)
+    barrier = threading.Barrier(150, timeout=10)
+    answers: list[bool] = []
+
+    def listener(msgs, ctx):
+        barrier.wait()
+        answers.append(ctx.still_owner())
+        return S.SUCCESS
+
+    drain(eng, key_spec(listener, key_concurrency=150))
+    assert len(answers) == 150 and all(answers)

@@ -297,3 +297,46 @@ def test_a_wrong_ordering_or_key_setting_is_refused_with_what_is_allowed() -> No
         orderly_listener(topic="t", group="g", ordering="keys")
     with pytest.raises(ListenerError, match="key_concurrency must be an int >= 1"):
         orderly_listener(topic="t", group="g", ordering="key", key_concurrency=0)
+
+
+def test_a_key_ordered_batch_holds_consecutive_messages_of_one_key_only(env) -> None:
+    p, eng = env
+    sent = send_keys(p, 4, 6)
+    batches: list[list[tuple[str, int]]] = []
+
+    def listener(msgs, ctx):
+        batches.append([(m.body.decode().split(":")[0], m.queue_offset) for m in msgs])
+        return S.SUCCESS
+
+    drain(eng, key_spec(listener, consume_message_batch_max_size=3))
+    assert all(len({k for k, _ in b}) == 1 for b in batches)  # one key per call
+    assert any(len(b) > 1 for b in batches)
+    per_key: dict[str, list[int]] = defaultdict(list)
+    for b in batches:
+        per_key[b[0][0]].extend(o for _, o in b)
+    assert dict(per_key) == dict(sent)
+
+
+def test_the_ledger_records_every_key_ordered_call(env) -> None:
+    p, eng = env
+    send_keys(p, 5, 4)
+    drain(eng, key_spec(lambda msgs, ctx: S.SUCCESS, ledger=True))
+    r = eng.brokers.default.client
+    assert r.xlen(keys.ledger("g")) == 20
+
+
+def test_many_lanes_may_ask_still_owner_at_once(env) -> None:
+    """150 lanes of one queue each ask ``ctx.still_owner()`` at the same moment: more than
+    redis-py's default pool of 100 connections, which must not turn into suspends."""
+    p, eng = env
+    send_keys(p, 150, 1)
+    barrier = threading.Barrier(150, timeout=10)
+    answers: list[bool] = []
+
+    def listener(msgs, ctx):
+        barrier.wait()
+        answers.append(ctx.still_owner())
+        return S.SUCCESS
+
+    drain(eng, key_spec(listener, key_concurrency=150))
+    assert len(answers) == 150 and all(answers)

@@ -133,6 +133,13 @@ def _raw_reply(response: object, **options: object) -> object:
     return response
 
 
+#: Connections one client may open at once. redis-py's pool stops at 100 (``MaxConnectionsError``),
+#: which a worker reaches with ``-P gevent -c 500``, or with key-ordered lanes (``key_request``)
+#: calling ``ctx.still_owner()`` from hundreds of threads or greenlets at once; idle connections
+#: cost nothing until used.
+MAX_CONNECTIONS = 10_000
+
+
 class Broker:
     """One named Redis with its registered scripts."""
 
@@ -144,6 +151,7 @@ class Broker:
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_timeout,
             health_check_interval=30,
+            max_connections=MAX_CONNECTIONS,
         )
         # Stream reads are decoded by mqorder.codec from the raw reply; redis-py's per-entry
         # dict conversion would only cost time on the hot path.

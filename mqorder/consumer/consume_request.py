@@ -736,19 +736,22 @@ class ConsumeRequest:
             self._check_trimmed_tail(int(res[1]))
         return Pull(len(entries))
 
-    def _commit_pipelined(self, keys_: list[str], args: list[Any], pull: bool) -> tuple[Any, Any]:
-        """``commit.lua``, then ``XRANGE`` of the next batch (``pull``) and the ledger records,
-        pipelined: one round trip per batch.
+    def _commit_pipelined(self, keys_: list[str], args: list[Any], pull: bool, script: str = "commit",
+                          start: int | None = None) -> tuple[Any, Any]:
+        """``commit.lua`` (or ``script``: a key-ordered run's ``key_commit.lua``), then ``XRANGE`` of
+        the next batch from ``start`` (default: past what this run pulled) when ``pull``, and the
+        ledger records, pipelined: one round trip per batch.
 
         If Redis lost its scripts (a restart), nothing of the commit and read changed any state
         (the commit was refused with NOSCRIPT, the XRANGE only reads), so they are sent once more
         after loading the script; the ledger records went through already (``EVAL`` cannot hit
         NOSCRIPT) and are not sent twice.
         """
-        start = max(self.commit_point, self.pulled_to)
+        if start is None:
+            start = max(self.commit_point, self.pulled_to)
         for attempt in (0, 1):
             pipe = self.redis.pipeline(transaction=False)
-            self.scripts.queue_in(pipe, "commit", keys_, args)
+            self.scripts.queue_in(pipe, script, keys_, args)
             if pull:
                 pipe.execute_command("XRANGE", self.k_log, start, "+", "COUNT", self.pull_n)
             if self.ledger is not None:
@@ -758,7 +761,7 @@ class ConsumeRequest:
             except NoScriptError:
                 if attempt:
                     raise
-                self.scripts.load("commit")
+                self.scripts.load(script)
                 continue
             return replies[0], replies[1] if pull else []
         raise AssertionError("unreachable")  # pragma: no cover

@@ -59,8 +59,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import NoScriptError
-
 from mqorder.codec import decode_entries
 from mqorder.consumer.consume_request import (
     BUDGET_REQUEUE_S,
@@ -456,7 +454,8 @@ class KeyConsumeRequest(ConsumeRequest):
         for off, n in self.retry_updates.items():
             args.append(off)
             args.append(n)
-        res, entries = self._key_commit_pipelined([self.k_state, self.k_next, self.k_retries], args, pull)
+        res, entries = self._commit_pipelined([self.k_state, self.k_next, self.k_retries], args, pull, "key_commit",
+                                              self.tracker.pulled_to)
         verb = text(res[0])
         self.last_persist = time.monotonic()
         if verb == "IDLE":
@@ -482,26 +481,6 @@ class KeyConsumeRequest(ConsumeRequest):
         if pull and not entries:
             self._check_trimmed_tail(int(res[1]))
         return Pull(len(entries))
-
-    def _key_commit_pipelined(self, keys_: list[str], args: list[Any], pull: bool) -> tuple[Any, Any]:
-        """``key_commit.lua``, then ``XRANGE`` of the next batch (``pull``) and the ledger records:
-        one round trip, as ``ConsumeRequest._commit_pipelined`` does for ``commit.lua``."""
-        for attempt in (0, 1):
-            pipe = self.redis.pipeline(transaction=False)
-            self.scripts.queue_in(pipe, "key_commit", keys_, args)
-            if pull:
-                pipe.execute_command("XRANGE", self.k_log, self.tracker.pulled_to, "+", "COUNT", self.pull_n)
-            if self.ledger is not None:
-                self.ledger.queue_in(pipe)
-            try:
-                replies = pipe.execute()
-            except NoScriptError:
-                if attempt:
-                    raise
-                self.scripts.load("key_commit")
-                continue
-            return replies[0], replies[1] if pull else []
-        raise AssertionError("unreachable")  # pragma: no cover
 
     def _finish(self, end: LoopEnd) -> Outcome:
         if self.epoch and not self.fenced and (self.dirty or self.retry_updates) and self._persist(pull=False).lost:

@@ -45,8 +45,8 @@ NAMES = (
 
 
 #: Prepended to every script after the constants, in this order: the Redis clock, the shared lock
-#: rules, then the shared append path (which may use the lock rules).
-PRELUDES = ("_now", "_lock", "_append")
+#: rules, the shared append path (which may use the lock rules), then the rules of a fenced commit.
+PRELUDES = ("_now", "_lock", "_append", "_commit")
 
 #: A constant must stay a plain Lua string literal: no quote, backslash or line break to escape.
 _LUA_SAFE = re.compile(r"[^'\\\r\n]*")

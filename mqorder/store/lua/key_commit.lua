@@ -20,15 +20,10 @@
 -- Returns {'OK', next, revoked_to}, {'IDLE'}
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset},
 --         {'BADMAP', reason}
--- State HASH fields: see mqorder.keys.sub_state.
-local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'pending', 'offset', 'assignee', 'commit_ms')
-if st[1] ~= ARGV[1] or tonumber(st[2] or 0) ~= tonumber(ARGV[2]) then
-  return {'FENCED', tonumber(st[2] or 0), st[1] or ''}
-end
-if st[3] ~= ARGV[3] then return {'SUPERSEDED'} end
-local cur = tonumber(st[4] or 0)
+-- State HASH fields: see mqorder.keys.sub_state; commit_fence, drop_retries_below, commit_end: _commit.lua.
 local new = tonumber(ARGV[4])
-if new < cur then return {'BACKWARD', cur} end
+local refused, st, cur = commit_fence(KEYS[1], ARGV[1], ARGV[2], ARGV[3], new)
+if refused then return refused end
 local map = ARGV[8]
 if map ~= '' then
   if #map > tonumber(ARGV[9]) then return {'BADMAP', 'map of ' .. #map .. ' bytes over ' .. ARGV[9]} end
@@ -40,12 +35,7 @@ local moved_ms = st[6] or 0
 if new > cur then moved_ms = now end
 redis.call('HSET', KEYS[1], 'offset', new, 'done', map, 'run', run_until, 'pend_until', run_until,
   'lease', now + tonumber(ARGV[6]), 'commit_ms', moved_ms)
-if new > cur and redis.call('EXISTS', KEYS[3]) == 1 then
-  local fields = redis.call('HKEYS', KEYS[3])
-  for _, f in ipairs(fields) do
-    if tonumber(f) < new then redis.call('HDEL', KEYS[3], f) end
-  end
-end
+drop_retries_below(KEYS[3], new, cur)
 for i = 10, #ARGV, 2 do
   if ARGV[i + 1] == '0' then
     redis.call('HDEL', KEYS[3], ARGV[i])
@@ -53,12 +43,4 @@ for i = 10, #ARGV, 2 do
     redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
   end
 end
-local assignee = st[5] or ''
-local revoked = ''
-if assignee ~= '' and assignee ~= ARGV[1] then revoked = assignee end
-local nxt = tonumber(redis.call('GET', KEYS[2]) or 0)
-if ARGV[7] == '1' and revoked == '' and nxt <= new then
-  redis.call('HSET', KEYS[1], 'run', 0, 'pending', '', 'pend_until', 0)
-  return {'IDLE'}
-end
-return {'OK', nxt, revoked}
+return commit_end(KEYS[1], KEYS[2], st, ARGV[1], new, ARGV[7] == '1')

@@ -1,0 +1,43 @@
+-- Prelude: the rules every fenced commit of consume progress shares (commit.lua for queue order,
+-- key_commit.lua for key order), written once so the two cannot drift (invariant 3).
+
+-- commit_fence(k, client, epoch, token, new): the fence. Returns a refusal reply, or nil and the
+-- state fields (owner, epoch, pending, offset, assignee, commit_ms) with the current offset.
+-- Refused: another owner or epoch (a paused, replaced holder: FENCED), another pending token
+-- (SUPERSEDED), an offset going backward (BACKWARD).
+local function commit_fence(k, client, epoch, token, new)
+  local st = redis.call('HMGET', k, 'owner', 'epoch', 'pending', 'offset', 'assignee', 'commit_ms')
+  if st[1] ~= client or tonumber(st[2] or 0) ~= tonumber(epoch) then
+    return {'FENCED', tonumber(st[2] or 0), st[1] or ''}
+  end
+  if st[3] ~= token then return {'SUPERSEDED'} end
+  local cur = tonumber(st[4] or 0)
+  if new < cur then return {'BACKWARD', cur} end
+  return nil, st, cur
+end
+
+-- drop_retries_below(k, new, cur): reconsume counts exist only for offsets not committed yet.
+local function drop_retries_below(k, new, cur)
+  if new > cur and redis.call('EXISTS', k) == 1 then
+    local fields = redis.call('HKEYS', k)
+    for _, f in ipairs(fields) do
+      if tonumber(f) < new then redis.call('HDEL', k, f) end
+    end
+  end
+end
+
+-- commit_end(k_state, k_next, st, client, new, end_if_drained): the reply of a commit that was
+-- written. {'OK', next, revoked_to}; or {'IDLE'} when the caller asked to end its run on a drained
+-- queue, nobody else is assigned it and nothing is left to read: the pending token is released in
+-- the same step, so a producer appending right after sees no pending request and wakes the owner.
+local function commit_end(k_state, k_next, st, client, new, end_if_drained)
+  local assignee = st[5] or ''
+  local revoked = ''
+  if assignee ~= '' and assignee ~= client then revoked = assignee end
+  local nxt = tonumber(redis.call('GET', k_next) or 0)
+  if end_if_drained and revoked == '' and nxt <= new then
+    redis.call('HSET', k_state, 'run', 0, 'pending', '', 'pend_until', 0)
+    return {'IDLE'}
+  end
+  return {'OK', nxt, revoked}
+end

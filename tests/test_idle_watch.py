@@ -168,3 +168,83 @@ def test_a_nudge_ends_a_lingering_read_at_once_not_at_its_slice_end(settings, r,
         t.join(timeout=10)
     p.close()
     eng.brokers.close()
+
+
+def test_the_queue_a_switch_left_stays_watched_so_a_send_to_it_at_once_wakes_nobody(settings, r) -> None:
+    """A run that switches to another adopted queue hands its own queue to the watch in the same
+    step that ends the run (``finish.lua`` 'adopt'): a send to it while the next queue runs,
+    before any new read, wakes nobody and is handled by the same lingering request, in order."""
+    p, eng = owned_idle_queues(settings, r)
+    seen: list[tuple[int, int]] = []
+
+    def listener(msgs, ctx):
+        for m in msgs:
+            seen.append((m.queue_id, int(m.body)))
+            if m.queue_id == 1 and int(m.body) < 5:
+                # Queue 0 was left by the switch that brought this run here, moments ago.
+                p.send_orderly(TOPIC, str(int(m.body) + 100).encode(), sharding_key=key_for(0))
+        return ConsumeOrderlyStatus.SUCCESS
+
+    linger = threading.Event()
+    linger.set()
+    eng.may_linger = linger.is_set
+    spec = ListenerSpec(listener, TOPIC, SUB)
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+    wakes = r.pubsub(ignore_subscribe_messages=True)
+    wakes.subscribe(keys.wake_channel(ME))
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], "t0")))
+    t.start()
+    try:
+        time.sleep(0.5)  # the run drained queue 0 and lingers, watching queues 1-3
+        for seq in range(5):
+            p.send_orderly(TOPIC, str(seq).encode(), sharding_key=key_for(1))
+            deadline = time.monotonic() + 5
+            while (0, seq + 100) not in seen and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert seen == [x for seq in range(5) for x in ((1, seq), (0, seq + 100))]
+        assert wakes.get_message(timeout=0.2) is None, "a send to the queue just left woke the client"
+    finally:
+        linger.clear()
+        t.join(timeout=10)
+        wakes.close()
+    (out,) = result
+    assert out.consumed == 10 and out.follow_ups == ()
+    for mq in QUEUES:
+        state = {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, SUB)).items()}
+        assert state["pending"] == "" and state["run"] == "0"
+        assert int(state.get("offset", 0)) == int(r.get(keys.queue_next(mq.tag)) or 0)
+    p.close()
+    eng.brokers.close()
+
+
+def test_finish_adopt_hands_the_queue_to_the_watch_only_while_the_caller_holds_it(settings, r) -> None:
+    """``finish.lua`` 'adopt': the pending slot passes to the watch's token (backlog or not) while
+    the caller holds the live lock of a queue still its own; otherwise the run ends as 'done'."""
+    p, eng = owned_idle_queues(settings, r)
+    scripts = eng.brokers.get("broker-a").scripts
+    scripts.load("finish")
+
+    def finish(mq: MessageQueue, token: str) -> list:
+        st = keys.sub_state(mq.tag, SUB)
+        r.hset(st, mapping={"pending": token, "pend_until": 2**62, "run": 2**62})
+        res = scripts.finish(keys=[st, keys.queue_next(mq.tag)],
+                             args=[ME, token, "adopt", "new", 10_000, 60_000, "watch", 2000])
+        return [x.decode() if isinstance(x, bytes) else x for x in res]
+
+    def state(mq: MessageQueue) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, SUB)).items()}
+
+    assert finish(QUEUES[0], "a") == ["ADOPTED", 0]
+    assert state(QUEUES[0])["pending"] == "watch" and state(QUEUES[0])["run"] == "0"
+    p.send_orderly(TOPIC, b"x", sharding_key=key_for(1))  # c1 is woken: a request "b" would run
+    assert finish(QUEUES[1], "b") == ["ADOPTED", 0]  # a backlog too: the watch reads it at once
+    assert state(QUEUES[1])["pending"] == "watch"
+    r.hset(keys.sub_state(QUEUES[2].tag, SUB), "assignee", "c2")  # reassigned meanwhile
+    assert finish(QUEUES[2], "c") == ["IDLE"]
+    assert state(QUEUES[2])["pending"] == "" and state(QUEUES[2])["owner"] == "c2"
+    r.hset(keys.sub_state(QUEUES[3].tag, SUB), "lease", 0)  # the lock lapsed
+    assert finish(QUEUES[3], "d") == ["IDLE"]
+    assert state(QUEUES[3])["pending"] == ""
+    p.close()
+    eng.brokers.close()

@@ -88,6 +88,9 @@ class Verb(StrEnum):
     REQUEUE = "REQUEUE"
     HANDOVER = "HANDOVER"
     DISPATCH = "DISPATCH"
+    #: The run switched to another queue of its ``IdleQueueWatch`` and its own queue, still
+    #: locked by this client, is now one of the watch's adopted queues (``finish.lua`` 'adopt').
+    ADOPTED = "ADOPTED"
 
 
 class Stop(StrEnum):
@@ -101,6 +104,9 @@ class Stop(StrEnum):
     FENCED = "fenced"
     #: The last commit found the queue drained and ended the run itself (``commit.lua`` IDLE).
     IDLE = "idle"
+    #: The lingering read found messages on another adopted queue (``Pull.switch``): end the run
+    #: and hand this queue to the watch in the same step (``finish.lua`` 'adopt').
+    SWITCH = "adopt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,8 +257,9 @@ class ConsumerEngine:
                 # (the queue switched to is released below and gets its own request).
                 break
             # The lingering read found messages on an adopted idle queue: this run ended (its own
-            # queue drained), that queue runs next in this same task, with the adoption token.
-            watch.switched(mq, req.switch_to)
+            # queue drained, and adopted by the watch when finish.lua could), that queue runs next
+            # in this same task, with the adoption token.
+            watch.switched(mq, req.switch_to, req.adopted_at if outcome.verb is Verb.ADOPTED else None)
             mq, token = req.switch_to, watch.token
         if watch is not None:
             try:
@@ -339,6 +346,8 @@ class ConsumeRequest:
         self.watch = watch
         #: Set when the lingering read found messages on one of them: the queue to run next.
         self.switch_to: MessageQueue | None = None
+        #: The committed offset this queue was handed to the watch at (``Verb.ADOPTED``).
+        self.adopted_at = 0
         self.epoch = 0
         self.committed = 0  # offset persisted in Redis
         self.commit_point = 0  # offset the ProcessQueue says may be persisted
@@ -470,7 +479,7 @@ class ConsumeRequest:
                     if pulled.lost:
                         return LoopEnd(Stop.FENCED)
                     if pulled.switch:
-                        return LoopEnd(Stop.DONE)
+                        return LoopEnd(Stop.SWITCH)
                 if not pulled.count:
                     return LoopEnd(Stop.DONE)
                 continue
@@ -813,15 +822,19 @@ class ConsumeRequest:
         if self.epoch and self.commit_point > self.committed and self._persist(pull=False).lost:
             return Outcome(Verb.FENCED, consumed=self.consumed)
         token = new_token()
-        res = self.scripts.finish(
-            keys=[self.k_state, self.k_next],
-            args=[self.client_id, self.token, end.stop.value, token,
-                  self.pending_ttl_ms + int(end.countdown * 1000), self.lock_ms],
-        )
+        args: list[Any] = [self.client_id, self.token, end.stop.value, token,
+                           self.pending_ttl_ms + int(end.countdown * 1000), self.lock_ms]
+        if end.stop is Stop.SWITCH:
+            assert self.watch is not None
+            args += [self.watch.token, ADOPT_TTL_MS]
+        res = self.scripts.finish(keys=[self.k_state, self.k_next], args=args)
         self.pq.clear()
         self._flush_ledger()
         self._flush_stats()
         verb = Verb(text(res[0]))
+        if verb is Verb.ADOPTED:
+            self.adopted_at = int(res[1])
+            return Outcome(verb, consumed=self.consumed)
         if verb is Verb.IDLE or verb is Verb.STALE:
             return Outcome(verb, consumed=self.consumed)
         target = text(res[1])

@@ -71,8 +71,6 @@ class IdleQueueWatch:
         #: Adopted queues: log stream key -> (queue, committed offset when adopted).
         self.adopted: dict[str, tuple[MessageQueue, int]] = {}
         self._refreshed = 0.0
-        #: Queues to adopt at the next read without waiting for the next full refresh.
-        self._soon: list[MessageQueue] = []
 
     def streams(self, exclude: MessageQueue) -> tuple[list[str], list[str]]:
         """Stream keys and XREAD ids of the adopted queues (``exclude``: the caller's own)."""
@@ -93,39 +91,36 @@ class IdleQueueWatch:
         ``ADOPT_REFRESH_S``). ``running``: the caller's own queue, never adopted."""
         now = time.monotonic()
         if now - self._refreshed < ADOPT_REFRESH_S:
-            if self._soon:
-                self._adopt([mq for mq in self._soon if mq != running], keep=True)
-                self._soon = []
             return
         self._refreshed = now
-        self._soon = []
         wanted = [mq for mq in self._owned() if mq.broker_name == self.broker_name and mq != running]
         if not wanted:
             self.adopted.clear()
             return
-        self._adopt(wanted, keep=False)
+        self._adopt(wanted)
 
-    def _adopt(self, wanted: list[MessageQueue], keep: bool) -> None:
-        """``adopt.lua`` on each of ``wanted`` in one round trip; ``keep``: add to the adopted
-        queues rather than replace them (the renewal of a full refresh replaces them)."""
-        if not wanted:
-            return
+    def _adopt(self, wanted: list[MessageQueue]) -> None:
+        """``adopt.lua`` on each of ``wanted`` in one round trip: adopt or renew; the queues it
+        refused are no longer adopted."""
         replies = self.scripts.run_pipelined("adopt", [
             ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)], [self.client_id, self.token, ADOPT_TTL_MS])
             for mq in wanted
         ])
-        adopted: dict[str, tuple[MessageQueue, int]] = dict(self.adopted) if keep else {}
+        adopted: dict[str, tuple[MessageQueue, int]] = {}
         for mq, res in zip(wanted, replies, strict=True):
             if int(res[0]):
                 adopted[keys.queue_log(mq.tag)] = (mq, int(res[1]))
         self.adopted = adopted
 
-    def switched(self, left: MessageQueue, to: MessageQueue) -> None:
+    def switched(self, left: MessageQueue, to: MessageQueue, adopted_at: int | None) -> None:
         """The caller's run on ``left`` ended and ``to`` runs next with this watch's token: ``to``'s
-        run ends its adoption, and ``left``, idle now, is adopted at the next read (one script
-        call, not a full refresh)."""
+        run ends its adoption. ``adopted_at``: the committed offset ``left`` was handed to this
+        watch at, in the same step that ended its run (``finish.lua`` 'adopt'), so no send to it
+        falls between the two; None when it was not (no longer the caller's: the next full
+        refresh finds out again)."""
         self.adopted.pop(keys.queue_log(to.tag), None)
-        self._soon.append(left)
+        if adopted_at is not None:
+            self.adopted[keys.queue_log(left.tag)] = (left, adopted_at)
 
     def release(self) -> list[FollowUp]:
         """End every adoption (``finish.lua``, action done): an idle queue gets its pending slot

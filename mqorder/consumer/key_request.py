@@ -294,7 +294,7 @@ class KeyConsumeRequest(ConsumeRequest):
                         self.fenced = True
                         return LoopEnd(Stop.FENCED)
                     if pulled.switch:
-                        return LoopEnd(Stop.DONE)
+                        return LoopEnd(Stop.SWITCH)
                 if pulled.count:
                     continue
                 return LoopEnd(Stop.DONE)

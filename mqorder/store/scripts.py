@@ -111,6 +111,35 @@ class Scripts:
                 self.load(name)
         raise AssertionError("unreachable")  # pragma: no cover
 
+    def run_many(self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]]) -> list[Any]:
+        """``EVALSHA`` of each ``(script name, keys, args)`` call, in one round trip; their replies.
+
+        A call refused with ``NOSCRIPT`` changed nothing, so only those are sent again (their
+        scripts loaded first), never one that ran; any other error of a call is raised, as a
+        plain pipeline would.
+        """
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in (0, 1):
+            pipe = self._client.pipeline(transaction=False)
+            for i in todo:
+                self.queue_in(pipe, *calls[i])
+            out = pipe.execute(raise_on_error=False)
+            missing = []
+            for i, res in zip(todo, out, strict=True):
+                if isinstance(res, redis.exceptions.NoScriptError) and not attempt:
+                    missing.append(i)
+                elif isinstance(res, Exception):
+                    raise res
+                else:
+                    replies[i] = res
+            if not missing:
+                return replies
+            for name in {calls[i][0] for i in missing}:
+                self.load(name)
+            todo = missing
+        raise AssertionError("unreachable")  # pragma: no cover
+
     def load(self, name: str) -> None:
         """(Re)load script ``name`` into Redis, e.g. after a ``NoScriptError``."""
         script = getattr(self, name)

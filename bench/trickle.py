@@ -56,10 +56,25 @@ class _RoundTrips:
 
         AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
         AbstractConnection.pack_commands = pack  # type: ignore[method-assign]
+        try:
+            from mqorder.store.raw_pipe import RawPipeline
+        except ImportError:  # an engine from before RawPipeline
+            self.raw = None
+            return
+        self.raw, self._raw_exec = RawPipeline, RawPipeline.execute
+
+        def raw_exec(pipe: Any, raise_on_error: bool = True) -> Any:
+            if threading.get_ident() == me.thread:
+                me.commands += len(pipe) - 1
+            return me._raw_exec(pipe, raise_on_error)
+
+        RawPipeline.execute = raw_exec  # type: ignore[method-assign]
 
     def close(self) -> None:
         self.cls.send_packed_command = self._send  # type: ignore[method-assign]
         self.cls.pack_commands = self._pack  # type: ignore[method-assign]
+        if self.raw is not None:
+            self.raw.execute = self._raw_exec  # type: ignore[method-assign]
 
 
 def _key_for(queue_id: int, n: int) -> str:

@@ -47,6 +47,7 @@ from mqorder.rebalance.service import assigned_queues
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.raw_pipe import RawPipeline
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 from mqorder.tokens import new_token
@@ -429,7 +430,7 @@ class ConsumeRequest:
                  [self.client_id, self.token, self.run_lease_ms, self.lock_ms, self.pull_n, self.runner])
         prior = self.prior
         if prior is None:
-            res = self.scripts.begin(keys=begin[1], args=begin[2])
+            res = self.scripts.call(*begin)
         else:
             assert prior.deferred_end is not None
             done, res = self.scripts.run_many([("finish", *prior._finish_call(prior.deferred_end)), begin])
@@ -558,7 +559,7 @@ class ConsumeRequest:
         (``NOTHING`` ends the run normally), or ``LOST`` when the run lost the queue (fenced).
         """
         while True:
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = RawPipeline(self.redis)
             if not self._queue_slice(pipe, until):
                 return NOTHING
             reply, state = pipe.execute()
@@ -847,7 +848,7 @@ class ConsumeRequest:
         if start is None:
             start = max(self.commit_point, self.pulled_to)
         for attempt in (0, 1):
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = RawPipeline(self.redis)
             self.scripts.queue_in(pipe, script, keys_, args)
             if self.ledger is not None:
                 # Before the read: a lingering read may block, the records must not wait for it.
@@ -927,7 +928,7 @@ class ConsumeRequest:
         """``finish.lua``: end the run and learn who consumes this queue next."""
         if self._needs_last_commit() and self._persist(pull=False).lost:
             return Outcome(Verb.FENCED, consumed=self.consumed)
-        return self._ended(self.scripts.finish(*self._finish_call(end)), end)
+        return self._ended(self.scripts.call("finish", *self._finish_call(end)), end)
 
     def _finish_call(self, end: LoopEnd) -> tuple[list[str], list[Any]]:
         """Keys and arguments of this run's ``finish.lua`` (a switch hands the queue to the watch)."""

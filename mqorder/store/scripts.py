@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from mqorder import keys
+from mqorder.store.raw_pipe import RawPipeline
 
 NAMES = (
     "send",
@@ -100,7 +101,7 @@ class Scripts:
         pipeline sent again: every call in it was refused alike, so none of them changed anything.
         """
         for attempt in (0, 1):
-            pipe = self._client.pipeline(transaction=False)
+            pipe = RawPipeline(self._client)
             for k, a in calls:
                 self.queue_in(pipe, name, k, a)
             try:
@@ -110,6 +111,10 @@ class Scripts:
                     raise
                 self.load(name)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def call(self, name: str, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """One ``EVALSHA`` of script ``name`` (``run_many``'s lean round trip; the consume path's)."""
+        return self.run_many([(name, keys, args)])[0]
 
     def run_many(self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]]) -> list[Any]:
         """``EVALSHA`` of each ``(script name, keys, args)`` call, in one round trip; their replies.
@@ -121,7 +126,7 @@ class Scripts:
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         for attempt in (0, 1):
-            pipe = self._client.pipeline(transaction=False)
+            pipe = RawPipeline(self._client)
             for i in todo:
                 self.queue_in(pipe, *calls[i])
             out = pipe.execute(raise_on_error=False)

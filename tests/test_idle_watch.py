@@ -248,3 +248,48 @@ def test_finish_adopt_hands_the_queue_to_the_watch_only_while_the_caller_holds_i
     assert state(QUEUES[3])["pending"] == ""
     p.close()
     eng.brokers.close()
+
+
+def test_a_request_that_has_not_lingered_begins_only_when_allowed_and_a_lingering_one_goes_on(settings, r) -> None:
+    """``may_start_linger`` (no pool slot would stay free) keeps a fresh request from lingering;
+    a request already lingering, along its chain of switches, asks only ``may_linger``."""
+    p, eng = owned_idle_queues(settings, r)
+    seen: list[tuple[int, int]] = []
+
+    def listener(msgs, ctx):
+        seen.extend((m.queue_id, int(m.body)) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    linger, start = threading.Event(), threading.Event()
+    linger.set()
+    eng.may_linger = linger.is_set
+    eng.may_start_linger = start.is_set
+    spec = ListenerSpec(listener, TOPIC, SUB)
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+    p.send_orderly(TOPIC, b"0", sharding_key=key_for(0))
+    t0 = time.monotonic()
+    out = eng.run(spec, SUB, QUEUES[0], "t0")  # may not begin: drains and ends at once
+    assert out.verb == "IDLE" and out.consumed == 1 and time.monotonic() - t0 < 0.5
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t1", "pend_until": 2**62})
+    start.set()
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], "t1")))
+    t.start()
+    try:
+        time.sleep(0.5)  # lingering now
+        start.clear()  # every slot busy: nobody may begin to linger, this one goes on
+        for seq in range(1, 7):
+            p.send_orderly(TOPIC, str(seq).encode(), sharding_key=key_for(1 + seq % 3))
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while len(seen) < 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(seen) == sorted([(0, 0)] + [(1 + s % 3, s) for s in range(1, 7)])
+        assert t.is_alive(), "the lingering request stopped although nobody waits for its slot"
+    finally:
+        linger.clear()
+        t.join(timeout=10)
+    (out,) = result
+    assert out.consumed == 6
+    p.close()
+    eng.brokers.close()

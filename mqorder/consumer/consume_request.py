@@ -182,6 +182,10 @@ def _never() -> bool:
     return False
 
 
+def _always() -> bool:
+    return True
+
+
 @dataclass(frozen=True, slots=True)
 class Slice:
     """The replies of a lingering read that rode on a commit (``XREAD``, then the queue's state)."""
@@ -203,6 +207,9 @@ class ConsumerEngine:
         #: Whether a drained request may wait for more messages: set by the integration (the
         #: Celery threads pool can tell whether requests are waiting for a slot); never by default.
         self.may_linger: Callable[[], bool] = _never
+        #: Whether a request that has not lingered yet may begin to (on top of ``may_linger``): the
+        #: integration says no while this would leave no pool slot free for the next request.
+        self.may_start_linger: Callable[[], bool] = _always
         appender = QueueAppender(
             self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout,
             topics=self.topics, action="DLQ write",
@@ -382,6 +389,9 @@ class ConsumeRequest:
         #: ``begin.lua`` (``Verb.SWITCHED``), and its stop.
         self.prior = prior
         self.deferred_end: LoopEnd | None = None
+        #: This task execution lingers already (a chain of switches carries its watch): it goes
+        #: on while ``may_linger``; a request that has not lingered yet asks ``may_start_linger`` too.
+        self.lingering = watch is not None
         #: The request the prior run's queue needs when its finish did not hand it to the watch.
         self.prior_follow_up: FollowUp | None = None
         self.epoch = 0
@@ -516,7 +526,7 @@ class ConsumeRequest:
                 return LoopEnd(Stop.FENCED)
             msgs = pq.take_messages(self.batch_max)
             if not msgs:
-                linger = self.linger_s > 0 and not pq.consuming and self.engine.may_linger()
+                linger = self.linger_s > 0 and not pq.consuming and self._may_linger()
                 until = min(deadline, time.monotonic() + self.linger_s) if linger else None
                 # Lingering, the commit carries the first lingering read in its round trip.
                 pulled = self._persist(pull=not pq.is_full(threshold), idle_if_drained=not linger,
@@ -542,6 +552,13 @@ class ConsumeRequest:
             end = self._settle(msgs, handled, ctx)
             if end is not None:
                 return end
+
+    def _may_linger(self) -> bool:
+        """Whether this drained run may linger now (and, if so, it lingers from now on)."""
+        eng = self.engine
+        ok = eng.may_linger() and (self.lingering or eng.may_start_linger())
+        self.lingering = self.lingering or ok
+        return ok
 
     def _linger(self, until: float) -> Pull:
         """Wait on this queue's stream for new messages while the worker has idle capacity.

@@ -280,7 +280,7 @@ class KeyConsumeRequest(ConsumeRequest):
                 continue
             # Nothing runs: drained, or only suspended keys are left.
             if not lanes.buffered and not lanes.blocked:
-                linger = self.linger_s > 0 and self.engine.may_linger()
+                linger = self.linger_s > 0 and self._may_linger()
                 until = min(deadline, time.monotonic() + self.linger_s) if linger else None
                 # Queue mode's lingering read (``ConsumeRequest._linger``), fenced the same way; its
                 # first slice rides on the commit.

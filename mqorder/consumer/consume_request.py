@@ -47,7 +47,7 @@ from mqorder.rebalance.service import assigned_queues
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
-from mqorder.store.raw_pipe import RawPipeline
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 from mqorder.tokens import new_token
@@ -263,13 +263,23 @@ class ConsumerEngine:
         and pool slot. The outcome is then about the last queue run (``Outcome.queue``), and
         ``follow_ups`` lists the requests to send for the others.
         """
+        # One connection for every round trip of this execution (its chain of switches stays on
+        # one broker: an IdleQueueWatch watches one broker's queues).
+        lease = ConnectionLease(self.brokers.get(mq.broker_name).client)
+        try:
+            return self._run_chain(spec, sub, mq, token, lease)
+        finally:
+            lease.release()
+
+    def _run_chain(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str,
+                   lease: ConnectionLease) -> Outcome | None:
         runner = new_token()
         watch: IdleQueueWatch | None = None
         follow_ups: list[FollowUp] = []
         consumed = 0
         prior: ConsumeRequest | None = None
         while True:
-            req, outcome = self._run_one(spec, sub, mq, token, runner, watch, prior)
+            req, outcome = self._run_one(spec, sub, mq, token, runner, watch, prior, lease)
             if outcome is None:
                 return None  # Redis stayed down: adoptions lapse, the sweep re-dispatches
             consumed += outcome.consumed
@@ -299,7 +309,7 @@ class ConsumerEngine:
             mq, token = req.switch_to, watch.token
         if watch is not None:
             try:
-                follow_ups.extend(watch.release())
+                follow_ups.extend(watch.release(lease))
             except (redis.RedisError, BrokerUnavailableError) as exc:
                 log.warning("could not end the adoptions of %s (%s); they lapse within %d ms",
                             sub, exc, ADOPT_TTL_MS)
@@ -309,12 +319,12 @@ class ConsumerEngine:
 
     def _run_one(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str,
                  watch: IdleQueueWatch | None, prior: ConsumeRequest | None = None,
-                 ) -> tuple[ConsumeRequest, Outcome | None]:
+                 lease: ConnectionLease | None = None) -> tuple[ConsumeRequest, Outcome | None]:
         backoff = Backoff(first=0.25, cap=5.0)
         waited = 0.0
         cls = _request_class(spec)
         while True:
-            req = cls(self, spec, sub, mq, token, runner=runner, watch=watch, prior=prior)
+            req = cls(self, spec, sub, mq, token, runner=runner, watch=watch, prior=prior, lease=lease)
             try:
                 return req, req.run()
             except (redis.RedisError, BrokerUnavailableError) as exc:
@@ -344,6 +354,7 @@ class ConsumeRequest:
     def __init__(
         self, engine: ConsumerEngine, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str = "",
         watch: IdleQueueWatch | None = None, prior: ConsumeRequest | None = None,
+        lease: ConnectionLease | None = None,
     ) -> None:
         s = engine.settings
         self.engine = engine
@@ -359,6 +370,10 @@ class ConsumeRequest:
         broker = engine.brokers.get(mq.broker_name)
         self.redis = broker.client
         self.scripts = broker.scripts
+        #: The connection of this run's round trips on the consume path: the task execution's
+        #: (``ConsumerEngine.run``), or this run's own, released when ``run`` returns.
+        self._own_lease = lease is None
+        self.lease = lease if lease is not None else ConnectionLease(self.redis)
         tag = mq.tag
         self.k_state = keys.sub_state(tag, sub)
         self.k_log = keys.queue_log(tag)
@@ -414,6 +429,13 @@ class ConsumeRequest:
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self) -> Outcome:
+        try:
+            return self._run()
+        finally:
+            if self._own_lease:
+                self.lease.release()
+
+    def _run(self) -> Outcome:
         begun = self._check()
         if begun is not None:
             return begun
@@ -440,10 +462,11 @@ class ConsumeRequest:
                  [self.client_id, self.token, self.run_lease_ms, self.lock_ms, self.pull_n, self.runner])
         prior = self.prior
         if prior is None:
-            res = self.scripts.call(*begin)
+            res = self.scripts.call(*begin, via=self.lease)
         else:
             assert prior.deferred_end is not None
-            done, res = self.scripts.run_many([("finish", *prior._finish_call(prior.deferred_end)), begin])
+            done, res = self.scripts.run_many([("finish", *prior._finish_call(prior.deferred_end)), begin],
+                                              self.lease)
             self._after_prior(prior, prior._ended(done, prior.deferred_end))
         verb = text(res[0])
         if verb in ("STALE", "BUSY"):
@@ -576,7 +599,7 @@ class ConsumeRequest:
         (``NOTHING`` ends the run normally), or ``LOST`` when the run lost the queue (fenced).
         """
         while True:
-            pipe = RawPipeline(self.redis)
+            pipe = RawPipeline(self.lease)
             if not self._queue_slice(pipe, until):
                 return NOTHING
             reply, state = pipe.execute()
@@ -603,7 +626,7 @@ class ConsumeRequest:
         last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
         names, ids = [self.k_log, keys.linger_nudge(self.client_id)], [last_id, self.engine.nudge_seen]
         if self.watch is not None:
-            self.watch.refresh(self.mq)  # its own round trip, at most every ADOPT_REFRESH_S
+            self.watch.refresh(self.mq, self.lease)  # its own round trip, at most every ADOPT_REFRESH_S
             more, more_ids = self.watch.streams(self.mq)
             names += more
             ids += more_ids
@@ -865,7 +888,7 @@ class ConsumeRequest:
         if start is None:
             start = max(self.commit_point, self.pulled_to)
         for attempt in (0, 1):
-            pipe = RawPipeline(self.redis)
+            pipe = RawPipeline(self.lease)
             self.scripts.queue_in(pipe, script, keys_, args)
             if self.ledger is not None:
                 # Before the read: a lingering read may block, the records must not wait for it.
@@ -945,7 +968,7 @@ class ConsumeRequest:
         """``finish.lua``: end the run and learn who consumes this queue next."""
         if self._needs_last_commit() and self._persist(pull=False).lost:
             return Outcome(Verb.FENCED, consumed=self.consumed)
-        return self._ended(self.scripts.call("finish", *self._finish_call(end)), end)
+        return self._ended(self.scripts.call("finish", *self._finish_call(end), via=self.lease), end)
 
     def _finish_call(self, end: LoopEnd) -> tuple[list[str], list[Any]]:
         """Keys and arguments of this run's ``finish.lua`` (a switch hands the queue to the watch)."""

@@ -29,6 +29,7 @@ from typing import Any
 
 from mqorder import keys
 from mqorder.model import MessageQueue
+from mqorder.store.raw_pipe import ConnectionLease
 from mqorder.store.replies import text
 from mqorder.tokens import new_token
 
@@ -86,9 +87,10 @@ class IdleQueueWatch:
         hit = self.adopted.get(stream_key)
         return hit[0] if hit else None
 
-    def refresh(self, running: MessageQueue) -> None:
+    def refresh(self, running: MessageQueue, via: ConnectionLease | None = None) -> None:
         """Adopt the idle owned queues not adopted yet and renew the others (at most every
-        ``ADOPT_REFRESH_S``). ``running``: the caller's own queue, never adopted."""
+        ``ADOPT_REFRESH_S``). ``running``: the caller's own queue, never adopted; ``via``: the
+        caller's connection."""
         now = time.monotonic()
         if now - self._refreshed < ADOPT_REFRESH_S:
             return
@@ -97,15 +99,15 @@ class IdleQueueWatch:
         if not wanted:
             self.adopted.clear()
             return
-        self._adopt(wanted)
+        self._adopt(wanted, via)
 
-    def _adopt(self, wanted: list[MessageQueue]) -> None:
+    def _adopt(self, wanted: list[MessageQueue], via: ConnectionLease | None) -> None:
         """``adopt.lua`` on each of ``wanted`` in one round trip: adopt or renew; the queues it
         refused are no longer adopted."""
         replies = self.scripts.run_pipelined("adopt", [
             ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)], [self.client_id, self.token, ADOPT_TTL_MS])
             for mq in wanted
-        ])
+        ], via)
         adopted: dict[str, tuple[MessageQueue, int]] = {}
         for mq, res in zip(wanted, replies, strict=True):
             if int(res[0]):
@@ -122,7 +124,7 @@ class IdleQueueWatch:
         if adopted_at is not None:
             self.adopted[keys.queue_log(left.tag)] = (left, adopted_at)
 
-    def release(self) -> list[FollowUp]:
+    def release(self, via: ConnectionLease | None = None) -> list[FollowUp]:
         """End every adoption (``finish.lua``, action done): an idle queue gets its pending slot
         back; one that got messages meanwhile gets a new request, returned for the caller to send."""
         if not self.adopted:
@@ -133,7 +135,7 @@ class IdleQueueWatch:
             ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)],
              [self.client_id, self.token, "done", new_token(), self.pending_ttl_ms, self.lock_ms])
             for mq, _ in items
-        ])
+        ], via)
         out = []
         for (mq, _), res in zip(items, replies, strict=True):
             verb = text(res[0])

@@ -72,15 +72,25 @@ class IdleQueueWatch:
         #: Adopted queues: log stream key -> (queue, committed offset when adopted).
         self.adopted: dict[str, tuple[MessageQueue, int]] = {}
         self._refreshed = 0.0
+        #: ``streams``' last answer, (exclude, names, ids): read on every lingering read, it changes
+        #: only with the adopted queues (``_changed`` forgets it).
+        self._streams: tuple[MessageQueue, list[str], list[str]] | None = None
+
+    def _changed(self) -> None:
+        self._streams = None
 
     def streams(self, exclude: MessageQueue) -> tuple[list[str], list[str]]:
         """Stream keys and XREAD ids of the adopted queues (``exclude``: the caller's own)."""
+        cached = self._streams
+        if cached is not None and cached[0] is exclude:
+            return cached[1], cached[2]
         names, ids = [], []
         for k, (mq, offset) in self.adopted.items():
             if mq == exclude:
                 continue
             names.append(k)
             ids.append(f"{offset - 1}-1" if offset > 0 else "0-0")
+        self._streams = (exclude, names, ids)
         return names, ids
 
     def queue_of(self, stream_key: str) -> MessageQueue | None:
@@ -98,6 +108,7 @@ class IdleQueueWatch:
         wanted = [mq for mq in self._owned() if mq.broker_name == self.broker_name and mq != running]
         if not wanted:
             self.adopted.clear()
+            self._changed()
             return
         self._adopt(wanted, via)
 
@@ -113,6 +124,7 @@ class IdleQueueWatch:
             if int(res[0]):
                 adopted[keys.queue_log(mq.tag)] = (mq, int(res[1]))
         self.adopted = adopted
+        self._changed()
 
     def switched(self, left: MessageQueue, to: MessageQueue, adopted_at: int | None) -> None:
         """The caller's run on ``left`` ended and ``to`` runs next with this watch's token: ``to``'s
@@ -123,6 +135,7 @@ class IdleQueueWatch:
         self.adopted.pop(keys.queue_log(to.tag), None)
         if adopted_at is not None:
             self.adopted[keys.queue_log(left.tag)] = (left, adopted_at)
+        self._changed()
 
     def release(self, via: ConnectionLease | None = None) -> list[FollowUp]:
         """End every adoption (``finish.lua``, action done): an idle queue gets its pending slot
@@ -131,6 +144,7 @@ class IdleQueueWatch:
             return []
         items = list(self.adopted.values())
         self.adopted = {}
+        self._changed()
         replies = self.scripts.run_pipelined("finish", [
             ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)],
              [self.client_id, self.token, "done", new_token(), self.pending_ttl_ms, self.lock_ms])

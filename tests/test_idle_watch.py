@@ -293,3 +293,57 @@ def test_a_request_that_has_not_lingered_begins_only_when_allowed_and_a_lingerin
     assert out.consumed == 6
     p.close()
     eng.brokers.close()
+
+
+def test_a_queue_a_run_leaves_idle_is_watched_by_the_lingering_request_at_once(settings, r, monkeypatch) -> None:
+    """A run that ends without lingering (another request of its worker lingers already) says so in
+    the client's nudge stream (``nudge.idle_entry``); the lingering request adopts that queue at its
+    next read, not at its next full refresh, so the next send there wakes nobody."""
+    from mqorder.consumer import idle_watch
+
+    monkeypatch.setattr(idle_watch, "ADOPT_REFRESH_S", 60.0)  # only the nudge can adopt it in time
+    p, eng = owned_idle_queues(settings, r)
+    seen: list[tuple[int, int]] = []
+
+    def listener(msgs, ctx):
+        seen.extend((m.queue_id, int(m.body)) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    linger = threading.Event()
+    linger.set()
+    eng.may_linger = linger.is_set
+    spec = ListenerSpec(listener, TOPIC, SUB)
+    q3 = keys.sub_state(QUEUES[3].tag, SUB)
+    r.hset(q3, mapping={"pending": "t3", "pend_until": 2**62})  # a request is on its way to queue 3
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+    wakes = r.pubsub(ignore_subscribe_messages=True)
+    wakes.subscribe(keys.wake_channel(ME))
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], "t0")))
+    t.start()
+    other = ConsumerEngine(settings, ME)  # the worker's other pool process
+    other.may_linger = lambda: True
+    other.may_start_linger = lambda: False  # a slot stays free only if it does not linger
+    try:
+        time.sleep(0.5)  # lingering, watching queues 1 and 2 (3 had a request pending)
+        p.send_orderly(TOPIC, b"1", sharding_key=key_for(3))
+        assert wakes.get_message(timeout=1.0) is None  # pending already: nobody woken
+        out = other.run(spec, SUB, QUEUES[3], "t3")
+        assert out.verb == "IDLE" and out.consumed == 1
+        deadline = time.monotonic() + 2
+        while r.hget(q3, "pending") in (b"", None) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert r.hget(q3, "pending") not in (b"", None), "the lingering request did not adopt queue 3"
+        p.send_orderly(TOPIC, b"2", sharding_key=key_for(3))
+        deadline = time.monotonic() + 5
+        while (3, 2) not in seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [(3, 1), (3, 2)]
+        assert wakes.get_message(timeout=0.2) is None, "the send to queue 3 woke the client"
+    finally:
+        linger.clear()
+        t.join(timeout=10)
+        wakes.close()
+        other.brokers.close()
+    p.close()
+    eng.brokers.close()

@@ -39,6 +39,7 @@ from mqorder.consumer.hooks import (
 from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
 from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.nudge import idle_entry, idle_queues
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.errors import BrokerUnavailableError
 from mqorder.model import ConsumeOrderlyStatus, MessageExt, MessageQueue
@@ -220,6 +221,13 @@ class ConsumerEngine:
         self.nudge_seen = "0-0"
         #: (sub, queue key) whose trimmed messages were logged already: a warning once per queue.
         self.skips_logged: set[tuple[str, str]] = set()
+
+    @property
+    def nudges_idle(self) -> bool:
+        """Whether a run that leaves its queue idle tells this client's lingering requests
+        (``nudge.idle_entry``): when requests linger here and watch other queues."""
+        s = self.settings
+        return self.may_linger is not _never and s.consume_linger_ms > 0 and s.consume_linger_idle_queues
 
     def owned_queues(self, sub: str) -> list[MessageQueue]:
         """Queues of ``sub`` the rebalance assigned to this client (its read hint, at most a second
@@ -656,8 +664,12 @@ class ConsumeRequest:
         by_stream = dict(reply.items()) if isinstance(reply, dict) else {k: v for k, v in reply}
         nudges = by_stream.pop(keys.linger_nudge(me).encode(), None)
         if nudges:
-            # A request waits for a slot (or an old nudge, seen once): may_linger() decides.
+            # A request waits for a slot (or an old nudge, seen once): may_linger() decides. Or a
+            # queue of this client went idle: watch it from the next read on.
             self.engine.nudge_seen = text(nudges[-1][0])
+            went_idle = idle_queues(nudges)
+            if went_idle and self.watch is not None:
+                self.watch.adopt_soon(went_idle)
         entries = by_stream.pop(self.k_log.encode(), None)
         if entries:
             self._put(entries, None)
@@ -822,6 +834,8 @@ class ConsumeRequest:
         empty ``XRANGE`` and then a blocking read. Its result is ``_slice_result``'s (``WAIT``: go
         on lingering); a refused commit discards it."""
         idle = idle_if_drained and pull and not self.retry_updates and not self.pq.consuming
+        # A run ending here leaves its queue idle: a lingering request of this client may watch it.
+        then = idle_entry(self.client_id, [self.mq.key]) if idle and self.engine.nudges_idle else None
         skipped = 0
         if self._skips:
             skipped = sum(n for end, n in self._skips if end <= self.commit_point)
@@ -836,7 +850,7 @@ class ConsumeRequest:
         if pull or (self.ledger is not None and self.ledger.records):
             # One round trip: the fenced commit, then a plain read of the next batch (and the
             # ledger records of the batch just handled, when the ledger is on).
-            res, entries = self._commit_pipelined(keys_, args, pull, linger_until=linger_until)
+            res, entries = self._commit_pipelined(keys_, args, pull, linger_until=linger_until, then=then)
         else:
             res, entries = self.scripts.commit(keys=keys_, args=args), []
         verb = text(res[0])
@@ -873,12 +887,14 @@ class ConsumeRequest:
         return pulled
 
     def _commit_pipelined(self, keys_: list[str], args: list[Any], pull: bool, script: str = "commit",
-                          start: int | None = None, linger_until: float | None = None) -> tuple[Any, Any]:
+                          start: int | None = None, linger_until: float | None = None,
+                          then: tuple[Any, ...] | None = None) -> tuple[Any, Any]:
         """``commit.lua`` (or ``script``: a key-ordered run's ``key_commit.lua``), the ledger records,
         then ``XRANGE`` of the next batch from ``start`` (default: past what this run pulled) when
         ``pull``, pipelined: one round trip per batch. With ``linger_until`` the read is the first
         lingering read instead (``_queue_slice``), returned as a ``Slice``, unless the linger is
-        over already.
+        over already. ``then``: one more command at the end (the idle nudge of a run that may end
+        here; if the commit did not end it, the nudge's reader finds the queue busy and leaves it).
 
         If Redis lost its scripts (a restart), nothing of the commit and read changed any state
         (the commit was refused with NOSCRIPT, the reads only read), so they are sent once more
@@ -897,6 +913,8 @@ class ConsumeRequest:
             sliced = pull and linger_until is not None and self._queue_slice(pipe, linger_until)
             if pull and not sliced:
                 pipe.execute_command("XRANGE", self.k_log, start, "+", "COUNT", self.pull_n)
+            if then is not None:
+                pipe.execute_command(*then)
             try:
                 replies = pipe.execute()
             except NoScriptError:
@@ -985,6 +1003,8 @@ class ConsumeRequest:
         self._flush_ledger()
         self._flush_stats()
         verb = Verb(text(res[0]))
+        if verb is Verb.IDLE and self.engine.nudges_idle:
+            RawPipeline(self.lease).execute_command(*idle_entry(self.client_id, [self.mq.key])).execute()
         if verb is Verb.ADOPTED:
             self.adopted_at = int(res[1])
             return Outcome(verb, consumed=self.consumed)

@@ -28,8 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mqorder import keys
+from mqorder.consumer.nudge import idle_entry
 from mqorder.model import MessageQueue
-from mqorder.store.raw_pipe import ConnectionLease
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 from mqorder.store.replies import text
 from mqorder.tokens import new_token
 
@@ -75,6 +76,9 @@ class IdleQueueWatch:
         #: ``streams``' last answer, (exclude, names, ids): read on every lingering read, it changes
         #: only with the adopted queues (``_changed`` forgets it).
         self._streams: tuple[MessageQueue, list[str], list[str]] | None = None
+        #: Queues this client's other runs said went idle (``nudge.idle_entry``): adopted at the
+        #: next read, without waiting for the next full refresh.
+        self._soon: list[MessageQueue] = []
 
     def _changed(self) -> None:
         self._streams = None
@@ -103,8 +107,12 @@ class IdleQueueWatch:
         caller's connection."""
         now = time.monotonic()
         if now - self._refreshed < ADOPT_REFRESH_S:
+            if self._soon:
+                soon, self._soon = self._soon, []
+                self._adopt([mq for mq in soon if mq != running], via, keep=True)
             return
         self._refreshed = now
+        self._soon = []
         wanted = [mq for mq in self._owned() if mq.broker_name == self.broker_name and mq != running]
         if not wanted:
             self.adopted.clear()
@@ -112,14 +120,27 @@ class IdleQueueWatch:
             return
         self._adopt(wanted, via)
 
-    def _adopt(self, wanted: list[MessageQueue], via: ConnectionLease | None) -> None:
-        """``adopt.lua`` on each of ``wanted`` in one round trip: adopt or renew; the queues it
-        refused are no longer adopted."""
+    def adopt_soon(self, mq_keys: list[str]) -> None:
+        """Queues of this client that just went idle (named in its nudge stream): adopt them at the
+        next read. Only a try: ``adopt.lua`` takes a queue only if it is idle and this client's."""
+        for k in mq_keys:
+            try:
+                mq = MessageQueue.from_key(k)
+            except ValueError:
+                continue
+            if mq.broker_name == self.broker_name and keys.queue_log(mq.tag) not in self.adopted:
+                self._soon.append(mq)
+
+    def _adopt(self, wanted: list[MessageQueue], via: ConnectionLease | None, keep: bool = False) -> None:
+        """``adopt.lua`` on each of ``wanted`` in one round trip: adopt or renew. ``keep``: add to
+        the adopted queues; otherwise (a full refresh) the queues it refused are no longer adopted."""
+        if not wanted:
+            return
         replies = self.scripts.run_pipelined("adopt", [
             ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)], [self.client_id, self.token, ADOPT_TTL_MS])
             for mq in wanted
         ], via)
-        adopted: dict[str, tuple[MessageQueue, int]] = {}
+        adopted: dict[str, tuple[MessageQueue, int]] = dict(self.adopted) if keep else {}
         for mq, res in zip(wanted, replies, strict=True):
             if int(res[0]):
                 adopted[keys.queue_log(mq.tag)] = (mq, int(res[1]))
@@ -150,9 +171,14 @@ class IdleQueueWatch:
              [self.client_id, self.token, "done", new_token(), self.pending_ttl_ms, self.lock_ms])
             for mq, _ in items
         ], via)
-        out = []
+        out, went_idle = [], []
         for (mq, _), res in zip(items, replies, strict=True):
             verb = text(res[0])
             if verb in ("REQUEUE", "HANDOVER", "DISPATCH"):
                 out.append(FollowUp(mq, text(res[1]), text(res[2])))
+            elif verb == "IDLE":
+                went_idle.append(mq.key)
+        if went_idle:
+            # Another lingering request of this client may watch them now (nudge.idle_entry).
+            RawPipeline(via or self.redis).execute_command(*idle_entry(self.client_id, went_idle)).execute()
         return out

@@ -79,6 +79,7 @@ from mqorder.consumer.consume_request import (
 from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.key_lanes import KeyLanes
 from mqorder.consumer.ledger import LedgerOutcome
+from mqorder.consumer.nudge import idle_entry
 from mqorder.consumer.offset_map import OffsetTracker, decode_done
 from mqorder.model import MessageExt
 from mqorder.store.replies import text
@@ -449,6 +450,7 @@ class KeyConsumeRequest(ConsumeRequest):
         t = self.tracker
         idle = (idle_if_drained and pull and not self.retry_updates and not self.in_flight
                 and not self.lanes.buffered and not self.lanes.blocked)
+        then = idle_entry(self.client_id, [self.mq.key]) if idle and self.engine.nudges_idle else None
         offset = t.base
         args: list[Any] = [
             self.client_id, self.epoch, self.token, offset, self.run_lease_ms, self.lock_ms,
@@ -458,7 +460,7 @@ class KeyConsumeRequest(ConsumeRequest):
             args.append(off)
             args.append(n)
         res, entries = self._commit_pipelined([self.k_state, self.k_next, self.k_retries], args, pull, "key_commit",
-                                              self.tracker.pulled_to, linger_until)
+                                              self.tracker.pulled_to, linger_until, then)
         verb = text(res[0])
         self.last_persist = time.monotonic()
         if verb == "IDLE":

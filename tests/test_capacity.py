@@ -92,3 +92,36 @@ def test_a_request_may_begin_to_linger_only_while_a_slot_would_stay_free() -> No
     assert sig.may_linger() and not sig.may_start_linger()
     pub.stop()
     assert not sig.may_start_linger()
+
+
+def _read_hard(sig: CapacitySignal, seconds: float, conn) -> None:
+    deadline = time.monotonic() + seconds
+    torn = reads = 0
+    while time.monotonic() < deadline:
+        stamp, waiting, spare = sig.read()
+        reads += 1
+        if stamp == 0.0 or waiting != 0 or spare != 1:
+            torn += 1
+    conn.send((reads, torn))
+
+
+def test_a_reader_in_another_process_never_sees_a_half_written_signal() -> None:
+    """The main process rewrites the page every 5 ms while children read it. A write that passes
+    through an all-zero page (``struct.pack_into`` zero-fills before it packs) let a child read
+    "never published" now and then, and the lingering request it served give up its slot and its
+    adopted queues: seen as bursts of wake-ups at stock prefork -c 2."""
+    sig = CapacitySignal()
+    sig.publish(0, spare=True)
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(target=_read_hard, args=(sig, 1.5, child_end))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            sig.publish(0, spare=True)
+        reads, torn = parent_end.recv()
+    finally:
+        proc.join(5)
+    assert reads > 1000
+    assert torn == 0, f"{torn} of {reads} reads saw a half-written signal"

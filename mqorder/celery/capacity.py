@@ -54,14 +54,30 @@ class CapacitySignal:
         self.clear()
 
     def publish(self, waiting: int, spare: bool = True) -> None:
-        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), waiting, 1 if spare else 0)
+        self._write(_LAYOUT.pack(time.monotonic(), waiting, 1 if spare else 0))
 
     def clear(self) -> None:
         """Mark the signal as not published (readers then never linger)."""
-        _LAYOUT.pack_into(self._mem, 0, 0.0, 0, 0)
+        self._write(bytes(_LAYOUT.size))
+
+    def _write(self, record: bytes) -> None:
+        # One copy of the whole record. Not struct.pack_into on the page: it zero-fills the
+        # record before it packs the fields, so a child reading at that moment saw a page never
+        # published ("do not linger"), and its lingering request gave up its slot and its
+        # adopted queues (bursts of wake-ups at stock prefork -c 2, a few a minute).
+        self._mem[: _LAYOUT.size] = record
 
     def read(self) -> tuple[float, int, int]:
-        return _LAYOUT.unpack_from(self._mem, 0)
+        """The record as one write left it: read until two reads in a row agree (a read racing the
+        writer's copy can mix two records)."""
+        size = _LAYOUT.size
+        last = self._mem[:size]
+        for _ in range(3):
+            again = self._mem[:size]
+            if again == last:
+                break
+            last = again
+        return _LAYOUT.unpack(last)
 
     def may_linger(self) -> bool:
         """A lingering request may go on: nobody waits for a slot (and the publisher is alive)."""

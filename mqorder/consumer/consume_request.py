@@ -484,6 +484,8 @@ class ConsumeRequest:
             done, res = self.scripts.run_many([("finish", *prior._finish_call(prior.deferred_end)), begin],
                                               self.lease)
             self._after_prior(prior, prior._ended(done, prior.deferred_end))
+            # Ended: let it go (a chain of switches must not keep every run it ever made alive).
+            self.prior = None
         verb = text(res[0])
         if verb in ("STALE", "BUSY"):
             return Outcome(Verb(verb))

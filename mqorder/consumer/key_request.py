@@ -77,8 +77,8 @@ from mqorder.consumer.consume_request import (
     Stop,
     Verb,
 )
-from mqorder.consumer.context import ConsumeOrderlyContext
-from mqorder.consumer.key_lanes import KeyLanes
+from mqorder.consumer.context import ConsumeConcurrentlyContext, ConsumeOrderlyContext
+from mqorder.consumer.key_lanes import KeyLanes, Lanes
 from mqorder.consumer.ledger import LedgerOutcome
 from mqorder.consumer.offset_map import OffsetTracker, decode_done
 from mqorder.model import MessageExt
@@ -110,7 +110,7 @@ class LaneResult:
     key: int
     msgs: list[MessageExt]
     handled: Handled
-    ctx: ConsumeOrderlyContext
+    ctx: ConsumeOrderlyContext | ConsumeConcurrentlyContext
 
 
 class LaneWorkers:
@@ -176,7 +176,7 @@ class KeyConsumeRequest(ConsumeRequest):
         self.key_concurrency = self.spec.key_concurrency or s.key_concurrency
         self.max_span = self.spec.consume_concurrently_max_span or s.consume_concurrently_max_span
         self.threshold = s.pull_threshold_for_queue
-        self.lanes = KeyLanes()
+        self.lanes: Lanes = KeyLanes()
         self.tracker = OffsetTracker(0)
         #: Finished calls, reported by the lane workers (a C SimpleQueue: no Condition per put).
         self.results: queue.SimpleQueue[LaneResult] = queue.SimpleQueue()
@@ -217,7 +217,7 @@ class KeyConsumeRequest(ConsumeRequest):
         if not entries:
             return
         t, lanes = self.tracker, self.lanes
-        for m in decode_entries(self.mq, entries, self.retries, self.max_size):
+        for m in self._decode(entries):
             if not t.pulled(m.queue_offset):
                 self.dirty = True  # finished by a previous owner: skipped, never handed out
             elif m.decode_error is not None:
@@ -225,6 +225,9 @@ class KeyConsumeRequest(ConsumeRequest):
             else:
                 lanes.put(m)
         self.pulled_to = t.pulled_to
+
+    def _decode(self, entries: list[Any]) -> list[MessageExt]:
+        return decode_entries(self.mq, entries, self.retries, self.max_size)
 
     # -- the loop: dispatch to lanes, settle, commit ----------------------------------------------
 

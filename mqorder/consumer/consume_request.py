@@ -38,7 +38,7 @@ from mqorder.consumer.hooks import (
 )
 from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
-from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.listener import ListenerSpec, get_listener
 from mqorder.consumer.retry import RetrySender
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.errors import BrokerUnavailableError
@@ -260,15 +260,21 @@ class ConsumerEngine:
                 return None  # Redis stayed down: adoptions lapse, the sweep re-dispatches
             consumed += outcome.consumed
             watch = req.watch
-            if req.switch_to is None or watch is None or outcome.needs_dispatch:
+            nxt = req.switch_to
+            # A subscription may span several topics (a group with listeners for two topics, or a
+            # concurrent group's retry topic): the queue switched to runs with its own topic's
+            # listener, and with its own kind of run.
+            nxt_spec = spec if nxt is None or nxt.topic == spec.topic else get_listener(spec.group, nxt.topic)
+            if nxt is None or watch is None or outcome.needs_dispatch or nxt_spec is None:
                 # No switch; or the queue just left got messages between the read and the end of
-                # its run and needs a request now, which only the caller can send: stop chaining
-                # (the queue switched to is released below and gets its own request).
+                # its run and needs a request now, which only the caller can send; or this process
+                # has no listener for the other queue's topic: stop chaining (the queue switched
+                # to is released below and gets its own request).
                 break
             # The lingering read found messages on an adopted idle queue: this run ended (its own
             # queue drained), that queue runs next in this same task, with the adoption token.
-            watch.switched(mq, req.switch_to)
-            mq, token = req.switch_to, watch.token
+            watch.switched(mq, nxt)
+            mq, token, spec = nxt, watch.token, nxt_spec
         if watch is not None:
             try:
                 follow_ups.extend(watch.release())

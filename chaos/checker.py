@@ -30,6 +30,10 @@ Definitions (all per the chaos issue):
   overlap is two calls of one *key* at the same time, from any processes or threads (calls of
   different keys of a queue may overlap); redeliveries per queue per fault are bounded by what a
   key-ordered run may finish between two commits (``dup_bound``) instead of one pull batch;
+* **concurrent** (the ``concurrent`` scenario, ``@concurrent_listener``): no order rule at all;
+  an overlap is two calls of one *message* at the same time; redeliveries per queue per fault
+  are bounded like key order's; "nothing skipped" is the loss rule (every acknowledged send
+  handled successfully, whatever the committed offsets said);
 * **failover**: for each queue a killed worker owned, the time from the kill to the start of the
   first listener call on that queue by another process (another client, or the killed worker's
   restarted incarnation if it got the queue back first).
@@ -37,6 +41,7 @@ Definitions (all per the chaos issue):
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -88,8 +93,8 @@ class RunData:
     pending_ttl: float = 10.0
     sweep_interval: float = 2.0
     failover_target: float = 5.0
-    #: The listener's ordering: "queue" (RocketMQ's) or "key" (``key_request``; see the module
-    #: docstring for what changes in the checks).
+    #: The listener's ordering: "queue" (RocketMQ's), "key" (``key_request``) or "concurrent"
+    #: (``@concurrent_listener``); see the module docstring for what changes in the checks.
     ordering: str = "queue"
     #: Key order: most redeliveries allowed per queue per fault (0: one pull batch, ``batch``).
     dup_bound: int = 0
@@ -190,13 +195,17 @@ def check(data: RunData) -> Result:
     r.handled = len(handled)
 
     lost_fsync = _losses(data, handled, r)
-    _order(data, regular, lost_fsync, r)
-    _runs(entries, r, by_key=data.ordering == "key")
+    concurrent = data.ordering == "concurrent"
+    if not concurrent:  # a concurrent listener promises no order
+        _order(data, regular, lost_fsync, r)
+        _runs(entries, r, by_key=data.ordering == "key")
     _duplicates(data, regular, faults, r)
     refused = _refused(data.refusals, r)
-    _overlaps_and_stale(entries, refused, r, by_key=data.ordering == "key")
+    _overlaps_and_stale(entries, refused, r, by=data.ordering)
     _after_refusal(entries, data.refusals, r)
-    _failover(data, entries, r)
+    # Concurrent: retried poison calls come from the retry topic's queues, whose ids are not the
+    # chaos topic's; the failover of a chaos queue is read from regular messages only.
+    _failover(data, regular if concurrent else entries, r)
     _samples(data, r)
     _stall(data, entries, r)
     _poison(data, entries, r)
@@ -372,23 +381,30 @@ class Call:
     still_owner: bool | None
 
 
-def _calls(entries: list[Entry], by_key: bool = False) -> dict[int | str, list[Call]]:
-    """Listener calls per queue (key order: per queue and key, ``"<queue>/<key>"``)."""
+def _calls(entries: list[Entry], by: str = "queue") -> dict[int | str, list[Call]]:
+    """Listener calls per queue (key order: per queue and key, ``"<queue>/<key>"``; concurrent:
+    per message, ``"<key>#<seq>"``, wherever it was read from, its retry topic included)."""
     calls: dict[int | str, set[Call]] = defaultdict(set)
     for e in entries:
-        calls[f"{e.queue}/{e.key}" if by_key else e.queue].add(
-            Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.still_owner))
+        where: int | str = e.queue
+        if by == "key":
+            where = f"{e.queue}/{e.key}"
+        elif by == "concurrent":
+            where = f"{e.key}#{e.seq}"
+        calls[where].add(Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.still_owner))
     return {q: sorted(c, key=lambda c: (c.start, c.end)) for q, c in calls.items()}
 
 
-def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by_key: bool = False) -> None:
+def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by: str = "queue") -> None:
     """An overlap is allowed only if the stale call (lower epoch; at one epoch, the older run) had
     its commit refused *and* could see it was stale (``ctx.still_owner()`` False in it).
 
     Key order: calls of one key, and two of them in one process count too (the lanes of a run are
-    threads of one process, so a process running two calls of one key at once would be a bug)."""
+    threads of one process, so a process running two calls of one key at once would be a bug).
+    Concurrent: the same, for calls of one message."""
+    by_key = by in ("key", "concurrent")
     stale: dict[Call, bool] = {}  # stale call -> "superseded at the same epoch"
-    for q, calls in _calls(entries, by_key).items():
+    for q, calls in _calls(entries, by).items():
         top_epoch = 0
         active: list[Call] = []
         for c in calls:
@@ -579,7 +595,9 @@ def _poison(data: RunData, entries: list[Entry], r: Result) -> None:
     for p in data.poison:
         pid, q, off = p.id, p.queue, p.offset
         attempts = [e for e in entries if e.key == f"poison-{pid}"]
-        in_dlq = (str(q), str(off)) in dlq
+        # Concurrent: the last failure happens in the retry topic, whose queue and offset the dead
+        # letter names; the poison id in its body is unique either way.
+        in_dlq = (str(q), str(off)) in dlq or any(_poison_id(d.get("body", "")) == pid for d in data.dlq)
         t0 = min((e.start for e in attempts), default=None)
         nxt = None
         if t0 is not None:
@@ -594,6 +612,14 @@ def _poison(data: RunData, entries: list[Entry], r: Result) -> None:
             r.problems.append(f"poison message {pid} blocked queue {q} for {blocked}s (bound {bound}s)")
         if "poison_bound" in data.enforce and blocked is None:
             r.problems.append(f"no later message of queue {q} was handled after poison message {pid}")
+
+
+def _poison_id(body: str) -> int | None:
+    try:
+        b = json.loads(body)
+    except ValueError:
+        return None
+    return b.get("id") if isinstance(b, dict) and b.get("poison") else None
 
 
 def _beat(data: RunData, entries: list[Entry], r: Result) -> None:

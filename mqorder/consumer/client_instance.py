@@ -103,7 +103,7 @@ class ClientInstance:
             log.warning("mqorder: cannot check Redis's maxmemory-policy yet (%s); checking before joining", exc)
         if not self.subscriptions:
             log.warning(
-                "mqorder: worker %s has no orderly listeners; set MQORDER_LISTENERS to the modules "
+                "mqorder: worker %s has no listeners; set MQORDER_LISTENERS to the modules "
                 "that define them", self.client_id,
             )
         # Listen for wake-ups before taking any queue: a message sent the moment a queue is

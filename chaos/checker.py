@@ -370,6 +370,8 @@ class Call:
     pid: int
     run: str
     still_owner: bool | None
+    #: When ``ctx.still_owner()`` was asked (``Entry.asked``; 0: not recorded).
+    asked: float = 0.0
 
 
 def _calls(entries: list[Entry], by_key: bool = False) -> dict[int | str, list[Call]]:
@@ -377,7 +379,7 @@ def _calls(entries: list[Entry], by_key: bool = False) -> dict[int | str, list[C
     calls: dict[int | str, set[Call]] = defaultdict(set)
     for e in entries:
         calls[f"{e.queue}/{e.key}" if by_key else e.queue].add(
-            Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.still_owner))
+            Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.still_owner, e.asked))
     return {q: sorted(c, key=lambda c: (c.start, c.end)) for q, c in calls.items()}
 
 
@@ -428,7 +430,8 @@ def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by_key: 
     blind = [c for c in stale if c.still_owner is True]
     if blind:
         r.problems.append(f"{len(blind)} stale call(s) where ctx.still_owner() said True, e.g. "
-                          f"{[(c.queue, c.epoch, c.client, c.pid, round(c.start, 3)) for c in blind[:3]]}")
+                          f"{[(c.queue, c.epoch, c.client, c.pid, round(c.start, 3), round(c.asked, 3), round(c.end, 3)) for c in blind[:3]]} "
+                          "(queue, epoch, client, pid, start, still_owner() asked, end)")
 
 
 def _after_refusal(entries: list[Entry], refusals: list[Refusal], r: Result) -> None:

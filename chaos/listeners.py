@@ -107,6 +107,7 @@ def handle(msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> ConsumeOrderly
     status = (ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT if any(p for _, _, p, _ in parsed)
               else ConsumeOrderlyStatus.SUCCESS)
     _work(ctx)
+    asked = time.time()
     try:
         still_owner: bool | None = ctx.still_owner()
     except redis.RedisError:
@@ -117,7 +118,7 @@ def handle(msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> ConsumeOrderly
         records.Entry(
             key=k, seq=s, queue=m.queue_id, offset=m.queue_offset, epoch=ctx.epoch, client=ctx.client_id,
             pid=pid, start=start, end=end, reconsume=m.reconsume_times, status=status.name,
-            still_owner=still_owner, run=ctx.run_id,
+            still_owner=still_owner, run=ctx.run_id, asked=asked,
         ).to_json()
         for k, s, _, m in parsed
     ]

@@ -168,3 +168,46 @@ def test_a_nudge_ends_a_lingering_read_at_once_not_at_its_slice_end(settings, r,
         t.join(timeout=10)
     p.close()
     eng.brokers.close()
+
+
+def test_a_switch_to_a_queue_of_another_topic_of_the_group_runs_that_topics_listener(settings, r) -> None:
+    """A group consuming two topics: the run lingering on a ``tw`` queue adopts the idle queue of
+    ``tw2`` too; a message sent there is handled by ``tw2``'s listener, never by ``tw``'s (once a
+    bug: the switched-to queue ran with the lingering run's listener)."""
+    from mqorder.consumer.listener import orderly_listener, unregister_listener
+
+    p, eng = owned_idle_queues(settings, r)
+    p.create_topic("tw2", queues=1)
+    other = MessageQueue("tw2", "broker-a", 0)
+    r.hset(keys.assignment(SUB), other.key, ME)
+    RebalanceLockManager(eng.brokers).assign(SUB, [(other, ME, "tokx")])
+    by: list[tuple[str, str]] = []
+
+    def tw_listener(msgs, ctx):
+        by.extend(("tw", m.topic) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    def tw2_listener(msgs, ctx):
+        by.extend(("tw2", m.topic) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    orderly_listener(topic="tw2", group=SUB)(tw2_listener)
+    try:
+        linger = threading.Event()
+        linger.set()
+        eng.may_linger = linger.is_set
+        r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(eng.run(ListenerSpec(tw_listener, TOPIC, SUB), SUB,
+                                                                  QUEUES[0], "t0")))
+        t.start()
+        time.sleep(0.5)
+        p.send_orderly("tw2", b"x", sharding_key="k")
+        deadline = time.monotonic() + 10
+        while not by and time.monotonic() < deadline:
+            time.sleep(0.02)
+        linger.clear()
+        t.join(10)
+        assert by == [("tw2", "tw2")]
+    finally:
+        unregister_listener(SUB, "tw2")

@@ -163,6 +163,8 @@ class ClientInstance:
                 self._stop.set()
                 return
         for s in self.subscriptions:
+            if s.topic == keys.retry_topic(s.group):
+                self.service.topics.ensure_retry_topic(s.group, self.settings.retry_queue_nums)
             self.service.topics.subscribe(s.group, s.topic, s.model)
             if s.model is MessageModel.BROADCASTING:
                 self.service.topics.add_sub(s.topic, keys.broadcast_sub(s.group, self.client_id))

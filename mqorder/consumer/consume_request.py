@@ -38,7 +38,8 @@ from mqorder.consumer.hooks import (
 )
 from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
-from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.listener import ListenerSpec, get_listener
+from mqorder.consumer.retry import RetrySender
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.errors import BrokerUnavailableError
 from mqorder.model import ConsumeOrderlyStatus, MessageExt, MessageQueue
@@ -47,6 +48,7 @@ from mqorder.rebalance.service import assigned_queues
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.delay import DelayStore
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 from mqorder.tokens import new_token
@@ -187,11 +189,24 @@ class ConsumerEngine:
             topics=self.topics, action="DLQ write",
         )
         self.dlq = DeadLetterWriter(appender, self.topics, self.brokers.default_name, client_id)
+        self._appender = appender
+        self._retry_sender: RetrySender | None = None
         self._owned: dict[str, tuple[float, list[MessageQueue]]] = {}
         #: The newest entry of this client's nudge stream seen by a lingering read (per process).
         self.nudge_seen = "0-0"
         #: (sub, queue key) whose trimmed messages were logged already: a warning once per queue.
         self.skips_logged: set[tuple[str, str]] = set()
+
+    @property
+    def retry_sender(self) -> RetrySender:
+        """Where concurrent listeners send failed messages back to (``%RETRY%<group>``), made on
+        first use: orderly consumers never need it."""
+        if self._retry_sender is None:
+            s = self.settings
+            delays = DelayStore(self.brokers, self._appender, timeout=s.send_msg_timeout)
+            self._retry_sender = RetrySender(self.topics, delays, levels_ms=s.delay_levels_ms,
+                                             queue_nums=s.retry_queue_nums)
+        return self._retry_sender
 
     def owned_queues(self, sub: str) -> list[MessageQueue]:
         """Queues of ``sub`` the rebalance assigned to this client (its read hint, at most a second
@@ -245,15 +260,21 @@ class ConsumerEngine:
                 return None  # Redis stayed down: adoptions lapse, the sweep re-dispatches
             consumed += outcome.consumed
             watch = req.watch
-            if req.switch_to is None or watch is None or outcome.needs_dispatch:
+            nxt = req.switch_to
+            # A subscription may span several topics (a group with listeners for two topics, or a
+            # concurrent group's retry topic): the queue switched to runs with its own topic's
+            # listener, and with its own kind of run.
+            nxt_spec = spec if nxt is None or nxt.topic == spec.topic else get_listener(spec.group, nxt.topic)
+            if nxt is None or watch is None or outcome.needs_dispatch or nxt_spec is None:
                 # No switch; or the queue just left got messages between the read and the end of
-                # its run and needs a request now, which only the caller can send: stop chaining
-                # (the queue switched to is released below and gets its own request).
+                # its run and needs a request now, which only the caller can send; or this process
+                # has no listener for the other queue's topic: stop chaining (the queue switched
+                # to is released below and gets its own request).
                 break
             # The lingering read found messages on an adopted idle queue: this run ended (its own
             # queue drained), that queue runs next in this same task, with the adoption token.
-            watch.switched(mq, req.switch_to)
-            mq, token = req.switch_to, watch.token
+            watch.switched(mq, nxt)
+            mq, token, spec = nxt, watch.token, nxt_spec
         if watch is not None:
             try:
                 follow_ups.extend(watch.release())
@@ -286,7 +307,12 @@ class ConsumerEngine:
 
 def _request_class(spec: ListenerSpec) -> type[ConsumeRequest]:
     """``ConsumeRequest`` for RocketMQ's queue order (the default); ``KeyConsumeRequest`` for a
-    listener with ``ordering="key"`` (imported here: it is a subclass of this module's class)."""
+    listener with ``ordering="key"``, ``ConcurrentConsumeRequest`` for ``@concurrent_listener``
+    (imported here: they are subclasses of this module's class)."""
+    if spec.ordering == "concurrent":
+        from mqorder.consumer.concurrent_request import ConcurrentConsumeRequest
+
+        return ConcurrentConsumeRequest
     if spec.ordering == "key":
         from mqorder.consumer.key_request import KeyConsumeRequest
 

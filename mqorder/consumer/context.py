@@ -65,3 +65,61 @@ class ConsumeOrderlyContext:
             f"ConsumeOrderlyContext(mq={self.message_queue.key}, epoch={self.epoch}, "
             f"auto_commit={self.auto_commit}, suspend_ms={self.suspend_current_queue_time_millis})"
         )
+
+
+class ConsumeConcurrentlyContext:
+    """RocketMQ's ``ConsumeConcurrentlyContext`` plus the fencing epoch.
+
+    ``ack_index``: with ``CONSUME_SUCCESS``, the messages up to this index (inclusive) succeeded
+    and the ones after it are sent back for retry (RocketMQ's partial acknowledgement); it starts
+    at the last index, so a plain ``CONSUME_SUCCESS`` acknowledges the whole batch.
+    ``delay_level_when_next_consume``: 0 lets the retry count choose (RocketMQ: level 3 +
+    reconsume times), a level from 1 picks that delay, -1 sends the failed messages straight to
+    the DLQ. ``epoch`` / ``still_owner()`` as in ``ConsumeOrderlyContext``: the run that handed
+    out this call holds the queue under that epoch, so a listener can fence its side effects.
+    """
+
+    __slots__ = (
+        "message_queue",
+        "ack_index",
+        "delay_level_when_next_consume",
+        "suspend_current_queue_time_millis",
+        "epoch",
+        "client_id",
+        "group",
+        "run_id",
+        "_still_owner",
+    )
+
+    def __init__(
+        self,
+        message_queue: MessageQueue,
+        *,
+        epoch: int,
+        client_id: str,
+        group: str,
+        still_owner: Callable[[], bool],
+        ack_index: int,
+        suspend_current_queue_time_millis: int = 1000,
+        run_id: str = "",
+    ) -> None:
+        self.message_queue = message_queue
+        self.ack_index = ack_index
+        self.delay_level_when_next_consume = 0
+        #: Broadcasting listeners retry in place after this long (their failed messages are not
+        #: sent to the group's retry topic, which every client of the group would read).
+        self.suspend_current_queue_time_millis = suspend_current_queue_time_millis
+        self.epoch = epoch
+        self.client_id = client_id
+        self.group = group
+        self.run_id = run_id
+        self._still_owner = still_owner
+
+    def still_owner(self) -> bool:
+        return self._still_owner()
+
+    def __repr__(self) -> str:
+        return (
+            f"ConsumeConcurrentlyContext(mq={self.message_queue.key}, epoch={self.epoch}, "
+            f"ack_index={self.ack_index}, delay_level={self.delay_level_when_next_consume})"
+        )

@@ -82,8 +82,8 @@ from mqorder.consumer.consume_request import (
     Stop,
     Verb,
 )
-from mqorder.consumer.context import ConsumeOrderlyContext
-from mqorder.consumer.key_lanes import KeyLanes
+from mqorder.consumer.context import ConsumeConcurrentlyContext, ConsumeOrderlyContext
+from mqorder.consumer.key_lanes import KeyLanes, Lanes
 from mqorder.consumer.ledger import LedgerOutcome
 from mqorder.consumer.offset_map import OffsetTracker, decode_done
 from mqorder.model import MessageExt
@@ -115,7 +115,7 @@ class LaneResult:
     key: int
     msgs: list[MessageExt]
     handled: Handled
-    ctx: ConsumeOrderlyContext
+    ctx: ConsumeOrderlyContext | ConsumeConcurrentlyContext
 
 
 class LaneWorkers:
@@ -181,7 +181,7 @@ class KeyConsumeRequest(ConsumeRequest):
         self.key_concurrency = self.spec.key_concurrency or s.key_concurrency
         self.max_span = self.spec.consume_concurrently_max_span or s.consume_concurrently_max_span
         self.threshold = s.pull_threshold_for_queue
-        self.lanes = KeyLanes()
+        self.lanes: Lanes = KeyLanes()
         self.tracker = OffsetTracker(0)
         #: Finished calls, reported by the lane workers (a C SimpleQueue: no Condition per put).
         self.results: queue.SimpleQueue[LaneResult] = queue.SimpleQueue()
@@ -232,7 +232,7 @@ class KeyConsumeRequest(ConsumeRequest):
         if not entries:
             return
         t, lanes = self.tracker, self.lanes
-        msgs = decode_entries(self.mq, entries, self.retries, self.max_size)
+        msgs = self._decode(entries)
         if msgs and msgs[0].queue_offset > t.pulled_to:
             # Offsets are contiguous and only retention removes entries (from the head): the read
             # started below the queue's first stored offset. The tracker moves past the gap.
@@ -246,6 +246,9 @@ class KeyConsumeRequest(ConsumeRequest):
             else:
                 lanes.put(m)
         self.pulled_to = t.pulled_to
+
+    def _decode(self, entries: list[Any]) -> list[MessageExt]:
+        return decode_entries(self.mq, entries, self.retries, self.max_size)
 
     # -- the loop: dispatch to lanes, settle, commit ----------------------------------------------
 

@@ -20,7 +20,9 @@ Definitions (all per the chaos issue):
   only when the stale call (the lower epoch; at one epoch, the older run) had its commit refused
   (a ``FENCED`` refusal record for its queue and epoch, or, for a run replaced at the same epoch, a
   ``SUPERSEDED`` record on its queue at or after its start) and ``ctx.still_owner()`` returned
-  False in it;
+  False in it — or True to a question asked before the queue was known to have a newer owner
+  (``Replaced``: Redis answers at some moment between the question and its return, and a process
+  paused in between reads a True that was right when it was given);
 * **stale call**: a call that started after a newer epoch of its queue had already been used;
   ``ctx.still_owner()`` must have said False in it, and its commit must have been refused;
 * **call after a refusal**: a listener call of a ConsumeRequest run that started after that run's
@@ -124,6 +126,9 @@ class Result:
     overlaps_forbidden: list[str] = field(default_factory=list)
     stale_calls: int = 0
     stale_saw_stale_epoch: int = 0
+    #: Of the stale calls, how many saw True from a question asked before their queue was known to
+    #: have a newer owner (``Replaced``: right when Redis answered, read after a pause).
+    stale_asked_before_replaced: int = 0
     stale_commit_refused: int = 0
     #: Of the stale calls, how many were in a run that itself got a refusal record (informative).
     stale_refused_own_run: int = 0
@@ -201,7 +206,7 @@ def check(data: RunData) -> Result:
         _runs(entries, r, by_key=data.ordering == "key")
     _duplicates(data, regular, faults, r)
     refused = _refused(data.refusals, r)
-    _overlaps_and_stale(entries, refused, r, by=data.ordering)
+    _overlaps_and_stale(entries, refused, r, by=data.ordering, samples=data.samples)
     _after_refusal(entries, data.refusals, r)
     # Concurrent: retried poison calls come from the retry topic's queues, whose ids are not the
     # chaos topic's; the failover of a chaos queue is read from regular messages only.
@@ -379,6 +384,8 @@ class Call:
     pid: int
     run: str
     still_owner: bool | None
+    #: When ``ctx.still_owner()`` was asked (``Entry.asked``; 0: not recorded).
+    asked: float = 0.0
 
 
 def _calls(entries: list[Entry], by: str = "queue") -> dict[int | str, list[Call]]:
@@ -391,26 +398,73 @@ def _calls(entries: list[Entry], by: str = "queue") -> dict[int | str, list[Call
             where = f"{e.queue}/{e.key}"
         elif by == "concurrent":
             where = f"{e.key}#{e.seq}"
-        calls[where].add(Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.still_owner))
+        calls[where].add(Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.still_owner, e.asked))
     return {q: sorted(c, key=lambda c: (c.start, c.end)) for q, c in calls.items()}
 
 
-def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by: str = "queue") -> None:
+def _epoch_seen(samples: list[Sample]) -> dict[int, list[tuple[int, float]]]:
+    """Per queue, (epoch, when it was first seen in the lock table) for each new epoch, in order:
+    a sample's time is taken after its read returned, so the epoch existed by then."""
+    out: dict[int, list[tuple[int, float]]] = defaultdict(list)
+    for t, q, _owner, epoch, *_ in sorted(samples, key=lambda s: s[0]):
+        seen = out[q]
+        if epoch and (not seen or epoch > seen[-1][0]):
+            seen.append((epoch, t))
+    return out
+
+
+class Replaced:
+    """When a stale call's queue was first *known* to have a newer owner: the start of the first
+    listener call under a newer epoch (or of the newer run, at one epoch), or the first lock-table
+    sample showing a newer epoch, whichever came first.
+
+    ``ctx.still_owner()`` is answered by Redis at some moment between the question (``Entry.asked``)
+    and its return (``end``), and epochs never go back. So a True answer proves a bug only when the
+    question was asked after the queue was known to be replaced: Redis then saw the newer epoch and
+    still said True. Asked before that, the answer may have been right when Redis gave it, the
+    process being paused before it could read it (the keys-sigstop-lease failure at 2b2e0c2: asked
+    1 ms before a SIGSTOP, read 10 s later, the newer epoch first used 2.3 s after the question).
+    A call that does not record when it asked (``asked`` 0) is held to its end, as before."""
+
+    def __init__(self, samples: list[Sample]) -> None:
+        self.seen = _epoch_seen(samples)
+        self.at: dict[Call, float] = {}
+
+    def note(self, old: Call, newer_start: float) -> None:
+        self.at[old] = min(self.at.get(old, math.inf), newer_start, self._sampled(old))
+
+    def _sampled(self, c: Call) -> float:
+        return next((t for epoch, t in self.seen.get(c.queue, []) if epoch > c.epoch), math.inf)
+
+    def blind(self, c: Call) -> bool:
+        """``ctx.still_owner()`` said True in ``c`` although its queue was known to be replaced
+        when it asked."""
+        if c.still_owner is not True:
+            return False
+        return not c.asked or c.asked >= self.at.get(c, self._sampled(c))
+
+
+def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by: str = "queue",
+                        samples: list[Sample] | None = None) -> None:
     """An overlap is allowed only if the stale call (lower epoch; at one epoch, the older run) had
-    its commit refused *and* could see it was stale (``ctx.still_owner()`` False in it).
+    its commit refused *and* could see it was stale: ``ctx.still_owner()`` False in it, unless it
+    asked before its queue was known to have a newer owner (``Replaced``).
 
     Key order: calls of one key, and two of them in one process count too (the lanes of a run are
     threads of one process, so a process running two calls of one key at once would be a bug).
     Concurrent: the same, for calls of one message."""
     by_key = by in ("key", "concurrent")
     stale: dict[Call, bool] = {}  # stale call -> "superseded at the same epoch"
+    replaced = Replaced(samples or [])
     for q, calls in _calls(entries, by).items():
-        top_epoch = 0
+        first_at: dict[int, float] = {}  # epoch -> start of its first call (calls come by start)
         active: list[Call] = []
         for c in calls:
-            if c.epoch < top_epoch:
+            first_at.setdefault(c.epoch, c.start)
+            newer = [t for e, t in first_at.items() if e > c.epoch]
+            if newer:
                 stale.setdefault(c, False)
-            top_epoch = max(top_epoch, c.epoch)
+                replaced.note(c, min(newer))
             active = [a for a in active if a.end > c.start]
             for a in active:
                 if (a.client, a.pid) == (c.client, c.pid) and not by_key:
@@ -419,7 +473,8 @@ def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by: str 
                 same = a.epoch == c.epoch
                 old = a if (same or a.epoch < c.epoch) else c
                 stale.setdefault(old, same)
-                refused, saw = ref.refused(old, same), old.still_owner is not True
+                replaced.note(old, c.start if same else min(t for e, t in first_at.items() if e > old.epoch))
+                refused, saw = ref.refused(old, same), not replaced.blind(old)
                 if refused and saw:
                     r.overlaps_allowed += 1
                     continue
@@ -433,6 +488,7 @@ def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by: str 
             active.append(c)
     r.stale_calls = len(stale)
     r.stale_saw_stale_epoch = sum(1 for c in stale if c.still_owner is False)
+    r.stale_asked_before_replaced = sum(1 for c in stale if c.still_owner is True and not replaced.blind(c))
     r.stale_commit_refused = sum(1 for c, same in stale.items() if ref.refused(c, same))
     r.stale_refused_own_run = sum(1 for c in stale if c.run in ref.runs)
     if r.overlaps_forbidden:
@@ -441,10 +497,12 @@ def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by: str 
     if unrefused:
         r.problems.append(f"{len(unrefused)} stale call(s) whose commit was not refused, e.g. "
                           f"{[(c.queue, c.epoch, c.client, round(c.start, 3)) for c in unrefused[:3]]}")
-    blind = [c for c in stale if c.still_owner is True]
+    blind = [c for c in stale if replaced.blind(c)]
     if blind:
-        r.problems.append(f"{len(blind)} stale call(s) where ctx.still_owner() said True, e.g. "
-                          f"{[(c.queue, c.epoch, c.client, c.pid, round(c.start, 3)) for c in blind[:3]]}")
+        r.problems.append(f"{len(blind)} stale call(s) where ctx.still_owner() said True after the queue was known "
+                          "to be replaced, e.g. "
+                          f"{[(c.queue, c.epoch, c.client, c.pid, round(c.start, 3), round(c.asked, 3), round(c.end, 3), round(replaced.at.get(c, math.inf), 3)) for c in blind[:3]]} "
+                          "(queue, epoch, client, pid, start, still_owner() asked, end, replaced)")
 
 
 def _after_refusal(entries: list[Entry], refusals: list[Refusal], r: Result) -> None:

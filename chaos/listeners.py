@@ -121,6 +121,7 @@ def _record(parsed: list[tuple[str, int, bool, MessageExt]], ctx: ConsumeOrderly
             status: str) -> None:
     start = time.time()
     _work(ctx)
+    asked = time.time()
     try:
         still_owner: bool | None = ctx.still_owner()
     except redis.RedisError:
@@ -131,7 +132,7 @@ def _record(parsed: list[tuple[str, int, bool, MessageExt]], ctx: ConsumeOrderly
         records.Entry(
             key=k, seq=s, queue=m.queue_id, offset=m.queue_offset, epoch=ctx.epoch, client=ctx.client_id,
             pid=pid, start=start, end=end, reconsume=m.reconsume_times, status=status,
-            still_owner=still_owner, run=ctx.run_id,
+            still_owner=still_owner, run=ctx.run_id, asked=asked,
         ).to_json()
         for k, s, _, m in parsed
     ]

@@ -339,8 +339,9 @@ def sub_state(tag: str, sub: str) -> str:
         tells a stuck queue (a backlog waiting since then) from a slow one.
     ``skipped``
         Messages retention trimmed before this subscription consumed them (``time`` policy, or a
-        group gone for longer than ``retention_ms``): ``commit`` adds them (its ``ARGV[8]``) in the
-        fenced commit that moves past them. Read by ``mqorder status``.
+        group gone for longer than ``retention_ms``): ``commit`` and ``key_commit`` add them
+        (``count_skipped`` in ``_commit.lua``) in the fenced commit that moves past them. Read by
+        ``mqorder status``.
     """
     return f"{PREFIX}:{tag}:s:{sub}"
 

@@ -455,12 +455,16 @@ class ConsumeRequest:
         if self._skip_floor > self.commit_point and not pq.consuming and not pq.msg_tree:
             self.commit_point = self._skip_floor
 
-    def _note_trimmed(self, start: int, end: int) -> None:
+    def _note_trimmed(self, start: int, end: int, n: int | None = None) -> None:
         """Retention took ``[start, end)`` before this group read it (``time`` policy, or a group
         gone for longer than ``retention_ms``): the run moves past it in order, the fenced commit
         that does so counts it (``skipped`` in the queue's state), and it is logged once per queue
-        per process."""
-        n = end - start
+        per process. ``n``: how many of them the group had not consumed (default: all; a
+        key-ordered run knows some finished under a previous owner)."""
+        if n is None:
+            n = end - start
+        if n <= 0:
+            return
         self._skips.append((end, n))
         seen = self.engine.skips_logged
         key = (self.sub, self.mq.key)
@@ -723,9 +727,7 @@ class ConsumeRequest:
         ``ENDED`` if it ended the run on a drained queue (``idle_if_drained``), or ``LOST`` when
         the commit was refused."""
         idle = idle_if_drained and pull and not self.retry_updates and not self.pq.consuming
-        skipped = 0
-        if self._skips:
-            skipped = sum(n for end, n in self._skips if end <= self.commit_point)
+        skipped = self._skips_due(self.commit_point)
         args: list[Any] = [
             self.client_id, self.epoch, self.token, self.commit_point, self.run_lease_ms,
             self.lock_ms, "1" if idle else "0", skipped,
@@ -742,9 +744,7 @@ class ConsumeRequest:
             res, entries = self.scripts.commit(keys=keys_, args=args), []
         verb = text(res[0])
         if skipped and verb in ("OK", "IDLE"):
-            # Counted where the fenced commit counted them: once, by the run that moved past them.
-            self.stats.inc_consume_skipped(self.sub, self.mq.key, skipped)
-            self._skips = [(end, n) for end, n in self._skips if end > self.commit_point]
+            self._skips_counted(self.commit_point, skipped)
         if verb == "IDLE":
             self.committed = self.commit_point
             return ENDED
@@ -761,6 +761,20 @@ class ConsumeRequest:
         if pull and not entries:
             self._check_trimmed_tail(int(res[1]))
         return Pull(len(entries))
+
+    def _skips_due(self, offset: int) -> int:
+        """Trimmed messages a commit of ``offset`` moves past (``_note_trimmed``): what it reports
+        to the commit script (``skipped``), which counts them only if the commit passes its fence."""
+        if not self._skips:
+            return 0
+        return sum(n for end, n in self._skips if end <= offset)
+
+    def _skips_counted(self, offset: int, n: int) -> None:
+        """The fenced commit of ``offset`` counted ``n`` skipped messages in the queue's state: the
+        stats count them too, here, where the commit did (once, by the run that moved past them),
+        and they are not reported again."""
+        self.stats.inc_consume_skipped(self.sub, self.mq.key, n)
+        self._skips = [(end, k) for end, k in self._skips if end > offset]
 
     def _commit_pipelined(self, keys_: list[str], args: list[Any], pull: bool, script: str = "commit",
                           start: int | None = None) -> tuple[Any, Any]:

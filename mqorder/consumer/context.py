@@ -14,6 +14,14 @@ class ConsumeOrderlyContext:
     script) whether the epoch is still current: a listener writing to another system can pass the
     epoch along, or check before an irreversible write, so a holder that was paused past its lease
     fences its own side effects too.
+
+    The answer is Redis's at the moment it ran the check, somewhere between the call and its
+    return; it cannot say anything about later. A process paused right after Redis answered (the
+    reply waiting in its socket) or right after the call returned acts on a True that may be stale
+    by then: the keys-sigstop-lease chaos run caught one asked 1 ms before a SIGSTOP and read
+    10 s later, after another client had taken the queue. ``still_owner()`` narrows the window;
+    only the epoch, checked by the other system in the same step as the write, closes it, as the
+    fenced commit does in Redis.
     """
 
     __slots__ = (

@@ -222,10 +222,5 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         if not rest:
             self.lanes.done(key)
             return stop
-        if self.ledger is not None:
-            self.ledger.note(rest, LedgerOutcome.SUSPEND, handled.start_ms, handled.end_ms, self.epoch)
-        for m in rest:
-            m.reconsume_times += 1
-            self.retry_updates[m.queue_offset] = m.reconsume_times
-        self.lanes.retry(key, rest, time.monotonic() + self.suspend_ms / 1000.0)
+        self._hold_back(key, rest, handled, self.suspend_ms)
         return stop

@@ -1,4 +1,5 @@
-"""``ConsumeOrderlyContext``: what a listener may read and set during one call."""
+"""What a listener may read and set during one call: ``ConsumeOrderlyContext`` and
+``ConsumeConcurrentlyContext`` (RocketMQ's), on one base that carries the fencing epoch."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ from collections.abc import Callable
 from mqorder.model import MessageQueue
 
 
-class ConsumeOrderlyContext:
-    """RocketMQ's ``ConsumeOrderlyContext`` plus the fencing epoch.
+class CallContext:
+    """What every listener call gets: its queue, the fencing epoch, who runs it, and ``still_owner()``.
 
     ``epoch`` is the lock epoch this call runs under. ``still_owner()`` asks Redis (one cheap
     script) whether the epoch is still current: a listener writing to another system can pass the
@@ -26,7 +27,6 @@ class ConsumeOrderlyContext:
 
     __slots__ = (
         "message_queue",
-        "auto_commit",
         "suspend_current_queue_time_millis",
         "epoch",
         "client_id",
@@ -34,6 +34,35 @@ class ConsumeOrderlyContext:
         "run_id",
         "_still_owner",
     )
+
+    def __init__(
+        self,
+        message_queue: MessageQueue,
+        *,
+        epoch: int,
+        client_id: str,
+        group: str,
+        still_owner: Callable[[], bool],
+        suspend_current_queue_time_millis: int = 1000,
+        run_id: str = "",
+    ) -> None:
+        self.message_queue = message_queue
+        self.suspend_current_queue_time_millis = suspend_current_queue_time_millis
+        self.epoch = epoch
+        self.client_id = client_id
+        self.group = group
+        #: Unique per ConsumeRequest run (a redelivery after a failover comes from another run).
+        self.run_id = run_id
+        self._still_owner = still_owner
+
+    def still_owner(self) -> bool:
+        return self._still_owner()
+
+
+class ConsumeOrderlyContext(CallContext):
+    """RocketMQ's ``ConsumeOrderlyContext`` (``auto_commit``, the suspend time) plus the epoch."""
+
+    __slots__ = ("auto_commit",)
 
     def __init__(
         self,
@@ -47,18 +76,16 @@ class ConsumeOrderlyContext:
         auto_commit: bool = True,
         run_id: str = "",
     ) -> None:
+        # Made once per listener call on the hot path (batch 1: once per message): the fields are
+        # set here rather than through ``super().__init__``, which costs a call with keywords.
         self.message_queue = message_queue
-        self.auto_commit = auto_commit
         self.suspend_current_queue_time_millis = suspend_current_queue_time_millis
         self.epoch = epoch
         self.client_id = client_id
         self.group = group
-        #: Unique per ConsumeRequest run (a redelivery after a failover comes from another run).
         self.run_id = run_id
         self._still_owner = still_owner
-
-    def still_owner(self) -> bool:
-        return self._still_owner()
+        self.auto_commit = auto_commit
 
     def __repr__(self) -> str:
         return (
@@ -67,7 +94,7 @@ class ConsumeOrderlyContext:
         )
 
 
-class ConsumeConcurrentlyContext:
+class ConsumeConcurrentlyContext(CallContext):
     """RocketMQ's ``ConsumeConcurrentlyContext`` plus the fencing epoch.
 
     ``ack_index``: with ``CONSUME_SUCCESS``, the messages up to this index (inclusive) succeeded
@@ -75,21 +102,12 @@ class ConsumeConcurrentlyContext:
     at the last index, so a plain ``CONSUME_SUCCESS`` acknowledges the whole batch.
     ``delay_level_when_next_consume``: 0 lets the retry count choose (RocketMQ: level 3 +
     reconsume times), a level from 1 picks that delay, -1 sends the failed messages straight to
-    the DLQ. ``epoch`` / ``still_owner()`` as in ``ConsumeOrderlyContext``: the run that handed
-    out this call holds the queue under that epoch, so a listener can fence its side effects.
+    the DLQ. ``suspend_current_queue_time_millis`` matters to broadcasting listeners only, which
+    retry in place (their failed messages do not go to the group's retry topic, which every
+    client of the group would read).
     """
 
-    __slots__ = (
-        "message_queue",
-        "ack_index",
-        "delay_level_when_next_consume",
-        "suspend_current_queue_time_millis",
-        "epoch",
-        "client_id",
-        "group",
-        "run_id",
-        "_still_owner",
-    )
+    __slots__ = ("ack_index", "delay_level_when_next_consume")
 
     def __init__(
         self,
@@ -103,20 +121,10 @@ class ConsumeConcurrentlyContext:
         suspend_current_queue_time_millis: int = 1000,
         run_id: str = "",
     ) -> None:
-        self.message_queue = message_queue
+        super().__init__(message_queue, epoch=epoch, client_id=client_id, group=group, still_owner=still_owner,
+                         suspend_current_queue_time_millis=suspend_current_queue_time_millis, run_id=run_id)
         self.ack_index = ack_index
         self.delay_level_when_next_consume = 0
-        #: Broadcasting listeners retry in place after this long (their failed messages are not
-        #: sent to the group's retry topic, which every client of the group would read).
-        self.suspend_current_queue_time_millis = suspend_current_queue_time_millis
-        self.epoch = epoch
-        self.client_id = client_id
-        self.group = group
-        self.run_id = run_id
-        self._still_owner = still_owner
-
-    def still_owner(self) -> bool:
-        return self._still_owner()
 
     def __repr__(self) -> str:
         return (

@@ -82,7 +82,7 @@ from mqorder.consumer.consume_request import (
     Stop,
     Verb,
 )
-from mqorder.consumer.context import ConsumeConcurrentlyContext, ConsumeOrderlyContext
+from mqorder.consumer.context import CallContext, ConsumeOrderlyContext
 from mqorder.consumer.key_lanes import KeyLanes, Lanes
 from mqorder.consumer.ledger import LedgerOutcome
 from mqorder.consumer.offset_map import OffsetTracker, decode_done
@@ -115,7 +115,7 @@ class LaneResult:
     key: int
     msgs: list[MessageExt]
     handled: Handled
-    ctx: ConsumeOrderlyContext | ConsumeConcurrentlyContext
+    ctx: CallContext
 
 
 class LaneWorkers:
@@ -434,13 +434,18 @@ class KeyConsumeRequest(ConsumeRequest):
         if not rest:
             self.lanes.done(res.key)
             return stop
+        self._hold_back(res.key, rest, handled, ctx.suspend_current_queue_time_millis)
+        return stop
+
+    def _hold_back(self, key: int, msgs: list[MessageExt], handled: Handled, suspend_ms: int) -> None:
+        """Messages to handle again in this run after ``suspend_ms``: their lane waits, their
+        reconsume counts go up (persisted with the next commit, so a new owner keeps counting)."""
         if self.ledger is not None:
-            self.ledger.note(rest, LedgerOutcome.SUSPEND, handled.start_ms, handled.end_ms, self.epoch)
-        for m in rest:
+            self.ledger.note(msgs, LedgerOutcome.SUSPEND, handled.start_ms, handled.end_ms, self.epoch)
+        for m in msgs:
             m.reconsume_times += 1
             self.retry_updates[m.queue_offset] = m.reconsume_times
-        self.lanes.retry(res.key, rest, time.monotonic() + ctx.suspend_current_queue_time_millis / 1000.0)
-        return stop
+        self.lanes.retry(key, msgs, time.monotonic() + suspend_ms / 1000.0)
 
     def _finished(self, msgs: list[MessageExt], outcome: LedgerOutcome, handled: Handled) -> None:
         if self.ledger is not None:

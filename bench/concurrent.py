@@ -47,6 +47,11 @@ def _median(rows: list[dict[str, Any]]) -> float:
     return summarize(r["rate"] for r in rows).median if rows else float("nan")
 
 
+def _cpu_us(rows: list[dict[str, Any]]) -> float:
+    """Median CPU of the worker processes per message (µs): steadier than wall time on a shared host."""
+    return summarize(r["worker_cpu_s"] / r["messages"] * 1e6 for r in rows).median
+
+
 def ratios(res: dict[str, Any]) -> dict[int, float]:
     """Concurrent / orderly median drain rate per consume batch size."""
     runs = res.get("runs") or {}
@@ -60,7 +65,8 @@ def report_lines(res: dict[str, Any]) -> list[str]:
     if not res:
         return out
     runs = res["runs"]
-    header = ["consume batch", "orderly msg/s (runs)", "concurrent msg/s (runs)", "concurrent / orderly"]
+    header = ["consume batch", "orderly msg/s (runs)", "concurrent msg/s (runs)", "concurrent / orderly",
+              "worker CPU per message, orderly → concurrent"]
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for b in BATCHES:
         o, c = runs.get(f"orderly-b{b}") or [], runs.get(f"concurrent-b{b}") or []
@@ -68,7 +74,7 @@ def report_lines(res: dict[str, Any]) -> list[str]:
             continue
         fmt = lambda rows: ", ".join(f"{r['rate']:,.0f}" for r in rows)  # noqa: E731
         out.append(f"| {b} | {_median(o):,.0f} ({fmt(o)}) | {_median(c):,.0f} ({fmt(c)}) | "
-                   f"{_median(c) / _median(o):.2f}x |")
+                   f"{_median(c) / _median(o):.2f}x | {_cpu_us(o):.1f} → {_cpu_us(c):.1f} µs |")
     n1 = max(1, res["messages"] // 4)
     out += ["", f"2 prefork workers -c 2, {res['queues']} queues, 2,000 keys, a listener that returns at once; "
             f"{res['messages']:,} messages per run at batch 32, {n1:,} at batch 1; worker sets alternate between the "

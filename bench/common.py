@@ -145,13 +145,17 @@ def start_mq_workers(
     timeout: float = 90.0,
     settle: float = 2.5,
     pool: str = "prefork",
+    cwd: Path | None = None,
 ) -> list[WorkerProcess]:
-    """Start stock workers (``celery -A workers.app worker -P <pool>``) and wait until they registered."""
+    """Start stock workers (``celery -A workers.app worker -P <pool>``) and wait until they registered.
+
+    ``cwd``: the source tree the workers run (default: this one); an A/B of two commits in the
+    same run starts one configuration from a copy of the other commit (its ``PYTHONPATH`` too)."""
     logdir.mkdir(parents=True, exist_ok=True)
     ws = []
     for name in names:
         w = WorkerProcess(name, env=env, concurrency=concurrency, pool=pool, logfile=logdir / f"{name}.log",
-                          cwd=ROOT)
+                          cwd=cwd or ROOT)
         w.start()
         stack.callback(w.stop, 30)
         ws.append(w)

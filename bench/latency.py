@@ -19,6 +19,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from bench.common import (
@@ -30,6 +31,7 @@ from bench.common import (
     cpu_s,
     ctl_app,
     log,
+    machine_cpu,
     mq_env,
     percentile,
     queues_of,
@@ -82,6 +84,8 @@ class MqLatSpec:
     env: dict[str, str] = field(default_factory=dict)
     #: Celery's broker: ``redis`` (the configuration's redis-server) or ``rabbitmq`` (a vhost of its own).
     celery_broker: str = "redis"
+    #: Another source tree for the workers (a copy of another commit): an A/B of two engines in one run.
+    root: str = ""
 
 
 class _MqLatRig:
@@ -96,12 +100,16 @@ class _MqLatRig:
         st.callback(self.p.close)
         self.p.create_topic(self.topic, queues=queues)
         broker = celery_broker_url(st, spec.celery_broker, srv.url)
+        extra = dict(spec.env)
+        if spec.root:
+            extra["PYTHONPATH"] = spec.root
         env = mq_env(srv.url, topic=self.topic, group=self.group, mode="latency", **broker_env(broker, srv.url),
-                     **spec.env)
+                     **extra)
         log(f"latency mqorder [{spec.key}]: starting {workers} worker(s) -P {spec.pool} -c {spec.concurrency}"
             + (f" {spec.env}" if spec.env else ""))
         self.ws = start_mq_workers(st, srv.url, [f"lat-{spec.key}-w{i}" for i in range(workers)], env,
-                                   spec.concurrency, cfg.logdir / "latency", pool=spec.pool)
+                                   spec.concurrency, cfg.logdir / "latency", pool=spec.pool,
+                                   cwd=Path(spec.root) if spec.root else None)
         self.mqs = queues_of(self.topic, queues)
         self.wl = Workload(n_keys)  # same seed: every configuration gets the same key sequence
         self.app = ctl_app(broker)
@@ -122,7 +130,9 @@ class _MqLatRig:
         tasks0 = celery_task_totals(self.app, self.hostnames).get(CONSUME_TASK, 0)
         cpu_w0, cpu_r0 = tree_cpu_s(w.pid for w in ws), cpu_s(self.redis_pid)
         cpu_b0 = cpu_s(self.broker_pid) if self.broker_pid else 0.0
+        busy0, cpu_p0 = machine_cpu()[0], time.process_time()
         achieved = paced(n, rate, self.send)
+        cpu_p, busy = time.process_time() - cpu_p0, machine_cpu()[0] - busy0
         wait_lag_zero(r, self.group, self.mqs, 120, alive=lambda: all(w.alive() for w in ws))
         _wait_len(r, LAT_KEY, n, 30)
         cpu_w, cpu_r = tree_cpu_s(w.pid for w in ws) - cpu_w0, cpu_s(self.redis_pid) - cpu_r0
@@ -130,7 +140,8 @@ class _MqLatRig:
         tasks = celery_task_totals(self.app, self.hostnames).get(CONSUME_TASK, 0) - tasks0
         res = _summary([int(x) for x in r.lrange(LAT_KEY, 0, -1)], achieved)
         res.update({"tasks_per_msg": tasks / n, "worker_cpu_us_per_msg": cpu_w / n * 1e6,
-                    "redis_cpu_us_per_msg": cpu_r / n * 1e6, "window_s": n / achieved})
+                    "redis_cpu_us_per_msg": cpu_r / n * 1e6, "window_s": n / achieved,
+                    "producer_cpu_us_per_msg": cpu_p / n * 1e6, "machine_busy_cores": busy / (n / achieved)})
         if self.broker_pid:
             res["rabbitmq_cpu_us_per_msg"] = cpu_b / n * 1e6
         return res
@@ -157,7 +168,9 @@ def mqorder_latency(cfg: Config, *, rate: float, seconds: float, runs: int, spec
                     f"p99 {res['p99_ms']:.2f} ms max {res['max_ms']:.1f} ms at {res['send_rate']:,.0f} msg/s "
                     f"({res['samples']} samples); {res['tasks_per_msg']:.3f} tasks/msg, "
                     f"worker CPU {res['worker_cpu_us_per_msg']:.0f} µs/msg, "
-                    f"redis CPU {res['redis_cpu_us_per_msg']:.0f} µs/msg")
+                    f"redis CPU {res['redis_cpu_us_per_msg']:.0f} µs/msg, "
+                    f"producer CPU {res['producer_cpu_us_per_msg']:.0f} µs/msg, "
+                    f"machine busy {res['machine_busy_cores']:.2f} cores")
                 out[rig.spec.key].append(res)
     return out
 

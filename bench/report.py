@@ -179,8 +179,11 @@ class Report:
                 "measured runs of each worker set. Keys are chosen at random (seeded, the same sequence in every "
                 "system) with per-key sequence numbers.", "",
                 f"Worker concurrency for mqorder: tried -c 1 and -c 2 per worker at batch 32; the better median "
-                f"(**-c {best}**) is used for batch 1, the prefork latency row, failover, memory, growth and the "
-                "naive baseline.", ""]
+                f"(**-c {best}**) is used for batch 1, "
+                + ("" if "stock_concurrency" in self.f.lat else "the prefork latency row, ")
+                + "failover, memory, growth and the naive baseline"
+                + (" (the latency section's first row is stock `celery worker`: -c = cores)."
+                   if "stock_concurrency" in self.f.lat else "."), ""]
         return out
 
     def consume_cost(self) -> list[str]:
@@ -265,50 +268,55 @@ class Report:
         lat_rows = [(label, key) for key, _, label in lat_configs(lat)]
         lat_rows.append((f"naive Celery, prefork pool, 2 workers -c {lat.get('concurrency', '?')}", "naive"))
         lrows = []
+
+        def per_msg(rr: list[dict[str, Any]], field: str, digits: int = 0, unit: str = "µs") -> str:
+            return summarize(r[field] for r in rr).fmt(digits, unit) if field in rr[0] else "not measured"
+
         for name, key in lat_rows:
             rr = lat.get(key) or []
             if not rr:
                 continue
             tpm = summarize(r["tasks_per_msg"] for r in rr).fmt(3) if "tasks_per_msg" in rr[0] else "1 (by design)"
-            wcpu = (summarize(r["worker_cpu_us_per_msg"] for r in rr).fmt(0, "µs")
-                    if "worker_cpu_us_per_msg" in rr[0] else "not measured")
-            rcpu = (summarize(r["redis_cpu_us_per_msg"] for r in rr).fmt(0, "µs")
-                    if "redis_cpu_us_per_msg" in rr[0] else "not measured")
             lrows.append([name, summarize(r["p50_ms"] for r in rr).fmt(2, "ms"),
                           summarize(r["p99_ms"] for r in rr).fmt(2, "ms"),
                           summarize(r["max_ms"] for r in rr).fmt(1, "ms"),
                           f"{sum(r['samples'] for r in rr):,}", summarize(r["send_rate"] for r in rr).fmt(0, "msg/s"),
-                          tpm, wcpu, rcpu])
+                          tpm, per_msg(rr, "worker_cpu_us_per_msg"), per_msg(rr, "redis_cpu_us_per_msg"),
+                          per_msg(rr, "producer_cpu_us_per_msg"), per_msg(rr, "machine_busy_cores", 2, "")])
         out = ["## Latency: send → handler at a steady 1,000 messages/s", ""]
         out += _table(["system (configuration)", "p50 (median of runs)", "p99 (median of runs)", "max", "samples",
                        "achieved send rate", "Celery tasks per message", "worker CPU per message",
-                       "redis-server CPU per message"], lrows)
+                       "redis-server CPU per message", "producer CPU per message", "machine busy (cores)"], lrows)
         if not lat:
             return out
         tc = lat.get("threads_concurrency", LAT_THREADS_C)
+        first = (f"The first configuration is issue 14's: stock `celery -A workers.app worker` (prefork, -c = the "
+                 f"machine's {lat['stock_concurrency']} cores), 2 workers, 16 queues: the latency target judges its "
+                 "p99. " if "stock_concurrency" in lat else
+                 "The first prefork configuration uses the -c chosen by the throughput section. ")
         out += [f"Paced producer in the driver process ({lat.get('seconds')} s per run after 1 s of discarded "
                 "warm-up, one `send_orderly`/`send_task` per message on a fixed schedule, 16 queues, 2,000 keys); "
-                "the body carries `time.time_ns()` taken just before the send and the handler pushes "
-                "`now − sent` to a Redis list. Percentiles are nearest-rank per run; the table shows their "
+                "the body carries `time.time_ns()` taken just before the send and the handler takes `now − sent` "
+                "(pushed to a Redis list by a thread of the worker process every 10 ms since 2026-11-24, one RPUSH "
+                "per call before). Percentiles are nearest-rank per run; the table shows their "
                 "median and min–max over runs. Every mqorder configuration uses stock settings (consume batch 1, "
                 "pull 32) on 2 workers with its own redis-server; all the worker sets are started up front and "
                 "their runs are interleaved (run i of each configuration back to back, the order rotating from "
-                "run to run), so they face the same machine conditions and the same key sequence. The first "
-                "prefork configuration uses the -c chosen by the throughput section; the wide prefork one "
-                f"and the threads pool run -c {tc} (one slot per queue each worker owns).", ""]
+                "run to run), so they face the same machine conditions and the same key sequence. " + first
+                + f"The wide prefork one and the threads pool run -c {tc} (one slot per queue each worker owns).", ""]
         if lat.get("prefork_lingers"):
             out.append(f"**Linger** (`MQORDER_CONSUME_LINGER_MS`, default {lat.get('linger_ms', 50)} ms), like a "
                        "RocketMQ long-polling pull: a ConsumeRequest that drained its queue waits on the stream "
-                       "(`XREAD BLOCK` in 10 ms slices) instead of ending its run, as long as its worker has a free "
-                       "slot for every request it received; it keeps its pending token, so the producer wakes "
-                       "nobody and the next message is handled without a pub/sub wake-up and a new Celery task. It "
-                       "gives the slot back within a slice when a request waits for one, when a rebalance assigns "
-                       "the queue elsewhere, or on shutdown. The threads pool reads Celery's bookkeeping directly; "
-                       "prefork children read it from a shared page the worker's main process keeps current "
-                       "(`mqorder.celery.capacity`). With **fewer slots than owned queues** (-c 1 here, 8 queues "
-                       "per worker) a slot can serve one lingering queue at a time, so most messages still take "
-                       "the wake-up path: that row shows the cost of the wake-up path itself. The linger-off row is "
-                       "the threads pool with `MQORDER_CONSUME_LINGER_MS=0`.")
+                       "(`XREAD BLOCK`, 100 ms slices) instead of ending its run, and it watches every other idle "
+                       "queue its worker owns in the same read (`IdleQueueWatch`: their pending slots are its own, "
+                       "so the producer wakes nobody); when one of them gets a message it runs that queue next in "
+                       "the same task, claimed through `begin.lua`, and hands the queue it leaves to the watch in "
+                       "the step that ends its run. A request begins to linger only while another pool slot stays "
+                       "free, and gives its slot back as soon as a request waits for one (the worker's main process "
+                       "nudges the lingering reads, `mqorder.celery.capacity`), when a rebalance assigns the queue "
+                       "elsewhere, or on shutdown. The linger-off row is the threads pool with "
+                       "`MQORDER_CONSUME_LINGER_MS=0`: every message to an idle queue takes the pub/sub wake-up and "
+                       "a new Celery task.")
         else:
             out.append(f"**Linger** (`MQORDER_CONSUME_LINGER_MS`, default {lat.get('linger_ms', 50)} ms): a "
                        "ConsumeRequest that drained its queue waits on the stream (`XREAD BLOCK` in 10 ms slices) "
@@ -319,7 +327,10 @@ class Report:
                 "task for it); \"worker CPU per message\" is the CPU of all worker processes (and threads) over "
                 "the window divided by the messages: multiplied by 1,000 msg/s it says how many of the "
                 "machine's cores the workers need at this rate. \"redis-server CPU per message\" is the same "
-                "for that configuration's redis-server (lingering requests poll with `XREAD BLOCK`)."]
+                "for that configuration's redis-server, \"producer CPU per message\" the driver process's own "
+                "CPU while it sends, and \"machine busy\" the cores the whole machine was busy over the sending "
+                "window (all processes, other work on the machine included): on 2 cores, the latency measured "
+                "is mostly CPU queueing, so it moves with this."]
         nv = self.f.s_naive
         if nv is not None and nv.median < 1000:
             out += ["", f"Naive Celery drains at ~{nv.median:,.0f} msg/s on this machine, below the 1,000 msg/s "

@@ -109,10 +109,13 @@ def sec_latency(cfg: Config, res: dict[str, Any]) -> None:
     from mqorder.settings import Settings
 
     c = concurrency(cfg)
+    # Issue 14's configuration: stock `celery -A workers.app worker`, whose -c defaults to the
+    # machine's cores, whatever the drain section found best.
+    stock_c = os.cpu_count() or 1
     secs = size(cfg, "latency_seconds")
     linger_ms = Settings.model_fields["consume_linger_ms"].default
     specs = [
-        latency.MqLatSpec("prefork", f"prefork -c {c}", pool="prefork", concurrency=c),
+        latency.MqLatSpec("prefork", f"stock prefork -c {stock_c}", pool="prefork", concurrency=stock_c),
         latency.MqLatSpec("prefork_wide", f"prefork -c {LAT_THREADS_C}", pool="prefork", concurrency=LAT_THREADS_C),
         latency.MqLatSpec("threads", f"threads -c {LAT_THREADS_C}", pool="threads", concurrency=LAT_THREADS_C),
         latency.MqLatSpec("threads_nolinger", f"threads -c {LAT_THREADS_C}, linger off", pool="threads",
@@ -120,9 +123,10 @@ def sec_latency(cfg: Config, res: dict[str, Any]) -> None:
     ]
     mq = latency.mqorder_latency(cfg, rate=1000, seconds=secs, runs=cfg.runs, specs=specs)
     res["latency"] = {
-        "rate": 1000, "seconds": secs, "concurrency": c, "threads_concurrency": LAT_THREADS_C,
-        "linger_ms": linger_ms, "prefork_lingers": True,
-        # "mqorder" stays the prefork configuration, as in results.json files written before the others.
+        "rate": 1000, "seconds": secs, "concurrency": c, "stock_concurrency": stock_c,
+        "threads_concurrency": LAT_THREADS_C, "linger_ms": linger_ms, "prefork_lingers": True,
+        # "mqorder" stays the first prefork configuration, as in results.json files written before the
+        # others; with "stock_concurrency" it is the stock one (-c = cores), the one the target judges.
         "mqorder": mq["prefork"], "mqorder_prefork_wide": mq["prefork_wide"], "mqorder_threads": mq["threads"],
         "mqorder_threads_nolinger": mq["threads_nolinger"],
         "naive": latency.naive_latency(cfg, rate=1000, seconds=secs, runs=cfg.runs, concurrency=c),

@@ -94,10 +94,11 @@ def _of_ratios(b32: tuple[float, float, float] | None, b1: tuple[float, float, f
 
 
 def _of_latency(f: Figures) -> Reading:
-    """The median p99 of the mqorder configuration with the lowest one; the others are shown beside it."""
+    """The median p99 of the stock configuration (older runs: of the one with the lowest); the
+    others are shown beside it."""
     if not f.p99s:
         return Reading(None, "n/a")
-    best = min(f.p99s, key=lambda k: f.p99s[k].median)
+    best = f.lat_judged or min(f.p99s, key=lambda k: f.p99s[k].median)
     others = "; ".join(f"{f.lat_short[k]}: {f.p99s[k].fmt(1, 'ms')}" for k in f.p99s if k != best)
     return Reading(f.p99s[best].median, f"**{f.lat_short[best]}: {f.p99s[best].fmt(1, 'ms')}**"
                    + (f"; other configurations: {others}" if others else ""), judged=f.lat_short[best])

@@ -74,3 +74,21 @@ def test_publisher_stops_and_clears_and_a_failing_probe_clears_too() -> None:
     time.sleep(0.03)
     assert not sig.may_linger()
     bad.stop()
+
+
+def test_a_request_may_begin_to_linger_only_while_a_slot_would_stay_free() -> None:
+    """``spare`` gates beginning to linger; going on lingering needs only that nobody waits."""
+    sig = CapacitySignal()
+    assert not sig.may_start_linger()  # never published
+    sig.publish(0, spare=True)
+    assert sig.may_linger() and sig.may_start_linger()
+    sig.publish(0, spare=False)  # every slot busy, nobody waiting: lingerers go on, none begins
+    assert sig.may_linger() and not sig.may_start_linger()
+    sig.publish(1, spare=True)
+    assert not sig.may_linger() and not sig.may_start_linger()
+    pub = CapacityPublisher(lambda: 0, sig, interval=0.005, spare=lambda: False)
+    pub.start()
+    time.sleep(0.03)
+    assert sig.may_linger() and not sig.may_start_linger()
+    pub.stop()
+    assert not sig.may_start_linger()

@@ -154,8 +154,11 @@ def test_flower_shows_both_workers_and_readable_consume_requests_in_chromium(
         return list(data.values()) if status == 200 and isinstance(data, dict) else []
 
     def succeeded_on_both() -> list[dict]:
+        # Every queue's request, on both workers: a request that drained its queue lingers (up to
+        # consume_linger_ms) before it succeeds, so the ones of one worker do not end together.
         done = [t for t in consume_requests() if t["state"] == "SUCCESS"]
-        return done if {t["worker"] for t in done} == hosts else []
+        queues = {ast.literal_eval(t["kwargs"]).get("queue") for t in done}
+        return done if {t["worker"] for t in done} == hosts and queues == {0, 1, 2, 3} else []
 
     tasks = wait_for(succeeded_on_both, timeout=30, interval=0.5, what="consume_request events from both workers")
     for t in tasks:

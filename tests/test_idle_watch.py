@@ -211,3 +211,182 @@ def test_a_switch_to_a_queue_of_another_topic_of_the_group_runs_that_topics_list
         assert by == [("tw2", "tw2")]
     finally:
         unregister_listener(SUB, "tw2")
+
+
+def test_the_queue_a_switch_left_stays_watched_so_a_send_to_it_at_once_wakes_nobody(settings, r) -> None:
+    """A run that switches to another adopted queue hands its own queue to the watch in the same
+    step that ends the run (``finish.lua`` 'adopt'): a send to it while the next queue runs,
+    before any new read, wakes nobody and is handled by the same lingering request, in order."""
+    p, eng = owned_idle_queues(settings, r)
+    seen: list[tuple[int, int]] = []
+
+    def listener(msgs, ctx):
+        for m in msgs:
+            seen.append((m.queue_id, int(m.body)))
+            if m.queue_id == 1 and int(m.body) < 5:
+                # Queue 0 was left by the switch that brought this run here, moments ago.
+                p.send_orderly(TOPIC, str(int(m.body) + 100).encode(), sharding_key=key_for(0))
+        return ConsumeOrderlyStatus.SUCCESS
+
+    linger = threading.Event()
+    linger.set()
+    eng.may_linger = linger.is_set
+    spec = ListenerSpec(listener, TOPIC, SUB)
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+    wakes = r.pubsub(ignore_subscribe_messages=True)
+    wakes.subscribe(keys.wake_channel(ME))
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], "t0")))
+    t.start()
+    try:
+        time.sleep(0.5)  # the run drained queue 0 and lingers, watching queues 1-3
+        for seq in range(5):
+            p.send_orderly(TOPIC, str(seq).encode(), sharding_key=key_for(1))
+            deadline = time.monotonic() + 5
+            while (0, seq + 100) not in seen and time.monotonic() < deadline:
+                time.sleep(0.01)
+        assert seen == [x for seq in range(5) for x in ((1, seq), (0, seq + 100))]
+        assert wakes.get_message(timeout=0.2) is None, "a send to the queue just left woke the client"
+    finally:
+        linger.clear()
+        t.join(timeout=10)
+        wakes.close()
+    (out,) = result
+    assert out.consumed == 10 and out.follow_ups == ()
+    for mq in QUEUES:
+        state = {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, SUB)).items()}
+        assert state["pending"] == "" and state["run"] == "0"
+        assert int(state.get("offset", 0)) == int(r.get(keys.queue_next(mq.tag)) or 0)
+    p.close()
+    eng.brokers.close()
+
+
+def test_finish_adopt_hands_the_queue_to_the_watch_only_while_the_caller_holds_it(settings, r) -> None:
+    """``finish.lua`` 'adopt': the pending slot passes to the watch's token (backlog or not) while
+    the caller holds the live lock of a queue still its own; otherwise the run ends as 'done'."""
+    p, eng = owned_idle_queues(settings, r)
+    scripts = eng.brokers.get("broker-a").scripts
+    scripts.load("finish")
+
+    def finish(mq: MessageQueue, token: str) -> list:
+        st = keys.sub_state(mq.tag, SUB)
+        r.hset(st, mapping={"pending": token, "pend_until": 2**62, "run": 2**62})
+        res = scripts.finish(keys=[st, keys.queue_next(mq.tag)],
+                             args=[ME, token, "adopt", "new", 10_000, 60_000, "watch", 2000])
+        return [x.decode() if isinstance(x, bytes) else x for x in res]
+
+    def state(mq: MessageQueue) -> dict[str, str]:
+        return {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, SUB)).items()}
+
+    assert finish(QUEUES[0], "a") == ["ADOPTED", 0]
+    assert state(QUEUES[0])["pending"] == "watch" and state(QUEUES[0])["run"] == "0"
+    p.send_orderly(TOPIC, b"x", sharding_key=key_for(1))  # c1 is woken: a request "b" would run
+    assert finish(QUEUES[1], "b") == ["ADOPTED", 0]  # a backlog too: the watch reads it at once
+    assert state(QUEUES[1])["pending"] == "watch"
+    r.hset(keys.sub_state(QUEUES[2].tag, SUB), "assignee", "c2")  # reassigned meanwhile
+    assert finish(QUEUES[2], "c") == ["IDLE"]
+    assert state(QUEUES[2])["pending"] == "" and state(QUEUES[2])["owner"] == "c2"
+    r.hset(keys.sub_state(QUEUES[3].tag, SUB), "lease", 0)  # the lock lapsed
+    assert finish(QUEUES[3], "d") == ["IDLE"]
+    assert state(QUEUES[3])["pending"] == ""
+    p.close()
+    eng.brokers.close()
+
+
+def test_a_request_that_has_not_lingered_begins_only_when_allowed_and_a_lingering_one_goes_on(settings, r) -> None:
+    """``may_start_linger`` (no pool slot would stay free) keeps a fresh request from lingering;
+    a request already lingering, along its chain of switches, asks only ``may_linger``."""
+    p, eng = owned_idle_queues(settings, r)
+    seen: list[tuple[int, int]] = []
+
+    def listener(msgs, ctx):
+        seen.extend((m.queue_id, int(m.body)) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    linger, start = threading.Event(), threading.Event()
+    linger.set()
+    eng.may_linger = linger.is_set
+    eng.may_start_linger = start.is_set
+    spec = ListenerSpec(listener, TOPIC, SUB)
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+    p.send_orderly(TOPIC, b"0", sharding_key=key_for(0))
+    t0 = time.monotonic()
+    out = eng.run(spec, SUB, QUEUES[0], "t0")  # may not begin: drains and ends at once
+    assert out.verb == "IDLE" and out.consumed == 1 and time.monotonic() - t0 < 0.5
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t1", "pend_until": 2**62})
+    start.set()
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], "t1")))
+    t.start()
+    try:
+        time.sleep(0.5)  # lingering now
+        start.clear()  # every slot busy: nobody may begin to linger, this one goes on
+        for seq in range(1, 7):
+            p.send_orderly(TOPIC, str(seq).encode(), sharding_key=key_for(1 + seq % 3))
+            time.sleep(0.05)
+        deadline = time.monotonic() + 5
+        while len(seen) < 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sorted(seen) == sorted([(0, 0)] + [(1 + s % 3, s) for s in range(1, 7)])
+        assert t.is_alive(), "the lingering request stopped although nobody waits for its slot"
+    finally:
+        linger.clear()
+        t.join(timeout=10)
+    (out,) = result
+    assert out.consumed == 6
+    p.close()
+    eng.brokers.close()
+
+
+def test_a_queue_a_run_leaves_idle_is_watched_by_the_lingering_request_at_once(settings, r, monkeypatch) -> None:
+    """A run that ends without lingering (another request of its worker lingers already) says so in
+    the client's nudge stream (``nudge.idle_entry``); the lingering request adopts that queue at its
+    next read, not at its next full refresh, so the next send there wakes nobody."""
+    from mqorder.consumer import idle_watch
+
+    monkeypatch.setattr(idle_watch, "ADOPT_REFRESH_S", 60.0)  # only the nudge can adopt it in time
+    p, eng = owned_idle_queues(settings, r)
+    seen: list[tuple[int, int]] = []
+
+    def listener(msgs, ctx):
+        seen.extend((m.queue_id, int(m.body)) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    linger = threading.Event()
+    linger.set()
+    eng.may_linger = linger.is_set
+    spec = ListenerSpec(listener, TOPIC, SUB)
+    q3 = keys.sub_state(QUEUES[3].tag, SUB)
+    r.hset(q3, mapping={"pending": "t3", "pend_until": 2**62})  # a request is on its way to queue 3
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+    wakes = r.pubsub(ignore_subscribe_messages=True)
+    wakes.subscribe(keys.wake_channel(ME))
+    result: list = []
+    t = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], "t0")))
+    t.start()
+    other = ConsumerEngine(settings, ME)  # the worker's other pool process
+    other.may_linger = lambda: True
+    other.may_start_linger = lambda: False  # a slot stays free only if it does not linger
+    try:
+        time.sleep(0.5)  # lingering, watching queues 1 and 2 (3 had a request pending)
+        p.send_orderly(TOPIC, b"1", sharding_key=key_for(3))
+        assert wakes.get_message(timeout=1.0) is None  # pending already: nobody woken
+        out = other.run(spec, SUB, QUEUES[3], "t3")
+        assert out.verb == "IDLE" and out.consumed == 1
+        deadline = time.monotonic() + 2
+        while r.hget(q3, "pending") in (b"", None) and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert r.hget(q3, "pending") not in (b"", None), "the lingering request did not adopt queue 3"
+        p.send_orderly(TOPIC, b"2", sharding_key=key_for(3))
+        deadline = time.monotonic() + 5
+        while (3, 2) not in seen and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert seen == [(3, 1), (3, 2)]
+        assert wakes.get_message(timeout=0.2) is None, "the send to queue 3 woke the client"
+    finally:
+        linger.clear()
+        t.join(timeout=10)
+        wakes.close()
+        other.brokers.close()
+    p.close()
+    eng.brokers.close()

@@ -14,7 +14,15 @@ bookkeeping lives in the worker's main process. So the main process publishes it
   reads (``mqorder.consumer.nudge``) so they end at once rather than at their slice end;
 * a child lingers only while the stamp is fresh and ``waiting`` is 0. A missing, stopped or stuck
   publisher leaves a stale stamp, which reads as "do not linger": failure falls back to the
-  no-linger behaviour, never to a slot kept from a waiting request.
+  no-linger behaviour, never to a slot kept from a waiting request;
+* a child *starts* lingering only while ``spare`` says another slot would stay free for the next
+  request (or the pool has one slot only). Without that rule every slot of a small pool could end
+  up lingering (stock prefork -c 2: one request woken for a queue the other's watch had not
+  adopted yet runs, drains and lingers too); then any one new request waits, every lingering
+  child is nudged and gives its slot and its adopted queues back at once, and the queues that got
+  messages meanwhile each need a new request: a cascade of wake-ups and tasks that lasts until it
+  settles, seen as bursts of ~20 wake-ups in the latency bench. One lingering request's
+  ``IdleQueueWatch`` covers every idle queue of the worker anyway.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ PUBLISH_INTERVAL_S = 0.005
 #: A stamp older than this reads as "no publisher": do not linger.
 STALE_AFTER_S = 0.1
 
-_LAYOUT = struct.Struct("=dq")  # monotonic stamp (CLOCK_MONOTONIC, shared by all processes), waiting
+#: monotonic stamp (CLOCK_MONOTONIC, shared by all processes), waiting, spare (0/1)
+_LAYOUT = struct.Struct("=dqq")
 
 
 class CapacitySignal:
@@ -44,19 +53,25 @@ class CapacitySignal:
         self._mem = mmap.mmap(-1, mmap.PAGESIZE)
         self.clear()
 
-    def publish(self, waiting: int) -> None:
-        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), waiting)
+    def publish(self, waiting: int, spare: bool = True) -> None:
+        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), waiting, 1 if spare else 0)
 
     def clear(self) -> None:
         """Mark the signal as not published (readers then never linger)."""
-        _LAYOUT.pack_into(self._mem, 0, 0.0, 0)
+        _LAYOUT.pack_into(self._mem, 0, 0.0, 0, 0)
 
-    def read(self) -> tuple[float, int]:
+    def read(self) -> tuple[float, int, int]:
         return _LAYOUT.unpack_from(self._mem, 0)
 
     def may_linger(self) -> bool:
-        stamp, waiting = self.read()
+        """A lingering request may go on: nobody waits for a slot (and the publisher is alive)."""
+        stamp, waiting, _spare = self.read()
         return waiting == 0 and 0.0 <= time.monotonic() - stamp < STALE_AFTER_S
+
+    def may_start_linger(self) -> bool:
+        """A drained request may begin to linger: as ``may_linger``, and a slot would stay free."""
+        stamp, waiting, spare = self.read()
+        return waiting == 0 and spare == 1 and 0.0 <= time.monotonic() - stamp < STALE_AFTER_S
 
 
 #: The signal of this worker: created at import, in the main process, before the pool forks.
@@ -79,14 +94,26 @@ def celery_waiting(slots: int) -> int:
     return max(0, len(state.reserved_requests) - slots)
 
 
+def celery_spare(slots: int) -> bool:
+    """Whether a request that begins to linger now leaves a slot free for the next one: fewer
+    requests received (running ones included) than slots, or a one-slot pool (where lingering is
+    worth its nudge: no other slot could take the queue's next request sooner)."""
+    from celery.worker import state
+
+    return slots == 1 or len(state.reserved_requests) < slots
+
+
 class CapacityPublisher:
     """The main-process thread that keeps ``SIGNAL`` current while the worker runs."""
 
     def __init__(self, waiting: Callable[[], int], signal: CapacitySignal | None = SIGNAL,
-                 interval: float = PUBLISH_INTERVAL_S, nudge: Callable[[], None] | None = None) -> None:
+                 interval: float = PUBLISH_INTERVAL_S, nudge: Callable[[], None] | None = None,
+                 spare: Callable[[], bool] | None = None) -> None:
         #: None: only nudge (the threads pool reads Celery's bookkeeping itself, no shared page).
         self.signal = signal
         self.waiting = waiting
+        #: Whether a request may begin to linger (``celery_spare``); None: always.
+        self.spare = spare
         #: Called while requests wait for a slot: ends the lingering reads of this client
         #: (``mqorder.consumer.nudge.LingerNudge``), which otherwise notice only at their slice end.
         self.nudge = nudge
@@ -110,7 +137,7 @@ class CapacityPublisher:
             try:
                 waiting = self.waiting()
                 if self.signal is not None:
-                    self.signal.publish(waiting)
+                    self.signal.publish(waiting, self.spare() if self.spare is not None else True)
                 if waiting and self.nudge is not None:
                     self.nudge()
             except Exception:

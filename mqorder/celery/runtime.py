@@ -11,7 +11,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from mqorder.celery.capacity import SIGNAL, CapacityPublisher, celery_waiting
+from mqorder.celery.capacity import SIGNAL, CapacityPublisher, celery_spare, celery_waiting
 from mqorder.consumer.consume_request import ConsumerEngine
 from mqorder.settings import get_settings
 
@@ -50,7 +50,9 @@ def enable_linger(
     elif not module.endswith(".prefork"):
         return None
     threads = module.endswith(".thread")
-    publisher = CapacityPublisher(lambda: celery_waiting(max(1, slots)), None if threads else SIGNAL, nudge=nudge)
+    n = max(1, slots)
+    publisher = CapacityPublisher(lambda: celery_waiting(n), None if threads else SIGNAL, nudge=nudge,
+                                  spare=lambda: celery_spare(n))
     publisher.start()
     return publisher
 
@@ -64,6 +66,14 @@ def may_linger() -> bool:
     return celery_waiting(_slots) == 0
 
 
+def may_start_linger() -> bool:
+    """As ``may_linger``, for a request that has not lingered yet: it may begin only while another
+    pool slot stays free for the next request (``capacity.celery_spare``)."""
+    if _linger_pid != os.getpid():
+        return SIGNAL.may_start_linger()
+    return celery_waiting(_slots) == 0 and celery_spare(_slots)
+
+
 def engine_for(client_id: str) -> ConsumerEngine:
     key = (os.getpid(), client_id)
     eng = _engines.get(key)
@@ -73,6 +83,7 @@ def engine_for(client_id: str) -> ConsumerEngine:
             if eng is None:
                 eng = ConsumerEngine(get_settings(), client_id)
                 eng.may_linger = may_linger
+                eng.may_start_linger = may_start_linger
                 _engines[key] = eng
     return eng
 

@@ -39,6 +39,7 @@ from mqorder.consumer.hooks import (
 from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
 from mqorder.consumer.listener import ListenerSpec, get_listener
+from mqorder.consumer.nudge import idle_entry, idle_queues
 from mqorder.consumer.retry import RetrySender
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.errors import BrokerUnavailableError
@@ -49,6 +50,7 @@ from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.delay import DelayStore
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 from mqorder.tokens import new_token
@@ -90,6 +92,12 @@ class Verb(StrEnum):
     REQUEUE = "REQUEUE"
     HANDOVER = "HANDOVER"
     DISPATCH = "DISPATCH"
+    #: The run switched to another queue of its ``IdleQueueWatch`` and its own queue, still
+    #: locked by this client, is now one of the watch's adopted queues (``finish.lua`` 'adopt').
+    ADOPTED = "ADOPTED"
+    #: The run switched queues and left its ``finish.lua`` to the next run, which sends it in the
+    #: round trip of its own ``begin.lua`` (``ConsumeRequest.prior``). Never a task's outcome.
+    SWITCHED = "SWITCHED"
 
 
 class Stop(StrEnum):
@@ -103,6 +111,9 @@ class Stop(StrEnum):
     FENCED = "fenced"
     #: The last commit found the queue drained and ended the run itself (``commit.lua`` IDLE).
     IDLE = "idle"
+    #: The lingering read found messages on another adopted queue (``Pull.switch``): end the run
+    #: and hand this queue to the watch in the same step (``finish.lua`` 'adopt').
+    SWITCH = "adopt"
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,20 +128,23 @@ class Pull:
 
     ``lost``: the run no longer holds its queue (stop, fenced); ``ended``: the commit ended the run
     on a drained queue; ``switch``: the lingering read found messages on another idle queue of
-    this client (``ConsumeRequest.switch_to``): end this run, run that one; otherwise ``count``
-    new messages are in the ProcessQueue (0: none).
+    this client (``ConsumeRequest.switch_to``): end this run, run that one; ``wait``: a lingering
+    read ended with nothing for this run (its slice ran out, or a nudge), and the linger may go
+    on; otherwise ``count`` new messages are in the ProcessQueue (0: none).
     """
 
     count: int = 0
     lost: bool = False
     ended: bool = False
     switch: bool = False
+    wait: bool = False
 
 
 LOST = Pull(lost=True)
 ENDED = Pull(ended=True)
 NOTHING = Pull()
 SWITCH = Pull(switch=True)
+WAIT = Pull(wait=True)
 
 
 @dataclass(slots=True)
@@ -171,6 +185,18 @@ def _never() -> bool:
     return False
 
 
+def _always() -> bool:
+    return True
+
+
+@dataclass(frozen=True, slots=True)
+class Slice:
+    """The replies of a lingering read that rode on a commit (``XREAD``, then the queue's state)."""
+
+    reply: Any
+    state: list[Any]
+
+
 class ConsumerEngine:
     """Per-process consumer state: Redis clients, stats, the DLQ writer, and the run loop."""
 
@@ -184,6 +210,9 @@ class ConsumerEngine:
         #: Whether a drained request may wait for more messages: set by the integration (the
         #: Celery threads pool can tell whether requests are waiting for a slot); never by default.
         self.may_linger: Callable[[], bool] = _never
+        #: Whether a request that has not lingered yet may begin to (on top of ``may_linger``): the
+        #: integration says no while this would leave no pool slot free for the next request.
+        self.may_start_linger: Callable[[], bool] = _always
         appender = QueueAppender(
             self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout,
             topics=self.topics, action="DLQ write",
@@ -208,6 +237,13 @@ class ConsumerEngine:
                                              queue_nums=s.retry_queue_nums)
         return self._retry_sender
 
+    @property
+    def nudges_idle(self) -> bool:
+        """Whether a run that leaves its queue idle tells this client's lingering requests
+        (``nudge.idle_entry``): when requests linger here and watch other queues."""
+        s = self.settings
+        return self.may_linger is not _never and s.consume_linger_ms > 0 and s.consume_linger_idle_queues
+
     def owned_queues(self, sub: str) -> list[MessageQueue]:
         """Queues of ``sub`` the rebalance assigned to this client (its read hint, at most a second
         old): what a lingering request may watch. The locks, not this list, decide who consumes."""
@@ -226,8 +262,31 @@ class ConsumerEngine:
         if not s.consume_linger_idle_queues:
             return None
         broker = self.brokers.get(mq.broker_name)
+        group = keys.group_of_sub(sub)
+
+        def watchable() -> list[MessageQueue]:
+            # Only queues this process has a listener for (the caller's topic's, or one registered
+            # here): a switch runs the queue with its own topic's listener (``_listener_of``); a
+            # group's topic whose listener lives elsewhere is left to its wake-ups.
+            return [q for q in self.owned_queues(sub)
+                    if q.topic == mq.topic or get_listener(group, q.topic) is not None]
+
         return IdleQueueWatch(self.client_id, sub, mq.broker_name, broker.scripts, broker.client,
-                              lambda: self.owned_queues(sub), s.ms(s.pending_ttl), s.ms(s.lock_max_live_time))
+                              watchable, s.ms(s.pending_ttl), s.ms(s.lock_max_live_time))
+
+    @staticmethod
+    def _listener_of(spec: ListenerSpec, mq: MessageQueue) -> ListenerSpec:
+        """The listener of a queue a lingering run switched to. A subscription may span several
+        topics (a group with listeners for two topics, or a concurrent group's retry topic), and
+        each queue runs with its own topic's listener and kind of run (a bug once: the queue
+        switched to ran with the lingering run's listener). The watch adopts only queues with a
+        listener here (``idle_watch``)."""
+        if mq.topic == spec.topic:
+            return spec
+        other = get_listener(spec.group, mq.topic)
+        if other is None:  # pragma: no cover - unregistered since the watch adopted it
+            raise RuntimeError(f"no listener of group {spec.group!r} for topic {mq.topic!r} in this process")
+        return other
 
     def new_process_queue(self) -> ProcessQueue:
         s = self.settings
@@ -250,34 +309,55 @@ class ConsumerEngine:
         and pool slot. The outcome is then about the last queue run (``Outcome.queue``), and
         ``follow_ups`` lists the requests to send for the others.
         """
+        # One connection for every round trip of this execution (its chain of switches stays on
+        # one broker: an IdleQueueWatch watches one broker's queues).
+        lease = ConnectionLease(self.brokers.get(mq.broker_name).client)
+        try:
+            return self._run_chain(spec, sub, mq, token, lease)
+        finally:
+            lease.release()
+
+    def _run_chain(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str,
+                   lease: ConnectionLease) -> Outcome | None:
         runner = new_token()
         watch: IdleQueueWatch | None = None
         follow_ups: list[FollowUp] = []
         consumed = 0
+        prior: ConsumeRequest | None = None
         while True:
-            req, outcome = self._run_one(spec, sub, mq, token, runner, watch)
+            req, outcome = self._run_one(spec, sub, mq, token, runner, watch, prior, lease)
             if outcome is None:
                 return None  # Redis stayed down: adoptions lapse, the sweep re-dispatches
             consumed += outcome.consumed
             watch = req.watch
-            nxt = req.switch_to
-            # A subscription may span several topics (a group with listeners for two topics, or a
-            # concurrent group's retry topic): the queue switched to runs with its own topic's
-            # listener, and with its own kind of run.
-            nxt_spec = spec if nxt is None or nxt.topic == spec.topic else get_listener(spec.group, nxt.topic)
-            if nxt is None or watch is None or outcome.needs_dispatch or nxt_spec is None:
+            if req.prior_follow_up is not None:
+                # The queue the switch left needs a request (it was reassigned meanwhile): this
+                # run did not linger, so the chain stops here and the caller sends it.
+                follow_ups.append(req.prior_follow_up)
+                break
+            prior = None
+            if outcome.verb is Verb.SWITCHED:
+                # The switch the usual way: the next run ends this one (req.prior) and registers
+                # the queue left with the watch.
+                assert req.switch_to is not None and watch is not None
+                prior = req
+                mq, token = req.switch_to, watch.token
+                spec = self._listener_of(spec, mq)
+                continue
+            if req.switch_to is None or watch is None or outcome.needs_dispatch:
                 # No switch; or the queue just left got messages between the read and the end of
-                # its run and needs a request now, which only the caller can send; or this process
-                # has no listener for the other queue's topic: stop chaining (the queue switched
-                # to is released below and gets its own request).
+                # its run and needs a request now, which only the caller can send: stop chaining
+                # (the queue switched to is released below and gets its own request).
                 break
             # The lingering read found messages on an adopted idle queue: this run ended (its own
-            # queue drained), that queue runs next in this same task, with the adoption token.
-            watch.switched(mq, nxt)
-            mq, token, spec = nxt, watch.token, nxt_spec
+            # queue drained, and adopted by the watch when finish.lua could), that queue runs next
+            # in this same task, with the adoption token.
+            watch.switched(mq, req.switch_to, req.adopted_at if outcome.verb is Verb.ADOPTED else None)
+            mq, token = req.switch_to, watch.token
+            spec = self._listener_of(spec, mq)
         if watch is not None:
             try:
-                follow_ups.extend(watch.release())
+                follow_ups.extend(watch.release(lease))
             except (redis.RedisError, BrokerUnavailableError) as exc:
                 log.warning("could not end the adoptions of %s (%s); they lapse within %d ms",
                             sub, exc, ADOPT_TTL_MS)
@@ -286,12 +366,13 @@ class ConsumerEngine:
         return replace(outcome, consumed=consumed, follow_ups=tuple(follow_ups), queue=mq)
 
     def _run_one(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str,
-                 watch: IdleQueueWatch | None) -> tuple[ConsumeRequest, Outcome | None]:
+                 watch: IdleQueueWatch | None, prior: ConsumeRequest | None = None,
+                 lease: ConnectionLease | None = None) -> tuple[ConsumeRequest, Outcome | None]:
         backoff = Backoff(first=0.25, cap=5.0)
         waited = 0.0
         cls = _request_class(spec)
         while True:
-            req = cls(self, spec, sub, mq, token, runner=runner, watch=watch)
+            req = cls(self, spec, sub, mq, token, runner=runner, watch=watch, prior=prior, lease=lease)
             try:
                 return req, req.run()
             except (redis.RedisError, BrokerUnavailableError) as exc:
@@ -325,7 +406,8 @@ class ConsumeRequest:
 
     def __init__(
         self, engine: ConsumerEngine, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str = "",
-        watch: IdleQueueWatch | None = None,
+        watch: IdleQueueWatch | None = None, prior: ConsumeRequest | None = None,
+        lease: ConnectionLease | None = None,
     ) -> None:
         s = engine.settings
         self.engine = engine
@@ -341,6 +423,10 @@ class ConsumeRequest:
         broker = engine.brokers.get(mq.broker_name)
         self.redis = broker.client
         self.scripts = broker.scripts
+        #: The connection of this run's round trips on the consume path: the task execution's
+        #: (``ConsumerEngine.run``), or this run's own, released when ``run`` returns.
+        self._own_lease = lease is None
+        self.lease = lease if lease is not None else ConnectionLease(self.redis)
         tag = mq.tag
         self.k_state = keys.sub_state(tag, sub)
         self.k_log = keys.queue_log(tag)
@@ -365,6 +451,17 @@ class ConsumeRequest:
         self.watch = watch
         #: Set when the lingering read found messages on one of them: the queue to run next.
         self.switch_to: MessageQueue | None = None
+        #: The committed offset this queue was handed to the watch at (``Verb.ADOPTED``).
+        self.adopted_at = 0
+        #: The run this one switched from, whose ``finish.lua`` this run sends with its
+        #: ``begin.lua`` (``Verb.SWITCHED``), and its stop.
+        self.prior = prior
+        self.deferred_end: LoopEnd | None = None
+        #: This task execution lingers already (a chain of switches carries its watch): it goes
+        #: on while ``may_linger``; a request that has not lingered yet asks ``may_start_linger`` too.
+        self.lingering = watch is not None
+        #: The request the prior run's queue needs when its finish did not hand it to the watch.
+        self.prior_follow_up: FollowUp | None = None
         self.epoch = 0
         self.committed = 0  # offset persisted in Redis
         self.commit_point = 0  # offset the ProcessQueue says may be persisted
@@ -385,6 +482,13 @@ class ConsumeRequest:
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self) -> Outcome:
+        try:
+            return self._run()
+        finally:
+            if self._own_lease:
+                self.lease.release()
+
+    def _run(self) -> Outcome:
         begun = self._check()
         if begun is not None:
             return begun
@@ -394,16 +498,29 @@ class ConsumeRequest:
             self._flush_ledger()
             self._flush_stats()
             return Outcome(Verb.FENCED if end.stop is Stop.FENCED else Verb.IDLE, consumed=self.consumed)
+        if end.stop is Stop.SWITCH and not self._needs_last_commit():
+            # Its finish.lua rides on the next run's begin.lua (one round trip for the switch).
+            self.deferred_end = end
+            return Outcome(Verb.SWITCHED, consumed=self.consumed)
         return self._finish(end)
 
     # -- check -----------------------------------------------------------------------------------
 
     def _check(self) -> Outcome | None:
-        """``begin.lua``: claim the run, verify/take the lock, first pull. None means "go on"."""
-        res = self.scripts.begin(
-            keys=[self.k_state, self.k_log, self.k_next, self.k_retries],
-            args=[self.client_id, self.token, self.run_lease_ms, self.lock_ms, self.pull_n, self.runner],
-        )
+        """``begin.lua``: claim the run, verify/take the lock, first pull. None means "go on".
+
+        After a switch, the finish of the run left (``prior``) goes in the same round trip: the
+        two scripts touch two different queues, and neither depends on the other's reply."""
+        begin = ("begin", [self.k_state, self.k_log, self.k_next, self.k_retries],
+                 [self.client_id, self.token, self.run_lease_ms, self.lock_ms, self.pull_n, self.runner])
+        prior = self.prior
+        if prior is None:
+            res = self.scripts.call(*begin, via=self.lease)
+        else:
+            assert prior.deferred_end is not None
+            done, res = self.scripts.run_many([("finish", *prior._finish_call(prior.deferred_end)), begin],
+                                              self.lease)
+            self._after_prior(prior, prior._ended(done, prior.deferred_end))
         verb = text(res[0])
         if verb in ("STALE", "BUSY"):
             return Outcome(Verb(verb))
@@ -489,18 +606,21 @@ class ConsumeRequest:
                 return LoopEnd(Stop.FENCED)
             msgs = pq.take_messages(self.batch_max)
             if not msgs:
-                linger = self.linger_s > 0 and not pq.consuming and self.engine.may_linger()
-                pulled = self._persist(pull=not pq.is_full(threshold), idle_if_drained=not linger)
+                linger = self.linger_s > 0 and not pq.consuming and self._may_linger()
+                until = min(deadline, time.monotonic() + self.linger_s) if linger else None
+                # Lingering, the commit carries the first lingering read in its round trip.
+                pulled = self._persist(pull=not pq.is_full(threshold), idle_if_drained=not linger,
+                                       linger_until=until)
                 if pulled.lost:
                     return LoopEnd(Stop.FENCED)
                 if pulled.ended:
                     return LoopEnd(Stop.IDLE)
-                if not pulled.count and linger and not pq.dropped:
-                    pulled = self._linger(min(deadline, time.monotonic() + self.linger_s))
+                if until is not None and pulled.wait and not pq.dropped:
+                    pulled = self._linger(until)
                     if pulled.lost:
                         return LoopEnd(Stop.FENCED)
-                    if pulled.switch:
-                        return LoopEnd(Stop.DONE)
+                if pulled.switch:
+                    return LoopEnd(Stop.SWITCH)
                 if not pulled.count:
                     return LoopEnd(Stop.DONE)
                 continue
@@ -513,6 +633,13 @@ class ConsumeRequest:
             if end is not None:
                 return end
 
+    def _may_linger(self) -> bool:
+        """Whether this drained run may linger now (and, if so, it lingers from now on)."""
+        eng = self.engine
+        ok = eng.may_linger() and (self.lingering or eng.may_start_linger())
+        self.lingering = self.lingering or ok
+        return ok
+
     def _linger(self, until: float) -> Pull:
         """Wait on this queue's stream for new messages while the worker has idle capacity.
 
@@ -524,63 +651,86 @@ class ConsumeRequest:
         another client, so a lingering request never delays another queue or a handover by more
         than one slice.
 
-        Messages read here did not come through a fenced commit, so every slice reads the queue's
-        state in the same round trip, right after ``XREAD``: the batch is used only if this run
-        still held the lock at the epoch it began with (and its pending token) when it was read,
-        what a commit checks right before its pipelined pull. Returns what it read (``NOTHING`` ends
-        the run normally), or ``LOST`` when the run lost the queue (fenced).
+        Each slice is one round trip (``_queue_slice``, ``_slice_result``); the first one usually
+        rode on the commit before it (``_persist(linger_until=...)``). Returns what a slice read
+        (``NOTHING`` ends the run normally), or ``LOST`` when the run lost the queue (fenced).
         """
-        last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
-        me, epoch, token = self.client_id, str(self.epoch), self.token
+        while True:
+            pipe = RawPipeline(self.lease)
+            if not self._queue_slice(pipe, until):
+                return NOTHING
+            reply, state = pipe.execute()
+            pulled = self._slice_result(reply, state)
+            if not pulled.wait:
+                return pulled
+
+    def _queue_slice(self, pipe: Any, until: float) -> bool:
+        """Queue one lingering read on ``pipe``: a blocking ``XREAD`` over this queue, this client's
+        nudge stream and the idle queues its watch adopted, then this queue's state. False, with
+        nothing queued, when the linger is over: ``until`` passed or a request waits for a slot.
+
+        Messages read here did not come through a fenced commit, so the queue's state is read in
+        the same round trip, *after* the blocking ``XREAD`` (Redis runs a connection's commands in
+        order): ``_slice_result`` uses the batch only if this run still held the lock at the epoch
+        it began with (and its pending token) when it was read, what a commit checks right before
+        its pipelined pull.
+        """
+        left = until - time.monotonic()
+        if left <= 0 or not self.engine.may_linger():
+            return False
         if self.watch is None:
             self.watch = self.engine.idle_watch(self.sub, self.mq)
+        last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
+        names, ids = [self.k_log, keys.linger_nudge(self.client_id)], [last_id, self.engine.nudge_seen]
+        if self.watch is not None:
+            self.watch.refresh(self.mq, self.lease)  # its own round trip, at most every ADOPT_REFRESH_S
+            more, more_ids = self.watch.streams(self.mq)
+            names += more
+            ids += more_ids
+        block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
+        pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", *names, *ids)
+        pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
+        return True
+
+    def _slice_result(self, reply: Any, state: list[Any]) -> Pull:
+        """What one lingering read (``_queue_slice``) brought: messages of this queue, a switch to
+        an adopted queue that got some, ``WAIT`` (nothing yet), ``NOTHING`` (reassigned: ending
+        the run now hands the queue over, finish.lua) or ``LOST``."""
+        owner, cur_epoch, pending, assignee = state
+        me = self.client_id
+        if text(owner or b"") != me or int(cur_epoch or 0) != self.epoch or text(pending or b"") != self.token:
+            log.warning("lingering request on %s for %s lost the queue (owner %r, epoch %s); stopping",
+                        self.mq.key, self.sub, text(owner or b""), text(cur_epoch or b"0"))
+            self.pq.dropped = True
+            self.pq.clear()
+            return LOST
+        self.pq.mark_locked()
+        if assignee and text(assignee) != me:
+            return NOTHING
+        if not reply:
+            return WAIT
+        # RESP2 gives [[stream, entries], ...]; RESP3 gives {stream: entries}.
+        by_stream = dict(reply.items()) if isinstance(reply, dict) else {k: v for k, v in reply}
+        nudges = by_stream.pop(keys.linger_nudge(me).encode(), None)
+        if nudges:
+            # A request waits for a slot (or an old nudge, seen once): may_linger() decides. Or a
+            # queue of this client went idle: watch it from the next read on.
+            self.engine.nudge_seen = text(nudges[-1][0])
+            went_idle = idle_queues(nudges)
+            if went_idle and self.watch is not None:
+                self.watch.adopt_soon(went_idle)
+        entries = by_stream.pop(self.k_log.encode(), None)
+        if entries:
+            self._put(entries, None)
+            return Pull(len(entries))
         watch = self.watch
-        own_key = self.k_log.encode()
-        nudge_key = keys.linger_nudge(me)
-        while True:
-            left = until - time.monotonic()
-            if left <= 0 or not self.engine.may_linger():
-                return NOTHING
-            block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
-            names, ids = [self.k_log, nudge_key], [last_id, self.engine.nudge_seen]
-            if watch is not None:
-                watch.refresh(self.mq)
-                more, more_ids = watch.streams(self.mq)
-                names += more
-                ids += more_ids
-            # The state is read *after* the blocking XREAD (Redis runs a connection's commands in
-            # order): what it says holds for the moment the batch was read, not 10 ms before.
-            pipe = self.redis.pipeline(transaction=False)
-            pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", *names, *ids)
-            pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
-            reply, (owner, cur_epoch, pending, assignee) = pipe.execute()
-            if text(owner or b"") != me or text(cur_epoch or b"0") != epoch or text(pending or b"") != token:
-                log.warning("lingering request on %s for %s lost the queue (owner %r, epoch %s); stopping",
-                            self.mq.key, self.sub, text(owner or b""), text(cur_epoch or b"0"))
-                self.pq.dropped = True
-                self.pq.clear()
-                return LOST
-            self.pq.mark_locked()
-            if assignee and text(assignee) != me:
-                return NOTHING  # reassigned: ending the run now hands the queue over (finish.lua)
-            if not reply:
-                continue
-            # RESP2 gives [[stream, entries], ...]; RESP3 gives {stream: entries}.
-            by_stream = dict(reply.items()) if isinstance(reply, dict) else {k: v for k, v in reply}
-            nudges = by_stream.pop(nudge_key.encode(), None)
-            if nudges:
-                # A request waits for a slot (or an old nudge, seen once): may_linger() decides.
-                self.engine.nudge_seen = text(nudges[-1][0])
-            entries = by_stream.pop(own_key, None)
-            if entries:
-                self._put(entries, None)
-                return Pull(len(entries))
-            for key in by_stream:
-                other = watch.queue_of(text(key)) if watch is not None else None
-                if other is not None:
-                    # Its entries are only a signal: begin.lua reads them again under the lock.
-                    self.switch_to = other
-                    return SWITCH
+        for key in by_stream:
+            other = watch.queue_of(text(key)) if watch is not None else None
+            if other is not None:
+                # Its entries are only a signal: begin.lua reads them again under the lock.
+                self.switch_to = other
+                return SWITCH
+        return WAIT
 
     def _split_poison(self, msgs: list[MessageExt]) -> list[MessageExt]:
         """Send an undecodable head message to the DLQ; never hand one to the listener."""
@@ -722,11 +872,19 @@ class ConsumeRequest:
         if self._skip_floor:
             self._apply_skip_floor()
 
-    def _persist(self, pull: bool, idle_if_drained: bool = False) -> Pull:
+    def _persist(self, pull: bool, idle_if_drained: bool = False, linger_until: float | None = None) -> Pull:
         """Run ``commit.lua`` (with the next read pipelined behind it when ``pull``): what it read,
         ``ENDED`` if it ended the run on a drained queue (``idle_if_drained``), or ``LOST`` when
-        the commit was refused."""
+        the commit was refused.
+
+        ``linger_until``: the run means to linger if nothing is left, so the read behind the commit
+        is the first lingering read (``_queue_slice``), which returns at once when this queue has
+        more: a message arriving on a drained queue then costs one round trip (this one), not an
+        empty ``XRANGE`` and then a blocking read. Its result is ``_slice_result``'s (``WAIT``: go
+        on lingering); a refused commit discards it."""
         idle = idle_if_drained and pull and not self.retry_updates and not self.pq.consuming
+        # A run ending here leaves its queue idle: a lingering request of this client may watch it.
+        then = idle_entry(self.client_id, [self.mq.key]) if idle and self.engine.nudges_idle else None
         skipped = self._skips_due(self.commit_point)
         args: list[Any] = [
             self.client_id, self.epoch, self.token, self.commit_point, self.run_lease_ms,
@@ -739,7 +897,7 @@ class ConsumeRequest:
         if pull or (self.ledger is not None and self.ledger.records):
             # One round trip: the fenced commit, then a plain read of the next batch (and the
             # ledger records of the batch just handled, when the ledger is on).
-            res, entries = self._commit_pipelined(keys_, args, pull)
+            res, entries = self._commit_pipelined(keys_, args, pull, linger_until=linger_until, then=then)
         else:
             res, entries = self.scripts.commit(keys=keys_, args=args), []
         verb = text(res[0])
@@ -757,6 +915,8 @@ class ConsumeRequest:
         if text(res[2]):
             self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else
             return NOTHING
+        if isinstance(entries, Slice):
+            return self._slice_pulled(entries, int(res[1]))
         self._put(entries, None)
         if pull and not entries:
             self._check_trimmed_tail(int(res[1]))
@@ -776,26 +936,44 @@ class ConsumeRequest:
         self.stats.inc_consume_skipped(self.sub, self.mq.key, n)
         self._skips = [(end, k) for end, k in self._skips if end > offset]
 
+    def _slice_pulled(self, read: Slice, nxt: int) -> Pull:
+        """What the lingering read behind a commit brought (``_slice_result``). If it brought
+        nothing of this queue although the commit saw its next offset (``nxt``) past what the run
+        pulled, retention trimmed those messages (as for an empty ``XRANGE``)."""
+        pulled = self._slice_result(read.reply, read.state)
+        if not pulled.count and not pulled.lost:
+            self._check_trimmed_tail(nxt)
+        return pulled
+
     def _commit_pipelined(self, keys_: list[str], args: list[Any], pull: bool, script: str = "commit",
-                          start: int | None = None) -> tuple[Any, Any]:
-        """``commit.lua`` (or ``script``: a key-ordered run's ``key_commit.lua``), then ``XRANGE`` of
-        the next batch from ``start`` (default: past what this run pulled) when ``pull``, and the
-        ledger records, pipelined: one round trip per batch.
+                          start: int | None = None, linger_until: float | None = None,
+                          then: tuple[Any, ...] | None = None) -> tuple[Any, Any]:
+        """``commit.lua`` (or ``script``: a key-ordered run's ``key_commit.lua``), the ledger records,
+        then ``XRANGE`` of the next batch from ``start`` (default: past what this run pulled) when
+        ``pull``, pipelined: one round trip per batch. With ``linger_until`` the read is the first
+        lingering read instead (``_queue_slice``), returned as a ``Slice``, unless the linger is
+        over already. ``then``: one more command at the end (the idle nudge of a run that may end
+        here; if the commit did not end it, the nudge's reader finds the queue busy and leaves it).
 
         If Redis lost its scripts (a restart), nothing of the commit and read changed any state
-        (the commit was refused with NOSCRIPT, the XRANGE only reads), so they are sent once more
+        (the commit was refused with NOSCRIPT, the reads only read), so they are sent once more
         after loading the script; the ledger records went through already (``EVAL`` cannot hit
         NOSCRIPT) and are not sent twice.
         """
         if start is None:
             start = max(self.commit_point, self.pulled_to)
         for attempt in (0, 1):
-            pipe = self.redis.pipeline(transaction=False)
+            pipe = RawPipeline(self.lease)
             self.scripts.queue_in(pipe, script, keys_, args)
-            if pull:
-                pipe.execute_command("XRANGE", self.k_log, start, "+", "COUNT", self.pull_n)
             if self.ledger is not None:
+                # Before the read: a lingering read may block, the records must not wait for it.
                 self.ledger.queue_in(pipe)
+            n = len(pipe)
+            sliced = pull and linger_until is not None and self._queue_slice(pipe, linger_until)
+            if pull and not sliced:
+                pipe.execute_command("XRANGE", self.k_log, start, "+", "COUNT", self.pull_n)
+            if then is not None:
+                pipe.execute_command(*then)
             try:
                 replies = pipe.execute()
             except NoScriptError:
@@ -803,7 +981,9 @@ class ConsumeRequest:
                     raise
                 self.scripts.load(script)
                 continue
-            return replies[0], replies[1] if pull else []
+            if sliced:
+                return replies[0], Slice(replies[n], replies[n + 1])
+            return replies[0], replies[n] if pull else []
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _flush_ledger(self) -> None:
@@ -848,20 +1028,45 @@ class ConsumeRequest:
         res = self.scripts.touch(keys=[self.k_state], args=[self.client_id, self.epoch, self.token, 0, 0])
         return bool(int(res[0]))
 
+    def _after_prior(self, prior: ConsumeRequest, done: Outcome) -> None:
+        """The run this one switched from has ended (``done``): its queue is the watch's now, or
+        (reassigned meanwhile) it needs a request, which must not wait for this run to linger."""
+        assert self.watch is not None
+        self.watch.switched(prior.mq, self.mq, prior.adopted_at if done.verb is Verb.ADOPTED else None)
+        if done.needs_dispatch:
+            self.prior_follow_up = FollowUp(prior.mq, done.target, done.token, done.countdown)
+            self.linger_s = 0.0
+
+    def _needs_last_commit(self) -> bool:
+        """Whether progress is left to commit before ``finish.lua`` may end the run."""
+        return bool(self.epoch) and self.commit_point > self.committed
+
     def _finish(self, end: LoopEnd) -> Outcome:
         """``finish.lua``: end the run and learn who consumes this queue next."""
-        if self.epoch and self.commit_point > self.committed and self._persist(pull=False).lost:
+        if self._needs_last_commit() and self._persist(pull=False).lost:
             return Outcome(Verb.FENCED, consumed=self.consumed)
-        token = new_token()
-        res = self.scripts.finish(
-            keys=[self.k_state, self.k_next],
-            args=[self.client_id, self.token, end.stop.value, token,
-                  self.pending_ttl_ms + int(end.countdown * 1000), self.lock_ms],
-        )
+        return self._ended(self.scripts.call("finish", *self._finish_call(end), via=self.lease), end)
+
+    def _finish_call(self, end: LoopEnd) -> tuple[list[str], list[Any]]:
+        """Keys and arguments of this run's ``finish.lua`` (a switch hands the queue to the watch)."""
+        args: list[Any] = [self.client_id, self.token, end.stop.value, new_token(),
+                           self.pending_ttl_ms + int(end.countdown * 1000), self.lock_ms]
+        if end.stop is Stop.SWITCH:
+            assert self.watch is not None
+            args += [self.watch.token, ADOPT_TTL_MS]
+        return [self.k_state, self.k_next], args
+
+    def _ended(self, res: list[Any], end: LoopEnd) -> Outcome:
+        """The run's end after ``finish.lua`` replied ``res``."""
         self.pq.clear()
         self._flush_ledger()
         self._flush_stats()
         verb = Verb(text(res[0]))
+        if verb is Verb.IDLE and self.engine.nudges_idle:
+            RawPipeline(self.lease).execute_command(*idle_entry(self.client_id, [self.mq.key])).execute()
+        if verb is Verb.ADOPTED:
+            self.adopted_at = int(res[1])
+            return Outcome(verb, consumed=self.consumed)
         if verb is Verb.IDLE or verb is Verb.STALE:
             return Outcome(verb, consumed=self.consumed)
         target = text(res[1])

@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mqorder import keys
+from mqorder.consumer.nudge import idle_entry
 from mqorder.model import MessageQueue
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 from mqorder.store.replies import text
 from mqorder.tokens import new_token
 
@@ -71,77 +73,112 @@ class IdleQueueWatch:
         #: Adopted queues: log stream key -> (queue, committed offset when adopted).
         self.adopted: dict[str, tuple[MessageQueue, int]] = {}
         self._refreshed = 0.0
-        #: Queues to adopt at the next read without waiting for the next full refresh.
+        #: ``streams``' last answer, (exclude, names, ids): read on every lingering read, it changes
+        #: only with the adopted queues (``_changed`` forgets it).
+        self._streams: tuple[MessageQueue, list[str], list[str]] | None = None
+        #: Queues this client's other runs said went idle (``nudge.idle_entry``): adopted at the
+        #: next read, without waiting for the next full refresh.
         self._soon: list[MessageQueue] = []
+
+    def _changed(self) -> None:
+        self._streams = None
 
     def streams(self, exclude: MessageQueue) -> tuple[list[str], list[str]]:
         """Stream keys and XREAD ids of the adopted queues (``exclude``: the caller's own)."""
+        cached = self._streams
+        if cached is not None and cached[0] is exclude:
+            return cached[1], cached[2]
         names, ids = [], []
         for k, (mq, offset) in self.adopted.items():
             if mq == exclude:
                 continue
             names.append(k)
             ids.append(f"{offset - 1}-1" if offset > 0 else "0-0")
+        self._streams = (exclude, names, ids)
         return names, ids
 
     def queue_of(self, stream_key: str) -> MessageQueue | None:
         hit = self.adopted.get(stream_key)
         return hit[0] if hit else None
 
-    def refresh(self, running: MessageQueue) -> None:
+    def refresh(self, running: MessageQueue, via: ConnectionLease | None = None) -> None:
         """Adopt the idle owned queues not adopted yet and renew the others (at most every
-        ``ADOPT_REFRESH_S``). ``running``: the caller's own queue, never adopted."""
+        ``ADOPT_REFRESH_S``). ``running``: the caller's own queue, never adopted; ``via``: the
+        caller's connection."""
         now = time.monotonic()
         if now - self._refreshed < ADOPT_REFRESH_S:
             if self._soon:
-                self._adopt([mq for mq in self._soon if mq != running], keep=True)
-                self._soon = []
+                soon, self._soon = self._soon, []
+                self._adopt([mq for mq in soon if mq != running], via, keep=True)
             return
         self._refreshed = now
         self._soon = []
         wanted = [mq for mq in self._owned() if mq.broker_name == self.broker_name and mq != running]
         if not wanted:
             self.adopted.clear()
+            self._changed()
             return
-        self._adopt(wanted, keep=False)
+        self._adopt(wanted, via)
 
-    def _adopt(self, wanted: list[MessageQueue], keep: bool) -> None:
-        """``adopt.lua`` on each of ``wanted`` in one round trip; ``keep``: add to the adopted
-        queues rather than replace them (the renewal of a full refresh replaces them)."""
+    def adopt_soon(self, mq_keys: list[str]) -> None:
+        """Queues of this client that just went idle (named in its nudge stream): adopt them at the
+        next read. Only a try: ``adopt.lua`` takes a queue only if it is idle and this client's."""
+        for k in mq_keys:
+            try:
+                mq = MessageQueue.from_key(k)
+            except ValueError:
+                continue
+            if mq.broker_name == self.broker_name and keys.queue_log(mq.tag) not in self.adopted:
+                self._soon.append(mq)
+
+    def _adopt(self, wanted: list[MessageQueue], via: ConnectionLease | None, keep: bool = False) -> None:
+        """``adopt.lua`` on each of ``wanted`` in one round trip: adopt or renew. ``keep``: add to
+        the adopted queues; otherwise (a full refresh) the queues it refused are no longer adopted."""
         if not wanted:
             return
         replies = self.scripts.run_pipelined("adopt", [
             ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)], [self.client_id, self.token, ADOPT_TTL_MS])
             for mq in wanted
-        ])
+        ], via)
         adopted: dict[str, tuple[MessageQueue, int]] = dict(self.adopted) if keep else {}
         for mq, res in zip(wanted, replies, strict=True):
             if int(res[0]):
                 adopted[keys.queue_log(mq.tag)] = (mq, int(res[1]))
         self.adopted = adopted
+        self._changed()
 
-    def switched(self, left: MessageQueue, to: MessageQueue) -> None:
+    def switched(self, left: MessageQueue, to: MessageQueue, adopted_at: int | None) -> None:
         """The caller's run on ``left`` ended and ``to`` runs next with this watch's token: ``to``'s
-        run ends its adoption, and ``left``, idle now, is adopted at the next read (one script
-        call, not a full refresh)."""
+        run ends its adoption. ``adopted_at``: the committed offset ``left`` was handed to this
+        watch at, in the same step that ended its run (``finish.lua`` 'adopt'), so no send to it
+        falls between the two; None when it was not (no longer the caller's: the next full
+        refresh finds out again)."""
         self.adopted.pop(keys.queue_log(to.tag), None)
-        self._soon.append(left)
+        if adopted_at is not None:
+            self.adopted[keys.queue_log(left.tag)] = (left, adopted_at)
+        self._changed()
 
-    def release(self) -> list[FollowUp]:
+    def release(self, via: ConnectionLease | None = None) -> list[FollowUp]:
         """End every adoption (``finish.lua``, action done): an idle queue gets its pending slot
         back; one that got messages meanwhile gets a new request, returned for the caller to send."""
         if not self.adopted:
             return []
         items = list(self.adopted.values())
         self.adopted = {}
+        self._changed()
         replies = self.scripts.run_pipelined("finish", [
             ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)],
              [self.client_id, self.token, "done", new_token(), self.pending_ttl_ms, self.lock_ms])
             for mq, _ in items
-        ])
-        out = []
+        ], via)
+        out, went_idle = [], []
         for (mq, _), res in zip(items, replies, strict=True):
             verb = text(res[0])
             if verb in ("REQUEUE", "HANDOVER", "DISPATCH"):
                 out.append(FollowUp(mq, text(res[1]), text(res[2])))
+            elif verb == "IDLE":
+                went_idle.append(mq.key)
+        if went_idle:
+            # Another lingering request of this client may watch them now (nudge.idle_entry).
+            RawPipeline(via or self.redis).execute_command(*idle_entry(self.client_id, went_idle)).execute()
         return out

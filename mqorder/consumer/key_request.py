@@ -77,14 +77,14 @@ from mqorder.consumer.consume_request import (
     ConsumeRequest,
     Handled,
     LoopEnd,
-    Outcome,
     Pull,
+    Slice,
     Stop,
-    Verb,
 )
 from mqorder.consumer.context import CallContext, ConsumeOrderlyContext
 from mqorder.consumer.key_lanes import KeyLanes, Lanes
 from mqorder.consumer.ledger import LedgerOutcome
+from mqorder.consumer.nudge import idle_entry
 from mqorder.consumer.offset_map import OffsetTracker, decode_done
 from mqorder.model import MessageExt
 from mqorder.store.replies import text
@@ -305,20 +305,23 @@ class KeyConsumeRequest(ConsumeRequest):
                 continue
             # Nothing runs: drained, or only suspended keys are left.
             if not lanes.buffered and not lanes.blocked:
-                linger = self.linger_s > 0 and self.engine.may_linger()
-                pulled = self._persist(pull=True, idle_if_drained=not linger)
+                linger = self.linger_s > 0 and self._may_linger()
+                until = min(deadline, time.monotonic() + self.linger_s) if linger else None
+                # Queue mode's lingering read (``ConsumeRequest._linger``), fenced the same way; its
+                # first slice rides on the commit.
+                pulled = self._persist(pull=True, idle_if_drained=not linger, linger_until=until)
                 if pulled.lost:
+                    self.fenced = True
                     return LoopEnd(Stop.FENCED)
                 if pulled.ended:
                     return LoopEnd(Stop.IDLE)
-                if not pulled.count and linger and not self.pq.dropped:
-                    # Queue mode's lingering read (``ConsumeRequest._linger``), fenced the same way.
-                    pulled = self._linger(min(deadline, time.monotonic() + self.linger_s))
+                if until is not None and pulled.wait and not self.pq.dropped:
+                    pulled = self._linger(until)
                     if pulled.lost:
                         self.fenced = True
                         return LoopEnd(Stop.FENCED)
-                    if pulled.switch:
-                        return LoopEnd(Stop.DONE)
+                if pulled.switch:
+                    return LoopEnd(Stop.SWITCH)
                 if pulled.count:
                     continue
                 return LoopEnd(Stop.DONE)
@@ -469,12 +472,14 @@ class KeyConsumeRequest(ConsumeRequest):
 
     # -- Redis calls ------------------------------------------------------------------------------
 
-    def _persist(self, pull: bool, idle_if_drained: bool = False) -> Pull:
+    def _persist(self, pull: bool, idle_if_drained: bool = False, linger_until: float | None = None) -> Pull:
         """``key_commit.lua``: the lowest unfinished offset and the map of what finished above it,
-        fenced (with the next read pipelined behind it when ``pull``)."""
+        fenced (with the next read pipelined behind it when ``pull``: the first lingering read
+        with ``linger_until``, as in ``ConsumeRequest._persist``)."""
         t = self.tracker
         idle = (idle_if_drained and pull and not self.retry_updates and not self.in_flight
                 and not self.lanes.buffered and not self.lanes.blocked)
+        then = idle_entry(self.client_id, [self.mq.key]) if idle and self.engine.nudges_idle else None
         offset = t.base
         skipped = self._skips_due(offset)
         args: list[Any] = [
@@ -485,7 +490,7 @@ class KeyConsumeRequest(ConsumeRequest):
             args.append(off)
             args.append(n)
         res, entries = self._commit_pipelined([self.k_state, self.k_next, self.k_retries], args, pull, "key_commit",
-                                              self.tracker.pulled_to)
+                                              self.tracker.pulled_to, linger_until, then)
         verb = text(res[0])
         self.last_persist = time.monotonic()
         if skipped and verb in ("OK", "IDLE"):
@@ -509,12 +514,12 @@ class KeyConsumeRequest(ConsumeRequest):
         if text(res[2]):
             self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else
             return NOTHING
+        if isinstance(entries, Slice):
+            return self._slice_pulled(entries, int(res[1]))
         self._put(entries, None)
         if pull and not entries:
             self._check_trimmed_tail(int(res[1]))
         return Pull(len(entries))
 
-    def _finish(self, end: LoopEnd) -> Outcome:
-        if self.epoch and not self.fenced and (self.dirty or self.retry_updates) and self._persist(pull=False).lost:
-            return Outcome(Verb.FENCED, consumed=self.consumed)
-        return super()._finish(end)
+    def _needs_last_commit(self) -> bool:
+        return bool(self.epoch) and not self.fenced and bool(self.dirty or self.retry_updates)

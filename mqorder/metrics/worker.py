@@ -50,9 +50,9 @@ CAPACITY_STALE_S = 1.0
 
 
 class CapacityReader(Protocol):
-    """``mqorder.celery.capacity.CapacitySignal``: ``(monotonic stamp, waiting requests)``."""
+    """``mqorder.celery.capacity.CapacitySignal``: ``(monotonic stamp, waiting requests, spare slot)``."""
 
-    def read(self) -> tuple[float, int]: ...
+    def read(self) -> tuple[float, int, int]: ...
 
 
 @dataclass
@@ -122,7 +122,7 @@ class WorkerMetrics:
             yield GaugeMetricFamily(names.LOCKS_HELD.name, names.LOCKS_HELD.help, value=c.locks_held)
         yield CounterMetricFamily(names.LOCK_TAKEOVERS.family, names.LOCK_TAKEOVERS.help, value=c.lock_takeovers)
         if self.capacity is not None:
-            stamp, waiting = self.capacity.read()
+            stamp, waiting, _spare = self.capacity.read()
             if 0.0 <= time.monotonic() - stamp < CAPACITY_STALE_S:
                 yield GaugeMetricFamily(names.WAITING.name, names.WAITING.help, value=waiting)
 

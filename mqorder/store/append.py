@@ -113,13 +113,10 @@ class QueueAppender:
             broker = self.brokers.get(broker_name)
             with translated(broker_name, broker.safe_url, self.timeout, self.action):
                 self.check_capacity(broker)
-                if len(idxs) == 1:
-                    raw = [self._call(broker.scripts.send, requests[idxs[0]], None)]
-                else:
-                    pipe = broker.client.pipeline(transaction=False)
-                    for i in idxs:
-                        self._call(broker.scripts.send, requests[i], pipe)
-                    raw = pipe.execute()
+                # Lean EVALSHAs (Scripts.run_many: no redis-py Pipeline, whose registered scripts
+                # cost a SCRIPT EXISTS round trip first); a NOSCRIPT call stored nothing and is
+                # sent again once the script is loaded.
+                raw = broker.scripts.run_many([("send", *self._send_call(requests[i])) for i in idxs])
             for i, reply in zip(idxs, raw, strict=True):
                 replies[i] = _parse(reply, len(requests[i].entries))
         return [r for r in replies if r is not None]
@@ -154,7 +151,8 @@ class QueueAppender:
                 args.append(WakeUp(s, mq_key, t).encode())
         return state_keys, args
 
-    def _call(self, script: Any, req: AppendRequest, client: Any) -> Any:
+    def _send_call(self, req: AppendRequest) -> tuple[list[str], list[Any]]:
+        """Keys and arguments of ``send.lua`` for one request."""
         mq = req.mq
         tag = mq.tag
         state_keys, wake_args = self.wake_tail(mq)
@@ -177,7 +175,7 @@ class QueueAppender:
         args.append(self.pending_ttl_ms)
         args.append(keys.wake_channel(""))
         args.extend(wake_args)
-        return script(keys=kl, args=args, client=client)
+        return kl, args
 
 
 def _parse(reply: list[Any], n: int) -> AppendReply:

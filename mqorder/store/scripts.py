@@ -18,6 +18,7 @@ from typing import Any
 import redis
 
 from mqorder import keys
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 
 NAMES = (
     "send",
@@ -93,14 +94,15 @@ class Scripts:
         """
         pipe.execute_command("EVALSHA", getattr(self, name).sha, len(keys), *keys, *args)
 
-    def run_pipelined(self, name: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> list[Any]:
+    def run_pipelined(self, name: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]],
+                      via: ConnectionLease | None = None) -> list[Any]:
         """``EVALSHA`` of script ``name`` once per ``(keys, args)`` call, in one round trip.
 
         After ``NOSCRIPT`` (first use on this Redis, or a restart) the script is loaded and the
         pipeline sent again: every call in it was refused alike, so none of them changed anything.
         """
         for attempt in (0, 1):
-            pipe = self._client.pipeline(transaction=False)
+            pipe = RawPipeline(via or self._client)
             for k, a in calls:
                 self.queue_in(pipe, name, k, a)
             try:
@@ -109,6 +111,40 @@ class Scripts:
                 if attempt:
                     raise
                 self.load(name)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def call(self, name: str, keys: Sequence[Any], args: Sequence[Any], via: ConnectionLease | None = None) -> Any:
+        """One ``EVALSHA`` of script ``name`` (``run_many``'s lean round trip; the consume path's)."""
+        return self.run_many([(name, keys, args)], via)[0]
+
+    def run_many(self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]],
+                 via: ConnectionLease | None = None) -> list[Any]:
+        """``EVALSHA`` of each ``(script name, keys, args)`` call, in one round trip; their replies.
+
+        A call refused with ``NOSCRIPT`` changed nothing, so only those are sent again (their
+        scripts loaded first), never one that ran; any other error of a call is raised, as a
+        plain pipeline would.
+        """
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in (0, 1):
+            pipe = RawPipeline(via or self._client)
+            for i in todo:
+                self.queue_in(pipe, *calls[i])
+            out = pipe.execute(raise_on_error=False)
+            missing = []
+            for i, res in zip(todo, out, strict=True):
+                if isinstance(res, redis.exceptions.NoScriptError) and not attempt:
+                    missing.append(i)
+                elif isinstance(res, Exception):
+                    raise res
+                else:
+                    replies[i] = res
+            if not missing:
+                return replies
+            for name in {calls[i][0] for i in missing}:
+                self.load(name)
+            todo = missing
         raise AssertionError("unreachable")  # pragma: no cover
 
     def load(self, name: str) -> None:

@@ -1,0 +1,83 @@
+"""The consume path's lean round trips (``RawPipeline``, ``ConnectionLease``, ``Scripts.run_many``)
+against a real redis-server: replies and error replies in order, a connection that stays usable
+after an error reply and is replaced after a dropped one, and NOSCRIPT calls sent again without
+running twice the calls that did run (appends stored once after ``SCRIPT FLUSH``)."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+
+from mqorder import keys
+from mqorder.codec import encode_header
+from mqorder.model import MessageQueue
+from mqorder.store.append import AppendRequest, QueueAppender
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.log import MessageLog
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
+from mqorder.store.scripts import source
+from mqorder.store.topics import TopicManager
+
+MQ0, MQ1 = MessageQueue("t", "broker-a", 0), MessageQueue("t", "broker-a", 1)
+
+
+@pytest.fixture
+def appender(redis_url: str):
+    brokers = BrokerRegistry(redis_url)
+    TopicManager(brokers).create_topic("t", 2)
+    yield QueueAppender(brokers, pending_ttl_ms=10_000, timeout=3.0)
+    brokers.close()
+
+
+def test_replies_and_error_replies_come_back_in_order_and_the_connection_stays_in_step(r: redis.Redis) -> None:
+    r.set("s", "x")
+    pipe = RawPipeline(r).execute_command("SET", "a", 1).execute_command("INCR", "s")
+    pipe.execute_command("GET", "a")
+    ok, err, got = pipe.execute(raise_on_error=False)
+    assert ok == b"OK" and isinstance(err, redis.ResponseError) and got == b"1"
+    with pytest.raises(redis.ResponseError):
+        RawPipeline(r).execute_command("INCR", "s").execute_command("GET", "a").execute()
+    # Every reply of the failed pipeline was read: the pooled connection answers the next one.
+    assert RawPipeline(r).execute_command("GET", "a").execute() == [b"1"]
+    assert RawPipeline(r).execute() == []
+
+
+def test_a_lease_keeps_one_connection_and_replaces_it_after_it_was_dropped(r: redis.Redis) -> None:
+    lease = ConnectionLease(r)
+    ids = [RawPipeline(lease).execute_command("CLIENT", "ID").execute()[0] for _ in range(3)]
+    assert len(set(ids)) == 1  # one connection for every round trip
+    assert len(r.connection_pool._in_use_connections) == 1
+    r.execute_command("CLIENT", "KILL", "ID", ids[0])
+    # The round trip on the dropped connection fails as a redis-py one would (the engine retries
+    # the run), and the lease gives that connection up: the next round trip has a new one.
+    with pytest.raises(redis.ConnectionError):
+        RawPipeline(lease).execute_command("CLIENT", "ID").execute()
+    assert len(r.connection_pool._in_use_connections) == 0
+    (again,) = RawPipeline(lease).execute_command("CLIENT", "ID").execute()
+    assert again != ids[0]
+    lease.release()
+    assert len(r.connection_pool._in_use_connections) == 0
+
+
+def test_run_many_sends_again_only_the_calls_refused_with_noscript(appender: QueueAppender, r: redis.Redis) -> None:
+    scripts = appender.brokers.get("broker-a").scripts
+    r.script_flush()
+    r.script_load(source("send"))  # send.lua is loaded, adopt.lua is not
+    send_keys, send_args = appender._send_call(AppendRequest(MQ0, [(encode_header("m0"), b"0")]))
+    adopt = ([keys.sub_state(MQ1.tag, "g"), keys.queue_next(MQ1.tag)], ["c1", "tok", 2000])
+    sent, adopted = scripts.run_many([("send", send_keys, send_args), ("adopt", *adopt)])
+    assert int(sent[0]) == 0 and adopted == [0]
+    # send.lua ran once: sending the whole pipeline again would have stored the message twice.
+    assert [m.body for m in MessageLog(appender.brokers).read(MQ0, 0, 10)] == [b"0"]
+
+
+def test_appends_survive_a_script_flush_and_store_each_message_once(appender: QueueAppender, r: redis.Redis) -> None:
+    r.script_flush()
+    one = appender.append(MQ0, [(encode_header("a"), b"a")])
+    r.script_flush()
+    many = appender.append_many([AppendRequest(MQ0, [(encode_header("b"), b"b")]),
+                                 AppendRequest(MQ1, [(encode_header("c"), b"c"), (encode_header("d"), b"d")])])
+    assert one.offsets == [0] and [m.offsets for m in many] == [[1], [0, 1]]
+    log = MessageLog(appender.brokers)
+    assert [m.body for m in log.read(MQ0, 0, 10)] == [b"a", b"b"]
+    assert [m.body for m in log.read(MQ1, 0, 10)] == [b"c", b"d"]

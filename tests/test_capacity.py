@@ -77,18 +77,86 @@ def test_publisher_stops_and_clears_and_a_failing_probe_clears_too() -> None:
 
 
 def test_a_request_may_begin_to_linger_only_while_a_slot_would_stay_free() -> None:
-    """``spare`` gates beginning to linger; going on lingering needs only that nobody waits."""
+    """``spare`` gates beginning to linger (while another child lingers); going on lingering needs
+    only that nobody waits."""
     sig = CapacitySignal()
     assert not sig.may_start_linger()  # never published
     sig.publish(0, spare=True)
     assert sig.may_linger() and sig.may_start_linger()
+    sig.note_lingerer(101, True)  # another child lingers
     sig.publish(0, spare=False)  # every slot busy, nobody waiting: lingerers go on, none begins
-    assert sig.may_linger() and not sig.may_start_linger()
+    assert sig.may_linger() and not sig.may_start_linger(pid=202)
     sig.publish(1, spare=True)
-    assert not sig.may_linger() and not sig.may_start_linger()
+    assert not sig.may_linger() and not sig.may_start_linger(pid=202)
     pub = CapacityPublisher(lambda: 0, sig, interval=0.005, spare=lambda: False)
     pub.start()
     time.sleep(0.03)
-    assert sig.may_linger() and not sig.may_start_linger()
+    sig.note_lingerer(101, True)
+    assert sig.may_linger() and not sig.may_start_linger(pid=202)
     pub.stop()
-    assert not sig.may_start_linger()
+    assert not sig.may_start_linger(pid=202)
+
+
+def _read_hard(sig: CapacitySignal, seconds: float, conn) -> None:
+    deadline = time.monotonic() + seconds
+    torn = reads = 0
+    while time.monotonic() < deadline:
+        stamp, waiting, spare = sig.read()
+        reads += 1
+        if stamp == 0.0 or waiting != 0 or spare != 1:
+            torn += 1
+    conn.send((reads, torn))
+
+
+def test_a_reader_in_another_process_never_sees_a_half_written_signal() -> None:
+    """The main process rewrites the page every 5 ms while children read it. A write that passes
+    through an all-zero page (``struct.pack_into`` zero-fills before it packs) let a child read
+    "never published" now and then, and the lingering request it served give up its slot and its
+    adopted queues: seen as bursts of wake-ups at stock prefork -c 2."""
+    sig = CapacitySignal()
+    sig.publish(0, spare=True)
+    ctx = multiprocessing.get_context("fork")
+    parent_end, child_end = ctx.Pipe()
+    proc = ctx.Process(target=_read_hard, args=(sig, 1.5, child_end))
+    proc.start()
+    try:
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            sig.publish(0, spare=True)
+        reads, torn = parent_end.recv()
+    finally:
+        proc.join(5)
+    assert reads > 1000
+    assert torn == 0, f"{torn} of {reads} reads saw a half-written signal"
+
+
+def test_a_child_may_begin_to_linger_while_no_other_child_lingers_even_without_a_spare_slot() -> None:
+    sig = CapacitySignal()
+    sig.publish(0, spare=False)  # every slot busy, nobody waiting
+    assert sig.lingerer() == 0 and sig.may_start_linger(pid=101)  # nobody lingers: 101 may begin
+    sig.note_lingerer(101, True)
+    assert sig.lingerer() == 101 and sig.may_start_linger(pid=101)
+    assert not sig.may_start_linger(pid=202)  # 101 lingers, no slot stays free: 202 may not
+    sig.publish(0, spare=True)
+    assert sig.may_start_linger(pid=202)  # a slot stays free: a second one may
+    sig.publish(0, spare=False)
+    sig.note_lingerer(202, False)  # not the noted one: changes nothing
+    assert sig.lingerer() == 101
+    sig.note_lingerer(101, False)
+    assert sig.lingerer() == 0 and sig.may_start_linger(pid=202)
+    sig.note_lingerer(101, True)
+    sig.publish(1, spare=False)
+    assert not sig.may_start_linger(pid=101)  # a request waits: nobody begins
+
+
+def test_a_lingerer_note_lapses(monkeypatch) -> None:
+    from mqorder.celery import capacity
+
+    monkeypatch.setattr(capacity, "LINGERER_STALE_S", 0.05)
+    sig = CapacitySignal()
+    sig.publish(0, spare=False)
+    sig.note_lingerer(101, True)
+    assert not sig.may_start_linger(pid=202)
+    time.sleep(0.1)  # 101 was killed without a word
+    sig.publish(0, spare=False)
+    assert sig.lingerer() == 0 and sig.may_start_linger(pid=202)

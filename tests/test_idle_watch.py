@@ -390,3 +390,37 @@ def test_a_queue_a_run_leaves_idle_is_watched_by_the_lingering_request_at_once(s
         other.brokers.close()
     p.close()
     eng.brokers.close()
+
+
+def test_a_long_chain_of_switches_keeps_no_finished_run_alive(settings, r) -> None:
+    """Each run of a chain ends in the next one's first round trip; once ended it must be let go,
+    or a lingering request that switched queues for hours would hold every run it made (and
+    their ProcessQueues), and the collector's full passes would grow with them."""
+    import gc
+
+    p, eng = owned_idle_queues(settings, r)
+    seen: list[int] = []
+    linger = threading.Event()
+    linger.set()
+    eng.may_linger = linger.is_set
+    spec = ListenerSpec(lambda msgs, ctx: seen.extend(int(m.body) for m in msgs) or ConsumeOrderlyStatus.SUCCESS,
+                        TOPIC, SUB)
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+    t = threading.Thread(target=lambda: eng.run(spec, SUB, QUEUES[0], "t0"))
+    t.start()
+    try:
+        time.sleep(0.3)
+        for seq in range(60):  # every message on another queue than the last: 60 switches
+            p.send_orderly(TOPIC, str(seq).encode(), sharding_key=key_for(1 + seq % 3))
+            deadline = time.monotonic() + 5
+            while len(seen) <= seq and time.monotonic() < deadline:
+                time.sleep(0.002)
+        assert seen == list(range(60))
+        gc.collect()
+        alive = sum(1 for o in gc.get_objects() if isinstance(o, ConsumeRequest))
+        assert alive <= 3, f"{alive} runs of the chain are still alive"
+    finally:
+        linger.clear()
+        t.join(timeout=10)
+    p.close()
+    eng.brokers.close()

@@ -16,13 +16,17 @@ bookkeeping lives in the worker's main process. So the main process publishes it
   publisher leaves a stale stamp, which reads as "do not linger": failure falls back to the
   no-linger behaviour, never to a slot kept from a waiting request;
 * a child *starts* lingering only while ``spare`` says another slot would stay free for the next
-  request (or the pool has one slot only). Without that rule every slot of a small pool could end
-  up lingering (stock prefork -c 2: one request woken for a queue the other's watch had not
-  adopted yet runs, drains and lingers too); then any one new request waits, every lingering
-  child is nudged and gives its slot and its adopted queues back at once, and the queues that got
-  messages meanwhile each need a new request: a cascade of wake-ups and tasks that lasts until it
-  settles, seen as bursts of ~20 wake-ups in the latency bench. One lingering request's
-  ``IdleQueueWatch`` covers every idle queue of the worker anyway.
+  request (or the pool has one slot only), or while no other child of the worker lingers (the
+  children note theirs on the page: ``note_lingerer``). Without that rule every slot of a small
+  pool could end up lingering (stock prefork -c 2: one request woken for a queue the other's
+  watch had not adopted yet runs, drains and lingers too); then any one new request waits, every
+  lingering child is nudged and gives its slot and its adopted queues back at once, and the
+  queues that got messages meanwhile each need a new request: a cascade of wake-ups and tasks
+  that lasts until it settles, seen as bursts of ~20 wake-ups in the latency bench. One lingering
+  request's ``IdleQueueWatch`` covers every idle queue of the worker anyway. And without the
+  second half, a worker whose slots are all busy with woken requests (after an idle spell, every
+  queue's first message wakes it) never gets a lingering request back until, by chance, one ends
+  while the other slot is idle: 1-2 s of wake-ups at 1,000 msg/s.
 """
 
 from __future__ import annotations
@@ -43,6 +47,12 @@ STALE_AFTER_S = 0.1
 
 #: monotonic stamp (CLOCK_MONOTONIC, shared by all processes), waiting, spare (0/1)
 _LAYOUT = struct.Struct("=dqq")
+#: The lingering child's record (written by children, after the main process's): pid, stamp.
+_LINGERER = struct.Struct("=qd")
+_LINGERER_AT = 64
+#: A lingering child notes itself at every lingering read (slices are at most 100 ms long); a note
+#: older than this is of a child that stopped lingering without saying so (killed).
+LINGERER_STALE_S = 0.5
 
 
 class CapacitySignal:
@@ -54,24 +64,57 @@ class CapacitySignal:
         self.clear()
 
     def publish(self, waiting: int, spare: bool = True) -> None:
-        _LAYOUT.pack_into(self._mem, 0, time.monotonic(), waiting, 1 if spare else 0)
+        self._write(_LAYOUT.pack(time.monotonic(), waiting, 1 if spare else 0))
 
     def clear(self) -> None:
         """Mark the signal as not published (readers then never linger)."""
-        _LAYOUT.pack_into(self._mem, 0, 0.0, 0, 0)
+        self._write(bytes(_LAYOUT.size))
+
+    def _write(self, record: bytes, at: int = 0) -> None:
+        # One copy of the whole record. Not struct.pack_into on the page: it zero-fills the
+        # record before it packs the fields, so a child reading at that moment saw a page never
+        # published ("do not linger"), and its lingering request gave up its slot and its
+        # adopted queues (bursts of wake-ups at stock prefork -c 2, a few a minute).
+        self._mem[at: at + len(record)] = record
+
+    def _read(self, at: int, size: int) -> bytes:
+        """A record as one write left it: read until two reads in a row agree (a read racing a
+        writer's copy can mix two records)."""
+        last = self._mem[at: at + size]
+        for _ in range(3):
+            again = self._mem[at: at + size]
+            if again == last:
+                break
+            last = again
+        return last
 
     def read(self) -> tuple[float, int, int]:
-        return _LAYOUT.unpack_from(self._mem, 0)
+        return _LAYOUT.unpack(self._read(0, _LAYOUT.size))
+
+    def note_lingerer(self, pid: int, lingering: bool) -> None:
+        """A child says it lingers (again: at every lingering read), or that it stopped."""
+        if lingering:
+            self._write(_LINGERER.pack(pid, time.monotonic()), _LINGERER_AT)
+        elif self.lingerer() == pid:
+            self._write(bytes(_LINGERER.size), _LINGERER_AT)
+
+    def lingerer(self) -> int:
+        """The pid of the child that lingers in this worker (0: none, or its note is stale)."""
+        pid, stamp = _LINGERER.unpack(self._read(_LINGERER_AT, _LINGERER.size))
+        return pid if pid and 0.0 <= time.monotonic() - stamp < LINGERER_STALE_S else 0
 
     def may_linger(self) -> bool:
         """A lingering request may go on: nobody waits for a slot (and the publisher is alive)."""
         stamp, waiting, _spare = self.read()
         return waiting == 0 and 0.0 <= time.monotonic() - stamp < STALE_AFTER_S
 
-    def may_start_linger(self) -> bool:
-        """A drained request may begin to linger: as ``may_linger``, and a slot would stay free."""
+    def may_start_linger(self, pid: int = 0) -> bool:
+        """A drained request (in process ``pid``) may begin to linger: as ``may_linger``, and a
+        slot would stay free, or no other child lingers."""
         stamp, waiting, spare = self.read()
-        return waiting == 0 and spare == 1 and 0.0 <= time.monotonic() - stamp < STALE_AFTER_S
+        if waiting != 0 or not 0.0 <= time.monotonic() - stamp < STALE_AFTER_S:
+            return False
+        return spare == 1 or self.lingerer() in (0, pid)
 
 
 #: The signal of this worker: created at import, in the main process, before the pool forks.

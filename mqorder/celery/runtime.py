@@ -61,17 +61,26 @@ def may_linger() -> bool:
     """True while no received request is waiting for a pool slot that only a lingering request
     could give, and the worker is not shutting down (a warm shutdown waits for active tasks)."""
     if _linger_pid != os.getpid():
-        # A prefork child (or a pool that never lingers: the signal is then never published).
-        return SIGNAL.may_linger()
+        # A prefork child (or a pool that never lingers: the signal is then never published). Two
+        # children that both linger (one began while the other's note had lapsed, in a long run)
+        # settle on one: the child that is not the noted one stops.
+        return SIGNAL.may_linger() and SIGNAL.lingerer() in (0, os.getpid())
     return celery_waiting(_slots) == 0
 
 
 def may_start_linger() -> bool:
     """As ``may_linger``, for a request that has not lingered yet: it may begin only while another
-    pool slot stays free for the next request (``capacity.celery_spare``)."""
+    pool slot stays free for the next request (``capacity.celery_spare``), or, in a prefork child,
+    while no other child of the worker lingers."""
     if _linger_pid != os.getpid():
-        return SIGNAL.may_start_linger()
+        return SIGNAL.may_start_linger(os.getpid())
     return celery_waiting(_slots) == 0 and celery_spare(_slots)
+
+
+def note_lingering(lingering: bool) -> None:
+    """A prefork child's request lingers (said at every lingering read) or stopped lingering."""
+    if _linger_pid != os.getpid():
+        SIGNAL.note_lingerer(os.getpid(), lingering)
 
 
 def engine_for(client_id: str) -> ConsumerEngine:
@@ -84,6 +93,7 @@ def engine_for(client_id: str) -> ConsumerEngine:
                 eng = ConsumerEngine(get_settings(), client_id)
                 eng.may_linger = may_linger
                 eng.may_start_linger = may_start_linger
+                eng.note_lingering = note_lingering
                 _engines[key] = eng
     return eng
 

@@ -189,6 +189,10 @@ def _always() -> bool:
     return True
 
 
+def _ignore(_lingering: bool) -> None:
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Slice:
     """The replies of a lingering read that rode on a commit (``XREAD``, then the queue's state)."""
@@ -213,6 +217,9 @@ class ConsumerEngine:
         #: Whether a request that has not lingered yet may begin to (on top of ``may_linger``): the
         #: integration says no while this would leave no pool slot free for the next request.
         self.may_start_linger: Callable[[], bool] = _always
+        #: Told ``True`` at every lingering read and ``False`` when a task execution that lingered
+        #: ends (a prefork child notes it for its siblings' ``may_start_linger``).
+        self.note_lingering: Callable[[bool], None] = _ignore
         appender = QueueAppender(
             self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout,
             topics=self.topics, action="DLQ write",
@@ -316,6 +323,7 @@ class ConsumerEngine:
             return self._run_chain(spec, sub, mq, token, lease)
         finally:
             lease.release()
+            self.note_lingering(False)
 
     def _run_chain(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str,
                    lease: ConnectionLease) -> Outcome | None:
@@ -521,6 +529,8 @@ class ConsumeRequest:
             done, res = self.scripts.run_many([("finish", *prior._finish_call(prior.deferred_end)), begin],
                                               self.lease)
             self._after_prior(prior, prior._ended(done, prior.deferred_end))
+            # Ended: let it go (a chain of switches must not keep every run it ever made alive).
+            self.prior = None
         verb = text(res[0])
         if verb in ("STALE", "BUSY"):
             return Outcome(Verb(verb))
@@ -678,6 +688,7 @@ class ConsumeRequest:
         left = until - time.monotonic()
         if left <= 0 or not self.engine.may_linger():
             return False
+        self.engine.note_lingering(True)
         if self.watch is None:
             self.watch = self.engine.idle_watch(self.sub, self.mq)
         last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"

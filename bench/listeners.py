@@ -12,7 +12,9 @@ Configured from the environment so one module serves every section:
   ``BENCH_SLEEP_MS`` of I/O per message, counting what it finished in ``bench:ok:<group>``
   (``OkCounter``); a message of sharding key ``BENCH_FAIL_KEY`` always returns SUSPEND, on the lanes
   listed in ``BENCH_FAIL_LANES``);
-* ``BENCH_ORDERING``: ``queue`` (default) or ``key``, the listeners' ``ordering``;
+* ``BENCH_ORDERING``: ``queue`` (default) or ``key``, the listeners' ``ordering``, or
+  ``concurrent``: the no-op listener registered with ``@concurrent_listener`` (the ``concurrent``
+  section; noop mode only);
   ``BENCH_MAX_RECONSUME`` / ``BENCH_SUSPEND_MS`` their ``max_reconsume_times`` and suspend time.
 
 The consume batch size comes from ``MQORDER_CONSUME_MESSAGE_BATCH_MAX_SIZE`` (settings).
@@ -29,7 +31,7 @@ from typing import Any
 
 import redis
 
-from mqorder import ConsumeOrderlyStatus, orderly_listener
+from mqorder import ConsumeConcurrentlyStatus, ConsumeOrderlyStatus, concurrent_listener, orderly_listener
 
 SUCCESS = ConsumeOrderlyStatus.SUCCESS
 LAT_KEY = "bench:lat"
@@ -47,6 +49,10 @@ def _redis() -> redis.Redis:
 
 def noop(msgs, ctx):
     return SUCCESS
+
+
+def noop_concurrently(msgs, ctx):
+    return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
 
 
 class LatencyRecorder:
@@ -161,7 +167,12 @@ def _register() -> None:
         opts["suspend_current_queue_time_millis"] = int(os.environ["BENCH_SUSPEND_MS"])
     fail_key = os.environ.get("BENCH_FAIL_KEY")
     fail_lanes = {int(x) for x in os.environ.get("BENCH_FAIL_LANES", "").split(",") if x}
-    for i, (t, g) in enumerate(lane_names(topic, group, int(os.environ.get("BENCH_LANES", "1")))):
+    lanes = lane_names(topic, group, int(os.environ.get("BENCH_LANES", "1")))
+    if opts.get("ordering") == "concurrent":
+        for t, g in lanes:
+            concurrent_listener(topic=t, group=g)(noop_concurrently)
+        return
+    for i, (t, g) in enumerate(lanes):
         if mode == "sleep":
             fail = zlib.crc32(fail_key.encode()) if fail_key and i in fail_lanes else None
             func = sleeper(g, fail)

@@ -9,7 +9,8 @@ from __future__ import annotations
 from bench.common import Config
 
 SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "celery_broker", "produce", "failover",
-            "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "dedup", "transactions", "keys")
+            "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "dedup", "transactions", "keys",
+            "concurrent")
 DEFAULT_CONCURRENCY = 2
 #: Threads-pool worker concurrency of the latency section and of the threads drain row.
 LAT_THREADS_C = 8
@@ -39,6 +40,7 @@ SIZES = {
     "retention_ms": (30_000, 10_000),
     "retention_drain_messages": (1_000_000, 10_000),
     "keys_messages": (20_000, 4_000),  # per queue-order run; key order gets 5x (bench.keys)
+    "concurrent_messages": (100_000, 10_000),  # per run at consume batch 32; batch 1 gets a quarter
 }
 
 

@@ -47,7 +47,7 @@ class Report:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
                     self.celery_broker, self.produce, self.dedup, self.transactions, self.failover, self.rebalance,
                     self.memory, self.growth, self.retention, self.spark,
-                    self.keys, self.history, self.notes)
+                    self.keys, self.concurrent, self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
     def header(self) -> list[str]:
@@ -538,6 +538,11 @@ class Report:
         from bench import keys
 
         return keys.report_lines(self.res.get("keys") or {})
+
+    def concurrent(self) -> list[str]:
+        from bench import concurrent
+
+        return concurrent.report_lines(self.res.get("concurrent") or {})
 
     def history(self) -> list[str]:
         """Before/after figures of past hot-path changes, from ``bench/history.json`` (not this run's)."""

@@ -213,6 +213,12 @@ def sec_transactions(cfg: Config, res: dict[str, Any]) -> None:
     res["transactions"] = transactions.run(cfg, messages=size(cfg, "transactions_messages"), runs=cfg.runs)
 
 
+def sec_concurrent(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import concurrent
+
+    res["concurrent"] = concurrent.run(cfg, messages=size(cfg, "concurrent_messages"), runs=max(2, cfg.runs))
+
+
 def sec_keys(cfg: Config, res: dict[str, Any]) -> None:
     from bench import keys
 
@@ -225,6 +231,7 @@ RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "produce": sec_produce, "failover": sec_failover, "rebalance": sec_rebalance, "memory": sec_memory,
     "growth": sec_growth, "retention": sec_retention, "spark": sec_spark,
     "spark_audit": sec_spark_audit, "dedup": sec_dedup, "transactions": sec_transactions, "keys": sec_keys,
+    "concurrent": sec_concurrent,
 }
 
 

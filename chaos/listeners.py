@@ -33,8 +33,8 @@ from celery.signals import before_task_publish
 
 from chaos import records
 from chaos import txn as _txn  # noqa: F401 - registers the transactions scenario's checker
-from mqorder import ConsumeOrderlyStatus, orderly_listener
-from mqorder.consumer.context import ConsumeOrderlyContext
+from mqorder import ConsumeConcurrentlyStatus, ConsumeOrderlyStatus, concurrent_listener, orderly_listener
+from mqorder.consumer.context import ConsumeConcurrentlyContext, ConsumeOrderlyContext
 from mqorder.consumer.hooks import ConsumeMessageHook, RefusedContext
 from mqorder.model import MessageExt
 
@@ -85,7 +85,7 @@ def _parse(m: MessageExt) -> tuple[str, int, bool]:
     return str(body["k"]), int(body["s"]), False
 
 
-def _work(ctx: ConsumeOrderlyContext) -> None:
+def _work(ctx: ConsumeOrderlyContext | ConsumeConcurrentlyContext) -> None:
     work_ms = float(os.environ.get("CHAOS_WORK_MS", "1"))
     slow = _ledger().hget(CTL, f"slow:{ctx.client_id}")
     if slow:
@@ -94,19 +94,34 @@ def _work(ctx: ConsumeOrderlyContext) -> None:
         time.sleep(work_ms / 1000)
 
 
-#: ``CHAOS_ORDERING=key`` (the key-order scenarios) registers the listener with ``ordering="key"``.
+#: ``CHAOS_ORDERING=key`` (the key-order scenarios) registers the listener with ``ordering="key"``;
+#: ``CHAOS_ORDERING=concurrent`` (the ``concurrent`` scenario) registers ``handle_concurrently`` as a
+#: concurrent listener instead (no order; failures go through ``%RETRY%chaos``).
 ORDERING_ENV = "CHAOS_ORDERING"
 
 
-@orderly_listener(topic=TOPIC, group=GROUP, max_reconsume_times=MAX_RECONSUME,
-                  suspend_current_queue_time_millis=SUSPEND_MS, hooks=[RefusalRecorder()],
-                  ordering=os.environ.get(ORDERING_ENV, "queue"))
 def handle(msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> ConsumeOrderlyStatus:
-    start = time.time()
     parsed = [(*_parse(m), m) for m in msgs]
     status = (ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT if any(p for _, _, p, _ in parsed)
               else ConsumeOrderlyStatus.SUCCESS)
+    _record(parsed, ctx, status.name)
+    return status
+
+
+def handle_concurrently(msgs: list[MessageExt], ctx: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
+    """The ``concurrent`` scenario's listener: a poison message is never acknowledged (it goes
+    back through ``%RETRY%chaos`` until the DLQ); its entry is recorded as a SUSPEND."""
+    parsed = [(*_parse(m), m) for m in msgs]
+    failed = any(p for _, _, p, _ in parsed)
+    _record(parsed, ctx, "SUSPEND_CURRENT_QUEUE_A_MOMENT" if failed else records.SUCCESS)
+    return ConsumeConcurrentlyStatus.RECONSUME_LATER if failed else ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+
+
+def _record(parsed: list[tuple[str, int, bool, MessageExt]], ctx: ConsumeOrderlyContext | ConsumeConcurrentlyContext,
+            status: str) -> None:
+    start = time.time()
     _work(ctx)
+    asked = time.time()
     try:
         still_owner: bool | None = ctx.still_owner()
     except redis.RedisError:
@@ -116,13 +131,22 @@ def handle(msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> ConsumeOrderly
     entries = [
         records.Entry(
             key=k, seq=s, queue=m.queue_id, offset=m.queue_offset, epoch=ctx.epoch, client=ctx.client_id,
-            pid=pid, start=start, end=end, reconsume=m.reconsume_times, status=status.name,
-            still_owner=still_owner, run=ctx.run_id,
+            pid=pid, start=start, end=end, reconsume=m.reconsume_times, status=status,
+            still_owner=still_owner, run=ctx.run_id, asked=asked,
         ).to_json()
         for k, s, _, m in parsed
     ]
     _ledger().rpush(records.LEDGER, *entries)
-    return status
+
+
+_ORDERING = os.environ.get(ORDERING_ENV, "queue")
+if _ORDERING == "concurrent":
+    concurrent_listener(topic=TOPIC, group=GROUP, max_reconsume_times=MAX_RECONSUME,
+                        hooks=[RefusalRecorder()])(handle_concurrently)
+else:
+    orderly_listener(topic=TOPIC, group=GROUP, max_reconsume_times=MAX_RECONSUME,
+                     suspend_current_queue_time_millis=SUSPEND_MS, hooks=[RefusalRecorder()],
+                     ordering=_ORDERING)(handle)
 
 
 def _record_publish(sender: str | None = None, **_: Any) -> None:

@@ -59,8 +59,11 @@ class Entry(_Record):
 
     ``start``/``end`` are the call's wall-clock bounds (``time.time()``), the same for every message
     of the call. ``still_owner`` is ``ctx.still_owner()`` asked at the end of the call (None when the
-    Redis under test did not answer): a holder paused past its lease must see False. ``run`` is
-    ``ctx.run_id``, unique per ConsumeRequest run, so the checker can tell one run from the next.
+    Redis under test did not answer): a holder paused past its lease must see False. ``asked`` is
+    ``time.time()`` right before that question was sent (``end`` is right after the answer came):
+    Redis evaluated the answer somewhere in ``[asked, end]``, which a pause of the process may
+    stretch to seconds. ``run`` is ``ctx.run_id``, unique per ConsumeRequest run, so the checker
+    can tell one run from the next.
     """
 
     key: str
@@ -76,6 +79,7 @@ class Entry(_Record):
     status: str
     still_owner: bool | None
     run: str
+    asked: float = 0.0
 
     @property
     def ok(self) -> bool:

@@ -53,6 +53,7 @@ def compact(r: Result, *, title: str, env: dict[str, str], quick: bool, seconds:
         "overlaps": r.overlaps, "overlaps_allowed": r.overlaps_allowed,
         "overlaps_forbidden": len(r.overlaps_forbidden),
         "stale_calls": r.stale_calls, "stale_saw_stale_epoch": r.stale_saw_stale_epoch,
+        "stale_asked_before_replaced": r.stale_asked_before_replaced,
         "stale_commit_refused": r.stale_commit_refused, "stale_refused_own_run": r.stale_refused_own_run,
         "refusals": r.refusals, "calls_after_refusal": len(r.calls_after_refusal),
         "failovers": len(r.failovers), "failover_max": r.failover_max, "failover_p99": r.failover_p99,
@@ -136,7 +137,10 @@ def _details(d: dict[str, Any]) -> list[str]:
         f"- overlapping listener calls on one queue: {d['overlaps']} pairs, {d['overlaps_allowed']} under a stale "
         f"epoch whose commit was refused, {d['overlaps_forbidden']} forbidden; stale calls (started after a newer "
         f"epoch was in use): {d['stale_calls']}, of which {d['stale_saw_stale_epoch']} saw `ctx.still_owner()` "
-        f"False and {d['stale_commit_refused']} had their commit refused; {_refusals(d)}"
+        f"False"
+        + (f" ({d['stale_asked_before_replaced']} saw True, asked before the queue was known to be replaced)"
+           if d.get("stale_asked_before_replaced") else "")
+        + f" and {d['stale_commit_refused']} had their commit refused; {_refusals(d)}"
         + (f"; listener calls of a run after its refusal: {d['calls_after_refusal']}" if "calls_after_refusal" in d
            else ""),
         f"- epochs held by two clients: {d['epoch_double_owner']}; committed offset going backward: "
@@ -229,9 +233,12 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "- **Overlapping calls** on one queue by two processes are allowed only when the stale call (the lower",
         "  epoch; at one epoch, the older run) had its commit refused (a `FENCED` refusal record for its",
         "  queue and epoch, or `SUPERSEDED` on its queue after its start for a run replaced at the same",
-        "  epoch) and saw `ctx.still_owner()` return False. Every stale call (one started after a newer",
-        "  epoch of its queue was in use) must have seen False too and had its commit refused; a run whose",
-        "  commit was refused never starts another listener call.",
+        "  epoch) and saw `ctx.still_owner()` return False, or True to a question asked before the queue was",
+        "  known to have a newer owner (its first call, or the first lock-table sample showing the newer",
+        "  epoch): Redis answers somewhere between the question and its return, and a process paused in",
+        "  between reads, after the pause, an answer that was right when given. Every stale call (one",
+        "  started after a newer epoch of its queue was in use) must have seen False and had its commit",
+        "  refused; a run whose commit was refused never starts another listener call.",
         "- No epoch of a queue ever held by two clients (the lock table sampled every 0.2 s), committed",
         "  offsets never backward (outside an everysec Redis restart).",
         f"- Poison: in `%DLQ%chaos` after 1 + 3 attempts, its queue blocked at most 3 × 1 s + {POISON_SLACK:.0f} s.",

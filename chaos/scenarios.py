@@ -24,6 +24,10 @@ SHORT_LEASE = {"MQORDER_LOCK_MAX_LIVE_TIME": "6", "MQORDER_LOCK_INTERVAL": "2"}
 #: The key-order variant (issue 14): the chaos listener with ``ordering="key"``; the checker then
 #: holds order and overlap per key (``chaos.checker``).
 KEY_ORDER = {listeners.ORDERING_ENV: "key"}
+#: The concurrent variant (issue 15): the chaos listener as ``@concurrent_listener``, retries every
+#: second (so a poison message reaches the DLQ after 3 retries within the run).
+CONCURRENT = {listeners.ORDERING_ENV: "concurrent", "MQORDER_MESSAGE_DELAY_LEVEL": " ".join(["1s"] * 18),
+              "MQORDER_DELAY_MOVE_INTERVAL": "0.2"}
 
 
 @dataclass
@@ -211,6 +215,20 @@ def transactions(f: Faults, quick: bool) -> list[str]:
     return [note]
 
 
+def concurrent_kill(f: Faults, quick: bool) -> None:
+    """The kill loop with poison messages among the traffic: they fail, go back through the retry
+    topic (1 s delays here) and reach the DLQ across the kills."""
+    clock = Clock()
+    clock.at(3)
+    f.inject_poison(3)
+    clock.at(4)
+    for i in range(2 if quick else 6):
+        f.kill_and_restart(after=7)
+        if i == 1:
+            f.inject_poison(3)
+        time.sleep(4)
+
+
 def smoke(f: Faults, quick: bool) -> None:
     """The ``make test`` smoke: one kill -9 (and restart), two lost-task deletions."""
     clock = Clock()
@@ -264,6 +282,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              env=dict(KEY_ORDER)),
     Scenario("keys-poison", "key order: poison messages that always SUSPEND hold back only their key", poison,
              env=dict(KEY_ORDER), enforce={"poison_bound"}),
+    Scenario("concurrent", "concurrent listener: kill -9 of a queue owner, repeatedly, with restarts; poison "
+             "messages through %RETRY%chaos to the DLQ", concurrent_kill, env=dict(CONCURRENT),
+             enforce={"failover_target", "poison_bound"}),
 ]}
 
 SMOKE = Scenario("smoke", "smoke: one kill -9 and two lost-task bursts", smoke)
@@ -321,5 +342,8 @@ def _run_data(sc: Scenario, c: Cluster, drained: bool) -> RunData:
         # What a key-ordered run may finish between two commits (a crash redelivers it).
         dup_bound=(uncommitted_bound(settings.pull_batch_size, settings.key_concurrency,
                                      settings.consume_message_batch_max_size)
-                   if sc.env.get(listeners.ORDERING_ENV) == "key" else 0),
+                   if sc.env.get(listeners.ORDERING_ENV) == "key"
+                   else uncommitted_bound(settings.pull_batch_size, settings.consume_concurrency,
+                                          settings.consume_message_batch_max_size)
+                   if sc.env.get(listeners.ORDERING_ENV) == "concurrent" else 0),
     )

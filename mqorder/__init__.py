@@ -20,9 +20,9 @@ from mqorder.client.producer import Producer
 from mqorder.client.pull_consumer import PullConsumer, PullResult, PullStatus
 from mqorder.client.transaction import LocalTransactionState, TransactionProducer, TransactionSendResult
 from mqorder.client.transaction_check import transaction_checker
-from mqorder.consumer.context import ConsumeOrderlyContext
+from mqorder.consumer.context import ConsumeConcurrentlyContext, ConsumeOrderlyContext
 from mqorder.consumer.hooks import ConsumeMessageContext, ConsumeMessageHook, register_consume_message_hook
-from mqorder.consumer.listener import orderly_listener
+from mqorder.consumer.listener import concurrent_listener, orderly_listener
 from mqorder.errors import (
     BrokerFullError,
     BrokerRefusedError,
@@ -39,6 +39,7 @@ from mqorder.errors import (
     TopicNotWritableError,
 )
 from mqorder.model import (
+    ConsumeConcurrentlyStatus,
     ConsumeOrderlyStatus,
     MessageExt,
     MessageModel,
@@ -55,6 +56,8 @@ __all__ = [
     "BrokerUnavailableError",
     "ConfigError",
     "EvictionPolicyError",
+    "ConsumeConcurrentlyContext",
+    "ConsumeConcurrentlyStatus",
     "ConsumeMessageContext",
     "ConsumeMessageHook",
     "ConsumeOrderlyContext",
@@ -79,6 +82,7 @@ __all__ = [
     "TopicNotWritableError",
     "TransactionProducer",
     "TransactionSendResult",
+    "concurrent_listener",
     "orderly_listener",
     "register_consume_message_hook",
     "transaction_checker",

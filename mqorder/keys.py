@@ -80,6 +80,9 @@ BROADCAST_SEP = "%BC%"
 STATS_FIELD_SEP = "#"
 #: ``%DLQ%group``: a group's dead-letter topic (RocketMQ's prefix).
 DLQ_PREFIX = "%DLQ%"
+#: ``%RETRY%group``: where a group's concurrent listeners send failed messages back to, delayed
+#: (RocketMQ's retry topic; ``mqorder.consumer.retry``).
+RETRY_PREFIX = "%RETRY%"
 
 #: The assignee of a queue that no live client consumes: the rebalance writes it when a lane has no
 #: client left, and the lock is then released. Injected into every Lua script as ``NOBODY`` by
@@ -336,8 +339,9 @@ def sub_state(tag: str, sub: str) -> str:
         tells a stuck queue (a backlog waiting since then) from a slow one.
     ``skipped``
         Messages retention trimmed before this subscription consumed them (``time`` policy, or a
-        group gone for longer than ``retention_ms``): ``commit`` adds them (its ``ARGV[8]``) in the
-        fenced commit that moves past them. Read by ``mqorder status``.
+        group gone for longer than ``retention_ms``): ``commit`` and ``key_commit`` add them
+        (``count_skipped`` in ``_commit.lua``) in the fenced commit that moves past them. Read by
+        ``mqorder status``.
     """
     return f"{PREFIX}:{tag}:s:{sub}"
 
@@ -364,6 +368,15 @@ def group_of_sub(sub: str) -> str:
 def dlq_topic(group: str) -> str:
     """RocketMQ's dead-letter topic name for a consumer group."""
     return f"{DLQ_PREFIX}{group}"
+
+
+def retry_topic(group: str) -> str:
+    """RocketMQ's retry topic name for a consumer group (concurrent listeners)."""
+    return f"{RETRY_PREFIX}{group}"
+
+
+def is_retry_topic(topic: str) -> bool:
+    return topic.startswith(RETRY_PREFIX)
 
 
 def stage_run(tag: str, job: str, run: int) -> str:

@@ -120,6 +120,17 @@ class ConsumeOrderlyStatus(enum.Enum):
     ROLLBACK = "ROLLBACK"
 
 
+class ConsumeConcurrentlyStatus(enum.Enum):
+    """What a concurrent listener returns (RocketMQ's ``ConsumeConcurrentlyStatus``).
+
+    ``CONSUME_SUCCESS`` with ``ctx.ack_index`` below the last index acknowledges only the first
+    ``ack_index + 1`` messages; the rest are sent back for retry, like ``RECONSUME_LATER``.
+    """
+
+    CONSUME_SUCCESS = "CONSUME_SUCCESS"
+    RECONSUME_LATER = "RECONSUME_LATER"
+
+
 class MessageModel(enum.Enum):
     CLUSTERING = "CLUSTERING"
     BROADCASTING = "BROADCASTING"

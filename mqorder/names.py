@@ -35,6 +35,9 @@ Reserved, and what for
         Starts a group's dead-letter topic, ``%DLQ%group`` (RocketMQ's prefix). A topic may start
         with it only as a dead-letter topic, and then what follows is a valid group name, which
         makes a dead-letter topic up to 127 + 5 characters long.
+    ``%RETRY%``
+        Starts a group's retry topic, ``%RETRY%group`` (RocketMQ's prefix), where its concurrent
+        listeners send failed messages back to; the same rule as ``%DLQ%`` (up to 127 + 7).
     ``#``
         Joins a queue key and a counter name in the fields of the stats hash
         (``orders:broker-a:3#ok``, ``mqorder.consumer.stats``).
@@ -87,23 +90,27 @@ def check_broker(value: object) -> str:
     return broker
 
 
-def check_topic(value: object, *, allow_dlq: bool = False) -> str:
+def check_topic(value: object, *, allow_dlq: bool = False, allow_retry: bool = False) -> str:
     """Return ``value`` if it is a valid topic name, else raise ``InvalidNameError``.
 
-    ``allow_dlq`` admits dead-letter topics, ``%DLQ%`` followed by a valid group name.
+    ``allow_dlq`` admits dead-letter topics, ``%DLQ%`` followed by a valid group name;
+    ``allow_retry`` admits retry topics, ``%RETRY%`` followed by a valid group name.
     """
     topic = _str("topic", value)
-    if topic.startswith(keys.DLQ_PREFIX):
-        if not allow_dlq:
+    for prefix, allowed, what in ((keys.DLQ_PREFIX, allow_dlq, "dead-letter"),
+                                  (keys.RETRY_PREFIX, allow_retry, "retry")):
+        if not topic.startswith(prefix):
+            continue
+        if not allowed:
             raise InvalidNameError(
-                f"topic {topic!r} starts with {keys.DLQ_PREFIX!r}, which is reserved for dead-letter "
+                f"topic {topic!r} starts with {prefix!r}, which is reserved for {what} "
                 "topics; choose another name"
             )
         try:
-            check_group(topic[len(keys.DLQ_PREFIX) :])
+            check_group(topic[len(prefix) :])
         except InvalidNameError as exc:
             raise InvalidNameError(
-                f"invalid dead-letter topic {topic!r}: {keys.DLQ_PREFIX!r} must be followed by a group name ({exc})"
+                f"invalid {what} topic {topic!r}: {prefix!r} must be followed by a group name ({exc})"
             ) from None
         return topic
     if not keys.NAME_RE.fullmatch(topic):

@@ -24,16 +24,20 @@ _DELAY_UNITS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
 def parse_delay_levels(text: str) -> list[int]:
-    """RocketMQ's ``messageDelayLevel`` ("1s 5s 10s 30s 1m ... 2h") as ms per level."""
+    """RocketMQ's ``messageDelayLevel`` ("1s 5s 10s 30s 1m ... 2h") as ms per level; ``ms`` is
+    accepted too ("200ms"), for fast retries in tests and latency-sensitive retry topics."""
     out = []
     for item in text.split():
-        unit = _DELAY_UNITS.get(item[-1:])
-        if unit is None or not item[:-1].isdigit() or int(item[:-1]) <= 0:
-            raise ValueError(f"delay level {item!r} is not a positive number followed by s, m, h or d (e.g. '1s 5s 1m')")
-        out.append(int(item[:-1]) * unit)
+        num, unit = (item[:-2], 1) if item.endswith("ms") else (item[:-1], _DELAY_UNITS.get(item[-1:]))
+        if unit is None or not num.isdigit() or int(num) <= 0:
+            raise ValueError(f"delay level {item!r} is not a positive number followed by ms, s, m, h or d "
+                             "(e.g. '1s 5s 1m')")
+        out.append(int(num) * unit)
     if not out:
         raise ValueError("needs at least one level, e.g. '1s 5s 10s 30s 1m'")
     return out
+
+
 ALLOCATE_STRATEGIES = ("averagely", "averagely_by_circle", "by_config", "by_machine_room", "consistent_hash")
 #: A DNS host name (RFC 1123 labels), for ``metrics_addr`` when it is not an IP address.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -94,6 +98,12 @@ class Settings(BaseSettings):
     #: Key-ordered listeners: stop pulling a queue while its pulled span (highest pulled offset
     #: minus the lowest unfinished one) is this wide (RocketMQ's consumeConcurrentlyMaxSpan).
     consume_concurrently_max_span: int = Field(2000, ge=1, le=100_000)
+    #: Concurrent listeners (``@concurrent_listener``): at most this many calls of one queue at
+    #: once (RocketMQ's consumeThreadMax, per queue here: one run per queue holds its calls).
+    consume_concurrency: int = Field(16, ge=1, le=1024)
+    #: Queues of a group's retry topic ``%RETRY%<group>`` (RocketMQ: retryQueueNums, 1), fixed
+    #: when the topic is first created.
+    retry_queue_nums: int = Field(1, ge=1, le=64)
     #: Record every handled message in the consumption ledger (``mqorder:ledger:<group>``), for
     #: audits; a listener may switch it on for itself with ``@orderly_listener(ledger=True)``.
     ledger: bool = False

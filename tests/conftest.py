@@ -165,7 +165,7 @@ def ledger(client: redis.Redis, group: str) -> list[dict]:
         out.append({
             "key": f[0], "seq": int(f[1]), "queue": int(f[2]), "offset": int(f[3]), "epoch": int(f[4]),
             "client": f[5], "pid": int(f[6]), "start": int(f[7]), "end": int(f[8]), "reconsume": int(f[9]),
-            "ok": f[10] == "S",
+            "ok": f[10] == "S", "topic": f[11] if len(f) > 11 else "",
         })
     return out
 

@@ -8,7 +8,12 @@ per group through the Redis hash ``ctl:<group>`` so a test changes it without re
 * ``sleep_ms``: sleep inside every call (to widen overlap windows);
 * ``suspend:<key>:<seq>``: how many more times to return SUSPEND for that message;
 * ``rand_sleep_ms``: sleep a random time up to this inside every call (key mode's tests);
-* ``fail:<key>``: always return SUSPEND for that key's messages.
+* ``fail:<key>``: always return SUSPEND for that key's messages (RECONSUME_LATER for the
+  concurrent listener ``g-conc``);
+* ``flaky:<key>:<seq>``: how many more times the concurrent listener returns RECONSUME_LATER for
+  that message (its retries come back through ``%RETRY%g-conc``).
+
+The concurrent listener's ledger lines carry the topic the listener saw as an 11th field.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import time
 
 import redis
 
-from mqorder import ConsumeOrderlyStatus, MessageModel, orderly_listener
+from mqorder import ConsumeConcurrentlyStatus, ConsumeOrderlyStatus, MessageModel, concurrent_listener, orderly_listener
 
 _r: redis.Redis | None = None
 
@@ -97,3 +102,40 @@ def late(msgs, ctx):
 def keyed(msgs, ctx):
     """Key-ordered (issue 14): keys of one queue in parallel, one call at a time per key."""
     return _record("g-keys", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
+
+
+@concurrent_listener(topic="t-conc", group="g-conc", consume_message_batch_max_size=2, consume_concurrency=16,
+                     max_reconsume_times=3)
+def concurrent(msgs, ctx):
+    """Concurrent (issue 15): no order; what it does not acknowledge comes back via %RETRY%g-conc.
+    A batch of two where only the first fails acknowledges the second (``ack_index``)."""
+    c = r()
+    ctl = {k.decode(): v.decode() for k, v in c.hgetall("ctl:g-conc").items()}
+    start = time.time_ns() // 1000
+    rand_ms = float(ctl.get("rand_sleep_ms", 0))
+    if rand_ms:
+        time.sleep(random.random() * rand_ms / 1000)
+    ok = []
+    for m in msgs:
+        body = json.loads(m.body)
+        key, seq = str(body["k"]), int(body["s"])
+        fk = f"flaky:{key}:{seq}"
+        failed = bool(ctl.get(f"fail:{key}")) or (int(ctl.get(fk, 0)) > 0 and c.hincrby("ctl:g-conc", fk, -1) >= 0)
+        ok.append(not failed)
+    ack = -1
+    while ack + 1 < len(ok) and ok[ack + 1]:
+        ack += 1
+    end = time.time_ns() // 1000
+    pipe = c.pipeline(transaction=False)
+    for i, m in enumerate(msgs):
+        body = json.loads(m.body)
+        verdict = "S" if i <= ack else "X"
+        pipe.rpush(
+            "ledger:g-conc",
+            f"{body['k']}|{body['s']}|{m.queue_id}|{m.queue_offset}|{ctx.epoch}|{ctx.client_id}|{os.getpid()}|{start}|{end}|{m.reconsume_times}|{verdict}|{m.topic}",
+        )
+    pipe.execute()
+    if ack < 0:
+        return ConsumeConcurrentlyStatus.RECONSUME_LATER
+    ctx.ack_index = ack
+    return ConsumeConcurrentlyStatus.CONSUME_SUCCESS

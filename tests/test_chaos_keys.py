@@ -3,9 +3,12 @@ records with injected violations (the key-order scenarios themselves run in ``ma
 
 from __future__ import annotations
 
+import dataclasses
+
 from chaos import records
+from chaos.evidence import Event
 from chaos.records import Entry
-from tests.test_chaos_smoke import checked
+from tests.test_chaos_smoke import checked, refusal
 
 
 def kcall(run_id: str, key: str, offset: int, seq: int, start: float, *, pid: int = 1, client: str = "c1",
@@ -46,3 +49,41 @@ def test_a_suspended_offset_retried_in_the_same_run_is_no_violation_in_key_order
     done = Entry(**{**suspended.__dict__, "status": records.SUCCESS, "seq": 1})
     twice = Entry(**{**again.__dict__, "status": records.SUCCESS, "seq": 1})
     assert checked([done, twice], ordering="key").violations
+
+
+def paused_call(asked: float) -> Entry:
+    """A call of key x at epoch 1 by c1 that asked ``ctx.still_owner()`` at ``asked`` and got True,
+    its process SIGSTOPped from 10.01 to 20.0 (the keys-sigstop-lease failure at 2b2e0c2)."""
+    return dataclasses.replace(kcall("a", "x", 0, 1, 10.0), end=20.0, asked=asked)
+
+
+def newer_calls() -> list[Entry]:
+    """c2 took the queue at epoch 2 and runs key x from 12.3 on, while c1 is paused."""
+    return [kcall("b", "x", 0, 1, 12.3, client="c2", pid=2, epoch=2, still_owner=None),
+            kcall("b", "x", 1, 2, 12.9, client="c2", pid=2, epoch=2, still_owner=None)]
+
+
+def test_a_true_still_owner_asked_before_the_takeover_and_read_after_a_pause_is_allowed() -> None:
+    """Redis answered True right when it was asked (10.01, c1 still held epoch 1: the newer epoch
+    was first used at 12.3); c1 was stopped before it read the answer, at 20.0. The answer was
+    right; the fenced commit, refused, is what protects the data."""
+    pause = Event(10.01, "sigstop", "w1", t_end=20.0, queues=[0], info={"client": "c1"})
+    res = checked([paused_call(10.01), *newer_calls()], [refusal("a", 20.01)], ordering="key", events=[pause])
+    assert res.problems == []
+    assert (res.stale_calls, res.stale_asked_before_replaced, res.overlaps_allowed) == (1, 1, 2)
+
+
+def test_a_true_still_owner_asked_after_the_queue_was_known_replaced_is_reported() -> None:
+    # Asked after the newer epoch's first call: Redis already held epoch 2 and still said True.
+    late = checked([paused_call(12.5), *newer_calls()], [refusal("a", 20.01)], ordering="key")
+    assert any("ctx.still_owner() said True after the queue was known to be replaced" in p for p in late.problems)
+    assert late.overlaps_forbidden and late.stale_asked_before_replaced == 0
+    # Asked before c2's first call, but after a lock-table sample showed epoch 2: reported too.
+    sample = (11.0, 0, "c2", 2, 17_000, 0, 11_000, "tok", 0, 0)
+    sampled = checked([paused_call(11.5), *newer_calls()], [refusal("a", 20.01)], ordering="key", samples=[sample])
+    assert sampled.overlaps_forbidden and not sampled.passed
+    # A record that does not say when it asked is held to the end of its call, as before.
+    unknown = checked([paused_call(0.0), *newer_calls()], [refusal("a", 20.01)], ordering="key")
+    assert unknown.overlaps_forbidden and not unknown.passed
+    # Allowed only with the refused commit: a True asked in time does not excuse an unfenced call.
+    assert not checked([paused_call(10.01), *newer_calls()], ordering="key").passed

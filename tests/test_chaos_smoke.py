@@ -71,7 +71,7 @@ def checked(entries: list[Entry], refusals: list[Refusal] = (), **kw: Any) -> Re
     acks = {(e.key, e.seq): Ack(e.key, e.seq, e.queue, e.offset, 0.0) for e in entries}
     data = RunData(
         scenario="t", fsync="always", entries=entries, acks=list(acks.values()), unknown=[], poison=[], dlq=[],
-        events=kw.pop("events", []), samples=[], refusals=list(refusals), published=kw.pop("published", []),
+        events=kw.pop("events", []), samples=kw.pop("samples", []), refusals=list(refusals), published=kw.pop("published", []),
         beats=kw.pop("beats", []), drained=True, batch=32, max_reconsume=3, suspend_s=1.0, **kw,
     )
     return check(data)

@@ -228,6 +228,30 @@ def test_kill_9_of_a_queue_owner_fails_over_in_order_and_the_restarted_worker_re
     p.close()
 
 
+def test_a_worker_killed_holding_the_rebalance_mutex_delays_failover_only_until_the_mutex_lapses(
+    cluster: Cluster, r: redis.Redis
+) -> None:
+    """The rebalance mutex is held as by a worker killed mid-rebalance (it lapses 7 s later), and
+    w1 is killed: w2's rebalance is skipped while the mutex is held, owed, and tried again at its
+    next heartbeats, so w1's queues move within seconds of the lapse, not at the next scheduled
+    rebalance (once a bug: a skipped rebalance counted as done, and failover waited for beat or the
+    stale-rebalance timer, 2 x 20 s; seen as a kill -9 test timing out under load)."""
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=4)
+    mqs = p.describe_topic("t-order").message_queues
+    w1 = cluster.start_worker("w1")
+    w2 = cluster.start_worker("w2")
+    victims = wait_for(lambda: _owned_by(r, mqs, "g-order", w1.hostname), timeout=30, what="w1 owns queues")
+    r.set(keys.rebalance_mutex(), "a-dead-holder", px=7000)
+    w1.kill()
+    t0 = time.monotonic()
+    wait_for(lambda: _owned_by(r, mqs, "g-order", w2.hostname) >= victims, timeout=20,
+             what=f"w2 holding w1's queues {sorted(victims)}")
+    took = time.monotonic() - t0
+    assert took >= 6.0  # not before the mutex lapsed: the skip really happened
+    assert "rebalance skipped" in (cluster.tmp / "w2.log").read_text()
+
+
 def test_broadcast_group_delivers_every_message_to_every_worker_in_order(cluster: Cluster, r: redis.Redis) -> None:
     p = Producer(cluster.url)
     p.create_topic("t-bcast", queues=2)

@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 
 from mqorder import ConsumeOrderlyStatus, Producer, keys
-from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest, Outcome
+from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest, Outcome, _request_class
 from mqorder.consumer.hooks import ConsumeMessageHook
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.model import MessageQueue
@@ -26,7 +26,8 @@ MQ = MessageQueue("t", "broker-a", 0)
 
 
 def drain(eng: ConsumerEngine, spec: ListenerSpec, sub: str = "g", max_runs: int = 200) -> list[Outcome]:
-    """Assign the queue to c1 and follow the outcomes as the Celery task would."""
+    """Assign the queue to c1 and follow the outcomes as the Celery task would (with the request
+    class of the listener's ordering: ``KeyConsumeRequest`` for ``ordering="key"``)."""
     locks = RebalanceLockManager(eng.brokers)
     res = locks.assign(sub, [(MQ, "c1", "tok0")])
     token = "tok0"
@@ -34,7 +35,7 @@ def drain(eng: ConsumerEngine, spec: ListenerSpec, sub: str = "g", max_runs: int
         return []
     outcomes = []
     for _ in range(max_runs):
-        out = ConsumeRequest(eng, spec, sub, MQ, token).run()
+        out = _request_class(spec)(eng, spec, sub, MQ, token).run()
         outcomes.append(out)
         if not out.needs_dispatch or out.target != "c1":
             break

@@ -170,6 +170,49 @@ def test_a_nudge_ends_a_lingering_read_at_once_not_at_its_slice_end(settings, r,
     eng.brokers.close()
 
 
+def test_a_switch_to_a_queue_of_another_topic_of_the_group_runs_that_topics_listener(settings, r) -> None:
+    """A group consuming two topics: the run lingering on a ``tw`` queue adopts the idle queue of
+    ``tw2`` too; a message sent there is handled by ``tw2``'s listener, never by ``tw``'s (once a
+    bug: the switched-to queue ran with the lingering run's listener)."""
+    from mqorder.consumer.listener import orderly_listener, unregister_listener
+
+    p, eng = owned_idle_queues(settings, r)
+    p.create_topic("tw2", queues=1)
+    other = MessageQueue("tw2", "broker-a", 0)
+    r.hset(keys.assignment(SUB), other.key, ME)
+    RebalanceLockManager(eng.brokers).assign(SUB, [(other, ME, "tokx")])
+    by: list[tuple[str, str]] = []
+
+    def tw_listener(msgs, ctx):
+        by.extend(("tw", m.topic) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    def tw2_listener(msgs, ctx):
+        by.extend(("tw2", m.topic) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    orderly_listener(topic="tw2", group=SUB)(tw2_listener)
+    try:
+        linger = threading.Event()
+        linger.set()
+        eng.may_linger = linger.is_set
+        r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+        result: list = []
+        t = threading.Thread(target=lambda: result.append(eng.run(ListenerSpec(tw_listener, TOPIC, SUB), SUB,
+                                                                  QUEUES[0], "t0")))
+        t.start()
+        time.sleep(0.5)
+        p.send_orderly("tw2", b"x", sharding_key="k")
+        deadline = time.monotonic() + 10
+        while not by and time.monotonic() < deadline:
+            time.sleep(0.02)
+        linger.clear()
+        t.join(10)
+        assert by == [("tw2", "tw2")]
+    finally:
+        unregister_listener(SUB, "tw2")
+
+
 def test_the_queue_a_switch_left_stays_watched_so_a_send_to_it_at_once_wakes_nobody(settings, r) -> None:
     """A run that switches to another adopted queue hands its own queue to the watch in the same
     step that ends the run (``finish.lua`` 'adopt'): a send to it while the next queue runs,
@@ -374,7 +417,8 @@ def test_a_long_chain_of_switches_keeps_no_finished_run_alive(settings, r) -> No
                 time.sleep(0.002)
         assert seen == list(range(60))
         gc.collect()
-        alive = sum(1 for o in gc.get_objects() if isinstance(o, ConsumeRequest))
+        # This chain's runs only: other tests of the session may leave runs of their own engines.
+        alive = sum(1 for o in gc.get_objects() if isinstance(o, ConsumeRequest) and o.engine is eng)
         assert alive <= 3, f"{alive} runs of the chain are still alive"
     finally:
         linger.clear()

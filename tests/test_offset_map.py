@@ -94,11 +94,11 @@ def brokers(redis_url: str):
 
 
 def key_commit(brokers: BrokerRegistry, client: str, epoch: int, offset: int, done: str, *retries: object,
-               token: str = "tok", limit: int = 4096):
+               token: str = "tok", limit: int = 4096, skipped: int = 0):
     tag = MQ.tag
     return brokers.default.scripts.key_commit(
         keys=[keys.sub_state(tag, "g"), keys.queue_next(tag), keys.sub_retries(tag, "g")],
-        args=[client, epoch, token, offset, 60_000, 60_000, "0", done, limit, *retries],
+        args=[client, epoch, token, offset, 60_000, 60_000, "0", done, limit, skipped, *retries],
     )
 
 
@@ -134,15 +134,16 @@ def test_key_commit_stores_offset_and_map_together_and_begin_returns_the_map(bro
 
 def test_key_commit_refuses_a_stale_epoch_and_leaves_offset_and_map_untouched(brokers: BrokerRegistry) -> None:
     epoch = owned_by(brokers, "c1")
-    assert key_commit(brokers, "c1", epoch, 3, encode_done(3, [5]))[0] == b"OK"
+    assert key_commit(brokers, "c1", epoch, 3, encode_done(3, [5]), skipped=2)[0] == b"OK"
     # Failover: c2 takes the queue (a new epoch); the paused c1 wakes and tries to commit more.
     brokers.default.client.hset(keys.sub_state(MQ.tag, "g"), mapping={"lease": 0})
     epoch2 = owned_by(brokers, "c2")
     assert epoch2 > epoch
-    res = key_commit(brokers, "c1", epoch, 9, encode_done(9, [10, 11]))
+    res = key_commit(brokers, "c1", epoch, 9, encode_done(9, [10, 11]), skipped=4)
     assert res[0] == b"FENCED" and int(res[1]) == epoch2
     st_ = brokers.default.client.hgetall(keys.sub_state(MQ.tag, "g"))
     assert (st_[b"offset"], decode_done(st_[b"done"], 3)) == (b"3", {5})
+    assert st_[b"skipped"] == b"2"  # the retention skip of the refused commit is not counted either
 
 
 def test_key_commit_refuses_a_map_not_relative_to_its_offset_or_too_large(brokers: BrokerRegistry) -> None:

@@ -12,7 +12,8 @@ from mqorder.client.transaction_check import _checkers
 from tests.conftest import ROOT
 
 SECTIONS = ("Idempotent sends (dedup window)", "Pull consumer (the application drives consumption)",
-            "Transactional messages", "Delay messages")
+            "Transactional messages", "Delay messages",
+            "Concurrent listeners (no order, retries through `%RETRY%<group>`)")
 
 
 def example(section: str) -> str:
@@ -40,3 +41,11 @@ def test_readme_example_runs(section: str, redis_url: str, capsys: pytest.Captur
         assert "COMMIT_MESSAGE 1" in out  # after the dedup example's one message
     if section.startswith("Delay"):
         assert "cannot delay a message" in out
+    if section.startswith("Concurrent"):
+        from mqorder.consumer.listener import get_listener, unregister_listener
+
+        try:
+            assert "send_emails registered" in out
+            assert get_listener("mailer", "%RETRY%mailer") is not None  # the retry subscription came with it
+        finally:
+            unregister_listener("mailer", "emails")

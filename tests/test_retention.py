@@ -10,8 +10,10 @@ import pytest
 from mqorder import ConsumeOrderlyStatus, Producer, keys
 from mqorder.admin.common import Admin
 from mqorder.admin.status import group_status
-from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.consume_request import ConsumeRequest, Stop
+from mqorder.consumer.key_request import KeyConsumeRequest
 from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.offset_map import encode_done
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.errors import ConfigError
 from mqorder.model import MessageModel, MessageQueue
@@ -348,9 +350,95 @@ def test_a_key_ordered_queue_trimmed_to_its_end_moves_on_too(env, r) -> None:
         calls.extend(m.queue_offset for m in msgs)
         return S.SUCCESS
 
-    from mqorder.consumer.key_request import KeyConsumeRequest
-
     RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
     out = KeyConsumeRequest(eng, ListenerSpec(listener, "t", "g", ordering="key"), "g", MQ, "tok0").run()
     assert calls == [] and out.verb == "IDLE"  # not a redispatch over a backlog that is gone
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 9
+    assert int(r.hget(keys.sub_state(MQ.tag, "g"), "skipped")) == 9  # counted as in queue mode
+    eng.stats.flush(eng.brokers.meta)
+    assert ConsumerStatsManager.read(eng.brokers.meta, "g")[MQ.key]["skipped"] == 9
+
+
+def send_keys(p: Producer, n: int, n_keys: int = 3) -> None:
+    """``n`` messages over ``n_keys`` sharding keys, body = the message's number."""
+    p.send_orderly_batch("t", [(f"k{i % n_keys}", str(i).encode()) for i in range(n)])
+
+
+def test_a_key_ordered_group_below_the_first_stored_offset_counts_the_skip_in_state_stats_and_status(
+    env, settings, r
+) -> None:
+    """Key mode counts trimmed messages exactly as queue mode does: in the fenced commit that moves
+    past them (``skipped`` in the state), in the stats, and in `mqorder status`."""
+    p, eng = env
+    p.topics.subscribe("g", "t", MessageModel.CLUSTERING)
+    send_keys(p, 25)
+    commit_offset(p, "g", 5)  # the group consumed 0..4, then fell behind
+    p.brokers.meta.xtrim(keys.queue_log(MQ.tag), minid="20", approximate=False)  # what the time policy does
+    seen: dict[str, list[int]] = {}
+
+    def listener(msgs, ctx):
+        for m in msgs:
+            seen.setdefault(m.keys[0], []).append(m.queue_offset)
+        return S.SUCCESS
+
+    outs = run_queue(eng, ListenerSpec(listener, "t", "g", ordering="key"))
+    assert sorted(o for offs in seen.values() for o in offs) == list(range(20, 25))
+    assert all(offs == sorted(offs) for offs in seen.values())  # each key in order
+    assert outs[-1].verb == "IDLE"
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 25
+    assert int(r.hget(keys.sub_state(MQ.tag, "g"), "skipped")) == 15
+    eng.stats.flush(eng.brokers.meta)
+    assert ConsumerStatsManager.read(eng.brokers.meta, "g")[MQ.key]["skipped"] == 15
+    with Admin.open(settings) as admin:
+        (q,) = group_status(admin, "g").queues
+    assert (q.skipped, q.first_offset, q.committed, q.lag) == (15, 20, 25, 0)
+
+
+def test_a_key_ordered_run_counts_a_gap_trimmed_under_it_once_its_commit_moves_past_it(env, r) -> None:
+    """Retention trims ahead of a running key-ordered run (``time`` policy): the next pull finds a
+    gap. It is counted when the committed offset (the lowest unfinished one) passes it, not
+    before, and offsets a previous owner finished (its offset map) were consumed, not skipped."""
+    p, eng = env
+    send_keys(p, 30)
+    st_key = keys.sub_state(MQ.tag, "g")
+    # A previous owner committed 0 with offsets 9 and 10 finished above it (key_commit's map).
+    r.hset(st_key, mapping={"offset": 0, "done": encode_done(0, [9, 10])})
+    seen: list[int] = []
+    skipped_at_call: dict[int, bytes | None] = {}
+
+    def listener(msgs, ctx):
+        for m in msgs:
+            seen.append(m.queue_offset)
+            skipped_at_call[m.queue_offset] = r.hget(st_key, "skipped")
+            if m.queue_offset == 0:
+                r.xtrim(keys.queue_log(MQ.tag), minid="12", approximate=False)  # 4..11 go unread
+        return S.SUCCESS
+
+    spec = ListenerSpec(listener, "t", "g", ordering="key", pull_batch_size=4, key_concurrency=1)
+    outs = run_queue(eng, spec)
+    assert seen == [0, 1, 2, 3, *range(12, 30)]
+    assert outs[-1].verb == "IDLE"
+    assert skipped_at_call[3] is None  # offset 3 unfinished: nothing past the gap committed yet
+    # 8 offsets trimmed, 2 of them finished by the previous owner: 6 the group never consumed.
+    assert int(r.hget(st_key, "skipped")) == 6
+    eng.stats.flush(eng.brokers.meta)
+    assert ConsumerStatsManager.read(eng.brokers.meta, "g")[MQ.key]["skipped"] == 6
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 30
+
+
+def test_a_stale_key_ordered_holder_commits_no_skip(env, r) -> None:
+    """The skip rides on the fenced key_commit.lua: a run whose epoch was replaced counts nothing,
+    neither in the state nor in the stats."""
+    p, eng = env
+    send_keys(p, 10)
+    p.brokers.meta.xtrim(keys.queue_log(MQ.tag), minid="6", approximate=False)
+    spec = ListenerSpec(lambda msgs, ctx: S.SUCCESS, "t", "g", ordering="key")
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    req = KeyConsumeRequest(eng, spec, "g", MQ, "tok0")
+    assert req._check() is None
+    r.hincrby(keys.sub_state(MQ.tag, "g"), "epoch", 1)  # a new owner took over meanwhile
+    assert req._consume_loop().stop is Stop.FENCED
+    assert r.hget(keys.sub_state(MQ.tag, "g"), "skipped") is None
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 0
+    eng.stats.flush(eng.brokers.meta)
+    assert "skipped" not in ConsumerStatsManager.read(eng.brokers.meta, "g").get(MQ.key, {})

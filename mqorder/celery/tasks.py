@@ -42,7 +42,7 @@ def consume_request(self, sub: str, mq_key: str, token: str) -> dict:
     spec = get_listener(keys.group_of_sub(sub), mq.topic)
     if spec is None:
         log.error(
-            "worker %s has no orderly listener for group %r topic %r; import the module that "
+            "worker %s has no listener for group %r topic %r; import the module that "
             "defines it (MQORDER_LISTENERS) on every worker of the group",
             client_id, keys.group_of_sub(sub), mq.topic,
         )

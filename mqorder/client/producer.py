@@ -366,7 +366,7 @@ class Producer:
         return queues[next(self._rr) % n]
 
     def _route(self, topic: str, for_send: bool = True) -> tuple[TopicRoute, list[MessageQueue]]:
-        check_topic(topic, allow_dlq=True)
+        check_topic(topic, allow_dlq=True, allow_retry=True)
         now = time.monotonic()
         cached = self._routes.get(topic)
         if cached and now - cached[0] < ROUTE_TTL:

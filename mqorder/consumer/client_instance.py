@@ -54,6 +54,9 @@ log = logging.getLogger(__name__)
 
 #: If no rebalance ran for this many rebalance intervals (beat down), a worker runs one itself.
 REBALANCE_STALE_FACTOR = 2.0
+#: How long a rebalance started by the duty loop waits for the mutex before it is skipped and owed
+#: (the same loop heartbeats: a long wait would make this client look dead).
+REBALANCE_WAIT_S = 0.5
 #: How long start() waits for the wake-up subscription before registering anyway.
 WAKE_SUBSCRIBE_WAIT_S = 3.0
 
@@ -91,6 +94,8 @@ class ClientInstance:
         self._subscribed = threading.Event()
         self._threads: list[threading.Thread] = []
         self._fingerprint = ""
+        #: A rebalance this client took on was skipped (mutex held): try again at the next heartbeat.
+        self._rebalance_owed = False
         self._registered = False
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -103,7 +108,7 @@ class ClientInstance:
             log.warning("mqorder: cannot check Redis's maxmemory-policy yet (%s); checking before joining", exc)
         if not self.subscriptions:
             log.warning(
-                "mqorder: worker %s has no orderly listeners; set MQORDER_LISTENERS to the modules "
+                "mqorder: worker %s has no listeners; set MQORDER_LISTENERS to the modules "
                 "that define them", self.client_id,
             )
         # Listen for wake-ups before taking any queue: a message sent the moment a queue is
@@ -163,6 +168,8 @@ class ClientInstance:
                 self._stop.set()
                 return
         for s in self.subscriptions:
+            if s.topic == keys.retry_topic(s.group):
+                self.service.topics.ensure_retry_topic(s.group, self.settings.retry_queue_nums)
             self.service.topics.subscribe(s.group, s.topic, s.model)
             if s.model is MessageModel.BROADCASTING:
                 self.service.topics.add_sub(s.topic, keys.broadcast_sub(s.group, self.client_id))
@@ -181,8 +188,11 @@ class ClientInstance:
 
     # -- duties ----------------------------------------------------------------------------------
 
-    def _rebalance_now(self) -> None:
-        report = self.service.rebalance()
+    def _rebalance_now(self, wait_s: float = 5.0) -> bool:
+        """Rebalance now; False when it was skipped (the mutex stayed held for ``wait_s``)."""
+        report = self.service.rebalance(wait_s)
+        if report.skipped:
+            return False
         worker_metrics.rebalanced(report)
         self._dispatch_all(report.dispatches)
         log.info(
@@ -190,6 +200,7 @@ class ClientInstance:
             self.client_id, len(report.clients), len(report.dead), report.assigned, report.moved,
             report.busy, report.took_ms,
         )
+        return True
 
     def _dispatch_all(self, dispatches: list[Dispatch]) -> None:
         for d in dispatches:
@@ -246,12 +257,14 @@ class ClientInstance:
             self.settings.rebalance_interval
         ):
             stale = True
-        if fp != self._fingerprint or stale:
+        if fp != self._fingerprint or stale or self._rebalance_owed:
             # One worker per change (a join, a leave, a new topic or subscription) does the work;
-            # the others see the key and skip.
+            # the others see the key and skip. A rebalance skipped on a held mutex (its holder may
+            # have been killed mid-rebalance: the mutex then lapses in MUTEX_TIMEOUT_S) is owed, and
+            # tried again at the next heartbeat, waiting only briefly: this loop also heartbeats.
             marker = keys.rebalance_seen(zlib.crc32(fp.encode()))
-            if stale or self.brokers.meta.set(marker, self.client_id, nx=True, px=2000):
-                self._rebalance_now()
+            if stale or self._rebalance_owed or self.brokers.meta.set(marker, self.client_id, nx=True, px=2000):
+                self._rebalance_owed = not self._rebalance_now(wait_s=REBALANCE_WAIT_S)
             self._fingerprint = fp
 
     def _wake_loop(self) -> None:

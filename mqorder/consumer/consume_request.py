@@ -38,8 +38,9 @@ from mqorder.consumer.hooks import (
 )
 from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
-from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.listener import ListenerSpec, get_listener
 from mqorder.consumer.nudge import idle_entry, idle_queues
+from mqorder.consumer.retry import RetrySender
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.errors import BrokerUnavailableError
 from mqorder.model import ConsumeOrderlyStatus, MessageExt, MessageQueue
@@ -48,6 +49,7 @@ from mqorder.rebalance.service import assigned_queues
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.delay import DelayStore
 from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -223,11 +225,24 @@ class ConsumerEngine:
             topics=self.topics, action="DLQ write",
         )
         self.dlq = DeadLetterWriter(appender, self.topics, self.brokers.default_name, client_id)
+        self._appender = appender
+        self._retry_sender: RetrySender | None = None
         self._owned: dict[str, tuple[float, list[MessageQueue]]] = {}
         #: The newest entry of this client's nudge stream seen by a lingering read (per process).
         self.nudge_seen = "0-0"
         #: (sub, queue key) whose trimmed messages were logged already: a warning once per queue.
         self.skips_logged: set[tuple[str, str]] = set()
+
+    @property
+    def retry_sender(self) -> RetrySender:
+        """Where concurrent listeners send failed messages back to (``%RETRY%<group>``), made on
+        first use: orderly consumers never need it."""
+        if self._retry_sender is None:
+            s = self.settings
+            delays = DelayStore(self.brokers, self._appender, timeout=s.send_msg_timeout)
+            self._retry_sender = RetrySender(self.topics, delays, levels_ms=s.delay_levels_ms,
+                                             queue_nums=s.retry_queue_nums)
+        return self._retry_sender
 
     @property
     def nudges_idle(self) -> bool:
@@ -254,8 +269,31 @@ class ConsumerEngine:
         if not s.consume_linger_idle_queues:
             return None
         broker = self.brokers.get(mq.broker_name)
+        group = keys.group_of_sub(sub)
+
+        def watchable() -> list[MessageQueue]:
+            # Only queues this process has a listener for (the caller's topic's, or one registered
+            # here): a switch runs the queue with its own topic's listener (``_listener_of``); a
+            # group's topic whose listener lives elsewhere is left to its wake-ups.
+            return [q for q in self.owned_queues(sub)
+                    if q.topic == mq.topic or get_listener(group, q.topic) is not None]
+
         return IdleQueueWatch(self.client_id, sub, mq.broker_name, broker.scripts, broker.client,
-                              lambda: self.owned_queues(sub), s.ms(s.pending_ttl), s.ms(s.lock_max_live_time))
+                              watchable, s.ms(s.pending_ttl), s.ms(s.lock_max_live_time))
+
+    @staticmethod
+    def _listener_of(spec: ListenerSpec, mq: MessageQueue) -> ListenerSpec:
+        """The listener of a queue a lingering run switched to. A subscription may span several
+        topics (a group with listeners for two topics, or a concurrent group's retry topic), and
+        each queue runs with its own topic's listener and kind of run (a bug once: the queue
+        switched to ran with the lingering run's listener). The watch adopts only queues with a
+        listener here (``idle_watch``)."""
+        if mq.topic == spec.topic:
+            return spec
+        other = get_listener(spec.group, mq.topic)
+        if other is None:  # pragma: no cover - unregistered since the watch adopted it
+            raise RuntimeError(f"no listener of group {spec.group!r} for topic {mq.topic!r} in this process")
+        return other
 
     def new_process_queue(self) -> ProcessQueue:
         s = self.settings
@@ -312,6 +350,7 @@ class ConsumerEngine:
                 assert req.switch_to is not None and watch is not None
                 prior = req
                 mq, token = req.switch_to, watch.token
+                spec = self._listener_of(spec, mq)
                 continue
             if req.switch_to is None or watch is None or outcome.needs_dispatch:
                 # No switch; or the queue just left got messages between the read and the end of
@@ -323,6 +362,7 @@ class ConsumerEngine:
             # in this same task, with the adoption token.
             watch.switched(mq, req.switch_to, req.adopted_at if outcome.verb is Verb.ADOPTED else None)
             mq, token = req.switch_to, watch.token
+            spec = self._listener_of(spec, mq)
         if watch is not None:
             try:
                 follow_ups.extend(watch.release(lease))
@@ -356,7 +396,12 @@ class ConsumerEngine:
 
 def _request_class(spec: ListenerSpec) -> type[ConsumeRequest]:
     """``ConsumeRequest`` for RocketMQ's queue order (the default); ``KeyConsumeRequest`` for a
-    listener with ``ordering="key"`` (imported here: it is a subclass of this module's class)."""
+    listener with ``ordering="key"``, ``ConcurrentConsumeRequest`` for ``@concurrent_listener``
+    (imported here: they are subclasses of this module's class)."""
+    if spec.ordering == "concurrent":
+        from mqorder.consumer.concurrent_request import ConcurrentConsumeRequest
+
+        return ConcurrentConsumeRequest
     if spec.ordering == "key":
         from mqorder.consumer.key_request import KeyConsumeRequest
 
@@ -537,12 +582,16 @@ class ConsumeRequest:
         if self._skip_floor > self.commit_point and not pq.consuming and not pq.msg_tree:
             self.commit_point = self._skip_floor
 
-    def _note_trimmed(self, start: int, end: int) -> None:
+    def _note_trimmed(self, start: int, end: int, n: int | None = None) -> None:
         """Retention took ``[start, end)`` before this group read it (``time`` policy, or a group
         gone for longer than ``retention_ms``): the run moves past it in order, the fenced commit
         that does so counts it (``skipped`` in the queue's state), and it is logged once per queue
-        per process."""
-        n = end - start
+        per process. ``n``: how many of them the group had not consumed (default: all; a
+        key-ordered run knows some finished under a previous owner)."""
+        if n is None:
+            n = end - start
+        if n <= 0:
+            return
         self._skips.append((end, n))
         seen = self.engine.skips_logged
         key = (self.sub, self.mq.key)
@@ -847,9 +896,7 @@ class ConsumeRequest:
         idle = idle_if_drained and pull and not self.retry_updates and not self.pq.consuming
         # A run ending here leaves its queue idle: a lingering request of this client may watch it.
         then = idle_entry(self.client_id, [self.mq.key]) if idle and self.engine.nudges_idle else None
-        skipped = 0
-        if self._skips:
-            skipped = sum(n for end, n in self._skips if end <= self.commit_point)
+        skipped = self._skips_due(self.commit_point)
         args: list[Any] = [
             self.client_id, self.epoch, self.token, self.commit_point, self.run_lease_ms,
             self.lock_ms, "1" if idle else "0", skipped,
@@ -866,9 +913,7 @@ class ConsumeRequest:
             res, entries = self.scripts.commit(keys=keys_, args=args), []
         verb = text(res[0])
         if skipped and verb in ("OK", "IDLE"):
-            # Counted where the fenced commit counted them: once, by the run that moved past them.
-            self.stats.inc_consume_skipped(self.sub, self.mq.key, skipped)
-            self._skips = [(end, n) for end, n in self._skips if end > self.commit_point]
+            self._skips_counted(self.commit_point, skipped)
         if verb == "IDLE":
             self.committed = self.commit_point
             return ENDED
@@ -887,6 +932,20 @@ class ConsumeRequest:
         if pull and not entries:
             self._check_trimmed_tail(int(res[1]))
         return Pull(len(entries))
+
+    def _skips_due(self, offset: int) -> int:
+        """Trimmed messages a commit of ``offset`` moves past (``_note_trimmed``): what it reports
+        to the commit script (``skipped``), which counts them only if the commit passes its fence."""
+        if not self._skips:
+            return 0
+        return sum(n for end, n in self._skips if end <= offset)
+
+    def _skips_counted(self, offset: int, n: int) -> None:
+        """The fenced commit of ``offset`` counted ``n`` skipped messages in the queue's state: the
+        stats count them too, here, where the commit did (once, by the run that moved past them),
+        and they are not reported again."""
+        self.stats.inc_consume_skipped(self.sub, self.mq.key, n)
+        self._skips = [(end, k) for end, k in self._skips if end > offset]
 
     def _slice_pulled(self, read: Slice, nxt: int) -> Pull:
         """What the lingering read behind a commit brought (``_slice_result``). If it brought

@@ -1,4 +1,5 @@
-"""``ConsumeOrderlyContext``: what a listener may read and set during one call."""
+"""What a listener may read and set during one call: ``ConsumeOrderlyContext`` and
+``ConsumeConcurrentlyContext`` (RocketMQ's), on one base that carries the fencing epoch."""
 
 from __future__ import annotations
 
@@ -7,18 +8,25 @@ from collections.abc import Callable
 from mqorder.model import MessageQueue
 
 
-class ConsumeOrderlyContext:
-    """RocketMQ's ``ConsumeOrderlyContext`` plus the fencing epoch.
+class CallContext:
+    """What every listener call gets: its queue, the fencing epoch, who runs it, and ``still_owner()``.
 
     ``epoch`` is the lock epoch this call runs under. ``still_owner()`` asks Redis (one cheap
     script) whether the epoch is still current: a listener writing to another system can pass the
     epoch along, or check before an irreversible write, so a holder that was paused past its lease
     fences its own side effects too.
+
+    The answer is Redis's at the moment it ran the check, somewhere between the call and its
+    return; it cannot say anything about later. A process paused right after Redis answered (the
+    reply waiting in its socket) or right after the call returned acts on a True that may be stale
+    by then: the keys-sigstop-lease chaos run caught one asked 1 ms before a SIGSTOP and read
+    10 s later, after another client had taken the queue. ``still_owner()`` narrows the window;
+    only the epoch, checked by the other system in the same step as the write, closes it, as the
+    fenced commit does in Redis.
     """
 
     __slots__ = (
         "message_queue",
-        "auto_commit",
         "suspend_current_queue_time_millis",
         "epoch",
         "client_id",
@@ -36,11 +44,9 @@ class ConsumeOrderlyContext:
         group: str,
         still_owner: Callable[[], bool],
         suspend_current_queue_time_millis: int = 1000,
-        auto_commit: bool = True,
         run_id: str = "",
     ) -> None:
         self.message_queue = message_queue
-        self.auto_commit = auto_commit
         self.suspend_current_queue_time_millis = suspend_current_queue_time_millis
         self.epoch = epoch
         self.client_id = client_id
@@ -52,8 +58,76 @@ class ConsumeOrderlyContext:
     def still_owner(self) -> bool:
         return self._still_owner()
 
+
+class ConsumeOrderlyContext(CallContext):
+    """RocketMQ's ``ConsumeOrderlyContext`` (``auto_commit``, the suspend time) plus the epoch."""
+
+    __slots__ = ("auto_commit",)
+
+    def __init__(
+        self,
+        message_queue: MessageQueue,
+        *,
+        epoch: int,
+        client_id: str,
+        group: str,
+        still_owner: Callable[[], bool],
+        suspend_current_queue_time_millis: int = 1000,
+        auto_commit: bool = True,
+        run_id: str = "",
+    ) -> None:
+        # Made once per listener call on the hot path (batch 1: once per message): the fields are
+        # set here rather than through ``super().__init__``, which costs a call with keywords.
+        self.message_queue = message_queue
+        self.suspend_current_queue_time_millis = suspend_current_queue_time_millis
+        self.epoch = epoch
+        self.client_id = client_id
+        self.group = group
+        self.run_id = run_id
+        self._still_owner = still_owner
+        self.auto_commit = auto_commit
+
     def __repr__(self) -> str:
         return (
             f"ConsumeOrderlyContext(mq={self.message_queue.key}, epoch={self.epoch}, "
             f"auto_commit={self.auto_commit}, suspend_ms={self.suspend_current_queue_time_millis})"
+        )
+
+
+class ConsumeConcurrentlyContext(CallContext):
+    """RocketMQ's ``ConsumeConcurrentlyContext`` plus the fencing epoch.
+
+    ``ack_index``: with ``CONSUME_SUCCESS``, the messages up to this index (inclusive) succeeded
+    and the ones after it are sent back for retry (RocketMQ's partial acknowledgement); it starts
+    at the last index, so a plain ``CONSUME_SUCCESS`` acknowledges the whole batch.
+    ``delay_level_when_next_consume``: 0 lets the retry count choose (RocketMQ: level 3 +
+    reconsume times), a level from 1 picks that delay, -1 sends the failed messages straight to
+    the DLQ. ``suspend_current_queue_time_millis`` matters to broadcasting listeners only, which
+    retry in place (their failed messages do not go to the group's retry topic, which every
+    client of the group would read).
+    """
+
+    __slots__ = ("ack_index", "delay_level_when_next_consume")
+
+    def __init__(
+        self,
+        message_queue: MessageQueue,
+        *,
+        epoch: int,
+        client_id: str,
+        group: str,
+        still_owner: Callable[[], bool],
+        ack_index: int,
+        suspend_current_queue_time_millis: int = 1000,
+        run_id: str = "",
+    ) -> None:
+        super().__init__(message_queue, epoch=epoch, client_id=client_id, group=group, still_owner=still_owner,
+                         suspend_current_queue_time_millis=suspend_current_queue_time_millis, run_id=run_id)
+        self.ack_index = ack_index
+        self.delay_level_when_next_consume = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"ConsumeConcurrentlyContext(mq={self.message_queue.key}, epoch={self.epoch}, "
+            f"ack_index={self.ack_index}, delay_level={self.delay_level_when_next_consume})"
         )

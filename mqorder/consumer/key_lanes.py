@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from collections.abc import Iterable
+from typing import Protocol
 
 from mqorder.model import MessageExt
 
@@ -29,6 +29,24 @@ NO_KEY = -1
 def lane_key(msg: MessageExt) -> int:
     h = msg.key_hash
     return NO_KEY if h is None else h
+
+
+class Lanes(Protocol):
+    """What ``KeyConsumeRequest``'s dispatcher needs of its lanes: ``KeyLanes`` (one call at a
+    time per key) or ``ConcurrentLanes`` (any message beside any other)."""
+
+    busy: set[int]
+    blocked: dict[int, float]
+    buffered: int
+
+    def put(self, msg: MessageExt) -> None: ...
+    def take(self, batch_max: int) -> tuple[int, list[MessageExt]] | None: ...
+    def done(self, key: int) -> None: ...
+    def retry(self, key: int, msgs: list[MessageExt], until: float) -> None: ...
+    def unblock(self, now: float) -> None: ...
+    def next_unblock(self) -> float | None: ...
+    def ready_count(self) -> int: ...
+    def clear(self) -> None: ...
 
 
 class KeyLanes:
@@ -80,7 +98,7 @@ class KeyLanes:
         self.busy.discard(key)
         self._maybe_ready(key)
 
-    def retry(self, key: int, msgs: Iterable[MessageExt], until: float) -> None:
+    def retry(self, key: int, msgs: list[MessageExt], until: float) -> None:
         """The call of ``key`` suspended: its messages go back to the head of the lane, which is
         blocked until ``until`` (monotonic seconds)."""
         back = list(msgs)

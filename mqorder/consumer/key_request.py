@@ -24,6 +24,11 @@ How the guarantees carry over from queue mode:
   fenced by epoch like ``commit.lua``. A new owner skips what the map says finished, and
   redelivers the rest in offset order: per key, whatever is redelivered comes before everything
   of that key that finished.
+* **Retention skips.** A read that starts above the offset it asked for (retention trimmed what
+  this group had not read, ``time`` policy) moves past the gap in order, and the gap is counted as
+  in queue mode (``ConsumeRequest._note_trimmed``): by the fenced ``key_commit.lua`` whose offset
+  passes it (the state's ``skipped``), then in the stats; offsets the inherited map says finished
+  were consumed, not skipped.
 * **Flow control.** No pull while the span from the lowest unfinished to the highest pulled
   offset is ``consume_concurrently_max_span`` or more (RocketMQ's ``consumeConcurrentlyMaxSpan``),
   or while ``pull_threshold_for_queue`` messages are held. That also bounds the offset map.
@@ -76,8 +81,8 @@ from mqorder.consumer.consume_request import (
     Slice,
     Stop,
 )
-from mqorder.consumer.context import ConsumeOrderlyContext
-from mqorder.consumer.key_lanes import KeyLanes
+from mqorder.consumer.context import CallContext, ConsumeOrderlyContext
+from mqorder.consumer.key_lanes import KeyLanes, Lanes
 from mqorder.consumer.ledger import LedgerOutcome
 from mqorder.consumer.nudge import idle_entry
 from mqorder.consumer.offset_map import OffsetTracker, decode_done
@@ -110,7 +115,7 @@ class LaneResult:
     key: int
     msgs: list[MessageExt]
     handled: Handled
-    ctx: ConsumeOrderlyContext
+    ctx: CallContext
 
 
 class LaneWorkers:
@@ -176,7 +181,7 @@ class KeyConsumeRequest(ConsumeRequest):
         self.key_concurrency = self.spec.key_concurrency or s.key_concurrency
         self.max_span = self.spec.consume_concurrently_max_span or s.consume_concurrently_max_span
         self.threshold = s.pull_threshold_for_queue
-        self.lanes = KeyLanes()
+        self.lanes: Lanes = KeyLanes()
         self.tracker = OffsetTracker(0)
         #: Finished calls, reported by the lane workers (a C SimpleQueue: no Condition per put).
         self.results: queue.SimpleQueue[LaneResult] = queue.SimpleQueue()
@@ -202,14 +207,24 @@ class KeyConsumeRequest(ConsumeRequest):
 
     def _check_trimmed_tail(self, nxt: int) -> None:
         """Everything from ``pulled_to`` to the queue's end was trimmed by retention: the tracker
-        moves on to ``nxt`` (gaps inside a pull are skipped by the tracker itself)."""
+        moves on to ``nxt``, and the skip is counted as in queue mode (``_trimmed``)."""
         t = self.tracker
         if nxt <= t.pulled_to:
             return
-        self._note_trimmed(t.pulled_to, nxt)
+        self._trimmed(t.pulled_to, nxt)
         t.skip_to(nxt)
         self.pulled_to = nxt
         self.dirty = True
+
+    def _trimmed(self, start: int, end: int) -> None:
+        """Retention took ``[start, end)`` before this run read it. Queue mode's rule
+        (``_note_trimmed``): the key-ordered commit that moves its offset past ``end`` counts it,
+        fenced (``key_commit.lua``), then the stats. Offsets a previous owner finished (the
+        inherited map) were consumed, not skipped: they are not counted, and forgotten."""
+        t = self.tracker
+        gone = [o for o in t.inherited if start <= o < end] if t.inherited else []
+        t.inherited.difference_update(gone)
+        self._note_trimmed(start, end, end - start - len(gone))
 
     def _put(self, entries: list[Any], raw_retries: list[Any] | None) -> None:
         if raw_retries:
@@ -217,7 +232,13 @@ class KeyConsumeRequest(ConsumeRequest):
         if not entries:
             return
         t, lanes = self.tracker, self.lanes
-        for m in decode_entries(self.mq, entries, self.retries, self.max_size):
+        msgs = self._decode(entries)
+        if msgs and msgs[0].queue_offset > t.pulled_to:
+            # Offsets are contiguous and only retention removes entries (from the head): the read
+            # started below the queue's first stored offset. The tracker moves past the gap.
+            self._trimmed(t.pulled_to, msgs[0].queue_offset)
+            self.dirty = True
+        for m in msgs:
             if not t.pulled(m.queue_offset):
                 self.dirty = True  # finished by a previous owner: skipped, never handed out
             elif m.decode_error is not None:
@@ -225,6 +246,9 @@ class KeyConsumeRequest(ConsumeRequest):
             else:
                 lanes.put(m)
         self.pulled_to = t.pulled_to
+
+    def _decode(self, entries: list[Any]) -> list[MessageExt]:
+        return decode_entries(self.mq, entries, self.retries, self.max_size)
 
     # -- the loop: dispatch to lanes, settle, commit ----------------------------------------------
 
@@ -413,13 +437,18 @@ class KeyConsumeRequest(ConsumeRequest):
         if not rest:
             self.lanes.done(res.key)
             return stop
+        self._hold_back(res.key, rest, handled, ctx.suspend_current_queue_time_millis)
+        return stop
+
+    def _hold_back(self, key: int, msgs: list[MessageExt], handled: Handled, suspend_ms: int) -> None:
+        """Messages to handle again in this run after ``suspend_ms``: their lane waits, their
+        reconsume counts go up (persisted with the next commit, so a new owner keeps counting)."""
         if self.ledger is not None:
-            self.ledger.note(rest, LedgerOutcome.SUSPEND, handled.start_ms, handled.end_ms, self.epoch)
-        for m in rest:
+            self.ledger.note(msgs, LedgerOutcome.SUSPEND, handled.start_ms, handled.end_ms, self.epoch)
+        for m in msgs:
             m.reconsume_times += 1
             self.retry_updates[m.queue_offset] = m.reconsume_times
-        self.lanes.retry(res.key, rest, time.monotonic() + ctx.suspend_current_queue_time_millis / 1000.0)
-        return stop
+        self.lanes.retry(key, msgs, time.monotonic() + suspend_ms / 1000.0)
 
     def _finished(self, msgs: list[MessageExt], outcome: LedgerOutcome, handled: Handled) -> None:
         if self.ledger is not None:
@@ -452,9 +481,10 @@ class KeyConsumeRequest(ConsumeRequest):
                 and not self.lanes.buffered and not self.lanes.blocked)
         then = idle_entry(self.client_id, [self.mq.key]) if idle and self.engine.nudges_idle else None
         offset = t.base
+        skipped = self._skips_due(offset)
         args: list[Any] = [
             self.client_id, self.epoch, self.token, offset, self.run_lease_ms, self.lock_ms,
-            "1" if idle else "0", t.encoded(), MAX_MAP_BYTES,
+            "1" if idle else "0", t.encoded(), MAX_MAP_BYTES, skipped,
         ]
         for off, n in self.retry_updates.items():
             args.append(off)
@@ -463,6 +493,8 @@ class KeyConsumeRequest(ConsumeRequest):
                                               self.tracker.pulled_to, linger_until, then)
         verb = text(res[0])
         self.last_persist = time.monotonic()
+        if skipped and verb in ("OK", "IDLE"):
+            self._skips_counted(offset, skipped)
         if verb == "IDLE":
             self.committed = self.commit_point = offset
             self.dirty = False

@@ -31,6 +31,8 @@ class LedgerOutcome(StrEnum):
     SUCCESS = "SUCCESS"
     SUSPEND = "SUSPEND"
     DLQ = "DLQ"
+    #: A concurrent listener did not acknowledge it: sent back to ``%RETRY%<group>``, finished here.
+    RETRY = "RETRY"
 
 
 #: The fields of one record, in the order a reader should show them.

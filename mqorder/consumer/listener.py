@@ -1,7 +1,11 @@
-"""``@orderly_listener``: RocketMQ's ``MessageListenerOrderly``, registered per (group, topic).
+"""``@orderly_listener`` and ``@concurrent_listener``: RocketMQ's ``MessageListenerOrderly`` and
+``MessageListenerConcurrently``, registered per (group, topic).
 
 Registration only records the function in this process; the workers subscribe every registered
-(group, topic) pair in Redis when they start, and rebalance hands out the topic's queues.
+(group, topic) pair in Redis when they start, and rebalance hands out the topic's queues. A group
+with concurrent listeners also consumes its retry topic ``%RETRY%<group>`` (where failed messages
+come back, delayed): registering the first one registers that subscription too, as RocketMQ's
+client subscribes ``%RETRY%<group>`` for every concurrently consuming group.
 """
 
 from __future__ import annotations
@@ -11,12 +15,17 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from mqorder import keys
 from mqorder.consumer.hooks import ConsumeMessageHook
 from mqorder.errors import ListenerError
-from mqorder.model import ConsumeOrderlyStatus, MessageModel
+from mqorder.model import ConsumeConcurrentlyStatus, ConsumeOrderlyStatus, MessageModel
 from mqorder.names import check_name, check_topic
 
-ListenerFunc = Callable[[list[Any], Any], "ConsumeOrderlyStatus | None"]
+ListenerFunc = Callable[[list[Any], Any], "ConsumeOrderlyStatus | ConsumeConcurrentlyStatus | None"]
+
+#: The ways a listener consumes a queue: RocketMQ's orderly (``queue``), per sharding key
+#: (``key``), and RocketMQ's concurrent consumption (``concurrent``, ``@concurrent_listener``).
+ORDERINGS = ("queue", "key", "concurrent")
 
 
 @dataclass
@@ -36,9 +45,14 @@ class ListenerSpec:
     #: ``"queue"`` (RocketMQ's orderly consumption: one call at a time per queue) or ``"key"``
     #: (one call at a time per sharding key, keys of one queue in parallel: ``key_request``).
     ordering: str = "queue"
-    #: Key mode only (``None``: ``MQORDER_KEY_CONCURRENCY`` / ``MQORDER_CONSUME_CONCURRENTLY_MAX_SPAN``).
+    #: Key and concurrent modes only: calls of one queue at once (``None``:
+    #: ``MQORDER_KEY_CONCURRENCY`` / ``MQORDER_CONSUME_CONCURRENCY``) and the widest in-flight span
+    #: (``None``: ``MQORDER_CONSUME_CONCURRENTLY_MAX_SPAN``).
     key_concurrency: int | None = None
     consume_concurrently_max_span: int | None = None
+    #: The group's retry topic subscription (``%RETRY%<group>``): its messages are handed to the
+    #: concurrent listener of the topic each was first sent to (``retry_spec``).
+    is_retry: bool = False
 
     @property
     def name(self) -> str:
@@ -83,13 +97,7 @@ def orderly_listener(
     """
     check_topic(topic)
     check_name("group", group)
-    if isinstance(message_model, str):
-        try:
-            message_model = MessageModel(message_model.upper())
-        except ValueError:
-            raise ListenerError(
-                f"message_model must be CLUSTERING or BROADCASTING, got {message_model!r}"
-            ) from None
+    message_model = _message_model(message_model)
     _positive("consume_message_batch_max_size", consume_message_batch_max_size)
     _positive("pull_batch_size", pull_batch_size)
     _positive("max_reconsume_times", max_reconsume_times, -1)
@@ -99,21 +107,10 @@ def orderly_listener(
                             f"(one call at a time per sharding key), got {ordering!r}")
     _positive("key_concurrency", key_concurrency)
     _positive("consume_concurrently_max_span", consume_concurrently_max_span)
-    if ledger is not None and not isinstance(ledger, bool):
-        raise ListenerError(f"ledger must be True, False or None (from MQORDER_LEDGER), got {ledger!r}")
-    for h in hooks or []:
-        if not isinstance(h, ConsumeMessageHook):
-            raise ListenerError(f"hooks must be ConsumeMessageHook instances, got {h!r}")
+    _check_ledger_hooks(ledger, hooks)
 
     def register(func: ListenerFunc) -> ListenerFunc:
-        if not callable(func):
-            raise ListenerError(f"@orderly_listener must decorate a function, got {func!r}")
-        try:
-            inspect.signature(func).bind(object(), object())
-        except TypeError:
-            raise ListenerError(
-                f"listener {func!r} must accept two arguments: (msgs, ctx)"
-            ) from None
+        _check_func(func, "orderly_listener")
         spec = ListenerSpec(
             func=func,
             topic=topic,
@@ -129,16 +126,132 @@ def orderly_listener(
             key_concurrency=key_concurrency,
             consume_concurrently_max_span=consume_concurrently_max_span,
         )
-        old = _REGISTRY.get((group, topic))
-        if old is not None and old.name != spec.name:
-            raise ListenerError(
-                f"group {group!r} already has a listener for topic {topic!r} ({old.name}); "
-                "one group consumes a topic with one listener: use another group name"
-            )
-        _REGISTRY[(group, topic)] = spec
+        _register(spec)
         return func
 
     return register
+
+
+def _check_func(func: object, decorator: str) -> None:
+    if not callable(func):
+        raise ListenerError(f"@{decorator} must decorate a function, got {func!r}")
+    try:
+        inspect.signature(func).bind(object(), object())
+    except TypeError:
+        raise ListenerError(f"listener {func!r} must accept two arguments: (msgs, ctx)") from None
+
+
+def _register(spec: ListenerSpec) -> None:
+    group, topic = spec.group, spec.topic
+    old = _REGISTRY.get((group, topic))
+    if old is not None and old.name != spec.name:
+        raise ListenerError(
+            f"group {group!r} already has a listener for topic {topic!r} ({old.name}); "
+            "one group consumes a topic with one listener: use another group name"
+        )
+    concurrent = spec.ordering == "concurrent"
+    for other in _REGISTRY.values():
+        if other.group == group and not other.is_retry and (other.ordering == "concurrent") != concurrent \
+                and other.topic != topic:
+            raise ListenerError(
+                f"group {group!r} already consumes topic {other.topic!r} "
+                f"{'concurrently' if other.ordering == 'concurrent' else 'in order'}; a group consumes either in "
+                "order or concurrently (RocketMQ: one message listener per consumer group): use another group name"
+            )
+    _REGISTRY[(group, topic)] = spec
+    if concurrent and spec.message_model is MessageModel.CLUSTERING:
+        retry = keys.retry_topic(group)
+        if (group, retry) not in _REGISTRY:
+            _REGISTRY[(group, retry)] = ListenerSpec(
+                func=_retry_placeholder, topic=retry, group=group, ordering="concurrent", is_retry=True,
+                consume_message_batch_max_size=spec.consume_message_batch_max_size,
+                pull_batch_size=spec.pull_batch_size, max_reconsume_times=spec.max_reconsume_times,
+                key_concurrency=spec.key_concurrency,
+                consume_concurrently_max_span=spec.consume_concurrently_max_span, ledger=spec.ledger,
+            )
+
+
+def _retry_placeholder(msgs: list[Any], ctx: Any) -> None:
+    """The retry subscription's own function: never called, each retried message goes to the
+    listener of its original topic (``ConcurrentConsumeRequest``)."""
+    raise ListenerError("a retry topic's messages are handled by the listener of their original topic")
+
+
+def concurrent_listener(
+    *,
+    topic: str,
+    group: str,
+    message_model: MessageModel | str = MessageModel.CLUSTERING,
+    consume_message_batch_max_size: int | None = None,
+    pull_batch_size: int | None = None,
+    max_reconsume_times: int | None = None,
+    consume_concurrency: int | None = None,
+    consume_concurrently_max_span: int | None = None,
+    suspend_current_queue_time_millis: int | None = None,
+    hooks: list[ConsumeMessageHook] | None = None,
+    ledger: bool | None = None,
+) -> Callable[[ListenerFunc], ListenerFunc]:
+    """Register ``func(msgs, ctx) -> ConsumeConcurrentlyStatus`` as a concurrent listener
+    (RocketMQ's ``MessageListenerConcurrently``): no order, messages of one queue in parallel.
+
+    Each call gets up to ``consume_message_batch_max_size`` messages (1); up to
+    ``consume_concurrency`` calls of one queue run at once (``MQORDER_CONSUME_CONCURRENCY``, 16),
+    on lane threads (greenlets under ``-P gevent``) of the run that holds the queue.
+
+    ``CONSUME_SUCCESS`` acknowledges the batch up to ``ctx.ack_index``; ``RECONSUME_LATER``,
+    ``None`` or an exception acknowledges nothing. Messages not acknowledged are sent back to
+    ``%RETRY%<group>`` with RocketMQ's delay levels (level 3 + reconsume times: 10s, 30s, 1m, 2m
+    ...; ``ctx.delay_level_when_next_consume`` picks another) and come back to this listener;
+    one that already came back ``max_reconsume_times`` times (16) goes to ``%DLQ%<group>`` instead.
+    The committed offset is the lowest one still in flight (RocketMQ's ``removeMessage``), so a
+    crash never skips an unfinished message (what finished above it is remembered, so little is
+    redelivered); pulling pauses while the in-flight span is ``consume_concurrently_max_span``
+    (2000) wide. ``BROADCASTING`` listeners retry failed messages in place after
+    ``suspend_current_queue_time_millis`` instead (the retry topic is shared by the group).
+    """
+    check_topic(topic)
+    check_name("group", group)
+    model = _message_model(message_model)
+    _positive("consume_message_batch_max_size", consume_message_batch_max_size)
+    _positive("pull_batch_size", pull_batch_size)
+    _positive("max_reconsume_times", max_reconsume_times, -1)
+    _positive("consume_concurrency", consume_concurrency)
+    _positive("consume_concurrently_max_span", consume_concurrently_max_span)
+    _positive("suspend_current_queue_time_millis", suspend_current_queue_time_millis, 10)
+    _check_ledger_hooks(ledger, hooks)
+
+    def register(func: ListenerFunc) -> ListenerFunc:
+        _check_func(func, "concurrent_listener")
+        _register(ListenerSpec(
+            func=func, topic=topic, group=group, message_model=model,
+            consume_message_batch_max_size=consume_message_batch_max_size, pull_batch_size=pull_batch_size,
+            max_reconsume_times=max_reconsume_times,
+            suspend_current_queue_time_millis=suspend_current_queue_time_millis, hooks=list(hooks or []),
+            ledger=ledger, ordering="concurrent", key_concurrency=consume_concurrency,
+            consume_concurrently_max_span=consume_concurrently_max_span,
+        ))
+        return func
+
+    return register
+
+
+def _message_model(message_model: MessageModel | str) -> MessageModel:
+    if isinstance(message_model, MessageModel):
+        return message_model
+    try:
+        return MessageModel(str(message_model).upper())
+    except ValueError:
+        raise ListenerError(
+            f"message_model must be CLUSTERING or BROADCASTING, got {message_model!r}"
+        ) from None
+
+
+def _check_ledger_hooks(ledger: object, hooks: list[ConsumeMessageHook] | None) -> None:
+    if ledger is not None and not isinstance(ledger, bool):
+        raise ListenerError(f"ledger must be True, False or None (from MQORDER_LEDGER), got {ledger!r}")
+    for h in hooks or []:
+        if not isinstance(h, ConsumeMessageHook):
+            raise ListenerError(f"hooks must be ConsumeMessageHook instances, got {h!r}")
 
 
 def registered_listeners() -> list[ListenerSpec]:
@@ -151,3 +264,8 @@ def get_listener(group: str, topic: str) -> ListenerSpec | None:
 
 def unregister_listener(group: str, topic: str) -> None:
     _REGISTRY.pop((group, topic), None)
+    retry = keys.retry_topic(group)
+    if (group, retry) in _REGISTRY and not any(
+        s.group == group and s.ordering == "concurrent" and not s.is_retry for s in _REGISTRY.values()
+    ):
+        del _REGISTRY[(group, retry)]

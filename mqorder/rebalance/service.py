@@ -33,8 +33,11 @@ from mqorder.tokens import new_token
 
 log = logging.getLogger(__name__)
 
-#: The rebalance mutex outlives a stuck holder by this much (a rebalance takes milliseconds).
-MUTEX_TIMEOUT_S = 30
+#: The rebalance mutex outlives its holder by this much (a rebalance takes milliseconds). A holder
+#: killed mid-rebalance blocks every other rebalance, and so every failover, until it lapses: short,
+#: since a lapsed mutex is harmless (two rebalances compute the same deterministic answer and apply
+#: it through atomic scripts).
+MUTEX_TIMEOUT_S = 6
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,8 @@ class RebalanceReport:
     busy: int = 0
     dispatches: list[Dispatch] = field(default_factory=list)
     took_ms: float = 0.0
+    #: The mutex stayed held past the wait: nothing was computed, the caller should try again.
+    skipped: bool = False
 
 
 def subscriptions_by_lane(clients: list[ClientInfo]) -> dict[tuple[str, str], list[str]]:
@@ -103,8 +108,8 @@ class RebalanceService:
         meta = self.brokers.meta
         mutex = meta.lock(keys.rebalance_mutex(), timeout=MUTEX_TIMEOUT_S, blocking_timeout=wait_s, sleep=0.02)
         if not mutex.acquire():
-            log.warning("rebalance skipped: another rebalance holds the mutex for over %.0fs", wait_s)
-            return RebalanceReport([], [])
+            log.warning("rebalance skipped: another rebalance holds the mutex for over %.1fs", wait_s)
+            return RebalanceReport([], [], skipped=True)
         try:
             report = self._rebalance()
             meta.set(keys.rebalance_last(), redis_now_ms(meta))

@@ -90,7 +90,7 @@ def ledger_options(options: Mapping[str, Any]) -> LedgerOptions:
     opts = lower_options(options)
     check_known(opts, _KNOWN, "ledger read")
     group = check_name("group", opts.get("ledger", ""))
-    topic = check_topic(opts["topic"], allow_dlq=True) if opts.get("topic") else None
+    topic = check_topic(opts["topic"], allow_dlq=True, allow_retry=True) if opts.get("topic") else None
     raw = opts.get("maxrowsperpartition") or str(DEFAULT_MAX_ROWS_PER_PARTITION)
     try:
         max_rows = int(raw)

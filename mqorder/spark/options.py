@@ -119,7 +119,7 @@ def topic_of(opts: Mapping[str, str]) -> str:
     topic = opts.get("topic")
     if not topic:
         raise ConfigError("format('mqorder') needs option('topic', <name>)")
-    return check_topic(topic, allow_dlq=True)
+    return check_topic(topic, allow_dlq=True, allow_retry=True)
 
 
 @dataclass(frozen=True)

@@ -37,15 +37,18 @@ class DelayStore:
         self.appender = appender
         self.timeout = timeout
 
-    def schedule(self, mq: MessageQueue, header: bytes, body: bytes, delay_ms: int) -> int:
+    def schedule(self, mq: MessageQueue, header: bytes, body: bytes, delay_ms: int, *, guard: bool = True) -> int:
         """Hold the message until now + ``delay_ms`` (Redis clock); returns its due time (ms).
 
         The queue is recorded for the mover *first*, so no delayed message is ever out of its sight.
+        ``guard=False`` skips the capacity guard: a consumer sending a failed message back to its
+        retry topic moves a message, it does not add one (like a DLQ move, never refused).
         """
         broker = self.brokers.get(mq.broker_name)
         tag = mq.tag
         with translated(broker.name, broker.safe_url, self.timeout):
-            self.appender.check_capacity(broker)
+            if guard:
+                self.appender.check_capacity(broker)
             reply = run_indexed(self.brokers, keys.delay_queues(), mq.key, broker, "delay_schedule",
                                 [keys.delay_schedule(tag), keys.delay_messages(tag), keys.delay_seq(tag)],
                                 [delay_ms, header, body])

@@ -92,12 +92,12 @@ class TopicManager:
 
     def create_topic(
         self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, allow_dlq: bool = False,
-        perm: str = "rw", retention: TopicRetention | None = None,
+        perm: str = "rw", retention: TopicRetention | None = None, allow_retry: bool = False,
     ) -> TopicRoute:
         """Create ``topic`` (idempotent for the same layout). ``perm`` and ``retention`` apply to a
         new topic only; ``update_perm`` / ``update_retention`` change them later (e.g. create
         write-only, fill, then open for reading)."""
-        check_topic(topic, allow_dlq=allow_dlq)
+        check_topic(topic, allow_dlq=allow_dlq, allow_retry=allow_retry)
         n = _check_queue_count(queues)
         perm = _check_perm(perm)
         names = sorted(set(brokers or [self.brokers.default_name]))
@@ -163,12 +163,22 @@ class TopicManager:
         """``%DLQ%{group}``: one queue on the default broker, created on first use as RocketMQ does."""
         return self.create_topic(keys.dlq_topic(group), 1, allow_dlq=True)
 
+    def ensure_retry_topic(self, group: str, queues: int = 1) -> TopicRoute:
+        """``%RETRY%{group}``: where the group's concurrent listeners send failed messages back
+        to; created on first use with ``queues`` queues (RocketMQ: retryQueueNums, 1). An existing
+        retry topic keeps its layout, whatever ``queues`` says now."""
+        topic = keys.retry_topic(group)
+        try:
+            return self.describe_topic(topic)
+        except TopicNotFoundError:
+            return self.create_topic(topic, queues, allow_retry=True)
+
     # -- subscriptions ---------------------------------------------------------------------------
 
     def subscribe(self, group: str, topic: str, model: MessageModel) -> None:
         """Record that ``group`` consumes ``topic`` (what producers wake and rebalance allocates)."""
         check_name("group", group)
-        check_topic(topic)
+        check_topic(topic, allow_retry=topic == keys.retry_topic(group))
         meta = self.brokers.meta
         raw = meta.hget(keys.groups(), group)
         subs = json.loads(raw) if raw else {}

@@ -26,6 +26,15 @@ local function drop_retries_below(k, new, cur)
   end
 end
 
+-- count_skipped(k, n): messages retention trimmed before the group read them, moved past by this
+-- commit: added to the state's 'skipped' count ('' or absent: 0). Called only by a commit that
+-- passed commit_fence, so a stale holder counts nothing, and each skip is counted by the one run
+-- whose commit moved past it.
+local function count_skipped(k, n)
+  n = tonumber(n or 0) or 0
+  if n > 0 then redis.call('HINCRBY', k, 'skipped', n) end
+end
+
 -- commit_end(k_state, k_next, st, client, new, end_if_drained): the reply of a commit that was
 -- written. {'OK', next, revoked_to}; or {'IDLE'} when the caller asked to end its run on a drained
 -- queue, nobody else is assigned it and nothing is left to read: the pending token is released in

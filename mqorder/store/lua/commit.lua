@@ -18,7 +18,8 @@
 -- ARGV[9..] pairs (offset, reconsume times) to record
 -- Returns {'OK', next, revoked_to}, {'IDLE'} (run ended, queue drained)
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset}
--- State HASH fields: see mqorder.keys.sub_state; commit_fence, drop_retries_below, commit_end: _commit.lua.
+-- State HASH fields: see mqorder.keys.sub_state; commit_fence, count_skipped, drop_retries_below, commit_end:
+-- _commit.lua.
 local new = tonumber(ARGV[4])
 local refused, st, cur = commit_fence(KEYS[1], ARGV[1], ARGV[2], ARGV[3], new)
 if refused then return refused end
@@ -29,8 +30,7 @@ local moved_ms = st[6] or 0
 if new > cur then moved_ms = now end
 redis.call('HSET', KEYS[1], 'offset', new, 'run', run_until, 'pend_until', run_until,
   'lease', now + tonumber(ARGV[6]), 'commit_ms', moved_ms)
-local skipped = tonumber(ARGV[8] or 0) or 0
-if skipped > 0 then redis.call('HINCRBY', KEYS[1], 'skipped', skipped) end
+count_skipped(KEYS[1], ARGV[8])
 drop_retries_below(KEYS[3], new, cur)
 for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
 return commit_end(KEYS[1], KEYS[2], st, ARGV[1], new, ARGV[7] == '1')

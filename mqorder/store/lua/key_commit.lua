@@ -16,11 +16,14 @@
 -- ARGV[1] client  ARGV[2] epoch  ARGV[3] token  ARGV[4] new offset (lowest unfinished)
 -- ARGV[5] run_lease_ms  ARGV[6] lock_lease_ms  ARGV[7] '1': end the run here if nothing is left
 -- ARGV[8] the offset map ('' when nothing finished above the offset)  ARGV[9] its size limit
--- ARGV[10..] pairs (offset, reconsume times) to record; times 0 deletes the offset's count
+-- ARGV[10] messages the run moved past because retention trimmed them before they were read,
+--          counted with this commit as in commit.lua (its ARGV[8]; '' or 0: none)
+-- ARGV[11..] pairs (offset, reconsume times) to record; times 0 deletes the offset's count
 -- Returns {'OK', next, revoked_to}, {'IDLE'}
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset},
 --         {'BADMAP', reason}
--- State HASH fields: see mqorder.keys.sub_state; commit_fence, drop_retries_below, commit_end: _commit.lua.
+-- State HASH fields: see mqorder.keys.sub_state; commit_fence, count_skipped, drop_retries_below, commit_end:
+-- _commit.lua.
 local new = tonumber(ARGV[4])
 local refused, st, cur = commit_fence(KEYS[1], ARGV[1], ARGV[2], ARGV[3], new)
 if refused then return refused end
@@ -35,8 +38,9 @@ local moved_ms = st[6] or 0
 if new > cur then moved_ms = now end
 redis.call('HSET', KEYS[1], 'offset', new, 'done', map, 'run', run_until, 'pend_until', run_until,
   'lease', now + tonumber(ARGV[6]), 'commit_ms', moved_ms)
+count_skipped(KEYS[1], ARGV[10])
 drop_retries_below(KEYS[3], new, cur)
-for i = 10, #ARGV, 2 do
+for i = 11, #ARGV, 2 do
   if ARGV[i + 1] == '0' then
     redis.call('HDEL', KEYS[3], ARGV[i])
   else

@@ -1,0 +1,226 @@
+"""``ConcurrentConsumeRequest``: one run over one queue of a concurrent listener.
+
+RocketMQ's ``ConsumeMessageConcurrentlyService``: messages of a queue are handled in parallel, in
+batches of ``consume_message_batch_max_size``, with no order at all; what the listener does not
+acknowledge goes back to the broker (``sendMessageBack``) and returns later through the group's
+retry topic, up to ``max_reconsume_times`` (16), then to the DLQ.
+
+This is the key-mode run (``KeyConsumeRequest``) with every message free to go beside every other
+(``ConcurrentLanes`` instead of one lane per key), so it keeps what that run guarantees:
+
+* **One run per queue, fenced.** Claimed by ``begin.lua``, renewed by ``touch.lua``, ended by
+  ``finish.lua`` like every run. RocketMQ's concurrent consumer takes no lock at all (a queue
+  moving between two clients is consumed by both for a while); here the calls of one queue all
+  run inside its one fenced run, so a rebalance never has two clients consuming a queue at once,
+  and ``ctx.epoch`` / ``ctx.still_owner()`` work as for orderly listeners.
+* **Offsets.** The committed offset is the lowest unfinished one (RocketMQ's ``removeMessage``:
+  ``msgTreeMap.firstKey()``), with the offsets finished above it in the fenced offset map
+  (``key_commit.lua``): a crash never skips an unfinished message, and a new owner redelivers only
+  those (RocketMQ redelivers everything above the committed offset).
+* **Flow control.** No pull while the in-flight span is ``consume_concurrently_max_span`` (2000)
+  or more, or ``pull_threshold_for_queue`` messages are held (RocketMQ's two limits).
+* **Retries.** A message not acknowledged (``RECONSUME_LATER``, ``None``, an exception, or past
+  ``ctx.ack_index``) is sent back to ``%RETRY%<group>`` with its delay (``RetrySender``) and then
+  finishes here; one that came back ``max_reconsume_times`` times, or whose listener set
+  ``ctx.delay_level_when_next_consume = -1``, goes to ``%DLQ%<group>``. Both writes happen
+  before the commit that finishes the original, after a lease check (``touch.lua``), so a stale
+  run sends nothing back; a crash between the write and the commit redelivers the original too
+  (at least once, never lost). Broadcasting listeners retry in place instead, like key mode: the
+  retry topic is the group's, and every client of a broadcasting group reads every message.
+
+The retry topic is consumed by the same kind of run; each of its batches holds messages of one
+original topic (``ConcurrentLanes``) and goes to that topic's listener, with the message restored
+as it was sent (``retry.restore``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from mqorder import keys
+from mqorder.consumer.concurrent_lanes import ConcurrentLanes
+from mqorder.consumer.consume_request import SUCCESS, SUSPEND, Handled, LoopEnd, Stop
+from mqorder.consumer.context import ConsumeConcurrentlyContext
+from mqorder.consumer.hooks import ConsumeMessageContext, global_hooks, run_after, run_before
+from mqorder.consumer.key_request import KeyConsumeRequest, LaneResult, LaneWorkers
+from mqorder.consumer.ledger import LedgerOutcome
+from mqorder.consumer.listener import ListenerSpec, get_listener
+from mqorder.consumer.retry import restore
+from mqorder.model import ConsumeConcurrentlyStatus, MessageExt, MessageModel
+
+log = logging.getLogger(__name__)
+
+CONSUME_SUCCESS = ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+RECONSUME_LATER = ConsumeConcurrentlyStatus.RECONSUME_LATER
+#: RocketMQ: ``maxReconsumeTimes == -1`` means 16 for concurrent consumers.
+DEFAULT_MAX_RECONSUME = 16
+
+
+class ConcurrentConsumeRequest(KeyConsumeRequest):
+    """A ``KeyConsumeRequest`` whose messages need no order, with retries through the retry topic."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        s = self.engine.settings
+        self.key_concurrency = self.spec.key_concurrency or s.consume_concurrency
+        self.lanes = ConcurrentLanes(self.batch_max)
+        #: A broadcasting subscription has no retry topic: failed batches retry in place.
+        self.in_place = self.spec.message_model is MessageModel.BROADCASTING or keys.BROADCAST_SEP in self.sub
+        self._specs: dict[str, ListenerSpec | None] = {}
+
+    def _decode(self, entries: list[Any]) -> list[MessageExt]:
+        msgs = super()._decode(entries)
+        if self.spec.is_retry:
+            restore(msgs)
+        return msgs
+
+    # -- calls ------------------------------------------------------------------------------------
+
+    def _listener_of(self, msgs: list[MessageExt]) -> ListenerSpec | None:
+        """The listener of a batch: this subscription's, or for a retry topic the group's listener
+        of the batch's original topic (None when this worker has none)."""
+        if not self.spec.is_retry:
+            return self.spec
+        topic = msgs[0].topic
+        if topic not in self._specs:
+            spec = get_listener(self.spec.group, topic)
+            self._specs[topic] = spec if spec is not None and spec.ordering == "concurrent" else None
+        return self._specs[topic]
+
+    def _submit(self, pool: LaneWorkers, key: int, msgs: list[MessageExt]) -> None:
+        self.in_flight += 1
+        ctx = ConsumeConcurrentlyContext(
+            self.mq, epoch=self.epoch, client_id=self.client_id, group=self.spec.group,
+            still_owner=self._still_owner, ack_index=len(msgs) - 1,
+            suspend_current_queue_time_millis=self.suspend_ms, run_id=self.run_id,
+        )
+        pool.submit(self._concurrent_call, key, msgs, ctx)
+
+    def _concurrent_call(self, key: int, msgs: list[MessageExt], ctx: ConsumeConcurrentlyContext) -> None:
+        """Runs on a lane worker; whatever happens, a result is reported."""
+        handled = Handled(SUSPEND)
+        try:
+            handled = self._consume_concurrently(msgs, ctx)
+        except Exception:
+            log.exception("concurrent call of %s on %s failed outside the listener (a hook?); retrying its "
+                          "messages", self.spec.name, self.mq.key)
+        finally:
+            self.results.put(LaneResult(key, msgs, handled, ctx))
+
+    def _consume_concurrently(self, msgs: list[MessageExt], ctx: ConsumeConcurrentlyContext) -> Handled:
+        """Hooks, the listener, hooks; ``SUCCESS`` for ``CONSUME_SUCCESS`` (``ctx.ack_index`` says
+        how much of it), ``SUSPEND`` for anything else (RocketMQ: null or an exception counts as
+        ``RECONSUME_LATER``)."""
+        spec = self._listener_of(msgs)
+        if spec is None:
+            log.error("no concurrent listener of group %s for topic %s in this worker: its retried messages "
+                      "go back to %s (register the listener in every worker of the group)",
+                      self.spec.group, msgs[0].topic, self.mq.topic)
+            ctx.ack_index = -1
+            return Handled(SUSPEND)
+        hooks = self.hooks if spec is self.spec else [*global_hooks(), *spec.hooks]
+        hook_ctx = None
+        if hooks:
+            hook_ctx = ConsumeMessageContext(spec.group, self.mq, msgs, self.epoch, self.client_id, self.run_id)
+            run_before(hooks, hook_ctx)
+        wall0 = time.time() if self.ledger is not None else 0.0
+        t0 = time.perf_counter()
+        try:
+            status = spec.func(msgs, ctx)
+        except Exception:
+            log.exception("listener %s raised on %s offsets %d..%d; its messages will be retried",
+                          spec.name, self.mq.key, msgs[0].queue_offset, msgs[-1].queue_offset)
+            status = RECONSUME_LATER
+        rt = (time.perf_counter() - t0) * 1000
+        if status is None:
+            status = RECONSUME_LATER
+        elif not isinstance(status, ConsumeConcurrentlyStatus):
+            log.warning("listener %s returned %r, not a ConsumeConcurrentlyStatus; treating it as RECONSUME_LATER",
+                        spec.name, status)
+            status = RECONSUME_LATER
+        self._note_rt(rt)
+        ok = status is CONSUME_SUCCESS
+        if not ok:
+            ctx.ack_index = -1
+        if hook_ctx is not None:
+            hook_ctx.status = status.value
+            hook_ctx.success = ok
+            hook_ctx.rt_ms = rt
+            run_after(hooks, hook_ctx)
+        handled = Handled(SUCCESS if ok else SUSPEND)
+        if self.ledger is not None:
+            handled.start_ms, handled.end_ms = wall0 * 1000, wall0 * 1000 + rt
+        return handled
+
+    # -- settle -----------------------------------------------------------------------------------
+
+    def _settle_one(self, res: LaneResult, stop: LoopEnd | None, discard: bool) -> LoopEnd | None:
+        """``processConsumeResult``: the acknowledged prefix finishes; the rest is sent back to the
+        retry topic (or the DLQ) and finishes too, or, in place, waits for its suspend time."""
+        self.in_flight -= 1
+        if discard or self.fenced:
+            self.lanes.busy.discard(res.key)
+            return stop
+        msgs, handled = res.msgs, res.handled
+        ctx = res.ctx
+        assert isinstance(ctx, ConsumeConcurrentlyContext)
+        ack = ctx.ack_index if handled.status is SUCCESS else -1
+        if type(ack) is not int:
+            log.warning("%s set ack_index to %r, not an int; acknowledging nothing", self.spec.name, ack)
+            ack = -1
+        ack = max(-1, min(ack, len(msgs) - 1))
+        ok, failed = msgs[: ack + 1], msgs[ack + 1 :]
+        if ok:
+            self._finished(ok, LedgerOutcome.SUCCESS, handled)
+            self.consumed += len(ok)
+        if not failed:
+            self.lanes.done(res.key)
+            return stop
+        self._failed += len(failed)
+        spec = self._listener_of(msgs) or self.spec
+        limit = spec.max_reconsume_times if spec.max_reconsume_times is not None else self.max_reconsume
+        if limit == -1:
+            limit = DEFAULT_MAX_RECONSUME
+        level = ctx.delay_level_when_next_consume
+        if type(level) is not int:
+            level = 0
+        if self.in_place:
+            return self._retry_in_place(res.key, failed, handled, limit, level, stop)
+        if not self._touch():
+            self.fenced = True
+            return LoopEnd(Stop.FENCED)
+        dead = [m for m in failed if level < 0 or m.reconsume_times >= limit]
+        back = [m for m in failed if not (level < 0 or m.reconsume_times >= limit)]
+        for m in dead:
+            why = ("the listener asked for the DLQ (delay_level_when_next_consume=-1)" if level < 0
+                   else f"max reconsume times {limit} reached (listener returned RECONSUME_LATER)")
+            self.engine.dlq.send(spec.group, m, why, self.epoch)
+        sender = self.engine.retry_sender
+        for m in back:
+            sender.send_back(spec.group, m, level)
+        if dead:
+            self._finished(dead, LedgerOutcome.DLQ, handled)
+        if back:
+            self._finished(back, LedgerOutcome.RETRY, handled)
+        self.lanes.done(res.key)
+        return stop
+
+    def _retry_in_place(self, key: int, failed: list[MessageExt], handled: Handled, limit: int, level: int,
+                        stop: LoopEnd | None) -> LoopEnd | None:
+        dead = [m for m in failed if level < 0 or m.reconsume_times >= limit]
+        if dead:
+            if not self._touch():
+                self.fenced = True
+                return LoopEnd(Stop.FENCED)
+            for m in dead:
+                self.engine.dlq.send(self.spec.group, m, f"max reconsume times {limit} reached (broadcasting, "
+                                     "retried in place)", self.epoch)
+            self._finished(dead, LedgerOutcome.DLQ, handled)
+        rest = [m for m in failed if not (level < 0 or m.reconsume_times >= limit)]
+        if not rest:
+            self.lanes.done(key)
+            return stop
+        self._hold_back(key, rest, handled, self.suspend_ms)
+        return stop

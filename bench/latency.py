@@ -3,7 +3,11 @@
 A paced producer in this process sends one message at a time on a fixed schedule (start + i/rate,
 never bursting to catch up faster than the schedule). The body carries ``time.time_ns()`` taken
 just before the send call; the handler computes ``time.time_ns() - sent`` (same machine, same
-clock) and pushes it to a Redis list. One second of warm-up traffic is sent and discarded first.
+clock) and pushes it to a Redis list. One second of warm-up traffic is sent and discarded first,
+and again right before every measured run (the configurations' runs are interleaved, so a worker
+set idles for the others' runs in between, and a first second after an idle spell is a cold
+start, not the steady rate the section measures): its bodies start with ``WARMUP_PREFIX`` and
+their latency is not recorded.
 
 mqorder: stock workers, the bench ``latency`` listener, stock settings (consume batch 1, pull 32);
 the topic exists before the workers join, so they own its queues from the start and every send
@@ -42,9 +46,12 @@ from bench.common import (
     tree_cpu_s,
     wait_lag_zero,
 )
-from bench.listeners import LAT_KEY
+from bench.listeners import LAT_KEY, WARMUP_PREFIX
 from bench.mqorder_drain import CONSUME_TASK
 from mqorder import Producer
+
+#: Seconds of discarded traffic right before every measured run.
+WARMUP_S = 1.0
 
 
 def paced(n: int, rate: float, send: Callable[[int], None]) -> float:
@@ -124,9 +131,16 @@ class _MqLatRig:
         k, _s = self.wl.next()
         self.p.send_orderly(self.topic, str(time.time_ns()).encode(), sharding_key=f"key-{k}")
 
-    def measure(self, n: int, rate: float) -> dict[str, float]:
+    def send_warmup(self, _: int) -> None:
+        k, _s = self.wl.next()
+        self.p.send_orderly(self.topic, WARMUP_PREFIX + str(time.time_ns()).encode(), sharding_key=f"key-{k}")
+
+    def measure(self, n: int, rate: float, warmup: int = 0) -> dict[str, float]:
+        """``n`` messages at ``rate``, right after ``warmup`` messages whose latency is not recorded."""
         r, ws = self.r, self.ws
         r.delete(LAT_KEY)
+        if warmup:
+            paced(warmup, rate, self.send_warmup)
         tasks0 = celery_task_totals(self.app, self.hostnames).get(CONSUME_TASK, 0)
         cpu_w0, cpu_r0 = tree_cpu_s(w.pid for w in ws), cpu_s(self.redis_pid)
         cpu_b0 = cpu_s(self.broker_pid) if self.broker_pid else 0.0
@@ -160,7 +174,7 @@ def mqorder_latency(cfg: Config, *, rate: float, seconds: float, runs: int, spec
             k = max(run, 0) % len(rigs)
             for rig in rigs[k:] + rigs[:k]:
                 time.sleep(0.5)  # the previous configuration's last runs end (linger included)
-                res = rig.measure(n, rate)
+                res = rig.measure(n, rate, warmup=int(rate * WARMUP_S) if run >= 0 else 0)
                 if run < 0:
                     continue
                 res["run"] = run

@@ -90,9 +90,13 @@ class LatencyRecorder:
 LATENCIES = LatencyRecorder()
 
 
+#: Bodies of warm-up messages start with this: handled like the others, their latency not recorded.
+WARMUP_PREFIX = b"w"
+
+
 def latency(msgs, ctx):
     now = time.time_ns()
-    LATENCIES.add([now - int(m.body) for m in msgs])
+    LATENCIES.add([now - int(m.body) for m in msgs if not m.body.startswith(WARMUP_PREFIX)])
     return SUCCESS
 
 

@@ -125,6 +125,7 @@ def sec_latency(cfg: Config, res: dict[str, Any]) -> None:
     res["latency"] = {
         "rate": 1000, "seconds": secs, "concurrency": c, "stock_concurrency": stock_c,
         "threads_concurrency": LAT_THREADS_C, "linger_ms": linger_ms, "prefork_lingers": True,
+        "warmup_each_run": True,
         # "mqorder" stays the first prefork configuration, as in results.json files written before the
         # others; with "stock_concurrency" it is the stock one (-c = cores), the one the target judges.
         "mqorder": mq["prefork"], "mqorder_prefork_wide": mq["prefork_wide"], "mqorder_threads": mq["threads"],

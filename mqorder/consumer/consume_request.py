@@ -922,6 +922,13 @@ class ConsumeRequest:
             return LOST
         self.retry_updates.clear()
         self.committed = self.commit_point
+        return self._took(res, entries, pull)
+
+    def _took(self, res: list[Any], entries: Any, pull: bool) -> Pull:
+        """After an accepted commit (``commit.lua`` or ``key_commit.lua``, same reply head): the
+        lock is confirmed; a revoked queue stops here; otherwise what the read behind the commit
+        brought goes in (a lingering read's ``Slice``, or ``XRANGE`` entries, an empty one past a
+        trimmed tail)."""
         self.pq.mark_locked()
         if text(res[2]):
             self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else

@@ -70,7 +70,6 @@ from mqorder.consumer.consume_request import (
     COMMIT,
     ENDED,
     LOST,
-    NOTHING,
     ROLLBACK,
     SUCCESS,
     SUSPEND,
@@ -78,7 +77,6 @@ from mqorder.consumer.consume_request import (
     Handled,
     LoopEnd,
     Pull,
-    Slice,
     Stop,
 )
 from mqorder.consumer.context import CallContext, ConsumeOrderlyContext
@@ -510,16 +508,7 @@ class KeyConsumeRequest(ConsumeRequest):
         self.committed = self.commit_point = offset
         self.dirty = False
         self.unsaved = 0
-        self.pq.mark_locked()
-        if text(res[2]):
-            self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else
-            return NOTHING
-        if isinstance(entries, Slice):
-            return self._slice_pulled(entries, int(res[1]))
-        self._put(entries, None)
-        if pull and not entries:
-            self._check_trimmed_tail(int(res[1]))
-        return Pull(len(entries))
+        return self._took(res, entries, pull)
 
     def _needs_last_commit(self) -> bool:
         return bool(self.epoch) and not self.fenced and bool(self.dirty or self.retry_updates)

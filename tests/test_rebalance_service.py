@@ -57,15 +57,39 @@ def test_rebalance_skips_with_an_empty_report_while_another_holds_the_mutex(
 
 def test_rebalance_that_outlived_its_mutex_still_returns_and_spares_the_next_holder(
     brokers: BrokerRegistry, settings, r: redis.Redis, caplog: pytest.LogCaptureFixture,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(service_mod, "MUTEX_TIMEOUT_S", 0.2)
+    svc = SlowRebalance(brokers, settings)
+    svc.mutex_timeout_s = 0.2
     with caplog.at_level(logging.WARNING, logger=service_mod.__name__):
-        report = SlowRebalance(brokers, settings).rebalance()
+        report = svc.rebalance()
     assert report.dispatches == [] and report.took_ms > 0  # the work done is reported, no LockError
     assert "mutex lapsed" in caplog.text
     assert r.get(keys.rebalance_mutex()) == b"next-rebalance"  # not deleted by the late release
     assert r.get(keys.rebalance_last()) is not None
+
+
+class MutexWatchingRebalance(RebalanceService):
+    """Reads the mutex's remaining life while it holds it."""
+
+    pttl_ms = -1
+
+    def _rebalance(self) -> RebalanceReport:
+        self.pttl_ms = int(self.brokers.meta.pttl(keys.rebalance_mutex()))
+        return super()._rebalance()
+
+
+@pytest.mark.parametrize("heartbeat_timeout", [3.0, 1.5])
+def test_a_rebalance_mutex_lapses_with_its_holders_heartbeat(brokers: BrokerRegistry, redis_url: str,
+                                                             heartbeat_timeout: float) -> None:
+    """A worker killed mid-rebalance must not hold failover back past the time its death is seen:
+    the mutex's lease is the holder's liveness lease (``heartbeat_timeout``), not a longer constant."""
+    from mqorder.settings import load_settings
+
+    s = load_settings(redis_url=redis_url, heartbeat_timeout=heartbeat_timeout, heartbeat_interval=0.5)
+    svc = MutexWatchingRebalance(brokers, s)
+    svc.rebalance()
+    assert 0 < svc.pttl_ms <= heartbeat_timeout * 1000
+    assert svc.pttl_ms > heartbeat_timeout * 1000 - 1000  # taken with that lease just now
 
 
 def test_service_sweep_dispatches_an_assigned_backlog_through_the_lock_manager(

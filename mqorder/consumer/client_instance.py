@@ -260,7 +260,7 @@ class ClientInstance:
         if fp != self._fingerprint or stale or self._rebalance_owed:
             # One worker per change (a join, a leave, a new topic or subscription) does the work;
             # the others see the key and skip. A rebalance skipped on a held mutex (its holder may
-            # have been killed mid-rebalance: the mutex then lapses in MUTEX_TIMEOUT_S) is owed, and
+            # have been killed mid-rebalance: the mutex then lapses with its heartbeat) is owed, and
             # tried again at the next heartbeat, waiting only briefly: this loop also heartbeats.
             marker = keys.rebalance_seen(zlib.crc32(fp.encode()))
             if stale or self._rebalance_owed or self.brokers.meta.set(marker, self.client_id, nx=True, px=2000):

@@ -33,11 +33,6 @@ from mqorder.tokens import new_token
 
 log = logging.getLogger(__name__)
 
-#: The rebalance mutex outlives its holder by this much (a rebalance takes milliseconds). A holder
-#: killed mid-rebalance blocks every other rebalance, and so every failover, until it lapses: short,
-#: since a lapsed mutex is harmless (two rebalances compute the same deterministic answer and apply
-#: it through atomic scripts).
-MUTEX_TIMEOUT_S = 6
 
 
 @dataclass(frozen=True)
@@ -94,6 +89,14 @@ class RebalanceService:
         self.topics = TopicManager(brokers)
         self.locks = RebalanceLockManager(brokers, settings.ms(settings.lock_max_live_time))
         self.registry = ClientRegistry(brokers.meta, settings.ms(settings.heartbeat_timeout))
+        #: How long the rebalance mutex outlives its holder: its liveness lease. A holder killed
+        #: mid-rebalance blocks every other rebalance, and so every failover, until the mutex lapses;
+        #: lapsing with the holder's heartbeat means the survivors can rebalance as soon as they can
+        #: see it dead, not seconds later (a fixed 6 s lapse made one chaos failover 6.4-6.9 s when
+        #: a restarted worker was killed during its first rebalance). A lapsed mutex is harmless: a
+        #: rebalance takes milliseconds, and two compute the same deterministic answer and apply it
+        #: through atomic scripts.
+        self.mutex_timeout_s = settings.heartbeat_timeout
 
     def rebalance(self, wait_s: float = 5.0) -> RebalanceReport:
         """Recompute and apply the assignment of every subscribed topic, under a mutex.
@@ -101,12 +104,12 @@ class RebalanceService:
         The mutex is redis-py's ``Lock`` (``SET NX PX`` with a random token, compare-and-delete
         release). Waiting longer than ``wait_s`` skips this rebalance with an empty report: the
         holder is applying the same deterministic answer. Releasing a mutex that already lapsed
-        (a rebalance slower than ``MUTEX_TIMEOUT_S``) only logs: the work is done and applied
+        (a rebalance slower than ``mutex_timeout_s``) only logs: the work is done and applied
         through atomic scripts, and the mutex now belongs to nobody or to the next rebalance,
         which the release must not delete.
         """
         meta = self.brokers.meta
-        mutex = meta.lock(keys.rebalance_mutex(), timeout=MUTEX_TIMEOUT_S, blocking_timeout=wait_s, sleep=0.02)
+        mutex = meta.lock(keys.rebalance_mutex(), timeout=self.mutex_timeout_s, blocking_timeout=wait_s, sleep=0.02)
         if not mutex.acquire():
             log.warning("rebalance skipped: another rebalance holds the mutex for over %.1fs", wait_s)
             return RebalanceReport([], [], skipped=True)
@@ -118,7 +121,7 @@ class RebalanceService:
             try:
                 mutex.release()
             except LockError:
-                log.warning("rebalance mutex lapsed before its release (held over %ds)", MUTEX_TIMEOUT_S)
+                log.warning("rebalance mutex lapsed before its release (held over %.1fs)", self.mutex_timeout_s)
 
     def _rebalance(self) -> RebalanceReport:
         t0 = time.perf_counter()

@@ -37,16 +37,26 @@ def r() -> redis.Redis:
     return _r
 
 
-def _record(group: str, msgs, ctx, status: ConsumeOrderlyStatus) -> ConsumeOrderlyStatus:
-    c = r()
-    ctl = {k.decode(): v.decode() for k, v in c.hgetall(f"ctl:{group}").items()}
-    start = time.time_ns() // 1000
+def _controls(c: redis.Redis, group: str) -> dict[str, str]:
+    """The test's knobs for ``group`` (``ctl:<group>``), read afresh on every call."""
+    return {k.decode(): v.decode() for k, v in c.hgetall(f"ctl:{group}").items()}
+
+
+def _sleep_as_told(ctl: dict[str, str]) -> None:
+    """Sleep ``sleep_ms`` and then a random time up to ``rand_sleep_ms``, where set."""
     sleep_ms = float(ctl.get("sleep_ms", 0))
     if sleep_ms:
         time.sleep(sleep_ms / 1000)
     rand_ms = float(ctl.get("rand_sleep_ms", 0))
     if rand_ms:
         time.sleep(random.random() * rand_ms / 1000)
+
+
+def _record(group: str, msgs, ctx, status: ConsumeOrderlyStatus) -> ConsumeOrderlyStatus:
+    c = r()
+    ctl = _controls(c, group)
+    start = time.time_ns() // 1000
+    _sleep_as_told(ctl)
     lines = []
     for m in msgs:
         body = json.loads(m.body)
@@ -110,11 +120,9 @@ def concurrent(msgs, ctx):
     """Concurrent (issue 15): no order; what it does not acknowledge comes back via %RETRY%g-conc.
     A batch of two where only the first fails acknowledges the second (``ack_index``)."""
     c = r()
-    ctl = {k.decode(): v.decode() for k, v in c.hgetall("ctl:g-conc").items()}
+    ctl = _controls(c, "g-conc")
     start = time.time_ns() // 1000
-    rand_ms = float(ctl.get("rand_sleep_ms", 0))
-    if rand_ms:
-        time.sleep(random.random() * rand_ms / 1000)
+    _sleep_as_told(ctl)
     ok = []
     for m in msgs:
         body = json.loads(m.body)

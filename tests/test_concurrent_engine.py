@@ -25,30 +25,14 @@ from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.settings import load_settings, parse_delay_levels
 from mqorder.store.delay import DelayMover, DelayStore
 from mqorder.store.log import MessageLog
+from tests.engine_support import MQ, drain
 
 C = ConsumeConcurrentlyStatus
-MQ = MessageQueue("t", "broker-a", 0)
 RETRY_MQ = MessageQueue(keys.retry_topic("g"), "broker-a", 0)
 
 
 def conc_spec(func, topic: str = "t", **kw) -> ListenerSpec:
     return ListenerSpec(func, topic, "g", ordering="concurrent", **kw)
-
-
-def drain(eng: ConsumerEngine, spec: ListenerSpec, mq: MessageQueue = MQ, client: str = "c1",
-          token: str = "tok0", max_runs: int = 200) -> list[Outcome]:
-    """Assign ``mq`` to ``client`` and follow the outcomes as the Celery task would."""
-    RebalanceLockManager(eng.brokers).assign("g", [(mq, client, token)])
-    outcomes = []
-    for _ in range(max_runs):
-        out = eng.run(spec, "g", mq, token)
-        assert out is not None
-        outcomes.append(out)
-        if not out.needs_dispatch or out.target != client:
-            break
-        time.sleep(out.countdown)
-        token = out.token
-    return outcomes
 
 
 class Recorder:

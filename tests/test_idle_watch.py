@@ -5,9 +5,12 @@ to a new request; and only idle queues of the caller are ever adopted."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import redis
 
@@ -45,6 +48,52 @@ def owned_idle_queues(settings, r: redis.Redis) -> tuple[Producer, ConsumerEngin
     return p, eng
 
 
+@dataclass
+class LingeringRun:
+    """A request running in a thread, allowed to linger while ``linger`` is set."""
+
+    linger: threading.Event
+    thread: threading.Thread
+    result: list = field(default_factory=list)
+
+
+@contextlib.contextmanager
+def lingering_run(eng: ConsumerEngine, spec: ListenerSpec, r: redis.Redis, token: str = "t0") -> Iterator[LingeringRun]:
+    """Run a request on queue 0 in a thread (its pending slot set to ``token``, as a dispatch
+    does) that may linger until the block ends; the block's end lets it stop and joins it."""
+    linger = threading.Event()
+    linger.set()
+    eng.may_linger = linger.is_set
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": token, "pend_until": 2**62})
+    result: list = []
+    thread = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], token)))
+    thread.start()
+    try:
+        yield LingeringRun(linger, thread, result)
+    finally:
+        linger.clear()
+        thread.join(timeout=10)
+
+
+def assert_every_run_ended_and_committed(r: redis.Redis) -> None:
+    """Every run and adoption of the four queues ended: nothing pending, everything committed."""
+    for mq in QUEUES:
+        state = {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, SUB)).items()}
+        assert state["pending"] == "" and state["run"] == "0"
+        assert int(state.get("offset", 0)) == int(r.get(keys.queue_next(mq.tag)) or 0)
+
+
+@contextlib.contextmanager
+def wakes_of_the_client(r: redis.Redis) -> Iterator[redis.client.PubSub]:
+    """A subscription to c1's wake channel: a message there means a send woke the client."""
+    wakes = r.pubsub(ignore_subscribe_messages=True)
+    wakes.subscribe(keys.wake_channel(ME))
+    try:
+        yield wakes
+    finally:
+        wakes.close()
+
+
 def test_sends_to_idle_queues_wake_nobody_and_the_lingering_request_runs_them_in_order(settings, r) -> None:
     p, eng = owned_idle_queues(settings, r)
     seen: list[tuple[int, int]] = []
@@ -54,17 +103,7 @@ def test_sends_to_idle_queues_wake_nobody_and_the_lingering_request_runs_them_in
             seen.append((m.queue_id, int(m.body)))
         return ConsumeOrderlyStatus.SUCCESS
 
-    linger = threading.Event()
-    linger.set()
-    eng.may_linger = linger.is_set
-    spec = ListenerSpec(listener, TOPIC, SUB)
-    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
-    wakes = r.pubsub(ignore_subscribe_messages=True)
-    wakes.subscribe(keys.wake_channel(ME))
-    result: list = []
-    t = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], "t0")))
-    t.start()
-    try:
+    with wakes_of_the_client(r) as wakes, lingering_run(eng, ListenerSpec(listener, TOPIC, SUB), r) as run:
         time.sleep(0.5)  # the run drained queue 0 and lingers, watching queues 1-3
         sent = []
         for seq in range(30):
@@ -79,16 +118,9 @@ def test_sends_to_idle_queues_wake_nobody_and_the_lingering_request_runs_them_in
         for qid in (1, 2, 3):  # per queue, in send (offset) order
             assert [s for q, s in seen if q == qid] == [s for q, s in sent if q == qid]
         assert wakes.get_message(timeout=0.2) is None, "a send woke the client: the queue was not watched"
-    finally:
-        linger.clear()
-        t.join(timeout=10)
-        wakes.close()
-    (out,) = result
+    (out,) = run.result
     assert out.consumed == 30 and out.follow_ups == ()
-    for mq in QUEUES:  # every run and adoption ended: nothing pending, everything committed
-        state = {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, SUB)).items()}
-        assert state["pending"] == "" and state["run"] == "0"
-        assert int(state["offset"]) == int(r.get(keys.queue_next(mq.tag)) or 0)
+    assert_every_run_ended_and_committed(r)
     p.close()
     eng.brokers.close()
 
@@ -146,26 +178,17 @@ def test_a_nudge_ends_a_lingering_read_at_once_not_at_its_slice_end(settings, r,
     monkeypatch.setattr(consume_request, "LINGER_SLICE_S", 2.5)
     settings = settings.model_copy(update={"consume_linger_ms": 20_000, "run_lease": 60, "lock_max_live_time": 60})
     p, eng = owned_idle_queues(settings, r)
-    linger = threading.Event()
-    linger.set()
-    eng.may_linger = linger.is_set
     spec = ListenerSpec(lambda msgs, ctx: ConsumeOrderlyStatus.SUCCESS, TOPIC, SUB)
-    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
-    done = threading.Event()
-    t = threading.Thread(target=lambda: (eng.run(spec, SUB, QUEUES[0], "t0"), done.set()))
-    t.start()
-    try:
+    with lingering_run(eng, spec, r) as run:
         time.sleep(0.5)  # lingering now, in a read that blocks until about 2.5 s
-        assert not done.is_set()
-        linger.clear()  # a request waits for a slot...
+        assert run.thread.is_alive()
+        run.linger.clear()  # a request waits for a slot...
         t0 = time.monotonic()
         nudge = LingerNudge(eng.brokers, ME)
         nudge()  # ...and the main process says so
-        assert done.wait(1.2), "the lingering read did not end on the nudge"
+        run.thread.join(1.2)
+        assert not run.thread.is_alive(), "the lingering read did not end on the nudge"
         assert time.monotonic() - t0 < 1.2
-    finally:
-        linger.clear()
-        t.join(timeout=10)
     p.close()
     eng.brokers.close()
 
@@ -193,21 +216,12 @@ def test_a_switch_to_a_queue_of_another_topic_of_the_group_runs_that_topics_list
 
     orderly_listener(topic="tw2", group=SUB)(tw2_listener)
     try:
-        linger = threading.Event()
-        linger.set()
-        eng.may_linger = linger.is_set
-        r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
-        result: list = []
-        t = threading.Thread(target=lambda: result.append(eng.run(ListenerSpec(tw_listener, TOPIC, SUB), SUB,
-                                                                  QUEUES[0], "t0")))
-        t.start()
-        time.sleep(0.5)
-        p.send_orderly("tw2", b"x", sharding_key="k")
-        deadline = time.monotonic() + 10
-        while not by and time.monotonic() < deadline:
-            time.sleep(0.02)
-        linger.clear()
-        t.join(10)
+        with lingering_run(eng, ListenerSpec(tw_listener, TOPIC, SUB), r):
+            time.sleep(0.5)
+            p.send_orderly("tw2", b"x", sharding_key="k")
+            deadline = time.monotonic() + 10
+            while not by and time.monotonic() < deadline:
+                time.sleep(0.02)
         assert by == [("tw2", "tw2")]
     finally:
         unregister_listener(SUB, "tw2")
@@ -228,17 +242,7 @@ def test_the_queue_a_switch_left_stays_watched_so_a_send_to_it_at_once_wakes_nob
                 p.send_orderly(TOPIC, str(int(m.body) + 100).encode(), sharding_key=key_for(0))
         return ConsumeOrderlyStatus.SUCCESS
 
-    linger = threading.Event()
-    linger.set()
-    eng.may_linger = linger.is_set
-    spec = ListenerSpec(listener, TOPIC, SUB)
-    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
-    wakes = r.pubsub(ignore_subscribe_messages=True)
-    wakes.subscribe(keys.wake_channel(ME))
-    result: list = []
-    t = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], "t0")))
-    t.start()
-    try:
+    with wakes_of_the_client(r) as wakes, lingering_run(eng, ListenerSpec(listener, TOPIC, SUB), r) as run:
         time.sleep(0.5)  # the run drained queue 0 and lingers, watching queues 1-3
         for seq in range(5):
             p.send_orderly(TOPIC, str(seq).encode(), sharding_key=key_for(1))
@@ -247,16 +251,9 @@ def test_the_queue_a_switch_left_stays_watched_so_a_send_to_it_at_once_wakes_nob
                 time.sleep(0.01)
         assert seen == [x for seq in range(5) for x in ((1, seq), (0, seq + 100))]
         assert wakes.get_message(timeout=0.2) is None, "a send to the queue just left woke the client"
-    finally:
-        linger.clear()
-        t.join(timeout=10)
-        wakes.close()
-    (out,) = result
+    (out,) = run.result
     assert out.consumed == 10 and out.follow_ups == ()
-    for mq in QUEUES:
-        state = {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, SUB)).items()}
-        assert state["pending"] == "" and state["run"] == "0"
-        assert int(state.get("offset", 0)) == int(r.get(keys.queue_next(mq.tag)) or 0)
+    assert_every_run_ended_and_committed(r)
     p.close()
     eng.brokers.close()
 
@@ -303,9 +300,8 @@ def test_a_request_that_has_not_lingered_begins_only_when_allowed_and_a_lingerin
         seen.extend((m.queue_id, int(m.body)) for m in msgs)
         return ConsumeOrderlyStatus.SUCCESS
 
-    linger, start = threading.Event(), threading.Event()
-    linger.set()
-    eng.may_linger = linger.is_set
+    start = threading.Event()
+    eng.may_linger = lambda: True
     eng.may_start_linger = start.is_set
     spec = ListenerSpec(listener, TOPIC, SUB)
     r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
@@ -313,12 +309,8 @@ def test_a_request_that_has_not_lingered_begins_only_when_allowed_and_a_lingerin
     t0 = time.monotonic()
     out = eng.run(spec, SUB, QUEUES[0], "t0")  # may not begin: drains and ends at once
     assert out.verb == "IDLE" and out.consumed == 1 and time.monotonic() - t0 < 0.5
-    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t1", "pend_until": 2**62})
     start.set()
-    result: list = []
-    t = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], "t1")))
-    t.start()
-    try:
+    with lingering_run(eng, spec, r, token="t1") as run:
         time.sleep(0.5)  # lingering now
         start.clear()  # every slot busy: nobody may begin to linger, this one goes on
         for seq in range(1, 7):
@@ -328,11 +320,8 @@ def test_a_request_that_has_not_lingered_begins_only_when_allowed_and_a_lingerin
         while len(seen) < 7 and time.monotonic() < deadline:
             time.sleep(0.01)
         assert sorted(seen) == sorted([(0, 0)] + [(1 + s % 3, s) for s in range(1, 7)])
-        assert t.is_alive(), "the lingering request stopped although nobody waits for its slot"
-    finally:
-        linger.clear()
-        t.join(timeout=10)
-    (out,) = result
+        assert run.thread.is_alive(), "the lingering request stopped although nobody waits for its slot"
+    (out,) = run.result
     assert out.consumed == 6
     p.close()
     eng.brokers.close()
@@ -352,41 +341,30 @@ def test_a_queue_a_run_leaves_idle_is_watched_by_the_lingering_request_at_once(s
         seen.extend((m.queue_id, int(m.body)) for m in msgs)
         return ConsumeOrderlyStatus.SUCCESS
 
-    linger = threading.Event()
-    linger.set()
-    eng.may_linger = linger.is_set
     spec = ListenerSpec(listener, TOPIC, SUB)
     q3 = keys.sub_state(QUEUES[3].tag, SUB)
     r.hset(q3, mapping={"pending": "t3", "pend_until": 2**62})  # a request is on its way to queue 3
-    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
-    wakes = r.pubsub(ignore_subscribe_messages=True)
-    wakes.subscribe(keys.wake_channel(ME))
-    result: list = []
-    t = threading.Thread(target=lambda: result.append(eng.run(spec, SUB, QUEUES[0], "t0")))
-    t.start()
     other = ConsumerEngine(settings, ME)  # the worker's other pool process
     other.may_linger = lambda: True
     other.may_start_linger = lambda: False  # a slot stays free only if it does not linger
     try:
-        time.sleep(0.5)  # lingering, watching queues 1 and 2 (3 had a request pending)
-        p.send_orderly(TOPIC, b"1", sharding_key=key_for(3))
-        assert wakes.get_message(timeout=1.0) is None  # pending already: nobody woken
-        out = other.run(spec, SUB, QUEUES[3], "t3")
-        assert out.verb == "IDLE" and out.consumed == 1
-        deadline = time.monotonic() + 2
-        while r.hget(q3, "pending") in (b"", None) and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert r.hget(q3, "pending") not in (b"", None), "the lingering request did not adopt queue 3"
-        p.send_orderly(TOPIC, b"2", sharding_key=key_for(3))
-        deadline = time.monotonic() + 5
-        while (3, 2) not in seen and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert seen == [(3, 1), (3, 2)]
-        assert wakes.get_message(timeout=0.2) is None, "the send to queue 3 woke the client"
+        with wakes_of_the_client(r) as wakes, lingering_run(eng, spec, r):
+            time.sleep(0.5)  # lingering, watching queues 1 and 2 (3 had a request pending)
+            p.send_orderly(TOPIC, b"1", sharding_key=key_for(3))
+            assert wakes.get_message(timeout=1.0) is None  # pending already: nobody woken
+            out = other.run(spec, SUB, QUEUES[3], "t3")
+            assert out.verb == "IDLE" and out.consumed == 1
+            deadline = time.monotonic() + 2
+            while r.hget(q3, "pending") in (b"", None) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert r.hget(q3, "pending") not in (b"", None), "the lingering request did not adopt queue 3"
+            p.send_orderly(TOPIC, b"2", sharding_key=key_for(3))
+            deadline = time.monotonic() + 5
+            while (3, 2) not in seen and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert seen == [(3, 1), (3, 2)]
+            assert wakes.get_message(timeout=0.2) is None, "the send to queue 3 woke the client"
     finally:
-        linger.clear()
-        t.join(timeout=10)
-        wakes.close()
         other.brokers.close()
     p.close()
     eng.brokers.close()
@@ -400,15 +378,9 @@ def test_a_long_chain_of_switches_keeps_no_finished_run_alive(settings, r) -> No
 
     p, eng = owned_idle_queues(settings, r)
     seen: list[int] = []
-    linger = threading.Event()
-    linger.set()
-    eng.may_linger = linger.is_set
     spec = ListenerSpec(lambda msgs, ctx: seen.extend(int(m.body) for m in msgs) or ConsumeOrderlyStatus.SUCCESS,
                         TOPIC, SUB)
-    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
-    t = threading.Thread(target=lambda: eng.run(spec, SUB, QUEUES[0], "t0"))
-    t.start()
-    try:
+    with lingering_run(eng, spec, r):
         time.sleep(0.3)
         for seq in range(60):  # every message on another queue than the last: 60 switches
             p.send_orderly(TOPIC, str(seq).encode(), sharding_key=key_for(1 + seq % 3))
@@ -420,8 +392,5 @@ def test_a_long_chain_of_switches_keeps_no_finished_run_alive(settings, r) -> No
         # This chain's runs only: other tests of the session may leave runs of their own engines.
         alive = sum(1 for o in gc.get_objects() if isinstance(o, ConsumeRequest) and o.engine is eng)
         assert alive <= 3, f"{alive} runs of the chain are still alive"
-    finally:
-        linger.clear()
-        t.join(timeout=10)
     p.close()
     eng.brokers.close()

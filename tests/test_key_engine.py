@@ -18,29 +18,13 @@ from mqorder.consumer.offset_map import decode_done
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.store.log import MessageLog
+from tests.engine_support import MQ, drain
 
 S = ConsumeOrderlyStatus
-MQ = MessageQueue("t", "broker-a", 0)
 
 
 def key_spec(func, **kw) -> ListenerSpec:
     return ListenerSpec(func, "t", "g", ordering="key", **kw)
-
-
-def drain(eng: ConsumerEngine, spec: ListenerSpec, client: str = "c1", token: str = "tok0",
-          max_runs: int = 200) -> list[Outcome]:
-    """Assign the queue to ``client`` and follow the outcomes as the Celery task would."""
-    RebalanceLockManager(eng.brokers).assign("g", [(MQ, client, token)])
-    outcomes = []
-    for _ in range(max_runs):
-        out = eng.run(spec, "g", MQ, token)
-        assert out is not None
-        outcomes.append(out)
-        if not out.needs_dispatch or out.target != client:
-            break
-        time.sleep(out.countdown)
-        token = out.token
-    return outcomes
 
 
 class Recorder:

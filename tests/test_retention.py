@@ -143,6 +143,18 @@ def test_a_group_gone_for_longer_than_retention_stops_holding_data_back(settings
 # -- consumers behind the first stored offset -------------------------------------------------------
 
 
+def assert_skipped_15_and_consumed_to_25(eng, r, settings) -> None:
+    """Queue ``t``/0 held offsets 0..24, the group had consumed 0..4 and 5..19 were trimmed: the
+    run committed 25 and counted the 15 skipped in its state, its stats and ``mqorder status``."""
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 25
+    assert int(r.hget(keys.sub_state(MQ.tag, "g"), "skipped")) == 15
+    eng.stats.flush(eng.brokers.meta)
+    assert ConsumerStatsManager.read(eng.brokers.meta, "g")[MQ.key]["skipped"] == 15
+    with Admin.open(settings) as admin:
+        (q,) = group_status(admin, "g").queues
+    assert (q.skipped, q.first_offset, q.committed, q.lag) == (15, 20, 25, 0)
+
+
 def test_a_group_below_the_first_stored_offset_moves_forward_fenced_and_counts_the_skip(env, settings, r) -> None:
     p, eng = env
     p.topics.subscribe("g", "t", MessageModel.CLUSTERING)
@@ -158,13 +170,7 @@ def test_a_group_below_the_first_stored_offset_moves_forward_fenced_and_counts_t
     outs = run_queue(eng, ListenerSpec(listener, "t", "g"))
     assert seen == list(range(20, 25))  # in order, from the first stored offset
     assert outs[-1].verb == "IDLE"
-    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 25
-    assert int(r.hget(keys.sub_state(MQ.tag, "g"), "skipped")) == 15
-    eng.stats.flush(eng.brokers.meta)
-    assert ConsumerStatsManager.read(eng.brokers.meta, "g")[MQ.key]["skipped"] == 15
-    with Admin.open(settings) as admin:
-        (q,) = group_status(admin, "g").queues
-    assert (q.skipped, q.first_offset, q.committed, q.lag) == (15, 20, 25, 0)
+    assert_skipped_15_and_consumed_to_25(eng, r, settings)
 
 
 def test_a_queue_trimmed_to_its_end_is_skipped_to_its_next_offset_without_a_listener_call(env, r) -> None:
@@ -385,13 +391,7 @@ def test_a_key_ordered_group_below_the_first_stored_offset_counts_the_skip_in_st
     assert sorted(o for offs in seen.values() for o in offs) == list(range(20, 25))
     assert all(offs == sorted(offs) for offs in seen.values())  # each key in order
     assert outs[-1].verb == "IDLE"
-    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 25
-    assert int(r.hget(keys.sub_state(MQ.tag, "g"), "skipped")) == 15
-    eng.stats.flush(eng.brokers.meta)
-    assert ConsumerStatsManager.read(eng.brokers.meta, "g")[MQ.key]["skipped"] == 15
-    with Admin.open(settings) as admin:
-        (q,) = group_status(admin, "g").queues
-    assert (q.skipped, q.first_offset, q.committed, q.lag) == (15, 20, 25, 0)
+    assert_skipped_15_and_consumed_to_25(eng, r, settings)
 
 
 def test_a_key_ordered_run_counts_a_gap_trimmed_under_it_once_its_commit_moves_past_it(env, r) -> None:

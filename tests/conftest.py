@@ -18,6 +18,9 @@ from mqorder.errors import BrokerUnavailableError
 from mqorder.launcher import BeatProcess, WorkerProcess, project_env
 from mqorder.rabbit_vhost import RabbitVhost
 from mqorder.settings import get_settings, load_settings
+from mqorder.store.append import QueueAppender
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.topics import TopicManager
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -149,6 +152,15 @@ def broker_cluster(request: pytest.FixtureRequest) -> Cluster:
     if vhost is not None:
         c.celery_broker_url, c.rabbit = vhost.url, vhost
     return c
+
+
+@pytest.fixture
+def appender(redis_url: str) -> Iterator[QueueAppender]:
+    """The one append path (``QueueAppender``) over topic ``t`` with 2 queues."""
+    brokers = BrokerRegistry(redis_url)
+    TopicManager(brokers).create_topic("t", 2)
+    yield QueueAppender(brokers, pending_ttl_ms=10_000, timeout=3.0)
+    brokers.close()
 
 
 # -- ledger helpers ---------------------------------------------------------------------------------

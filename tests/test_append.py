@@ -12,21 +12,12 @@ from mqorder import keys
 from mqorder.codec import encode_header
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.store.append import AppendRequest, QueueAppender
-from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.log import MessageLog
 from mqorder.store.topics import TopicManager
 from mqorder.store.wake import WakeUp
 
 MQ = MessageQueue("t", "broker-a", 0)
 MQ1 = MessageQueue("t", "broker-a", 1)
-
-
-@pytest.fixture
-def appender(redis_url: str):
-    brokers = BrokerRegistry(redis_url)
-    TopicManager(brokers).create_topic("t", 2)
-    yield QueueAppender(brokers, pending_ttl_ms=10_000, timeout=3.0)
-    brokers.close()
 
 
 def entries(*bodies: str) -> list[tuple[bytes, bytes]]:

@@ -12,21 +12,11 @@ from mqorder import keys
 from mqorder.codec import encode_header
 from mqorder.model import MessageQueue
 from mqorder.store.append import AppendRequest, QueueAppender
-from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.log import MessageLog
 from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 from mqorder.store.scripts import source
-from mqorder.store.topics import TopicManager
 
 MQ0, MQ1 = MessageQueue("t", "broker-a", 0), MessageQueue("t", "broker-a", 1)
-
-
-@pytest.fixture
-def appender(redis_url: str):
-    brokers = BrokerRegistry(redis_url)
-    TopicManager(brokers).create_topic("t", 2)
-    yield QueueAppender(brokers, pending_ttl_ms=10_000, timeout=3.0)
-    brokers.close()
 
 
 def test_replies_and_error_replies_come_back_in_order_and_the_connection_stays_in_step(r: redis.Redis) -> None:

@@ -26,9 +26,9 @@ import psutil
 import redis
 
 from mqorder import keys
-from mqorder.embedded import RedisServer
-from mqorder.launcher import WorkerProcess, project_env
 from mqorder.model import MessageQueue
+from mqorder.testing.embedded import RedisServer
+from mqorder.testing.launcher import WorkerProcess, project_env
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH_DIR = ROOT / "bench"
@@ -265,7 +265,7 @@ def celery_broker_url(stack: contextlib.ExitStack, kind: str, redis_url: str) ->
         return redis_url
     if kind != "rabbitmq":
         raise ValueError(f"unknown Celery broker {kind!r}; use redis or rabbitmq")
-    from mqorder.rabbit_vhost import RabbitVhost
+    from mqorder.testing.rabbit_vhost import RabbitVhost
 
     vhost = RabbitVhost("mqorder-bench")
     stack.callback(vhost.stop)

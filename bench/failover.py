@@ -22,7 +22,7 @@ from typing import Any
 
 from bench.common import ROOT, Config, Workload, log, mq_env, queues_of, redis_and_client, start_mq_workers
 from mqorder import Producer, keys
-from mqorder.launcher import WorkerProcess
+from mqorder.testing.launcher import WorkerProcess
 
 
 def _states(r: Any, group: str, mqs: list[Any]) -> list[tuple[str, int, int]]:

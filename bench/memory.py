@@ -29,7 +29,7 @@ from bench.common import (
     tree_rss_mib,
 )
 from mqorder import keys
-from mqorder.launcher import WorkerProcess
+from mqorder.testing.launcher import WorkerProcess
 
 
 def run(cfg: Config, *, messages: int, concurrency: int, runs: int = 3, queues: int = 16, n_keys: int = 2000,

@@ -86,7 +86,7 @@ class Report:
         out = ["## Machine", ""]
         out += _table(["fact", "value"], [[k, f"`{v}`" if k in ("redis-server", "engine commit") else v]
                                           for k, v in facts.items()])
-        out += ["Every system runs on its own `redis-server` (started by `mqorder.embedded.RedisServer` on a free "
+        out += ["Every system runs on its own `redis-server` (started by `mqorder.testing.embedded.RedisServer` on a free "
                 "loopback port), on this one machine, in this one run. The machine has "
                 f"{facts['nproc']} cores shared by Redis, the workers and the benchmark driver, and possibly "
                 "by other work: treat absolute numbers as this box's, and ratios as the result.", ""]

@@ -32,8 +32,8 @@ import orjson
 from mqorder import Producer, keys
 from mqorder.client.selector import queue_index
 from mqorder.consumer.ledger import LedgerBuffer
-from mqorder.embedded import RedisServer
 from mqorder.settings import load_settings
+from mqorder.testing.embedded import RedisServer
 
 TOPIC, GROUP = "bench-audit", "bench-audit-g"
 QUEUES, KEYS = 16, 10_000

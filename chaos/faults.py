@@ -25,8 +25,8 @@ from chaos.listeners import CTL, TOPIC
 from chaos.processes import Processes, child_pids
 from chaos.traffic import Traffic
 from mqorder.celery.dispatch import CONSUME_REQUEST
-from mqorder.launcher import WorkerProcess
 from mqorder.model import MessageQueue
+from mqorder.testing.launcher import WorkerProcess
 
 #: Work per listener call (ms) while a pause is being aimed inside listener calls.
 SLOW_CALL_MS = 400

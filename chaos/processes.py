@@ -22,8 +22,8 @@ import redis
 
 from chaos.evidence import log
 from chaos.listeners import ROLE_ENV
-from mqorder.embedded import RedisServer
-from mqorder.launcher import BeatProcess, WorkerProcess, project_env
+from mqorder.testing.embedded import RedisServer
+from mqorder.testing.launcher import BeatProcess, WorkerProcess, project_env
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,7 +16,7 @@ from chaos.runner import Cluster, log
 from chaos.txn import ENV as TXN_ENV
 from chaos.txn import LATE_CHECKS, TxnTraffic
 from mqorder.consumer.key_request import uncommitted_bound
-from mqorder.rabbit_vhost import RabbitVhost
+from mqorder.testing.rabbit_vhost import RabbitVhost
 
 #: The lock lease variant: a 6 s lease renewed every 2 s, so a pause or a beat outage of 10-15 s
 #: is longer than the lease itself, not only longer than the 3 s heartbeat timeout.

@@ -24,11 +24,11 @@ from rich.table import Table
 
 from mqorder import keys
 from mqorder.client.producer import Producer
-from mqorder.embedded import RedisServer, url_answers
-from mqorder.launcher import BeatProcess, WorkerProcess, project_env
 from mqorder.model import MessageQueue
 from mqorder.settings import load_settings
 from mqorder.store.replies import text
+from mqorder.testing.embedded import RedisServer, url_answers
+from mqorder.testing.launcher import BeatProcess, WorkerProcess, project_env
 
 EVENTS = ("created", "paid", "shipped", "delivered")
 

@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import redis
 
-from mqorder.embedded import RedisServer
 from mqorder.errors import BrokerUnavailableError
-from mqorder.launcher import BeatProcess, WorkerProcess, project_env
-from mqorder.rabbit_vhost import RabbitVhost
 from mqorder.settings import get_settings, load_settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.topics import TopicManager
+from mqorder.testing.embedded import RedisServer
+from mqorder.testing.launcher import BeatProcess, WorkerProcess, project_env
+from mqorder.testing.rabbit_vhost import RabbitVhost
 
 ROOT = Path(__file__).resolve().parent.parent
 

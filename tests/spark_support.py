@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from mqorder.embedded import RedisServer
+from mqorder.testing.embedded import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -16,11 +16,11 @@ from mqorder.cli import app
 from mqorder.consumer.client_instance import ClientInstance
 from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest
 from mqorder.consumer.listener import ListenerSpec
-from mqorder.embedded import RedisServer
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.settings import get_settings, load_settings
 from mqorder.store.log import MessageLog
+from mqorder.testing.embedded import RedisServer
 
 MQ = MessageQueue("t", "broker-a", 0)
 
@@ -133,7 +133,7 @@ def test_doctor_flags_a_celery_app_that_accepts_pickle(redis_url) -> None:
 
 
 def test_doctor_on_an_unreachable_redis_fails_and_says_so(monkeypatch) -> None:
-    from mqorder.embedded import free_port
+    from mqorder.testing.embedded import free_port
 
     monkeypatch.setenv("MQORDER_REDIS_URL", f"redis://127.0.0.1:{free_port()}/0")
     get_settings.cache_clear()

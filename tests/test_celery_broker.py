@@ -13,11 +13,11 @@ import pytest
 from celery import Celery
 
 from mqorder.celery.setup import install
-from mqorder.embedded import free_port
 from mqorder.errors import BrokerUnavailableError, ConfigError
-from mqorder.rabbit_vhost import RabbitVhost
 from mqorder.settings import load_settings
 from mqorder.store.brokers import check_celery_broker_url, redact_url
+from mqorder.testing.embedded import free_port
+from mqorder.testing.rabbit_vhost import RabbitVhost
 from tests.conftest import ROOT, Cluster, wait_for
 
 REDIS = "redis://127.0.0.1:1/0"
@@ -161,6 +161,6 @@ def test_an_unreachable_rabbitmq_fails_saying_how_to_get_it_and_leaves_no_vhost(
 
 
 def test_a_missing_rabbitmqctl_fails_saying_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("mqorder.rabbit_vhost.shutil.which", lambda name: None)
+    monkeypatch.setattr("mqorder.testing.rabbit_vhost.shutil.which", lambda name: None)
     with pytest.raises(BrokerUnavailableError, match="rabbitmqctl is not installed.*apt-get install -y rabbitmq-server"):
         RabbitVhost().start()

@@ -13,8 +13,8 @@ import urllib.request
 
 import pytest
 
-from mqorder.embedded import free_port
-from mqorder.rabbit_vhost import RabbitVhost
+from mqorder.testing.embedded import free_port
+from mqorder.testing.rabbit_vhost import RabbitVhost
 from tests.conftest import ROOT, Cluster, wait_for
 
 

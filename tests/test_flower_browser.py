@@ -32,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from mqorder.client.producer import Producer
-from mqorder.embedded import free_port
+from mqorder.testing.embedded import free_port
 from tests.conftest import ROOT, Cluster, body, ledger, wait_for
 
 USER, PASSWORD = "ops", "flower-test-pw"

@@ -10,9 +10,9 @@ from pathlib import Path
 import redis
 
 from mqorder import Producer
-from mqorder.embedded import RedisServer
 from mqorder.errors import BrokerUnavailableError
-from mqorder.launcher import WorkerProcess, project_env
+from mqorder.testing.embedded import RedisServer
+from mqorder.testing.launcher import WorkerProcess, project_env
 from tests.conftest import FAST, ROOT, body, check_order, ledger, wait_for
 
 

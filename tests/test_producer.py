@@ -125,7 +125,7 @@ def test_bad_sharding_keys_are_refused(producer: Producer, key: object) -> None:
 
 
 def test_unreachable_redis_gives_a_clear_error() -> None:
-    from mqorder.embedded import free_port
+    from mqorder.testing.embedded import free_port
 
     p = Producer(f"redis://127.0.0.1:{free_port()}/0", send_msg_timeout=0.5)
     with pytest.raises(BrokerUnavailableError, match="did not answer"):
@@ -138,7 +138,7 @@ def test_a_redis_that_refuses_writes_gives_a_clear_error_and_stores_nothing() ->
     The producer's capacity guard (``BrokerFullError``) usually answers first; here its memory
     reading is still the cached one from before the limit dropped (it is trusted for about a
     second), so Redis's own refusal is what reaches the caller, and it must be as clear."""
-    from mqorder.embedded import RedisServer
+    from mqorder.testing.embedded import RedisServer
 
     with RedisServer() as srv:
         p = Producer(srv.url)
@@ -164,7 +164,7 @@ def test_a_redis_that_refuses_writes_gives_a_clear_error_and_stores_nothing() ->
 
 
 def test_password_never_appears_in_errors(redis_server) -> None:
-    from mqorder.embedded import free_port
+    from mqorder.testing.embedded import free_port
 
     p = Producer(f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0", send_msg_timeout=0.5)
     with pytest.raises(BrokerUnavailableError) as exc:

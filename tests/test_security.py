@@ -9,8 +9,8 @@ import pytest
 import redis
 
 from mqorder import Producer
-from mqorder.embedded import RedisServer
-from mqorder.launcher import WorkerProcess, project_env
+from mqorder.testing.embedded import RedisServer
+from mqorder.testing.launcher import WorkerProcess, project_env
 from tests.conftest import FAST, ROOT, body, check_order, ledger, wait_for
 
 PASSWORD = "pw-9f8e7d-secret"

@@ -17,10 +17,10 @@ from mqorder import Producer, keys
 from mqorder.client.transaction import LocalTransactionState, TransactionProducer
 from mqorder.client.transaction_check import TransactionCheckService, _checkers, transaction_checker
 from mqorder.errors import MessageError
-from mqorder.launcher import project_env
 from mqorder.model import MessageExt
 from mqorder.settings import load_settings
 from mqorder.store.log import MessageLog
+from mqorder.testing.launcher import project_env
 from tests.conftest import ROOT, body, ledger, wait_for
 
 COMMIT, ROLLBACK, UNKNOWN = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK, LocalTransactionState.UNKNOWN

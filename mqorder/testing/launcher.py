@@ -163,7 +163,7 @@ class BeatProcess:
 def project_env(redis_url: str, **extra: str) -> dict[str, str]:
     """The environment for worker subprocesses: this interpreter's path plus mqorder settings."""
     env = dict(os.environ)
-    root = str(Path(__file__).resolve().parent.parent)
+    root = str(Path(__file__).resolve().parents[2])  # mqorder/testing/launcher.py -> the checkout
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
     env["MQORDER_REDIS_URL"] = redis_url
     env.pop("MQORDER_CELERY_BROKER_URL", None)

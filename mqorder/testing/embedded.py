@@ -5,7 +5,6 @@ Real Redis, never a fake: it runs the same Lua, the same TIME and the same AOF a
 
 from __future__ import annotations
 
-import os
 import shutil
 import signal
 import socket
@@ -161,13 +160,3 @@ def url_answers(url: str, timeout: float = 0.5) -> bool:
     except (redis.RedisError, OSError, ValueError):
         return False
 
-
-def wait_for_exit(pid: int, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        time.sleep(0.05)
-    return False

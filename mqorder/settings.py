@@ -48,6 +48,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MQORDER_", extra="ignore", validate_default=True)
 
     # -- where things are ------------------------------------------------------------------------
+    #: The default broker (``broker-a``): ``rediss://`` for TLS, ``redis://:password@host`` or
+    #: ``redis://user:password@host`` for AUTH, ``unix:///path`` for a socket.
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: Celery's own broker; defaults to ``redis_url``. Redis or RabbitMQ (``amqp://``): it carries
     #: only mqorder's tasks, the store stays in Redis (README: "Choosing Celery's broker").
@@ -58,18 +60,29 @@ class Settings(BaseSettings):
     listeners: str = ""
 
     # -- rebalance and locks (RocketMQ defaults) ------------------------------------------------
+    #: How a rebalance shares a topic's queues among a group's live clients: ``averagely``,
+    #: ``averagely_by_circle``, ``by_config``, ``by_machine_room`` or ``consistent_hash`` (RocketMQ's five).
     allocate_strategy: str = "averagely"
     #: ByConfig: JSON ``{"client id": ["topic:broker:qid", ...]}``.
     allocate_config: dict[str, list[str]] = Field(default_factory=dict)
     #: ByMachineRoom: JSON list of consuming machine rooms; a broker named ``room@name`` is in ``room``.
     allocate_machine_rooms: list[str] = Field(default_factory=list)
+    #: ConsistentHash: virtual nodes per client on the hash ring.
     consistent_hash_virtual_nodes: int = Field(10, ge=1, le=1000)
+    #: Seconds a queue lock (lease) lives without renewal (RocketMQ's broker lockMaxLiveTime).
     lock_max_live_time: float = Field(60.0, gt=0, le=3600)  # broker lockMaxLiveTime
+    #: Seconds between two renewals of a client's locks, ``lock_all`` (REBALANCE_LOCK_INTERVAL).
     lock_interval: float = Field(20.0, gt=0, le=3600)  # REBALANCE_LOCK_INTERVAL
+    #: Seconds a client trusts its own lock without asking Redis again, capped at half the
+    #: heartbeat timeout (the client's REBALANCE_LOCK_MAX_LIVE_TIME).
     client_lock_expire: float = Field(30.0, gt=0, le=3600)  # REBALANCE_LOCK_MAX_LIVE_TIME
+    #: Seconds between beat's rebalances (workers also rebalance at once on a join or a leave).
     rebalance_interval: float = Field(20.0, gt=0, le=3600)
+    #: Seconds between two heartbeats of a client (liveness, for fast failover).
     heartbeat_interval: float = Field(1.0, gt=0, le=60)
+    #: Seconds without a heartbeat after which a client counts as gone and its queues move at once.
     heartbeat_timeout: float = Field(3.0, gt=0, le=600)
+    #: Seconds between two sweeps for queues with a backlog and no live ConsumeRequest (lost tasks).
     sweep_interval: float = Field(2.0, gt=0, le=600)
     #: How long a dispatched but not yet started ConsumeRequest may wait before the sweep replaces it.
     pending_ttl: float = Field(10.0, gt=0, le=3600)
@@ -77,11 +90,17 @@ class Settings(BaseSettings):
     run_lease: float = Field(60.0, gt=0, le=3600)
 
     # -- consumption (RocketMQ defaults) --------------------------------------------------------
+    #: Messages read per pull (one Redis call), RocketMQ's pullBatchSize.
     pull_batch_size: int = Field(32, ge=1, le=1024)
+    #: Messages per listener call (RocketMQ's consumeMessageBatchMaxSize).
     consume_message_batch_max_size: int = Field(1, ge=1, le=1024)
+    #: Flow control: most messages held in a queue's ProcessQueue at once (pullThresholdForQueue).
     pull_threshold_for_queue: int = Field(1000, ge=1)
+    #: How long a queue waits before a suspended batch is retried, in ms (suspendCurrentQueueTimeMillis).
     suspend_current_queue_time_millis: int = Field(1000, ge=10, le=30000)
+    #: Seconds a ConsumeRequest may run before it yields its slot (MAX_TIME_CONSUME_CONTINUOUSLY).
     max_time_consume_continuously: float = Field(60.0, gt=0, le=3600)
+    #: Retries of a failing message before it goes to ``%DLQ%<group>`` (``-1``: never).
     max_reconsume_times: int = Field(16, ge=-1)
     #: How long a drained ConsumeRequest waits for more messages before ending its run, while its
     #: worker has idle pool slots (threads and prefork pools; never solo). It gives the slot back
@@ -115,6 +134,7 @@ class Settings(BaseSettings):
     #: 72 h): ``time`` trims what is older, consumed or not; ``consumed`` only what every group
     #: holding the topic has consumed (see ``mqorder.retention.policy``).
     retention_policy: str = "time"
+    #: Default retention in ms of topics that set none (72 h); ledger records older than it are trimmed too.
     retention_ms: int = Field(72 * 3600 * 1000, ge=1000, le=366 * 24 * 3600 * 1000)
     #: ``consumed`` keeps at least this long of consumed messages, for replay.
     retention_min_ms: int = Field(3600 * 1000, ge=0, le=366 * 24 * 3600 * 1000)
@@ -139,8 +159,11 @@ class Settings(BaseSettings):
     metrics_addr: str = "0.0.0.0"
 
     # -- producing -------------------------------------------------------------------------------
+    #: Largest body a producer accepts, in bytes (4 MiB); larger ones are refused with a clear error.
     max_message_size: int = Field(4 * 1024 * 1024, ge=1, le=512 * 1024 * 1024)
+    #: Seconds a producer waits for one send (sendMsgTimeout).
     send_msg_timeout: float = Field(3.0, gt=0, le=600)
+    #: Extra attempts of a failed send, on another broker where there is one (retryTimesWhenSendFailed).
     retry_times_when_send_failed: int = Field(2, ge=0, le=16)
     #: How long a producer dedup key is remembered per queue (SQS FIFO's 5 minutes): a resend of
     #: the same key within it returns the first send's result and stores nothing.

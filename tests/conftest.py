@@ -42,9 +42,7 @@ def redis_server() -> Iterator[RedisServer]:
 
 @pytest.fixture
 def redis_url(redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch) -> str:
-    client = redis.Redis.from_url(redis_server.url)
-    client.flushall()
-    client.close()
+    redis_server.flushall()  # checks first that the server on the port is ours (not a port thief's)
     monkeypatch.setenv("MQORDER_REDIS_URL", redis_server.url)
     get_settings.cache_clear()
     yield redis_server.url

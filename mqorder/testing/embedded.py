@@ -25,6 +25,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: Free ports tried in turn when each is taken before our server binds it.
+_PORT_ATTEMPTS = 5
+
+
+class _PortTaken(Exception):
+    """Another process holds the port (it answers there, or our server could not bind it)."""
+
+
 def redis_server_binary() -> str:
     path = shutil.which("redis-server")
     if path is None:
@@ -50,6 +58,8 @@ class RedisServer:
         extra_args: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
+        #: A port we picked may be replaced if another process takes it before our server binds it.
+        self._may_move = port is None
         #: More ``redis-server`` arguments (``--maxmemory-policy allkeys-lru``, ``--rename-command``...).
         self.extra_args = list(extra_args)
         self.appendonly = appendonly
@@ -80,6 +90,32 @@ class RedisServer:
             "-days", "2", "-extfile", "san.ext", "-out", "server.crt")
 
     def start(self, timeout: float = 10.0) -> RedisServer:
+        """Start ``redis-server`` and wait until it is *this* process that answers on the port.
+
+        ``free_port`` only finds a port that was free a moment ago: between it and the server's
+        bind, another process (another test worker's server, a test's own) may take the port. Our
+        server then exits with "Address already in use", but until it does a ping on the port is
+        answered by the other one, and a caller that trusted it would use (and a fixture flush) a
+        server that is not ours. So the answer must come from our pid (``INFO server``'s
+        ``process_id``). A port we picked ourselves is replaced by another free one and the start
+        retried; a port the caller chose (or the one a ``restart`` must keep) is an error.
+        """
+        attempts = _PORT_ATTEMPTS if self._may_move else 1
+        for attempt in range(1, attempts + 1):
+            try:
+                self._start_once(timeout)
+                self._may_move = False  # clients now hold this port: restarts keep it
+                return self
+            except _PortTaken as exc:
+                if attempt == attempts:
+                    raise BrokerUnavailableError(
+                        f"port {self.port} is taken by another process ({exc}); "
+                        + ("choose a free port" if attempts == 1 else f"{attempts} free ports were taken in turn")
+                    ) from None
+                self.port = free_port()
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _args(self) -> list[str]:
         args = [
             redis_server_binary(),
             "--port", str(self.port),
@@ -105,23 +141,72 @@ class RedisServer:
                 "--tls-key-file", str(self.dir / "server.key"), "--tls-ca-cert-file", str(self.dir / "ca.crt"),
                 "--tls-auth-clients", "no",
             ]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return args
+
+    def _start_once(self, timeout: float) -> None:
+        log_path = self.dir / "redis.log"
+        log_start = log_path.stat().st_size if log_path.exists() else 0  # restarts append to one log
+        self.proc = proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         client = redis.Redis.from_url(self.url, socket_timeout=1)
         deadline = time.monotonic() + timeout
-        while True:
-            try:
-                if client.ping():
-                    # Wait for the AOF to be loaded (LOADING errors) before handing it out.
-                    client.get("mqorder:probe")
-                    break
-            except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError):
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                log = (self.dir / "redis.log").read_text()[-2000:] if (self.dir / "redis.log").exists() else ""
-                raise BrokerUnavailableError(f"redis-server did not start on port {self.port}:\n{log}")
-            time.sleep(0.02)
-        client.close()
-        return self
+        try:
+            while True:
+                try:
+                    if client.ping():
+                        answering = int(client.info("server")["process_id"])
+                        if answering != proc.pid:
+                            self._discard(proc)
+                            raise _PortTaken(f"redis-server pid {answering} answers there, ours was pid {proc.pid}")
+                        # Wait for the AOF to be loaded (LOADING errors) before handing it out.
+                        client.get("mqorder:probe")
+                        return
+                except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.ResponseError):
+                    # Not up yet, or loading its AOF, or (ResponseError) a foreign server refusing our AUTH.
+                    pass
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    self._discard(proc)
+                    log = log_path.read_bytes()[log_start:].decode(errors="replace") if log_path.exists() else ""
+                    if "Address already in use" in log:
+                        raise _PortTaken("our redis-server could not bind it: Address already in use")
+                    raise BrokerUnavailableError(f"redis-server did not start on port {self.port}:\n{log[-2000:]}")
+                time.sleep(0.02)
+        finally:
+            client.close()
+
+    @staticmethod
+    def _discard(proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(10)
+
+    def owns_port(self) -> bool:
+        """True if the server answering on ``port`` is this object's process (not one that took
+        the port after ours died or never bound it)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return False
+        client = redis.Redis.from_url(self.url, socket_timeout=2, socket_connect_timeout=2)
+        try:
+            return int(client.info("server")["process_id"]) == self.proc.pid
+        except (redis.RedisError, OSError):
+            return False
+        finally:
+            client.close()
+
+    def flushall(self) -> None:
+        """``FLUSHALL``, only if the server on the port is ours: the per-test flush must never
+        wipe another process's server (another test worker's, or a chaos run's)."""
+        if not self.owns_port():
+            pid = self.proc.pid if self.proc is not None else None
+            raise BrokerUnavailableError(
+                f"refusing to FLUSHALL 127.0.0.1:{self.port}: the server answering there is not our "
+                f"redis-server (pid {pid}, {'running' if self.proc and self.proc.poll() is None else 'not running'}); "
+                "restart this RedisServer or start a new one"
+            )
+        client = redis.Redis.from_url(self.url)
+        try:
+            client.flushall()
+        finally:
+            client.close()
 
     def kill(self) -> None:
         """SIGKILL, as a crash would: no AOF rewrite, no clean shutdown."""

@@ -17,7 +17,7 @@ from typer.testing import CliRunner, Result
 from mqorder import Producer, keys
 from mqorder.cli import app
 from mqorder.model import MessageQueue
-from tests.conftest import Cluster, body, ledger, wait_for
+from tests.support import Cluster, body, ledger, wait_for
 from tests.test_metrics import free_port
 
 

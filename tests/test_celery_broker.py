@@ -18,7 +18,7 @@ from mqorder.settings import load_settings
 from mqorder.store.brokers import check_celery_broker_url, redact_url
 from mqorder.testing.embedded import free_port
 from mqorder.testing.rabbit_vhost import RabbitVhost
-from tests.conftest import ROOT, Cluster, wait_for
+from tests.support import ROOT, Cluster, wait_for
 
 REDIS = "redis://127.0.0.1:1/0"
 

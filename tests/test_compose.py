@@ -22,7 +22,7 @@ import redis
 import yaml
 
 from mqorder.client.producer import Producer
-from tests.conftest import ROOT, Cluster, wait_for
+from tests.support import ROOT, Cluster, wait_for
 
 COMPOSE = ROOT / "docker-compose.yml"
 ENV_EXAMPLE = ROOT / ".env.example"

@@ -16,7 +16,7 @@ import redis
 from mqorder import Producer, keys
 from mqorder.model import MessageQueue
 from mqorder.store.log import MessageLog
-from tests.conftest import Cluster, body, ledger, wait_for
+from tests.support import Cluster, body, ledger, wait_for
 
 GROUP = "g-conc"
 TOPIC = "t-conc"

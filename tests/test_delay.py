@@ -13,7 +13,7 @@ from mqorder.errors import ConfigError, MessageError
 from mqorder.settings import load_settings, parse_delay_levels
 from mqorder.store.delay import DelayMover
 from mqorder.store.log import MessageLog
-from tests.conftest import body, ledger, wait_for
+from tests.support import body, ledger, wait_for
 
 
 @pytest.fixture

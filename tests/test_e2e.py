@@ -18,7 +18,7 @@ from celery.utils.nodenames import worker_direct
 from mqorder import Producer, keys
 from mqorder.model import MessageQueue
 from mqorder.store.log import MessageLog
-from tests.conftest import Cluster, body, check_order, ledger, wait_for
+from tests.support import Cluster, body, check_order, ledger, wait_for
 
 
 def _handled(r: redis.Redis, group: str, n: int) -> bool:

@@ -15,7 +15,7 @@ import pytest
 
 from mqorder.testing.embedded import free_port
 from mqorder.testing.rabbit_vhost import RabbitVhost
-from tests.conftest import ROOT, Cluster, wait_for
+from tests.support import ROOT, Cluster, wait_for
 
 
 def _get(url: str) -> tuple[int, bytes]:

@@ -33,7 +33,7 @@ import pytest
 
 from mqorder.client.producer import Producer
 from mqorder.testing.embedded import free_port
-from tests.conftest import ROOT, Cluster, body, ledger, wait_for
+from tests.support import ROOT, Cluster, body, ledger, wait_for
 
 USER, PASSWORD = "ops", "flower-test-pw"
 #: The flags of the issue: no sandbox (root in a container), no GPU, nothing phoning home.

@@ -28,7 +28,7 @@ from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.settings import load_settings
 from mqorder.store.topics import TopicManager
-from tests.conftest import ROOT, Cluster, body, ledger, wait_for
+from tests.support import ROOT, Cluster, body, ledger, wait_for
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 

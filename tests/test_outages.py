@@ -13,7 +13,7 @@ from mqorder import Producer
 from mqorder.errors import BrokerUnavailableError
 from mqorder.testing.embedded import RedisServer
 from mqorder.testing.launcher import WorkerProcess, project_env
-from tests.conftest import FAST, ROOT, body, check_order, ledger, wait_for
+from tests.support import FAST, ROOT, body, check_order, ledger, wait_for
 
 
 def test_worker_started_before_redis_answers_starts_consuming_when_it_does(tmp_path: Path) -> None:

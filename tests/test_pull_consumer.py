@@ -154,7 +154,7 @@ def test_a_pull_consumer_beside_real_workers_and_beat_drains_its_group_in_order(
     """Workers and beat rebalance every lane, the pull group's too, every second: the pull consumer
     keeps its queues (never fenced, never sent a ConsumeRequest) while a worker group drains the
     same topic."""
-    from tests.conftest import body, ledger, wait_for
+    from tests.support import body, ledger, wait_for
 
     fast = load_settings(redis_url=cluster.url, heartbeat_interval=0.2, heartbeat_timeout=1.0)
     p = Producer(cluster.url)

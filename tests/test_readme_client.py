@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from mqorder.client.transaction_check import _checkers
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 SECTIONS = ("Idempotent sends (dedup window)", "Pull consumer (the application drives consumption)",
             "Transactional messages", "Delay messages",

@@ -275,7 +275,7 @@ def test_trimming_behind_real_workers_under_load_loses_nothing_and_keeps_order(c
     producer sends and two prefork workers consume (one leaves and comes back mid-stream)."""
     import threading
 
-    from tests.conftest import body, check_order, ledger, wait_for
+    from tests.support import body, check_order, ledger, wait_for
 
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=4, retention_policy="consumed", retention_ms=60_000, retention_min_ms=0)

@@ -11,7 +11,7 @@ import redis
 from mqorder import Producer
 from mqorder.testing.embedded import RedisServer
 from mqorder.testing.launcher import WorkerProcess, project_env
-from tests.conftest import FAST, ROOT, body, check_order, ledger, wait_for
+from tests.support import FAST, ROOT, body, check_order, ledger, wait_for
 
 PASSWORD = "pw-9f8e7d-secret"
 

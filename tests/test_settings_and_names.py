@@ -15,7 +15,7 @@ from mqorder.keys import BROKER_RE, NAME_RE
 from mqorder.names import check_broker, check_client_id, check_group, check_name, check_topic
 from mqorder.settings import load_settings
 from mqorder.store.brokers import redact_url
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 
 def test_defaults_are_rocketmqs() -> None:

@@ -240,7 +240,7 @@ def test_publish_consume_with_prefork_workers_then_audit_passes(spark, cluster, 
     import random
 
     from mqorder.spark import read_ledger
-    from tests.conftest import wait_for
+    from tests.support import wait_for
 
     producer.create_topic("t-order", queues=4)
     producer.create_topic("t-suspend", queues=1)

@@ -21,7 +21,7 @@ from mqorder.model import MessageExt
 from mqorder.settings import load_settings
 from mqorder.store.log import MessageLog
 from mqorder.testing.launcher import project_env
-from tests.conftest import ROOT, body, ledger, wait_for
+from tests.support import ROOT, body, ledger, wait_for
 
 COMMIT, ROLLBACK, UNKNOWN = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK, LocalTransactionState.UNKNOWN
 

@@ -10,16 +10,19 @@ import datetime as dt
 from collections.abc import Iterable
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
 from mqorder.admin.consumers import GroupConsumers
 from mqorder.admin.dlq import DeadLetter, DlqPage, ReplayReport
+from mqorder.admin.doctor import DoctorReport
 from mqorder.admin.messages import FoundMessage
 from mqorder.admin.offsets import ResetReport
 from mqorder.admin.produce import ProduceReport
 from mqorder.admin.status import GroupStatus
 from mqorder.admin.topics import DeleteReport, TopicInfo
+from mqorder.retention.trimmer import TrimReport
 
 #: Bodies longer than this are cut in human output (``--json`` has them whole).
 BODY_PREVIEW = 2000
@@ -288,6 +291,30 @@ def produced(console: Console, r: ProduceReport) -> None:
         console.print(f"[red]stopped: the chunk of lines {r.refused[0]}-{r.refused[1]} was refused, nothing of it was "
                       "sent, and nothing after it (fix the lines, then send from line "
                       f"{r.refused[0]} on, or pass --skip-bad)")
+
+
+def trimmed(console: Console, r: TrimReport) -> None:
+    """``mqorder retention run``: what each topic lost, under which rule, and who held it back."""
+    for t, n in sorted(r.by_topic().items()):
+        rule = r.rules[t]
+        held = f"; held back by {', '.join(r.holders[t])}" if r.holders.get(t) else ""
+        console.print(f"{t}: trimmed {n:,} ({rule.policy.value}, retention {rule.retention_ms:,} ms{held})")
+    console.print(f"trimmed {r.trimmed:,} messages and {r.ledger_trimmed:,} ledger records in "
+                  f"{r.calls} script calls, {r.took_ms:.1f} ms")
+
+
+#: Colour of each ``mqorder doctor`` verdict.
+VERDICT_COLOUR = {"OK": "green", "WARN": "yellow", "FAIL": "bold red"}
+
+
+def doctor(console: Console, r: DoctorReport) -> None:
+    """One line per finding, its fix indented below it."""
+    for f in r.findings:
+        where = f" ({f.broker})" if f.broker else ""
+        console.print(f"[{VERDICT_COLOUR[f.verdict.value]}]{f.verdict.value:4}[/] {escape(f.check + where)}: "
+                      f"{escape(f.detail)}", highlight=False)
+        if f.fix:
+            console.print(f"      fix: {escape(f.fix)}", highlight=False)
 
 
 def _fields(console: Console, rows: list[tuple[str, str]], body: bytes) -> None:

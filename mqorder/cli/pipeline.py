@@ -2,7 +2,8 @@
 
 Every command checks what it can *before* starting Spark (a session costs ~10 s): the input file
 and its extension, that Redis answers, that the topic exists, that the group has a ledger. Each
-failure says what to do; errors exit with 2, an audit that finds a violation or a gap with 1.
+failure says what to do, on stderr; errors exit with 2, an audit that finds a violation or a gap
+with 1 (``mqorder.cli.common``).
 
 The Spark master is ``--master``, else ``MQORDER_SPARK_MASTER``, else ``local[*]``. While a job
 runs, a progress bar follows its tasks through Spark's status tracker.
@@ -16,15 +17,16 @@ import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import StrEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from mqorder.errors import ConfigError, MQOrderError
+from mqorder.cli.common import EXIT_CHECK, EXIT_OK, console, enum_parser, exit_code_for
+from mqorder.errors import MQOrderError
 from mqorder.settings import get_settings
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.topics import TopicManager
@@ -36,7 +38,6 @@ if TYPE_CHECKING:
 
 app = typer.Typer(no_args_is_help=True, help="Data pipeline on Spark: publish files, export topics and ledgers, "
                                              "audit ordering")
-console = Console()
 
 INPUT_FORMATS = (".csv", ".json", ".parquet")
 DEFAULT_MASTER = "local[*]"
@@ -44,27 +45,43 @@ MASTER = typer.Option(DEFAULT_MASTER, "--master", envvar="MQORDER_SPARK_MASTER",
                       help="Spark master (local[*], local[4], spark://host:7077...)")
 
 
+class OnNull(StrEnum):
+    """What ``publish`` does with a row whose key or order column is null."""
+
+    FAIL = "fail"
+    SKIP = "skip"
+
+
+class Ordering(StrEnum):
+    """What order ``audit`` checks: per sharding key, or per whole queue."""
+
+    KEY = "key"
+    QUEUE = "queue"
+
+
+class AuditStart(StrEnum):
+    """Where ``audit`` starts each queue: its first stored message, or the first offset its ledger records."""
+
+    STORED = "stored"
+    LEDGER = "ledger"
+
+
 class PipelineError(MQOrderError):
     """A pipeline command cannot start: bad input, missing prerequisite (the message says which)."""
 
 
-def _fail(exc: Exception) -> None:
-    console.print(f"[red]error:[/red] {exc}")
-    raise typer.Exit(2)
-
-
 @contextmanager
 def _reported() -> Iterator[None]:
-    """A command's error as one line and exit code 2: ours as they are, Spark's own (bad column,
-    unreadable file) by their first line, without the JVM stack trace."""
+    """Spark's own errors (bad column, unreadable file) as a ``PipelineError`` of their first line,
+    without the JVM stack trace; ours go on as they are, to the root group (stderr, exit code)."""
     try:
         yield
     except typer.Exit:
         raise
-    except MQOrderError as exc:
-        _fail(exc)
-    except Exception as exc:  # noqa: BLE001 - Spark's own errors: say them plainly
-        _fail(_spark_error(exc))
+    except Exception as exc:
+        if exit_code_for(exc) is not None:
+            raise
+        raise _spark_error(exc) from None
 
 
 # -- checks before Spark --------------------------------------------------------------------------
@@ -108,6 +125,8 @@ def _check_topic(brokers: BrokerRegistry, topic: str) -> int:
 
 
 def _check_ledger(brokers: BrokerRegistry, group: str) -> int:
+    _spark_ready()
+    # Imported here: mqorder.spark needs pyspark, an optional extra; every other command works without it.
     from mqorder.spark.ledger import LedgerNotFoundError, ledger_streams, no_ledger_hint
 
     streams = ledger_streams(brokers, group)
@@ -137,7 +156,7 @@ def _progress() -> Progress:
 def _session(progress: Progress, master: str) -> SparkSession:
     _spark_ready()
     step = progress.add_task(f"starting Spark on {master}", total=None)
-    from mqorder.spark import session
+    from mqorder.spark import session  # pyspark is optional: imported once _spark_ready() said it is there
 
     spark = session("mqorder-pipeline", master, **{"spark.ui.showConsoleProgress": "false"})
     spark.sparkContext.setLogLevel("ERROR")
@@ -194,24 +213,24 @@ def publish(
     order_by: str = typer.Option(..., "--order-by", help="the column that orders the rows of one key"),
     body: str = typer.Option("json", "--body", help="a string/binary column, or json: the whole row as JSON"),
     id_column: str = typer.Option(None, "--id-column", help="a column of message ids (default: a hash of the row)"),
-    on_null: str = typer.Option("fail", "--on-null", help="fail (refuse the job) or skip rows with a null key/order"),
+    on_null: OnNull = typer.Option(OnNull.FAIL, "--on-null", parser=enum_parser(OnNull, "--on-null"),
+                                   help="fail (refuse the job) or skip rows with a null key/order"),
     master: str = MASTER,
 ) -> None:
     """Publish INPUT to TOPIC, each key's rows in --order-by order, exactly once."""
     with _reported():
         fmt = _input_file(input_path)
-        if on_null not in ("fail", "skip"):
-            raise ConfigError(f"--on-null {on_null!r}: choose fail or skip")
         with _brokers() as brokers:
             queues = _check_topic(brokers, topic)
-        from mqorder.spark import publish as spark_publish
+        _spark_ready()
+        from mqorder.spark import publish as spark_publish  # pyspark is optional (see _check_ledger)
 
         with _progress() as progress:
             spark = _session(progress, master)
             df = _read_input(spark, input_path, fmt)
             with _tracked(progress, spark, f"publishing {input_path.name} to {topic} ({queues} queues)"):
                 rep = spark_publish(df, topic, key=key, order_by=order_by, body=body, id_column=id_column,
-                                    on_null=on_null)
+                                    on_null=on_null.value)
     console.print(f"published {rep.stored:,} of {rep.rows:,} rows to {topic} "
                   f"({rep.duplicates:,} already stored, {rep.skipped_nulls:,} skipped for nulls); job {rep.job_id}")
 
@@ -253,9 +272,11 @@ def audit(
     group: str = typer.Option(..., "--group", help="the consumer group whose ledger is audited"),
     report: Path = typer.Option(..., "--report", help="directory for report.json, report.md and the plots"),
     order_field: str = typer.Option(None, "--order-field", help="also check this JSON body field never goes down"),
-    ordering: str = typer.Option("key", "--ordering", help="key: order per sharding key; queue: per whole queue"),
-    start: str = typer.Option("stored", "--start", help="stored: check from each queue's first stored message; "
-                                                          "ledger: from the first offset its ledger records"),
+    ordering: Ordering = typer.Option(Ordering.KEY, "--ordering", parser=enum_parser(Ordering, "--ordering"),
+                                      help="key: order per sharding key; queue: per whole queue"),
+    start: AuditStart = typer.Option(AuditStart.STORED, "--start", parser=enum_parser(AuditStart, "--start"),
+                                     help="stored: check from each queue's first stored message; "
+                                          "ledger: from the first offset its ledger records"),
     master: str = MASTER,
 ) -> None:
     """Audit how GROUP consumed TOPIC from its ledger; exit 1 on any order violation or gap."""
@@ -263,15 +284,15 @@ def audit(
         with _brokers() as brokers:
             _check_topic(brokers, topic)
             records = _check_ledger(brokers, group)
-        from mqorder.spark import audit as spark_audit
+        from mqorder.spark import audit as spark_audit  # pyspark is optional (see _check_ledger)
 
         with _progress() as progress:
             spark = _session(progress, master)
             with _tracked(progress, spark, f"auditing {records:,} ledger records of {group} on {topic}"):
-                rep = spark_audit(spark, topic, group, order_field=order_field, ordering=ordering, report_dir=report,
-                                  start=start)
+                rep = spark_audit(spark, topic, group, order_field=order_field, ordering=ordering.value,
+                                  report_dir=report, start=start.value)
     _print_audit(rep, report)
-    raise typer.Exit(0 if rep.ok else 1)
+    raise typer.Exit(EXIT_OK if rep.ok else EXIT_CHECK)
 
 
 def _print_audit(rep: AuditReport, report: Path) -> None:

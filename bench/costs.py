@@ -44,7 +44,8 @@ def decode_us_per_msg(r: Any, topic: str, batches: int = 400) -> float:
 def engine_pass(url: str, topic: str, queues: int, group: str, batch_max: int,
                 profile: cProfile.Profile | None = None) -> tuple[int, float, float]:
     """Drain every queue of ``topic`` for ``group`` with in-process ConsumeRequests."""
-    from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest
+    from mqorder.consumer.consume_request import ConsumeRequest
+    from mqorder.consumer.engine import ConsumerEngine
     from mqorder.consumer.listener import ListenerSpec
     from mqorder.settings import load_settings
 

@@ -86,7 +86,7 @@ def _key_for(queue_id: int, n: int) -> str:
 
 def trickle_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> dict[str, float]:
     """One pass on a fresh topic; see the module docstring."""
-    from mqorder.consumer.consume_request import ConsumerEngine
+    from mqorder.consumer.engine import ConsumerEngine
     from mqorder.consumer.listener import ListenerSpec
     from mqorder.rebalance.lock_manager import RebalanceLockManager
     from mqorder.settings import load_settings

@@ -52,7 +52,7 @@ def settings(redis_url: str):
 def env(settings):
     """A producer with a one-queue topic ``t`` and a Celery-free consumer engine for client ``c1``."""
     from mqorder import Producer
-    from mqorder.consumer.consume_request import ConsumerEngine
+    from mqorder.consumer.engine import ConsumerEngine
 
     p = Producer(settings=settings)
     p.create_topic("t", queues=1)

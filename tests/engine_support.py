@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import time
 
-from mqorder.consumer.consume_request import ConsumerEngine, Outcome
+from mqorder.consumer.engine import ConsumerEngine
 from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.run_types import Outcome
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 

@@ -19,8 +19,10 @@ from mqorder.admin.common import Admin
 from mqorder.admin.offsets import Target
 from mqorder.cli import app
 from mqorder.client.selector import queue_index
-from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest, Outcome
+from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.engine import ConsumerEngine
 from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.run_types import Outcome
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager, Redispatch
 from mqorder.rebalance.membership import ClientDetails, ClientRegistry, Subscription

@@ -14,7 +14,8 @@ from typer.testing import CliRunner, Result
 from mqorder import BrokerFullError, ConsumeOrderlyStatus, EvictionPolicyError, Producer, keys
 from mqorder.cli import app
 from mqorder.consumer.client_instance import ClientInstance
-from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest
+from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.engine import ConsumerEngine
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager

@@ -26,7 +26,8 @@ from chaos.records import Entry, Published, Refusal
 from chaos.scenarios import SMOKE, run
 from chaos.traffic import Ack
 from mqorder import Producer
-from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest
+from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.engine import ConsumerEngine
 from mqorder.consumer.listener import get_listener
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager

@@ -15,10 +15,11 @@ import pytest
 
 from mqorder import ConsumeConcurrentlyStatus, concurrent_listener, keys, orderly_listener
 from mqorder.consumer.concurrent_request import ConcurrentConsumeRequest
-from mqorder.consumer.consume_request import ConsumerEngine, Outcome, _request_class
+from mqorder.consumer.engine import ConsumerEngine, request_class
 from mqorder.consumer.listener import ListenerSpec, get_listener, unregister_listener
 from mqorder.consumer.offset_map import decode_done
 from mqorder.consumer.retry import retry_delay_ms
+from mqorder.consumer.run_types import Outcome
 from mqorder.errors import ListenerError
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
@@ -93,7 +94,7 @@ def test_messages_of_one_queue_run_in_parallel_and_each_finishes_once(env) -> No
 
 
 def test_the_engine_runs_a_concurrent_consume_request_for_concurrent_listeners() -> None:
-    assert _request_class(conc_spec(lambda m, c: C.CONSUME_SUCCESS)) is ConcurrentConsumeRequest
+    assert request_class(conc_spec(lambda m, c: C.CONSUME_SUCCESS)) is ConcurrentConsumeRequest
 
 
 def test_batches_and_ack_index_send_only_the_unacknowledged_tail_back(env) -> None:

@@ -10,9 +10,11 @@ from collections.abc import Callable
 import pytest
 
 from mqorder import ConsumeOrderlyStatus, Producer, keys
-from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest, Outcome, _request_class
+from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.engine import ConsumerEngine, request_class
 from mqorder.consumer.hooks import ConsumeMessageHook
 from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.run_types import Outcome
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.store.log import MessageLog
@@ -35,7 +37,7 @@ def drain(eng: ConsumerEngine, spec: ListenerSpec, sub: str = "g", max_runs: int
         return []
     outcomes = []
     for _ in range(max_runs):
-        out = _request_class(spec)(eng, spec, sub, MQ, token).run()
+        out = request_class(spec)(eng, spec, sub, MQ, token).run()
         outcomes.append(out)
         if not out.needs_dispatch or out.target != "c1":
             break

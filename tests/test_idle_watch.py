@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import redis
 
 from mqorder import ConsumeOrderlyStatus, Producer, keys
-from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest
+from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.engine import ConsumerEngine
 from mqorder.consumer.idle_watch import IdleQueueWatch
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.model import MessageQueue
@@ -171,11 +172,11 @@ def test_only_idle_queues_locked_by_the_caller_are_adopted(settings, r) -> None:
 def test_a_nudge_ends_a_lingering_read_at_once_not_at_its_slice_end(settings, r, monkeypatch) -> None:
     """The worker's main process nudges (``LingerNudge``) while a request waits for a slot: a
     lingering read blocked for a long slice returns right away and gives the slot back."""
-    from mqorder.consumer import consume_request
+    from mqorder.consumer import linger
     from mqorder.consumer.nudge import LingerNudge
 
     # A long slice (below the broker connection's 3 s socket timeout, which would end it too).
-    monkeypatch.setattr(consume_request, "LINGER_SLICE_S", 2.5)
+    monkeypatch.setattr(linger, "LINGER_SLICE_S", 2.5)
     settings = settings.model_copy(update={"consume_linger_ms": 20_000, "run_lease": 60, "lock_max_live_time": 60})
     p, eng = owned_idle_queues(settings, r)
     spec = ListenerSpec(lambda msgs, ctx: ConsumeOrderlyStatus.SUCCESS, TOPIC, SUB)

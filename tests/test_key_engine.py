@@ -11,10 +11,11 @@ import time
 from collections import defaultdict
 
 from mqorder import ConsumeOrderlyStatus, keys
-from mqorder.consumer.consume_request import ConsumerEngine, Outcome
+from mqorder.consumer.engine import ConsumerEngine
 from mqorder.consumer.key_request import KeyConsumeRequest
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.offset_map import decode_done
+from mqorder.consumer.run_types import Outcome
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.store.log import MessageLog
@@ -174,10 +175,11 @@ def test_queue_mode_is_untouched_by_key_hashes(env) -> None:
 
 
 def test_key_consume_request_is_what_the_engine_runs_for_ordering_key() -> None:
-    from mqorder.consumer.consume_request import ConsumeRequest, _request_class
+    from mqorder.consumer.consume_request import ConsumeRequest
+    from mqorder.consumer.engine import request_class
 
-    assert _request_class(key_spec(lambda m, c: S.SUCCESS)) is KeyConsumeRequest
-    assert _request_class(ListenerSpec(lambda m, c: S.SUCCESS, "t", "g")) is ConsumeRequest
+    assert request_class(key_spec(lambda m, c: S.SUCCESS)) is KeyConsumeRequest
+    assert request_class(ListenerSpec(lambda m, c: S.SUCCESS, "t", "g")) is ConsumeRequest
 
 
 def test_a_blocked_key_with_a_long_lane_does_not_stop_the_pulls_of_its_queue(env) -> None:

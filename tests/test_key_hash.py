@@ -68,7 +68,7 @@ def test_send_orderly_and_send_orderly_batch_store_the_key_hash(producer: Produc
 
 
 def test_the_dlq_writer_keeps_the_key_hash_for_a_replay(producer: Producer, settings) -> None:
-    from mqorder.consumer.consume_request import ConsumerEngine
+    from mqorder.consumer.engine import ConsumerEngine
 
     res = producer.send_orderly("orders", b"poison", sharding_key="k9")
     [m] = MessageLog(producer.brokers).read(res.message_queue, res.queue_offset, 1)

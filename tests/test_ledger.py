@@ -7,9 +7,11 @@ import pytest
 import redis
 
 from mqorder import ConsumeOrderlyStatus, Producer, keys
-from mqorder.consumer.consume_request import ConsumerEngine, ConsumeRequest, Verb
+from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.engine import ConsumerEngine
 from mqorder.consumer.ledger import FIELDS, decode_record
 from mqorder.consumer.listener import ListenerSpec, orderly_listener
+from mqorder.consumer.run_types import Verb
 from mqorder.errors import ListenerError
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager

@@ -10,10 +10,11 @@ import pytest
 from mqorder import ConsumeOrderlyStatus, Producer, keys
 from mqorder.admin.common import Admin
 from mqorder.admin.status import group_status
-from mqorder.consumer.consume_request import ConsumeRequest, Stop
+from mqorder.consumer.consume_request import ConsumeRequest
 from mqorder.consumer.key_request import KeyConsumeRequest
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.offset_map import encode_done
+from mqorder.consumer.run_types import Stop
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.errors import ConfigError
 from mqorder.model import MessageModel, MessageQueue

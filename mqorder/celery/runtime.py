@@ -12,7 +12,7 @@ import threading
 from collections.abc import Callable
 
 from mqorder.celery.capacity import SIGNAL, CapacityPublisher, celery_spare, celery_waiting
-from mqorder.consumer.consume_request import ConsumerEngine
+from mqorder.consumer.engine import ConsumerEngine
 from mqorder.settings import get_settings
 
 log = logging.getLogger(__name__)

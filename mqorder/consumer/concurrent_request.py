@@ -41,13 +41,14 @@ from typing import Any
 
 from mqorder import keys
 from mqorder.consumer.concurrent_lanes import ConcurrentLanes
-from mqorder.consumer.consume_request import SUCCESS, SUSPEND, Handled, LoopEnd, Stop
 from mqorder.consumer.context import ConsumeConcurrentlyContext
 from mqorder.consumer.hooks import ConsumeMessageContext, global_hooks, run_after, run_before
-from mqorder.consumer.key_request import KeyConsumeRequest, LaneResult, LaneWorkers
+from mqorder.consumer.key_request import KeyConsumeRequest
+from mqorder.consumer.lane_workers import LaneResult, LaneWorkers
 from mqorder.consumer.ledger import LedgerOutcome
-from mqorder.consumer.listener import ListenerSpec, get_listener
+from mqorder.consumer.listener import ListenerSpec, Ordering, get_listener
 from mqorder.consumer.retry import restore
+from mqorder.consumer.run_types import SUCCESS, SUSPEND, Handled, LoopEnd, Stop
 from mqorder.model import ConsumeConcurrentlyStatus, MessageExt, MessageModel
 
 log = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         topic = msgs[0].topic
         if topic not in self._specs:
             spec = get_listener(self.spec.group, topic)
-            self._specs[topic] = spec if spec is not None and spec.ordering == "concurrent" else None
+            self._specs[topic] = spec if spec is not None and spec.ordering is Ordering.CONCURRENT else None
         return self._specs[topic]
 
     def _submit(self, pool: LaneWorkers, key: int, msgs: list[MessageExt]) -> None:

@@ -56,16 +56,20 @@ stream and its client's other idle queues, while the worker has spare slots).
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from mqorder.codec import decode_entries
-from mqorder.consumer.consume_request import (
+from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.context import ConsumeOrderlyContext
+from mqorder.consumer.key_lanes import KeyLanes, Lanes
+from mqorder.consumer.lane_workers import LANE_POOL, LaneResult, LaneWorkers
+from mqorder.consumer.ledger import LedgerOutcome
+from mqorder.consumer.nudge import idle_entry
+from mqorder.consumer.offset_map import OffsetTracker, decode_done
+from mqorder.consumer.run_types import (
     BUDGET_REQUEUE_S,
     COMMIT,
     ENDED,
@@ -73,17 +77,12 @@ from mqorder.consumer.consume_request import (
     ROLLBACK,
     SUCCESS,
     SUSPEND,
-    ConsumeRequest,
     Handled,
     LoopEnd,
     Pull,
+    PullKind,
     Stop,
 )
-from mqorder.consumer.context import CallContext, ConsumeOrderlyContext
-from mqorder.consumer.key_lanes import KeyLanes, Lanes
-from mqorder.consumer.ledger import LedgerOutcome
-from mqorder.consumer.nudge import idle_entry
-from mqorder.consumer.offset_map import OffsetTracker, decode_done
 from mqorder.model import MessageExt
 from mqorder.store.replies import text
 
@@ -106,68 +105,6 @@ def uncommitted_bound(pull_n: int, key_concurrency: int, batch_max: int = 1) -> 
     return pull_n + 2 * key_concurrency * batch_max
 
 
-@dataclass(slots=True)
-class LaneResult:
-    """One finished listener call of one key, reported to the dispatcher."""
-
-    key: int
-    msgs: list[MessageExt]
-    handled: Handled
-    ctx: CallContext
-
-
-class LaneWorkers:
-    """``size`` daemon threads (greenlets under gevent) running the calls handed to ``submit``, in
-    turn, from one queue. Cheaper per call than ``ThreadPoolExecutor``, whose futures and idle
-    semaphore cost a few locks per call that nothing here needs: a call reports its own result."""
-
-    def __init__(self, size: int) -> None:
-        self.size = size
-        self._jobs: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]] | None] = queue.SimpleQueue()
-        for i in range(size):
-            threading.Thread(target=self._work, name=f"mqorder-lane-{i}", daemon=True).start()
-
-    def submit(self, fn: Callable[..., None], *args: Any) -> None:
-        self._jobs.put((fn, args))
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            if job is None:
-                return
-            fn, args = job
-            try:
-                fn(*args)
-            except Exception:
-                log.exception("lane worker: a call escaped its own error handling")
-
-
-class LanePool:
-    """Lane workers, kept per process between runs (a run borrows ``key_concurrency`` workers and
-    gives them back), so a run does not start threads. Per pid: after a fork the parent's threads
-    are gone."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-        self._free: dict[int, list[LaneWorkers]] = {}
-
-    def borrow(self, size: int) -> LaneWorkers:
-        with self._lock:
-            if self._pid != os.getpid():
-                self._pid, self._free = os.getpid(), {}
-            free = self._free.get(size)
-            if free:
-                return free.pop()
-        return LaneWorkers(size)
-
-    def give_back(self, pool: LaneWorkers) -> None:
-        with self._lock:
-            if self._pid == os.getpid():
-                self._free.setdefault(pool.size, []).append(pool)
-
-
-LANE_POOL = LanePool()
 
 
 class KeyConsumeRequest(ConsumeRequest):
@@ -286,7 +223,7 @@ class KeyConsumeRequest(ConsumeRequest):
                 self._submit(pool, *got)
             if self._wants_pull(now):
                 pulled = self._persist(pull=True)
-                if pulled.lost:
+                if pulled.kind is PullKind.LOST:
                     stop = LoopEnd(Stop.FENCED)
                     continue
                 self.empty_pull_at = 0.0 if pulled.count else now
@@ -295,7 +232,7 @@ class KeyConsumeRequest(ConsumeRequest):
             elif (self.dirty or self.retry_updates) and (
                 self.unsaved >= self.pull_n or now - self.last_persist >= COMMIT_INTERVAL_S
             ):
-                if self._persist(pull=False).lost:
+                if self._persist(pull=False).kind is PullKind.LOST:
                     stop = LoopEnd(Stop.FENCED)
                     continue
             if self.in_flight:
@@ -303,26 +240,11 @@ class KeyConsumeRequest(ConsumeRequest):
                 continue
             # Nothing runs: drained, or only suspended keys are left.
             if not lanes.buffered and not lanes.blocked:
-                linger = self.linger_s > 0 and self._may_linger()
-                until = min(deadline, time.monotonic() + self.linger_s) if linger else None
-                # Queue mode's lingering read (``ConsumeRequest._linger``), fenced the same way; its
-                # first slice rides on the commit.
-                pulled = self._persist(pull=True, idle_if_drained=not linger, linger_until=until)
-                if pulled.lost:
-                    self.fenced = True
-                    return LoopEnd(Stop.FENCED)
-                if pulled.ended:
-                    return LoopEnd(Stop.IDLE)
-                if until is not None and pulled.wait and not self.pq.dropped:
-                    pulled = self._linger(until)
-                    if pulled.lost:
-                        self.fenced = True
-                        return LoopEnd(Stop.FENCED)
-                if pulled.switch:
-                    return LoopEnd(Stop.SWITCH)
-                if pulled.count:
-                    continue
-                return LoopEnd(Stop.DONE)
+                # Queue mode's end of a drained loop, lingering read included (fenced alike).
+                end = self._drained(deadline, pull=True)
+                if end is not None:
+                    return end
+                continue
             nxt = lanes.next_unblock()
             if nxt is None:  # pragma: no cover - a buffered lane is ready or blocked
                 time.sleep(EMPTY_PULL_BACKOFF_S)
@@ -338,9 +260,13 @@ class KeyConsumeRequest(ConsumeRequest):
         if time.monotonic() > deadline:
             return LoopEnd(Stop.REQUEUE, BUDGET_REQUEUE_S)  # MAX_TIME_CONSUME_CONTINUOUSLY
         if self.pq.is_lock_expired() and not self._touch():
-            self.fenced = True
-            return LoopEnd(Stop.FENCED)
+            return self._fenced()
         return None
+
+    def _fenced(self) -> LoopEnd:
+        """Lost the queue: calls still in flight are waited for but settle nothing."""
+        self.fenced = True
+        return LoopEnd(Stop.FENCED)
 
     def _wants_pull(self, now: float) -> bool:
         """Pull while fewer keys are ready than lanes exist, within the span and the threshold
@@ -417,19 +343,10 @@ class KeyConsumeRequest(ConsumeRequest):
         if status is ROLLBACK:
             log.warning("%s returned ROLLBACK in key mode; its key is suspended", self.spec.name)
         self._failed += len(msgs)
-        limit = self.max_reconsume
-        dead = 0
-        if limit != -1:
-            while dead < len(msgs) and msgs[dead].reconsume_times >= limit:
-                dead += 1
+        dead = self._dead_letter_exhausted(msgs)
+        if dead is None:
+            return self._fenced()
         if dead:
-            if not self._touch():
-                self.fenced = True
-                return LoopEnd(Stop.FENCED)
-            for m in msgs[:dead]:
-                self.engine.dlq.send(
-                    self.spec.group, m, f"max reconsume times {limit} reached (listener kept suspending)", self.epoch
-                )
             self._finished(msgs[:dead], LedgerOutcome.DLQ, handled)
         rest = msgs[dead:]
         if not rest:
@@ -479,7 +396,7 @@ class KeyConsumeRequest(ConsumeRequest):
                 and not self.lanes.buffered and not self.lanes.blocked)
         then = idle_entry(self.client_id, [self.mq.key]) if idle and self.engine.nudges_idle else None
         offset = t.base
-        skipped = self._skips_due(offset)
+        skipped = self.trimmed.due(offset)
         args: list[Any] = [
             self.client_id, self.epoch, self.token, offset, self.run_lease_ms, self.lock_ms,
             "1" if idle else "0", t.encoded(), MAX_MAP_BYTES, skipped,

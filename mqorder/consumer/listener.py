@@ -13,6 +13,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from mqorder import keys
@@ -23,9 +24,19 @@ from mqorder.names import check_name, check_topic
 
 ListenerFunc = Callable[[list[Any], Any], "ConsumeOrderlyStatus | ConsumeConcurrentlyStatus | None"]
 
-#: The ways a listener consumes a queue: RocketMQ's orderly (``queue``), per sharding key
-#: (``key``), and RocketMQ's concurrent consumption (``concurrent``, ``@concurrent_listener``).
-ORDERINGS = ("queue", "key", "concurrent")
+
+
+class Ordering(StrEnum):
+    """The ways a listener consumes a queue; each runs as its own kind of ConsumeRequest
+    (``mqorder.consumer.engine.REQUEST_CLASSES``)."""
+
+    #: RocketMQ's orderly consumption: one call at a time per queue, in offset order.
+    QUEUE = "queue"
+    #: One call at a time per sharding key, keys of one queue in parallel (``key_request``).
+    KEY = "key"
+    #: RocketMQ's concurrent consumption (``@concurrent_listener``): no order, retries through
+    #: ``%RETRY%<group>`` (``concurrent_request``).
+    CONCURRENT = "concurrent"
 
 
 @dataclass
@@ -42,9 +53,8 @@ class ListenerSpec:
     hooks: list[ConsumeMessageHook] = field(default_factory=list)
     #: Record every handled message in the ledger (``None``: ``MQORDER_LEDGER``).
     ledger: bool | None = None
-    #: ``"queue"`` (RocketMQ's orderly consumption: one call at a time per queue) or ``"key"``
-    #: (one call at a time per sharding key, keys of one queue in parallel: ``key_request``).
-    ordering: str = "queue"
+    #: How the queue is consumed (``Ordering``; a plain string such as ``"key"`` is taken too).
+    ordering: Ordering = Ordering.QUEUE
     #: Key and concurrent modes only: calls of one queue at once (``None``:
     #: ``MQORDER_KEY_CONCURRENCY`` / ``MQORDER_CONSUME_CONCURRENCY``) and the widest in-flight span
     #: (``None``: ``MQORDER_CONSUME_CONCURRENTLY_MAX_SPAN``).
@@ -53,6 +63,13 @@ class ListenerSpec:
     #: The group's retry topic subscription (``%RETRY%<group>``): its messages are handed to the
     #: concurrent listener of the topic each was first sent to (``retry_spec``).
     is_retry: bool = False
+
+    def __post_init__(self) -> None:
+        try:
+            self.ordering = Ordering(self.ordering)
+        except ValueError:
+            raise ListenerError(f"ordering must be one of {', '.join(repr(o.value) for o in Ordering)}, "
+                                f"got {self.ordering!r}") from None
 
     @property
     def name(self) -> str:
@@ -80,7 +97,7 @@ def orderly_listener(
     suspend_current_queue_time_millis: int | None = None,
     hooks: list[ConsumeMessageHook] | None = None,
     ledger: bool | None = None,
-    ordering: str = "queue",
+    ordering: Ordering | str = Ordering.QUEUE,
     key_concurrency: int | None = None,
     consume_concurrently_max_span: int | None = None,
 ) -> Callable[[ListenerFunc], ListenerFunc]:
@@ -102,7 +119,7 @@ def orderly_listener(
     _positive("pull_batch_size", pull_batch_size)
     _positive("max_reconsume_times", max_reconsume_times, -1)
     _positive("suspend_current_queue_time_millis", suspend_current_queue_time_millis, 10)
-    if ordering not in ("queue", "key"):
+    if ordering not in (Ordering.QUEUE, Ordering.KEY):
         raise ListenerError(f"ordering must be 'queue' (one call at a time per queue) or 'key' "
                             f"(one call at a time per sharding key), got {ordering!r}")
     _positive("key_concurrency", key_concurrency)
@@ -122,7 +139,7 @@ def orderly_listener(
             suspend_current_queue_time_millis=suspend_current_queue_time_millis,
             hooks=list(hooks or []),
             ledger=ledger,
-            ordering=ordering,
+            ordering=Ordering(ordering),
             key_concurrency=key_concurrency,
             consume_concurrently_max_span=consume_concurrently_max_span,
         )
@@ -149,13 +166,13 @@ def _register(spec: ListenerSpec) -> None:
             f"group {group!r} already has a listener for topic {topic!r} ({old.name}); "
             "one group consumes a topic with one listener: use another group name"
         )
-    concurrent = spec.ordering == "concurrent"
+    concurrent = spec.ordering is Ordering.CONCURRENT
     for other in _REGISTRY.values():
-        if other.group == group and not other.is_retry and (other.ordering == "concurrent") != concurrent \
+        if other.group == group and not other.is_retry and (other.ordering is Ordering.CONCURRENT) != concurrent \
                 and other.topic != topic:
             raise ListenerError(
                 f"group {group!r} already consumes topic {other.topic!r} "
-                f"{'concurrently' if other.ordering == 'concurrent' else 'in order'}; a group consumes either in "
+                f"{'concurrently' if other.ordering is Ordering.CONCURRENT else 'in order'}; a group consumes either in "
                 "order or concurrently (RocketMQ: one message listener per consumer group): use another group name"
             )
     _REGISTRY[(group, topic)] = spec
@@ -163,7 +180,7 @@ def _register(spec: ListenerSpec) -> None:
         retry = keys.retry_topic(group)
         if (group, retry) not in _REGISTRY:
             _REGISTRY[(group, retry)] = ListenerSpec(
-                func=_retry_placeholder, topic=retry, group=group, ordering="concurrent", is_retry=True,
+                func=_retry_placeholder, topic=retry, group=group, ordering=Ordering.CONCURRENT, is_retry=True,
                 consume_message_batch_max_size=spec.consume_message_batch_max_size,
                 pull_batch_size=spec.pull_batch_size, max_reconsume_times=spec.max_reconsume_times,
                 key_concurrency=spec.key_concurrency,
@@ -227,7 +244,7 @@ def concurrent_listener(
             consume_message_batch_max_size=consume_message_batch_max_size, pull_batch_size=pull_batch_size,
             max_reconsume_times=max_reconsume_times,
             suspend_current_queue_time_millis=suspend_current_queue_time_millis, hooks=list(hooks or []),
-            ledger=ledger, ordering="concurrent", key_concurrency=consume_concurrency,
+            ledger=ledger, ordering=Ordering.CONCURRENT, key_concurrency=consume_concurrency,
             consume_concurrently_max_span=consume_concurrently_max_span,
         ))
         return func
@@ -266,6 +283,6 @@ def unregister_listener(group: str, topic: str) -> None:
     _REGISTRY.pop((group, topic), None)
     retry = keys.retry_topic(group)
     if (group, retry) in _REGISTRY and not any(
-        s.group == group and s.ordering == "concurrent" and not s.is_retry for s in _REGISTRY.values()
+        s.group == group and s.ordering is Ordering.CONCURRENT and not s.is_retry for s in _REGISTRY.values()
     ):
         del _REGISTRY[(group, retry)]

@@ -10,7 +10,9 @@ rate of ``ok``/``failed`` between two reads; the mean RT is ``rt_ms / rt_n``.
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -18,6 +20,11 @@ import redis
 
 from mqorder import keys
 from mqorder.store.replies import text
+
+log = logging.getLogger(__name__)
+
+#: Consume counters are pushed to Redis at most this often per process.
+STATS_FLUSH_INTERVAL_S = 1.0
 
 #: The counters of one queue, as named in the stats hash.
 COUNTERS = ("ok", "failed", "rt_ms", "rt_n", "skipped")
@@ -50,6 +57,7 @@ class ConsumerStatsManager:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: dict[tuple[str, str], QueueStats] = defaultdict(QueueStats)
+        self._flushed_at = 0.0
 
     def inc_consume_ok(self, sub: str, mq_key: str, n: int) -> None:
         self._pending[(sub, mq_key)].ok += n
@@ -64,6 +72,29 @@ class ConsumerStatsManager:
         s = self._pending[(sub, mq_key)]
         s.rt_ms += rt_ms_sum
         s.rt_n += calls
+
+    def add_run(self, sub: str, mq_key: str, ok: int, failed: int, rt_ms_sum: float, calls: int) -> None:
+        """The counters of one whole run (a run counts in plain attributes and hands them over
+        once, at its end: no lock or dict lookup per message)."""
+        if ok:
+            self.inc_consume_ok(sub, mq_key, ok)
+        if failed:
+            self.inc_consume_failed(sub, mq_key, failed)
+        if calls:
+            self.inc_consume_rt_total(sub, mq_key, rt_ms_sum, calls)
+
+    def flush_due(self, client: redis.Redis) -> None:
+        """``flush`` at most once every ``STATS_FLUSH_INTERVAL_S`` per process: a short run must
+        not pay a round trip for its counters. A failed flush is logged, never raised: counters
+        must not fail a run whose progress is committed."""
+        now = time.monotonic()
+        if now - self._flushed_at < STATS_FLUSH_INTERVAL_S:
+            return
+        self._flushed_at = now
+        try:
+            self.flush(client)
+        except Exception:
+            log.debug("stats flush failed", exc_info=True)
 
     def flush(self, client: redis.Redis) -> None:
         with self._lock:

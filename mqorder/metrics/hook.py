@@ -23,7 +23,7 @@ from mqorder.model import ConsumeOrderlyStatus
 if TYPE_CHECKING:
     from prometheus_client import Counter, Gauge, Histogram
 
-    from mqorder.consumer.consume_request import ConsumerEngine
+    from mqorder.consumer.engine import ConsumerEngine
 
 #: Only this status goes through RocketMQ's ``checkReconsumeTimes`` (and so, maybe, to the DLQ);
 #: ROLLBACK is rolled back and retried without it.

@@ -40,7 +40,8 @@ if TYPE_CHECKING:
     from prometheus_client.metrics_core import Metric
     from prometheus_client.registry import Collector
 
-    from mqorder.consumer.consume_request import ConsumerEngine, Outcome
+    from mqorder.consumer.engine import ConsumerEngine
+    from mqorder.consumer.run_types import Outcome
     from mqorder.rebalance.service import RebalanceReport
 
 log = logging.getLogger(__name__)

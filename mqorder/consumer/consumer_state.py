@@ -1,0 +1,130 @@
+"""``ConsumerState``: what every consume run of one process shares.
+
+Redis clients, the stats manager, the DLQ and retry writers, the worker's say on lingering and the
+watch over this client's idle queues. A ``ConsumeRequest`` reads and writes it; the
+``ConsumerEngine`` (``mqorder.consumer.engine``) adds the loop that runs requests. Split from the
+engine so the request classes, which need this state, and the engine, which needs the request
+classes, import each other in one direction only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from mqorder import keys
+from mqorder.consumer.dlq import DeadLetterWriter
+from mqorder.consumer.idle_watch import IdleQueueWatch
+from mqorder.consumer.listener import get_listener
+from mqorder.consumer.retry import RetrySender
+from mqorder.consumer.stats import ConsumerStatsManager
+from mqorder.model import MessageQueue
+from mqorder.process_queue import ProcessQueue
+from mqorder.rebalance.service import assigned_queues
+from mqorder.settings import Settings
+from mqorder.store.append import QueueAppender
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.delay import DelayStore
+from mqorder.store.topics import TopicManager
+
+#: How old the list of this client's queues a lingering request watches may be.
+OWNED_CACHE_S = 1.0
+
+
+def _never() -> bool:
+    return False
+
+
+def _always() -> bool:
+    return True
+
+
+def _ignore(_lingering: bool) -> None:
+    return None
+
+
+class ConsumerState:
+    """Per-process consumer state: Redis clients, stats, the DLQ writer, the linger signals."""
+
+    def __init__(self, settings: Settings, client_id: str, brokers: BrokerRegistry | None = None) -> None:
+        self.settings = settings
+        self.client_id = client_id
+        self.brokers = brokers or BrokerRegistry(settings.redis_url, settings.brokers)
+        self.topics = TopicManager(self.brokers)
+        self.stats = ConsumerStatsManager()
+        #: Whether a drained request may wait for more messages: set by the integration (the
+        #: Celery threads pool can tell whether requests are waiting for a slot); never by default.
+        self.may_linger: Callable[[], bool] = _never
+        #: Whether a request that has not lingered yet may begin to (on top of ``may_linger``): the
+        #: integration says no while this would leave no pool slot free for the next request.
+        self.may_start_linger: Callable[[], bool] = _always
+        #: Told ``True`` at every lingering read and ``False`` when a task execution that lingered
+        #: ends (a prefork child notes it for its siblings' ``may_start_linger``).
+        self.note_lingering: Callable[[bool], None] = _ignore
+        appender = QueueAppender(
+            self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout,
+            topics=self.topics, action="DLQ write",
+        )
+        self.dlq = DeadLetterWriter(appender, self.topics, self.brokers.default_name, client_id)
+        self._appender = appender
+        self._retry_sender: RetrySender | None = None
+        self._owned: dict[str, tuple[float, list[MessageQueue]]] = {}
+        #: The newest entry of this client's nudge stream seen by a lingering read (per process).
+        self.nudge_seen = "0-0"
+        #: (sub, queue key) whose trimmed messages were logged already: a warning once per queue.
+        self.skips_logged: set[tuple[str, str]] = set()
+
+    @property
+    def retry_sender(self) -> RetrySender:
+        """Where concurrent listeners send failed messages back to (``%RETRY%<group>``), made on
+        first use: orderly consumers never need it."""
+        if self._retry_sender is None:
+            s = self.settings
+            delays = DelayStore(self.brokers, self._appender, timeout=s.send_msg_timeout)
+            self._retry_sender = RetrySender(self.topics, delays, levels_ms=s.delay_levels_ms,
+                                             queue_nums=s.retry_queue_nums)
+        return self._retry_sender
+
+    @property
+    def nudges_idle(self) -> bool:
+        """Whether a run that leaves its queue idle tells this client's lingering requests
+        (``nudge.idle_entry``): when requests linger here and watch other queues."""
+        s = self.settings
+        return self.may_linger is not _never and s.consume_linger_ms > 0 and s.consume_linger_idle_queues
+
+    def owned_queues(self, sub: str) -> list[MessageQueue]:
+        """Queues of ``sub`` the rebalance assigned to this client (its read hint, at most a second
+        old): what a lingering request may watch. The locks, not this list, decide who consumes."""
+        now = time.monotonic()
+        hit = self._owned.get(sub)
+        if hit is not None and now - hit[0] < OWNED_CACHE_S:
+            return hit[1]
+        mqs = assigned_queues(self.brokers.meta, sub, self.client_id)
+        self._owned[sub] = (now, mqs)
+        return mqs
+
+    def idle_watch(self, sub: str, mq: MessageQueue) -> IdleQueueWatch | None:
+        """A watch over the other idle queues of ``sub`` on ``mq``'s broker, for a lingering request
+        (None when lingering on other queues is off)."""
+        s = self.settings
+        if not s.consume_linger_idle_queues:
+            return None
+        broker = self.brokers.get(mq.broker_name)
+        group = keys.group_of_sub(sub)
+
+        def watchable() -> list[MessageQueue]:
+            # Only queues this process has a listener for (the caller's topic's, or one registered
+            # here): a switch runs the queue with its own topic's listener (``_listener_of``); a
+            # group's topic whose listener lives elsewhere is left to its wake-ups.
+            return [q for q in self.owned_queues(sub)
+                    if q.topic == mq.topic or get_listener(group, q.topic) is not None]
+
+        return IdleQueueWatch(self.client_id, sub, mq.broker_name, broker.scripts, broker.client,
+                              watchable, s.ms(s.pending_ttl), s.ms(s.lock_max_live_time))
+
+    def new_process_queue(self) -> ProcessQueue:
+        s = self.settings
+        # Re-check the lock before a listener call once the last confirmation is older than half
+        # a heartbeat timeout (RocketMQ: 30 s): a holder resumed after a pause notices it was
+        # replaced before it calls the listener again, not 30 s later.
+        return ProcessQueue(s.ms(min(s.client_lock_expire, s.heartbeat_timeout / 2)))

@@ -1,0 +1,153 @@
+"""``ConsumerEngine``: runs ConsumeRequests in one process, through Redis outages and queue switches.
+
+Which request class runs a listener is a fixed table (``REQUEST_CLASSES``, by ``Ordering``): queue
+order is RocketMQ's ``ConsumeRequest``; key order and concurrent listeners are its subclasses.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import replace
+
+import redis
+
+from mqorder.backoff import Backoff
+from mqorder.consumer.concurrent_request import ConcurrentConsumeRequest
+from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.consumer_state import ConsumerState
+from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
+from mqorder.consumer.key_request import KeyConsumeRequest
+from mqorder.consumer.listener import ListenerSpec, Ordering, get_listener
+from mqorder.consumer.run_types import Outcome, Verb
+from mqorder.errors import BrokerUnavailableError
+from mqorder.model import MessageQueue
+from mqorder.store.raw_pipe import ConnectionLease
+from mqorder.tokens import new_token
+
+log = logging.getLogger(__name__)
+
+#: How long a ConsumeRequest keeps retrying through a Redis outage before leaving it to the sweep.
+REDIS_RETRY_BUDGET_S = 120.0
+
+#: The kind of run each listener ordering gets.
+REQUEST_CLASSES: dict[Ordering, type[ConsumeRequest]] = {
+    Ordering.QUEUE: ConsumeRequest,
+    Ordering.KEY: KeyConsumeRequest,
+    Ordering.CONCURRENT: ConcurrentConsumeRequest,
+}
+
+
+def request_class(spec: ListenerSpec) -> type[ConsumeRequest]:
+    """``ConsumeRequest`` for RocketMQ's queue order (the default), ``KeyConsumeRequest`` for a
+    listener with ``ordering="key"``, ``ConcurrentConsumeRequest`` for ``@concurrent_listener``."""
+    return REQUEST_CLASSES[spec.ordering]
+
+
+class ConsumerEngine(ConsumerState):
+    """The per-process consumer state (``ConsumerState``) and the loop that runs a request."""
+
+    def run(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str) -> Outcome | None:
+        """Run one ConsumeRequest; through a Redis outage, retry in process with backoff.
+
+        Nothing past the last fenced commit was persisted, so re-running from the committed offset
+        is safe. The same ``runner`` id lets this execution re-enter its own run mark after Redis
+        comes back (a duplicate delivery of the task, with another runner id, cannot). The Celery
+        broker is usually the same Redis, so a re-publish would fail too. Returns None when Redis
+        stayed unreachable for ``REDIS_RETRY_BUDGET_S``: the sweep re-dispatches once it is back.
+
+        A drained run that lingers watches the client's other idle queues too (``IdleQueueWatch``);
+        when one gets messages first, the run ends and that queue runs next here, in the same task
+        and pool slot. The outcome is then about the last queue run (``Outcome.queue``), and
+        ``follow_ups`` lists the requests to send for the others.
+        """
+        # One connection for every round trip of this execution (its chain of switches stays on
+        # one broker: an IdleQueueWatch watches one broker's queues).
+        lease = ConnectionLease(self.brokers.get(mq.broker_name).client)
+        try:
+            return self._run_chain(spec, sub, mq, token, lease)
+        finally:
+            lease.release()
+            self.note_lingering(False)
+
+    def _run_chain(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str,
+                   lease: ConnectionLease) -> Outcome | None:
+        runner = new_token()
+        watch: IdleQueueWatch | None = None
+        follow_ups: list[FollowUp] = []
+        consumed = 0
+        prior: ConsumeRequest | None = None
+        while True:
+            req, outcome = self._run_one(spec, sub, mq, token, runner, watch, prior, lease)
+            if outcome is None:
+                return None  # Redis stayed down: adoptions lapse, the sweep re-dispatches
+            consumed += outcome.consumed
+            watch = req.watch
+            if req.prior_follow_up is not None:
+                # The queue the switch left needs a request (it was reassigned meanwhile): this
+                # run did not linger, so the chain stops here and the caller sends it.
+                follow_ups.append(req.prior_follow_up)
+                break
+            prior = None
+            if outcome.verb is Verb.SWITCHED:
+                # The switch the usual way: the next run ends this one (req.prior) and registers
+                # the queue left with the watch.
+                assert req.switch_to is not None and watch is not None
+                prior = req
+                mq, token = req.switch_to, watch.token
+                spec = self._listener_of(spec, mq)
+                continue
+            if req.switch_to is None or watch is None or outcome.needs_dispatch:
+                # No switch; or the queue just left got messages between the read and the end of
+                # its run and needs a request now, which only the caller can send: stop chaining
+                # (the queue switched to is released below and gets its own request).
+                break
+            # The lingering read found messages on an adopted idle queue: this run ended (its own
+            # queue drained, and adopted by the watch when finish.lua could), that queue runs next
+            # in this same task, with the adoption token.
+            watch.switched(mq, req.switch_to, req.adopted_at if outcome.verb is Verb.ADOPTED else None)
+            mq, token = req.switch_to, watch.token
+            spec = self._listener_of(spec, mq)
+        if watch is not None:
+            try:
+                follow_ups.extend(watch.release(lease))
+            except (redis.RedisError, BrokerUnavailableError) as exc:
+                log.warning("could not end the adoptions of %s (%s); they lapse within %d ms",
+                            sub, exc, ADOPT_TTL_MS)
+        if watch is None or (not follow_ups and consumed == outcome.consumed):
+            return outcome
+        return replace(outcome, consumed=consumed, follow_ups=tuple(follow_ups), queue=mq)
+
+    def _run_one(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str,
+                 watch: IdleQueueWatch | None, prior: ConsumeRequest | None = None,
+                 lease: ConnectionLease | None = None) -> tuple[ConsumeRequest, Outcome | None]:
+        backoff = Backoff(first=0.25, cap=5.0)
+        waited = 0.0
+        cls = request_class(spec)
+        while True:
+            req = cls(self, spec, sub, mq, token, runner=runner, watch=watch, prior=prior, lease=lease)
+            try:
+                return req, req.run()
+            except (redis.RedisError, BrokerUnavailableError) as exc:
+                if waited >= REDIS_RETRY_BUDGET_S:
+                    log.error("ConsumeRequest %s %s: Redis unreachable for %.0fs (%s); the sweep will "
+                              "re-dispatch when it is back", sub, mq.key, waited, exc)
+                    return req, None
+                delay = backoff.next()
+                log.warning("ConsumeRequest %s %s: Redis error (%s); retrying in %.2fs", sub, mq.key, exc, delay)
+                time.sleep(delay)
+                waited += delay
+
+    @staticmethod
+    def _listener_of(spec: ListenerSpec, mq: MessageQueue) -> ListenerSpec:
+        """The listener of a queue a lingering run switched to. A subscription may span several
+        topics (a group with listeners for two topics, or a concurrent group's retry topic), and
+        each queue runs with its own topic's listener and kind of run (a bug once: the queue
+        switched to ran with the lingering run's listener). The watch adopts only queues with a
+        listener here (``idle_watch``)."""
+        if mq.topic == spec.topic:
+            return spec
+        other = get_listener(spec.group, mq.topic)
+        if other is None:  # pragma: no cover - unregistered since the watch adopted it
+            raise RuntimeError(f"no listener of group {spec.group!r} for topic {mq.topic!r} in this process")
+        return other

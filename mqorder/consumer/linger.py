@@ -1,0 +1,167 @@
+"""Lingering reads: a drained run waits on its queue's stream (and its client's other idle queues).
+
+A drained queue that gets a message a few milliseconds later would otherwise cost a wake-up and a
+whole Celery task. Like a RocketMQ long-polling pull held at the broker, a drained run may block on
+a read while its worker has idle capacity (``consume_linger_ms``). This mixin holds that read, for
+``ConsumeRequest`` and, through it, the key-ordered and concurrent runs: one copy of the fenced
+check that makes a read outside a commit safe.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from mqorder import keys
+from mqorder.consumer.consumer_state import ConsumerState
+from mqorder.consumer.idle_watch import IdleQueueWatch
+from mqorder.consumer.nudge import idle_queues
+from mqorder.consumer.run_types import LOST, NOTHING, SWITCH, WAIT, Pull, PullKind, Slice
+from mqorder.model import MessageQueue
+from mqorder.process_queue import ProcessQueue
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
+from mqorder.store.replies import text
+
+log = logging.getLogger(__name__)
+
+#: A lingering read blocks this long at most. It ends sooner when a message arrives on a watched
+#: queue or when the worker nudges its lingering requests (a request waits for a slot,
+#: ``mqorder.consumer.nudge``); the slice bounds how late a missed nudge or a reassignment of the
+#: queue is noticed.
+LINGER_SLICE_S = 0.1
+
+
+class LingeringReads:
+    """The lingering read of a ``ConsumeRequest`` (which provides the state declared here)."""
+
+    engine: ConsumerState
+    sub: str
+    mq: MessageQueue
+    client_id: str
+    token: str
+    epoch: int
+    lease: ConnectionLease
+    pq: ProcessQueue
+    k_log: str
+    k_state: str
+    pull_n: int
+    pulled_to: int
+    lingering: bool
+    watch: IdleQueueWatch | None
+    switch_to: MessageQueue | None
+
+    def _put(self, entries: list[Any], raw_retries: list[Any] | None) -> None:
+        raise NotImplementedError  # ConsumeRequest's: messages read go into the run
+
+    def _check_trimmed_tail(self, nxt: int) -> None:
+        raise NotImplementedError  # ConsumeRequest's: retention took what was to be read
+
+    def _may_linger(self) -> bool:
+        """Whether this drained run may linger now (and, if so, it lingers from now on)."""
+        eng = self.engine
+        ok = eng.may_linger() and (self.lingering or eng.may_start_linger())
+        self.lingering = self.lingering or ok
+        return ok
+
+    def _linger(self, until: float) -> Pull:
+        """Wait on this queue's stream for new messages while the worker has idle capacity.
+
+        A drained queue that gets a message a few milliseconds later would otherwise cost a
+        wake-up and a whole Celery task; waiting here (``consume_linger_ms``, like a RocketMQ
+        long-polling pull held at the broker) keeps a steady trickle on one running request, with
+        its pending token still held so producers do not wake anyone. It stops as soon as the
+        worker has requests waiting for a slot, and as soon as a rebalance assigned the queue to
+        another client, so a lingering request never delays another queue or a handover by more
+        than one slice.
+
+        Each slice is one round trip (``_queue_slice``, ``_slice_result``); the first one usually
+        rode on the commit before it (``_persist(linger_until=...)``). Returns what a slice read
+        (``NOTHING`` ends the run normally), or ``LOST`` when the run lost the queue (fenced).
+        """
+        while True:
+            pipe = RawPipeline(self.lease)
+            if not self._queue_slice(pipe, until):
+                return NOTHING
+            reply, state = pipe.execute()
+            pulled = self._slice_result(reply, state)
+            if pulled.kind is not PullKind.WAIT:
+                return pulled
+
+    def _queue_slice(self, pipe: Any, until: float) -> bool:
+        """Queue one lingering read on ``pipe``: a blocking ``XREAD`` over this queue, this client's
+        nudge stream and the idle queues its watch adopted, then this queue's state. False, with
+        nothing queued, when the linger is over: ``until`` passed or a request waits for a slot.
+
+        Messages read here did not come through a fenced commit, so the queue's state is read in
+        the same round trip, *after* the blocking ``XREAD`` (Redis runs a connection's commands in
+        order): ``_slice_result`` uses the batch only if this run still held the lock at the epoch
+        it began with (and its pending token) when it was read, what a commit checks right before
+        its pipelined pull.
+        """
+        left = until - time.monotonic()
+        if left <= 0 or not self.engine.may_linger():
+            return False
+        self.engine.note_lingering(True)
+        if self.watch is None:
+            self.watch = self.engine.idle_watch(self.sub, self.mq)
+        last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
+        names, ids = [self.k_log, keys.linger_nudge(self.client_id)], [last_id, self.engine.nudge_seen]
+        if self.watch is not None:
+            self.watch.refresh(self.mq, self.lease)  # its own round trip, at most every ADOPT_REFRESH_S
+            more, more_ids = self.watch.streams(self.mq)
+            names += more
+            ids += more_ids
+        block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
+        pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", *names, *ids)
+        pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
+        return True
+
+    def _slice_result(self, reply: Any, state: list[Any]) -> Pull:
+        """What one lingering read (``_queue_slice``) brought: messages of this queue, a switch to
+        an adopted queue that got some, ``WAIT`` (nothing yet), ``NOTHING`` (reassigned: ending
+        the run now hands the queue over, finish.lua) or ``LOST``."""
+        owner, cur_epoch, pending, assignee = state
+        me = self.client_id
+        if text(owner or b"") != me or int(cur_epoch or 0) != self.epoch or text(pending or b"") != self.token:
+            log.warning("lingering request on %s for %s lost the queue (owner %r, epoch %s); stopping",
+                        self.mq.key, self.sub, text(owner or b""), text(cur_epoch or b"0"))
+            self.pq.dropped = True
+            self.pq.clear()
+            return LOST
+        self.pq.mark_locked()
+        if assignee and text(assignee) != me:
+            return NOTHING
+        if not reply:
+            return WAIT
+        # RESP2 gives [[stream, entries], ...]; RESP3 gives {stream: entries}.
+        by_stream = dict(reply.items()) if isinstance(reply, dict) else {k: v for k, v in reply}
+        nudges = by_stream.pop(keys.linger_nudge(me).encode(), None)
+        if nudges:
+            # A request waits for a slot (or an old nudge, seen once): may_linger() decides. Or a
+            # queue of this client went idle: watch it from the next read on.
+            self.engine.nudge_seen = text(nudges[-1][0])
+            went_idle = idle_queues(nudges)
+            if went_idle and self.watch is not None:
+                self.watch.adopt_soon(went_idle)
+        entries = by_stream.pop(self.k_log.encode(), None)
+        if entries:
+            self._put(entries, None)
+            return Pull(PullKind.MESSAGES, len(entries))
+        watch = self.watch
+        for key in by_stream:
+            other = watch.queue_of(text(key)) if watch is not None else None
+            if other is not None:
+                # Its entries are only a signal: begin.lua reads them again under the lock.
+                self.switch_to = other
+                return SWITCH
+        return WAIT
+
+    def _slice_pulled(self, read: Slice, nxt: int) -> Pull:
+        """What the lingering read behind a commit brought (``_slice_result``). If it brought
+        nothing of this queue although the commit saw its next offset (``nxt``) past what the run
+        pulled, retention trimmed those messages (as for an empty ``XRANGE``)."""
+        pulled = self._slice_result(read.reply, read.state)
+        if not pulled.count and pulled.kind is not PullKind.LOST:
+            self._check_trimmed_tail(nxt)
+        return pulled

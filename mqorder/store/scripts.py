@@ -1,16 +1,25 @@
-"""Loads the ``.lua`` files once and registers them on each Redis client.
+"""Loads the ``.lua`` files once, resolves what each includes, and registers them on each client.
 
-Every script is prefixed with the same preludes: constants generated from Python (``NOBODY``),
-``_now.lua`` so that each one reads the time from Redis (``TIME``) rather than trusting the
-caller's clock, ``_lock.lua`` with the lock rules every script shares (is the lock live, release a
-lock), and ``_append.lua``, the one append path. redis-py's ``Script`` objects run ``EVALSHA`` and
-reload the script on ``NOSCRIPT`` (after a Redis restart), so callers never see the difference.
+Each script declares the preludes it uses at its top, as bullmq's ``src/commands/*.lua`` do:
+``--- @include "_lock"``. A prelude may include others (``_append`` includes ``_lock`` and
+``_now``), and ``_constants`` is the block generated from Python (``NOBODY``), so both sides spell
+it alike. ``source`` resolves a script once (cached): every include it reaches, each once, in
+dependency order (an include before whatever includes it), then the script. So a script carries
+only what it calls: ``ledger.lua`` goes out as its own 0.7 KB, not behind 12 KB of preludes, and
+``touch.lua`` gets ``_now`` alone. An unknown include, a malformed include line or a cycle is an
+``IncludeError`` naming the chain, raised when the scripts are loaded (``Scripts(client)``), not
+on the first call of the script in production. ``tests/test_lua_includes.py`` checks that each
+file's includes are exactly the preludes whose helpers (or constants) it uses.
+
+Every script runs by SHA: redis-py's ``Script`` objects, ``queue_in`` and ``run_many`` send
+``EVALSHA`` and load the script on ``NOSCRIPT`` (first use on a Redis, or after a restart), so
+callers never see the difference.
 """
 
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -42,12 +51,9 @@ NAMES = (
     "delay_schedule",  # mqorder.store.delay: a delayed message waits beside its queue's log
     "delay_move",  # mqorder.store.delay: the mover appends due delayed messages, in order
     "key_commit",  # mqorder.consumer.key_request: a key-ordered run's fenced commit + offset map
+    "ledger",  # mqorder.consumer.ledger: the consumption ledger records of a pulled batch
 )
 
-
-#: Prepended to every script after the constants, in this order: the Redis clock, the shared lock
-#: rules, the shared append path (which may use the lock rules), then the rules of a fenced commit.
-PRELUDES = ("_now", "_lock", "_append", "_commit")
 
 #: A constant must stay a plain Lua string literal: no quote, backslash or line break to escape.
 _LUA_SAFE = re.compile(r"[^'\\\r\n]*")
@@ -69,11 +75,82 @@ def constants() -> str:
     return f"local NOBODY = {lua_string(keys.NOBODY)}\n"
 
 
+#: Includes generated from Python rather than read from a file: name -> the Lua it stands for.
+GENERATED: dict[str, Callable[[], str]] = {"_constants": constants}
+
+#: A line that means to be an include (bullmq's ``--- @include "name"``), strictly or not.
+_INCLUDE_LIKE = re.compile(r"^--+\s*@include\b.*$", re.MULTILINE)
+_INCLUDE = re.compile(r'--- @include "([A-Za-z0-9_]+)"')
+
+
+class IncludeError(ValueError):
+    """A ``--- @include`` that cannot be resolved: unknown, malformed, or part of a cycle."""
+
+
+def _read(name: str) -> str | None:
+    """The Lua text of ``name``: a generated block, a file of ``mqorder/store/lua``, else ``None``."""
+    if name in GENERATED:
+        return GENERATED[name]()
+    path = resources.files("mqorder.store") / "lua" / f"{name}.lua"
+    return path.read_text() if path.is_file() else None
+
+
+def includes(text: str, name: str) -> tuple[str, ...]:
+    """The includes ``text`` (of file ``name``) declares, in the order written.
+
+    A line that looks like an include but is not exactly ``--- @include "name"`` is refused rather
+    than skipped: skipped, it would leave a helper undefined and fail only when a script runs.
+    """
+    out = []
+    for line in _INCLUDE_LIKE.findall(text):
+        m = _INCLUDE.fullmatch(line.rstrip())
+        if m is None:
+            raise IncludeError(f'{name}.lua: malformed include line {line!r}; write it as --- @include "_lock"')
+        out.append(m.group(1))
+    return tuple(out)
+
+
+def include_order(name: str, read: Callable[[str], str | None] = _read) -> tuple[str, ...]:
+    """Everything script ``name`` includes, directly or not, each once, in dependency order.
+
+    Depth first, in the order the includes are written: a prelude comes after every prelude it
+    includes, so each helper is defined before the first line that calls it. ``read`` gives the
+    text of a name (``None``: unknown); the default reads ``mqorder/store/lua`` and ``GENERATED``.
+    """
+    order: list[str] = []
+    done: set[str] = set()
+
+    def visit(node: str, chain: tuple[str, ...]) -> None:
+        text = read(node)
+        if text is None:
+            if not chain:
+                raise IncludeError(f"no script {node!r}: there is no mqorder/store/lua/{node}.lua")
+            raise IncludeError(
+                f"{' -> '.join(chain)}: include {node!r} is neither mqorder/store/lua/{node}.lua nor a "
+                f"generated block ({', '.join(GENERATED)}); fix the --- @include line of {chain[-1]}.lua"
+            )
+        for dep in includes(text, node):
+            if dep in chain or dep == node:
+                cycle = " -> ".join((*chain[chain.index(dep):], node, dep) if dep in chain else (node, dep))
+                raise IncludeError(
+                    f"include cycle {cycle}: a prelude cannot include, directly or not, a file that "
+                    "includes it; move what both need into a prelude of its own"
+                )
+            if dep not in done:
+                visit(dep, (*chain, node))
+        if chain:  # the script itself is not one of its includes
+            done.add(node)
+            order.append(node)
+
+    visit(name, ())
+    return tuple(order)
+
+
 @cache
 def source(name: str) -> str:
-    lua = resources.files("mqorder.store") / "lua"
-    parts = [(lua / f"{p}.lua").read_text() for p in PRELUDES]
-    return "\n".join([constants(), *parts, (lua / f"{name}.lua").read_text()])
+    """Script ``name`` as sent to Redis: its resolved includes, each once, then the script itself."""
+    parts = [*include_order(name), name]
+    return "\n".join(_read(p) or "" for p in parts)
 
 
 class Scripts:

@@ -1,6 +1,10 @@
--- Prelude: the one append path (after _lock.lua, whose lock_live and request_pending it uses). Every script that stores messages (send.lua, and any script
+-- Prelude: the one append path (it includes _lock.lua, whose lock_live and request_pending it uses,
+-- and _now.lua for the store time). Every script that stores messages (send.lua, and any script
 -- that publishes staged messages) appends and wakes through these two functions, so offsets,
 -- idempotency and wake-ups follow one rule wherever messages enter a queue.
+
+--- @include "_now"
+--- @include "_lock"
 
 -- forget_expired(k_ids, k_exp, limit)
 --   Drops up to limit ids whose dedup window ended (ZSET k_exp: id -> expiry ms, Redis clock)

@@ -1,10 +1,13 @@
--- Prelude: the lock rules every script shares, prepended by store/scripts.py after _now.lua (and
--- after the generated constants: NOBODY, the assignee "no live client consumes this lane", comes
--- from mqorder.keys.NOBODY, so Lua and Python cannot disagree on it).
+-- Prelude: the lock rules the scripts share, written once. A script that judges or releases a lock
+-- includes it; it includes _now.lua, whose `now` ahead and request_pending compare against.
+-- (NOBODY, the assignee "no live client consumes this lane", is not here: it is generated from
+-- mqorder.keys.NOBODY as the _constants include, so Lua and Python cannot disagree on it.)
 --
 -- The fields of the per-queue state HASH (owner, lease, epoch, assignee, run, runner, pending,
 -- pend_until, offset), who writes and who reads each, are documented in one place: the docstring
 -- of mqorder.keys.sub_state.
+
+--- @include "_now"
 
 -- ahead(ms): a deadline field (lease, run) is still in the future by Redis's clock. A missing
 -- field (nil, or false from HMGET) counts as 0: never set, so never live.

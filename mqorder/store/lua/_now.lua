@@ -1,4 +1,4 @@
--- Prepended to every script: the current time in milliseconds by Redis's own clock, so leases
--- are never judged by a worker's clock.
+-- Prelude: the current time in milliseconds by Redis's own clock, so leases are never judged by a
+-- worker's clock. Included (store/scripts.py) by every script and prelude that reads `now`.
 local __t = redis.call('TIME')
 local now = tonumber(__t[1]) * 1000 + math.floor(tonumber(__t[2]) / 1000)

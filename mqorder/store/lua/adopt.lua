@@ -14,6 +14,8 @@
 -- ARGV[1] client  ARGV[2] token  ARGV[3] ttl_ms (pend_until = now + ttl)
 -- Returns {1, offset} (adopted, or already adopted with this token: pend_until renewed) or {0}.
 -- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead, request_pending: _lock.lua.
+--- @include "_now"
+--- @include "_lock"
 local st = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'assignee', 'run', 'pending', 'pend_until', 'offset')
 local client = ARGV[1]
 if st[1] ~= client or not ahead(st[2]) then return {0} end

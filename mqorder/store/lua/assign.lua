@@ -10,6 +10,9 @@
 -- ARGV[4 .. 3+d]  dead client ids, then per queue: assignee (NOBODY = no live client), token
 -- Returns  per queue: 'KEPT', 'BUSY', 'UNASSIGNED', 'MOVED' or 'DISPATCH'
 -- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead, release_lock: _lock.lua.
+--- @include "_constants"
+--- @include "_now"
+--- @include "_lock"
 local d = tonumber(ARGV[3])
 local dead = {}
 for i = 1, d do dead[ARGV[3 + i]] = true end

@@ -13,6 +13,8 @@
 --      or {'STALE'} (token superseded), {'BUSY'} (this token already running),
 --         {'NOT_LOCKED', owner, assignee}, {'REVOKED', assignee}
 -- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead: _lock.lua.
+--- @include "_now"
+--- @include "_lock"
 local st = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'epoch', 'assignee', 'offset', 'pending', 'run', 'runner',
   'done')
 if st[6] ~= ARGV[2] then return {'STALE'} end

@@ -20,6 +20,8 @@
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset}
 -- State HASH fields: see mqorder.keys.sub_state; commit_fence, count_skipped, drop_retries_below, commit_end:
 -- _commit.lua.
+--- @include "_now"
+--- @include "_commit"
 local new = tonumber(ARGV[4])
 local refused, st, cur = commit_fence(KEYS[1], ARGV[1], ARGV[2], ARGV[3], new)
 if refused then return refused end

@@ -7,6 +7,8 @@
 -- ARGV[1] at most this many per call   ARGV[2] pending_ttl_ms   ARGV[3] wake channel prefix
 -- ARGV[4..] per state key: token, wake payload
 -- Returns {moved, first offset, next due ms or -1, woken owner...}
+--- @include "_now"
+--- @include "_append"
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local rows = {}
 local gone = {}

@@ -9,6 +9,7 @@
 -- Returns {due ms}
 -- Members are a zero-padded per-queue sequence: messages due at the same ms keep their send order
 -- (a ZSET orders equal scores by member).
+--- @include "_now"
 local seq = redis.call('INCR', KEYS[3])
 local member = string.format('%015d', seq)
 local due = now + tonumber(ARGV[1])

@@ -19,6 +19,9 @@
 -- from its committed offset at once, so a send arriving now wakes nobody and needs no new Celery
 -- task (ended as 'done' then adopted in a second call, a send in between took the wake-up path).
 -- Otherwise it ends as 'done'.
+--- @include "_constants"
+--- @include "_now"
+--- @include "_lock"
 local st = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'pending', 'offset', 'assignee')
 if st[3] ~= ARGV[2] then return {'STALE'} end
 local client = ARGV[1]

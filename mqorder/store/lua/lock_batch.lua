@@ -7,6 +7,8 @@
 -- ARGV[1]  client id   ARGV[2] lock_lease_ms
 -- Returns  one epoch per queue, 0 where the lock was refused
 -- State HASH fields: see mqorder.keys.sub_state; lock_live: _lock.lua.
+--- @include "_now"
+--- @include "_lock"
 local client = ARGV[1]
 local lease_until = now + tonumber(ARGV[2])
 local out = {}

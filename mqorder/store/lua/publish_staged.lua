@@ -21,6 +21,7 @@
 -- rows go through the one append path (append_entries, idempotent by msg id, then wake_owners),
 -- and the published rows leave their runs (and the cursor moves) in the same atomic step: a commit
 -- interrupted between two calls resumes where it stopped, and rows it had stored are skipped by id.
+--- @include "_append"
 local k = tonumber(ARGV[1])
 local chunk = tonumber(ARGV[2])
 

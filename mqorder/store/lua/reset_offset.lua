@@ -22,6 +22,8 @@
 -- ARGV     one new offset per queue, in the order of KEYS
 -- Returns  per queue {old offset, new epoch, owner that held a live lock ('' if none)}
 -- State HASH fields: see mqorder.keys.sub_state; lock_live, release_lock: _lock.lua.
+--- @include "_now"
+--- @include "_lock"
 local out = {}
 for i = 1, #KEYS, 2 do
   local q = (i + 1) / 2

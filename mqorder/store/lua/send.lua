@@ -17,6 +17,8 @@
 -- Returns      {first_offset, store_ms, stored, {index, offset per duplicate...}, woken owner...}
 -- Replacing a token whose run lease lapsed mid-run also increments the epoch (see wake_owners).
 -- State HASH fields: see mqorder.keys.sub_state.
+--- @include "_now"
+--- @include "_append"
 local n = tonumber(ARGV[1])
 local windowed = ARGV[2] == '2'
 local idempotent = ARGV[2] == '1' or windowed

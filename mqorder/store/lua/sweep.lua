@@ -5,6 +5,8 @@
 -- ARGV[1]     client ('' = any owner)   ARGV[2] pending_ttl_ms   ARGV[3..] one token per queue
 -- Returns     flat list of (queue index (1-based), owner, token) for each queue to dispatch
 -- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead, request_pending: _lock.lua.
+--- @include "_now"
+--- @include "_lock"
 local out = {}
 for i = 1, #KEYS, 2 do
   local q = (i + 1) / 2

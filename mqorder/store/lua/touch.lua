@@ -7,6 +7,7 @@
 -- ARGV[4] run_lease_ms (0 = check only, renew nothing)  ARGV[5] lock_lease_ms
 -- Returns {1 if the caller's run is still current (owner, epoch and token) else 0, epoch, owner}
 -- State HASH fields: see mqorder.keys.sub_state.
+--- @include "_now"
 local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'pending')
 local ok = 0
 if st[1] == ARGV[1] and tonumber(st[2] or 0) == tonumber(ARGV[2]) and st[3] == ARGV[3] then

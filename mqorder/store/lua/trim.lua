@@ -22,6 +22,8 @@
 -- the queue's next offset, and 1 if more is due now (call again), else 0.
 -- Store times ('s' field) are Redis's clock at append, non-decreasing along a queue.
 
+--- @include "_now"
+
 local function offset_of(id)
   return tonumber(string.match(id, '^(%d+)'))
 end

@@ -6,6 +6,7 @@
 -- KEYS[1] transaction index (ZSET txid -> when to check it back)   KEYS[2] half messages (HASH)
 -- ARGV[1] at most this many   ARGV[2] recheck interval ms
 -- Returns flat {txid, header, body, checks (after this one), prepared ms} per claimed half message
+--- @include "_now"
 local due = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now, 'LIMIT', 0, tonumber(ARGV[1]))
 local out = {}
 for _, txid in ipairs(due) do

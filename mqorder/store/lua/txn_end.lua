@@ -12,6 +12,8 @@
 -- ARGV[5] outcome log length cap   ARGV[6] pending_ttl_ms   ARGV[7] wake channel prefix
 -- ARGV[8..] per state key: token, wake payload
 -- Returns {'COMMIT', offset, store ms, woken owner...}, {'ROLLBACK'} or {'GONE'} (already ended)
+--- @include "_now"
+--- @include "_append"
 local txid = ARGV[1]
 local half = redis.call('HMGET', KEYS[4], txid .. ':h', txid .. ':b', txid .. ':n')
 if not half[1] then

@@ -10,6 +10,7 @@
 -- KEYS[2] the queue's half messages (HASH "<txid>:h" header, ":b" body, ":n" checks, ":t" prepared ms)
 -- ARGV[1] txid (the message id)   ARGV[2] header JSON   ARGV[3] body   ARGV[4] transaction_timeout ms
 -- Returns {prepared ms}; preparing the same txid again changes nothing (a retried phase one).
+--- @include "_now"
 local txid = ARGV[1]
 if redis.call('ZSCORE', KEYS[1], txid) then
   return {tonumber(redis.call('HGET', KEYS[2], txid .. ':t') or now)}

@@ -12,6 +12,7 @@
 -- Returns {'OK', previous offset}, {'FENCED', current epoch, current owner},
 --         {'BACKWARD', committed offset} or {'ILLEGAL', next offset}
 -- State HASH fields: see mqorder.keys.sub_state.
+--- @include "_now"
 local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'offset', 'commit_ms')
 if st[1] ~= ARGV[1] or tonumber(st[2] or 0) ~= tonumber(ARGV[2]) then
   return {'FENCED', tonumber(st[2] or 0), st[1] or ''}

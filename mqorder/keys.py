@@ -375,10 +375,6 @@ def retry_topic(group: str) -> str:
     return f"{RETRY_PREFIX}{group}"
 
 
-def is_retry_topic(topic: str) -> bool:
-    return topic.startswith(RETRY_PREFIX)
-
-
 def stage_run(tag: str, job: str, run: int) -> str:
     """Rows that task ``run`` (a Spark partition) of write job ``job`` staged for one queue.
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any
 
 from mqorder import keys
 
@@ -73,10 +72,6 @@ class MessageExt:
     def message_queue(self) -> MessageQueue:
         return MessageQueue(self.topic, self.broker_name, self.queue_id)
 
-    @property
-    def store_size(self) -> int:
-        return len(self.body)
-
     def __repr__(self) -> str:
         return (
             f"MessageExt(topic={self.topic!r}, queue_id={self.queue_id}, offset={self.queue_offset}, "
@@ -98,15 +93,6 @@ class SendResult:
     message_queue: MessageQueue
     queue_offset: int
     store_timestamp: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "send_status": self.send_status.value,
-            "msg_id": self.msg_id,
-            "message_queue": self.message_queue.key,
-            "queue_offset": self.queue_offset,
-            "store_timestamp": self.store_timestamp,
-        }
 
 
 class ConsumeOrderlyStatus(enum.Enum):

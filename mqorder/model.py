@@ -81,6 +81,8 @@ class MessageExt:
 
 
 class SendStatus(enum.Enum):
+    """How a send ended (RocketMQ's SendStatus); a send that did not store its message raises instead."""
+
     SEND_OK = "SEND_OK"
 
 
@@ -118,5 +120,8 @@ class ConsumeConcurrentlyStatus(enum.Enum):
 
 
 class MessageModel(enum.Enum):
+    """CLUSTERING: a group's clients share its queues; BROADCASTING: every client consumes every queue,
+    with its own offsets (RocketMQ's MessageModel)."""
+
     CLUSTERING = "CLUSTERING"
     BROADCASTING = "BROADCASTING"

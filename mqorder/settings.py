@@ -52,7 +52,7 @@ class Settings(BaseSettings):
     #: ``redis://user:password@host`` for AUTH, ``unix:///path`` for a socket.
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: Celery's own broker; defaults to ``redis_url``. Redis or RabbitMQ (``amqp://``): it carries
-    #: only mqorder's tasks, the store stays in Redis (README: "Choosing Celery's broker").
+    #: only mqorder's tasks, the store stays in Redis (docs/OPERATING.md, "Choosing Celery's broker").
     celery_broker_url: str | None = None
     #: More named brokers, as JSON: ``{"broker-b": "redis://host:6380/0"}``.
     brokers: dict[str, str] = Field(default_factory=dict)

@@ -42,6 +42,9 @@ class RefusedContext:
 
 @dataclass
 class ConsumeMessageContext:
+    """What a ``ConsumeMessageHook`` sees of one listener call (RocketMQ's ConsumeMessageContext):
+    the group, queue, messages and fencing epoch, so tracing and metrics need no access to the engine."""
+
     consumer_group: str
     message_queue: MessageQueue
     msg_list: list[MessageExt]

@@ -31,6 +31,11 @@ from mqorder.testing.embedded import RedisServer, url_answers
 from mqorder.testing.launcher import BeatProcess, WorkerProcess, project_env
 
 EVENTS = ("created", "paid", "shipped", "delivered")
+#: The Celery app the demo's workers and beat run: the installed package's stock app, so the demo
+#: needs no checkout.
+DEMO_APP = "mqorder.app"
+#: The only listener module the demo's workers load (``MQORDER_LISTENERS``).
+DEMO_LISTENERS = "mqorder.examples.order_lifecycle"
 
 
 @dataclass
@@ -78,14 +83,17 @@ def run_demo(
             server = RedisServer().start()
             url = server.url
             console.print(f"no Redis at {settings.describe()['redis_url']}; started an embedded redis-server on {url}")
-        env = project_env(url, MQORDER_DEMO_TOPIC=topic, MQORDER_DEMO_GROUP=group)
+        # The workers load the demo listener because the demo names it, and nothing else: the
+        # caller's own MQORDER_LISTENERS would make them join the caller's groups too.
+        env = project_env(url, MQORDER_LISTENERS=DEMO_LISTENERS, MQORDER_DEMO_TOPIC=topic, MQORDER_DEMO_GROUP=group)
         producer = Producer(url)
         producer.create_topic(topic, queues=queues)
         r = redis.Redis.from_url(url)
         for i in range(workers):
-            w = WorkerProcess(f"demo{i + 1}-{run_id}", env=env, concurrency=concurrency, logfile=tmp / f"worker{i + 1}.log")
+            w = WorkerProcess(f"demo{i + 1}-{run_id}", env=env, app=DEMO_APP, concurrency=concurrency,
+                              logfile=tmp / f"worker{i + 1}.log")
             procs.append(w.start())
-        procs.append(BeatProcess(env=env, workdir=tmp / "beat", logfile=tmp / "beat.log").start())
+        procs.append(BeatProcess(env=env, app=DEMO_APP, workdir=tmp / "beat", logfile=tmp / "beat.log").start())
         for p in procs:
             if isinstance(p, WorkerProcess):
                 p.wait_registered(r, timeout=60)

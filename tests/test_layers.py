@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 #: Modules allowed to import Celery: the integration itself, and the entry points that start it.
-CELERY_SIDE = ("mqorder.celery", "mqorder.spark", "mqorder.cli", "mqorder.demo")
+CELERY_SIDE = ("mqorder.celery", "mqorder.spark", "mqorder.cli", "mqorder.demo", "mqorder.app")
 
 # Module names come from the files (pkgutil.walk_packages would import every package to walk it,
 # the Celery side included).

@@ -5,7 +5,7 @@
     app = Celery("workers")
     mqorder.celery.install(app)
 
-(the stock ``workers.app`` does exactly this).
+(the stock apps, ``mqorder.app`` and the checkout's ``workers.app``, do exactly this).
 """
 
 from mqorder.celery.setup import install

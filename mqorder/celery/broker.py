@@ -8,7 +8,7 @@ whatever it is. What each broker needs:
   task waiting out its countdown in worker memory, is redelivered after ``visibility_timeout``.
   Countdowns here are seconds (suspend-and-requeue), so an hour is far above any of them and a
   countdown task is never handed out twice. ``ack_emulation`` stays the application's choice
-  (the reference app turns it off: ``config/celeryconfig.py``).
+  (the stock workers turn it off: ``mqorder.celery.stock_config``).
 * **RabbitMQ** (py-amqp): acks, redelivery and per-worker queues are the broker's own. A
   delivered but unacked message goes back to its queue when the worker's connection closes
   (warm shutdown, ``kill -9``, a dropped link), so no visibility timeout exists and none is set;

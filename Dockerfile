@@ -14,10 +14,9 @@ RUN apt-get update \
 RUN python -m venv /opt/mqorder
 WORKDIR /src
 COPY pyproject.toml README.md ./
+# Only the package: the checkout's workers/, tasks/ and config/ (the reference app) are not
+# installed; the image runs the package's own stock app, mqorder.app.
 COPY mqorder ./mqorder
-COPY workers ./workers
-COPY tasks ./tasks
-COPY config ./config
 RUN /opt/mqorder/bin/pip install .
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
@@ -32,4 +31,4 @@ ENV PATH=/opt/mqorder/bin:$PATH \
 WORKDIR /home/mqorder
 USER 10001:10001
 # The stock worker; docker-compose.yml gives beat, flower, exporter and demo their own commands.
-CMD ["celery", "-A", "workers.app", "worker", "-n", "worker@%h", "--loglevel=INFO"]
+CMD ["celery", "-A", "mqorder.app", "worker", "-n", "worker@%h", "--loglevel=INFO"]

@@ -108,7 +108,7 @@ def test_two_workers_with_distinct_client_ids_and_exactly_one_beat(services: dic
     worker = services["worker"]
     assert worker["deploy"]["replicas"] == 2
     cmd = command(worker)
-    assert cmd[:4] == ["celery", "-A", "workers.app", "worker"]
+    assert cmd[:4] == ["celery", "-A", "mqorder.app", "worker"]
     assert cmd[cmd.index("-n") + 1] == "worker@%h", "each replica needs its own client id"
     assert "container_name" not in worker and "hostname" not in worker, "a fixed name forbids replicas"
     assert not {"-B", "--beat"} & set(cmd), "a worker must not embed a second beat"
@@ -120,7 +120,7 @@ def test_two_workers_with_distinct_client_ids_and_exactly_one_beat(services: dic
 
 def test_flower_requires_basic_auth_from_the_environment(services: dict[str, dict[str, Any]]) -> None:
     flower = services["flower"]
-    assert command(flower)[:4] == ["celery", "-A", "workers.app", "flower"]
+    assert command(flower)[:4] == ["celery", "-A", "mqorder.app", "flower"]
     assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?"), "auth must be required"
     assert any(str(p).endswith(":5555") for p in flower["ports"])
     assert "--tasks_columns=name,args,state,received,runtime,worker" in command(flower)
@@ -201,13 +201,16 @@ def test_docker_compose_config_accepts_the_file_with_env_example(tmp_path: Path)
 # -- the demo profile's workload, for real -------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_demo_workload_is_consumed_in_order_by_a_stock_worker(
     services: dict[str, dict[str, Any]], cluster: Cluster, r: redis.Redis, redis_url: str,
 ) -> None:
-    """The demo service's own script, run against a real Redis and a stock worker whose ``tasks``
-    listener consumes it: every lifecycle handled, none out of order."""
+    """The demo service's own script, run against a real Redis and a stock worker started, as the
+    compose file says, with the demo listener named in MQORDER_LISTENERS: every lifecycle handled,
+    none out of order."""
     topic, group = "orders-compose", "order-lifecycle-compose"
-    cluster.start_worker("cw1", MQORDER_DEMO_TOPIC=topic, MQORDER_DEMO_GROUP=group)
+    cluster.start_worker("cw1", MQORDER_LISTENERS="mqorder.examples.order_lifecycle", MQORDER_DEMO_TOPIC=topic,
+                         MQORDER_DEMO_GROUP=group)
     script = command(services["demo"])
     assert script[:2] == ["python", "-c"]
     env = cluster.env(MQORDER_DEMO_TOPIC=topic, MQORDER_DEMO_GROUP=group, DEMO_ORDERS="50", DEMO_QUEUES="4")
@@ -271,7 +274,7 @@ def test_dockerfile_ships_a_slim_non_root_image_without_compilers() -> None:
     build = " ".join(arg for stage in stages[:-1] for op, arg in stage if op == "RUN")
     assert re.search(r"pip install \.(\s|$)", build), "the repo is installed with `pip install .`"
     cmd = json.loads(next(arg for op, arg in final if op == "CMD"))
-    assert cmd[:4] == ["celery", "-A", "workers.app", "worker"]
+    assert cmd[:4] == ["celery", "-A", "mqorder.app", "worker"]
 
 
 def test_dockerignore_keeps_the_venv_and_git_out_of_the_build_context() -> None:

@@ -36,17 +36,17 @@ as it was sent (``retry.restore``).
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any
 
 from mqorder import keys
 from mqorder.consumer.concurrent_lanes import ConcurrentLanes
 from mqorder.consumer.context import ConsumeConcurrentlyContext
-from mqorder.consumer.hooks import ConsumeMessageContext, global_hooks, run_after, run_before
+from mqorder.consumer.hooks import global_hooks
 from mqorder.consumer.key_request import KeyConsumeRequest
 from mqorder.consumer.lane_workers import LaneResult, LaneWorkers
 from mqorder.consumer.ledger import LedgerOutcome
 from mqorder.consumer.listener import ListenerSpec, Ordering, get_listener
+from mqorder.consumer.listener_call import CONCURRENT, call_listener
 from mqorder.consumer.retry import restore
 from mqorder.consumer.run_types import SUCCESS, SUSPEND, Handled, LoopEnd, Stop
 from mqorder.model import ConsumeConcurrentlyStatus, MessageExt, MessageModel
@@ -122,34 +122,12 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
             ctx.ack_index = -1
             return Handled(SUSPEND)
         hooks = self.hooks if spec is self.spec else [*global_hooks(), *spec.hooks]
-        hook_ctx = None
-        if hooks:
-            hook_ctx = ConsumeMessageContext(spec.group, self.mq, msgs, self.epoch, self.client_id, self.run_id)
-            run_before(hooks, hook_ctx)
-        wall0 = time.time() if self.ledger is not None else 0.0
-        t0 = time.perf_counter()
-        try:
-            status = spec.func(msgs, ctx)
-        except Exception:
-            log.exception("listener %s raised on %s offsets %d..%d; its messages will be retried",
-                          spec.name, self.mq.key, msgs[0].queue_offset, msgs[-1].queue_offset)
-            status = RECONSUME_LATER
-        rt = (time.perf_counter() - t0) * 1000
-        if status is None:
-            status = RECONSUME_LATER
-        elif not isinstance(status, ConsumeConcurrentlyStatus):
-            log.warning("listener %s returned %r, not a ConsumeConcurrentlyStatus; treating it as RECONSUME_LATER",
-                        spec.name, status)
-            status = RECONSUME_LATER
+        status, rt, wall0 = call_listener(CONCURRENT, spec, hooks, self.mq, msgs, ctx, self.epoch, self.client_id,
+                                          self.run_id, self.ledger is not None)
         self._note_rt(rt)
         ok = status is CONSUME_SUCCESS
         if not ok:
             ctx.ack_index = -1
-        if hook_ctx is not None:
-            hook_ctx.status = status.value
-            hook_ctx.success = ok
-            hook_ctx.rt_ms = rt
-            run_after(hooks, hook_ctx)
         handled = Handled(SUCCESS if ok else SUSPEND)
         if self.ledger is not None:
             handled.start_ms, handled.end_ms = wall0 * 1000, wall0 * 1000 + rt

@@ -23,18 +23,12 @@ from mqorder import keys
 from mqorder.codec import decode_entries
 from mqorder.consumer.consumer_state import ConsumerState
 from mqorder.consumer.context import ConsumeOrderlyContext
-from mqorder.consumer.hooks import (
-    ConsumeMessageContext,
-    RefusedContext,
-    global_hooks,
-    run_after,
-    run_before,
-    run_refused,
-)
+from mqorder.consumer.hooks import RefusedContext, global_hooks, run_refused
 from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
 from mqorder.consumer.linger import LingeringReads
 from mqorder.consumer.listener import ListenerSpec
+from mqorder.consumer.listener_call import ORDERLY, call_listener
 from mqorder.consumer.nudge import idle_entry
 from mqorder.consumer.run_types import (
     BUDGET_REQUEUE_S,
@@ -44,7 +38,6 @@ from mqorder.consumer.run_types import (
     NOTHING,
     ROLLBACK,
     SUCCESS,
-    SUSPEND,
     Handled,
     LoopEnd,
     Outcome,
@@ -55,7 +48,7 @@ from mqorder.consumer.run_types import (
     Verb,
 )
 from mqorder.consumer.trimmed import TrimmedRanges, log_trimmed
-from mqorder.model import ConsumeOrderlyStatus, MessageExt, MessageQueue
+from mqorder.model import MessageExt, MessageQueue
 from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 from mqorder.store.replies import text
 from mqorder.tokens import new_token
@@ -329,32 +322,9 @@ class ConsumeRequest(LingeringReads):
 
     def _consume(self, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> Handled:
         """Hooks before, the listener, hooks after; anything but a status counts as a suspend."""
-        hook_ctx = None
-        if self.hooks:
-            hook_ctx = ConsumeMessageContext(self.spec.group, self.mq, msgs, self.epoch, self.client_id, self.run_id)
-            run_before(self.hooks, hook_ctx)
-        wall0 = time.time() if self.ledger is not None else 0.0
-        t0 = time.perf_counter()
-        try:
-            status = self.spec.func(msgs, ctx)
-        except Exception:
-            log.exception("listener %s raised on %s offsets %d..%d; suspending the queue",
-                          self.spec.name, self.mq.key, msgs[0].queue_offset, msgs[-1].queue_offset)
-            status = SUSPEND
-        rt = (time.perf_counter() - t0) * 1000
-        if status is None:
-            log.warning("listener %s returned None for %s; treating it as SUSPEND", self.spec.name, self.mq.key)
-            status = SUSPEND
-        elif not isinstance(status, ConsumeOrderlyStatus):
-            log.warning("listener %s returned %r, not a ConsumeOrderlyStatus; treating it as SUSPEND",
-                        self.spec.name, status)
-            status = SUSPEND
+        status, rt, wall0 = call_listener(ORDERLY, self.spec, self.hooks, self.mq, msgs, ctx, self.epoch,
+                                          self.client_id, self.run_id, self.ledger is not None)
         self._note_rt(rt)
-        if hook_ctx is not None:
-            hook_ctx.status = status.value
-            hook_ctx.success = status in (SUCCESS, COMMIT)
-            hook_ctx.rt_ms = rt
-            run_after(self.hooks, hook_ctx)
         if self.ledger is None:
             return Handled(status)
         return Handled(status, wall0 * 1000, wall0 * 1000 + rt)

@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo chaos bench lint install redis clean
+.PHONY: test demo docs chaos bench lint install redis clean
 
 $(STAMP): pyproject.toml
 	@command -v redis-server >/dev/null || { echo "installing redis-server"; \
@@ -29,7 +29,12 @@ install: $(STAMP)
 test: $(STAMP)
 	$(BIN)/ruff check mqorder workers tasks config tests bench chaos
 	$(BIN)/mypy
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q
 	$(BIN)/python -m pytest -q tests
+
+# The docs site (mkdocs.yml) into site/; --strict: a broken link, anchor or API reference fails.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -d site
 
 demo: $(STAMP)
 	$(BIN)/mqorder demo

@@ -21,6 +21,8 @@ from mqorder.testing.launcher import WorkerProcess
 from tests import user_listeners
 from tests.support import ROOT, Cluster, wait_for
 
+pytestmark = pytest.mark.e2e
+
 STOCK_APPS = ("workers.app", "mqorder.app")
 
 

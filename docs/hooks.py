@@ -102,15 +102,16 @@ def _constraints(field: Any) -> str:
     return ", ".join(found)
 
 
-def settings_table() -> str:
-    """The Markdown table of every setting; raises ``PluginError`` naming each field without a doc."""
-    from mqorder.settings import Settings
-
-    docs = field_docs(SETTINGS_PY.read_text())
+def settings_table(model: Any = None, source: str | None = None) -> str:
+    """The Markdown table of every field of ``model`` (``Settings``), documented from ``source`` (its
+    module's text); raises ``PluginError`` naming each field without a doc."""
+    if model is None:
+        from mqorder.settings import Settings as model
+    docs = field_docs(SETTINGS_PY.read_text() if source is None else source)
     rows = ["| variable | type | default | allowed | what it does |", "|---|---|---|---|---|"]
     missing = []
-    prefix = Settings.model_config.get("env_prefix", "")
-    for name, field in Settings.model_fields.items():
+    prefix = model.model_config.get("env_prefix", "")
+    for name, field in model.model_fields.items():
         info = docs.get(name, {"type": str(field.annotation), "doc": "", "trailing": ""})
         doc = field.description or info["doc"] or info["trailing"]
         if not doc:

@@ -194,6 +194,9 @@ def on_page_content(html: str, page: Any, config: Any, files: Files) -> str:
     if arch is None:
         return html
     href = get_relative_url(arch.url, page.url)
+    # Docstrings introduce literal blocks the reStructuredText way ("text::"); Markdown already shows
+    # the indented block as code, so the marker goes: a lone "::" paragraph, or "::" ending one, as ":".
+    html = re.sub(r"<p>::</p>\s*", "", html).replace("::</p>", ":</p>")
     # Only text between tags, and not inside a link or a code span already.
     parts = re.split(r"(<[^>]+>)", html)
     depth = 0

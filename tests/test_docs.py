@@ -128,3 +128,11 @@ def test_no_absolute_machine_path(path: str) -> None:
     hits = [f"{n}: {line.strip()[:120]}" for n, line in enumerate((ROOT / path).read_text().splitlines(), 1)
             if MACHINE_PATH.search(line)]
     assert not hits, f"{path} names paths of the machine that wrote it: {hits}"
+
+
+def test_readme_links_resolve() -> None:
+    """The README is read on a forge, not in the site: its relative links must name files that exist."""
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    local = [t for t in targets if "://" not in t]
+    assert local, "no relative link found in README.md: the scan is broken"
+    assert not [t for t in local if not (ROOT / t).exists()]

@@ -104,7 +104,7 @@ def measure(cfg: Config, spec: KeysSpec, messages: int, timeout: float = 600.0) 
         env = mq_env(srv.url, topic=topic, group=group, mode="sleep", lanes=3,
                      BENCH_SLEEP_MS=str(SLEEP_MS), BENCH_ORDERING=spec.ordering, BENCH_FAIL_KEY=FAIL_KEY,
                      BENCH_FAIL_LANES="2", BENCH_MAX_RECONSUME=str(MAX_RECONSUME), BENCH_SUSPEND_MS=str(SUSPEND_MS),
-                     MQORDER_REBALANCE_INTERVAL="3600")
+                     MQORDER_REBALANCE_INTERVAL_MS="3600000")
         names = [f"{spec.tag}-w{i}" for i in range(2)]
         log(f"keys {spec.tag}: starting 2 workers -P {spec.pool} -c {spec.concurrency}, ordering={spec.ordering}")
         ws = start_mq_workers(st, srv.url, names, env, spec.concurrency, cfg.logdir / f"keys-{spec.tag}",

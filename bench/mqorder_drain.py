@@ -87,7 +87,7 @@ def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
             MQORDER_CONSUME_MESSAGE_BATCH_MAX_SIZE=str(spec.batch_max),
             MQORDER_PULL_BATCH_SIZE=str(spec.pull),
             # No periodic rebalance during a run: the run's own kick is the only one.
-            MQORDER_REBALANCE_INTERVAL="3600",
+            MQORDER_REBALANCE_INTERVAL_MS="3600000",
             **spec.env,
             **broker_env(broker, srv.url),
         )

@@ -262,7 +262,7 @@ class Report:
             out.append(f"- **Decode**: `decode_entries` costs **{dec:.2f} µs per message** here (JSON header parse, "
                        "type checks, `MessageExt`); the raw ceiling with decoding added is shown above.")
         out.append("- **Celery task overhead**: one `consume_request` task runs per queue per drain (a run keeps "
-                   "consuming until its queue is empty or `max_time_consume_continuously` elapses), so tasks per "
+                   "consuming until its queue is empty or `max_time_consume_continuously_ms` elapses), so tasks per "
                    "message is ~queues/messages; the Celery cost is per run, not per message.")
         for b in (1, 32):
             prof = f.costs.get(f"profile_b{b}")

@@ -1,7 +1,7 @@
 """Retention under a steady load: Redis memory stays bounded, and trimming costs consumers little.
 
 *Steady*: one stock worker pair (prefork) consumes a 16-queue topic with ``retention_ms`` 30 s
-(time policy, the default pass every ``MQORDER_RETENTION_INTERVAL`` = 5 s) while this process
+(time policy, the default pass every ``MQORDER_RETENTION_INTERVAL_MS`` = 5000) while this process
 sends 1 KiB bodies at a steady rate (5,000 msg/s) for 5 minutes with ``send_orderly_batch`` every
 50 ms. Redis's own ``used_memory`` is sampled every second. The *working set* is what the first
 ``retention_ms`` of traffic added to ``used_memory`` (nothing can be trimmed before then); the
@@ -95,8 +95,8 @@ def drain_cost(cfg: Config, *, messages: int, runs: int, concurrency: int) -> di
     """Drain rate with trimming right behind the consumers vs without, alternating."""
     modes = {
         "on": {"MQORDER_RETENTION_POLICY": "consumed", "MQORDER_RETENTION_MIN_MS": "0",
-               "MQORDER_RETENTION_INTERVAL": "1"},
-        "off": {"MQORDER_RETENTION_INTERVAL": "3600"},
+               "MQORDER_RETENTION_INTERVAL_MS": "1000"},
+        "off": {"MQORDER_RETENTION_INTERVAL_MS": "3600000"},
     }
     out: dict[str, list[dict[str, Any]]] = {m: [] for m in modes}
     for run in range(runs):

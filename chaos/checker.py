@@ -92,8 +92,9 @@ class RunData:
     suspend_s: float
     #: Scenario-specific checks to enforce: "failover_target", "poison_bound", "beat", "stall_bound".
     enforce: set[str] = field(default_factory=set)
-    pending_ttl: float = 10.0
-    sweep_interval: float = 2.0
+    #: The run's MQORDER_PENDING_TTL_MS and MQORDER_SWEEP_INTERVAL_MS, in seconds like every time here.
+    pending_ttl_s: float = 10.0
+    sweep_interval_s: float = 2.0
     failover_target: float = 5.0
     #: The listener's ordering: "queue" (RocketMQ's), "key" (``key_request``) or "concurrent"
     #: (``@concurrent_listener``); see the module docstring for what changes in the checks.
@@ -625,7 +626,7 @@ def _stall(data: RunData, entries: list[Entry], r: Result) -> None:
                 r.problems.append(f"queue {q} never had a listener call after its task was taken at {t:.3f}")
             else:
                 r.lost_task_recovery.append(round(nxt - t, 2))
-    bound = data.pending_ttl + 2 * data.sweep_interval + STALL_SLACK
+    bound = data.pending_ttl_s + 2 * data.sweep_interval_s + STALL_SLACK
     worst_rec = max(r.lost_task_recovery, default=0.0)
     if "stall_bound" in data.enforce and worst_rec > bound:
         r.problems.append(f"a queue resumed {worst_rec}s after its ConsumeRequest task was lost (bound: "

@@ -69,7 +69,7 @@ class Cluster:
             k.removeprefix("MQORDER_").lower(): v for k, v in self.env_extra.items() if k.startswith("MQORDER_")
         })
         brokers = BrokerRegistry(url)
-        locks = RebalanceLockManager(brokers, self.settings.ms(self.settings.lock_max_live_time))
+        locks = RebalanceLockManager(brokers, self.settings.lock_max_live_time_ms)
         p = Producer(url)
         p.create_topic(TOPIC, queues=self.n_queues)
         mqs = p.describe_topic(TOPIC).message_queues

@@ -20,14 +20,14 @@ from mqorder.testing.rabbit_vhost import RabbitVhost
 
 #: The lock lease variant: a 6 s lease renewed every 2 s, so a pause or a beat outage of 10-15 s
 #: is longer than the lease itself, not only longer than the 3 s heartbeat timeout.
-SHORT_LEASE = {"MQORDER_LOCK_MAX_LIVE_TIME": "6", "MQORDER_LOCK_INTERVAL": "2"}
+SHORT_LEASE = {"MQORDER_LOCK_MAX_LIVE_TIME_MS": "6000", "MQORDER_LOCK_INTERVAL_MS": "2000"}
 #: The key-order variant (issue 14): the chaos listener with ``ordering="key"``; the checker then
 #: holds order and overlap per key (``chaos.checker``).
 KEY_ORDER = {listeners.ORDERING_ENV: "key"}
 #: The concurrent variant (issue 15): the chaos listener as ``@concurrent_listener``, retries every
 #: second (so a poison message reaches the DLQ after 3 retries within the run).
 CONCURRENT = {listeners.ORDERING_ENV: "concurrent", "MQORDER_MESSAGE_DELAY_LEVEL": " ".join(["1s"] * 18),
-              "MQORDER_DELAY_MOVE_INTERVAL": "0.2"}
+              "MQORDER_DELAY_MOVE_INTERVAL_MS": "200"}
 
 
 @dataclass
@@ -251,7 +251,7 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              sigstop_lease, env=dict(SHORT_LEASE)),
     Scenario("sigstop-child", "SIGSTOP of one pool process inside a listener call for 12 s, past its 5 s run "
              "lease (the worker's main process keeps heartbeating)", sigstop_pool_process,
-             env={"MQORDER_RUN_LEASE": "5"}),
+             env={"MQORDER_RUN_LEASE_MS": "5000"}),
     Scenario("redis-always", "Redis SIGKILLed and restarted from its AOF (appendfsync always)", redis_restart,
              fsync="always"),
     Scenario("redis-everysec", "Redis SIGKILLed and restarted from its AOF (appendfsync everysec)",
@@ -264,16 +264,16 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("poison", "poison messages that always SUSPEND (max_reconsume_times=3, 1 s suspend)", poison,
              enforce={"poison_bound"}),
     Scenario("beat", "beat killed past the 6 s lease and restarted; then two beats at once", beat,
-             env={**SHORT_LEASE, "MQORDER_REBALANCE_INTERVAL": "5"}, enforce={"beat"}),
+             env={**SHORT_LEASE, "MQORDER_REBALANCE_INTERVAL_MS": "5000"}, enforce={"beat"}),
     Scenario("retention", "consumed-policy trimming right behind the commits (every 1 s, 50-entry chunks) "
              "with kill -9 of queue owners", retention,
              env={"MQORDER_RETENTION_POLICY": "consumed", "MQORDER_RETENTION_MS": "5000",
-                  "MQORDER_RETENTION_MIN_MS": "0", "MQORDER_RETENTION_INTERVAL": "1",
+                  "MQORDER_RETENTION_MIN_MS": "0", "MQORDER_RETENTION_INTERVAL_MS": "1000",
                   "MQORDER_RETENTION_TRIM_CHUNK": "50"}),
     Scenario("transactions", "transactional producers killed -9 between the phases, checkers answering UNKNOWN, "
              "a worker kill", transactions, env=dict(TXN_ENV)),
     Scenario("all", "all of the above together (6 s lease, appendfsync always)", everything, fsync="always",
-             env={**SHORT_LEASE, "MQORDER_REBALANCE_INTERVAL": "5"}),
+             env={**SHORT_LEASE, "MQORDER_REBALANCE_INTERVAL_MS": "5000"}),
     Scenario("keys-kill", "key order: kill -9 of a queue owner, repeatedly, with restarts", kill_loop,
              env=dict(KEY_ORDER)),
     Scenario("keys-sigstop-lease", "key order: SIGSTOP past the lock lease (6 s lease, 10 s pause) inside "
@@ -343,7 +343,7 @@ def _run_data(sc: Scenario, c: Cluster, drained: bool) -> RunData:
         refusals=ev.refusals(), published=ev.published(), beats=c.procs.beat_roles,
         drained=drained, batch=settings.pull_batch_size, max_reconsume=listeners.MAX_RECONSUME,
         suspend_s=listeners.SUSPEND_MS / 1000, enforce=set(sc.enforce),
-        pending_ttl=settings.pending_ttl, sweep_interval=settings.sweep_interval,
+        pending_ttl_s=settings.pending_ttl_ms / 1000, sweep_interval_s=settings.sweep_interval_ms / 1000,
         ordering=sc.env.get(listeners.ORDERING_ENV, "queue"),
         # What a key-ordered run may finish between two commits (a crash redelivers it).
         dup_bound=(uncommitted_bound(settings.pull_batch_size, settings.key_concurrency,

@@ -46,7 +46,7 @@ INTENTS = "tx:intents"
 #: land between the intent and the local state, which no real producer can tell apart either).
 STOP = "tx:stop"
 #: The settings the scenario runs with: quick check-backs, so the drain does not wait minutes.
-ENV = {"MQORDER_TRANSACTION_TIMEOUT": "2", "MQORDER_TRANSACTION_CHECK_INTERVAL": "1",
+ENV = {"MQORDER_TRANSACTION_TIMEOUT_MS": "2000", "MQORDER_TRANSACTION_CHECK_INTERVAL_MS": "1000",
        "MQORDER_TRANSACTION_CHECK_MAX": "5"}
 
 _r: redis.Redis | None = None

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import ipaddress
 import json
+import os
 import re
+from collections.abc import Mapping
+from enum import StrEnum
 from functools import lru_cache
 from typing import Any
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from mqorder.client.dedup import DedupDerive
 from mqorder.errors import ConfigError
-from mqorder.retention.policy import RetentionPolicy, RetentionRule, check_policy
+from mqorder.rebalance.allocate import DEFAULT_VIRTUAL_NODES, AllocateStrategy
+from mqorder.retention.policy import RetentionPolicy, RetentionRule
 from mqorder.store.brokers import celery_transport, check_celery_broker_url, check_redis_url, redact_url
 
-DEDUP_DERIVE = ("none", "msg_id", "content")
 _DELAY_UNITS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
@@ -38,7 +42,56 @@ def parse_delay_levels(text: str) -> list[int]:
     return out
 
 
-ALLOCATE_STRATEGIES = ("averagely", "averagely_by_circle", "by_config", "by_machine_room", "consistent_hash")
+#: Settings renamed when every duration became integer milliseconds: old name -> (new name, factor
+#: from the old unit to ms). An old variable still set must stop the start, not be ignored: a
+#: worker silently back on the defaults (a 3 s liveness instead of the 30 s you chose) is worse.
+RENAMED: dict[str, tuple[str, int]] = {
+    **{old: (f"{old}_ms", 1000) for old in (
+        "lock_max_live_time", "lock_interval", "client_lock_expire", "rebalance_interval", "heartbeat_interval",
+        "heartbeat_timeout", "sweep_interval", "pending_ttl", "run_lease", "max_time_consume_continuously",
+        "retention_interval", "send_msg_timeout", "dedup_window", "delay_move_interval", "transaction_timeout",
+        "transaction_check_interval",
+    )},
+    "suspend_current_queue_time_millis": ("suspend_current_queue_time_ms", 1),
+}
+ENV_PREFIX = "MQORDER_"
+
+
+def _in_ms(value: object, factor: int) -> str:
+    """The old value in the new unit, as the user should write it; ``<milliseconds>`` if it does not parse."""
+    try:
+        ms = float(str(value).strip()) * factor
+    except ValueError:
+        return "<milliseconds>"
+    return str(round(ms))
+
+
+def renamed_settings(environ: Mapping[str, str], given: Mapping[str, object]) -> list[str]:
+    """One message per renamed setting still used, as a variable or a keyword, naming its
+    replacement and the value converted to it."""
+    upper = {k.upper(): v for k, v in environ.items()}
+    out = []
+    for old, (new, factor) in RENAMED.items():
+        old_var, new_var = f"{ENV_PREFIX}{old.upper()}", f"{ENV_PREFIX}{new.upper()}"
+        if old_var in upper:
+            out.append(f"{old_var} was renamed {new_var} (milliseconds): set "
+                       f"{new_var}={_in_ms(upper[old_var], factor)} and remove {old_var}")
+        if old in given:
+            out.append(f"setting {old!r} was renamed {new!r} (milliseconds): pass "
+                       f"{new}={_in_ms(given[old], factor)}")
+    return out
+
+
+def _choice(enum: type[StrEnum], value: object, what: str) -> object:
+    """Normalise a string choice (``Averagely-By-Circle``) and refuse an unknown one listing the choices."""
+    if isinstance(value, enum) or not isinstance(value, str):
+        return value
+    v = value.strip().lower().replace("-", "_")
+    if v not in enum.__members__.values():
+        raise ValueError(f"unknown {what} {v!r}; choose one of {', '.join(m.value for m in enum)}")
+    return enum(v)
+
+
 #: A DNS host name (RFC 1123 labels), for ``metrics_addr`` when it is not an IP address.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME_RE = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*")
@@ -62,32 +115,32 @@ class Settings(BaseSettings):
     # -- rebalance and locks (RocketMQ defaults) ------------------------------------------------
     #: How a rebalance shares a topic's queues among a group's live clients: ``averagely``,
     #: ``averagely_by_circle``, ``by_config``, ``by_machine_room`` or ``consistent_hash`` (RocketMQ's five).
-    allocate_strategy: str = "averagely"
+    allocate_strategy: AllocateStrategy = AllocateStrategy.AVERAGELY
     #: ByConfig: JSON ``{"client id": ["topic:broker:qid", ...]}``.
     allocate_config: dict[str, list[str]] = Field(default_factory=dict)
     #: ByMachineRoom: JSON list of consuming machine rooms; a broker named ``room@name`` is in ``room``.
     allocate_machine_rooms: list[str] = Field(default_factory=list)
     #: ConsistentHash: virtual nodes per client on the hash ring.
-    consistent_hash_virtual_nodes: int = Field(10, ge=1, le=1000)
-    #: Seconds a queue lock (lease) lives without renewal (RocketMQ's broker lockMaxLiveTime).
-    lock_max_live_time: float = Field(60.0, gt=0, le=3600)  # broker lockMaxLiveTime
-    #: Seconds between two renewals of a client's locks, ``lock_all`` (REBALANCE_LOCK_INTERVAL).
-    lock_interval: float = Field(20.0, gt=0, le=3600)  # REBALANCE_LOCK_INTERVAL
-    #: Seconds a client trusts its own lock without asking Redis again, capped at half the
-    #: heartbeat timeout (the client's REBALANCE_LOCK_MAX_LIVE_TIME).
-    client_lock_expire: float = Field(30.0, gt=0, le=3600)  # REBALANCE_LOCK_MAX_LIVE_TIME
-    #: Seconds between beat's rebalances (workers also rebalance at once on a join or a leave).
-    rebalance_interval: float = Field(20.0, gt=0, le=3600)
-    #: Seconds between two heartbeats of a client (liveness, for fast failover).
-    heartbeat_interval: float = Field(1.0, gt=0, le=60)
-    #: Seconds without a heartbeat after which a client counts as gone and its queues move at once.
-    heartbeat_timeout: float = Field(3.0, gt=0, le=600)
-    #: Seconds between two sweeps for queues with a backlog and no live ConsumeRequest (lost tasks).
-    sweep_interval: float = Field(2.0, gt=0, le=600)
-    #: How long a dispatched but not yet started ConsumeRequest may wait before the sweep replaces it.
-    pending_ttl: float = Field(10.0, gt=0, le=3600)
-    #: How long a running ConsumeRequest's claim lives without a fenced call renewing it.
-    run_lease: float = Field(60.0, gt=0, le=3600)
+    consistent_hash_virtual_nodes: int = Field(DEFAULT_VIRTUAL_NODES, ge=1, le=1000)
+    #: Milliseconds a queue lock (lease) lives without renewal (RocketMQ's broker lockMaxLiveTime, 60 s).
+    lock_max_live_time_ms: int = Field(60_000, gt=0, le=3_600_000)  # broker lockMaxLiveTime
+    #: Milliseconds between two renewals of a client's locks, ``lock_all`` (REBALANCE_LOCK_INTERVAL, 20 s).
+    lock_interval_ms: int = Field(20_000, gt=0, le=3_600_000)  # REBALANCE_LOCK_INTERVAL
+    #: Milliseconds a client trusts its own lock without asking Redis again, capped at half the
+    #: heartbeat timeout (the client's REBALANCE_LOCK_MAX_LIVE_TIME, 30 s).
+    client_lock_expire_ms: int = Field(30_000, gt=0, le=3_600_000)  # REBALANCE_LOCK_MAX_LIVE_TIME
+    #: Milliseconds between beat's rebalances (workers also rebalance at once on a join or a leave).
+    rebalance_interval_ms: int = Field(20_000, gt=0, le=3_600_000)
+    #: Milliseconds between two heartbeats of a client (liveness, for fast failover).
+    heartbeat_interval_ms: int = Field(1000, gt=0, le=60_000)
+    #: Milliseconds without a heartbeat after which a client counts as gone and its queues move at once.
+    heartbeat_timeout_ms: int = Field(3000, gt=0, le=600_000)
+    #: Milliseconds between two sweeps for queues with a backlog and no live ConsumeRequest (lost tasks).
+    sweep_interval_ms: int = Field(2000, gt=0, le=600_000)
+    #: Milliseconds a dispatched but not yet started ConsumeRequest may wait before the sweep replaces it.
+    pending_ttl_ms: int = Field(10_000, gt=0, le=3_600_000)
+    #: Milliseconds a running ConsumeRequest's claim lives without a fenced call renewing it.
+    run_lease_ms: int = Field(60_000, gt=0, le=3_600_000)
 
     # -- consumption (RocketMQ defaults) --------------------------------------------------------
     #: Messages read per pull (one Redis call), RocketMQ's pullBatchSize.
@@ -96,10 +149,10 @@ class Settings(BaseSettings):
     consume_message_batch_max_size: int = Field(1, ge=1, le=1024)
     #: Flow control: most messages held in a queue's ProcessQueue at once (pullThresholdForQueue).
     pull_threshold_for_queue: int = Field(1000, ge=1)
-    #: How long a queue waits before a suspended batch is retried, in ms (suspendCurrentQueueTimeMillis).
-    suspend_current_queue_time_millis: int = Field(1000, ge=10, le=30000)
-    #: Seconds a ConsumeRequest may run before it yields its slot (MAX_TIME_CONSUME_CONTINUOUSLY).
-    max_time_consume_continuously: float = Field(60.0, gt=0, le=3600)
+    #: Milliseconds a queue waits before a suspended batch is retried (suspendCurrentQueueTimeMillis).
+    suspend_current_queue_time_ms: int = Field(1000, ge=10, le=30_000)
+    #: Milliseconds a ConsumeRequest may run before it yields its slot (MAX_TIME_CONSUME_CONTINUOUSLY, 60 s).
+    max_time_consume_continuously_ms: int = Field(60_000, gt=0, le=3_600_000)
     #: Retries of a failing message before it goes to ``%DLQ%<group>`` (``-1``: never).
     max_reconsume_times: int = Field(16, ge=-1)
     #: How long a drained ConsumeRequest waits for more messages before ending its run, while its
@@ -133,15 +186,15 @@ class Settings(BaseSettings):
     #: Default retention of every topic that did not choose its own (RocketMQ's fileReservedTime,
     #: 72 h): ``time`` trims what is older, consumed or not; ``consumed`` only what every group
     #: holding the topic has consumed (see ``mqorder.retention.policy``).
-    retention_policy: str = "time"
+    retention_policy: RetentionPolicy = RetentionPolicy.TIME
     #: Default retention in ms of topics that set none (72 h); ledger records older than it are trimmed too.
     retention_ms: int = Field(72 * 3600 * 1000, ge=1000, le=366 * 24 * 3600 * 1000)
     #: ``consumed`` keeps at least this long of consumed messages, for replay.
     retention_min_ms: int = Field(3600 * 1000, ge=0, le=366 * 24 * 3600 * 1000)
     #: Most messages kept per queue (0: no cap).
     retention_max_messages: int = Field(0, ge=0)
-    #: How often a worker's housekeeping runs a trim pass (one worker per interval does it).
-    retention_interval: float = Field(5.0, gt=0, le=3600)
+    #: Milliseconds between two trim passes of a worker's housekeeping (one worker per interval does it).
+    retention_interval_ms: int = Field(5000, gt=0, le=3_600_000)
     #: Entries one trim script call removes at most: bounds how long Redis is busy (a few ms).
     retention_trim_chunk: int = Field(500, ge=1, le=100_000)
     #: Start workers and producers on a Redis whose ``maxmemory-policy`` may evict keys (an evicted
@@ -161,31 +214,39 @@ class Settings(BaseSettings):
     # -- producing -------------------------------------------------------------------------------
     #: Largest body a producer accepts, in bytes (4 MiB); larger ones are refused with a clear error.
     max_message_size: int = Field(4 * 1024 * 1024, ge=1, le=512 * 1024 * 1024)
-    #: Seconds a producer waits for one send (sendMsgTimeout).
-    send_msg_timeout: float = Field(3.0, gt=0, le=600)
+    #: Milliseconds a producer waits for one send (sendMsgTimeout, 3 s).
+    send_msg_timeout_ms: int = Field(3000, gt=0, le=600_000)
     #: Extra attempts of a failed send, on another broker where there is one (retryTimesWhenSendFailed).
     retry_times_when_send_failed: int = Field(2, ge=0, le=16)
-    #: How long a producer dedup key is remembered per queue (SQS FIFO's 5 minutes): a resend of
+    #: Milliseconds a producer dedup key is remembered per queue (SQS FIFO's 5 minutes): a resend of
     #: the same key within it returns the first send's result and stores nothing.
-    dedup_window: float = Field(300.0, gt=0, le=86_400)
+    dedup_window_ms: int = Field(300_000, gt=0, le=86_400_000)
     #: The dedup key of a send that names none: ``none`` (only ``dedup_key=`` deduplicates),
     #: ``msg_id`` (every send is keyed by its own id: the producer's retries never duplicate) or
     #: ``content`` (the body's SHA-256, SQS's content-based deduplication).
-    dedup_derive: str = "none"
+    dedup_derive: DedupDerive = DedupDerive.NONE
 
     # -- delay messages (RocketMQ's messageDelayLevel) -----------------------------------------
     #: The delay of each ``delay_time_level`` (1 = the first), RocketMQ's broker default.
     message_delay_level: str = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
-    #: How often each worker's client moves due delayed messages into their queues (a client duty).
-    delay_move_interval: float = Field(1.0, gt=0, le=3600)
+    #: Milliseconds between two moves of due delayed messages into their queues by each worker's client.
+    delay_move_interval_ms: int = Field(1000, gt=0, le=3_600_000)
 
     # -- transactional messages (RocketMQ's broker defaults) -----------------------------------
-    #: A half message is first checked back this long after phase one (transactionTimeout).
-    transaction_timeout: float = Field(6.0, gt=0, le=86_400)
+    #: Milliseconds after phase one before a half message is first checked back (transactionTimeout, 6 s).
+    transaction_timeout_ms: int = Field(6000, gt=0, le=86_400_000)
     #: Checked back at most this many times, then rolled back with that reason (transactionCheckMax).
     transaction_check_max: int = Field(15, ge=1, le=1000)
-    #: How often the check-back beat task runs (transactionCheckInterval).
-    transaction_check_interval: float = Field(60.0, gt=0, le=86_400)
+    #: Milliseconds between two runs of the check-back beat task (transactionCheckInterval, 60 s).
+    transaction_check_interval_ms: int = Field(60_000, gt=0, le=86_400_000)
+
+    def __init__(self, **values: Any) -> None:
+        # Checked before pydantic reads anything: with ``extra="ignore"`` it would drop an old name
+        # without a word, and its own errors would blame the settings rather than the variable.
+        problems = renamed_settings(os.environ, values)
+        if problems:
+            raise ConfigError("invalid mqorder settings:\n  " + "\n  ".join(problems))
+        super().__init__(**values)
 
     @field_validator("redis_url")
     @classmethod
@@ -206,28 +267,20 @@ class Settings(BaseSettings):
             check_redis_url(url, f"MQORDER_BROKERS[{name!r}]")
         return v
 
-    @field_validator("allocate_strategy")
+    @field_validator("allocate_strategy", mode="before")
     @classmethod
-    def _strategy(cls, v: str) -> str:
-        v = v.strip().lower().replace("-", "_")
-        if v not in ALLOCATE_STRATEGIES:
-            raise ValueError(f"unknown strategy {v!r}; choose one of {', '.join(ALLOCATE_STRATEGIES)}")
-        return v
+    def _strategy(cls, v: object) -> object:
+        return _choice(AllocateStrategy, v, "strategy")
 
-    @field_validator("retention_policy")
+    @field_validator("retention_policy", mode="before")
     @classmethod
-    def _retention_policy(cls, v: str) -> str:
-        try:
-            return check_policy(v).value
-        except ConfigError as exc:
-            raise ValueError(str(exc)) from None
-    @field_validator("dedup_derive")
+    def _retention_policy(cls, v: object) -> object:
+        return _choice(RetentionPolicy, v, "retention policy")
+
+    @field_validator("dedup_derive", mode="before")
     @classmethod
-    def _dedup_derive(cls, v: str) -> str:
-        v = v.strip().lower().replace("-", "_")
-        if v not in DEDUP_DERIVE:
-            raise ValueError(f"unknown dedup key derivation {v!r}; choose one of {', '.join(DEDUP_DERIVE)}")
-        return v
+    def _dedup_derive(cls, v: object) -> object:
+        return _choice(DedupDerive, v, "dedup key derivation")
 
     @field_validator("message_delay_level")
     @classmethod
@@ -271,27 +324,26 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _relations(self) -> Settings:
-        if self.heartbeat_timeout <= self.heartbeat_interval:
+        if self.heartbeat_timeout_ms <= self.heartbeat_interval_ms:
             raise ValueError(
-                f"heartbeat_timeout ({self.heartbeat_timeout}s) must be longer than heartbeat_interval "
-                f"({self.heartbeat_interval}s), or every client looks dead between two beats"
+                f"heartbeat_timeout_ms ({self.heartbeat_timeout_ms} ms) must be longer than heartbeat_interval_ms "
+                f"({self.heartbeat_interval_ms} ms), or every client looks dead between two beats"
             )
-        linger_s = self.consume_linger_ms / 1000
-        if linger_s and linger_s * 2 > min(self.run_lease, self.lock_max_live_time):
+        if self.consume_linger_ms and self.consume_linger_ms * 2 > min(self.run_lease_ms, self.lock_max_live_time_ms):
             raise ValueError(
-                f"consume_linger_ms ({self.consume_linger_ms} ms) must be at most half of run_lease "
-                f"({self.run_lease}s) and of lock_max_live_time ({self.lock_max_live_time}s): a lingering "
-                "request renews neither, so its run must not lapse while it waits"
+                f"consume_linger_ms ({self.consume_linger_ms} ms) must be at most half of run_lease_ms "
+                f"({self.run_lease_ms} ms) and of lock_max_live_time_ms ({self.lock_max_live_time_ms} ms): a "
+                "lingering request renews neither, so its run must not lapse while it waits"
             )
         if {"retention_min_ms", "retention_ms"} <= self.model_fields_set and self.retention_min_ms > self.retention_ms:
             raise ValueError(
                 f"retention_min_ms ({self.retention_min_ms} ms) must not exceed retention_ms "
                 f"({self.retention_ms} ms): what is kept for replay cannot outlive the retention itself"
             )
-        if self.lock_interval >= self.lock_max_live_time:
+        if self.lock_interval_ms >= self.lock_max_live_time_ms:
             raise ValueError(
-                f"lock_interval ({self.lock_interval}s) must be shorter than lock_max_live_time "
-                f"({self.lock_max_live_time}s), or leases lapse between renewals"
+                f"lock_interval_ms ({self.lock_interval_ms} ms) must be shorter than lock_max_live_time_ms "
+                f"({self.lock_max_live_time_ms} ms), or leases lapse between renewals"
             )
         return self
 
@@ -313,15 +365,12 @@ class Settings(BaseSettings):
         """The retention rule of a topic that chose nothing itself."""
         # A default replay window longer than the retention is cut to it (a short MQORDER_RETENTION_MS
         # alone must not need MQORDER_RETENTION_MIN_MS too); both given and at odds is refused above.
-        return RetentionRule(RetentionPolicy(self.retention_policy), self.retention_ms,
+        return RetentionRule(self.retention_policy, self.retention_ms,
                              min(self.retention_min_ms, self.retention_ms), self.retention_max_messages)
-
-    def ms(self, seconds: float) -> int:
-        return int(seconds * 1000)
 
     def describe(self) -> dict[str, Any]:
         """Settings as a dict with every password redacted (what ``mqorder config`` prints)."""
-        d = self.model_dump()
+        d = self.model_dump(mode="json")
         d["redis_url"] = redact_url(self.redis_url)
         if self.celery_broker_url:
             d["celery_broker_url"] = redact_url(self.celery_broker_url)

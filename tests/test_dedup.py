@@ -59,7 +59,7 @@ def test_keyed_send_without_sharding_key_picks_its_queue_by_key(producer: Produc
 
 
 def test_the_window_forgets_keys_and_stays_bounded(settings, r: redis.Redis) -> None:
-    p = Producer(settings=settings, dedup_window=1.0)
+    p = Producer(settings=settings, dedup_window_ms=1000)
     p.create_topic("orders", queues=1)
     mq = p.describe_topic("orders").message_queues[0]
     for i in range(50):
@@ -117,7 +117,7 @@ def proxy(redis_url: str):
 def test_retries_after_a_lost_reply_neither_duplicate_nor_reorder(settings, proxy) -> None:
     """Redis stores A1 but its reply is lost twice: the producer times out, sends again, and gets
     the first send's result; A2 follows A1 and nothing is stored twice."""
-    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout=0.5, dedup_derive="msg_id")
+    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout_ms=500, dedup_derive="msg_id")
     p.create_topic("orders", queues=1)
     mq = p.describe_topic("orders").message_queues[0]
     p.send_orderly("orders", b"A0", sharding_key="k")
@@ -132,7 +132,7 @@ def test_retries_after_a_lost_reply_neither_duplicate_nor_reorder(settings, prox
 
 
 def test_a_batch_whose_reply_was_lost_is_sent_again_without_duplicates(settings, proxy) -> None:
-    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout=0.5, dedup_derive="msg_id")
+    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout_ms=500, dedup_derive="msg_id")
     p.create_topic("orders", queues=1)
     mq = p.describe_topic("orders").message_queues[0]
     p.send_orderly("orders", b"A0", sharding_key="k")
@@ -146,7 +146,7 @@ def test_a_batch_whose_reply_was_lost_is_sent_again_without_duplicates(settings,
 
 def test_without_a_key_a_lost_reply_stores_the_send_twice(settings, proxy) -> None:
     """The failure a dedup key prevents: the same lost reply, and a retry (redis-py's own, here)."""
-    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout=0.5)
+    p = Producer(settings=settings, redis_url=proxy.url(), send_msg_timeout_ms=500)
     p.create_topic("orders", queues=1)
     mq = p.describe_topic("orders").message_queues[0]
     p.send_orderly("orders", b"A0", sharding_key="k")

@@ -237,7 +237,7 @@ def test_hooks_run_before_and_after_each_call(env) -> None:
 
 
 def test_time_budget_requeues_the_request(settings) -> None:
-    s = settings.model_copy(update={"max_time_consume_continuously": 0.05})
+    s = settings.model_copy(update={"max_time_consume_continuously_ms": 50})
     p = Producer(settings=s)
     p.create_topic("t", queues=1)
     eng = ConsumerEngine(s, "c1")
@@ -420,7 +420,7 @@ def test_run_paused_past_its_run_lease_is_fenced_even_within_one_client(settings
 
     from mqorder.rebalance.service import RebalanceService
 
-    s = settings.model_copy(update={"run_lease": 0.3})
+    s = settings.model_copy(update={"run_lease_ms": 300})
     p = Producer(settings=s)
     p.create_topic("t", queues=1)
     for i in range(3):

@@ -177,7 +177,7 @@ def test_a_nudge_ends_a_lingering_read_at_once_not_at_its_slice_end(settings, r,
 
     # A long slice (below the broker connection's 3 s socket timeout, which would end it too).
     monkeypatch.setattr(linger, "LINGER_SLICE_S", 2.5)
-    settings = settings.model_copy(update={"consume_linger_ms": 20_000, "run_lease": 60, "lock_max_live_time": 60})
+    settings = settings.model_copy(update={"consume_linger_ms": 20_000, "run_lease_ms": 60_000, "lock_max_live_time_ms": 60_000})
     p, eng = owned_idle_queues(settings, r)
     spec = ListenerSpec(lambda msgs, ctx: ConsumeOrderlyStatus.SUCCESS, TOPIC, SUB)
     with lingering_run(eng, spec, r) as run:

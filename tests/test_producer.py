@@ -127,7 +127,7 @@ def test_bad_sharding_keys_are_refused(producer: Producer, key: object) -> None:
 def test_unreachable_redis_gives_a_clear_error() -> None:
     from mqorder.testing.embedded import free_port
 
-    p = Producer(f"redis://127.0.0.1:{free_port()}/0", send_msg_timeout=0.5)
+    p = Producer(f"redis://127.0.0.1:{free_port()}/0", send_msg_timeout_ms=500)
     with pytest.raises(BrokerUnavailableError, match="did not answer"):
         p.create_topic("orders", queues=1)
 
@@ -166,7 +166,7 @@ def test_a_redis_that_refuses_writes_gives_a_clear_error_and_stores_nothing() ->
 def test_password_never_appears_in_errors(redis_server) -> None:
     from mqorder.testing.embedded import free_port
 
-    p = Producer(f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0", send_msg_timeout=0.5)
+    p = Producer(f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0", send_msg_timeout_ms=500)
     with pytest.raises(BrokerUnavailableError) as exc:
         p.create_topic("orders", queues=1)
     assert "s3cret-pw" not in str(exc.value) and "***" in str(exc.value)

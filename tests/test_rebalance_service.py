@@ -78,18 +78,18 @@ class MutexWatchingRebalance(RebalanceService):
         return super()._rebalance()
 
 
-@pytest.mark.parametrize("heartbeat_timeout", [3.0, 1.5])
+@pytest.mark.parametrize("heartbeat_timeout_ms", [3000, 1500])
 def test_a_rebalance_mutex_lapses_with_its_holders_heartbeat(brokers: BrokerRegistry, redis_url: str,
-                                                             heartbeat_timeout: float) -> None:
+                                                             heartbeat_timeout_ms: int) -> None:
     """A worker killed mid-rebalance must not hold failover back past the time its death is seen:
-    the mutex's lease is the holder's liveness lease (``heartbeat_timeout``), not a longer constant."""
+    the mutex's lease is the holder's liveness lease (``heartbeat_timeout_ms``), not a longer constant."""
     from mqorder.settings import load_settings
 
-    s = load_settings(redis_url=redis_url, heartbeat_timeout=heartbeat_timeout, heartbeat_interval=0.5)
+    s = load_settings(redis_url=redis_url, heartbeat_timeout_ms=heartbeat_timeout_ms, heartbeat_interval_ms=500)
     svc = MutexWatchingRebalance(brokers, s)
     svc.rebalance()
-    assert 0 < svc.pttl_ms <= heartbeat_timeout * 1000
-    assert svc.pttl_ms > heartbeat_timeout * 1000 - 1000  # taken with that lease just now
+    assert 0 < svc.pttl_ms <= heartbeat_timeout_ms
+    assert svc.pttl_ms > heartbeat_timeout_ms - 1000  # taken with that lease just now
 
 
 def test_service_sweep_dispatches_an_assigned_backlog_through_the_lock_manager(

@@ -10,9 +10,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mqorder import orderly_listener
+from mqorder.client.dedup import DedupDerive
 from mqorder.errors import ConfigError, InvalidNameError, ListenerError
 from mqorder.keys import BROKER_RE, NAME_RE
 from mqorder.names import check_broker, check_client_id, check_group, check_name, check_topic
+from mqorder.rebalance.allocate import AllocateStrategy
+from mqorder.retention.policy import RetentionPolicy
 from mqorder.settings import load_settings
 from mqorder.store.brokers import redact_url
 from tests.support import ROOT
@@ -20,11 +23,11 @@ from tests.support import ROOT
 
 def test_defaults_are_rocketmqs() -> None:
     s = load_settings(redis_url="redis://127.0.0.1:1/0")
-    assert (s.lock_max_live_time, s.lock_interval, s.client_lock_expire) == (60, 20, 30)
-    assert (s.suspend_current_queue_time_millis, s.max_time_consume_continuously) == (1000, 60)
+    assert (s.lock_max_live_time_ms, s.lock_interval_ms, s.client_lock_expire_ms) == (60_000, 20_000, 30_000)
+    assert (s.suspend_current_queue_time_ms, s.max_time_consume_continuously_ms) == (1000, 60_000)
     assert (s.consume_message_batch_max_size, s.pull_batch_size, s.max_reconsume_times) == (1, 32, 16)
     assert (s.pull_threshold_for_queue, s.max_message_size) == (1000, 4 * 1024 * 1024)
-    assert (s.send_msg_timeout, s.retry_times_when_send_failed) == (3, 2)
+    assert (s.send_msg_timeout_ms, s.retry_times_when_send_failed) == (3000, 2)
 
 
 @pytest.mark.parametrize(
@@ -32,20 +35,58 @@ def test_defaults_are_rocketmqs() -> None:
     [
         ("pull_batch_size", 0, "MQORDER_PULL_BATCH_SIZE"),
         ("max_reconsume_times", -2, "MQORDER_MAX_RECONSUME_TIMES"),
-        ("lock_max_live_time", 0, "MQORDER_LOCK_MAX_LIVE_TIME"),
+        ("lock_max_live_time_ms", 0, "MQORDER_LOCK_MAX_LIVE_TIME_MS"),
         ("redis_url", "http://x", "redis://"),
         ("redis_url", "", "MQORDER_REDIS_URL"),
         ("allocate_strategy", "random", "choose one of"),
-        ("suspend_current_queue_time_millis", 5, "MQORDER_SUSPEND_CURRENT_QUEUE_TIME_MILLIS"),
-        ("heartbeat_timeout", 0.5, "longer than heartbeat_interval"),
-        ("lock_interval", 90, "shorter than lock_max_live_time"),
-        ("run_lease", 1.5, "consume_linger_ms .* at most half of run_lease"),
+        ("suspend_current_queue_time_ms", 5, "MQORDER_SUSPEND_CURRENT_QUEUE_TIME_MS"),
+        ("heartbeat_timeout_ms", 500, "longer than heartbeat_interval_ms"),
+        ("lock_interval_ms", 90_000, "shorter than lock_max_live_time_ms"),
+        ("run_lease_ms", 1500, "consume_linger_ms .* at most half of run_lease_ms"),
+        ("heartbeat_interval_ms", 0.5, "MQORDER_HEARTBEAT_INTERVAL_MS"),
+        ("dedup_derive", "sha1", "choose one of none, msg_id, content"),
+        ("retention_policy", "forever", "choose one of time, consumed"),
         ("brokers", {"b": "ftp://x"}, "MQORDER_BROKERS"),
     ],
 )
 def test_bad_settings_name_the_variable_and_the_rule(field: str, value: object, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         load_settings(**{field: value})
+
+
+@pytest.mark.parametrize(
+    ("old", "value", "new"),
+    [
+        ("MQORDER_HEARTBEAT_INTERVAL", "0.5", "MQORDER_HEARTBEAT_INTERVAL_MS=500"),
+        ("MQORDER_LOCK_MAX_LIVE_TIME", "60", "MQORDER_LOCK_MAX_LIVE_TIME_MS=60000"),
+        ("MQORDER_SUSPEND_CURRENT_QUEUE_TIME_MILLIS", "300", "MQORDER_SUSPEND_CURRENT_QUEUE_TIME_MS=300"),
+        ("mqorder_run_lease", "soon", "MQORDER_RUN_LEASE_MS=<milliseconds>"),
+    ],
+)
+def test_a_renamed_variable_still_set_is_refused_naming_its_replacement(
+    monkeypatch: pytest.MonkeyPatch, old: str, value: str, new: str,
+) -> None:
+    """Durations became ``*_ms`` integers: an old variable left in the environment (or a .env file)
+    would otherwise be ignored, and the worker would run on the defaults without a word."""
+    monkeypatch.setenv(old, value)
+    with pytest.raises(ConfigError) as exc:
+        load_settings()
+    assert f"{old.upper()} was renamed {new.split('=')[0]} (milliseconds): set {new}" in str(exc.value)
+
+
+def test_a_renamed_keyword_is_refused_naming_its_replacement() -> None:
+    with pytest.raises(ConfigError, match=r"'send_msg_timeout' was renamed 'send_msg_timeout_ms' .*"
+                                          r"send_msg_timeout_ms=1500"):
+        load_settings(send_msg_timeout=1.5)
+
+
+def test_string_choices_are_enums_and_accept_case_and_dashes() -> None:
+    s = load_settings(redis_url="redis://127.0.0.1:1/0", allocate_strategy="Averagely-By-Circle",
+                      dedup_derive="MSG-ID", retention_policy=" Consumed ")
+    assert s.allocate_strategy is AllocateStrategy.AVERAGELY_BY_CIRCLE
+    assert s.dedup_derive is DedupDerive.MSG_ID
+    assert s.retention_policy is RetentionPolicy.CONSUMED
+    assert s.describe()["allocate_strategy"] == "averagely_by_circle"  # plain JSON for `mqorder config`
 
 
 def test_bad_environment_variable_is_reported(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -70,7 +70,7 @@ class Admin:
 
     @property
     def registry(self) -> ClientRegistry:
-        return ClientRegistry(self.brokers.meta, self.settings.ms(self.settings.heartbeat_timeout))
+        return ClientRegistry(self.brokers.meta, self.settings.heartbeat_timeout_ms)
 
     def client(self, mq: MessageQueue) -> redis.Redis:
         return self.brokers.get(mq.broker_name).client

@@ -210,7 +210,7 @@ def replay(
             report.by_queue[mq.key] = len(items)
         return report
     s = admin.settings
-    appender = QueueAppender(admin.brokers, pending_ttl_ms=s.ms(s.pending_ttl), timeout=s.send_msg_timeout,
+    appender = QueueAppender(admin.brokers, pending_ttl_ms=s.pending_ttl_ms, timeout=s.send_msg_timeout_ms / 1000,
                              action="DLQ replay")
     requests: list[AppendRequest] = []
     for mq, items in plan.items():

@@ -18,7 +18,7 @@ What is checked, per Redis broker, and why:
 
 And for Celery (when an app's configuration is given): JSON only (a pickle-accepting worker runs
 code from the broker), and on a Redis transport a visibility timeout longer than a
-ConsumeRequest may run (``MQORDER_RUN_LEASE``), or Redis hands a running request out again.
+ConsumeRequest may run (``MQORDER_RUN_LEASE_MS``), or Redis hands a running request out again.
 """
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def worker_clocks(brokers: BrokerRegistry, settings: Settings) -> list[Finding]:
     meta = brokers.meta
     from mqorder.rebalance.membership import ClientRegistry  # the admin side reads registrations
 
-    clients, _, _ = ClientRegistry(meta, settings.ms(settings.heartbeat_timeout)).clients()
+    clients, _, _ = ClientRegistry(meta, settings.heartbeat_timeout_ms).clients()
     out = []
     for c in clients:
         raw = meta.hget(keys.client_info(c.client_id), "skew_ms")
@@ -236,11 +236,11 @@ def celery_findings(settings: Settings, conf: Mapping[str, Any]) -> list[Finding
     url = str(conf.get("broker_url") or settings.effective_celery_broker_url)
     if url.startswith(("redis://", "rediss://", "unix://")):
         vt = float((conf.get("broker_transport_options") or {}).get("visibility_timeout", 3600))
-        need = max(settings.run_lease, settings.max_time_consume_continuously)
+        need = max(settings.run_lease_ms, settings.max_time_consume_continuously_ms) / 1000
         if vt <= need:
             out.append(Finding("celery visibility timeout", Verdict.FAIL,
                                f"visibility_timeout {vt:g} s is not longer than a ConsumeRequest may run "
-                               f"({need:g} s, MQORDER_RUN_LEASE / MAX_TIME_CONSUME_CONTINUOUSLY): Redis hands a "
+                               f"({need:g} s, MQORDER_RUN_LEASE_MS / MAX_TIME_CONSUME_CONTINUOUSLY_MS): Redis hands a "
                                "running request out again", f"broker_transport_options visibility_timeout > {need:g}"))
         else:
             out.append(Finding("celery visibility timeout", Verdict.OK,

@@ -56,7 +56,7 @@ def dispatch(app: Celery, sub: str, mq_key: str, token: str, client_id: str, cou
     """Publish ``consume_request(sub, mq_key, token)`` to ``client_id``'s direct queue.
 
     Returns False if the Celery broker refused; the queue's pending token then expires
-    (``pending_ttl``) and the sweep dispatches again: a failed publish costs time, never a message.
+    (``pending_ttl_ms``) and the sweep dispatches again: a failed publish costs time, never a message.
     """
     options: dict[str, object] = {"queue": worker_direct(client_id), **readable_args(sub, mq_key, token)}
     if countdown >= MIN_COUNTDOWN:

@@ -18,11 +18,11 @@ log = logging.getLogger(__name__)
 def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
     """``rebalance`` and ``lock_all`` every 20 s (RocketMQ's rebalance and lock intervals)."""
     return {
-        "mqorder-rebalance": {"task": "mqorder.rebalance", "schedule": settings.rebalance_interval},
-        "mqorder-lock-all": {"task": "mqorder.lock_all", "schedule": settings.lock_interval},
+        "mqorder-rebalance": {"task": "mqorder.rebalance", "schedule": settings.rebalance_interval_ms / 1000},
+        "mqorder-lock-all": {"task": "mqorder.lock_all", "schedule": settings.lock_interval_ms / 1000},
         # RocketMQ's transaction check-back (transactionCheckInterval): resolves half messages.
         "mqorder-transaction-check": {"task": "mqorder.transaction_check",
-                                      "schedule": settings.transaction_check_interval},
+                                      "schedule": settings.transaction_check_interval_ms / 1000},
     }
 
 

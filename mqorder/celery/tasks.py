@@ -95,7 +95,7 @@ _txn_check: TransactionCheckService | None = None
 
 @shared_task(name="mqorder.transaction_check", ignore_result=True)
 def transaction_check() -> dict:
-    """The transaction check-back (beat, every ``transaction_check_interval``): ask the
+    """The transaction check-back (beat, every ``transaction_check_interval_ms``): ask the
     ``@transaction_checker`` of each due half message's topic, commit, roll back or wait."""
     global _txn_check
     if _txn_check is None:

@@ -1,4 +1,4 @@
-"""``mqorder retention run``: one trim pass now, the pass workers run every MQORDER_RETENTION_INTERVAL."""
+"""``mqorder retention run``: one trim pass now, the pass workers run every MQORDER_RETENTION_INTERVAL_MS."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def retention_run(
     topic: list[str] = typer.Option(None, "--topic", help="only these topics (repeat); default every topic"),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Run one trim pass now (workers run one every MQORDER_RETENTION_INTERVAL on their own)."""
+    """Run one trim pass now (workers run one every MQORDER_RETENTION_INTERVAL_MS on their own)."""
     with Admin.open() as admin:
         for t in topic or ():
             admin.route(t)  # an unknown topic is refused with how to create it

@@ -1,7 +1,7 @@
 """Producer idempotence: the dedup key of a send, and the result a deduplicated resend returns.
 
 A send with a dedup key is stored at most once per queue within the dedup window
-(``MQORDER_DEDUP_WINDOW``, 5 minutes like SQS FIFO): ``append_entries`` checks and records the key
+(``MQORDER_DEDUP_WINDOW_MS``, 5 minutes like SQS FIFO): ``append_entries`` checks and records the key
 in the same Lua step that appends, so two racing sends of one key, or a timed-out attempt that
 Redis runs *after* its retry, store one message. That is what makes the producer's own retries
 safe: without a key, an attempt that timed out but was stored anyway and then retried is stored
@@ -15,6 +15,7 @@ message id (retries are deduplicated, resends by the application are not) or the
 from __future__ import annotations
 
 import hashlib
+from enum import StrEnum
 
 from mqorder.errors import MessageError
 from mqorder.model import MessageQueue, SendResult, SendStatus
@@ -34,13 +35,24 @@ def check_dedup_key(key: object) -> str:
     return key
 
 
-def dedup_key_of(given: object, derive: str, msg_id: str, body: bytes) -> str | None:
+class DedupDerive(StrEnum):
+    """``MQORDER_DEDUP_DERIVE``: the dedup key of a send that names none."""
+
+    #: No key: only ``dedup_key=`` deduplicates.
+    NONE = "none"
+    #: The send's own message id: the producer's retries never duplicate, the application's resends may.
+    MSG_ID = "msg_id"
+    #: The body's SHA-256 (SQS's content-based deduplication).
+    CONTENT = "content"
+
+
+def dedup_key_of(given: object, derive: DedupDerive, msg_id: str, body: bytes) -> str | None:
     """The key a send is deduplicated by, or None when it is not (``derive`` = ``none``, no key)."""
     if given is not None:
         return check_dedup_key(given)
-    if derive == "msg_id":
+    if derive == DedupDerive.MSG_ID:
         return msg_id
-    if derive == "content":
+    if derive == DedupDerive.CONTENT:
         return hashlib.sha256(body).hexdigest()
     return None
 

@@ -14,7 +14,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from mqorder.client.dedup import dedup_key_of, first_send_result
+from mqorder.client.dedup import DedupDerive, dedup_key_of, first_send_result
 from mqorder.client.selector import Selector, key_hash, resolve, select_by_hash
 from mqorder.codec import MsgIdGenerator, check_body, encode_header
 from mqorder.errors import BrokerUnavailableError, MessageError, TopicNotWritableError
@@ -54,34 +54,34 @@ class Producer:
         brokers: BrokerRegistry | None = None,
         producer_group: str = "DEFAULT_PRODUCER",
         max_message_size: int | None = None,
-        send_msg_timeout: float | None = None,
+        send_msg_timeout_ms: int | None = None,
         retry_times_when_send_failed: int | None = None,
-        dedup_window: float | None = None,
-        dedup_derive: str | None = None,
+        dedup_window_ms: int | None = None,
+        dedup_derive: DedupDerive | str | None = None,
     ) -> None:
         overrides: dict[str, Any] = {}
-        if dedup_window is not None:
-            overrides["dedup_window"] = dedup_window
+        if dedup_window_ms is not None:
+            overrides["dedup_window_ms"] = dedup_window_ms
         if dedup_derive is not None:
             overrides["dedup_derive"] = dedup_derive
         if redis_url is not None:
             overrides["redis_url"] = redis_url
         if max_message_size is not None:
             overrides["max_message_size"] = max_message_size
-        if send_msg_timeout is not None:
-            overrides["send_msg_timeout"] = send_msg_timeout
+        if send_msg_timeout_ms is not None:
+            overrides["send_msg_timeout_ms"] = send_msg_timeout_ms
         if retry_times_when_send_failed is not None:
             overrides["retry_times_when_send_failed"] = retry_times_when_send_failed
         if settings is None:
             settings = load_settings(**overrides) if overrides else get_settings()
         elif overrides:
-            settings = settings.model_copy(update=overrides)
-            load_settings(**settings.model_dump(exclude_unset=False))  # re-validate
+            # Validated, so an override is held as the settings hold it (``"Content"`` -> DedupDerive.CONTENT).
+            settings = load_settings(**{**settings.model_dump(), **overrides})
         self.settings = settings
         self.producer_group = producer_group
         self._own_brokers = brokers is None
         self.brokers = brokers or BrokerRegistry(
-            settings.redis_url, settings.brokers, socket_timeout=settings.send_msg_timeout
+            settings.redis_url, settings.brokers, socket_timeout=settings.send_msg_timeout_ms / 1000
         )
         self.topics = TopicManager(self.brokers, settings.retention_defaults)
         self._ids = MsgIdGenerator()
@@ -89,12 +89,12 @@ class Producer:
         self._lock = threading.Lock()
         self._routes: dict[str, tuple[float, TopicRoute, list[MessageQueue]]] = {}
         self.appender = QueueAppender(
-            self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout,
+            self.brokers, pending_ttl_ms=settings.pending_ttl_ms, timeout=settings.send_msg_timeout_ms / 1000,
             topics=self.topics,
             guard=CapacityGuard(allow_eviction=settings.allow_eviction, max_memory_ratio=settings.max_memory_ratio),
         )
         self._log = MessageLog(self.brokers)
-        self.delays = DelayStore(self.brokers, self.appender, timeout=settings.send_msg_timeout)
+        self.delays = DelayStore(self.brokers, self.appender, timeout=settings.send_msg_timeout_ms / 1000)
 
     # -- admin -----------------------------------------------------------------------------------
 
@@ -166,7 +166,7 @@ class Producer:
             return SendResult(SendStatus.SEND_OK, msg_id, mq, -1, 0)
         key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body)
         if key is not None:
-            by_hash = dedup_key is not None or self.settings.dedup_derive == "content"
+            by_hash = dedup_key is not None or self.settings.dedup_derive == DedupDerive.CONTENT
             mq = select_by_hash(queues, key, body) if by_hash else self._select_round_robin(queues, None)
             return self._send_keyed(mq, header, body, msg_id, key)
         attempts = 1 + self.settings.retry_times_when_send_failed
@@ -199,7 +199,7 @@ class Producer:
         No retry on another queue: that would break the order of the key (RocketMQ's
         ``sendSelectImpl`` does not retry either). Without a dedup key a failure raises and the
         caller decides. With one (``dedup_key=``, or derived by ``MQORDER_DEDUP_DERIVE``) the send
-        is idempotent within ``MQORDER_DEDUP_WINDOW``: a resend of the key returns the first send's
+        is idempotent within ``MQORDER_DEDUP_WINDOW_MS``: a resend of the key returns the first send's
         result and stores nothing, and a timed-out attempt is retried on the same queue up to
         ``retry_times_when_send_failed`` times, which can neither duplicate nor reorder it.
 
@@ -259,7 +259,7 @@ class Producer:
                 raise MessageError(f"item {i}: {exc}; nothing of this batch was sent") from None
             prepared.append((mq, header, body, msg_id, dkey))
         keyed = bool(prepared) and prepared[0][4] is not None
-        window_ms = self.settings.ms(self.settings.dedup_window) if keyed else None
+        window_ms = self.settings.dedup_window_ms if keyed else None
         by_queue: dict[MessageQueue, list[int]] = defaultdict(list)
         for i, p in enumerate(prepared):
             by_queue[p[0]].append(i)
@@ -319,7 +319,7 @@ class Producer:
         Redis runs first stores the message and every other one (a retry, or a timed-out attempt
         Redis runs late, even after a later message) is a duplicate that stores nothing.
         """
-        window_ms = self.settings.ms(self.settings.dedup_window)
+        window_ms = self.settings.dedup_window_ms
         attempts = 1 + self.settings.retry_times_when_send_failed
         for attempt in range(attempts):
             try:
@@ -388,7 +388,7 @@ class Producer:
 
     def _unavailable(self, broker_name: str, exc: Exception) -> BrokerUnavailableError:
         b = self.brokers.get(broker_name)
-        return unavailable(broker_name, b.safe_url, exc, self.settings.send_msg_timeout)
+        return unavailable(broker_name, b.safe_url, exc, self.settings.send_msg_timeout_ms / 1000)
 
 
 def _result(mq: MessageQueue, msg_id: str, reply: AppendReply) -> SendResult:

@@ -11,7 +11,7 @@ It is a client of its group like a Celery worker is: registered with a heartbeat
 the same rebalance (``mqorder.rebalance``: the configured allocation strategy, ``assign.lua``) and
 holds its queues with the same leases and fencing epochs (``RebalanceLockManager``). It registers
 with the ``pull`` pool, so no ConsumeRequest is ever dispatched to it. A daemon thread heartbeats,
-renews its leases every ``lock_interval`` and rebalances the group's lanes when a member joins or
+renews its leases every ``lock_interval_ms`` and rebalances the group's lanes when a member joins or
 lapses, so the application's loop only pulls and commits.
 
 Committing is fenced like the engine's commit (invariant 3): ``update_offset`` names the epoch
@@ -127,8 +127,8 @@ class PullConsumer:
         self._own_brokers = brokers is None
         self.brokers = brokers or BrokerRegistry(self.settings.redis_url, self.settings.brokers)
         self.topics = TopicManager(self.brokers)
-        self.locks = RebalanceLockManager(self.brokers, self.settings.ms(self.settings.lock_max_live_time))
-        self.registry = ClientRegistry(self.brokers.meta, self.settings.ms(self.settings.heartbeat_timeout))
+        self.locks = RebalanceLockManager(self.brokers, self.settings.lock_max_live_time_ms)
+        self.registry = ClientRegistry(self.brokers.meta, self.settings.heartbeat_timeout_ms)
         self.strategy = strategy_from_settings(self.settings)
         self.log = MessageLog(self.brokers)
         self._lock = threading.RLock()
@@ -229,7 +229,7 @@ class PullConsumer:
         broker = self.brokers.get(mq.broker_name)
         reply = broker.scripts.update_offset(
             keys=[keys.sub_state(mq.tag, self.group), keys.queue_next(mq.tag)],
-            args=[self.client_id, epoch, offset, self.settings.ms(self.settings.lock_max_live_time)],
+            args=[self.client_id, epoch, offset, self.settings.lock_max_live_time_ms],
         )
         verdict = text(reply[0])
         if verdict == "OK":
@@ -325,7 +325,7 @@ class PullConsumer:
                 mqs = route.message_queues
                 assignment = allocate_all(self.strategy, self.group, mqs, members[topic]) if route.readable else {}
                 triples = [(mq, assignment.get(mq, keys.NOBODY), new_token()) for mq in mqs]
-                self.locks.assign(self.group, triples, dead, self.settings.ms(self.settings.pending_ttl))
+                self.locks.assign(self.group, triples, dead, self.settings.pending_ttl_ms)
                 stale += [mq.key for mq in mqs]
                 hint.update({mq.key: a for mq, a, _ in triples if a != keys.NOBODY})
             pipe = meta.pipeline(transaction=False)
@@ -352,7 +352,7 @@ class PullConsumer:
         """Heartbeat, lease renewal and rebalance on a membership change, off the application's loop."""
         s = self.settings
         next_lock = 0.0
-        while not self._stop.wait(s.heartbeat_interval):
+        while not self._stop.wait(s.heartbeat_interval_ms / 1000):
             try:
                 self.registry.heartbeat(self.client_id)
                 with self._lock:
@@ -360,7 +360,7 @@ class PullConsumer:
                         self._rebalance()
                     now = time.monotonic()
                     if now >= next_lock:
-                        next_lock = now + s.lock_interval
+                        next_lock = now + s.lock_interval_ms / 1000
                         self._renew()
             except redis.RedisError as exc:
                 log.warning("pull consumer %s: Redis error in its duties (%s); retrying", self.client_id, exc)

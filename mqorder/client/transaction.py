@@ -10,7 +10,7 @@
    committed messages of a key are in commit order); ROLLBACK discards it; UNKNOWN (or an
    executor that raised, or a producer that died) leaves it to the check-back.
 4. Check-back (``mqorder.client.transaction_check``, a beat task in the Celery adapter): a half
-   message older than ``transaction_timeout`` is shown to the ``@transaction_checker`` of its
+   message older than ``transaction_timeout_ms`` is shown to the ``@transaction_checker`` of its
    topic, at most ``transaction_check_max`` times, then rolled back with that reason recorded.
 
 So a producer killed between the phases leaves a half message that ends visible or rolled back,
@@ -88,7 +88,7 @@ class TransactionProducer(Producer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.half_store = HalfStore(self.brokers, self.appender, timeout=self.settings.send_msg_timeout)
+        self.half_store = HalfStore(self.brokers, self.appender, timeout=self.settings.send_msg_timeout_ms / 1000)
 
     def send_in_transaction(
         self,
@@ -120,7 +120,7 @@ class TransactionProducer(Producer):
             mq = self._select_round_robin(queues, None)
         else:
             mq = self._select(queues, sharding_key, body, selector)
-        prepared_ms = self.half_store.prepare(mq, msg_id, header, body, self.settings.ms(self.settings.transaction_timeout))
+        prepared_ms = self.half_store.prepare(mq, msg_id, header, body, self.settings.transaction_timeout_ms)
         (msg,) = decode_entries(mq, [(b"0-1", [b"h", header, b"b", body, b"s", str(prepared_ms).encode()])])
         msg.queue_offset = -1
         try:

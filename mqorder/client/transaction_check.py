@@ -83,14 +83,14 @@ class TransactionCheckService:
         self.brokers = brokers
         self.settings = settings
         self.topics = TopicManager(brokers)
-        appender = QueueAppender(brokers, pending_ttl_ms=settings.ms(settings.pending_ttl),
-                                 timeout=settings.send_msg_timeout, topics=self.topics)
-        self.store = HalfStore(brokers, appender, timeout=settings.send_msg_timeout)
+        appender = QueueAppender(brokers, pending_ttl_ms=settings.pending_ttl_ms,
+                                 timeout=settings.send_msg_timeout_ms / 1000, topics=self.topics)
+        self.store = HalfStore(brokers, appender, timeout=settings.send_msg_timeout_ms / 1000)
 
     def check_once(self) -> CheckReport:
         report = CheckReport()
         # Claimed ones are not asked again for half an interval: the next pass finds them due.
-        recheck_ms = max(1, self.settings.ms(self.settings.transaction_check_interval) // 2)
+        recheck_ms = max(1, self.settings.transaction_check_interval_ms // 2)
         for topic in self.store.topics():
             try:
                 queues = self.topics.describe_topic(topic).message_queues

@@ -4,15 +4,15 @@ It registers the client (a Celery worker uses its hostname as client id) with a 
 subscribes its listeners, and runs the background duties a RocketMQ client runs in its scheduled
 executors:
 
-* heartbeat every ``heartbeat_interval``; a change in the set of live clients (a join, a leave, a
+* heartbeat every ``heartbeat_interval_ms``; a change in the set of live clients (a join, a leave, a
   heartbeat lapsing) or in the topology (a new topic, a new subscription) triggers a rebalance
   right here, not 20 s later on beat;
-* ``lock_all`` of its own queues every ``lock_interval`` (so leases never depend on beat);
-* the sweep every ``sweep_interval``: owned queues with a backlog and no live ConsumeRequest get
+* ``lock_all`` of its own queues every ``lock_interval_ms`` (so leases never depend on beat);
+* the sweep every ``sweep_interval_ms``: owned queues with a backlog and no live ConsumeRequest get
   one (a task deleted from the Celery broker costs one sweep, never a stall);
-* a retention trim pass every ``retention_interval`` (``mqorder.retention.trimmer``; one worker
+* a retention trim pass every ``retention_interval_ms`` (``mqorder.retention.trimmer``; one worker
   per interval does it);
-* the delay mover every ``delay_move_interval``: due delayed messages become visible
+* the delay mover every ``delay_move_interval_ms``: due delayed messages become visible
   (``mqorder.store.delay``; every worker runs it, each message is moved exactly once);
 * wake-ups: producers publish on ``mqorder:wake:<client>`` when an idle queue gets a message, and
   this client turns that into a ConsumeRequest for itself.
@@ -80,7 +80,7 @@ class ClientInstance:
         self._policy_checked = False
         #: RocketMQ's ScheduleMessageService, as a client duty: due delayed messages become visible.
         self.delay_mover = DelayMover(self.brokers, QueueAppender(
-            self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout))
+            self.brokers, pending_ttl_ms=settings.pending_ttl_ms, timeout=settings.send_msg_timeout_ms / 1000))
         self.subscriptions = [
             Subscription(spec.group, spec.topic, spec.message_model) for spec in registered_listeners()
         ]
@@ -209,7 +209,7 @@ class ClientInstance:
     def _duty_loop(self) -> None:
         s = self.settings
         next_hb = next_lock = next_sweep = next_delay = 0.0
-        next_trim = time.monotonic() + s.retention_interval
+        next_trim = time.monotonic() + s.retention_interval_ms / 1000
         backoff = Backoff()
         while not self._stop.is_set():
             now = time.monotonic()
@@ -217,20 +217,20 @@ class ClientInstance:
                 if not self._registered:
                     self._register()
                 if now >= next_hb:
-                    next_hb = now + s.heartbeat_interval
+                    next_hb = now + s.heartbeat_interval_ms / 1000
                     self.service.registry.heartbeat(self.client_id)
                     self._watch_membership()
                 if now >= next_lock:
-                    next_lock = now + s.lock_interval
+                    next_lock = now + s.lock_interval_ms / 1000
                     worker_metrics.locks_held(self.service.lock_all(self.client_id, self.lanes))
                 if now >= next_sweep:
-                    next_sweep = now + s.sweep_interval
+                    next_sweep = now + s.sweep_interval_ms / 1000
                     self._dispatch_all(self.service.sweep(self.lanes, self.client_id))
                 if now >= next_trim and self._registered:
-                    next_trim = now + s.retention_interval
+                    next_trim = now + s.retention_interval_ms / 1000
                     self.trimmer.run_if_due(self.client_id)
                 if now >= next_delay:
-                    next_delay = now + s.delay_move_interval
+                    next_delay = now + s.delay_move_interval_ms / 1000
                     self.delay_mover.move_once()
                 backoff.reset()
             except redis.RedisError as exc:
@@ -253,9 +253,7 @@ class ClientInstance:
         stale = False
         last = self.brokers.meta.get(keys.rebalance_last())
         now = redis_now_ms(self.brokers.meta)  # Redis's clock on both sides: no skew between hosts
-        if last is None or now - int(last) > REBALANCE_STALE_FACTOR * self.settings.ms(
-            self.settings.rebalance_interval
-        ):
+        if last is None or now - int(last) > REBALANCE_STALE_FACTOR * self.settings.rebalance_interval_ms:
             stale = True
         if fp != self._fingerprint or stale or self._rebalance_owed:
             # One worker per change (a join, a leave, a new topic or subscription) does the work;

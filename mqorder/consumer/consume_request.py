@@ -89,11 +89,11 @@ class ConsumeRequest(LingeringReads):
         self.batch_max = spec.consume_message_batch_max_size or s.consume_message_batch_max_size
         self.pull_n = spec.pull_batch_size or s.pull_batch_size
         self.max_reconsume = spec.max_reconsume_times if spec.max_reconsume_times is not None else s.max_reconsume_times
-        self.suspend_ms = spec.suspend_current_queue_time_millis or s.suspend_current_queue_time_millis
-        self.run_lease_ms = s.ms(s.run_lease)
-        self.lock_ms = s.ms(s.lock_max_live_time)
-        self.pending_ttl_ms = s.ms(s.pending_ttl)
-        self.budget = s.max_time_consume_continuously
+        self.suspend_ms = spec.suspend_current_queue_time_millis or s.suspend_current_queue_time_ms
+        self.run_lease_ms = s.run_lease_ms
+        self.lock_ms = s.lock_max_live_time_ms
+        self.pending_ttl_ms = s.pending_ttl_ms
+        self.budget = s.max_time_consume_continuously_ms / 1000
         self.linger_s = s.consume_linger_ms / 1000.0
         self.max_size = s.max_message_size
         self.hooks = [*global_hooks(), *spec.hooks]

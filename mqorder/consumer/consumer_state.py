@@ -62,7 +62,7 @@ class ConsumerState:
         #: ends (a prefork child notes it for its siblings' ``may_start_linger``).
         self.note_lingering: Callable[[bool], None] = _ignore
         appender = QueueAppender(
-            self.brokers, pending_ttl_ms=settings.ms(settings.pending_ttl), timeout=settings.send_msg_timeout,
+            self.brokers, pending_ttl_ms=settings.pending_ttl_ms, timeout=settings.send_msg_timeout_ms / 1000,
             topics=self.topics, action="DLQ write",
         )
         self.dlq = DeadLetterWriter(appender, self.topics, self.brokers.default_name, client_id)
@@ -80,7 +80,7 @@ class ConsumerState:
         first use: orderly consumers never need it."""
         if self._retry_sender is None:
             s = self.settings
-            delays = DelayStore(self.brokers, self._appender, timeout=s.send_msg_timeout)
+            delays = DelayStore(self.brokers, self._appender, timeout=s.send_msg_timeout_ms / 1000)
             self._retry_sender = RetrySender(self.topics, delays, levels_ms=s.delay_levels_ms,
                                              queue_nums=s.retry_queue_nums)
         return self._retry_sender
@@ -120,11 +120,11 @@ class ConsumerState:
                     if q.topic == mq.topic or get_listener(group, q.topic) is not None]
 
         return IdleQueueWatch(self.client_id, sub, mq.broker_name, broker.scripts, broker.client,
-                              watchable, s.ms(s.pending_ttl), s.ms(s.lock_max_live_time))
+                              watchable, s.pending_ttl_ms, s.lock_max_live_time_ms)
 
     def new_process_queue(self) -> ProcessQueue:
         s = self.settings
         # Re-check the lock before a listener call once the last confirmation is older than half
         # a heartbeat timeout (RocketMQ: 30 s): a holder resumed after a pause notices it was
         # replaced before it calls the listener again, not 30 s later.
-        return ProcessQueue(s.ms(min(s.client_lock_expire, s.heartbeat_timeout / 2)))
+        return ProcessQueue(min(s.client_lock_expire_ms, s.heartbeat_timeout_ms // 2))

@@ -43,7 +43,7 @@ class CallContext:
         client_id: str,
         group: str,
         still_owner: Callable[[], bool],
-        suspend_current_queue_time_millis: int = 1000,
+        suspend_current_queue_time_millis: int,
         run_id: str = "",
     ) -> None:
         self.message_queue = message_queue
@@ -72,7 +72,7 @@ class ConsumeOrderlyContext(CallContext):
         client_id: str,
         group: str,
         still_owner: Callable[[], bool],
-        suspend_current_queue_time_millis: int = 1000,
+        suspend_current_queue_time_millis: int,
         auto_commit: bool = True,
         run_id: str = "",
     ) -> None:
@@ -118,7 +118,7 @@ class ConsumeConcurrentlyContext(CallContext):
         group: str,
         still_owner: Callable[[], bool],
         ack_index: int,
-        suspend_current_queue_time_millis: int = 1000,
+        suspend_current_queue_time_millis: int,
         run_id: str = "",
     ) -> None:
         super().__init__(message_queue, epoch=epoch, client_id=client_id, group=group, still_owner=still_owner,

@@ -218,7 +218,7 @@ def registry_for(settings: Settings) -> CollectorRegistry:
 
     registry = CollectorRegistry(auto_describe=False)
     brokers = BrokerRegistry(settings.redis_url, settings.brokers)
-    registry.register(cast("Collector", ClusterCollector(brokers, settings.ms(settings.heartbeat_timeout))))
+    registry.register(cast("Collector", ClusterCollector(brokers, settings.heartbeat_timeout_ms)))
     return registry
 
 

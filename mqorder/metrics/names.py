@@ -58,7 +58,7 @@ LINGERING = MetricSpec(
 )
 LOCKS_HELD = MetricSpec(
     "mqorder_locks_held", "gauge",
-    "Queue locks this worker held at its last lock_all renewal (every MQORDER_LOCK_INTERVAL)",
+    "Queue locks this worker held at its last lock_all renewal (every MQORDER_LOCK_INTERVAL_MS)",
 )
 LOCK_TAKEOVERS = MetricSpec(
     "mqorder_lock_takeovers_total", "counter",

@@ -10,6 +10,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Protocol
 
 from mqorder import keys
@@ -129,12 +130,17 @@ def _md5_hash(key: str) -> int:
     return int.from_bytes(d[:8], "big")
 
 
+#: Virtual nodes per client on the consistent-hash ring (RocketMQ's default virtualNodeCnt); also
+#: the default of ``MQORDER_CONSISTENT_HASH_VIRTUAL_NODES``.
+DEFAULT_VIRTUAL_NODES = 10
+
+
 class AllocateMessageQueueConsistentHash:
     """A hash ring with virtual nodes: a client joining or leaving moves only its share of queues."""
 
     name = "consistent_hash"
 
-    def __init__(self, virtual_nodes: int = 10) -> None:
+    def __init__(self, virtual_nodes: int = DEFAULT_VIRTUAL_NODES) -> None:
         if virtual_nodes < 1:
             raise ConfigError("consistent hash needs at least 1 virtual node per client")
         self.virtual_nodes = virtual_nodes
@@ -157,17 +163,27 @@ class AllocateMessageQueueConsistentHash:
         return out
 
 
+class AllocateStrategy(StrEnum):
+    """``MQORDER_ALLOCATE_STRATEGY``: RocketMQ's five allocation strategies, by their short names."""
+
+    AVERAGELY = "averagely"
+    AVERAGELY_BY_CIRCLE = "averagely_by_circle"
+    BY_CONFIG = "by_config"
+    BY_MACHINE_ROOM = "by_machine_room"
+    CONSISTENT_HASH = "consistent_hash"
+
+
 def strategy_from_settings(settings) -> AllocateMessageQueueStrategy:
     name = settings.allocate_strategy
-    if name == "averagely":
+    if name == AllocateStrategy.AVERAGELY:
         return AllocateMessageQueueAveragely()
-    if name == "averagely_by_circle":
+    if name == AllocateStrategy.AVERAGELY_BY_CIRCLE:
         return AllocateMessageQueueAveragelyByCircle()
-    if name == "by_config":
+    if name == AllocateStrategy.BY_CONFIG:
         return AllocateMessageQueueByConfig(settings.allocate_config)
-    if name == "by_machine_room":
+    if name == AllocateStrategy.BY_MACHINE_ROOM:
         return AllocateMessageQueueByMachineRoom(settings.allocate_machine_rooms)
-    if name == "consistent_hash":
+    if name == AllocateStrategy.CONSISTENT_HASH:
         return AllocateMessageQueueConsistentHash(settings.consistent_hash_virtual_nodes)
     raise ConfigError(f"unknown allocation strategy {name!r}")
 

@@ -20,7 +20,13 @@ from dataclasses import dataclass
 
 from mqorder import keys
 from mqorder.model import MessageQueue
+from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
+
+#: The lease and pending-request TTL of a manager built without them (tests, tools), taken from
+#: the settings' defaults so they cannot drift; the engine always passes its own settings' values.
+DEFAULT_LOCK_MAX_LIVE_TIME_MS: int = Settings.model_fields["lock_max_live_time_ms"].default
+DEFAULT_PENDING_TTL_MS: int = Settings.model_fields["pending_ttl_ms"].default
 
 
 @dataclass(frozen=True)
@@ -42,7 +48,7 @@ class Redispatch:
 
 
 class RebalanceLockManager:
-    def __init__(self, brokers: BrokerRegistry, lock_max_live_time_ms: int = 60_000) -> None:
+    def __init__(self, brokers: BrokerRegistry, lock_max_live_time_ms: int = DEFAULT_LOCK_MAX_LIVE_TIME_MS) -> None:
         self.brokers = brokers
         self.lock_max_live_time_ms = lock_max_live_time_ms
 
@@ -103,7 +109,7 @@ class RebalanceLockManager:
         sub: str,
         assignment: Sequence[tuple[MessageQueue, str, str]],
         dead_clients: Sequence[str] = (),
-        pending_ttl_ms: int = 30_000,
+        pending_ttl_ms: int = DEFAULT_PENDING_TTL_MS,
     ) -> dict[MessageQueue, str]:
         """Apply a rebalance: ``(mq, assignee, token)`` triples; returns each queue's outcome."""
         out: dict[MessageQueue, str] = {}
@@ -126,7 +132,7 @@ class RebalanceLockManager:
         sub: str,
         candidates: Sequence[tuple[MessageQueue, str]],
         client_id: str = "",
-        pending_ttl_ms: int = 30_000,
+        pending_ttl_ms: int = DEFAULT_PENDING_TTL_MS,
     ) -> list[Redispatch]:
         """Re-dispatch owned queues with a backlog and no live ConsumeRequest (invariant 5, no stall).
 

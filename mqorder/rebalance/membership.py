@@ -132,7 +132,14 @@ def redis_now_ms(client: redis.Redis) -> int:
 
 
 class ClientRegistry:
-    def __init__(self, meta: redis.Redis, heartbeat_timeout_ms: int = 5000) -> None:
+    """The live clients and their heartbeats in the meta Redis.
+
+    ``heartbeat_timeout_ms`` has no default on purpose: a registry that heartbeats with another
+    timeout than ``MQORDER_HEARTBEAT_TIMEOUT_MS`` makes its client look dead (or alive) for the
+    wrong time; pass ``settings.heartbeat_timeout_ms``.
+    """
+
+    def __init__(self, meta: redis.Redis, heartbeat_timeout_ms: int) -> None:
         self.meta = meta
         self.heartbeat_timeout_ms = heartbeat_timeout_ms
 

@@ -87,8 +87,8 @@ class RebalanceService:
         self.settings = settings
         self.strategy = strategy or strategy_from_settings(settings)
         self.topics = TopicManager(brokers)
-        self.locks = RebalanceLockManager(brokers, settings.ms(settings.lock_max_live_time))
-        self.registry = ClientRegistry(brokers.meta, settings.ms(settings.heartbeat_timeout))
+        self.locks = RebalanceLockManager(brokers, settings.lock_max_live_time_ms)
+        self.registry = ClientRegistry(brokers.meta, settings.heartbeat_timeout_ms)
         #: How long the rebalance mutex outlives its holder: its liveness lease. A holder killed
         #: mid-rebalance blocks every other rebalance, and so every failover, until the mutex lapses;
         #: lapsing with the holder's heartbeat means the survivors can rebalance as soon as they can
@@ -96,7 +96,7 @@ class RebalanceService:
         #: a restarted worker was killed during its first rebalance). A lapsed mutex is harmless: a
         #: rebalance takes milliseconds, and two compute the same deterministic answer and apply it
         #: through atomic scripts.
-        self.mutex_timeout_s = settings.heartbeat_timeout
+        self.mutex_timeout_s = settings.heartbeat_timeout_ms / 1000
 
     def rebalance(self, wait_s: float = 5.0) -> RebalanceReport:
         """Recompute and apply the assignment of every subscribed topic, under a mutex.
@@ -133,7 +133,7 @@ class RebalanceService:
             for topic, model in topics.items():
                 if model is MessageModel.CLUSTERING:
                     lanes.setdefault((group, topic), [])
-        pending_ttl = self.settings.ms(self.settings.pending_ttl)
+        pending_ttl = self.settings.pending_ttl_ms
         pullers = {c.client_id for c in clients if c.pool == PULL_POOL}
         # The assignment hint of a lane covers every topic it subscribes to: written once per lane,
         # after all its topics are assigned (one delete per topic would keep only the last one's).
@@ -173,7 +173,7 @@ class RebalanceService:
                 pipe.hset(keys.assignment(sub), items=hint)
         pipe.execute()
         # Forget heartbeats that lapsed more than a lease ago: their locks are gone by now.
-        self.registry.forget_dead(dead, now - self.settings.ms(self.settings.lock_max_live_time))
+        self.registry.forget_dead(dead, now - self.settings.lock_max_live_time_ms)
         report.took_ms = (time.perf_counter() - t0) * 1000
         return report
 
@@ -204,7 +204,7 @@ class RebalanceService:
     def sweep(self, subs: list[str], client_id: str = "") -> list[Dispatch]:
         """Queues with a backlog, a live owner and no live ConsumeRequest: dispatch them again."""
         out: list[Dispatch] = []
-        pending_ttl = self.settings.ms(self.settings.pending_ttl)
+        pending_ttl = self.settings.pending_ttl_ms
         pullers: set[str] = set()
         if not client_id:  # the central sweep sees every owner; PullConsumers take no requests
             pullers = {c.client_id for c in self.registry.clients()[0] if c.pool == PULL_POOL}

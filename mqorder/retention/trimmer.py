@@ -3,7 +3,7 @@
 A pass walks every topic, resolves its rule (``mqorder.retention.policy``), and runs ``trim.lua``
 on each queue, pipelined per broker: each call removes at most ``MQORDER_RETENTION_TRIM_CHUNK``
 entries (a few ms of Redis time), and queues that still have more due get another call in the
-next round. Workers run a pass from their housekeeping every ``MQORDER_RETENTION_INTERVAL``
+next round. Workers run a pass from their housekeeping every ``MQORDER_RETENTION_INTERVAL_MS``
 (``ClientInstance``); a short Redis mutex lets one worker per interval do it. The mutex is only an
 economy: the script decides atomically from what it reads, so any number of trimmers at once is
 safe (``mqorder retention run`` ignores it).
@@ -92,11 +92,11 @@ class RetentionTrimmer:
         self.brokers = brokers
         self.settings = settings
         self.topics = TopicManager(brokers, settings.retention_defaults)
-        self.registry = ClientRegistry(brokers.meta, settings.ms(settings.heartbeat_timeout))
+        self.registry = ClientRegistry(brokers.meta, settings.heartbeat_timeout_ms)
 
     def run_if_due(self, client_id: str) -> TrimReport:
         """A pass, unless another worker runs this interval's (housekeeping calls this)."""
-        hold_ms = max(1, int(self.settings.retention_interval * 1000 * 0.9))
+        hold_ms = max(1, int(self.settings.retention_interval_ms * 0.9))
         if not self.brokers.meta.set(keys.retention_pass(), client_id, nx=True, px=hold_ms):
             return TrimReport(skipped=True)
         return self.run(budget_s=HOUSEKEEPING_BUDGET_S)

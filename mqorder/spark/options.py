@@ -64,7 +64,7 @@ class Connection:
     @classmethod
     def from_settings(cls, settings: Settings) -> Connection:
         return cls(settings.redis_url, dict(settings.brokers), settings.max_message_size,
-                   settings.ms(settings.pending_ttl), settings.send_msg_timeout)
+                   settings.pending_ttl_ms, settings.send_msg_timeout_ms / 1000)
 
 
 def lower_options(options: Mapping[str, Any]) -> dict[str, str]:

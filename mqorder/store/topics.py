@@ -147,7 +147,7 @@ class TopicManager:
 
     def update_retention(self, topic: str, retention: TopicRetention) -> TopicRoute:
         """Change a topic's retention; values not given keep what the topic had. The next trim
-        pass applies it (``MQORDER_RETENTION_INTERVAL``)."""
+        pass applies it (``MQORDER_RETENTION_INTERVAL_MS``)."""
         route = self.describe_topic(topic)  # refuses an unknown topic
         merged = route.retention.merged(retention)
         merged.resolve(self.retention_defaults)

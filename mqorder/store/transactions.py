@@ -5,7 +5,7 @@ decided yet lives beside the queue's log, in the queue's hash tag, where no cons
 script moves it into the log through the one append path, or drops it. Step by step:
 
 1. ``prepare`` (``txn_prepare.lua``): the half message is stored with a check-back deadline of
-   now + ``transaction_timeout``; the topic is recorded in ``mqorder:txn:topics`` *first*, so the
+   now + ``transaction_timeout_ms``; the topic is recorded in ``mqorder:txn:topics`` *first*, so the
    check-back can never miss a half message.
 2. ``end`` (``txn_end.lua``): COMMIT appends it to the log at the next offset (the position of the
    commit, so committed messages of a key are in commit order) and wakes the queue's owner;

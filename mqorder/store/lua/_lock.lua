@@ -48,7 +48,7 @@ end
 -- owner holds the lock, send.lua or the sweep would dispatch a second request beside it; and
 -- nothing would be gained: with no owner nobody is woken, and a rebalance that moves the queue
 -- (assign.lua) replaces the token anyway. If the request is lost with its worker, pend_until
--- lapses (pending_ttl at most) and the sweep dispatches again, as for any lost request.
+-- lapses (pending_ttl_ms at most) and the sweep dispatches again, as for any lost request.
 local function release_lock(k, keep_request)
   if keep_request then
     redis.call('HSET', k, 'owner', '', 'lease', 0, 'run', 0)

@@ -1,5 +1,5 @@
 -- txn_due.lua: the check-back's claim of the half messages of one queue that are due: prepared
--- longer than transaction_timeout ago (or last checked a recheck interval ago) and still not
+-- longer than transaction_timeout_ms ago (or last checked a recheck interval ago) and still not
 -- ended. Each claimed one has its check count incremented and its next check pushed back, in the
 -- same step, so two check-backs running at once (two beats) do not both ask about it.
 --

@@ -8,7 +8,7 @@
 --
 -- KEYS[1] the queue's transaction index (ZSET txid -> when to check it back, ms)
 -- KEYS[2] the queue's half messages (HASH "<txid>:h" header, ":b" body, ":n" checks, ":t" prepared ms)
--- ARGV[1] txid (the message id)   ARGV[2] header JSON   ARGV[3] body   ARGV[4] transaction_timeout ms
+-- ARGV[1] txid (the message id)   ARGV[2] header JSON   ARGV[3] body   ARGV[4] transaction_timeout_ms
 -- Returns {prepared ms}; preparing the same txid again changes nothing (a retried phase one).
 --- @include "_now"
 local txid = ARGV[1]

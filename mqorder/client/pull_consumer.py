@@ -46,6 +46,7 @@ from mqorder.names import check_client_id, check_group, check_topic
 from mqorder.rebalance.allocate import allocate_all, strategy_from_settings
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.rebalance.membership import PULL_POOL, ClientDetails, ClientRegistry, Subscription
+from mqorder.rebalance.service import MUTEX_POLL_S
 from mqorder.settings import Settings, get_settings
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.failures import TRANSIENT
@@ -60,6 +61,11 @@ log = logging.getLogger(__name__)
 MAX_PULL_NUMS = 1024
 #: How long a rebalance waits for another one holding the mutex.
 REBALANCE_WAIT_S = 5.0
+#: Lease of the rebalance mutex a pull consumer takes: far longer than its rebalance lasts, and it
+#: is released at once (a crashed holder delays the next rebalance by at most this).
+REBALANCE_MUTEX_LEASE_S = 30
+#: How long close() waits for the duty thread.
+THREAD_JOIN_S = 5.0
 
 
 class PullStatus(enum.Enum):
@@ -168,14 +174,15 @@ class PullConsumer:
             self._epochs.update(held)
             return sorted(held)
 
-    def pull(self, mq: MessageQueue, offset: int, max_nums: int = 32, *, block_ms: int = 0) -> PullResult:
-        """Read up to ``max_nums`` messages of ``mq`` from ``offset`` (nothing is committed).
+    def pull(self, mq: MessageQueue, offset: int, max_nums: int | None = None, *, block_ms: int = 0) -> PullResult:
+        """Read up to ``max_nums`` messages of ``mq`` from ``offset`` (nothing is committed); by
+        default ``MQORDER_PULL_BATCH_SIZE`` (RocketMQ's pullBatchSize, 32).
 
         Reading needs no lock, as in RocketMQ; committing does. With ``block_ms`` the call waits
         that long for a first message when there is none yet (RocketMQ's ``pullBlockIfNotFound``).
         """
         with _reachable(self, "pull"):
-            return self._pull(mq, offset, max_nums, block_ms)
+            return self._pull(mq, offset, self.settings.pull_batch_size if max_nums is None else max_nums, block_ms)
 
     def _pull(self, mq: MessageQueue, offset: int, max_nums: int, block_ms: int) -> PullResult:
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
@@ -262,7 +269,7 @@ class PullConsumer:
         """Leave the group: unregister, rebalance its queues to the others, release its locks."""
         self._stop.set()
         if self._thread is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=THREAD_JOIN_S)
         try:
             if self._thread is not None:
                 self.registry.unregister(self.client_id)
@@ -308,7 +315,8 @@ class PullConsumer:
         """
         fingerprint = self._fingerprint_now()
         meta = self.brokers.meta
-        mutex = meta.lock(keys.rebalance_mutex(), timeout=30, blocking_timeout=REBALANCE_WAIT_S, sleep=0.02)
+        mutex = meta.lock(keys.rebalance_mutex(), timeout=REBALANCE_MUTEX_LEASE_S, blocking_timeout=REBALANCE_WAIT_S,
+                          sleep=MUTEX_POLL_S)
         if not mutex.acquire():
             return
         try:

@@ -40,7 +40,7 @@ from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageModel
 from mqorder.names import check_client_id
 from mqorder.rebalance.membership import ClientDetails, Subscription, redis_now_ms
-from mqorder.rebalance.service import Dispatch, RebalanceService
+from mqorder.rebalance.service import REBALANCE_MUTEX_WAIT_S, Dispatch, RebalanceService
 from mqorder.retention.trimmer import RetentionTrimmer
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
@@ -59,6 +59,19 @@ REBALANCE_STALE_FACTOR = 2.0
 REBALANCE_WAIT_S = 0.5
 #: How long start() waits for the wake-up subscription before registering anyway.
 WAKE_SUBSCRIBE_WAIT_S = 3.0
+#: How long the marker of a membership change keeps the other workers from rebalancing for it
+#: too: one worker per change does the work.
+REBALANCE_SEEN_HOLD_MS = 2000
+#: How long the wake loop blocks on its channel between two looks at the stop flag.
+WAKE_POLL_S = 0.5
+#: How long the wake loop waits for Redis to confirm its subscription before it counts as listening.
+WAKE_CONFIRM_WAIT_S = 1.0
+#: Shortest sleep of the duty loop, so a duty that is already due never spins the CPU.
+DUTY_MIN_WAIT_S = 0.01
+#: Pause after an unexpected (non-Redis) error of the wake loop, so a bug cannot spin it.
+ERROR_PAUSE_S = 1.0
+#: How long stop() waits for each duty thread (each checks the stop flag within a second).
+THREAD_JOIN_S = 5.0
 
 #: Sends ``consume_request(sub, mq_key, token)`` to a client: ``(sub, mq_key, token, client_id)``;
 #: returns False if it could not be sent (the sweep recovers).
@@ -132,7 +145,7 @@ class ClientInstance:
         """Leave the group: unregister, rebalance the queues away, unlock what is idle."""
         self._stop.set()
         for t in self._threads:
-            t.join(timeout=5)
+            t.join(timeout=THREAD_JOIN_S)
         if not self._registered:
             return
         try:
@@ -188,7 +201,7 @@ class ClientInstance:
 
     # -- duties ----------------------------------------------------------------------------------
 
-    def _rebalance_now(self, wait_s: float = 5.0) -> bool:
+    def _rebalance_now(self, wait_s: float = REBALANCE_MUTEX_WAIT_S) -> bool:
         """Rebalance now; False when it was skipped (the mutex stayed held for ``wait_s``)."""
         report = self.service.rebalance(wait_s)
         if report.skipped:
@@ -241,7 +254,7 @@ class ClientInstance:
             except Exception:
                 log.exception("mqorder: client duty failed")
             wait = min(next_hb, next_lock, next_sweep, next_trim, next_delay) - time.monotonic()
-            self._stop.wait(max(wait, 0.01))
+            self._stop.wait(max(wait, DUTY_MIN_WAIT_S))
 
     def _fingerprint_now(self) -> str:
         """Who is live and which topics and subscriptions exist: a change means rebalance now."""
@@ -261,7 +274,7 @@ class ClientInstance:
             # have been killed mid-rebalance: the mutex then lapses with its heartbeat) is owed, and
             # tried again at the next heartbeat, waiting only briefly: this loop also heartbeats.
             marker = keys.rebalance_seen(zlib.crc32(fp.encode()))
-            if stale or self._rebalance_owed or self.brokers.meta.set(marker, self.client_id, nx=True, px=2000):
+            if stale or self._rebalance_owed or self.brokers.meta.set(marker, self.client_id, nx=True, px=REBALANCE_SEEN_HOLD_MS):
                 self._rebalance_owed = not self._rebalance_now(wait_s=REBALANCE_WAIT_S)
             self._fingerprint = fp
 
@@ -273,11 +286,11 @@ class ClientInstance:
             try:
                 pubsub = self.brokers.meta.pubsub(ignore_subscribe_messages=True)
                 pubsub.subscribe(channel)
-                pubsub.get_message(timeout=1.0)  # the subscribe confirmation: now listening
+                pubsub.get_message(timeout=WAKE_CONFIRM_WAIT_S)  # the subscribe confirmation: now listening
                 self._subscribed.set()
                 backoff.reset()
                 while not self._stop.is_set():
-                    msg = pubsub.get_message(timeout=0.5)
+                    msg = pubsub.get_message(timeout=WAKE_POLL_S)
                     if msg is None or msg.get("type") != "message":
                         continue
                     try:
@@ -292,7 +305,7 @@ class ClientInstance:
                 self._stop.wait(delay)
             except Exception:
                 log.exception("mqorder: wake loop failed")
-                self._stop.wait(1.0)
+                self._stop.wait(ERROR_PAUSE_S)
             finally:
                 if pubsub is not None:
                     try:

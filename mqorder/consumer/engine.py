@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 
 #: How long a ConsumeRequest keeps retrying through a Redis outage before leaving it to the sweep.
 REDIS_RETRY_BUDGET_S = 120.0
+#: First and longest pause between two of those retries (doubling in between).
+REDIS_RETRY_FIRST_S = 0.25
+REDIS_RETRY_CAP_S = 5.0
 
 #: The kind of run each listener ordering gets.
 REQUEST_CLASSES: dict[Ordering, type[ConsumeRequest]] = {
@@ -121,7 +124,7 @@ class ConsumerEngine(ConsumerState):
     def _run_one(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str,
                  watch: IdleQueueWatch | None, prior: ConsumeRequest | None = None,
                  lease: ConnectionLease | None = None) -> tuple[ConsumeRequest, Outcome | None]:
-        backoff = Backoff(first=0.25, cap=5.0)
+        backoff = Backoff(first=REDIS_RETRY_FIRST_S, cap=REDIS_RETRY_CAP_S)
         waited = 0.0
         cls = request_class(spec)
         while True:

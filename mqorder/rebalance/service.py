@@ -33,6 +33,12 @@ from mqorder.tokens import new_token
 
 log = logging.getLogger(__name__)
 
+#: How long a rebalance waits for another one holding the mutex before it is skipped (the holder
+#: applies the same deterministic answer).
+REBALANCE_MUTEX_WAIT_S = 5.0
+#: How often a rebalance waiting for the mutex asks again: a rebalance takes milliseconds.
+MUTEX_POLL_S = 0.02
+
 
 
 @dataclass(frozen=True)
@@ -98,7 +104,7 @@ class RebalanceService:
         #: through atomic scripts.
         self.mutex_timeout_s = settings.heartbeat_timeout_ms / 1000
 
-    def rebalance(self, wait_s: float = 5.0) -> RebalanceReport:
+    def rebalance(self, wait_s: float = REBALANCE_MUTEX_WAIT_S) -> RebalanceReport:
         """Recompute and apply the assignment of every subscribed topic, under a mutex.
 
         The mutex is redis-py's ``Lock`` (``SET NX PX`` with a random token, compare-and-delete
@@ -109,7 +115,7 @@ class RebalanceService:
         which the release must not delete.
         """
         meta = self.brokers.meta
-        mutex = meta.lock(keys.rebalance_mutex(), timeout=self.mutex_timeout_s, blocking_timeout=wait_s, sleep=0.02)
+        mutex = meta.lock(keys.rebalance_mutex(), timeout=self.mutex_timeout_s, blocking_timeout=wait_s, sleep=MUTEX_POLL_S)
         if not mutex.acquire():
             log.warning("rebalance skipped: another rebalance holds the mutex for over %.1fs", wait_s)
             return RebalanceReport([], [], skipped=True)

@@ -138,19 +138,26 @@ def _raw_reply(response: object, **options: object) -> object:
 #: calling ``ctx.still_owner()`` from hundreds of threads or greenlets at once; idle connections
 #: cost nothing until used.
 MAX_CONNECTIONS = 10_000
+#: Socket (and connect) timeout of a broker connection made without one: a Redis that does not
+#: answer within it is reported unavailable rather than hanging a worker. Producers pass
+#: ``MQORDER_SEND_MSG_TIMEOUT_MS`` instead (also 3 s by default).
+DEFAULT_SOCKET_TIMEOUT_S = 3.0
+#: Seconds between redis-py's PINGs on a connection idle that long, so a dead connection (a
+#: restarted Redis, a dropped NAT entry) is found before a real command uses it.
+HEALTH_CHECK_INTERVAL_S = 30
 
 
 class Broker:
     """One named Redis with its registered scripts."""
 
-    def __init__(self, name: str, url: str, *, socket_timeout: float = 3.0) -> None:
+    def __init__(self, name: str, url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT_S) -> None:
         self.name = check_name("broker", name)
         self.url = check_redis_url(url, f"broker {name!r} URL")
         self.client: redis.Redis = redis.Redis.from_url(
             url,
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_timeout,
-            health_check_interval=30,
+            health_check_interval=HEALTH_CHECK_INTERVAL_S,
             max_connections=MAX_CONNECTIONS,
         )
         # Stream reads are decoded by mqorder.codec from the raw reply; redis-py's per-entry
@@ -185,7 +192,7 @@ class BrokerRegistry:
         extra: dict[str, str] | None = None,
         *,
         default_name: str = DEFAULT_BROKER_NAME,
-        socket_timeout: float = 3.0,
+        socket_timeout: float = DEFAULT_SOCKET_TIMEOUT_S,
     ) -> None:
         self._lock = threading.Lock()
         self.default_name = default_name

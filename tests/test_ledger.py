@@ -118,3 +118,33 @@ def test_the_setting_turns_it_on_and_bounds_its_length(settings, r: redis.Redis)
 def test_a_bad_ledger_option_is_refused() -> None:
     with pytest.raises(ListenerError, match="ledger must be"):
         orderly_listener(topic="t", group="g", ledger="yes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("survives", [(), ("commit",), ("ledger",)], ids=["both-lost", "ledger-lost", "commit-lost"])
+def test_records_behind_the_commit_survive_a_script_flush_once_each(env, r: redis.Redis, survives) -> None:
+    """The records ride behind the fenced commit by SHA. When Redis loses its scripts mid-run (a
+    restart, SCRIPT FLUSH), whichever of the two was refused is sent again, and only that one: every
+    message keeps exactly one record, and the commit is never applied twice."""
+    from mqorder.store.scripts import source
+
+    p, eng = env
+    for i in range(100):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    flushed: list[int] = []
+
+    def listener(msgs, ctx):
+        if msgs[0].queue_offset == 50 and not flushed:
+            flushed.append(50)
+            r.script_flush()
+            for name in survives:  # what a Redis that lost one script would still hold
+                r.script_load(source(name))
+        return S.SUCCESS
+
+    spec = ListenerSpec(listener, "t", "g", ledger=True)
+    run_until_idle(eng, spec)
+    assert flushed == [50]
+    recs = ledger(r)
+    assert sorted(x["offset"] for x in recs) == list(range(100))
+    assert {x["outcome"] for x in recs} == {"SUCCESS"}
+    state = r.hgetall(keys.sub_state(MQ.tag, "g"))
+    assert int(state[b"offset"]) == 100

@@ -152,7 +152,7 @@ def test_ledger_flush_runs_by_sha_and_reloads_after_a_script_flush(r: redis.Redi
                      keys=["k"], tags=None, properties={}, born_timestamp=1, store_timestamp=1)
     r.script_flush()
     buf.note([msg], LedgerOutcome.SUCCESS, 1.0, 2.0, epoch=3)
-    buf.flush(r)
+    buf.flush(Scripts(r))
     assert buf.records == []
     assert r.script_exists(Scripts(r).ledger.sha) == [True]
     (_, fields), = r.xrange(keys.ledger("g"))

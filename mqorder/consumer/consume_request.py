@@ -17,7 +17,7 @@ import logging
 import time
 from typing import Any
 
-from redis.exceptions import NoScriptError
+from redis.exceptions import NoScriptError, ResponseError
 
 from mqorder import keys
 from mqorder.codec import decode_entries
@@ -493,31 +493,41 @@ class ConsumeRequest(LingeringReads):
         over already. ``then``: one more command at the end (the idle nudge of a run that may end
         here; if the commit did not end it, the nudge's reader finds the queue busy and leaves it).
 
-        If Redis lost its scripts (a restart), nothing of the commit and read changed any state
-        (the commit was refused with NOSCRIPT, the reads only read), so they are sent once more
-        after loading the script; the ledger records went through already (``EVAL`` cannot hit
-        NOSCRIPT) and are not sent twice.
+        If Redis lost its scripts (a restart, ``SCRIPT FLUSH``), a call refused with ``NOSCRIPT``
+        changed nothing and the reads only read: the script is loaded and the pipeline sent once more,
+        with the ledger records only if they were refused too. Records refused beside a commit that
+        ran are written on their own.
         """
         if start is None:
             start = max(self.commit_point, self.pulled_to)
+        ledger = self.ledger
+        records = ledger.take() if ledger is not None else []
         for attempt in (0, 1):
             pipe = RawPipeline(self.lease)
             self.scripts.queue_in(pipe, script, keys_, args)
-            if self.ledger is not None:
+            if ledger is not None and records:
                 # Before the read: a lingering read may block, the records must not wait for it.
-                self.ledger.queue_in(pipe)
+                ledger.queue_in(pipe, self.scripts, records)
             n = len(pipe)
             sliced = pull and linger_until is not None and self._queue_slice(pipe, linger_until)
             if pull and not sliced:
                 pipe.execute_command("XRANGE", self.k_log, start, "+", "COUNT", self.pull_n)
             if then is not None:
                 pipe.execute_command(*then)
-            try:
-                replies = pipe.execute()
-            except NoScriptError:
-                if attempt:
-                    raise
+            replies = pipe.execute(raise_on_error=False)
+            refused = [isinstance(r, NoScriptError) for r in replies[:n]]
+            for r, noscript in zip(replies, refused + [False] * (len(replies) - n), strict=True):
+                if isinstance(r, ResponseError) and not (noscript and not attempt):
+                    raise r
+            if ledger is not None and records:
+                if not refused[1]:
+                    records = []  # written: never again
+                elif not refused[0]:
+                    ledger.write(self.scripts, records, via=self.lease)  # the commit ran: records alone
+            if refused[0]:
                 self.scripts.load(script)
+                if records:
+                    self.scripts.load("ledger")
                 continue
             if sliced:
                 return replies[0], Slice(replies[n], replies[n + 1])
@@ -529,7 +539,7 @@ class ConsumeRequest(LingeringReads):
         if self.ledger is None or not self.ledger.records:
             return
         try:
-            self.ledger.flush(self.redis)
+            self.ledger.flush(self.scripts)
         except Exception:
             log.warning("ledger records of %s for %s could not be written", self.mq.key, self.sub, exc_info=True)
 

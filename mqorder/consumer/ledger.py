@@ -7,17 +7,14 @@ audit (``mqorder.spark.audit``) rebuilds from these what the consumer really did
 gaps, duplicates after a failover, latency.
 
 Records are buffered per ConsumeRequest run and written with ``ledger.lua`` pipelined behind the
-batch's fenced commit (``LedgerBuffer.queue_in``): one extra command per pulled batch. A record is
-written even when the commit was refused: the listener *was* called, and a redelivery to the new
-owner is exactly what an audit must be able to see.
+batch's fenced commit (``LedgerBuffer.queue_in``): one extra ``EVALSHA`` per pulled batch. A
+record is written even when the commit was refused: the listener *was* called, and a redelivery to
+the new owner is exactly what an audit must be able to see.
 
-Behind the commit it is still sent with ``EVAL``, not ``EVALSHA``: the commit pipeline
-(``ConsumeRequest._commit_pipelined``) answers ``NOSCRIPT`` by loading the *commit* script and
-sending everything again, which is safe only because the records cannot be refused: a refused
-``EVALSHA`` of the ledger would lose the batch's records after a Redis restart, or, where the commit
-script was loaded and the ledger's not, send a commit that ran a second time. ``ledger.lua``
-includes no prelude, so that ``EVAL`` carries 0.7 KB, not the 12 KB it did when every script
-carried every prelude. ``flush``, a round trip of its own, runs it by SHA.
+The records of a batch are taken out of the buffer once (``take``), before the round trip, so that
+the commit pipeline (``ConsumeRequest._commit_pipelined``) can send them again after a ``NOSCRIPT``
+only if they were refused too: a commit that ran is never sent twice, records that were written
+are never written twice, and records refused with it are not lost.
 """
 
 from __future__ import annotations
@@ -27,11 +24,11 @@ from enum import StrEnum
 from typing import Any
 
 import orjson
-import redis
 
 from mqorder import keys
 from mqorder.model import MessageExt
-from mqorder.store.scripts import source
+from mqorder.store.raw_pipe import ConnectionLease
+from mqorder.store.scripts import Scripts
 
 
 class LedgerOutcome(StrEnum):
@@ -77,22 +74,24 @@ class LedgerBuffer:
                 "client": self.client_id, "run": self.run_id, "outcome": outcome.value,
             }))
 
-    def queue_in(self, pipe: Any) -> None:
-        """Queue the buffered records on ``pipe`` (one command, if there are any) and forget them."""
-        if self.records:
-            pipe.execute_command("EVAL", source("ledger"), 1, keys.ledger(self.group), self.max_len, *self.records)
-            self.records = []
+    def take(self) -> list[bytes]:
+        """The buffered records, which the buffer forgets: the caller writes them."""
+        records, self.records = self.records, []
+        return records
 
-    def flush(self, client: redis.Redis) -> None:
-        """Write what is left at the end of a run (a run that stopped without a last commit).
+    def queue_in(self, pipe: Any, scripts: Scripts, records: list[bytes]) -> None:
+        """Queue ``EVALSHA`` of ``ledger.lua`` writing ``records`` on ``pipe`` (the caller handles a
+        ``NOSCRIPT`` reply: ``ConsumeRequest._commit_pipelined``)."""
+        scripts.queue_in(pipe, "ledger", [keys.ledger(self.group)], [self.max_len, *records])
 
-        By SHA: redis-py's ``Script`` loads it on ``NOSCRIPT`` and sends it again, which is safe
-        here because nothing else rides in this round trip.
-        """
-        if self.records:
-            script = client.register_script(source("ledger"))
-            script(keys=[keys.ledger(self.group)], args=[self.max_len, *self.records])
-            self.records = []
+    def write(self, scripts: Scripts, records: list[bytes], via: ConnectionLease | None = None) -> None:
+        """Write ``records`` in a round trip of their own (``Scripts.call`` reloads on NOSCRIPT)."""
+        if records:
+            scripts.call("ledger", [keys.ledger(self.group)], [self.max_len, *records], via=via)
+
+    def flush(self, scripts: Scripts) -> None:
+        """Write what is left at the end of a run (a run that stopped without a last commit)."""
+        self.write(scripts, self.take())
 
 
 def decode_record(raw: bytes) -> dict[str, Any]:

@@ -84,8 +84,8 @@ def rabbitmq() -> Iterator[RabbitVhost]:
     vhost.stop()
 
 
-#: Celery's brokers every ``broker_cluster`` test runs on.
-CELERY_BROKERS = ["redis", "rabbitmq"]
+#: Celery's brokers every ``broker_cluster`` test runs on (the RabbitMQ one marked ``rabbitmq``).
+CELERY_BROKERS = ["redis", pytest.param("rabbitmq", marks=pytest.mark.rabbitmq)]
 
 
 @pytest.fixture(params=CELERY_BROKERS)

@@ -10,6 +10,7 @@ import json
 import threading
 from typing import Any
 
+import pytest
 import redis
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner, Result
@@ -19,6 +20,8 @@ from mqorder.cli import app
 from mqorder.model import MessageQueue
 from tests.support import Cluster, body, ledger, wait_for
 from tests.test_metrics import free_port
+
+pytestmark = pytest.mark.e2e
 
 
 def cli(*args: str) -> Result:

@@ -124,6 +124,8 @@ def test_reference_app_gets_redis_options_only_on_redis(broker: str | None, expe
     assert url == (broker or REDIS) and options == expected
 
 
+@pytest.mark.e2e
+@pytest.mark.rabbitmq
 def test_tasks_a_killed_worker_had_fetched_go_back_to_its_rabbitmq_queue(rabbitmq: RabbitVhost, cluster: Cluster) -> None:
     """What RabbitMQ gives over Redis (README, "Choosing Celery's broker"): a task delivered to a
     worker that dies before acking it is requeued by the broker, not lost with the process."""
@@ -151,6 +153,7 @@ def test_tasks_a_killed_worker_had_fetched_go_back_to_its_rabbitmq_queue(rabbitm
         app.close()
 
 
+@pytest.mark.rabbitmq
 def test_an_unreachable_rabbitmq_fails_saying_how_to_get_it_and_leaves_no_vhost() -> None:
     """The RabbitMQ variants fail (never skip) without RabbitMQ, with what to do."""
     vhost = RabbitVhost("mqorder-test", port=free_port())

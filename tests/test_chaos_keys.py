@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
+
 from chaos import records
 from chaos.evidence import Event
 from chaos.records import Entry
 from tests.test_chaos_smoke import checked, refusal
+
+pytestmark = pytest.mark.chaos_smoke
 
 
 def kcall(run_id: str, key: str, offset: int, seq: int, start: float, *, pid: int = 1, client: str = "c1",

@@ -32,6 +32,8 @@ from mqorder.consumer.listener import get_listener
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 
+pytestmark = pytest.mark.chaos_smoke
+
 MQ = MessageQueue(listeners.TOPIC, "broker-a", 0)
 
 

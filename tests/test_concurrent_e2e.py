@@ -18,6 +18,8 @@ from mqorder.model import MessageQueue
 from mqorder.store.log import MessageLog
 from tests.support import Cluster, body, ledger, wait_for
 
+pytestmark = pytest.mark.e2e
+
 GROUP = "g-conc"
 TOPIC = "t-conc"
 #: Fast retries for the tests: every delay level 200 ms, the mover every 100 ms.

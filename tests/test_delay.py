@@ -62,6 +62,7 @@ def test_delay_levels_default_to_rocketmqs_18_and_bad_ones_are_refused() -> None
         load_settings(message_delay_level="1s 5x")
 
 
+@pytest.mark.e2e
 def test_the_workers_mover_delivers_a_delayed_message_when_due(cluster, r: redis.Redis) -> None:
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=2)

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import io
 
+import pytest
 from rich.console import Console
 
 from mqorder.demo import run_demo
+
+pytestmark = pytest.mark.e2e
 
 
 def test_demo_reports_zero_violations_and_zero_loss(redis_url: str) -> None:

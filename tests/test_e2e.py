@@ -20,6 +20,8 @@ from mqorder.model import MessageQueue
 from mqorder.store.log import MessageLog
 from tests.support import Cluster, body, check_order, ledger, wait_for
 
+pytestmark = pytest.mark.e2e
+
 
 def _handled(r: redis.Redis, group: str, n: int) -> bool:
     return len({(e["key"], e["seq"]) for e in ledger(r, group) if e["ok"]}) >= n

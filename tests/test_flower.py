@@ -17,6 +17,8 @@ from mqorder.testing.embedded import free_port
 from mqorder.testing.rabbit_vhost import RabbitVhost
 from tests.support import ROOT, Cluster, wait_for
 
+pytestmark = pytest.mark.e2e
+
 
 def _get(url: str) -> tuple[int, bytes]:
     try:
@@ -67,6 +69,7 @@ def _management_api(vhost: RabbitVhost) -> str:
     return base
 
 
+@pytest.mark.rabbitmq
 def test_flower_shows_the_rabbitmq_queues_of_the_stock_workers(rabbitmq: RabbitVhost, cluster: Cluster) -> None:
     """With RabbitMQ as Celery's broker, Flower lists each worker's direct queue and the default
     queue with their RabbitMQ message counts (``/api/queues/length``, the Broker page): five tasks

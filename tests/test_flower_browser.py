@@ -35,6 +35,8 @@ from mqorder.client.producer import Producer
 from mqorder.testing.embedded import free_port
 from tests.support import ROOT, Cluster, body, ledger, wait_for
 
+pytestmark = [pytest.mark.e2e, pytest.mark.browser]
+
 USER, PASSWORD = "ops", "flower-test-pw"
 #: The flags of the issue: no sandbox (root in a container), no GPU, nothing phoning home.
 CHROMIUM_FLAGS = [

@@ -14,6 +14,8 @@ from mqorder.model import MessageQueue
 from mqorder.store.log import MessageLog
 from tests.support import Cluster, body, check_order, ledger, wait_for
 
+pytestmark = pytest.mark.e2e
+
 GROUP = "g-keys"
 
 

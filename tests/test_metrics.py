@@ -98,6 +98,7 @@ def exporter(cluster: Cluster) -> Iterator[int]:
 # -- the worker endpoint ----------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_worker_endpoints_count_every_call_of_both_prefork_children_and_both_workers(
     cluster: Cluster, r: redis.Redis
 ) -> None:
@@ -145,6 +146,7 @@ def test_worker_endpoints_count_every_call_of_both_prefork_children_and_both_wor
              timeout=30, what="no lingering slot")
 
 
+@pytest.mark.e2e
 def test_suspended_and_dead_lettered_messages_are_counted_and_the_exporter_sees_the_dlq(
     cluster: Cluster, r: redis.Redis, exporter: int
 ) -> None:
@@ -174,6 +176,7 @@ def test_suspended_and_dead_lettered_messages_are_counted_and_the_exporter_sees_
     assert total(e, "mqorder_clients_live", group="g-suspend") == 1
 
 
+@pytest.mark.e2e
 def test_a_refused_commit_is_counted_after_a_forced_takeover(cluster: Cluster, r: redis.Redis) -> None:
     p = Producer(cluster.url)
     p.create_topic("t-excl", queues=1)
@@ -208,6 +211,7 @@ def test_a_refused_commit_is_counted_after_a_forced_takeover(cluster: Cluster, r
     assert total(e, "mqorder_queue_lag", group="g-excl") == 1
 
 
+@pytest.mark.e2e
 def test_a_killed_pool_child_no_longer_counts_as_lingering(cluster: Cluster, r: redis.Redis) -> None:
     p = Producer(cluster.url)
     p.create_topic("t-excl", queues=1)
@@ -227,6 +231,7 @@ def test_a_killed_pool_child_no_longer_counts_as_lingering(cluster: Cluster, r: 
     assert cluster.workers["w1"].alive()
 
 
+@pytest.mark.e2e
 def test_a_threads_pool_worker_counts_in_its_own_process(cluster: Cluster, r: redis.Redis) -> None:
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=2)
@@ -245,6 +250,7 @@ def test_a_threads_pool_worker_counts_in_its_own_process(cluster: Cluster, r: re
 # -- the exporter -----------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_exporter_shows_lag_before_consumption_and_none_after_drain(
     cluster: Cluster, r: redis.Redis, exporter: int
 ) -> None:
@@ -315,6 +321,7 @@ def test_metrics_port_is_off_by_default_and_when_empty() -> None:
         load_settings(metrics_addr="not an address")
 
 
+@pytest.mark.e2e
 def test_a_worker_with_a_bad_metrics_port_stops_at_start_with_a_clear_error(cluster: Cluster) -> None:
     w = cluster.start_worker("w1", wait=False, MQORDER_METRICS_PORT="70000")
     wait_for(lambda: not w.alive(), timeout=60, what="the worker to exit")
@@ -323,6 +330,7 @@ def test_a_worker_with_a_bad_metrics_port_stops_at_start_with_a_clear_error(clus
     assert "MQORDER_METRICS_PORT: must be a TCP port from 1 to 65535" in log and "70000" in log
 
 
+@pytest.mark.e2e
 def test_a_metrics_port_in_use_is_logged_and_the_worker_still_consumes(cluster: Cluster, r: redis.Redis) -> None:
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=2)

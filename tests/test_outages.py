@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from mqorder import Producer
@@ -14,6 +15,8 @@ from mqorder.errors import BrokerUnavailableError
 from mqorder.testing.embedded import RedisServer
 from mqorder.testing.launcher import WorkerProcess, project_env
 from tests.support import FAST, ROOT, body, check_order, ledger, wait_for
+
+pytestmark = pytest.mark.e2e
 
 
 def test_worker_started_before_redis_answers_starts_consuming_when_it_does(tmp_path: Path) -> None:

@@ -150,6 +150,7 @@ def test_no_consume_request_is_ever_dispatched_to_a_pull_consumer(fast, producer
         assert svc.sweep(["audit"]) == []
 
 
+@pytest.mark.e2e
 def test_a_pull_consumer_beside_real_workers_and_beat_drains_its_group_in_order(cluster, r: redis.Redis) -> None:
     """Workers and beat rebalance every lane, the pull group's too, every second: the pull consumer
     keeps its queues (never fenced, never sent a ConsumeRequest) while a worker group drains the

@@ -271,6 +271,7 @@ def test_only_one_worker_runs_a_pass_per_interval(settings, r) -> None:
 # -- with real workers ------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_trimming_behind_real_workers_under_load_loses_nothing_and_keeps_order(cluster, r) -> None:
     """Consumed policy, no replay window, a trim pass every 0.5 s in 20-entry chunks, while a
     producer sends and two prefork workers consume (one leaves and comes back mid-stream)."""

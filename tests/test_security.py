@@ -16,6 +16,7 @@ from tests.support import FAST, ROOT, body, check_order, ledger, wait_for
 PASSWORD = "pw-9f8e7d-secret"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("tls", [False, True], ids=["auth", "tls+auth"])
 def test_workers_consume_in_order_over_auth_and_tls_and_never_log_the_password(tmp_path: Path, tls: bool) -> None:
     with RedisServer(password=PASSWORD, tls=tls) as srv:

@@ -22,6 +22,8 @@ from mqorder.consumer.ledger import FIELDS, LedgerBuffer, LedgerOutcome
 from mqorder.model import MessageExt
 from mqorder.store.log import MessageLog
 
+pytestmark = pytest.mark.spark
+
 TOPIC, GROUP = "t-audit", "g-audit"
 
 
@@ -235,6 +237,7 @@ def _caught_up(log: MessageLog, p: Producer, topic: str, group: str) -> bool:
     return all(log.lag(group, mq) == 0 for mq in p.describe_topic(topic).message_queues)
 
 
+@pytest.mark.e2e
 def test_publish_consume_with_prefork_workers_then_audit_passes(spark, cluster, producer: Producer, r: redis.Redis,
                                                                  tmp_path: Path) -> None:
     import random

@@ -9,7 +9,7 @@ import pytest
 
 from mqorder import Producer
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
 
 def produce(p: Producer, topic: str, n: int, start: int = 0) -> dict[str, tuple[int, int, str, str]]:

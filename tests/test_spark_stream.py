@@ -12,7 +12,7 @@ from mqorder import Producer
 from mqorder.client.selector import queue_index
 from tests.spark_support import staged_keys, stored
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
 ROWS_PER_BATCH = 50
 

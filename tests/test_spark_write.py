@@ -12,7 +12,7 @@ from mqorder.client.selector import queue_index
 from mqorder.errors import ConfigError
 from tests.spark_support import staged_keys, stored
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.spark, pytest.mark.timeout(300)]
 
 #: Unicode, empty and look-alike keys: the queue Spark computes must be the producer's for each.
 ODD_KEYS = ["", "é", "日本語", "🚀", "a b", "0", "-1", "ß", "A", "a"]

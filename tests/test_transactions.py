@@ -157,6 +157,7 @@ def _killed_mid_transaction(url: str, tmp: Path, key: str, seq: int, local: str)
     return marker.read_text()
 
 
+@pytest.mark.e2e
 def test_producers_killed_between_the_phases_end_visible_or_rolled_back(cluster, r: redis.Redis, tmp_path: Path) -> None:
     txn_env = {"MQORDER_LISTENERS": "tests.listeners,tests.txn_checkers", "MQORDER_TRANSACTION_TIMEOUT": "1",
                "MQORDER_TRANSACTION_CHECK_INTERVAL": "0.5", "MQORDER_TRANSACTION_CHECK_MAX": "5"}

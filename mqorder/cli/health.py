@@ -62,7 +62,7 @@ def txn(
 
 @app.command()
 def doctor(
-    celery_app: str = typer.Option("workers.app:app", "--app", help="Celery app to check (module:attribute); '' to skip"),
+    celery_app: str = typer.Option("mqorder.app:app", "--app", help="Celery app to check (module:attribute); '' to skip"),
     strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings too"),
     as_json: bool = JSON_OPT,
 ) -> None:

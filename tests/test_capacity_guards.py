@@ -123,6 +123,15 @@ def test_doctor_passes_a_good_redis_and_explains_a_bad_one(redis_url, monkeypatc
     get_settings.cache_clear()
 
 
+def test_doctor_checks_the_installed_stock_app_by_default(redis_url) -> None:
+    """``--app`` defaults to ``mqorder.app:app``, which an installed package has (``workers.app``
+    exists only in a checkout)."""
+    res = cli("doctor", "--json")
+    assert res.exit_code == 0, res.stdout + res.stderr
+    found = {(f["check"], f["verdict"]) for f in json.loads(res.stdout)["findings"]}
+    assert ("celery serializers", "OK") in found
+
+
 def test_doctor_flags_a_celery_app_that_accepts_pickle(redis_url) -> None:
     from mqorder.admin.doctor import celery_findings
 

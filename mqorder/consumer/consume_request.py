@@ -17,10 +17,9 @@ import logging
 import time
 from typing import Any
 
-from redis.exceptions import NoScriptError, ResponseError
-
 from mqorder import keys
 from mqorder.codec import decode_entries
+from mqorder.consumer.commit_pipeline import commit_pipelined
 from mqorder.consumer.consumer_state import ConsumerState
 from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.hooks import RefusedContext, global_hooks, run_refused
@@ -493,46 +492,24 @@ class ConsumeRequest(LingeringReads):
         over already. ``then``: one more command at the end (the idle nudge of a run that may end
         here; if the commit did not end it, the nudge's reader finds the queue busy and leaves it).
 
-        If Redis lost its scripts (a restart, ``SCRIPT FLUSH``), a call refused with ``NOSCRIPT``
-        changed nothing and the reads only read: the script is loaded and the pipeline sent once more,
-        with the ledger records only if they were refused too. Records refused beside a commit that
-        ran are written on their own.
+        Sent by ``commit_pipelined``, which answers a lost script (``NOSCRIPT``) safely.
         """
         if start is None:
             start = max(self.commit_point, self.pulled_to)
-        ledger = self.ledger
-        records = ledger.take() if ledger is not None else []
-        for attempt in (0, 1):
-            pipe = RawPipeline(self.lease)
-            self.scripts.queue_in(pipe, script, keys_, args)
-            if ledger is not None and records:
-                # Before the read: a lingering read may block, the records must not wait for it.
-                ledger.queue_in(pipe, self.scripts, records)
-            n = len(pipe)
+        sliced = False
+
+        def queue_reads(pipe: RawPipeline) -> None:
+            nonlocal sliced
             sliced = pull and linger_until is not None and self._queue_slice(pipe, linger_until)
             if pull and not sliced:
                 pipe.execute_command("XRANGE", self.k_log, start, "+", "COUNT", self.pull_n)
             if then is not None:
                 pipe.execute_command(*then)
-            replies = pipe.execute(raise_on_error=False)
-            refused = [isinstance(r, NoScriptError) for r in replies[:n]]
-            for r, noscript in zip(replies, refused + [False] * (len(replies) - n), strict=True):
-                if isinstance(r, ResponseError) and not (noscript and not attempt):
-                    raise r
-            if ledger is not None and records:
-                if not refused[1]:
-                    records = []  # written: never again
-                elif not refused[0]:
-                    ledger.write(self.scripts, records, via=self.lease)  # the commit ran: records alone
-            if refused[0]:
-                self.scripts.load(script)
-                if records:
-                    self.scripts.load("ledger")
-                continue
-            if sliced:
-                return replies[0], Slice(replies[n], replies[n + 1])
-            return replies[0], replies[n] if pull else []
-        raise AssertionError("unreachable")  # pragma: no cover
+
+        res, read = commit_pipelined(self.scripts, self.lease, script, keys_, args, self.ledger, queue_reads)
+        if sliced:
+            return res, Slice(read[0], read[1])
+        return res, read[0] if pull else []
 
     def _flush_ledger(self) -> None:
         """Records of a run that stopped without a last commit (fenced, or ended by the commit)."""

@@ -1,0 +1,57 @@
+"""The fenced commit of a pulled batch and what rides behind it, in one round trip.
+
+A run commits once per pulled batch (RocketMQ commits per batch as well, to the broker's offset
+store). Behind the fenced commit script (``commit.lua`` or a key-ordered run's ``key_commit.lua``)
+go the ledger records of the batch just handled and the read of the next batch, so Redis sees one
+round trip per batch. Every command goes by SHA: after a Redis restart or ``SCRIPT FLUSH`` a call
+refused with ``NOSCRIPT`` changed nothing, so only what was refused is sent again. A commit that ran
+is never sent twice, and records that were written are never written twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from redis.exceptions import NoScriptError, ResponseError
+
+from mqorder.consumer.ledger import LedgerBuffer
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
+from mqorder.store.scripts import Scripts
+
+
+def commit_pipelined(
+    scripts: Scripts, lease: ConnectionLease, script: str, keys_: list[str], args: list[Any],
+    ledger: LedgerBuffer | None, queue_reads: Callable[[RawPipeline], None],
+) -> tuple[Any, list[Any]]:
+    """Run ``script`` with ``keys_``/``args``, the ledger's buffered records, then what
+    ``queue_reads`` queues (reads, and maybe a last write such as an idle nudge), in one round
+    trip; returns the commit's reply and the replies of what ``queue_reads`` queued.
+
+    ``queue_reads`` is called again if the pipeline is sent again (once, after ``NOSCRIPT``)."""
+    records = ledger.take() if ledger is not None else []
+    for attempt in (0, 1):
+        pipe = RawPipeline(lease)
+        scripts.queue_in(pipe, script, keys_, args)
+        if ledger is not None and records:
+            # Before the read: a lingering read may block, the records must not wait for it.
+            ledger.queue_in(pipe, scripts, records)
+        n = len(pipe)
+        queue_reads(pipe)
+        replies = pipe.execute(raise_on_error=False)
+        refused = [isinstance(r, NoScriptError) for r in replies[:n]]
+        for r, noscript in zip(replies, refused + [False] * (len(replies) - n), strict=True):
+            if isinstance(r, ResponseError) and not (noscript and not attempt):
+                raise r
+        if ledger is not None and records:
+            if not refused[1]:
+                records = []  # written: never again
+            elif not refused[0]:
+                ledger.write(scripts, records, via=lease)  # the commit ran: the records alone
+        if refused[0]:
+            scripts.load(script)
+            if records:
+                scripts.load("ledger")
+            continue
+        return replies[0], replies[n:]
+    raise AssertionError("unreachable")  # pragma: no cover

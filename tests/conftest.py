@@ -18,7 +18,7 @@ from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.topics import TopicManager
 from mqorder.testing.embedded import RedisServer
 from mqorder.testing.rabbit_vhost import RabbitVhost
-from tests.support import Cluster
+from tests.support import Cluster, xdist_worker
 
 
 @pytest.fixture(scope="session")
@@ -74,7 +74,7 @@ def rabbitmq() -> Iterator[RabbitVhost]:
     """A RabbitMQ vhost of this test's own (created, then deleted with all its queues), on the
     RabbitMQ service at 127.0.0.1:5672. Without one the test fails saying how to get it: CI runs
     RabbitMQ, and a skip would hide that half of the suite never ran."""
-    vhost = RabbitVhost("mqorder-test")
+    vhost = RabbitVhost(f"mqorder-test-{xdist_worker()}")
     try:
         vhost.start()
     except BrokerUnavailableError as exc:
@@ -111,6 +111,10 @@ def appender(redis_url: str) -> Iterator[QueueAppender]:
 
 
 os.environ.setdefault("MQORDER_LISTENERS", "")
+# The CLI draws piped tables PIPE_WIDTH wide unless COLUMNS says otherwise, and the CLI tests read
+# whole rows: a COLUMNS=80 from the shell (pytest-xdist's workers have one) would cut them short.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 
 # The Spark session of the run (tests/spark_support.py): session-scoped, started on first use.

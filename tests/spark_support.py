@@ -25,6 +25,7 @@ import pytest
 import redis
 
 from mqorder.testing.embedded import RedisServer
+from tests.support import xdist_worker
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -133,11 +134,15 @@ def spark(redis_server: RedisServer, tmp_path_factory: pytest.TempPathFactory) -
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
     from mqorder.spark import session
 
+    # One session per test process: under pytest-xdist each worker that runs a Spark test starts
+    # its own JVM (driver memory 1g below; `make test` runs 2 workers, so at most two JVMs), with
+    # its own local dir and warehouse under its own basetemp and an app name naming the worker.
     spark = session(
-        "mqorder-tests",
+        f"mqorder-tests-{xdist_worker()}",
         "local[2,3]",
         **{
             "spark.ui.enabled": "false",
+            "spark.sql.warehouse.dir": str(tmp_path_factory.mktemp("spark-warehouse")),
             "spark.sql.shuffle.partitions": "4",
             "spark.default.parallelism": "4",
             "spark.sql.session.timeZone": "UTC",

@@ -6,6 +6,7 @@ one module, and mixes what pytest injects with what a test calls)."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from pathlib import Path
 
@@ -24,6 +25,13 @@ FAST = {
     "MQORDER_SWEEP_INTERVAL": "1",
     "MQORDER_PENDING_TTL": "10",
 }
+
+
+def xdist_worker() -> str:
+    """This test process's pytest-xdist worker id (``gw0``, ``gw1``...), ``main`` without xdist: for
+    names of resources shared by every process of the run (RabbitMQ vhosts, Spark app names), so a
+    leftover can be traced to the worker that made it."""
+    return os.environ.get("PYTEST_XDIST_WORKER", "main")
 
 
 class Cluster:

@@ -27,14 +27,14 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # `make test` runs pytest on 2 pytest-xdist workers, each with its own redis-server, RabbitMQ
-# vhosts, tmp dirs and Spark session. Measured on this 2-core machine, with other work on it
-# (load 2-7), full suite, 639 tests: serial 8m14s (before); -n 2 --dist loadfile 8m59s;
-# -n 2 load 5m20s; -n 3 load 5m21s; -n 4 load 4m57s. --dist load, not loadfile: test_e2e.py alone
-# is ~3.5 min of worker tests, so whole files leave one worker busy long after the other is done.
-# (loadgroup measured the same as load: with pytest 9.2 and xdist 3.8 it did not keep an
-# xdist_group on one worker.) -n 2, not 4: within the noise of 3 and 4 on 2 cores (the tests wait
-# on subprocesses, Redis and timers; more workers mostly add contention), and every worker that
-# runs a Spark test starts a JVM of its own: 2 workers bound the run to two JVMs.
+# vhosts, tmp dirs and Spark session. Measured on this 2-core machine with other work on it (load
+# 2-7; 10 in the loadfile run), full suite of 639 tests: serial 8m14s (before); -n 2 --dist
+# loadfile 8m59s; --dist loadgroup -n 2 5m20s, -n 3 5m21s, -n 4 4m57s (loadgroup ran as load:
+# with pytest 9.2 and xdist 3.8 it did not keep an xdist_group on one worker); -n 2 --dist load
+# 5m30s and 5m18s. --dist load, not loadfile: test_e2e.py alone is ~3.5 min of worker tests, so
+# whole files leave one worker busy long after the other is done. -n 2, not 3 or 4: -n 4 was
+# 20-30 s faster, inside this machine's run-to-run noise, but every worker that runs a Spark test
+# starts a JVM of its own (1g heap), and 4 workers started 4; 2 workers bound the run to two.
 PYTEST_WORKERS ?= 2
 PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist load
 SLOW_MARKERS := e2e or spark or browser or rabbitmq or chaos_smoke
@@ -46,7 +46,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) tests
 
 # Everything but the slow families (real worker subprocesses, Spark, Chromium, RabbitMQ, the chaos
-# smoke): unit, property, Lua and engine tests against the suite's real redis-server. ~65 s serial.
+# smoke): unit, property, Lua and engine tests against the suite's real redis-server. ~70 s serial.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -m "not ($(SLOW_MARKERS))" tests
 

@@ -20,10 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Faster membership and sweeps than production so tests do not wait on 20 s timers.
 FAST = {
     "MQORDER_LISTENERS": "tests.listeners",
-    "MQORDER_HEARTBEAT_INTERVAL": "0.5",
-    "MQORDER_HEARTBEAT_TIMEOUT": "3",
-    "MQORDER_SWEEP_INTERVAL": "1",
-    "MQORDER_PENDING_TTL": "10",
+    "MQORDER_HEARTBEAT_INTERVAL_MS": "500",
+    "MQORDER_HEARTBEAT_TIMEOUT_MS": "3000",
+    "MQORDER_SWEEP_INTERVAL_MS": "1000",
+    "MQORDER_PENDING_TTL_MS": "10000",
 }
 
 

@@ -23,7 +23,7 @@ pytestmark = pytest.mark.e2e
 GROUP = "g-conc"
 TOPIC = "t-conc"
 #: Fast retries for the tests: every delay level 200 ms, the mover every 100 ms.
-FAST_RETRY = {"MQORDER_MESSAGE_DELAY_LEVEL": " ".join(["200ms"] * 18), "MQORDER_DELAY_MOVE_INTERVAL": "0.1"}
+FAST_RETRY = {"MQORDER_MESSAGE_DELAY_LEVEL": " ".join(["200ms"] * 18), "MQORDER_DELAY_MOVE_INTERVAL_MS": "100"}
 
 
 def _ok(entries: list[dict]) -> set[tuple[str, int]]:

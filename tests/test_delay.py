@@ -66,7 +66,7 @@ def test_delay_levels_default_to_rocketmqs_18_and_bad_ones_are_refused() -> None
 def test_the_workers_mover_delivers_a_delayed_message_when_due(cluster, r: redis.Redis) -> None:
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=2)
-    cluster.start_worker("w1", MQORDER_DELAY_MOVE_INTERVAL="0.2")  # no beat: the worker's client moves it
+    cluster.start_worker("w1", MQORDER_DELAY_MOVE_INTERVAL_MS="200")  # no beat: the worker's client moves it
     t0 = time.time()
     p.send("t-order", body("d", 1), delay_time_level=1)
     got = wait_for(lambda: [e for e in ledger(r, "g-order") if e["key"] == "d"], timeout=60,

@@ -211,7 +211,7 @@ def test_kill_9_of_a_queue_owner_fails_over_in_order_and_the_restarted_worker_re
 
         first = wait_for(taken_over, timeout=30, what=f"w2 consuming w1's queues {sorted(victims)}")
         failover_s = (max(first.values()) - killed_us) / 1e6
-        # heartbeat_timeout (3 s) + one heartbeat + a rebalance; a lost task would cost a sweep.
+        # heartbeat_timeout_ms (3 s) + one heartbeat + a rebalance; a lost task would cost a sweep.
         assert failover_s < 10, f"failover took {failover_s:.1f}s"
         restarted_us = time.time_ns() // 1000
         cluster.start_worker("w1")  # same name: same direct queue, stale requests in it on RabbitMQ

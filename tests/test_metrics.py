@@ -104,7 +104,7 @@ def test_worker_endpoints_count_every_call_of_both_prefork_children_and_both_wor
 ) -> None:
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=8)
-    fast_locks = {"MQORDER_LOCK_INTERVAL": "1"}
+    fast_locks = {"MQORDER_LOCK_INTERVAL_MS": "1000"}
     ports = {name: worker_with_metrics(cluster, name, **fast_locks) for name in ("w1", "w2")}
     keys_ = [f"order-{i}" for i in range(100)]
     for seq in (1, 2, 3, 4):

@@ -53,7 +53,7 @@ def test_redis_killed_and_restarted_from_aof_mid_stream_loses_nothing_and_keeps_
     stop = threading.Event()
 
     def produce() -> None:
-        prod = Producer(srv.url, send_msg_timeout=1.0)
+        prod = Producer(srv.url, send_msg_timeout_ms=1000)
         seq: dict[str, int] = {}
         i = 0
         while not stop.is_set():

@@ -21,7 +21,7 @@ from mqorder.store.replies import text
 
 @pytest.fixture
 def fast(redis_url: str):
-    return load_settings(redis_url=redis_url, heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    return load_settings(redis_url=redis_url, heartbeat_interval_ms=200, heartbeat_timeout_ms=1000)
 
 
 @pytest.fixture
@@ -141,7 +141,7 @@ def test_no_consume_request_is_ever_dispatched_to_a_pull_consumer(fast, producer
         producer.send_orderly("orders", b"x", sharding_key=f"k{i}")
     with PullConsumer("audit", settings=fast, client_id="p1") as c:
         c.fetch_message_queues_in_balance("orders")
-        svc = RebalanceService(producer.brokers, fast.model_copy(update={"pending_ttl": 0.2}))
+        svc = RebalanceService(producer.brokers, fast.model_copy(update={"pending_ttl_ms": 200}))
         for mq in producer.describe_topic("orders").message_queues:  # make every queue movable again
             svc.locks.unlock_batch("audit", [mq], "p1", force=True)
         report = svc.rebalance()
@@ -157,11 +157,11 @@ def test_a_pull_consumer_beside_real_workers_and_beat_drains_its_group_in_order(
     same topic."""
     from tests.support import body, ledger, wait_for
 
-    fast = load_settings(redis_url=cluster.url, heartbeat_interval=0.2, heartbeat_timeout=1.0)
+    fast = load_settings(redis_url=cluster.url, heartbeat_interval_ms=200, heartbeat_timeout_ms=1000)
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=4)
     cluster.start_worker("w1")
-    cluster.start_beat(MQORDER_REBALANCE_INTERVAL="1", MQORDER_LOCK_INTERVAL="1")
+    cluster.start_beat(MQORDER_REBALANCE_INTERVAL_MS="1000", MQORDER_LOCK_INTERVAL_MS="1000")
     got: dict[str, list[int]] = {}
     with PullConsumer("audit", settings=fast, client_id="puller") as c:
         c.fetch_message_queues_in_balance("t-order")

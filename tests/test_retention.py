@@ -281,7 +281,7 @@ def test_trimming_behind_real_workers_under_load_loses_nothing_and_keeps_order(c
 
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=4, retention_policy="consumed", retention_ms=60_000, retention_min_ms=0)
-    fast_trim = {"MQORDER_RETENTION_INTERVAL": "0.5", "MQORDER_RETENTION_TRIM_CHUNK": "20"}
+    fast_trim = {"MQORDER_RETENTION_INTERVAL_MS": "500", "MQORDER_RETENTION_TRIM_CHUNK": "20"}
     cluster.start_worker("w1", **fast_trim)
     cluster.start_worker("w2", **fast_trim)
     r.hset("ctl:g-order", "sleep_ms", 1)

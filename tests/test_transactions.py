@@ -28,7 +28,7 @@ COMMIT, ROLLBACK, UNKNOWN = LocalTransactionState.COMMIT, LocalTransactionState.
 
 @pytest.fixture
 def tx(redis_url: str):
-    s = load_settings(redis_url=redis_url, transaction_timeout=1.0, transaction_check_interval=0.2,
+    s = load_settings(redis_url=redis_url, transaction_timeout_ms=1000, transaction_check_interval_ms=200,
                       transaction_check_max=3)
     p = TransactionProducer(settings=s)
     p.create_topic("tx", queues=2)
@@ -79,7 +79,7 @@ def test_unknown_and_a_raising_executor_are_resolved_by_the_checker(tx: Transact
     mq = r1.message_queue
     assert len(tx.half_store.pending(mq)) == 2 and bodies(tx, mq) == []
     svc = TransactionCheckService(tx.brokers, tx.settings)
-    assert svc.check_once().checked == 0  # younger than transaction_timeout: not asked yet
+    assert svc.check_once().checked == 0  # younger than transaction_timeout_ms: not asked yet
     time.sleep(1.05)
     report = svc.check_once()
     assert (report.checked, report.committed, report.rolled_back) == (2, 1, 1)
@@ -159,8 +159,8 @@ def _killed_mid_transaction(url: str, tmp: Path, key: str, seq: int, local: str)
 
 @pytest.mark.e2e
 def test_producers_killed_between_the_phases_end_visible_or_rolled_back(cluster, r: redis.Redis, tmp_path: Path) -> None:
-    txn_env = {"MQORDER_LISTENERS": "tests.listeners,tests.txn_checkers", "MQORDER_TRANSACTION_TIMEOUT": "1",
-               "MQORDER_TRANSACTION_CHECK_INTERVAL": "0.5", "MQORDER_TRANSACTION_CHECK_MAX": "5"}
+    txn_env = {"MQORDER_LISTENERS": "tests.listeners,tests.txn_checkers", "MQORDER_TRANSACTION_TIMEOUT_MS": "1000",
+               "MQORDER_TRANSACTION_CHECK_INTERVAL_MS": "500", "MQORDER_TRANSACTION_CHECK_MAX": "5"}
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=2)
     cluster.start_worker("w1", **txn_env)

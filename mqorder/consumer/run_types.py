@@ -56,13 +56,15 @@ class Stop(StrEnum):
     FENCED = "fenced"
     #: The last commit found the queue drained and ended the run itself (``commit.lua`` IDLE).
     IDLE = "idle"
-    #: The lingering read found messages on another adopted queue (``Pull.switch``): end the run
+    #: The lingering read found messages on another adopted queue (``PullKind.SWITCH``): end the run
     #: and hand this queue to the watch in the same step (``finish.lua`` 'adopt').
     SWITCH = "adopt"
 
 
 @dataclass(frozen=True, slots=True)
 class LoopEnd:
+    """How a run's consume loop ended, and after how long (s) a re-queued run goes on."""
+
     stop: Stop
     countdown: float = 0.0
 

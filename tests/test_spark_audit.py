@@ -21,6 +21,7 @@ from mqorder import Producer, keys
 from mqorder.consumer.ledger import FIELDS, LedgerBuffer, LedgerOutcome
 from mqorder.model import MessageExt
 from mqorder.store.log import MessageLog
+from mqorder.store.scripts import Scripts
 
 pytestmark = pytest.mark.spark
 
@@ -38,6 +39,7 @@ class LedgerWriter:
     def __init__(self, client: redis.Redis, group: str = GROUP) -> None:
         self.client = client
         self.buf = LedgerBuffer(group, "c1@test", "run1", 1_000_000)
+        self.scripts = Scripts(client)
         self.clock = time.time() * 1000  # after every message's born time
 
     def handle(self, msg: MessageExt, outcome: LedgerOutcome = LedgerOutcome.SUCCESS, epoch: int = 1) -> None:
@@ -45,7 +47,7 @@ class LedgerWriter:
         self.buf.note([msg], outcome, self.clock, self.clock + 2, epoch)
 
     def flush(self) -> None:
-        self.buf.flush(self.client)
+        self.buf.flush(self.scripts)
 
 
 def _publish(p: Producer, topic: str, per_key: dict[str, list[int]]) -> None:

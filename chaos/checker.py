@@ -387,6 +387,9 @@ class Call:
     still_owner: bool | None
     #: When ``ctx.still_owner()`` was asked (``Entry.asked``; 0: not recorded).
     asked: float = 0.0
+    #: Concurrent: read from the group's retry topic (a redelivery), whose queue ids and epochs are
+    #: its own, not those of the chaos topic's queue with the same id.
+    retried: bool = False
 
 
 def _calls(entries: list[Entry], by: str = "queue") -> dict[int | str, list[Call]]:
@@ -399,7 +402,9 @@ def _calls(entries: list[Entry], by: str = "queue") -> dict[int | str, list[Call
             where = f"{e.queue}/{e.key}"
         elif by == "concurrent":
             where = f"{e.key}#{e.seq}"
-        calls[where].add(Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.still_owner, e.asked))
+        retried = by == "concurrent" and e.reconsume > 0
+        calls[where].add(Call(e.queue, e.start, e.end, e.epoch, e.client, e.pid, e.run, e.still_owner, e.asked,
+                              retried))
     return {q: sorted(c, key=lambda c: (c.start, c.end)) for q, c in calls.items()}
 
 
@@ -435,6 +440,8 @@ class Replaced:
         self.at[old] = min(self.at.get(old, math.inf), newer_start, self._sampled(old))
 
     def _sampled(self, c: Call) -> float:
+        if c.retried:
+            return math.inf  # the samples are of the chaos topic's lock table, not the retry topic's
         return next((t for epoch, t in self.seen.get(c.queue, []) if epoch > c.epoch), math.inf)
 
     def blind(self, c: Call) -> bool:
@@ -458,11 +465,14 @@ def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by: str 
     stale: dict[Call, bool] = {}  # stale call -> "superseded at the same epoch"
     replaced = Replaced(samples or [])
     for q, calls in _calls(entries, by).items():
-        first_at: dict[int, float] = {}  # epoch -> start of its first call (calls come by start)
+        # (read from the retry topic, epoch) -> start of its first call (calls come by start). Epochs
+        # compare only within one queue: a concurrent message's redeliveries come from its retry
+        # queue, whose epoch is lower or higher than its first queue's for reasons of its own.
+        first_at: dict[tuple[bool, int], float] = {}
         active: list[Call] = []
         for c in calls:
-            first_at.setdefault(c.epoch, c.start)
-            newer = [t for e, t in first_at.items() if e > c.epoch]
+            first_at.setdefault((c.retried, c.epoch), c.start)
+            newer = [t for (rt, e), t in first_at.items() if rt == c.retried and e > c.epoch]
             if newer:
                 stale.setdefault(c, False)
                 replaced.note(c, min(newer))
@@ -474,7 +484,8 @@ def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by: str 
                 same = a.epoch == c.epoch
                 old = a if (same or a.epoch < c.epoch) else c
                 stale.setdefault(old, same)
-                replaced.note(old, c.start if same else min(t for e, t in first_at.items() if e > old.epoch))
+                replaced.note(old, c.start if same else min(
+                    (t for (rt, e), t in first_at.items() if rt == old.retried and e > old.epoch), default=c.start))
                 refused, saw = ref.refused(old, same), not replaced.blind(old)
                 if refused and saw:
                     r.overlaps_allowed += 1

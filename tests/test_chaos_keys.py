@@ -91,3 +91,26 @@ def test_a_true_still_owner_asked_after_the_queue_was_known_replaced_is_reported
     assert unknown.overlaps_forbidden and not unknown.passed
     # Allowed only with the refused commit: a True asked in time does not excuse an unfenced call.
     assert not checked([paused_call(10.01), *newer_calls()], ordering="key").passed
+
+
+def conc_call(start: float, *, epoch: int, reconsume: int, client: str = "c1", pid: int = 1,
+              status: str = "SUSPEND_CURRENT_QUEUE_A_MOMENT") -> Entry:
+    """One 0.1 s call of poison message p#0 of a concurrent listener: the first from chaos queue 0,
+    redeliveries (``reconsume`` > 0) from the retry topic's queue 0, each at its own queue's epoch."""
+    return Entry(key="p", seq=0, queue=0, offset=5 if reconsume else 3, epoch=epoch, client=client, pid=pid,
+                 start=start, end=start + 0.1, reconsume=reconsume, status=status, still_owner=True, run=f"r{start}")
+
+
+def test_a_concurrent_redelivery_is_judged_by_its_retry_queues_epoch_not_its_first_queues() -> None:
+    """The concurrent chaos scenario at 6c15890 reported 3 stale calls: a poison message first
+    handled on chaos queue 0 at epoch 3, then redelivered three times from the retry topic's queue
+    0, still at that queue's epoch 2. Both queues have id 0; their epochs are unrelated."""
+    entries = [conc_call(10.0, epoch=3, reconsume=0), conc_call(11.0, epoch=2, reconsume=1, client="c2", pid=2),
+               conc_call(12.0, epoch=2, reconsume=2, client="c2", pid=2, status=records.SUCCESS)]
+    res = checked(entries, ordering="concurrent")
+    assert res.stale_calls == 0 and res.problems == [] and res.passed
+    # A redelivery at a retry-queue epoch older than one already used there is still a stale call.
+    stale = [*entries, conc_call(12.5, epoch=3, reconsume=3, client="c1"), conc_call(13.0, epoch=2, reconsume=4,
+                                                                                      client="c2", pid=2)]
+    res = checked(stale, ordering="concurrent")
+    assert res.stale_calls == 1 and any("stale call" in p for p in res.problems) and not res.passed

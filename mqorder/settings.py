@@ -129,6 +129,14 @@ class Settings(BaseSettings):
     #: Milliseconds a client trusts its own lock without asking Redis again, capped at half the
     #: heartbeat timeout (the client's REBALANCE_LOCK_MAX_LIVE_TIME, 30 s).
     client_lock_expire_ms: int = Field(30_000, gt=0, le=3_600_000)  # REBALANCE_LOCK_MAX_LIVE_TIME
+    #: Replicas that must acknowledge a new lock epoch (Redis ``WAIT``) before a run calls the
+    #: listener under it: after a failover to one of them the grant survives and nobody else is
+    #: granted the queue (the epoch fence holds either way). Unset: 1 on a ``redis+sentinel://``
+    #: broker, 0 on a plain one (a standalone Redis has no replica to wait for).
+    lock_wait_replicas: int | None = Field(None, ge=0, le=16)
+    #: Milliseconds one ``WAIT`` for ``lock_wait_replicas`` may take; short of acknowledgements the
+    #: run does not start and is dispatched again a moment later (the grant is retried, not used).
+    lock_wait_timeout_ms: int = Field(500, gt=0, le=60_000)
     #: Milliseconds between beat's rebalances (workers also rebalance at once on a join or a leave).
     rebalance_interval_ms: int = Field(20_000, gt=0, le=3_600_000)
     #: Milliseconds between two heartbeats of a client (liveness, for fast failover).

@@ -115,3 +115,10 @@ def check_order(entries: list[dict]) -> tuple[list[str], int, int]:
         else:
             violations.append(f"key {e['key']}: seq {e['seq']} after {prev}")
     return violations, handled, dups
+
+
+def grant_floor(client: redis.Redis) -> int:
+    """The lowest epoch a lock grant made from now on can carry: Redis's clock in ms, times 1000
+    (``grant_epoch`` in ``_lock.lua``: epochs are a hybrid clock, the failover fence)."""
+    sec, usec = client.time()
+    return (sec * 1000 + usec // 1000) * 1000

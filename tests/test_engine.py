@@ -211,7 +211,7 @@ def test_refused_commit_reaches_hooks_as_a_structured_record(env) -> None:
     drain(eng, ListenerSpec(listener, "t", "g", hooks=[Recorder()]))
     (rec,) = refused
     assert (rec.reason, rec.client_id, rec.current_owner, rec.sub) == ("FENCED", "c1", "c2", "g")
-    assert rec.current_epoch == rec.epoch + 1
+    assert rec.current_epoch > rec.epoch
     assert rec.run_id in run_ids and rec.offset == 3  # the run handled all three, then tried to commit
 
 

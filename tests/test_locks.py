@@ -12,6 +12,7 @@ from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager, Redispatch
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.scripts import NAMES, lua_string, source
+from tests.support import grant_floor
 
 MQS = [MessageQueue("t", "broker-a", i) for i in range(4)]
 
@@ -35,7 +36,7 @@ def commit(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, epo
     c.hset(st, "pending", "tok")
     return brokers.default.scripts.commit(
         keys=[st, keys.queue_next(mq.tag), keys.sub_retries(mq.tag, sub)],
-        args=[client, epoch, "tok", offset, 60_000, 60_000, "0"],
+        args=[client, epoch, "tok", offset, 60_000, 60_000, "0", "", 0],
     )
 
 
@@ -56,9 +57,10 @@ def finish(brokers: BrokerRegistry, sub: str, mq: MessageQueue, client: str, tok
     )
 
 
-def test_try_lock_batch_locks_free_queues_with_first_epoch(locks: RebalanceLockManager) -> None:
+def test_try_lock_batch_locks_free_queues_with_a_clock_epoch(brokers: BrokerRegistry, locks: RebalanceLockManager) -> None:
+    floor = grant_floor(brokers.default.client)
     got = locks.try_lock_batch("g", MQS, "c1")
-    assert got == {mq: 1 for mq in MQS}
+    assert set(got) == set(MQS) and all(floor <= e < floor + 60_000_000 for e in got.values())
     assert all(locks.is_locked("g", mq, "c1") for mq in MQS)
 
 
@@ -77,10 +79,10 @@ def test_live_lock_of_another_client_is_refused(locks: RebalanceLockManager) -> 
 
 def test_expired_lock_is_taken_over_with_a_new_epoch(brokers: BrokerRegistry) -> None:
     short = RebalanceLockManager(brokers, lock_max_live_time_ms=150)
-    assert short.try_lock_batch("g", MQS[:1], "c1") == {MQS[0]: 1}
+    e1 = short.try_lock_batch("g", MQS[:1], "c1")[MQS[0]]
     assert short.try_lock_batch("g", MQS[:1], "c2") == {}
     time.sleep(0.25)
-    assert short.try_lock_batch("g", MQS[:1], "c2") == {MQS[0]: 2}
+    assert short.try_lock_batch("g", MQS[:1], "c2")[MQS[0]] > e1
     assert short.lock_entry("g", MQS[0]).owner == "c2"
 
 
@@ -94,8 +96,8 @@ def test_lease_is_judged_by_redis_clock_not_the_callers(brokers: BrokerRegistry)
 
 
 def test_groups_are_isolated(locks: RebalanceLockManager) -> None:
-    assert locks.try_lock_batch("g1", MQS, "c1") == {mq: 1 for mq in MQS}
-    assert locks.try_lock_batch("g2", MQS, "c2") == {mq: 1 for mq in MQS}
+    assert set(locks.try_lock_batch("g1", MQS, "c1")) == set(MQS)
+    assert set(locks.try_lock_batch("g2", MQS, "c2")) == set(MQS)
     assert locks.lock_entry("g1", MQS[0]).owner == "c1"
     assert locks.lock_entry("g2", MQS[0]).owner == "c2"
 
@@ -106,7 +108,7 @@ def test_each_change_of_owner_increments_the_epoch(locks: RebalanceLockManager) 
     for client in ("c1", "c2", "c3"):
         locks.unlock_batch("g", [mq], locks.lock_entry("g", mq).owner or "x", force=True)
         epochs.append(locks.try_lock_batch("g", [mq], client)[mq])
-    assert epochs == [1, 2, 3]
+    assert epochs == sorted(set(epochs))  # strictly increasing
 
 
 def test_unlock_only_releases_own_idle_locks(brokers: BrokerRegistry, locks: RebalanceLockManager) -> None:
@@ -124,7 +126,7 @@ def test_stale_epoch_commit_is_refused_and_offset_unchanged(brokers: BrokerRegis
     assert commit(brokers, "g", mq, "c1", e1, 5)[0] == b"OK"
     locks.unlock_batch("g", [mq], "c1", force=True)
     e2 = locks.try_lock_batch("g", [mq], "c2")[mq]
-    assert e2 == e1 + 1
+    assert e2 > e1
     refused = commit(brokers, "g", mq, "c1", e1, 9)
     assert refused[0] == b"FENCED" and int(refused[1]) == e2
     assert int(brokers.default.client.hget(keys.sub_state(mq.tag, "g"), "offset")) == 5
@@ -146,29 +148,29 @@ def test_take_of_free_queue_is_refused_when_assigned_to_another(brokers: BrokerR
     mq = MQS[0]
     brokers.default.client.hset(keys.sub_state(mq.tag, "g"), "assignee", "c2")
     assert locks.try_lock_batch("g", [mq], "c1") == {}
-    assert locks.try_lock_batch("g", [mq], "c2") == {mq: 1}
+    assert set(locks.try_lock_batch("g", [mq], "c2")) == {mq}
 
 
 def test_assign_moves_idle_lock_and_waits_for_running_owner(brokers: BrokerRegistry, locks: RebalanceLockManager) -> None:
     a, b = MQS[0], MQS[1]
-    locks.try_lock_batch("g", [a, b], "c1")
+    e1 = locks.try_lock_batch("g", [a, b], "c1")[a]
     brokers.default.client.hset(keys.sub_state(b.tag, "g"), "run", 2**50)  # b is being consumed
     res = locks.assign("g", [(a, "c2", "t1"), (b, "c2", "t2")])
     assert res == {a: "MOVED", b: "BUSY"}
     assert locks.lock_entry("g", a).owner == "c2"
-    assert locks.lock_entry("g", a).epoch == 2
+    assert locks.lock_entry("g", a).epoch > e1
     assert locks.lock_entry("g", b).owner == "c1"
 
 
 def test_assign_takes_queues_of_dead_clients_at_once(brokers: BrokerRegistry, locks: RebalanceLockManager) -> None:
     mq = MQS[0]
-    locks.try_lock_batch("g", [mq], "c1")
+    e1 = locks.try_lock_batch("g", [mq], "c1")[mq]
     brokers.default.client.hset(keys.sub_state(mq.tag, "g"), "run", 2**50)  # dead mid-run
     brokers.default.client.set(keys.queue_next(mq.tag), 3)  # a backlog
     res = locks.assign("g", [(mq, "c2", "tok")], dead_clients=["c1"])
     assert res == {mq: "DISPATCH"}
     st = brokers.default.client.hgetall(keys.sub_state(mq.tag, "g"))
-    assert st[b"owner"] == b"c2" and st[b"pending"] == b"tok" and st[b"epoch"] == b"2"
+    assert st[b"owner"] == b"c2" and st[b"pending"] == b"tok" and int(st[b"epoch"]) > e1
 
 
 # -- releasing a lock: one rule, and what happens to the pending ConsumeRequest ----------------------
@@ -181,6 +183,7 @@ def test_unlock_keeps_the_pending_request_which_retakes_the_lock_when_it_runs(
     c, st = brokers.default.client, keys.sub_state(MQS[0].tag, "g")
     c.set(keys.queue_next(mq.tag), 2)  # a backlog
     assert locks.assign("g", [(mq, "c1", "tok")]) == {mq: "DISPATCH"}  # request "tok" is pending
+    e1 = locks.lock_entry("g", mq).epoch
     pend_until = c.hget(st, "pend_until")
     assert locks.unlock_batch("g", [mq], "c1") == {mq}
     state = c.hgetall(st)
@@ -189,7 +192,7 @@ def test_unlock_keeps_the_pending_request_which_retakes_the_lock_when_it_runs(
     # The kept request is still the queue's one request: when it runs, it retakes the free lock of
     # its own queue at a new epoch (tryLockLaterAndReconsume) instead of being dropped as STALE.
     res = begin(brokers, "g", mq, "c1", "tok")
-    assert res[0] == b"OK" and int(res[1]) == 2
+    assert res[0] == b"OK" and int(res[1]) > e1
     assert locks.lock_entry("g", mq).owner == "c1"
 
 
@@ -199,8 +202,9 @@ def test_unlocked_queue_gets_no_second_request_while_the_kept_one_is_pending(
     mq = MQS[0]
     brokers.default.client.set(keys.queue_next(mq.tag), 2)
     locks.assign("g", [(mq, "c1", "tok")], pending_ttl_ms=300)
+    e1 = locks.lock_entry("g", mq).epoch
     locks.unlock_batch("g", [mq], "c1")
-    assert locks.try_lock_batch("g", [mq], "c1") == {mq: 2}  # lock_all takes it back
+    assert locks.try_lock_batch("g", [mq], "c1")[mq] > e1  # lock_all takes it back
     assert locks.sweep("g", [(mq, "again")], "c1", pending_ttl_ms=300) == []  # "tok" is pending
     time.sleep(0.4)  # "tok" presumed lost (its worker died with it): the sweep replaces it
     assert locks.sweep("g", [(mq, "again")], "c1", pending_ttl_ms=300) == [Redispatch(mq, "c1", "again")]
@@ -288,7 +292,8 @@ def test_lock_manager_batches_spanning_two_brokers(redis_url: str) -> None:
         locks = RebalanceLockManager(two)
         mqs = [MessageQueue("t", "broker-a", 0), MessageQueue("t", "broker-b", 0), MessageQueue("t", "broker-a", 1)]
         assert locks.assign("g", [(mq, "c1", f"t{i}") for i, mq in enumerate(mqs)]) == {mq: "MOVED" for mq in mqs}
-        assert locks.try_lock_batch("g", mqs, "c1") == {mq: 1 for mq in mqs}
+        granted = {mq: locks.lock_entry("g", mq).epoch for mq in mqs}
+        assert locks.try_lock_batch("g", mqs, "c1") == granted  # renewed, not granted again
         two.get("broker-b").client.set(keys.queue_next(mqs[1].tag), 1)
         assert locks.sweep("g", [(mq, f"s{i}") for i, mq in enumerate(mqs)], "c1") == [Redispatch(mqs[1], "c1", "s1")]
         assert locks.unlock_batch("g", mqs, "c1") == set(mqs)

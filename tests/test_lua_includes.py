@@ -63,7 +63,7 @@ def uses(name: str) -> set[str]:
 def test_the_helper_names_are_found() -> None:
     """Guards the parsing itself: an empty set would make the checks below pass vacuously."""
     assert {"now", "NOBODY", "lock_live", "release_lock", "append_entries", "commit_fence"} <= HELPERS
-    assert uses("assign") == {"NOBODY", "now", "ahead", "lock_live", "release_lock"}
+    assert uses("assign") == {"NOBODY", "now", "ahead", "lock_live", "release_lock", "grant_epoch"}
     assert uses("ledger") == set()
 
 

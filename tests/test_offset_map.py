@@ -94,11 +94,11 @@ def brokers(redis_url: str):
 
 
 def key_commit(brokers: BrokerRegistry, client: str, epoch: int, offset: int, done: str, *retries: object,
-               token: str = "tok", limit: int = 4096, skipped: int = 0):
+               token: str = "tok", limit: int = 4096, skipped: int = 0, read_to: int = 0):
     tag = MQ.tag
     return brokers.default.scripts.key_commit(
         keys=[keys.sub_state(tag, "g"), keys.queue_next(tag), keys.sub_retries(tag, "g")],
-        args=[client, epoch, token, offset, 60_000, 60_000, "0", done, limit, skipped, *retries],
+        args=[client, epoch, token, offset, 60_000, 60_000, "0", done, limit, skipped, read_to, *retries],
     )
 
 

@@ -51,6 +51,7 @@ from mqorder.settings import Settings, get_settings
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.failures import TRANSIENT
 from mqorder.store.log import MessageLog
+from mqorder.store.replication import ReplicaWait
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 from mqorder.tokens import new_token
@@ -133,7 +134,8 @@ class PullConsumer:
         self._own_brokers = brokers is None
         self.brokers = brokers or BrokerRegistry(self.settings.redis_url, self.settings.brokers)
         self.topics = TopicManager(self.brokers)
-        self.locks = RebalanceLockManager(self.brokers, self.settings.lock_max_live_time_ms)
+        self.locks = RebalanceLockManager(self.brokers, self.settings.lock_max_live_time_ms,
+                                          ReplicaWait.from_settings(self.settings))
         self.registry = ClientRegistry(self.brokers.meta, self.settings.heartbeat_timeout_ms)
         self.strategy = strategy_from_settings(self.settings)
         self.log = MessageLog(self.brokers)

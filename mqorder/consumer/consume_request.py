@@ -35,6 +35,7 @@ from mqorder.consumer.run_types import (
     ENDED,
     LOST,
     NOTHING,
+    REPLICA_WAIT_REQUEUE_S,
     ROLLBACK,
     SUCCESS,
     Handled,
@@ -74,6 +75,7 @@ class ConsumeRequest(LingeringReads):
         self.run_id = new_token()
         self.client_id = engine.client_id
         broker = engine.brokers.get(mq.broker_name)
+        self.broker = broker
         self.redis = broker.client
         self.scripts = broker.scripts
         #: The connection of this run's round trips on the consume path: the task execution's
@@ -184,8 +186,31 @@ class ConsumeRequest(LingeringReads):
         self.committed = self.commit_point = int(res[2])
         self.pulled_to = self.committed
         self.pq.mark_locked()
+        if not self._epoch_replicated():
+            return self._finish(LoopEnd(Stop.REQUEUE, REPLICA_WAIT_REQUEUE_S))
         self._begun(res)
         return None
+
+    def _epoch_replicated(self) -> bool:
+        """Whether this run's epoch is on ``lock_wait_replicas`` replicas (``WAIT``, once per new
+        epoch of the queue in this process: a grant is rare, renewals need none). Until it is, no
+        listener is called under it: a failover now could promote a replica that never saw the
+        grant and give the queue to somebody else (``mqorder.store.replication``)."""
+        pq = self.pq
+        if pq.replicated_epoch == self.epoch:
+            return True
+        rw = self.engine.replica_wait
+        n = rw.wanted(self.broker)
+        if n and rw.wait(lambda cmd: self.lease.round_trip([cmd])[0], n) < n:
+            log.warning(
+                "epoch %d of %s for %s is not on %d replica(s) after %d ms (WAIT); not consuming under "
+                "it yet, retrying in %.0f s. Check the replicas (mqorder doctor) or lower "
+                "MQORDER_LOCK_WAIT_REPLICAS", self.epoch, self.mq.key, self.sub, n, rw.timeout_ms,
+                REPLICA_WAIT_REQUEUE_S,
+            )
+            return False
+        pq.replicated_epoch = self.epoch
+        return True
 
     def _begun(self, res: list[Any]) -> None:
         """Take ``begin.lua``'s first pull (a key-ordered run also reads its offset map there)."""
@@ -434,7 +459,7 @@ class ConsumeRequest(LingeringReads):
         skipped = self.trimmed.due(self.commit_point)
         args: list[Any] = [
             self.client_id, self.epoch, self.token, self.commit_point, self.run_lease_ms,
-            self.lock_ms, "1" if idle else "0", skipped,
+            self.lock_ms, "1" if idle else "0", skipped, self.pulled_to,
         ]
         for off, n in self.retry_updates.items():
             args.append(off)
@@ -535,6 +560,13 @@ class ConsumeRequest(LingeringReads):
                 "commit refused on %s for %s: epoch %d is stale (now epoch %s held by %r); "
                 "stopping this ConsumeRequest, the new owner redelivers from the last commit",
                 self.mq.key, self.sub, self.epoch, text(res[1]), text(res[2]),
+            )
+        elif verb == "AHEAD":
+            log.warning(
+                "commit refused on %s for %s: this run read up to offset %d but the queue now ends at %s: "
+                "Redis failed over to a replica that missed the last appends. Stopping this "
+                "ConsumeRequest; the next run reads the queue as the new primary has it",
+                self.mq.key, self.sub, self.pulled_to - 1, text(res[1]),
             )
         else:
             log.warning("commit refused on %s for %s: %s", self.mq.key, self.sub, verb)

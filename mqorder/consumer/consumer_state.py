@@ -25,6 +25,7 @@ from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.delay import DelayStore
+from mqorder.store.replication import ReplicaWait
 from mqorder.store.topics import TopicManager
 
 #: How old the list of this client's queues a lingering request watches may be.
@@ -51,6 +52,8 @@ class ConsumerState:
         self.client_id = client_id
         self.brokers = brokers or BrokerRegistry(settings.redis_url, settings.brokers)
         self.topics = TopicManager(self.brokers)
+        #: Replicas that must hold a new epoch before a run calls a listener under it.
+        self.replica_wait = ReplicaWait.from_settings(settings)
         self.stats = ConsumerStatsManager()
         #: Whether a drained request may wait for more messages: set by the integration (the
         #: Celery threads pool can tell whether requests are waiting for a slot); never by default.

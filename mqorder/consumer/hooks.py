@@ -22,7 +22,9 @@ class RefusedContext:
     Emitted where the engine decides it, so an audit (the chaos checker, a tracer) proves fencing
     from this record instead of parsing a log line. ``reason``: ``FENCED`` (the epoch is stale:
     somebody else owns the queue now, ``current_epoch``/``current_owner``), ``SUPERSEDED`` (the run's
-    dispatch token was replaced), ``BACKWARD`` (the committed offset is already past ``offset``).
+    dispatch token was replaced), ``BACKWARD`` (the committed offset is already past ``offset``),
+    ``AHEAD`` (the run read past the queue's end: Redis failed over to a replica that missed the
+    last appends).
     """
 
     consumer_group: str

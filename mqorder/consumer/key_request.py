@@ -399,7 +399,7 @@ class KeyConsumeRequest(ConsumeRequest):
         skipped = self.trimmed.due(offset)
         args: list[Any] = [
             self.client_id, self.epoch, self.token, offset, self.run_lease_ms, self.lock_ms,
-            "1" if idle else "0", t.encoded(), MAX_MAP_BYTES, skipped,
+            "1" if idle else "0", t.encoded(), MAX_MAP_BYTES, skipped, t.pulled_to,
         ]
         for off, n in self.retry_updates.items():
             args.append(off)

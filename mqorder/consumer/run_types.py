@@ -21,6 +21,10 @@ ROLLBACK = ConsumeOrderlyStatus.ROLLBACK
 
 #: RocketMQ re-submits after the time budget 10 ms later, and after a failed lock 100 ms later.
 BUDGET_REQUEUE_S = 0.01
+#: A run whose new epoch no replica acknowledged in time (``lock_wait_replicas``) ends and is
+#: dispatched again this much later, as RocketMQ retries a failed lock (its 100 ms, here 1 s: the
+#: replicas are lagging or gone, and each attempt already waited ``lock_wait_timeout_ms``).
+REPLICA_WAIT_REQUEUE_S = 1.0
 
 class Verb(StrEnum):
     """What the caller must do after a run (``Outcome.verb``)."""

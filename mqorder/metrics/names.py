@@ -43,7 +43,8 @@ CONSUME_DURATION = MetricSpec(
 COMMITS_REFUSED = MetricSpec(
     "mqorder_commits_refused_total", "counter",
     "Fenced commits (or lease touches) refused: the run had lost its queue. reason: FENCED (a "
-    "newer epoch owns it), SUPERSEDED (the run's token was replaced), BACKWARD",
+    "newer epoch owns it, or the lease lapsed), SUPERSEDED (the run's token was replaced), BACKWARD, "
+    "AHEAD (the run read past the queue's end after a failover to a replica that missed appends)",
     ("group", "topic", "reason"),
 )
 RUNS = MetricSpec(

@@ -17,11 +17,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+import redis
 
 from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.settings import Settings
-from mqorder.store.brokers import BrokerRegistry, group_by_broker
+from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
+from mqorder.store.raw_pipe import RawPipeline
+from mqorder.store.replication import ReplicaWait
 
 #: The lease and pending-request TTL of a manager built without them (tests, tools), taken from
 #: the settings' defaults so they cannot drift; the engine always passes its own settings' values.
@@ -48,9 +53,16 @@ class Redispatch:
 
 
 class RebalanceLockManager:
-    def __init__(self, brokers: BrokerRegistry, lock_max_live_time_ms: int = DEFAULT_LOCK_MAX_LIVE_TIME_MS) -> None:
+    def __init__(self, brokers: BrokerRegistry, lock_max_live_time_ms: int = DEFAULT_LOCK_MAX_LIVE_TIME_MS,
+                 replica_wait: ReplicaWait | None = None) -> None:
         self.brokers = brokers
         self.lock_max_live_time_ms = lock_max_live_time_ms
+        #: Given (the pull consumer, whose application acts on the epochs returned at once): a new
+        #: grant is returned only once the replicas asked for hold it. The engine leaves it out:
+        #: its runs wait themselves, once per new epoch (``ConsumeRequest._epoch_replicated``).
+        self.replica_wait = replica_wait
+        #: (sub, queue) -> the newest epoch the replicas were seen to hold.
+        self._replicated: dict[tuple[str, MessageQueue], int] = {}
 
     def try_lock_batch(self, sub: str, mqs: Iterable[MessageQueue], client_id: str) -> dict[MessageQueue, int]:
         """Lock what can be locked; return the locked queues with their epochs.
@@ -61,14 +73,43 @@ class RebalanceLockManager:
         locked: dict[MessageQueue, int] = {}
         for broker_name, group_mqs in group_by_broker(mqs).items():
             broker = self.brokers.get(broker_name)
-            epochs = broker.scripts.lock_batch(
-                keys=[keys.sub_state(mq.tag, sub) for mq in group_mqs],
-                args=[client_id, self.lock_max_live_time_ms],
-            )
+            lock_keys = [keys.sub_state(mq.tag, sub) for mq in group_mqs]
+            lock_args = [client_id, self.lock_max_live_time_ms]
+            wanted = self.replica_wait.wanted(broker) if self.replica_wait is not None else 0
+            acked = wanted
+            if wanted:
+                assert self.replica_wait is not None
+                epochs, acked = self._lock_and_wait(broker, lock_keys, lock_args, wanted, self.replica_wait.timeout_ms)
+            else:
+                epochs = broker.scripts.lock_batch(keys=lock_keys, args=lock_args)
             for mq, epoch in zip(group_mqs, epochs, strict=True):
-                if int(epoch):
-                    locked[mq] = int(epoch)
+                epoch = int(epoch)
+                if not epoch:
+                    continue
+                if int(acked) >= wanted:
+                    self._replicated[(sub, mq)] = epoch
+                elif self._replicated.get((sub, mq)) != epoch:
+                    continue  # a new grant no replica holds yet: not used until one does
+                locked[mq] = epoch
         return locked
+
+    @staticmethod
+    def _lock_and_wait(broker: Broker, lock_keys: list[str], lock_args: list[Any], wanted: int,
+                       timeout_ms: int) -> tuple[list[Any], int]:
+        """``lock_batch.lua`` with ``WAIT`` behind it in the same round trip: WAIT counts what its own
+        connection wrote. After ``NOSCRIPT`` (a restarted or promoted Redis) nothing ran: load, resend."""
+        for attempt in (0, 1):
+            pipe = RawPipeline(broker.client)
+            broker.scripts.queue_in(pipe, "lock_batch", lock_keys, lock_args)
+            pipe.execute_command("WAIT", wanted, timeout_ms)
+            try:
+                epochs, acked = pipe.execute()
+                return list(epochs), int(acked)
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                broker.scripts.load("lock_batch")
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def unlock_batch(
         self, sub: str, mqs: Iterable[MessageQueue], client_id: str, *, force: bool = False

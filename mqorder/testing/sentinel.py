@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -160,8 +161,9 @@ class SentinelDeployment:
             if s.proc is None or s.proc.poll() is not None:
                 continue
             try:
-                host, port = s.client().sentinel_get_master_addr_by_name(self.master_name)
-            except (redis.RedisError, TypeError):
+                addr: Any = s.client().sentinel_get_master_addr_by_name(self.master_name)
+                _host, port = addr
+            except (redis.RedisError, TypeError, ValueError):
                 continue
             seen[int(port)] = seen.get(int(port), 0) + 1
         if not seen:
@@ -258,7 +260,7 @@ class SentinelDeployment:
             ok = True
             for s in self.sentinels:
                 try:
-                    m = s.client().sentinel_master(self.master_name)
+                    m: Any = s.client().sentinel_master(self.master_name)
                     if int(m.get("num-slaves", 0)) < want_replicas or int(m.get("num-other-sentinels", 0)) < want_others:
                         ok = False
                 except redis.RedisError:

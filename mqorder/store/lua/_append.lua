@@ -98,7 +98,7 @@ local function wake_owners(k0, ttl, chan, base)
             -- A run claimed this queue and its run lease lapsed (a process paused or killed
             -- mid-run): the next run gets a new epoch, so the lapsed one is fenced even within
             -- one client.
-            redis.call('HINCRBY', KEYS[k], 'epoch', 1)
+            grant_epoch(KEYS[k])
           end
           redis.call('HSET', KEYS[k], 'pending', ARGV[j], 'pend_until', now + ttl, 'run', 0)
           woken[#woken + 1] = owner

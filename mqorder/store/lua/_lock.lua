@@ -1,5 +1,5 @@
 -- Prelude: the lock rules the scripts share, written once. A script that judges or releases a lock
--- includes it; it includes _now.lua, whose `now` ahead and request_pending compare against.
+-- includes it; it includes _now.lua, whose `now` and `ahead` the rules below judge by.
 -- (NOBODY, the assignee "no live client consumes this lane", is not here: it is generated from
 -- mqorder.keys.NOBODY as the _constants include, so Lua and Python cannot disagree on it.)
 --
@@ -8,12 +8,6 @@
 -- of mqorder.keys.sub_state.
 
 --- @include "_now"
-
--- ahead(ms): a deadline field (lease, run) is still in the future by Redis's clock. A missing
--- field (nil, or false from HMGET) counts as 0: never set, so never live.
-local function ahead(ms)
-  return tonumber(ms or 0) > now
-end
 
 -- lock_live(owner, lease): somebody holds the lock: an owner is recorded and its lease has not run
 -- out. A lock whose lease lapsed is free to take (with a new epoch), whoever is recorded.
@@ -27,6 +21,26 @@ end
 -- the sweep may replace it.
 local function request_pending(pending, pend_until)
   return (pending or '') ~= '' and tonumber(pend_until or 0) >= now
+end
+
+-- grant_epoch(k): the fencing epoch of a new grant of queue k's lock, written and returned. Every
+-- grant takes one (lock_batch, begin, assign, a handover in finish, the fencing of a lapsed run in
+-- sweep and _append, an offset reset): never the epoch of the holder before it.
+--
+-- The epoch is max(epoch + 1, now * 1000): a hybrid clock, whose high part is Redis's clock in ms
+-- at the grant and low part counts grants within one ms. That is the failover fence (invariant 9,
+-- docs/ARCHITECTURE.md "Fencing across a failover"). Replication is asynchronous, so a promoted
+-- replica may lack the last grants of the old primary; a counter alone would then hand out
+-- again, on the new primary, an epoch that a client of the old one already holds. A clock does
+-- not go back with the data: every grant made after a failover is at least (failover time) * 1000,
+-- above every epoch the old primary granted before it died (each at most its grant time * 1000
+-- plus the grants of that same ms), as long as the two nodes' clocks differ by less than the time
+-- a failover takes (down-after-milliseconds and the election: seconds). Leases already rest on
+-- Redis's clock the same way. 2^53 (exact in Lua's doubles) is reached in the year 2255.
+local function grant_epoch(k)
+  local e = math.max(tonumber(redis.call('HGET', k, 'epoch') or 0) + 1, now * 1000)
+  redis.call('HSET', k, 'epoch', e)
+  return e
 end
 
 -- release_lock(k, keep_request): the one way a lock is released. The queue gets no owner, its

@@ -39,7 +39,7 @@ for i = 1, #KEYS, 2 do
   elseif live and ahead(st[3]) then
     out[q] = 'BUSY'
   else
-    redis.call('HINCRBY', KEYS[i], 'epoch', 1)
+    grant_epoch(KEYS[i])
     redis.call('HSET', KEYS[i], 'owner', new, 'lease', now + tonumber(ARGV[1]), 'run', 0)
     local nxt = tonumber(redis.call('GET', KEYS[i + 1]) or 0)
     if nxt > tonumber(st[4] or 0) then

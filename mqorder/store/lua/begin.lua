@@ -26,7 +26,8 @@ local lock_ttl = tonumber(ARGV[4])
 if owner ~= client or not ahead(st[2]) then
   local free = not lock_live(owner, st[2])
   if free and (assignee == client or assignee == '') then
-    if owner ~= client then epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1) end
+    -- A new grant, also when the lapsed lease was the caller's own (see lock_batch.lua).
+    epoch = grant_epoch(KEYS[1])
     owner = client
   else
     return {'NOT_LOCKED', owner, assignee}

@@ -15,15 +15,17 @@
 -- ARGV[8] messages the run skipped since its last commit because retention trimmed them before
 --         they were read (the committed offset was below the queue's first stored offset): added
 --         to the state's 'skipped' count with the commit that moves past them ('' or absent: 0)
--- ARGV[9..] pairs (offset, reconsume times) to record
+-- ARGV[9] read_to: one past the highest offset the run has read (AHEAD if above the queue's next)
+-- ARGV[10..] pairs (offset, reconsume times) to record
 -- Returns {'OK', next, revoked_to}, {'IDLE'} (run ended, queue drained)
---      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset}
+--      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset},
+--         {'AHEAD', next}
 -- State HASH fields: see mqorder.keys.sub_state; commit_fence, count_skipped, drop_retries_below, commit_end:
 -- _commit.lua.
 --- @include "_now"
 --- @include "_commit"
 local new = tonumber(ARGV[4])
-local refused, st, cur = commit_fence(KEYS[1], ARGV[1], ARGV[2], ARGV[3], new)
+local refused, st, cur, nxt = commit_fence(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], new, ARGV[9])
 if refused then return refused end
 local run_until = now + tonumber(ARGV[5])
 -- commit_ms: when the offset last moved (read by `mqorder status` to tell a stuck queue from a
@@ -34,5 +36,5 @@ redis.call('HSET', KEYS[1], 'offset', new, 'run', run_until, 'pend_until', run_u
   'lease', now + tonumber(ARGV[6]), 'commit_ms', moved_ms)
 count_skipped(KEYS[1], ARGV[8])
 drop_retries_below(KEYS[3], new, cur)
-for i = 9, #ARGV, 2 do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
-return commit_end(KEYS[1], KEYS[2], st, ARGV[1], new, ARGV[7] == '1')
+for i = 10, #ARGV, 2 do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
+return commit_end(KEYS[1], nxt, st, ARGV[1], new, ARGV[7] == '1')

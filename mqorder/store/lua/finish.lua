@@ -47,7 +47,7 @@ if owner == client and ahead(st[2]) then
   if assignee ~= '' and assignee ~= client then
     -- removeUnnecessaryMessageQueue: consumption has stopped, so the lock may move now.
     redis.call('HSET', KEYS[1], 'owner', assignee, 'lease', now + tonumber(ARGV[6]))
-    redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+    grant_epoch(KEYS[1])
     if backlog then return pend(assignee, 'HANDOVER') end
     return idle()
   end

@@ -18,16 +18,18 @@
 -- ARGV[8] the offset map ('' when nothing finished above the offset)  ARGV[9] its size limit
 -- ARGV[10] messages the run moved past because retention trimmed them before they were read,
 --          counted with this commit as in commit.lua (its ARGV[8]; '' or 0: none)
--- ARGV[11..] pairs (offset, reconsume times) to record; times 0 deletes the offset's count
+-- ARGV[11] read_to: one past the highest offset the run has read (AHEAD if above the queue's next;
+--          the map never covers an offset the run did not read)
+-- ARGV[12..] pairs (offset, reconsume times) to record; times 0 deletes the offset's count
 -- Returns {'OK', next, revoked_to}, {'IDLE'}
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset},
---         {'BADMAP', reason}
+--         {'AHEAD', next}, {'BADMAP', reason}
 -- State HASH fields: see mqorder.keys.sub_state; commit_fence, count_skipped, drop_retries_below, commit_end:
 -- _commit.lua.
 --- @include "_now"
 --- @include "_commit"
 local new = tonumber(ARGV[4])
-local refused, st, cur = commit_fence(KEYS[1], ARGV[1], ARGV[2], ARGV[3], new)
+local refused, st, cur, nxt = commit_fence(KEYS[1], KEYS[2], ARGV[1], ARGV[2], ARGV[3], new, ARGV[11])
 if refused then return refused end
 local map = ARGV[8]
 if map ~= '' then
@@ -42,11 +44,11 @@ redis.call('HSET', KEYS[1], 'offset', new, 'done', map, 'run', run_until, 'pend_
   'lease', now + tonumber(ARGV[6]), 'commit_ms', moved_ms)
 count_skipped(KEYS[1], ARGV[10])
 drop_retries_below(KEYS[3], new, cur)
-for i = 11, #ARGV, 2 do
+for i = 12, #ARGV, 2 do
   if ARGV[i + 1] == '0' then
     redis.call('HDEL', KEYS[3], ARGV[i])
   else
     redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
   end
 end
-return commit_end(KEYS[1], KEYS[2], st, ARGV[1], new, ARGV[7] == '1')
+return commit_end(KEYS[1], nxt, st, ARGV[1], new, ARGV[7] == '1')

@@ -30,7 +30,7 @@ for i = 1, #KEYS, 2 do
   local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'offset')
   local held = ''
   if lock_live(st[1], st[2]) then held = st[1] end
-  local epoch = redis.call('HINCRBY', KEYS[i], 'epoch', 1)
+  local epoch = grant_epoch(KEYS[i])
   release_lock(KEYS[i], false)
   redis.call('HSET', KEYS[i], 'offset', tonumber(ARGV[q]), 'commit_ms', now)
   redis.call('HDEL', KEYS[i], 'done')

@@ -18,7 +18,7 @@ for i = 1, #KEYS, 2 do
     if nxt > tonumber(st[5] or 0) then
       if tonumber(st[6] or 0) > 0 then
         -- The previous run's lease lapsed mid-run: fence it with a new epoch (same owner).
-        redis.call('HINCRBY', KEYS[i], 'epoch', 1)
+        grant_epoch(KEYS[i])
       end
       redis.call('HSET', KEYS[i], 'pending', ARGV[2 + q], 'pend_until', now + tonumber(ARGV[2]), 'run', 0)
       out[#out + 1] = q

@@ -5,12 +5,14 @@
 -- KEYS[1] state HASH
 -- ARGV[1] client  ARGV[2] epoch  ARGV[3] token of the caller's run
 -- ARGV[4] run_lease_ms (0 = check only, renew nothing)  ARGV[5] lock_lease_ms
--- Returns {1 if the caller's run is still current (owner, epoch and token) else 0, epoch, owner}
+-- Returns {1 if the caller's run is still current (owner, epoch, token, and a lease that has not
+--         lapsed: a lapsed lease is re-granted under a new epoch, never renewed; see lock_batch.lua)
+--         else 0, epoch, owner}
 -- State HASH fields: see mqorder.keys.sub_state.
 --- @include "_now"
-local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'pending')
+local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'pending', 'lease')
 local ok = 0
-if st[1] == ARGV[1] and tonumber(st[2] or 0) == tonumber(ARGV[2]) and st[3] == ARGV[3] then
+if st[1] == ARGV[1] and tonumber(st[2] or 0) == tonumber(ARGV[2]) and st[3] == ARGV[3] and ahead(st[4]) then
   ok = 1
   if tonumber(ARGV[4]) > 0 then
     local run_until = now + tonumber(ARGV[4])

@@ -12,6 +12,7 @@
 -- client) or hands the queue to the owner or assignee (begin.lua NOT_LOCKED, then finish.lua).
 -- Clearing the token would drop that request and let a second one be dispatched beside it. The
 -- full reasoning is at release_lock in _lock.lua.
+--- @include "_now"
 --- @include "_lock"
 local out = {}
 for i = 1, #KEYS do

@@ -13,8 +13,9 @@
 --         {'BACKWARD', committed offset} or {'ILLEGAL', next offset}
 -- State HASH fields: see mqorder.keys.sub_state.
 --- @include "_now"
-local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'offset', 'commit_ms')
-if st[1] ~= ARGV[1] or tonumber(st[2] or 0) ~= tonumber(ARGV[2]) then
+local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'offset', 'commit_ms', 'lease')
+-- A lapsed lease is not held, even by its last owner (see _commit.lua's commit_fence).
+if st[1] ~= ARGV[1] or tonumber(st[2] or 0) ~= tonumber(ARGV[2]) or not ahead(st[5]) then
   return {'FENCED', tonumber(st[2] or 0), st[1] or ''}
 end
 local cur = tonumber(st[3] or 0)

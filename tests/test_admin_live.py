@@ -156,7 +156,7 @@ def test_forced_offset_reset_fences_the_running_owner_and_consumption_restarts_f
     sampler.start()
     r.hset("ctl:g-order", "sleep_ms", 0)
     row = reply["queues"][0]
-    assert (row["new_offset"], row["owner"], row["epoch"]) == (1, w1.hostname, epoch_before + 1)
+    assert (row["new_offset"], row["owner"]) == (1, w1.hostname) and row["epoch"] > epoch_before
     try:
         wait_for(lambda: any(e["offset"] == 8 and e["epoch"] > row["epoch"] for e in ledger(r, "g-order")),
                  timeout=30, what="the redelivery from offset 1 reaching offset 8")

@@ -206,7 +206,7 @@ def test_a_refused_commit_is_counted_after_a_forced_takeover(cluster: Cluster, r
     assert out.returncode == 0, out.stderr
     e = {(s.name, tuple(sorted(s.labels.items()))): s.value
          for f in text_string_to_metric_families(out.stdout) for s in f.samples}
-    assert total(e, "mqorder_queue_epoch", group="g-excl", queue="0") == epoch + 1
+    assert total(e, "mqorder_queue_epoch", group="g-excl", queue="0") > epoch
     assert [s["owner"] for s in series(e, "mqorder_queue_owner_info") if s["group"] == "g-excl"] == ["intruder"]
     assert total(e, "mqorder_queue_lag", group="g-excl") == 1
 

@@ -280,12 +280,15 @@ def sub_state(tag: str, sub: str) -> str:
         ``touch``; set by every take or move; 0 on release. Read wherever the lock must be live
         (``lock_batch``, ``begin``, ``assign``, ``finish``, ``sweep``, ``send``).
     ``epoch``
-        Fencing epoch: incremented at every change of owner (``lock_batch``, ``begin``,
-        ``assign``, ``finish``), when a run lease lapsed mid-run before a new request is made
-        pending (``send``, ``sweep``), and by an operator's offset reset (``reset_offset``, which
-        also releases the lock). Never reset, not even on release. ``commit`` and
-        ``touch`` refuse a caller whose epoch is not the current one (a paused, replaced holder);
-        the consumer's lingering read checks it too.
+        Fencing epoch: a new one at every grant (``grant_epoch`` in ``_lock.lua``:
+        ``max(epoch + 1, now_ms * 1000)``, a clock, so a replica promoted after missing grants
+        never repeats one): every change of owner (``lock_batch``, ``begin``, ``assign``,
+        ``finish``), the retaking of a lapsed lease even by its own owner, a run lease lapsed
+        mid-run before a new request is made pending (``send``, ``sweep``), and an operator's
+        offset reset (``reset_offset``, which also releases the lock). Never reset, not even on
+        release. ``commit`` and ``touch`` refuse a caller whose epoch is not the current one (a
+        paused, replaced holder) or whose lease lapsed; the consumer's lingering read checks it
+        too.
     ``assignee``
         The rebalance's choice for the queue: a client id, ``NOBODY`` (no live client consumes
         the lane: the lock is released as soon as no run holds it), or ``''`` (never assigned).

@@ -2,13 +2,17 @@
 
 RocketMQ keeps this table in the broker's memory (``ConcurrentHashMap<group, Map<mq, LockEntry>>``,
 60 s ``lockMaxLiveTime``) and a consumer paused past its lease can go on consuming beside the new
-owner. Here every change of owner increments the queue's *epoch*, and every commit of progress
-names the epoch it was granted (``commit.lua``), so the race goes like this and ends safely:
+owner. Here every grant gives the queue a new, higher *epoch* (``grant_epoch`` in ``_lock.lua``),
+and every commit of progress names the epoch it was granted (``commit.lua``), so the race goes
+like this and ends safely:
 
-1. worker A holds queue q at epoch 7 and is paused (GC, SIGSTOP) longer than the lease;
-2. the lease runs out by Redis's clock (or A's heartbeat lapses); B takes q at epoch 8;
-3. A wakes up and finishes its listener call; its commit names epoch 7 and is refused;
+1. worker A holds queue q at epoch e and is paused (GC, SIGSTOP) longer than the lease;
+2. the lease runs out by Redis's clock (or A's heartbeat lapses); B takes q at an epoch above e;
+3. A wakes up and finishes its listener call; its commit names epoch e and is refused;
 4. A's ConsumeRequest stops; B redelivers from the last committed offset, in order.
+
+Epochs are a clock (``max(epoch + 1, now_ms * 1000)``), not a counter, so that a replica promoted
+after missing the last grants never hands one of them out again (invariant 9).
 
 Leases are judged by Redis ``TIME`` inside the scripts, never by a worker's clock.
 """

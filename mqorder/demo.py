@@ -26,8 +26,9 @@ from mqorder import keys
 from mqorder.client.producer import Producer
 from mqorder.model import MessageQueue
 from mqorder.settings import load_settings
+from mqorder.store.connect import close, connect
 from mqorder.store.replies import text
-from mqorder.testing.embedded import RedisServer, url_answers
+from mqorder.testing.embedded import RedisServer
 from mqorder.testing.launcher import BeatProcess, WorkerProcess, project_env
 
 EVENTS = ("created", "paid", "shipped", "delivered")
@@ -77,7 +78,7 @@ def run_demo(
     procs: list[WorkerProcess | BeatProcess] = []
     url = settings.redis_url
     try:
-        if url_answers(url):
+        if _answers(url):
             console.print(f"using Redis at {settings.describe()['redis_url']}")
         else:
             server = RedisServer().start()
@@ -88,7 +89,7 @@ def run_demo(
         env = project_env(url, MQORDER_LISTENERS=DEMO_LISTENERS, MQORDER_DEMO_TOPIC=topic, MQORDER_DEMO_GROUP=group)
         producer = Producer(url)
         producer.create_topic(topic, queues=queues)
-        r = redis.Redis.from_url(url)
+        r = connect(url)
         for i in range(workers):
             w = WorkerProcess(f"demo{i + 1}-{run_id}", env=env, app=DEMO_APP, concurrency=concurrency,
                               logfile=tmp / f"worker{i + 1}.log")
@@ -152,6 +153,20 @@ def run_demo(
             server.stop()
         if not keep:
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _answers(url: str, timeout: float = 0.5) -> bool:
+    """Whether the Redis of ``url`` answers a PING now (a Sentinel URL: its current primary)."""
+    try:
+        client = connect(url, socket_timeout=timeout, socket_connect_timeout=timeout)
+    except ValueError:  # ConfigError included: a malformed URL is load_settings' to report
+        return False
+    try:
+        return bool(client.ping())
+    except (redis.RedisError, OSError):
+        return False
+    finally:
+        close(client)
 
 
 def _handled(r: redis.Redis, prefix: str) -> int:

@@ -22,7 +22,14 @@ from mqorder.client.dedup import DedupDerive
 from mqorder.errors import ConfigError
 from mqorder.rebalance.allocate import DEFAULT_VIRTUAL_NODES, AllocateStrategy
 from mqorder.retention.policy import RetentionPolicy, RetentionRule
-from mqorder.store.brokers import celery_transport, check_celery_broker_url, check_redis_url, redact_url
+from mqorder.store.brokers import (
+    celery_transport,
+    check_celery_broker_url,
+    check_redis_url,
+    is_kombu_sentinel_url,
+    redact_url,
+)
+from mqorder.store.urls import with_sentinel_password
 
 _DELAY_UNITS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
@@ -102,11 +109,23 @@ class Settings(BaseSettings):
 
     # -- where things are ------------------------------------------------------------------------
     #: The default broker (``broker-a``): ``rediss://`` for TLS, ``redis://:password@host`` or
-    #: ``redis://user:password@host`` for AUTH, ``unix:///path`` for a socket.
+    #: ``redis://user:password@host`` for AUTH, ``unix:///path`` for a socket, or a Sentinel
+    #: deployment: ``redis+sentinel://[:password@]host:port,host:port/<master-name>[/<db>]``
+    #: (``mqorder.store.urls``), whose client follows the primary across failovers.
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: Celery's own broker; defaults to ``redis_url``. Redis or RabbitMQ (``amqp://``): it carries
     #: only mqorder's tasks, the store stays in Redis (docs/OPERATING.md, "Choosing Celery's broker").
+    #: A ``redis+sentinel://`` store URL gives Celery kombu's Sentinel transport (``mqorder.celery.broker``).
     celery_broker_url: str | None = None
+    #: The Sentinels' own password (their ``requirepass``), for every ``redis+sentinel://`` URL
+    #: whose query names none (``?sentinel_password=`` wins). Not the data nodes' password, which
+    #: is the URL's ``user:password@``. Folded into those URLs when settings are read, so a URL
+    #: handed to another process (a Spark executor) still carries it.
+    sentinel_password: str | None = None
+    #: The master name of Celery's broker when ``celery_broker_url`` is kombu's own Sentinel form
+    #: (``sentinel://h1:26379;sentinel://h2:26379``, which has no place for it): kombu's
+    #: ``master_name``. Not needed with ``redis+sentinel://.../<master-name>``.
+    celery_sentinel_master: str | None = None
     #: More named brokers, as JSON: ``{"broker-b": "redis://host:6380/0"}``.
     brokers: dict[str, str] = Field(default_factory=dict)
     #: Comma-separated import paths of modules holding ``@orderly_listener`` functions.
@@ -275,6 +294,28 @@ class Settings(BaseSettings):
             check_redis_url(url, f"MQORDER_BROKERS[{name!r}]")
         return v
 
+    @field_validator("sentinel_password", "celery_sentinel_master")
+    @classmethod
+    def _empty_is_unset(cls, v: str | None) -> str | None:
+        return v or None
+
+    @model_validator(mode="after")
+    def _sentinel(self) -> Settings:
+        """Sentinel URLs: the Sentinel password goes into each URL that needs it, and kombu's
+        ``sentinel://`` form of Celery's broker needs its master name."""
+        if self.sentinel_password:
+            self.redis_url = with_sentinel_password(self.redis_url, self.sentinel_password)
+            self.brokers = {k: with_sentinel_password(u, self.sentinel_password) for k, u in self.brokers.items()}
+            if self.celery_broker_url:
+                self.celery_broker_url = with_sentinel_password(self.celery_broker_url, self.sentinel_password)
+        if self.celery_broker_url and is_kombu_sentinel_url(self.celery_broker_url) and not self.celery_sentinel_master:
+            raise ValueError(
+                "MQORDER_CELERY_BROKER_URL is kombu's sentinel:// form, which cannot name the master the "
+                "Sentinels monitor: set MQORDER_CELERY_SENTINEL_MASTER=<master-name>, or write the URL as "
+                "redis+sentinel://host:port,host:port/<master-name>"
+            )
+        return self
+
     @field_validator("allocate_strategy", mode="before")
     @classmethod
     def _strategy(cls, v: object) -> object:
@@ -383,6 +424,8 @@ class Settings(BaseSettings):
         if self.celery_broker_url:
             d["celery_broker_url"] = redact_url(self.celery_broker_url)
         d["brokers"] = {k: redact_url(u) for k, u in self.brokers.items()}
+        if self.sentinel_password:
+            d["sentinel_password"] = "***"
         return d
 
 

@@ -31,6 +31,7 @@ import redis
 
 from mqorder import ConsumeOrderlyStatus, orderly_listener
 from mqorder.settings import get_settings
+from mqorder.store.connect import connect
 
 #: The demo's topic and group (overridable for tests and side-by-side runs).
 ORDERS_TOPIC = os.environ.get("MQORDER_DEMO_TOPIC", "orders")
@@ -74,7 +75,7 @@ def _script() -> tuple[redis.Redis, Any]:
     (not at import, so importing the module needs no Redis and no settings)."""
     global _client, _apply
     if _client is None or _apply is None:
-        _client = redis.Redis.from_url(get_settings().redis_url)
+        _client = connect(get_settings().redis_url)
         _apply = _client.register_script(APPLY)
     return _client, _apply
 

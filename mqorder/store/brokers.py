@@ -3,6 +3,8 @@
 The default broker (``broker-a``) is ``MQORDER_REDIS_URL`` and also plays the NameServer's role:
 topic routes, group subscriptions and client heartbeats live there. More brokers may be named with
 ``MQORDER_BROKERS`` (a JSON object of name to URL); a topic's queues can then be spread over them.
+Any of these URLs may name a Sentinel deployment (``redis+sentinel://``, ``mqorder.store.urls``):
+the broker's client then follows the primary across failovers (``mqorder.store.connect``).
 """
 
 from __future__ import annotations
@@ -18,10 +20,16 @@ import redis
 from mqorder.errors import BrokerUnavailableError, ConfigError
 from mqorder.model import MessageQueue
 from mqorder.names import check_name
+from mqorder.store.connect import SentinelAuthError, connect
+from mqorder.store.connect import close as close_client
 from mqorder.store.scripts import Scripts
+from mqorder.store.urls import SENTINEL_SCHEMES, URL_FORM, is_sentinel_url, parse_sentinel_url, redact_sentinel_url
 
 DEFAULT_BROKER_NAME = "broker-a"
 _SCHEMES = ("redis", "rediss", "unix")
+#: kombu's Redis Sentinel transport (``sentinel://h1:26379;sentinel://h2:26379``): for Celery's
+#: own broker, with the master name from ``MQORDER_CELERY_SENTINEL_MASTER`` (``mqorder.celery.broker``).
+KOMBU_SENTINEL_SCHEME = "sentinel"
 #: RabbitMQ, through py-amqp (kombu's ``amqp``/``pyamqp`` transports; ``amqps`` is AMQP over TLS).
 #: Accepted for Celery's own broker only: mqorder's store is always Redis.
 AMQP_SCHEMES = ("amqp", "amqps", "pyamqp")
@@ -42,6 +50,11 @@ def redact_url(url: str) -> str:
 
 
 def _redact_one(url: str) -> str:
+    scheme = url.partition("://")[0].lower()
+    if scheme in (*SENTINEL_SCHEMES, KOMBU_SENTINEL_SCHEME):
+        # Two passwords (the data nodes' in the netloc, the Sentinels' in the query) and a host
+        # list that urlsplit cannot take apart.
+        return redact_sentinel_url(url)
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -57,13 +70,21 @@ def _redact_one(url: str) -> str:
 
 
 def check_redis_url(url: object, what: str = "MQORDER_REDIS_URL") -> str:
+    """A store URL: one Redis (``redis://``, ``rediss://``, ``unix://``) or a Sentinel deployment
+    (``redis+sentinel://``, ``rediss+sentinel://``, parsed here so a malformed one stops the start)."""
     if not isinstance(url, str) or not url:
-        raise ConfigError(f"{what} must be a non-empty redis:// or rediss:// URL, got {url!r}")
+        raise ConfigError(f"{what} must be a non-empty redis://, rediss:// or redis+sentinel:// URL, got {url!r}")
+    if is_sentinel_url(url):
+        try:
+            parse_sentinel_url(url)
+        except ConfigError as exc:
+            raise ConfigError(f"{what}: {exc}") from None
+        return url
     scheme = urlsplit(url).scheme
     if scheme not in _SCHEMES:
         raise ConfigError(
             f"{what}={redact_url(url)!r} has scheme {scheme!r}; use redis://host:port/db, "
-            "rediss:// for TLS, or unix:///path/to/socket"
+            "rediss:// for TLS, unix:///path/to/socket, or a Sentinel deployment: " + URL_FORM
         )
     return url
 
@@ -75,31 +96,52 @@ def celery_transport(url: str) -> Literal["redis", "amqp"]:
     return "amqp" if scheme in AMQP_SCHEMES else "redis"
 
 
+#: The kinds of Celery broker, in the order an error names them.
+_KINDS = ("Redis", "Redis Sentinel", "RabbitMQ")
+
+
 def check_celery_broker_url(url: object, what: str = "MQORDER_CELERY_BROKER_URL") -> str:
     """Celery's own broker: Redis (as the store) or RabbitMQ. Only ``consume_request``,
     ``rebalance`` and ``lock_all`` tasks travel there; messages, locks and offsets stay in Redis.
-    Every URL of a kombu failover list is checked, and all of them must be of one kind."""
+    Every URL of a kombu failover list is checked, and all of them must be of one kind.
+
+    Redis under Sentinel is either mqorder's own form (``redis+sentinel://h1,h2/<master>``, one
+    URL) or kombu's (``sentinel://h1:26379;sentinel://h2:26379``, whose master name comes from
+    ``MQORDER_CELERY_SENTINEL_MASTER``); ``mqorder.celery.broker`` turns either into kombu's
+    transport and its options.
+    """
     if not isinstance(url, str) or not url:
         raise ConfigError(f"{what} must be a non-empty redis:// or amqp:// URL, got {url!r}")
+    if is_sentinel_url(url):
+        return check_redis_url(url, what)
     kinds = set()
     for one in _FAILOVER_SEP.split(url):
         scheme = urlsplit(one).scheme
         if scheme in AMQP_SCHEMES:
-            kinds.add("amqp")
+            kinds.add("RabbitMQ")
         elif scheme in _SCHEMES:
-            kinds.add("redis")
+            kinds.add("Redis")
+        elif scheme == KOMBU_SENTINEL_SCHEME:
+            kinds.add("Redis Sentinel")
         else:
             raise ConfigError(
                 f"{what}={redact_url(url)!r} has scheme {scheme!r}; Celery's broker must be Redis "
-                "(redis://host:port/db, rediss:// for TLS, unix:///path/to/socket) or RabbitMQ "
-                "(amqp://user:password@host:5672/vhost, amqps:// for TLS, pyamqp://)"
+                "(redis://host:port/db, rediss:// for TLS, unix:///path/to/socket), Redis under Sentinel "
+                "(redis+sentinel://host:port,host:port/<master-name>, or kombu's "
+                "sentinel://host:26379;sentinel://host:26380 with MQORDER_CELERY_SENTINEL_MASTER) or "
+                "RabbitMQ (amqp://user:password@host:5672/vhost, amqps:// for TLS, pyamqp://)"
             )
     if len(kinds) > 1:
         raise ConfigError(
-            f"{what}={redact_url(url)!r} mixes Redis and RabbitMQ URLs; a failover list "
+            f"{what}={redact_url(url)!r} mixes {' and '.join(k for k in _KINDS if k in kinds)} URLs; a failover list "
             "(url1;url2) must name brokers of one kind"
         )
     return url
+
+
+def is_kombu_sentinel_url(url: str) -> bool:
+    """kombu's ``sentinel://`` form (one URL or a ``;`` list of them)."""
+    return url.partition("://")[0].lower() == KOMBU_SENTINEL_SCHEME
 
 
 T = TypeVar("T")
@@ -153,7 +195,9 @@ class Broker:
     def __init__(self, name: str, url: str, *, socket_timeout: float = DEFAULT_SOCKET_TIMEOUT_S) -> None:
         self.name = check_name("broker", name)
         self.url = check_redis_url(url, f"broker {name!r} URL")
-        self.client: redis.Redis = redis.Redis.from_url(
+        # A Sentinel URL gives a client whose pool asks the Sentinels for the primary on every new
+        # connection: the same client, its Scripts and leases carry on after a failover.
+        self.client: redis.Redis = connect(
             url,
             socket_timeout=socket_timeout,
             socket_connect_timeout=socket_timeout,
@@ -174,13 +218,18 @@ class Broker:
         try:
             self.client.ping()
         except redis.RedisError as exc:
+            if isinstance(exc, SentinelAuthError):
+                hint = ""  # the error says what to set
+            elif isinstance(exc, redis.AuthenticationError):
+                hint = ". Fix the password (user:password@) in the URL"
+            else:
+                hint = ". Start redis-server or point MQORDER_REDIS_URL at a running one"
             raise BrokerUnavailableError(
-                f"cannot reach Redis broker {self.name!r} at {self.safe_url}: {str(exc).rstrip('.')}. "
-                "Start redis-server or point MQORDER_REDIS_URL at a running one"
+                f"cannot reach Redis broker {self.name!r} at {self.safe_url}: {str(exc).rstrip('.')}{hint}"
             ) from exc
 
     def close(self) -> None:
-        self.client.close()
+        close_client(self.client)
 
 
 class BrokerRegistry:

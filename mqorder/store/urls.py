@@ -110,18 +110,23 @@ def is_sentinel_url(url: object) -> bool:
 
 
 def _refuse(url: str, what: str) -> ConfigError:
-    return ConfigError(f"bad Sentinel URL {_redacted(url)!r}: {what}. The form is {URL_FORM}")
+    return ConfigError(f"bad Sentinel URL {redact_sentinel_url(url)!r}: {what}. The form is {URL_FORM}")
 
 
-def _redacted(url: str) -> str:
-    """The URL with both passwords hidden, for errors (no urlsplit: a malformed URL must still
-    be shown without its secrets)."""
+def redact_sentinel_url(url: str) -> str:
+    """The URL with both passwords hidden (the netloc's and any ``*password*`` query value): safe to
+    log and to put in errors. No urlsplit, so a malformed URL is still shown without its secrets;
+    it also serves kombu's ``sentinel://`` URLs (``mqorder.store.brokers.redact_url``)."""
     head, sep, rest = url.partition("://")
     if not sep:
         return url
+    # The netloc ends at the first '/', '?' or '#' after the credentials' '@' (an unquoted '/' in a
+    # password must not cut the netloc short and leave the rest of the password in the "path").
+    q = rest.find("?")
+    at_ = rest.rfind("@", 0, q if q != -1 else len(rest))
     netloc_end = len(rest)
     for ch in "/?#":
-        i = rest.find(ch)
+        i = rest.find(ch, at_ + 1)
         if i != -1:
             netloc_end = min(netloc_end, i)
     netloc, tail = rest[:netloc_end], rest[netloc_end:]
@@ -186,7 +191,7 @@ def parse_sentinel_url(url: str, *, sentinel_password: str | None = None) -> Sen
     ``sentinel_password`` setting); without either, ``MQORDER_SENTINEL_PASSWORD`` is used.
     """
     if not isinstance(url, str) or not is_sentinel_url(url):
-        shown = _redacted(url) if isinstance(url, str) else repr(url)
+        shown = redact_sentinel_url(url) if isinstance(url, str) else repr(url)
         raise ConfigError(f"{shown!r} is not a Sentinel URL (scheme redis+sentinel:// or "
                           f"rediss+sentinel://). The form is {URL_FORM}")
     try:
@@ -268,3 +273,18 @@ def parse_sentinel_url(url: str, *, sentinel_password: str | None = None) -> Sen
         socket_connect_timeout=(_seconds(url, "socket_connect_timeout", query["socket_connect_timeout"])
                                 if "socket_connect_timeout" in query else None),
     )
+
+
+def with_sentinel_password(url: str, password: str) -> str:
+    """``url`` with ``sentinel_password`` in its query if it is a Sentinel URL that names none;
+    any other URL as it is. So a URL built from settings (``MQORDER_SENTINEL_PASSWORD``) carries
+    everything a process elsewhere needs to connect (a Spark executor sees no driver environment)."""
+    if not is_sentinel_url(url):
+        return url
+    base, _, fragment = url.partition("#")
+    _, qmark, query = base.partition("?")
+    if any(item.partition("=")[0] == "sentinel_password" for item in query.split("&")):
+        return url
+    sep = "&" if qmark and query else ("" if qmark else "?")
+    out = f"{base}{sep}sentinel_password={quote(password, safe='')}"
+    return f"{out}#{fragment}" if fragment else out

@@ -1,0 +1,164 @@
+"""One way to turn a store URL into a Redis client: ``connect(url)``.
+
+A plain URL (``redis://``, ``rediss://``, ``unix://``) is ``redis.Redis.from_url``. A Sentinel
+URL (``redis+sentinel://``, ``mqorder.store.urls``) is a ``redis.sentinel.Sentinel`` over the
+listed Sentinels and ``master_for(<master-name>)``: a client whose pool is redis-py's
+``SentinelConnectionPool``. Every new connection of that pool asks the Sentinels where the
+primary is now, so after a failover the *same* client object (and everything holding it: a
+``Broker``, its ``Scripts``, a ``ConnectionLease``, a pub/sub) reaches the promoted replica by
+itself:
+
+* a connection to the dead primary fails (``ConnectionError``); mqorder's retry loops (a
+  ConsumeRequest's Redis retry budget, a client's duties, its wake-up subscription) drop it and
+  try again, and the new connection goes wherever the Sentinels point;
+* a connection to an old primary that came back demoted answers writes with ``READONLY``, which
+  redis-py turns into a ``ConnectionError`` and a disconnect: the same path;
+* scripts are loaded per Redis and the promoted replica may not have them: ``EVALSHA`` gets
+  ``NOSCRIPT`` and ``Scripts`` loads them again (as after a restart).
+
+Sentinel's own connections (a few tiny queries per new data connection) get a short timeout,
+``SENTINEL_TIMEOUT_S`` at most, so one hung Sentinel costs a second, not a socket timeout, before
+the next one is asked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+from redis.sentinel import MasterNotFoundError, Sentinel
+
+from mqorder.store.urls import SentinelURL, is_sentinel_url, parse_sentinel_url
+
+#: Upper bound of the socket (and connect) timeout of a connection to a Sentinel, in seconds.
+SENTINEL_TIMEOUT_S = 1.0
+
+#: Client keywords that configure the connections to the data nodes and not the pool itself, and
+#: that a Sentinel URL may set (its query wins over the caller's, as a plain URL's does in from_url).
+_URL_TIMEOUTS = ("socket_timeout", "socket_connect_timeout")
+
+
+class SentinelAuthError(MasterNotFoundError):
+    """A Sentinel refused our credentials (its ``requirepass``), so no primary can be found.
+
+    A subclass of redis-py's ``MasterNotFoundError`` (a ``ConnectionError``): every retry loop and
+    error report that handles an unreachable Redis handles it too, with a message that says what
+    to fix instead of "No master found".
+    """
+
+
+class MqorderSentinel(Sentinel):
+    """redis-py's ``Sentinel``, whose failure to find a primary says *why* when the reason is a
+    refused Sentinel password (redis-py reports "No master found", listing the errors)."""
+
+    def __init__(self, parsed: SentinelURL, sentinels: list[tuple[str, int]], **kwargs: Any) -> None:
+        super().__init__(sentinels, **kwargs)
+        self.parsed = parsed
+
+    def discover_master(self, service_name: str) -> tuple[str, int]:
+        try:
+            return super().discover_master(service_name)
+        except MasterNotFoundError as exc:
+            refused = self._refused_auth()
+            if refused:
+                has = "a password that they refuse" if self.parsed.sentinel_password else "no password"
+                raise SentinelAuthError(
+                    f"the Sentinels of {service_name!r} refused mqorder's login ({'; '.join(refused)}): "
+                    f"it gave them {has}. Sentinel's password is separate from the data nodes' (the "
+                    "URL's user:password@): set sentinel_password=... in the URL's query, or "
+                    "MQORDER_SENTINEL_PASSWORD"
+                ) from exc
+            raise
+
+    def _refused_auth(self) -> list[str]:
+        """``host:port: error`` of each Sentinel that refuses our credentials."""
+        out = []
+        for s in self.sentinels:
+            try:
+                s.ping()
+            except redis.AuthenticationError as exc:
+                kw = s.connection_pool.connection_kwargs
+                out.append(f"{kw.get('host')}:{kw.get('port')}: {exc}")
+            except redis.RedisError:
+                continue
+        return out
+
+
+def _sentinel_kwargs(parsed: SentinelURL, client_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Connection keywords of the Sentinel connections: Sentinel's own credentials, never the data
+    nodes' (redis-py would send the data password to the Sentinels only if told to).
+
+    No retries: ``discover_master`` already moves on to the next Sentinel when one fails, while
+    ``redis.Redis``'s default (3 retries with exponential backoff) made one refused or dead
+    Sentinel cost seconds per new connection (23 s measured for three refusing a password).
+    """
+    timeouts = {}
+    for key in _URL_TIMEOUTS:
+        t = client_kwargs.get(key)
+        timeouts[key] = SENTINEL_TIMEOUT_S if t is None else min(float(t), SENTINEL_TIMEOUT_S)
+    out: dict[str, Any] = {**timeouts, "retry": Retry(NoBackoff(), 0)}
+    if parsed.sentinel_password is not None:
+        out["password"] = parsed.sentinel_password
+    if parsed.sentinel_username is not None:
+        out["username"] = parsed.sentinel_username
+    return out
+
+
+def _data_kwargs(parsed: SentinelURL, client_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What ``master_for`` gets: the caller's keywords, under the URL's db, credentials, TLS and
+    timeouts (the URL wins, as ``from_url``'s query does)."""
+    kw = dict(client_kwargs)
+    kw["db"] = parsed.db
+    if parsed.username is not None:
+        kw["username"] = parsed.username
+    if parsed.password is not None:
+        kw["password"] = parsed.password
+    if parsed.ssl:
+        kw["ssl"] = True
+    if parsed.socket_timeout is not None:
+        kw["socket_timeout"] = parsed.socket_timeout
+    if parsed.socket_connect_timeout is not None:
+        kw["socket_connect_timeout"] = parsed.socket_connect_timeout
+    return kw
+
+
+def _sentinel(parsed: SentinelURL, client_kwargs: dict[str, Any]) -> MqorderSentinel:
+    return MqorderSentinel(parsed, list(parsed.sentinels),
+                           sentinel_kwargs=_sentinel_kwargs(parsed, _data_kwargs(parsed, client_kwargs)))
+
+
+def connect(url: str, *, sentinel_password: str | None = None, **client_kwargs: Any) -> redis.Redis:
+    """A Redis client for store URL ``url``; ``client_kwargs`` as ``redis.Redis`` takes them.
+
+    A Sentinel URL gives a client of the current primary that follows failovers by itself (see the
+    module docstring); ``sentinel_password`` is the Sentinels' password when the URL's query names
+    none (``mqorder.store.urls.parse_sentinel_url``). No connection is made here: the first
+    command connects, so a down Redis is an error of the first command, as with ``from_url``.
+    ``ConfigError`` if ``url`` is a malformed Sentinel URL.
+    """
+    if not is_sentinel_url(url):
+        return redis.Redis.from_url(url, **client_kwargs)
+    parsed = parse_sentinel_url(url, sentinel_password=sentinel_password)
+    data = _data_kwargs(parsed, client_kwargs)
+    client: redis.Redis = _sentinel(parsed, client_kwargs).master_for(parsed.master_name, redis_class=redis.Redis, **data)
+    return client
+
+
+def sentinel_client(url: str, *, sentinel_password: str | None = None) -> Sentinel | None:
+    """The ``Sentinel`` of a Sentinel URL (to ask the Sentinels themselves: ``doctor``, tests),
+    ``None`` for a plain URL. ``discover_master`` on it raises ``SentinelAuthError`` when the
+    Sentinels refuse the password."""
+    if not is_sentinel_url(url):
+        return None
+    return _sentinel(parse_sentinel_url(url, sentinel_password=sentinel_password), {})
+
+
+def close(client: redis.Redis) -> None:
+    """Close ``client``'s connections and, for a Sentinel client, its connections to the Sentinels
+    (``client.close()`` alone leaves those open until garbage collection)."""
+    client.close()
+    manager = getattr(client.connection_pool, "sentinel_manager", None)
+    if isinstance(manager, Sentinel):
+        manager.close()

@@ -21,22 +21,108 @@ whatever it is. What each broker needs:
   30 s). ``consume_request`` is acked when it starts (``acks_late=False``): a request that dies
   mid-run is not redelivered, it is replaced by the sweep, because its progress and its claim
   live in Redis and a redelivered copy would only be refused as stale.
+* **Redis under Sentinel** (kombu's ``sentinel://`` transport, a flavour of the Redis one: the
+  options above apply). With the store on ``redis+sentinel://`` and no
+  ``MQORDER_CELERY_BROKER_URL``, Celery's broker is the same deployment through kombu:
+  ``sentinel://[:pw@]h1:26379/<db>;sentinel://[:pw@]h2:26380/<db>`` (kombu asks each in turn; the
+  first URL's credentials and db are the data nodes'), with ``master_name`` and, for the
+  Sentinels' own password, ``sentinel_kwargs`` in ``broker_transport_options`` (kombu's
+  ``SentinelChannel`` passes them to ``redis.sentinel.Sentinel``). kombu's connection then follows
+  a failover like the store's client does (each new connection asks the Sentinels). An explicit
+  ``MQORDER_CELERY_BROKER_URL`` may be either form; kombu's needs ``MQORDER_CELERY_SENTINEL_MASTER``.
 """
 
 from __future__ import annotations
 
+import ssl
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
-from mqorder.store.brokers import celery_transport
+from mqorder.errors import ConfigError
+from mqorder.store.brokers import celery_transport, is_kombu_sentinel_url, redact_url
+from mqorder.store.connect import SENTINEL_TIMEOUT_S
+from mqorder.store.urls import SentinelURL, is_sentinel_url, parse_sentinel_url
 
 #: Far above any countdown mqorder uses; see the module docstring.
 REDIS_VISIBILITY_TIMEOUT = 3600
 
 
+@dataclass(frozen=True)
+class CeleryBroker:
+    """What Celery is given for its broker: the URL kombu understands, the transport options that
+    URL needs (the Sentinel master and password), and ``broker_use_ssl`` (``None``: leave it)."""
+
+    url: str
+    transport_options: dict[str, Any] = field(default_factory=dict)
+    use_ssl: dict[str, Any] | None = None
+
+
+def kombu_sentinel_url(parsed: SentinelURL) -> str:
+    """kombu's ``sentinel://`` list for a parsed ``redis+sentinel://`` URL: one URL per Sentinel,
+    each with the data nodes' credentials and db (kombu reads them from the first)."""
+    auth = ""
+    if parsed.username is not None or parsed.password is not None:
+        auth = quote(parsed.username or "", safe="")
+        if parsed.password is not None:
+            auth += ":" + quote(parsed.password, safe="")
+        auth += "@"
+    return ";".join(
+        f"sentinel://{auth}{f'[{h}]' if ':' in h else h}:{p}/{parsed.db}" for h, p in parsed.sentinels
+    )
+
+
+def _sentinel_kwargs(password: str | None, username: str | None) -> dict[str, Any]:
+    """Connection keywords of kombu's connections to the Sentinels (as ``mqorder.store.connect``)."""
+    out: dict[str, Any] = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
+    if password:
+        out["password"] = password
+    if username:
+        out["username"] = username
+    return out
+
+
+def celery_broker(url: str, *, sentinel_master: str | None = None,
+                  sentinel_password: str | None = None) -> CeleryBroker:
+    """Celery's broker for ``url`` (``MQORDER_CELERY_BROKER_URL``, else the store's URL).
+
+    ``redis+sentinel://`` becomes kombu's ``sentinel://`` list with ``master_name`` and the
+    Sentinels' credentials as transport options; kombu's own ``sentinel://`` gets ``master_name``
+    from ``sentinel_master`` (``MQORDER_CELERY_SENTINEL_MASTER``) and the Sentinels' password
+    from ``sentinel_password`` (``MQORDER_SENTINEL_PASSWORD``); any other URL is Celery's as is.
+    """
+    if is_sentinel_url(url):
+        parsed = parse_sentinel_url(url, sentinel_password=sentinel_password)
+        options: dict[str, Any] = {
+            "master_name": parsed.master_name,
+            "sentinel_kwargs": _sentinel_kwargs(parsed.sentinel_password, parsed.sentinel_username),
+        }
+        if parsed.socket_timeout is not None:
+            options["socket_timeout"] = parsed.socket_timeout
+        if parsed.socket_connect_timeout is not None:
+            options["socket_connect_timeout"] = parsed.socket_connect_timeout
+        use_ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED} if parsed.ssl else None
+        return CeleryBroker(kombu_sentinel_url(parsed), options, use_ssl)
+    if is_kombu_sentinel_url(url):
+        options = {"sentinel_kwargs": _sentinel_kwargs(sentinel_password, None)}
+        if sentinel_master:
+            options["master_name"] = sentinel_master
+        return CeleryBroker(url, options)
+    return CeleryBroker(url)
+
+
 def transport_options(broker_url: str, app_options: dict[str, Any] | None) -> dict[str, Any]:
     """``broker_transport_options`` for ``broker_url``: mqorder's defaults for that broker kind,
-    under the application's own options (which win)."""
+    under the application's own options (which win). ``ConfigError`` for a ``sentinel://`` broker
+    with no ``master_name``: kombu would fail only at the first connection, inside the worker."""
     ours: dict[str, Any] = {}
     if celery_transport(broker_url) == "redis":
         ours["visibility_timeout"] = REDIS_VISIBILITY_TIMEOUT
-    return {**ours, **(app_options or {})}
+    out = {**ours, **(app_options or {})}
+    if is_kombu_sentinel_url(broker_url) and not out.get("master_name"):
+        raise ConfigError(
+            f"Celery's broker {redact_url(broker_url)!r} is Redis Sentinel, but no master name is set: "
+            "set MQORDER_CELERY_SENTINEL_MASTER=<master-name> (or broker_transport_options['master_name']), "
+            "or write the URL as redis+sentinel://host:port,host:port/<master-name>"
+        )
+    return out

@@ -8,7 +8,7 @@ import logging
 from celery import Celery
 
 from mqorder.celery.bootsteps import ConsumerClientStep
-from mqorder.celery.broker import transport_options
+from mqorder.celery.broker import celery_broker, transport_options
 from mqorder.errors import ConfigError
 from mqorder.settings import Settings, get_settings
 
@@ -42,9 +42,16 @@ def install(app: Celery, settings: Settings | None = None) -> Celery:
     settings = settings or get_settings()
     import mqorder.celery.tasks  # noqa: F401 - registers the shared tasks
 
-    broker_url = app.conf.broker_url or settings.effective_celery_broker_url
+    # A redis+sentinel:// URL (the store's, by default) becomes kombu's sentinel:// transport and
+    # its options (mqorder.celery.broker); the application's own options win.
+    broker = celery_broker(app.conf.broker_url or settings.effective_celery_broker_url,
+                           sentinel_master=settings.celery_sentinel_master,
+                           sentinel_password=settings.sentinel_password)
+    app_options = {**broker.transport_options, **(app.conf.broker_transport_options or {})}
+    if broker.use_ssl and not app.conf.broker_use_ssl:
+        app.conf.broker_use_ssl = broker.use_ssl
     app.conf.update(
-        broker_url=broker_url,
+        broker_url=broker.url,
         task_serializer="json",
         result_serializer="json",
         accept_content=["json"],
@@ -55,7 +62,7 @@ def install(app: Celery, settings: Settings | None = None) -> Celery:
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         # Redis transport options only on Redis (mqorder.celery.broker says what each broker needs).
-        broker_transport_options=transport_options(broker_url, app.conf.broker_transport_options),
+        broker_transport_options=transport_options(broker.url, app_options),
     )
     schedule = dict(app.conf.beat_schedule or {})
     schedule.update(beat_schedule(settings))

@@ -14,14 +14,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from mqorder.celery.broker import celery_broker
 from mqorder.settings import get_settings
 
 _settings = get_settings()
+# kombu's form of the broker: a redis+sentinel:// URL becomes sentinel:// plus transport options.
+_broker = celery_broker(_settings.effective_celery_broker_url, sentinel_master=_settings.celery_sentinel_master,
+                        sentinel_password=_settings.sentinel_password)
 
 __all__ = [
     "accept_content",
     "broker_transport_options",
     "broker_url",
+    "broker_use_ssl",
     "result_serializer",
     "task_ignore_result",
     "task_send_sent_event",
@@ -31,7 +36,9 @@ __all__ = [
     "worker_send_task_events",
 ]
 
-broker_url = _settings.effective_celery_broker_url
+broker_url = _broker.url
+#: TLS to the data nodes of a rediss+sentinel:// broker (kombu's Sentinel transport takes it here).
+broker_use_ssl: Any = _broker.use_ssl or False
 task_serializer = "json"
 result_serializer = "json"
 accept_content = ["json"]
@@ -51,4 +58,6 @@ timezone = "UTC"
 # Redis only: ack emulation is the Redis transport's stand-in for broker acks. On RabbitMQ acks
 # are the broker's own (a delivered, unacked message returns to its queue when the worker's
 # connection closes), and the option would mean nothing there.
-broker_transport_options: dict[str, Any] = {"ack_emulation": False} if _settings.celery_transport == "redis" else {}
+broker_transport_options: dict[str, Any] = (
+    {**_broker.transport_options, "ack_emulation": False} if _settings.celery_transport == "redis" else {}
+)

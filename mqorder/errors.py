@@ -58,6 +58,19 @@ class ListenerError(MQOrderError):
 class BrokerFullError(BrokerRefusedError):
     """A broker's used memory passed ``MQORDER_MAX_MEMORY_RATIO`` of its ``maxmemory``: the send was
     refused before anything was stored (consumption and trimming go on, so it drains)."""
+
+
+class ReplicasBehindError(BrokerUnavailableError):
+    """A send asked to wait for replicas (``wait_replicas``) and fewer acknowledged it in time: it
+    IS stored on the primary, but a failover now could lose it. Not retried on another broker
+    (that would store it twice); a resend with the same dedup key is a dedup hit that waits again."""
+
+
+class NotEnoughReplicasError(BrokerRefusedError):
+    """A send asked to wait for more replicas than the primary has connected (``connected_slaves``):
+    refused before anything was stored, rather than waiting out a timeout that cannot be met."""
+
+
 class OffsetFencedError(MQOrderError):
     """A pull consumer's ``update_offset`` was refused: it no longer holds the queue at the epoch it
     was given (a rebalance moved it, or its lease lapsed and another consumer took it)."""

@@ -29,6 +29,7 @@ from mqorder.store.brokers import (
     is_kombu_sentinel_url,
     redact_url,
 )
+from mqorder.store.durable import parse_wait_replicas
 from mqorder.store.urls import with_sentinel_password
 
 _DELAY_UNITS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
@@ -252,6 +253,14 @@ class Settings(BaseSettings):
     #: ``msg_id`` (every send is keyed by its own id: the producer's retries never duplicate) or
     #: ``content`` (the body's SHA-256, SQS's content-based deduplication).
     dedup_derive: DedupDerive = DedupDerive.NONE
+    #: Replicas that must have a send before it is acknowledged (Redis ``WAIT`` after the append,
+    #: in the same round trip; ``wait_replicas=`` of a send wins): a send acknowledged so survives
+    #: a failover to one of them. 0: do not wait (replication is asynchronous, and an acknowledged
+    #: send can be lost when a replica that lacks it is promoted). ``mqorder doctor`` says which.
+    send_wait_replicas: int = 0
+    #: Milliseconds a send waits for ``send_wait_replicas``; short of them it raises
+    #: ``ReplicasBehindError`` (stored on the primary, not yet safe from a failover).
+    send_wait_timeout_ms: int = Field(1000, gt=0, le=600_000)
 
     # -- delay messages (RocketMQ's messageDelayLevel) -----------------------------------------
     #: The delay of each ``delay_time_level`` (1 = the first), RocketMQ's broker default.
@@ -331,6 +340,11 @@ class Settings(BaseSettings):
     def _dedup_derive(cls, v: object) -> object:
         return _choice(DedupDerive, v, "dedup key derivation")
 
+    @field_validator("send_wait_replicas", mode="before")
+    @classmethod
+    def _send_wait_replicas(cls, v: object) -> int:
+        return parse_wait_replicas(v)
+
     @field_validator("message_delay_level")
     @classmethod
     def _delay_levels(cls, v: str) -> str:
@@ -388,6 +402,12 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"retention_min_ms ({self.retention_min_ms} ms) must not exceed retention_ms "
                 f"({self.retention_ms} ms): what is kept for replay cannot outlive the retention itself"
+            )
+        if self.send_wait_replicas and self.send_wait_timeout_ms >= self.send_msg_timeout_ms:
+            raise ValueError(
+                f"send_wait_timeout_ms ({self.send_wait_timeout_ms} ms) must be shorter than send_msg_timeout_ms "
+                f"({self.send_msg_timeout_ms} ms): the send's WAIT would outlast the socket's read, and a send "
+                "that IS stored would be reported as not answered"
             )
         if self.lock_interval_ms >= self.lock_max_live_time_ms:
             raise ValueError(

@@ -3,6 +3,11 @@
 It validates, selects the queue and encodes; storing is the one append path
 (``mqorder.store.append.QueueAppender``: one Lua call per queue chunk that assigns offsets, appends
 and wakes idle owners atomically), shared with the DLQ writer and the Spark writer.
+
+A send acknowledged by the primary can still be lost when a replica that lacks it is promoted
+(replication is asynchronous). ``wait_replicas=n`` (default ``MQORDER_SEND_WAIT_REPLICAS``) makes
+the send wait, in its own round trip, until ``n`` replicas have it (``mqorder.store.durable``);
+short of them it raises ``ReplicasBehindError``: stored, not yet safe from a failover.
 """
 
 from __future__ import annotations
@@ -17,7 +22,14 @@ from typing import Any
 from mqorder.client.dedup import DedupDerive, dedup_key_of, first_send_result
 from mqorder.client.selector import Selector, key_hash, resolve, select_by_hash
 from mqorder.codec import MsgIdGenerator, check_body, encode_header
-from mqorder.errors import BrokerUnavailableError, MessageError, TopicNotWritableError
+from mqorder.errors import (
+    BrokerUnavailableError,
+    ConfigError,
+    MessageError,
+    ReplicasBehindError,
+    TopicNotWritableError,
+)
+from mqorder.keys import delay_seq
 from mqorder.model import MessageQueue, SendResult, SendStatus
 from mqorder.names import check_topic
 from mqorder.retention.policy import TopicRetention
@@ -26,6 +38,7 @@ from mqorder.store.append import AppendReply, AppendRequest, QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.capacity import CapacityGuard
 from mqorder.store.delay import DelayStore
+from mqorder.store.durable import SendWait, parse_wait_replicas, wait_after
 from mqorder.store.failures import TRANSIENT, unavailable
 from mqorder.store.log import MessageLog
 from mqorder.store.topics import TopicManager, TopicRoute
@@ -58,8 +71,14 @@ class Producer:
         retry_times_when_send_failed: int | None = None,
         dedup_window_ms: int | None = None,
         dedup_derive: DedupDerive | str | None = None,
+        send_wait_replicas: int | None = None,
+        send_wait_timeout_ms: int | None = None,
     ) -> None:
         overrides: dict[str, Any] = {}
+        if send_wait_replicas is not None:
+            overrides["send_wait_replicas"] = send_wait_replicas
+        if send_wait_timeout_ms is not None:
+            overrides["send_wait_timeout_ms"] = send_wait_timeout_ms
         if dedup_window_ms is not None:
             overrides["dedup_window_ms"] = dedup_window_ms
         if dedup_derive is not None:
@@ -139,6 +158,7 @@ class Producer:
         properties: dict[str, str] | None = None,
         dedup_key: str | None = None,
         delay_time_level: int = 0,
+        wait_replicas: int | None = None,
     ) -> SendResult:
         """Send to the next queue round-robin; on a broker failure retry elsewhere.
 
@@ -153,9 +173,15 @@ class Producer:
         ``MQORDER_MESSAGE_DELAY_LEVEL``) holds the message beside its queue until it is due; the
         mover (``mqorder.store.delay``) then appends it, so ``queue_offset`` is -1 here. A delayed
         send is tried once (its schedule is not deduplicated) and takes no dedup key.
+
+        ``wait_replicas`` (default ``MQORDER_SEND_WAIT_REPLICAS``): see ``send_orderly``. A send
+        whose replicas fell short (``ReplicasBehindError``) is not retried elsewhere: it IS stored,
+        and a copy on another broker would be a duplicate. A delayed send waits for its schedule
+        entry, in a round trip of its own.
         """
         route, queues = self._route(topic)
         delay_ms = self._delay_ms(delay_time_level)
+        wait = self._wait(wait_replicas)
         header, msg_id, body = self._prepare(body, keys, tags, properties)
         if delay_ms:
             if dedup_key is not None:
@@ -163,19 +189,23 @@ class Producer:
                                    "drop one of the two")
             mq = self._select_round_robin(queues, None)
             self.delays.schedule(mq, header, body, delay_ms)
+            if wait is not None:
+                self._wait_delayed(mq, wait)
             return SendResult(SendStatus.SEND_OK, msg_id, mq, -1, 0)
         key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body)
         if key is not None:
             by_hash = dedup_key is not None or self.settings.dedup_derive == DedupDerive.CONTENT
             mq = select_by_hash(queues, key, body) if by_hash else self._select_round_robin(queues, None)
-            return self._send_keyed(mq, header, body, msg_id, key)
+            return self._send_keyed(mq, header, body, msg_id, key, wait)
         attempts = 1 + self.settings.retry_times_when_send_failed
         last_broker: str | None = None
         last_exc: Exception | None = None
         for _ in range(attempts):
             mq = self._select_round_robin(queues, avoid=last_broker)
             try:
-                return _result(mq, msg_id, self.appender.append(mq, [(header, body)]))
+                return _result(mq, msg_id, self.appender.append(mq, [(header, body)], wait=wait))
+            except ReplicasBehindError:
+                raise
             except BrokerUnavailableError as exc:
                 last_broker, last_exc = mq.broker_name, exc
         assert last_exc is not None
@@ -193,6 +223,7 @@ class Producer:
         properties: dict[str, str] | None = None,
         dedup_key: str | None = None,
         delay_time_level: int = 0,
+        wait_replicas: int | None = None,
     ) -> SendResult:
         """Send to the queue the selector picks for ``sharding_key`` (default: crc32 mod n).
 
@@ -205,6 +236,13 @@ class Producer:
 
         ``delay_time_level`` is refused: a delayed message cannot keep its place among its key's
         messages (RocketMQ's orderly send has no delay either).
+
+        ``wait_replicas=n`` (default ``MQORDER_SEND_WAIT_REPLICAS``; 0: do not wait) returns only
+        once ``n`` replicas have the message (Redis ``WAIT``, in the send's own round trip), so it
+        survives a failover to one of them. Short of them within ``MQORDER_SEND_WAIT_TIMEOUT_MS``:
+        ``ReplicasBehindError``, the message stored on the primary; with a dedup key the send is
+        retried like a timeout (a dedup hit that waits again). More than the primary has connected:
+        ``NotEnoughReplicasError`` before anything is stored.
         """
         if delay_time_level:
             raise MessageError(
@@ -213,13 +251,14 @@ class Producer:
                 "send(..., delay_time_level=...) to a topic nobody consumes in order, or delay it in your "
                 "application before sending; nothing was sent"
             )
+        wait = self._wait(wait_replicas)
         _, queues = self._route(topic)
         header, msg_id, body = self._prepare(body, keys, tags, properties, key_hash(sharding_key))
         mq = self._select(queues, sharding_key, body, selector)
         key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body)
         if key is not None:
-            return self._send_keyed(mq, header, body, msg_id, key)
-        return _result(mq, msg_id, self.appender.append(mq, [(header, body)]))
+            return self._send_keyed(mq, header, body, msg_id, key, wait)
+        return _result(mq, msg_id, self.appender.append(mq, [(header, body)], wait=wait))
 
     def send_orderly_batch(
         self,
@@ -229,6 +268,7 @@ class Producer:
         selector: Selector | None = None,
         tags: str | None = None,
         dedup_keys: Sequence[str] | None = None,
+        wait_replicas: int | None = None,
     ) -> list[SendResult]:
         """Send many ``(sharding_key, body)`` pairs; per-key order is the order of ``items``.
 
@@ -240,7 +280,12 @@ class Producer:
         message is stored at most once per queue within the dedup window, and a batch that timed
         out is sent again whole (up to ``retry_times_when_send_failed`` times): what was stored
         already is a duplicate, whose result is the first send's.
+
+        ``wait_replicas`` (see ``send_orderly``): one ``WAIT`` per broker, behind that broker's
+        scripts in its round trip. If some broker's replicas fall short, every broker is still
+        written, then ``ReplicasBehindError`` names each that fell short.
         """
+        wait = self._wait(wait_replicas)
         _, queues = self._route(topic)
         items = list(items)
         if dedup_keys is not None and (isinstance(dedup_keys, str) or len(dedup_keys) != len(items)):
@@ -272,7 +317,7 @@ class Producer:
         attempts = 1 + self.settings.retry_times_when_send_failed if keyed else 1
         for attempt in range(attempts):
             try:
-                replies = self.appender.append_many(requests)
+                replies = self.appender.append_many(requests, wait=wait)
                 break
             except BrokerUnavailableError:
                 if attempt + 1 >= attempts:
@@ -312,18 +357,20 @@ class Producer:
             )
         return levels[level - 1] if level else 0
 
-    def _send_keyed(self, mq: MessageQueue, header: bytes, body: bytes, msg_id: str, key: str) -> SendResult:
+    def _send_keyed(self, mq: MessageQueue, header: bytes, body: bytes, msg_id: str, key: str,
+                    wait: SendWait | None = None) -> SendResult:
         """Store once per ``key`` within the window, retrying on ``mq`` after a broker failure.
 
         Every attempt sends the same header (same msg id) under the same key, so whichever attempt
         Redis runs first stores the message and every other one (a retry, or a timed-out attempt
-        Redis runs late, even after a later message) is a duplicate that stores nothing.
+        Redis runs late, even after a later message) is a duplicate that stores nothing. So is a
+        retry after too few replicas acknowledged: it stores nothing and waits for them again.
         """
         window_ms = self.settings.dedup_window_ms
         attempts = 1 + self.settings.retry_times_when_send_failed
         for attempt in range(attempts):
             try:
-                reply = self.appender.append(mq, [(header, body)], ids=[key], dedup_window_ms=window_ms)
+                reply = self.appender.append(mq, [(header, body)], ids=[key], dedup_window_ms=window_ms, wait=wait)
             except BrokerUnavailableError:
                 if attempt + 1 >= attempts:
                     raise
@@ -333,6 +380,36 @@ class Producer:
                 return _result(mq, msg_id, reply)
             return first_send_result(self._log, mq, reply.offsets[0])
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _wait(self, wait_replicas: object) -> SendWait | None:
+        """What a send waits for: ``wait_replicas`` if given, else ``MQORDER_SEND_WAIT_REPLICAS``;
+        ``None`` for 0. Checked before anything is sent."""
+        if wait_replicas is None:
+            n = self.settings.send_wait_replicas
+        else:
+            try:
+                n = parse_wait_replicas(wait_replicas)
+            except ValueError as exc:
+                raise ConfigError(f"wait_replicas={wait_replicas!r} {exc}; nothing was sent") from None
+        if not n:
+            return None
+        timeout_ms = self.settings.send_wait_timeout_ms
+        if timeout_ms >= self.settings.send_msg_timeout_ms:
+            raise ConfigError(
+                f"wait_replicas={n} waits up to MQORDER_SEND_WAIT_TIMEOUT_MS={timeout_ms} ms, which must be shorter "
+                f"than MQORDER_SEND_MSG_TIMEOUT_MS={self.settings.send_msg_timeout_ms} ms (the socket's read would "
+                "end first and a stored message be reported as not answered); lower the one or raise the other. "
+                "Nothing was sent"
+            )
+        return SendWait(n, timeout_ms)
+
+    def _wait_delayed(self, mq: MessageQueue, wait: SendWait) -> None:
+        """A delayed message waits beside its queue (``delay_schedule.lua``), not through the
+        append path: ``WAIT`` in a round trip of its own, behind the fence write that makes it
+        cover the schedule entry whichever connection wrote it (``mqorder.store.durable``)."""
+        broker = self.brokers.get(mq.broker_name)
+        wait_after(self.appender.replicas, wait, [(broker, delay_seq(mq.tag), 1)],
+                   timeout=self.settings.send_msg_timeout_ms / 1000, action="delayed send")
 
     def _prepare(
         self, body: object, keys_: object, tags: object, properties: object, hash_: int | None = None

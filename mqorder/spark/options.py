@@ -6,6 +6,17 @@ with the list of known ones: a misspelt ``orderBy`` silently ignored would publi
 
 Connections are described here (a URL, picklable) and opened on the executor, inside ``write()`` or
 ``read()``: a Redis client cannot be pickled into a task.
+
+Write options (``_WRITE``; a typo is refused listing them): ``topic``, ``key``, ``orderBy``,
+``body`` (a column, or ``json``: the whole row), ``idColumn``, ``onNull`` (``fail`` | ``skip``),
+``redisUrl``, ``brokers`` (JSON), ``maxMessageSize``, ``stagingTtl`` (seconds), ``stageChunk``
+(rows per staging call), ``jobId``, and ``waitReplicas``: the replicas every broker's primary must
+have the published rows on before the commit returns (Redis ``WAIT``, ``mqorder.store.durable``;
+default ``MQORDER_SEND_WAIT_REPLICAS``, read where the plan is built; 0: do not wait), with
+``waitTimeoutMs`` (default ``MQORDER_SEND_WAIT_TIMEOUT_MS``). Short of them the job fails with
+``ReplicasBehindError``: its rows ARE published, and running the job again stores nothing twice
+(ids) and waits again. More replicas than a broker has connected refuse the job before anything
+is published.
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from mqorder.errors import ConfigError
 from mqorder.names import check_topic
 from mqorder.settings import Settings, get_settings, load_settings
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.durable import SendWait, parse_wait_replicas
 
 #: ``onNull``: refuse the whole job (the default) or leave such rows out, counted in the report.
 ON_NULL = ("fail", "skip")
@@ -37,14 +49,14 @@ DEFAULT_MAX_ROWS_PER_PARTITION = 1_000_000
 _SPARK = ("path", "checkpointlocation", "queryname")
 _COMMON = ("topic", "redisurl", "brokers", *_SPARK)
 _WRITE = (*_COMMON, "key", "orderby", "body", "idcolumn", "onnull", "stagingttl", "stagechunk", "jobid",
-          "maxmessagesize")
+          "maxmessagesize", "waitreplicas", "waittimeoutms")
 _READ = (*_COMMON, "startingoffsets", "endingoffsets", "maxrowsperpartition", "maxoffsetspertrigger")
 _SPELLING = {
     "redisurl": "redisUrl", "orderby": "orderBy", "idcolumn": "idColumn", "onnull": "onNull",
     "stagingttl": "stagingTtl", "stagechunk": "stageChunk", "jobid": "jobId", "maxmessagesize": "maxMessageSize",
     "startingoffsets": "startingOffsets", "endingoffsets": "endingOffsets",
     "maxrowsperpartition": "maxRowsPerPartition", "maxoffsetspertrigger": "maxOffsetsPerTrigger",
-    "orderfield": "orderField",
+    "orderfield": "orderField", "waitreplicas": "waitReplicas", "waittimeoutms": "waitTimeoutMs",
 }
 
 
@@ -57,14 +69,24 @@ class Connection:
     max_message_size: int = 4 * 1024 * 1024
     pending_ttl_ms: int = 10_000
     timeout: float = 3.0
+    #: ``MQORDER_SEND_WAIT_REPLICAS`` / ``_TIMEOUT_MS`` where the options were read (the driver):
+    #: the defaults of option ``waitReplicas``.
+    wait_replicas: int = 0
+    wait_timeout_ms: int = 1000
+
+    @property
+    def socket_timeout(self) -> float:
+        """Seconds: Spark's tasks and commits move large chunks, so never less than 10 s."""
+        return max(self.timeout, 10.0)
 
     def registry(self) -> BrokerRegistry:
-        return BrokerRegistry(self.redis_url, self.brokers, socket_timeout=max(self.timeout, 10.0))
+        return BrokerRegistry(self.redis_url, self.brokers, socket_timeout=self.socket_timeout)
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Connection:
         return cls(settings.redis_url, dict(settings.brokers), settings.max_message_size,
-                   settings.pending_ttl_ms, settings.send_msg_timeout_ms / 1000)
+                   settings.pending_ttl_ms, settings.send_msg_timeout_ms / 1000, settings.send_wait_replicas,
+                   settings.send_wait_timeout_ms)
 
 
 def lower_options(options: Mapping[str, Any]) -> dict[str, str]:
@@ -137,6 +159,8 @@ class WriteOptions:
     #: A stream's checkpoint location: the stream's job ids derive from it, so they are the same in
     #: every process Spark starts for the query and after a restart.
     checkpoint: str | None = None
+    #: What the commit waits for after publishing (option ``waitReplicas``); ``None``: nothing.
+    wait: SendWait | None = None
 
 
 def write_options(options: Mapping[str, Any]) -> WriteOptions:
@@ -154,6 +178,7 @@ def write_options(options: Mapping[str, Any]) -> WriteOptions:
     job_id = opts.get("jobid") or None
     if job_id is not None and not job_id.isalnum():
         raise ConfigError(f"option jobId={job_id!r} must be alphanumeric")
+    conn = connection(opts)
     return WriteOptions(
         topic=topic,
         key=opts["key"],
@@ -164,9 +189,32 @@ def write_options(options: Mapping[str, Any]) -> WriteOptions:
         staging_ttl_ms=1000 * _int(opts, "stagingttl", DEFAULT_STAGING_TTL_S, 60, 30 * 24 * 3600),
         stage_chunk=_int(opts, "stagechunk", DEFAULT_STAGE_CHUNK, 1, MAX_STAGE_CHUNK),
         job_id=job_id,
-        conn=connection(opts),
+        conn=conn,
         checkpoint=opts.get("checkpointlocation") or None,
+        wait=_wait(opts, conn),
     )
+
+
+def _wait(opts: Mapping[str, str], conn: Connection) -> SendWait | None:
+    """Option ``waitReplicas``, else ``MQORDER_SEND_WAIT_REPLICAS``; ``None`` for 0."""
+    timeout_ms = _int(opts, "waittimeoutms", conn.wait_timeout_ms, 1, 600_000)
+    raw = opts.get("waitreplicas")
+    if raw is None or raw == "":
+        n = conn.wait_replicas
+    else:
+        try:
+            n = parse_wait_replicas(raw)
+        except ValueError as exc:
+            raise ConfigError(f"option waitReplicas={raw!r} {exc}") from None
+    if not n:
+        return None
+    if timeout_ms >= conn.socket_timeout * 1000:
+        raise ConfigError(
+            f"waitReplicas={n} waits up to {timeout_ms} ms (waitTimeoutMs / MQORDER_SEND_WAIT_TIMEOUT_MS), which "
+            f"must be shorter than the commit's socket timeout ({conn.socket_timeout:g} s, the larger of 10 s and "
+            "MQORDER_SEND_MSG_TIMEOUT_MS): lower the one or raise the other"
+        )
+    return SendWait(n, timeout_ms)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from pyspark.sql.types import (
 from mqorder.errors import ConfigError
 from mqorder.spark.options import BODY_JSON, Connection, WriteOptions
 from mqorder.spark.queues import INTERNAL_PREFIX, QueueRef
+from mqorder.store.durable import SendWait
 
 _INTEGRAL = (ByteType, ShortType, IntegerType, LongType)
 #: How an orderBy column is turned into order-preserving bytes (``mqorder.spark.encoding``).
@@ -63,6 +64,8 @@ class WritePlan:
     stage_chunk: int
     job_id: str
     conn: Connection
+    #: What the commit waits for after publishing (option ``waitReplicas``); ``None``: nothing.
+    wait: SendWait | None = None
 
     @property
     def queue_count(self) -> int:
@@ -142,4 +145,5 @@ def build_plan(opts: WriteOptions, schema: StructType, queues: list[QueueRef], *
         stage_chunk=opts.stage_chunk,
         job_id=opts.job_id or _job_id(opts),
         conn=opts.conn,
+        wait=opts.wait,
     )

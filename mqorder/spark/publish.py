@@ -18,7 +18,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import IntegralType, StringType
 
 from mqorder import keys
-from mqorder.errors import ConfigError, MessageError
+from mqorder.errors import ConfigError, MessageError, ReplicasBehindError
 from mqorder.settings import get_settings, load_settings
 from mqorder.spark.options import BODY_JSON, ON_NULL
 from mqorder.spark.queues import KEY_COLUMN, QUEUE_COLUMN, key_string, queue_of
@@ -64,12 +64,19 @@ def publish(
     redis_url: str | None = None,
     partitions: int | None = None,
     options: dict[str, str] | None = None,
+    wait_replicas: int | None = None,
 ) -> PublishReport:
     """Publish ``df`` to ``topic``, every key's rows in ``order_by`` order, exactly once.
 
     Raises ``ConfigError`` / ``TopicNotFoundError`` before anything runs, ``JobRefusedError``
     (nothing published) when rows break a rule (null key or orderBy with ``on_null='fail'``, a
-    body over ``max_message_size``).
+    body over ``max_message_size``) or a broker has fewer replicas connected than
+    ``wait_replicas`` asks for.
+
+    ``wait_replicas`` (default ``MQORDER_SEND_WAIT_REPLICAS`` of this process, passed to the job as
+    option ``waitReplicas`` with the timeout: Spark's processes may not see this environment):
+    the commit returns once that many replicas of every broker have the rows, else
+    ``ReplicasBehindError`` (published; running it again stores nothing twice and waits again).
     """
     if on_null not in ON_NULL:
         raise ConfigError(f"on_null={on_null!r}: choose fail or skip")
@@ -101,6 +108,8 @@ def publish(
         writer = writer.option("brokers", json.dumps(settings.brokers))
     if id_column:
         writer = writer.option("idColumn", id_column)
+    writer = (writer.option("waitReplicas", str(settings.send_wait_replicas if wait_replicas is None else wait_replicas))
+              .option("waitTimeoutMs", str(settings.send_wait_timeout_ms)))
     for k, v in (options or {}).items():
         writer = writer.option(k, v)
     try:
@@ -109,6 +118,8 @@ def publish(
         report = _report(settings.redis_url, settings.brokers, job)
         if report.get("status") == "refused":
             raise JobRefusedError(str(report.get("error"))) from None
+        if report.get("status") == "unreplicated":  # option waitReplicas: published, not yet on the replicas
+            raise ReplicasBehindError(str(report.get("error"))) from None
         raise exc
     report = _report(settings.redis_url, settings.brokers, job)
     if report.get("status") != "published":

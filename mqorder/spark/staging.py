@@ -13,6 +13,10 @@ Step by step, for job ``J`` writing topic ``T``:
 3. When a task fails for good (or the commit refuses the job), Spark calls ``abort()``: ``drop``
    deletes every run the job's tasks registered. A run nobody deletes (the driver died) expires.
 
+4. With option ``waitReplicas`` the commit checks, before publishing, that every broker's primary
+   has that many replicas connected, and after publishing waits until they have every row
+   (``wait_replicas``: one ``WAIT`` per broker, ``mqorder.store.durable``).
+
 So a consumer sees a job's rows only once the job has succeeded; a failed job leaves nothing in the
 logs. Runs of one queue live in that queue's hash tag, the job's run registry on the default
 broker.
@@ -32,6 +36,7 @@ from mqorder.spark.encoding import StagedRow
 from mqorder.spark.queues import QueueRef
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
+from mqorder.store.durable import SendWait, wait_after
 from mqorder.store.failures import translated
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -46,6 +51,9 @@ CALL_BYTES = 4 * 1024 * 1024
 TRIP_BYTES = 32 * 1024 * 1024
 #: A publish call moves at most about this many bytes (its rows are held in Lua at once).
 PUBLISH_BYTES = 8 * 1024 * 1024
+#: What running a job again does, said by a commit's ``ReplicasBehindError``.
+RERUN = ("Running the job again is safe: every row has a message id, so it stores nothing twice and waits for "
+         "the replicas again")
 
 
 @dataclass
@@ -185,6 +193,25 @@ class StagingArea:
         kl.extend(state_keys)
         args: list[Any] = [len(runs), chunk, self.appender.pending_ttl_ms, keys.wake_channel(""), *runs, *wake_args]
         return kl, args
+
+    def check_replicas(self, wait: SendWait, indexes: Iterable[int]) -> None:
+        """Before ``publish``: ``NotEnoughReplicasError`` if a broker of these queues has fewer
+        replicas connected than ``wait`` asks for, so nothing is published that could not be
+        made durable."""
+        for broker_name in group_by_broker(sorted(indexes), lambda i: self.mq(i)):
+            broker = self.brokers.get(broker_name)
+            with translated(broker_name, broker.safe_url, self.timeout, "publish"):
+                self.appender.replicas.before_write(broker, wait, "publish")
+
+    def wait_replicas(self, wait: SendWait, totals: PublishTotals) -> None:
+        """After ``publish``: ``WAIT`` once per broker for everything the commit wrote there, over
+        all its round trips (the fence write makes it cover them whatever connection ran them);
+        ``ReplicasBehindError`` (the rows ARE published) naming each broker that fell short."""
+        by_broker = group_by_broker(sorted(totals.queues), lambda i: self.mq(i))
+        targets = [(self.brokers.get(name), keys.queue_next(self.mq(idxs[0]).tag),
+                    sum(totals.queues[i].stored + totals.queues[i].duplicates for i in idxs))
+                   for name, idxs in by_broker.items()]
+        wait_after(self.appender.replicas, wait, targets, timeout=self.timeout, action="publish", resend=RERUN)
 
     def registered_runs(self) -> dict[int, set[int]]:
         runs: dict[int, set[int]] = defaultdict(set)

@@ -8,6 +8,11 @@ into the logs and records a report. ``abort()`` deletes what the tasks staged.
 
 A stream does the same per micro-batch, with the batch id in the job id and in every message id:
 a micro-batch replayed after a restart (same batch id, same rows) stores nothing twice.
+
+With option ``waitReplicas`` the commit is durable too: it refuses the job before publishing if a
+broker has fewer replicas connected than asked, and once published waits for them (one ``WAIT``
+per broker); short of them the job fails with its report's status ``unreplicated``: the rows ARE
+published, and the job run again stores nothing twice and waits again.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from pyspark.sql.datasource import (
 )
 
 from mqorder import keys
-from mqorder.errors import MessageError
+from mqorder.errors import MessageError, NotEnoughReplicasError, ReplicasBehindError
 from mqorder.spark.encoding import Refusal, encode_partition
 from mqorder.spark.plan import WritePlan
 from mqorder.spark.staging import PublishTotals, StagingArea
@@ -153,6 +158,14 @@ class _Staging:
                     runs[index].add(m.run)
                     expected[index] += n
                     nbytes[index] += m.bytes.get(index, 0)
+            wait = self.plan.wait
+            if wait is not None:
+                try:
+                    area.check_replicas(wait, runs)
+                except NotEnoughReplicasError as exc:
+                    area.drop()
+                    self._report(brokers, job, {"status": "refused", "error": str(exc), "skipped_nulls": skipped})
+                    raise
             totals = area.publish(runs, row_bytes={i: nbytes[i] // max(1, expected[i]) for i in runs})
             area.forget()
             missing = {i: expected[i] - (t.stored + t.duplicates) for i, t in totals.queues.items()
@@ -169,6 +182,15 @@ class _Staging:
                     f"staged rows of job {job} were missing at commit ({sum(missing.values()):,} rows, queues "
                     f"{sorted(missing)}): they expired (raise option stagingTtl) or were deleted. The rows that "
                     "were found are published; run the job again to publish the rest (ids make it exactly once)")
+            if wait is not None:
+                try:
+                    area.wait_replicas(wait, totals)
+                except ReplicasBehindError as exc:
+                    report["status"] = "unreplicated"
+                    report["error"] = str(exc)
+                    self._report(brokers, job, report)
+                    raise
+                report["replicas"] = wait.replicas
             self._report(brokers, job, report)
             log.info("mqorder: job %s published %d rows to %s (%d already stored)", job, totals.stored,
                      self.plan.topic, totals.duplicates)

@@ -8,6 +8,10 @@ that was just finishing, and a busy queue costs no extra wake-ups.
 With ``ids`` the append is *idempotent*: an id already stored in that queue is skipped (and its
 offset reported), atomically with the append, so a retried or duplicated writer adds nothing twice
 and never reorders (DESIGN invariant 8).
+
+With a ``SendWait`` the append is *durable*: ``WAIT`` for that many replicas follows the scripts
+in the same round trip, on their connection (``mqorder.store.durable``), and a shortfall raises
+``ReplicasBehindError`` once every broker of the call was written (DESIGN invariant 9).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
 from mqorder.store.capacity import CapacityGuard
+from mqorder.store.durable import ReplicaGate, SendWait, behind_error
 from mqorder.store.failures import translated
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -87,21 +92,32 @@ class QueueAppender:
         #: (``mqorder.store.capacity``); the DLQ writer has none: moving a poison message on is
         #: part of draining a full broker.
         self.guard = guard
+        #: Connected replicas per broker, checked before a durable append (``mqorder.store.durable``).
+        self.replicas = ReplicaGate()
         self._subs: dict[str, tuple[float, list[str]]] = {}
 
     def append(
         self, mq: MessageQueue, entries: Sequence[Entry], *, ids: Sequence[str] | None = None,
-        dedup_window_ms: int | None = None,
+        dedup_window_ms: int | None = None, wait: SendWait | None = None,
     ) -> AppendReply:
         """Append to one queue in one script call (``len(entries) <= MAX_PER_CALL``)."""
-        return self.append_many([AppendRequest(mq, entries, ids, dedup_window_ms)])[0]
+        return self.append_many([AppendRequest(mq, entries, ids, dedup_window_ms)], wait=wait)[0]
 
-    def append_many(self, requests: Sequence[AppendRequest]) -> list[AppendReply]:
+    def append_many(self, requests: Sequence[AppendRequest], *, wait: SendWait | None = None) -> list[AppendReply]:
         """One script call per request, pipelined per broker: one round trip per broker.
 
         Raises ``BrokerUnavailableError`` / ``BrokerRefusedError`` (``mqorder.store.failures``), and
         with a guard ``BrokerFullError`` / ``EvictionPolicyError`` before anything is written.
+
+        ``wait`` (``replicas`` > 0) makes it durable: ``NotEnoughReplicasError`` before anything is
+        written to any broker if one has fewer replicas connected than asked, and ``WAIT`` behind
+        the scripts of each broker's round trip; if any broker's replicas fall short, every broker
+        is still written, then one ``ReplicasBehindError`` names each that fell short (all of it IS
+        stored on the primaries).
         """
+        if wait is not None and wait.replicas <= 0:
+            wait = None
+        behind: list[str] = []
         replies: list[AppendReply | None] = [None] * len(requests)
         for req in requests:
             if len(req.entries) > MAX_PER_CALL:
@@ -109,16 +125,35 @@ class QueueAppender:
             if req.ids is not None and len(req.ids) != len(req.entries):
                 raise ValueError(f"{len(req.ids)} ids for {len(req.entries)} messages")
         by_broker = group_by_broker(range(len(requests)), lambda i: requests[i].mq)
+        if wait is not None:
+            for broker_name in by_broker:
+                broker = self.brokers.get(broker_name)
+                with translated(broker_name, broker.safe_url, self.timeout, self.action):
+                    self.replicas.before_write(broker, wait, self.action)
         for broker_name, idxs in by_broker.items():
             broker = self.brokers.get(broker_name)
+            calls = [("send", *self._send_call(requests[i])) for i in idxs]
             with translated(broker_name, broker.safe_url, self.timeout, self.action):
                 self.check_capacity(broker)
                 # Lean EVALSHAs (Scripts.run_many: no redis-py Pipeline, whose registered scripts
                 # cost a SCRIPT EXISTS round trip first); a NOSCRIPT call stored nothing and is
                 # sent again once the script is loaded.
-                raw = broker.scripts.run_many([("send", *self._send_call(requests[i])) for i in idxs])
+                if wait is None:
+                    raw = broker.scripts.run_many(calls)
+                else:
+                    # An idempotent append may store nothing (every id a duplicate), and a WAIT
+                    # after no write waits for nothing: the fence write (mqorder.store.durable).
+                    fence = next((keys.queue_next(requests[i].mq.tag) for i in idxs if requests[i].ids is not None),
+                                 None)
+                    raw, tail = broker.scripts.run_many_then(calls, wait.commands(fence))
+                    acked = int(tail[-1])
+                    if acked < wait.replicas:
+                        messages = sum(len(requests[i].entries) for i in idxs)
+                        behind.append(self.replicas.behind(broker, wait, acked, messages, self.action))
             for i, reply in zip(idxs, raw, strict=True):
                 replies[i] = _parse(reply, len(requests[i].entries))
+        if behind:
+            raise behind_error(behind)
         return [r for r in replies if r is not None]
 
     def check_capacity(self, broker: Broker, action: str | None = None) -> None:

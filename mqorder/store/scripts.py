@@ -202,13 +202,29 @@ class Scripts:
         scripts loaded first), never one that ran; any other error of a call is raised, as a
         plain pipeline would.
         """
+        return self.run_many_then(calls, (), via)[0]
+
+    def run_many_then(self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]],
+                      then: Sequence[tuple[Any, ...]], via: ConnectionLease | None = None) -> tuple[list[Any], list[Any]]:
+        """``run_many``, with plain commands ``then`` sent after the scripts on the same connection,
+        in the same round trip; the scripts' replies and ``then``'s.
+
+        For what must follow the scripts on *their* connection: ``WAIT`` (a durable send,
+        ``mqorder.store.durable``) counts the replicas that have this connection's writes, and
+        cannot run inside a script. When a call is sent again after ``NOSCRIPT``, ``then`` is sent
+        again behind it, so its replies always follow the last of the writes.
+        """
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
+        tail: list[Any] = []
         for attempt in (0, 1):
             pipe = RawPipeline(via or self._client)
             for i in todo:
                 self.queue_in(pipe, *calls[i])
+            for cmd in then:
+                pipe.execute_command(*cmd)
             out = pipe.execute(raise_on_error=False)
+            out, tail = out[:len(todo)], out[len(todo):]
             missing = []
             for i, res in zip(todo, out, strict=True):
                 if isinstance(res, redis.exceptions.NoScriptError) and not attempt:
@@ -218,7 +234,10 @@ class Scripts:
                 else:
                     replies[i] = res
             if not missing:
-                return replies
+                for res in tail:
+                    if isinstance(res, Exception):
+                        raise res
+                return replies, tail
             for name in {calls[i][0] for i in missing}:
                 self.load(name)
             todo = missing

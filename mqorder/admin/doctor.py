@@ -16,6 +16,11 @@ What is checked, per Redis broker, and why:
 * **clock**: leases are judged by Redis's clock, but born/handled times in the ledger and the
   audit come from the hosts: this host's and every live worker's skew against Redis.
 
+* **replication and failover** (``mqorder.admin.doctor_ha``): whether it is the primary, its
+  replicas and their lag, ``min-replicas-to-write``, what a failover can lose with the current
+  settings (``MQORDER_SEND_WAIT_REPLICAS``), and for a ``redis+sentinel://`` URL each Sentinel's
+  view and whether a failover can still be authorized.
+
 And for Celery (when an app's configuration is given): JSON only (a pickle-accepting worker runs
 code from the broker), and on a Redis transport a visibility timeout longer than a
 ConsumeRequest may run (``MQORDER_RUN_LEASE_MS``), or Redis hands a running request out again.
@@ -25,13 +30,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import redis
 
 from mqorder import keys
+from mqorder.admin.doctor_ha import replication_findings, sentinel_findings
+from mqorder.admin.findings import DoctorReport, Finding, Verdict
 from mqorder.settings import Settings
 from mqorder.store.brokers import Broker, BrokerRegistry
 from mqorder.store.capacity import SAFE_POLICY, eviction_policy, read_memory
@@ -44,42 +49,16 @@ MIN_VERSION = (6, 2)
 GOOD_VERSION = (7, 0)
 
 
-class Verdict(StrEnum):
-    OK = "OK"
-    WARN = "WARN"
-    FAIL = "FAIL"
-
-
-@dataclass(frozen=True)
-class Finding:
-    check: str
-    verdict: Verdict
-    detail: str
-    #: What to do about it (empty when OK).
-    fix: str = ""
-    #: The broker it is about ('' for Celery and cluster-wide checks).
-    broker: str = ""
-
-    def to_json(self) -> dict[str, str]:
-        return {"check": self.check, "broker": self.broker, "verdict": self.verdict.value, "detail": self.detail,
-                "fix": self.fix}
-
-
-@dataclass
-class DoctorReport:
-    findings: list[Finding] = field(default_factory=list)
-
-    def failed(self, strict: bool = False) -> bool:
-        bad = {Verdict.FAIL, Verdict.WARN} if strict else {Verdict.FAIL}
-        return any(f.verdict in bad for f in self.findings)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"ok": not self.failed(), "findings": [f.to_json() for f in self.findings]}
+__all__ = ["DoctorReport", "Finding", "Verdict", "diagnose"]
 
 
 def diagnose(settings: Settings, brokers: BrokerRegistry, celery_conf: Mapping[str, Any] | None = None,
              celery_error: str = "") -> DoctorReport:
-    """Every check; a broker that does not answer is one FAIL, and the others are still checked."""
+    """Every check; a broker that does not answer is one FAIL, and the others are still checked.
+
+    A broker behind Sentinels gets its Sentinels checked even when no primary answers (that is
+    when their view matters most).
+    """
     report = DoctorReport()
     for name in brokers.names:
         broker = brokers.get(name)
@@ -89,6 +68,7 @@ def diagnose(settings: Settings, brokers: BrokerRegistry, celery_conf: Mapping[s
             report.findings.append(Finding(
                 "reachable", Verdict.FAIL, f"{broker.safe_url} did not answer: {exc}",
                 "start that redis-server, or fix MQORDER_REDIS_URL / MQORDER_BROKERS", name))
+        report.findings.extend(sentinel_findings(broker))
     try:
         report.findings.extend(worker_clocks(brokers, settings))
     except redis.RedisError:
@@ -110,6 +90,7 @@ def _broker_findings(settings: Settings, broker: Broker) -> list[Finding]:
         eviction_finding(c, settings, broker.name),
         memory_finding(c, settings, broker.name),
         clock_finding(c, broker.name),
+        *replication_findings(c, settings, broker.name),
     ]
 
 

@@ -66,7 +66,8 @@ def doctor(
     strict: bool = typer.Option(False, "--strict", help="exit 1 on warnings too"),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Check Redis (version, persistence, eviction, memory, clocks) and Celery settings; exit 1 on a problem."""
+    """Check Redis (version, persistence, eviction, memory, clocks, replication and what a failover can lose,
+    Sentinels) and Celery settings; exit 1 on a problem."""
     conf, conf_error = _celery_conf(celery_app)
     settings = get_settings()
     # Not Admin.open(): a broker that does not answer is one FAIL finding, not the end of the run.

@@ -215,7 +215,8 @@ def celery_findings(settings: Settings, conf: Mapping[str, Any]) -> list[Finding
     else:
         out.append(Finding("celery serializers", Verdict.OK, "JSON only"))
     url = str(conf.get("broker_url") or settings.effective_celery_broker_url)
-    if url.startswith(("redis://", "rediss://", "unix://")):
+    # kombu's sentinel:// transport is its Redis transport behind Sentinel: the same visibility timeout.
+    if url.startswith(("redis://", "rediss://", "unix://", "sentinel://", "redis+sentinel://", "rediss+sentinel://")):
         vt = float((conf.get("broker_transport_options") or {}).get("visibility_timeout", 3600))
         need = max(settings.run_lease_ms, settings.max_time_consume_continuously_ms) / 1000
         if vt <= need:

@@ -10,7 +10,7 @@ from bench.common import Config
 
 SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "celery_broker", "produce", "failover",
             "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "dedup", "transactions", "keys",
-            "concurrent")
+            "concurrent", "durable_send")
 DEFAULT_CONCURRENCY = 2
 #: Threads-pool worker concurrency of the latency section and of the threads drain row.
 LAT_THREADS_C = 8
@@ -26,6 +26,8 @@ SIZES = {
     "produce_batch": (100_000, 5_000),
     "produce_raw": (100_000, 5_000),
     "dedup_messages": (5_000, 500),
+    "durable_single": (5_000, 500),  # bench.durable_send: one by one, per variant and run
+    "durable_batch": (100_000, 10_000),  # bench.durable_send: in batches of 10,000
     "transactions_messages": (5_000, 500),
     "failover_kills": (10, 2),
     "rebalance_runs": (5, 1),

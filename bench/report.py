@@ -58,8 +58,8 @@ class Report:
 
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
-                    self.celery_broker, self.produce, self.dedup, self.transactions, self.failover, self.rebalance,
-                    self.memory, self.growth, self.retention, self.spark,
+                    self.celery_broker, self.produce, self.dedup, self.durable_send, self.transactions, self.failover,
+                    self.rebalance, self.memory, self.growth, self.retention, self.spark,
                     self.keys, self.concurrent, self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
@@ -398,6 +398,12 @@ class Report:
                 *_table(["producer", "messages/s", "vs no key", "Redis time per send script"], rows),
                 f"{size(self.cfg, 'dedup_messages'):,} messages per run, the three variants interleaved run by "
                 "run on one redis-server; 16 queues, 2,000 keys, one subscribing group.", ""]
+
+    def durable_send(self) -> list[str]:
+        """Send rate with and without ``wait_replicas=1`` (``bench.durable_send``), when it ran."""
+        from bench import durable_send
+
+        return durable_send.report_lines(self.res.get("durable_send") or {})
 
     def transactions(self) -> list[str]:
         """Transactional send rate against ``send_orderly`` (``bench.transactions``), when it ran."""

@@ -208,6 +208,13 @@ def sec_dedup(cfg: Config, res: dict[str, Any]) -> None:
     res["dedup"] = dedup.run(cfg, messages=size(cfg, "dedup_messages"), runs=cfg.runs)
 
 
+def sec_durable_send(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import durable_send
+
+    res["durable_send"] = durable_send.run(cfg, single=size(cfg, "durable_single"), batch=size(cfg, "durable_batch"),
+                                           runs=cfg.runs)
+
+
 def sec_transactions(cfg: Config, res: dict[str, Any]) -> None:
     from bench import transactions
 
@@ -232,7 +239,7 @@ RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "produce": sec_produce, "failover": sec_failover, "rebalance": sec_rebalance, "memory": sec_memory,
     "growth": sec_growth, "retention": sec_retention, "spark": sec_spark,
     "spark_audit": sec_spark_audit, "dedup": sec_dedup, "transactions": sec_transactions, "keys": sec_keys,
-    "concurrent": sec_concurrent,
+    "concurrent": sec_concurrent, "durable_send": sec_durable_send,
 }
 
 

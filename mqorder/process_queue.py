@@ -48,9 +48,6 @@ class ProcessQueue:
         self._consuming_size = 0
         self.queue_offset_max = -1
         self.dropped = False
-        #: The newest lock epoch of this queue known to be on the replicas the settings ask for
-        #: (``ConsumeRequest._epoch_replicated``): later runs under it need no ``WAIT``.
-        self.replicated_epoch = 0
         self.lock_expire_ms = lock_expire_ms
         self.last_lock_timestamp = _now_ms()
 

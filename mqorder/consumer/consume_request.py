@@ -196,8 +196,8 @@ class ConsumeRequest(LingeringReads):
         epoch of the queue in this process: a grant is rare, renewals need none). Until it is, no
         listener is called under it: a failover now could promote a replica that never saw the
         grant and give the queue to somebody else (``mqorder.store.replication``)."""
-        pq = self.pq
-        if pq.replicated_epoch == self.epoch:
+        seen = self.engine.replicated_epochs
+        if seen.get((self.sub, self.mq.key)) == self.epoch:
             return True
         rw = self.engine.replica_wait
         n = rw.wanted(self.broker)
@@ -209,7 +209,7 @@ class ConsumeRequest(LingeringReads):
                 REPLICA_WAIT_REQUEUE_S,
             )
             return False
-        pq.replicated_epoch = self.epoch
+        seen[(self.sub, self.mq.key)] = self.epoch
         return True
 
     def _begun(self, res: list[Any]) -> None:

@@ -54,6 +54,10 @@ class ConsumerState:
         self.topics = TopicManager(self.brokers)
         #: Replicas that must hold a new epoch before a run calls a listener under it.
         self.replica_wait = ReplicaWait.from_settings(settings)
+        #: (sub, queue key) -> the newest epoch seen on those replicas: later runs of this process
+        #: under it need no ``WAIT`` (``ConsumeRequest._epoch_replicated``). A ProcessQueue is per
+        #: run, so it cannot hold this.
+        self.replicated_epochs: dict[tuple[str, str], int] = {}
         self.stats = ConsumerStatsManager()
         #: Whether a drained request may wait for more messages: set by the integration (the
         #: Celery threads pool can tell whether requests are waiting for a slot); never by default.

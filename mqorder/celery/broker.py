@@ -37,12 +37,11 @@ from __future__ import annotations
 import ssl
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
 
 from mqorder.errors import ConfigError
 from mqorder.store.brokers import celery_transport, is_kombu_sentinel_url, redact_url
-from mqorder.store.connect import SENTINEL_TIMEOUT_S
-from mqorder.store.urls import SentinelURL, is_sentinel_url, parse_sentinel_url
+from mqorder.store.connect import sentinel_credentials
+from mqorder.store.urls import SentinelURL, host_port, is_sentinel_url, parse_sentinel_url
 
 #: Far above any countdown mqorder uses; see the module docstring.
 REDIS_VISIBILITY_TIMEOUT = 3600
@@ -61,25 +60,7 @@ class CeleryBroker:
 def kombu_sentinel_url(parsed: SentinelURL) -> str:
     """kombu's ``sentinel://`` list for a parsed ``redis+sentinel://`` URL: one URL per Sentinel,
     each with the data nodes' credentials and db (kombu reads them from the first)."""
-    auth = ""
-    if parsed.username is not None or parsed.password is not None:
-        auth = quote(parsed.username or "", safe="")
-        if parsed.password is not None:
-            auth += ":" + quote(parsed.password, safe="")
-        auth += "@"
-    return ";".join(
-        f"sentinel://{auth}{f'[{h}]' if ':' in h else h}:{p}/{parsed.db}" for h, p in parsed.sentinels
-    )
-
-
-def _sentinel_kwargs(password: str | None, username: str | None) -> dict[str, Any]:
-    """Connection keywords of kombu's connections to the Sentinels (as ``mqorder.store.connect``)."""
-    out: dict[str, Any] = {"socket_timeout": SENTINEL_TIMEOUT_S, "socket_connect_timeout": SENTINEL_TIMEOUT_S}
-    if password:
-        out["password"] = password
-    if username:
-        out["username"] = username
-    return out
+    return ";".join(f"sentinel://{parsed.userinfo}{host_port(h, p)}/{parsed.db}" for h, p in parsed.sentinels)
 
 
 def celery_broker(url: str, *, sentinel_master: str | None = None,
@@ -95,7 +76,7 @@ def celery_broker(url: str, *, sentinel_master: str | None = None,
         parsed = parse_sentinel_url(url, sentinel_password=sentinel_password)
         options: dict[str, Any] = {
             "master_name": parsed.master_name,
-            "sentinel_kwargs": _sentinel_kwargs(parsed.sentinel_password, parsed.sentinel_username),
+            "sentinel_kwargs": sentinel_credentials(parsed.sentinel_password, parsed.sentinel_username),
         }
         if parsed.socket_timeout is not None:
             options["socket_timeout"] = parsed.socket_timeout
@@ -104,7 +85,7 @@ def celery_broker(url: str, *, sentinel_master: str | None = None,
         use_ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED} if parsed.ssl else None
         return CeleryBroker(kombu_sentinel_url(parsed), options, use_ssl)
     if is_kombu_sentinel_url(url):
-        options = {"sentinel_kwargs": _sentinel_kwargs(sentinel_password, None)}
+        options = {"sentinel_kwargs": sentinel_credentials(sentinel_password, None)}
         if sentinel_master:
             options["master_name"] = sentinel_master
         return CeleryBroker(url, options)

@@ -86,23 +86,29 @@ class MqorderSentinel(Sentinel):
         return out
 
 
-def _sentinel_kwargs(parsed: SentinelURL, client_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Connection keywords of the Sentinel connections: Sentinel's own credentials, never the data
-    nodes' (redis-py would send the data password to the Sentinels only if told to).
+def sentinel_credentials(password: str | None, username: str | None,
+                         timeout: float = SENTINEL_TIMEOUT_S) -> dict[str, Any]:
+    """Keywords of a connection to a Sentinel: its own credentials (never the data nodes': redis-py
+    sends those to the Sentinels only if told to) and a short timeout. Plain values only, so
+    Celery's ``broker_transport_options`` can carry them (kombu's ``sentinel_kwargs``)."""
+    out: dict[str, Any] = {"socket_timeout": timeout, "socket_connect_timeout": timeout}
+    if password:
+        out["password"] = password
+    if username:
+        out["username"] = username
+    return out
 
-    No retries: ``discover_master`` already moves on to the next Sentinel when one fails, while
+
+def _sentinel_kwargs(parsed: SentinelURL, client_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``sentinel_credentials`` with the client's timeout if shorter, and no retries:
+    ``discover_master`` already moves on to the next Sentinel when one fails, while
     ``redis.Redis``'s default (3 retries with exponential backoff) made one refused or dead
     Sentinel cost seconds per new connection (23 s measured for three refusing a password).
     """
-    timeouts = {}
-    for key in _URL_TIMEOUTS:
-        t = client_kwargs.get(key)
-        timeouts[key] = SENTINEL_TIMEOUT_S if t is None else min(float(t), SENTINEL_TIMEOUT_S)
-    out: dict[str, Any] = {**timeouts, "retry": Retry(NoBackoff(), 0)}
-    if parsed.sentinel_password is not None:
-        out["password"] = parsed.sentinel_password
-    if parsed.sentinel_username is not None:
-        out["username"] = parsed.sentinel_username
+    given = [float(t) for t in (client_kwargs.get(k) for k in _URL_TIMEOUTS) if t is not None]
+    timeout = min([SENTINEL_TIMEOUT_S, *given])
+    out = sentinel_credentials(parsed.sentinel_password, parsed.sentinel_username, timeout)
+    out["retry"] = Retry(NoBackoff(), 0)
     return out
 
 

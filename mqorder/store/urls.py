@@ -81,13 +81,7 @@ class SentinelURL:
         """The URL back, in the canonical form (every part explicit, credentials quoted): what a
         process that must rebuild the client elsewhere (a Spark executor) is handed."""
         scheme = "rediss+sentinel" if self.ssl else "redis+sentinel"
-        auth = ""
-        if self.username is not None or self.password is not None:
-            auth = quote(self.username or "", safe="")
-            if self.password is not None:
-                auth += ":" + quote(self.password, safe="")
-            auth += "@"
-        hosts = ",".join(f"[{h}]:{p}" if ":" in h else f"{h}:{p}" for h, p in self.sentinels)
+        hosts = ",".join(host_port(h, p) for h, p in self.sentinels)
         query = []
         if self.sentinel_username is not None:
             query.append(f"sentinel_username={quote(self.sentinel_username, safe='')}")
@@ -98,7 +92,22 @@ class SentinelURL:
         if self.socket_connect_timeout is not None:
             query.append(f"socket_connect_timeout={self.socket_connect_timeout:g}")
         q = ("?" + "&".join(query)) if query else ""
-        return f"{scheme}://{auth}{hosts}/{quote(self.master_name, safe='')}/{self.db}{q}"
+        return f"{scheme}://{self.userinfo}{hosts}/{quote(self.master_name, safe='')}/{self.db}{q}"
+
+    @property
+    def userinfo(self) -> str:
+        """The data nodes' credentials as a URL writes them (``user:password@``, quoted), or ``""``."""
+        if self.username is None and self.password is None:
+            return ""
+        auth = quote(self.username or "", safe="")
+        if self.password is not None:
+            auth += ":" + quote(self.password, safe="")
+        return auth + "@"
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port`` as a URL writes it (an IPv6 address in brackets)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def is_sentinel_url(url: object) -> bool:

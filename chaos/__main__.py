@@ -1,7 +1,8 @@
 """``python -m chaos`` (``make chaos``): run the chaos scenarios and write docs/RELIABILITY.md.
 
-    python -m chaos                      # every scenario (about 15 minutes)
+    python -m chaos                      # every scenario (about 25 minutes)
     python -m chaos --scenario kill      # one (repeatable, or comma-separated)
+    python -m chaos sentinel-failover    # the same, as positional names
     python -m chaos --quick              # shorter timelines, fewer faults
     python -m chaos --list
 """
@@ -21,6 +22,7 @@ from chaos.scenarios import SCENARIOS, run
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m chaos", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("names", nargs="*", metavar="NAME", help="scenarios to run (as --scenario)")
     ap.add_argument("--scenario", action="append", default=[], metavar="NAME",
                     help=f"run only these ({', '.join(SCENARIOS)}); repeatable or comma-separated")
     ap.add_argument("--quick", action="store_true", help="shorter timelines and fewer faults")
@@ -30,9 +32,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.list:
         for s in SCENARIOS.values():
-            print(f"{s.name:15} {s.title}")
+            print(f"{s.name:22} {s.title}")
         return 0
-    names = [n.strip() for arg in args.scenario for n in arg.split(",") if n.strip()] or list(SCENARIOS)
+    names = [n.strip() for arg in [*args.names, *args.scenario] for n in arg.split(",") if n.strip()] or list(SCENARIOS)
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
         ap.error(f"unknown scenario(s) {', '.join(unknown)}; choose from {', '.join(SCENARIOS)}")
@@ -49,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
             log(f"== {n}: scenario could not run: {exc!r}")
             res = Result(n, sc.fsync, problems=[f"the scenario could not run: {exc!r}"[:400]])
         results[n] = report.compact(res, title=sc.title, env=sc.env, quick=args.quick,
-                                    seconds=time.monotonic() - start, engine=engine)
+                                    seconds=time.monotonic() - start, engine=engine,
+                                    sentinel=sc.sentinel.describe() if sc.sentinel is not None else None)
         if not res.passed:
             failed.append(n)
         if not args.no_write:

@@ -22,7 +22,8 @@ Definitions (all per the chaos issue):
   ``SUPERSEDED`` record on its queue at or after its start) and ``ctx.still_owner()`` returned
   False in it — or True to a question asked before the queue was known to have a newer owner
   (``Replaced``: Redis answers at some moment between the question and its return, and a process
-  paused in between reads a True that was right when it was given);
+  paused in between reads a True that was right when it was given). Two *clients* calling one
+  queue at one epoch are never allowed: that epoch was granted twice;
 * **stale call**: a call that started after a newer epoch of its queue had already been used;
   ``ctx.still_owner()`` must have said False in it, and its commit must have been refused;
 * **call after a refusal**: a listener call of a ConsumeRequest run that started after that run's
@@ -38,7 +39,14 @@ Definitions (all per the chaos issue):
   handled successfully, whatever the committed offsets said);
 * **failover**: for each queue a killed worker owned, the time from the kill to the start of the
   first listener call on that queue by another process (another client, or the killed worker's
-  restarted incarnation if it got the queue back first).
+  restarted incarnation if it got the queue back first);
+* **failover of the Redis primary** (the ``sentinel-*`` scenarios: ``chaos.failover_checks``):
+  loss windows around each failover, consumption resumed per queue per failover, the epoch fence
+  across it (no epoch used by two clients, epochs after a promotion above those before it, lost
+  grants never back), redeliveries of commits the promoted replica lacked. A *same-epoch overlap*
+  (two clients, or two runs not superseded, calling one queue at one epoch) is a violation
+  whatever happened; *two epochs overlapping after a failover* is the documented lapse of
+  invariant 2, allowed under the overlap rule above (the stale call refused and told so).
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
+from chaos import failover_checks as fo
 from chaos.evidence import Event, Sample
 from chaos.records import FENCED, SUPERSEDED, Entry, Published, Refusal
 from chaos.traffic import Ack, Poison
@@ -101,6 +110,11 @@ class RunData:
     ordering: str = "queue"
     #: Key order: most redeliveries allowed per queue per fault (0: one pull batch, ``batch``).
     dup_bound: int = 0
+    #: ``wait_replicas`` of the traffic's sends (Sentinel scenarios): 0 means a failover may lose
+    #: what was acknowledged within ``failover_checks.REPLICATION_WINDOW`` before it.
+    send_wait: int = 0
+    #: ``redis_failover`` check: p99 of "consumption resumed" after a primary failover, seconds.
+    redis_failover_target: float = fo.REDIS_FAILOVER_TARGET
 
 
 @dataclass
@@ -116,13 +130,25 @@ class Result:
     lost: list[str] = field(default_factory=list)
     lost_fsync: list[str] = field(default_factory=list)
     fsync_gaps: int = 0
+    #: Acknowledged sends lost in a loss window of a Redis failover (``failover_checks``), and the
+    #: key gaps they left.
+    lost_replication: list[str] = field(default_factory=list)
+    replication_gaps: int = 0
+    #: Sends that raised (retried), by what they ran into (``chaos.traffic.why``).
+    unknown_by_reason: dict[str, int] = field(default_factory=dict)
     duplicates: int = 0
     dup_copies: int = 0
     dup_redeliveries: int = 0
     dup_unexplained: list[str] = field(default_factory=list)
     dup_max_per_fault_queue: int = 0
     dup_by_fault: dict[str, int] = field(default_factory=dict)
+    #: Redeliveries of messages handled in a failover's loss window (their commits lost with it).
+    dup_failover: int = 0
     overlaps: int = 0
+    #: Overlapping pairs at one epoch (any two processes), and pairs of two epochs where the newer
+    #: call started during or within ``DUP_WINDOW`` after a Redis failover.
+    same_epoch_overlaps: int = 0
+    failover_overlaps: int = 0
     overlaps_allowed: int = 0
     overlaps_forbidden: list[str] = field(default_factory=list)
     stale_calls: int = 0
@@ -138,6 +164,12 @@ class Result:
     calls_after_refusal: list[str] = field(default_factory=list)
     failovers: list[float] = field(default_factory=list)
     takeovers_after_sigstop: list[float] = field(default_factory=list)
+    #: Redis primary failovers: per event (``Resumption.to_json``), and "consumption resumed" of
+    #: every queue of every kill / of every pause, in seconds.
+    redis_failover_events: list[dict[str, Any]] = field(default_factory=list)
+    redis_failovers: list[float] = field(default_factory=list)
+    redis_pause_takeovers: list[float] = field(default_factory=list)
+    fence: dict[str, Any] = field(default_factory=dict)
     no_failover: list[str] = field(default_factory=list)
     epoch_double_owner: list[str] = field(default_factory=list)
     offset_backward: list[str] = field(default_factory=list)
@@ -173,6 +205,10 @@ class Result:
     def failover_p99(self) -> float | None:
         return self.pct(self.failovers, 99)
 
+    @property
+    def redis_failover_p99(self) -> float | None:
+        return self.pct(self.redis_failovers, 99)
+
     def summary(self) -> dict[str, Any]:
         d = {k: v for k, v in self.__dict__.items()}
         d["failover_max"] = self.failover_max
@@ -195,23 +231,28 @@ def check(data: RunData) -> Result:
     r.fault_kinds = dict(kinds)
     r.produced = len(data.acks) + len(data.poison)
     r.unknown_sends = len(data.unknown)
+    reasons: dict[str, int] = defaultdict(int)
+    for *_, why in data.unknown:
+        reasons[why] += 1
+    r.unknown_by_reason = dict(sorted(reasons.items()))
     entries = sorted(data.entries, key=lambda e: (e.start, e.end))
     regular = [e for e in entries if e.ok and not e.poison]
     handled = {(e.key, e.seq) for e in regular}
     r.handled = len(handled)
 
-    lost_fsync = _losses(data, handled, r)
+    lost_fsync, lost_repl = _losses(data, handled, r)
     concurrent = data.ordering == "concurrent"
     if not concurrent:  # a concurrent listener promises no order
-        _order(data, regular, lost_fsync, r)
+        _order(data, regular, lost_fsync, r, lost_repl)
         _runs(entries, r, by_key=data.ordering == "key")
     _duplicates(data, regular, faults, r)
     refused = _refused(data.refusals, r)
-    _overlaps_and_stale(entries, refused, r, by=data.ordering, samples=data.samples)
+    _overlaps_and_stale(entries, refused, r, by=data.ordering, samples=data.samples, events=data.events)
     _after_refusal(entries, data.refusals, r)
     # Concurrent: retried poison calls come from the retry topic's queues, whose ids are not the
     # chaos topic's; the failover of a chaos queue is read from regular messages only.
     _failover(data, regular if concurrent else entries, r)
+    _redis_failover(data, regular if concurrent else entries, r)
     _samples(data, r)
     _stall(data, entries, r)
     _poison(data, entries, r)
@@ -229,7 +270,11 @@ def check(data: RunData) -> Result:
 # -- loss and order -------------------------------------------------------------------------------
 
 
-def _losses(data: RunData, handled: set[tuple[str, int]], r: Result) -> dict[str, set[int]]:
+def _losses(data: RunData, handled: set[tuple[str, int]],
+            r: Result) -> tuple[dict[str, set[int]], dict[str, set[int]]]:
+    """Acknowledged sends never handled: lost, or lost within an fsync window of a Redis restart,
+    or within a loss window of a Redis failover (``failover_checks.loss_windows``); the two
+    windowed kinds per key, for the order check."""
     windows: list[tuple[float, float]] = []
     if data.fsync == "everysec":
         for e in data.events:
@@ -238,7 +283,9 @@ def _losses(data: RunData, handled: set[tuple[str, int]], r: Result) -> dict[str
                 before = [a.t for a in data.acks if a.t <= killed]
                 if before:
                     windows.append((max(before) - FSYNC_WINDOW, max(before)))
+    replication = fo.loss_windows(data)
     lost_fsync: dict[str, set[int]] = defaultdict(set)
+    lost_repl: dict[str, set[int]] = defaultdict(set)
     for a in data.acks:
         if (a.key, a.seq) in handled:
             continue
@@ -246,15 +293,20 @@ def _losses(data: RunData, handled: set[tuple[str, int]], r: Result) -> dict[str
         if any(lo <= a.t <= hi for lo, hi in windows):
             r.lost_fsync.append(where)
             lost_fsync[a.key].add(a.seq)
+        elif any(lo <= a.t <= hi for lo, hi in replication):
+            r.lost_replication.append(where)
+            lost_repl[a.key].add(a.seq)
         else:
             r.lost.append(where)
     if r.lost:
         r.problems.append(f"{len(r.lost)} acknowledged message(s) lost, e.g. {r.lost[:3]}")
-    return lost_fsync
+    return lost_fsync, lost_repl
 
 
-def _order(data: RunData, regular: list[Entry], lost_fsync: dict[str, set[int]], r: Result) -> None:
+def _order(data: RunData, regular: list[Entry], lost_fsync: dict[str, set[int]], r: Result,
+           lost_repl: dict[str, set[int]] | None = None) -> None:
     hw: dict[str, int] = defaultdict(int)
+    repl = lost_repl or {}
     for e in regular:
         top = hw[e.key]
         if e.seq <= top:
@@ -263,8 +315,12 @@ def _order(data: RunData, regular: list[Entry], lost_fsync: dict[str, set[int]],
             hw[e.key] = e.seq
             continue
         missing = set(range(top + 1, e.seq))
-        if missing <= lost_fsync.get(e.key, set()):
-            r.fsync_gaps += 1
+        fsync, lost = lost_fsync.get(e.key, set()), repl.get(e.key, set())
+        if missing <= fsync | lost:
+            if missing <= fsync:
+                r.fsync_gaps += 1
+            else:
+                r.replication_gaps += 1
             hw[e.key] = e.seq
             continue
         r.violations.append(
@@ -300,6 +356,7 @@ def _runs(entries: list[Entry], r: Result, by_key: bool = False) -> None:
 
 def _duplicates(data: RunData, regular: list[Entry], faults: list[Event], r: Result) -> None:
     unknown = {(k, s) for k, s, _, _ in data.unknown}
+    lost_commits = [(ev, w) for ev in faults if (w := fo.lost_commit_window(ev)) is not None]
     first: dict[tuple[str, int], Entry] = {}
     per_fault_queue: dict[tuple[int, int], int] = defaultdict(int)
     for e in regular:
@@ -315,6 +372,12 @@ def _duplicates(data: RunData, regular: list[Entry], faults: list[Event], r: Res
             else:
                 r.dup_unexplained.append(f"{e.key}#{e.seq} stored twice (offsets {f.offset}, {e.offset}) "
                                          "though no send of it raised")
+            continue
+        if any(lo <= f.start <= hi and ev.t <= e.start for ev, (lo, hi) in lost_commits):
+            # First handled in a failover's loss window: its commit went with the primary, and it is
+            # handed out again when its queue resumes, however long that takes.
+            r.dup_redeliveries += 1
+            r.dup_failover += 1
             continue
         cause = None
         for i, ev in enumerate(faults):
@@ -453,7 +516,7 @@ class Replaced:
 
 
 def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by: str = "queue",
-                        samples: list[Sample] | None = None) -> None:
+                        samples: list[Sample] | None = None, events: list[Event] | None = None) -> None:
     """An overlap is allowed only if the stale call (lower epoch; at one epoch, the older run) had
     its commit refused *and* could see it was stale: ``ctx.still_owner()`` False in it, unless it
     asked before its queue was known to have a newer owner (``Replaced``).
@@ -482,16 +545,24 @@ def _overlaps_and_stale(entries: list[Entry], ref: Refusals, r: Result, by: str 
                     continue
                 r.overlaps += 1
                 same = a.epoch == c.epoch
+                if same:
+                    r.same_epoch_overlaps += 1
+                elif any(ev.t <= c.start <= ev.end() + DUP_WINDOW for ev in fo.failovers(events or [])):
+                    r.failover_overlaps += 1
                 old = a if (same or a.epoch < c.epoch) else c
                 stale.setdefault(old, same)
                 replaced.note(old, c.start if same else min(
                     (t for (rt, e), t in first_at.items() if rt == old.retried and e > old.epoch), default=c.start))
-                refused, saw = ref.refused(old, same), not replaced.blind(old)
+                # Two clients at one epoch: the fence itself failed (one epoch was granted twice);
+                # no refusal record can excuse it, a FENCED one at that epoch least of all.
+                two_clients = same and a.client != c.client and a.retried == c.retried
+                refused, saw = ref.refused(old, same) and not two_clients, not replaced.blind(old)
                 if refused and saw:
                     r.overlaps_allowed += 1
                     continue
-                why = [f"both at epoch {c.epoch} (a second run of the queue in the same epoch)" if same else "",
-                       "" if refused else f"no refused commit recorded for the stale call (epoch {old.epoch})",
+                why = [f"both at epoch {c.epoch} (two clients holding one epoch)" if two_clients
+                       else f"both at epoch {c.epoch} (a second run of the queue in the same epoch)" if same else "",
+                       "" if refused or two_clients else f"no refused commit recorded for the stale call (epoch {old.epoch})",
                        "" if saw else "ctx.still_owner() returned True in the stale call"]
                 r.overlaps_forbidden.append(
                     f"queue {q}: call by {c.client}/{c.pid} epoch {c.epoch} at {c.start:.3f} overlaps the call by "
@@ -573,6 +644,31 @@ def _failover(data: RunData, entries: list[Entry], r: Result) -> None:
             r.problems.append(f"failover p99 {p99:.2f}s is over the {data.failover_target:.0f}s target")
 
 
+def _redis_failover(data: RunData, entries: list[Entry], r: Result) -> None:
+    """Consumption resumed per Redis failover and queue, and the epoch fence across failovers
+    (``chaos.failover_checks``). The fence's "no epoch used by two clients" holds in every run."""
+    for res in fo.resumption(data, entries):
+        r.redis_failover_events.append(res.to_json())
+        (r.redis_failovers if res.kind == "primary-kill" else r.redis_pause_takeovers).extend(res.values())
+        never = [q for q, v in res.queues.items() if v is None]
+        if never:
+            r.problems.append(f"queue(s) {never} had no listener call after the {res.kind} of {res.node} "
+                              "(before the next failover or the end of the run)")
+    f = fo.fence(data, entries, data.refusals, data.samples)
+    if f.new_epochs or f.lost_grants or f.refusals_after or f.two_clients:
+        r.fence = f.to_json()
+    r.problems += f.problems()
+    if "redis_failover" in data.enforce:
+        p99 = r.redis_failover_p99
+        if p99 is None:
+            r.problems.append("no Redis failover measured")
+        elif p99 > data.redis_failover_target:
+            r.problems.append(f"consumption resumed {p99:.2f}s after a primary kill (p99), over the "
+                              f"{data.redis_failover_target:.0f}s target")
+    if "no_same_epoch_overlap" in data.enforce and r.same_epoch_overlaps:
+        r.problems.append(f"{r.same_epoch_overlaps} overlapping call pair(s) at one epoch of a queue")
+
+
 # -- state samples --------------------------------------------------------------------------------
 
 
@@ -580,6 +676,7 @@ def _samples(data: RunData, r: Result) -> None:
     """No epoch of a queue ever held by two clients; committed offsets never go backward."""
     owners: dict[tuple[int, int], set[str]] = defaultdict(set)
     last_off: dict[int, tuple[float, int]] = {}
+    backward_failover = 0
     restarts = [e for e in data.events if e.kind == "redis-kill"]
     for t, q, owner, epoch, _lease, offset, *_ in data.samples:
         if owner:
@@ -590,9 +687,15 @@ def _samples(data: RunData, r: Result) -> None:
             what = f"queue {q}: committed offset {prev[1]} -> {offset} between {prev[0]:.3f} and {t:.3f}"
             if lossy:
                 r.notes.append(what + " (across a Redis restart with appendfsync everysec)")
+            elif fo.across_failover(data.events, prev[0], t):
+                backward_failover += 1  # read from another node, or the promoted replica lacked the commit
             else:
                 r.offset_backward.append(what)
         last_off[q] = (t, offset)
+    if backward_failover:
+        r.notes.append(f"{backward_failover} lock-table sample(s) showed a committed offset lower than the sample "
+                       "before, across a Redis failover (commits the promoted replica lacked, or a read from the "
+                       "old primary before its demotion): redelivered, never skipped")
     for (q, epoch), who in sorted(owners.items()):
         if len(who) > 1:
             r.epoch_double_owner.append(f"queue {q} epoch {epoch} owned by {sorted(who)}")

@@ -26,6 +26,7 @@ from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.connect import connect
 from mqorder.store.log import MessageLog
 
 #: One lock-table sample: (wall time, queue, owner, epoch, lease ms, offset, Redis now ms, pending
@@ -68,7 +69,8 @@ class Monitor(threading.Thread):
         self.stop_event = threading.Event()
 
     def run(self) -> None:
-        client = redis.Redis.from_url(self.url, socket_timeout=1, socket_connect_timeout=1)
+        # A Sentinel URL's client follows a failover: the samples are of whichever node is primary.
+        client = connect(self.url, socket_timeout=1, socket_connect_timeout=1)
         while not self.stop_event.wait(self.interval):
             if self.on_tick is not None:
                 self.on_tick()

@@ -3,6 +3,12 @@
 Every injector picks its target from the lock table *right before* acting (the worker owning the
 most queues), records the queues it hit, and returns the event, so the checker can measure the
 failover of exactly those queues. Nothing here judges the outcome: that is the checker's job.
+
+The Sentinel faults (``primary-kill``, ``primary-pause``, ``replica-pause``) act on the deployment
+of ``chaos.topology`` and record what they saw of it in the event: which node Sentinel promoted and
+when, and, for a failover to a replica known to be stale, what that replica lacked of the old
+primary's state (the lock grants, commits and appends lost with it). The checker judges the fence
+by those records.
 """
 
 from __future__ import annotations
@@ -23,9 +29,12 @@ from celery.utils.nodenames import worker_direct
 from chaos.evidence import Event, Evidence, log
 from chaos.listeners import CTL, TOPIC
 from chaos.processes import Processes, child_pids
+from chaos.topology import QueueState, SentinelRedis
 from chaos.traffic import Traffic
 from mqorder.celery.dispatch import CONSUME_REQUEST
 from mqorder.model import MessageQueue
+from mqorder.store.connect import connect
+from mqorder.testing.embedded import RedisServer
 from mqorder.testing.launcher import WorkerProcess
 
 #: Work per listener call (ms) while a pause is being aimed inside listener calls.
@@ -57,6 +66,10 @@ class Faults:
         self.traffic = traffic
         #: Control channel to the listeners (``slow:<client>`` in the ``ctl`` hash).
         self.ctl = redis.Redis.from_url(procs.ledger_url)
+        #: Sentinel scenarios: the Sentinels' configuration epoch at the start, and the failovers
+        #: this class caused (any other one is unplanned: no event records it).
+        self.epoch0 = procs.sentinel.config_epoch() if procs.sentinel is not None else 0
+        self.planned_failovers = 0
 
     def alive_workers(self) -> list[WorkerProcess]:
         return self.procs.alive_workers()
@@ -127,6 +140,7 @@ class Faults:
             yield
         finally:
             self.ctl.hdel(CTL, key)
+
 
     def pause_worker(self, seconds: float, *, in_call: bool = False) -> Event | None:
         """SIGSTOP of the whole process group of a queue owner for ``seconds``, then SIGCONT.
@@ -202,7 +216,7 @@ class Faults:
         amqp_url = self.procs.env_extra.get("MQORDER_CELERY_BROKER_URL")
         if amqp_url:
             return self._steal_amqp(amqp_url, burst)
-        c = redis.Redis.from_url(self.procs.url, socket_timeout=5)
+        c = connect(self.procs.url, socket_timeout=5)
         e = self._event("delete-tasks", "broker")
         stolen = 0
         taken: list[tuple[float, int]] = []
@@ -245,6 +259,140 @@ class Faults:
         finally:
             t.stop()
 
+    # -- the Sentinel deployment ----------------------------------------------------------------
+
+    def _sentinel(self) -> SentinelRedis:
+        if self.procs.sentinel is None:
+            raise RuntimeError(f"scenario {self.procs.name} has no Sentinel deployment (Scenario.sentinel)")
+        return self.procs.sentinel
+
+    def kill_primary(self, *, restart_after: float = 2.0) -> Event:
+        """``kill -9`` of the Redis primary. Returns once Sentinel promoted a replica, the killed
+        node started again (``restart_after`` s after the promotion) as a replica of the new
+        primary, and it is in sync and known to every Sentinel: the next kill finds the deployment
+        whole. ``t_end``: that moment."""
+        s = self._sentinel()
+        node = s.primary()
+        e = self._event("primary-kill", s.name(node))
+        node.kill()
+        e.info["lost_at"] = time.time()
+        promoted = s.wait_failover(node.port)
+        self._promoted(e, s, promoted)
+        time.sleep(restart_after)
+        s.deployment.restart_as_replica(node)
+        s.wait_replicas()
+        e.t_end = time.time()
+        log(f"{self.procs.name}: {e.target} killed; {e.info['promoted']} promoted after {e.info['promoted_s']:.1f}s; "
+            f"whole again after {e.t_end - e.t:.1f}s")
+        return e
+
+    def pause_primary(self, seconds: float) -> Event:
+        """SIGSTOP of the Redis primary for ``seconds`` (longer than Sentinel's failover, which must
+        happen meanwhile: else the scenario proves nothing and this raises), then SIGCONT: the old
+        primary wakes up still believing it is the primary, until Sentinel demotes it. Records the
+        error replies it gave meanwhile (``NOREPLICAS``, ``READONLY``); ``t_end``: it is a replica
+        in sync again."""
+        s = self._sentinel()
+        node = s.primary()
+        before = s.errorstats(node)
+        e = self._event("primary-pause", s.name(node), info={"seconds": seconds})
+        s.deployment.pause(node)
+        e.info["lost_at"] = time.time()
+        try:
+            promoted = s.wait_failover(node.port, timeout=seconds)
+            self._promoted(e, s, promoted)
+            time.sleep(max(0.0, e.t + seconds - time.time()))
+        finally:
+            s.deployment.resume(node)
+        e.info["resumed_at"] = time.time()
+        e.info["demoted_s"] = round(s.wait_role(node, "slave"), 2)
+        after = s.errorstats(node)
+        e.info["old_primary_errors"] = {k: n - before.get(k, 0) for k, n in after.items() if n > before.get(k, 0)}
+        s.wait_replicas()
+        e.t_end = time.time()
+        log(f"{self.procs.name}: {e.target} paused {seconds:.0f}s; {e.info['promoted']} promoted after "
+            f"{e.info['promoted_s']:.1f}s; old primary demoted {e.info['demoted_s']}s after SIGCONT, its error "
+            f"replies meanwhile: {e.info['old_primary_errors'] or 'none'}")
+        return e
+
+    def unplanned_failovers(self) -> int:
+        """Failovers Sentinel made that no fault of this class asked for (a just-promoted primary
+        judged down again, for one): their losses and redeliveries would have no event to explain them."""
+        return self._sentinel().config_epoch() - self.epoch0 - self.planned_failovers
+
+    def _promoted(self, e: Event, s: SentinelRedis, node: RedisServer) -> None:
+        self.planned_failovers += 1
+        e.info["promoted"] = s.name(node)
+        e.info["promoted_at"] = time.time()
+        e.info["promoted_s"] = round(e.info["promoted_at"] - e.t, 3)
+
+    def stale_pair(self) -> tuple[RedisServer, RedisServer]:
+        """Two replicas: one to go stale (paused) and one Sentinel must never promote
+        (``replica-priority 0``, set here), so a failover can only pick the stale one."""
+        s = self._sentinel()
+        stale, fresh = s.replicas()[:2]
+        s.set_priority(fresh, 0)
+        s.set_priority(stale, 100)
+        return stale, fresh
+
+    def pause_replica(self, node: RedisServer) -> Event:
+        """SIGSTOP of a replica: it misses everything the primary does until it is resumed (it
+        catches up then, unless the primary is gone)."""
+        s = self._sentinel()
+        e = self._event("replica-pause", s.name(node))
+        s.deployment.pause(node)
+        return e
+
+    def wait_regranted(self, queues: list[int], old_client: str, timeout: float = 30.0) -> float:
+        """Seconds until every queue of ``queues`` is owned by a client other than ``old_client``
+        (read through the store URL: from the primary)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            try:
+                owners = self.evidence.owners()
+            except redis.RedisError:
+                owners = {}
+            if owners and all(owners.get(q) not in ("", None, old_client) for q in queues):
+                return time.monotonic() - t0
+            time.sleep(0.2)
+        raise TimeoutError(f"queues {queues} were not granted to another client within {timeout:.0f} s")
+
+    def fail_over_to_stale(self, stale: RedisServer, stale_event: Event, *, restart_after: float = 2.0) -> Event:
+        """``kill -9`` of the primary, then SIGCONT of the paused ``stale`` replica at once, so it is
+        the one Sentinel promotes (the other replica has ``replica-priority 0``).
+
+        The state of every queue is read from the primary right before the kill and from the stale
+        replica right after its SIGCONT (a replica of a dead primary: what it holds is what it
+        will serve once promoted). The queues whose lock (owner, epoch) differs are the *lost
+        grants*, recorded in the event with the commits and appends the replica lacks. The killed
+        node comes back as a replica ``restart_after`` s after the promotion; ``t_end``: the
+        deployment is whole again. Raises if Sentinel promoted another node (nothing would be
+        proven)."""
+        s = self._sentinel()
+        old = s.primary()
+        mqs = self.evidence.mqs
+        held = s.queue_states(old, mqs)
+        e = self._event("primary-kill", s.name(old), info={"stale_since": stale_event.t, "stale": s.name(stale)})
+        old.kill()
+        e.info["lost_at"] = time.time()
+        s.deployment.resume(stale)
+        stale_event.t_end = time.time()
+        kept = s.queue_states(stale, mqs)
+        e.info.update(_lost(held, kept))
+        promoted = s.wait_failover(old.port)
+        self._promoted(e, s, promoted)
+        if promoted is not stale:
+            raise RuntimeError(f"Sentinel promoted {s.name(promoted)}, not the stale replica {s.name(stale)}: "
+                               "the scenario would prove nothing")
+        time.sleep(restart_after)
+        s.deployment.restart_as_replica(old)
+        s.wait_replicas()
+        e.t_end = time.time()
+        log(f"{self.procs.name}: {e.target} killed, stale {s.name(stale)} promoted after {e.info['promoted_s']:.1f}s; "
+            f"lost grants {[(g['queue'], g['epoch']) for g in e.info['lost_grants']]}, lost commits on "
+            f"{e.info['lost_commits']} queue(s), {e.info['lost_appends']} appends lost")
+        return e
+
     # -- bad input ------------------------------------------------------------------------------
 
     def inject_poison(self, count: int) -> Event:
@@ -276,6 +424,19 @@ class Faults:
         finally:
             second.stop()
             e.t_end = time.time()
+
+
+def _lost(held: dict[int, QueueState], kept: dict[int, QueueState]) -> dict[str, Any]:
+    """What a promoted replica lacks of the old primary's state, per queue: lock grants (another
+    owner or epoch), commits (a lower committed offset) and appends (a lower next offset)."""
+    grants = [{"queue": q, "owner": h.owner, "epoch": h.epoch, "kept_owner": kept[q].owner,
+               "kept_epoch": kept[q].epoch}
+              for q, h in sorted(held.items()) if (h.owner, h.epoch) != (kept[q].owner, kept[q].epoch) and h.epoch]
+    return {
+        "lost_grants": grants,
+        "lost_commits": sum(1 for q, h in held.items() if h.offset > kept[q].offset),
+        "lost_appends": sum(max(0, h.next - kept[q].next) for q, h in held.items()),
+    }
 
 
 class _Stealer(threading.Thread):

@@ -2,7 +2,9 @@
 
 Two ``redis-server`` processes run per scenario: the one under test (AOF on, ``appendfsync``
 ``always`` or ``everysec``; it is also the Celery broker) and a ledger Redis that the listeners
-write to and no fault touches. Workers and beats are real ``celery`` subprocesses in their own
+write to and no fault touches. In the ``sentinel-*`` scenarios the Redis under test is a Sentinel
+deployment instead (``chaos.topology``: a primary, two replicas, three Sentinels), reached by every
+process through its ``redis+sentinel://`` URL. Workers and beats are real ``celery`` subprocesses in their own
 process groups, so a fault can stop or kill a worker's prefork pool with it.
 
 A worker that exits while this class did not take it down (``expected_down``) has *crashed*:
@@ -22,6 +24,8 @@ import redis
 
 from chaos.evidence import log
 from chaos.listeners import ROLE_ENV
+from chaos.topology import SentinelRedis, SentinelSpec
+from mqorder.store.connect import connect
 from mqorder.testing.embedded import RedisServer
 from mqorder.testing.launcher import BeatProcess, WorkerProcess, project_env
 
@@ -46,13 +50,16 @@ def child_pids(pid: int) -> list[int]:
 class Processes:
     """The Redis under test, the ledger Redis, the workers and the beats of one scenario."""
 
-    def __init__(self, name: str, *, fsync: str, env: dict[str, str], concurrency: int) -> None:
+    def __init__(self, name: str, *, fsync: str, env: dict[str, str], concurrency: int,
+                 sentinel: SentinelSpec | None = None) -> None:
         self.name = name
         self.fsync = fsync
         self.env_extra = dict(env)
         self.concurrency = concurrency
         self.tmp = Path(tempfile.mkdtemp(prefix=f"mqorder-chaos-{name}-"))
         self.redis = RedisServer(appendonly=True, appendfsync=fsync, workdir=str(self.tmp / "redis"))
+        #: The Sentinel deployment under test (``sentinel-*`` scenarios), else None: ``redis`` is.
+        self.sentinel = SentinelRedis(sentinel, fsync=fsync) if sentinel is not None else None
         self.ledger_redis = RedisServer(workdir=str(self.tmp / "ledger"))
         self.workers: dict[str, WorkerProcess] = {}
         self.beats: list[BeatProcess] = []
@@ -66,7 +73,9 @@ class Processes:
 
     @property
     def url(self) -> str:
-        return self.redis.url
+        """The store URL every process is given: the Sentinels' (``redis+sentinel://``) or the one
+        Redis's."""
+        return self.sentinel.url if self.sentinel is not None else self.redis.url
 
     @property
     def ledger_url(self) -> str:
@@ -75,12 +84,17 @@ class Processes:
     def start_servers(self) -> None:
         (self.tmp / "redis").mkdir()
         (self.tmp / "ledger").mkdir()
-        self.redis.start()
+        if self.sentinel is not None:
+            self.sentinel.start()
+        else:
+            self.redis.start()
         self.ledger_redis.start()
-        self._meta = redis.Redis.from_url(self.url)
+        self._meta = connect(self.url)
 
     def kill_redis(self) -> None:
         """SIGKILL of the Redis under test (its AOF stays on disk for :meth:`start_redis`)."""
+        if self.sentinel is not None:
+            raise RuntimeError("a Sentinel scenario kills its primary (Faults.kill_primary), not one Redis")
         self.redis.kill()
 
     def start_redis(self, timeout: float = 60.0) -> None:
@@ -175,6 +189,8 @@ class Processes:
     def stop_servers(self) -> None:
         if self._meta is not None:
             self._meta.close()
+        if self.sentinel is not None:
+            self.sentinel.stop(keep=self.tmp / "sentinel")
         for srv in (self.redis, self.ledger_redis):
             try:
                 srv.stop()

@@ -33,6 +33,8 @@ SUCCESS = "SUCCESS"
 FENCED = "FENCED"
 SUPERSEDED = "SUPERSEDED"
 BACKWARD = "BACKWARD"
+#: A run read past the queue's end: Redis failed over to a replica that missed the last appends.
+AHEAD = "AHEAD"
 
 
 class _Record:
@@ -99,7 +101,8 @@ class Refusal(_Record):
     """A fenced commit or lease touch refused by Redis (the engine's ``RefusedContext``).
 
     ``reason``: ``FENCED`` (``epoch`` is stale: ``current_epoch`` is held by ``current_owner``),
-    ``SUPERSEDED`` (the run's dispatch token was replaced at the same epoch) or ``BACKWARD``.
+    ``SUPERSEDED`` (the run's dispatch token was replaced at the same epoch), ``BACKWARD`` or
+    ``AHEAD`` (the run read past the queue's end, after a failover that lost appends).
     ``offset`` is the offset the run tried to commit; ``at`` is ``time.time()`` in the worker.
     """
 

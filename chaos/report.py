@@ -16,11 +16,14 @@ from pathlib import Path
 from typing import Any
 
 from chaos.checker import BEAT_OUTAGE_MAX_GAP, DUP_WINDOW, FSYNC_WINDOW, POISON_SLACK, Result
+from chaos.failover_checks import REDIS_FAILOVER_TARGET, REPLICATION_WINDOW
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"
 MARK = "chaos-results:"
 ORDER = ["kill", "kill-rabbitmq", "sigstop", "sigstop-lease", "sigstop-child", "redis-always", "redis-everysec", "churn",
          "lost-tasks", "lost-tasks-rabbitmq", "poison", "beat", "all"]
+#: The Sentinel rows come last, after every single-Redis row (sorted by name), in this order.
+LAST = ["sentinel-failover", "sentinel-pause", "sentinel-async", "sentinel-missed-grant"]
 
 
 def engine_version() -> str:
@@ -37,10 +40,12 @@ def engine_version() -> str:
 
 
 def compact(r: Result, *, title: str, env: dict[str, str], quick: bool, seconds: float,
-            engine: str = "") -> dict[str, Any]:
-    """What the report shows of one result (lists cut to a few examples)."""
+            engine: str = "", sentinel: dict[str, str] | None = None) -> dict[str, Any]:
+    """What the report shows of one result (lists cut to a few examples). ``sentinel``: the
+    settings of a Sentinel scenario's deployment (``SentinelSpec.describe``)."""
     return {
         "scenario": r.scenario, "title": title, "env": env, "fsync": r.fsync, "quick": quick, "engine": engine,
+        **({"sentinel": sentinel} if sentinel is not None else {}),
         "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(seconds),
         "produced": r.produced, "unknown_sends": r.unknown_sends, "handled": r.handled,
         "faults": r.faults, "fault_kinds": r.fault_kinds,
@@ -63,6 +68,22 @@ def compact(r: Result, *, title: str, env: dict[str, str], quick: bool, seconds:
         "max_stall": r.max_stall, "redis_recovery": r.redis_recovery, "tasks_stolen": r.tasks_stolen, "long_stalls": r.long_stalls[:12], "long_stall_count": len(r.long_stalls),
         "lost_task_recovery": sorted(r.lost_task_recovery), "crashes": r.crashes, "poison": r.poison, "beat": r.beat, "notes": r.notes[:5],
         "problems": r.problems, "passed": r.passed,
+        **_failover_fields(r),
+    }
+
+
+def _failover_fields(r: Result) -> dict[str, Any]:
+    """The Redis failover figures, only in the results of runs that had some (older results and
+    single-Redis rows carry none)."""
+    if not (r.redis_failover_events or r.lost_replication or r.fence or r.same_epoch_overlaps):
+        return {"same_epoch_overlaps": r.same_epoch_overlaps, "unknown_by_reason": r.unknown_by_reason}
+    return {
+        "same_epoch_overlaps": r.same_epoch_overlaps, "failover_overlaps": r.failover_overlaps,
+        "unknown_by_reason": r.unknown_by_reason, "lost_replication": len(r.lost_replication),
+        "lost_replication_examples": r.lost_replication[:3], "replication_gaps": r.replication_gaps,
+        "dup_failover": r.dup_failover, "redis_failover_events": r.redis_failover_events,
+        "redis_failovers": sorted(r.redis_failovers), "redis_failover_p99": r.redis_failover_p99,
+        "redis_pause_takeovers": sorted(r.redis_pause_takeovers), "fence": r.fence,
     }
 
 
@@ -90,18 +111,29 @@ def _s(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f}"
 
 
+def _p99(t: list[float]) -> float:
+    """Nearest-rank p99 of a non-empty list (the checker's ``Result.pct``)."""
+    return sorted(t)[max(0, -(-99 * len(t) // 100) - 1)]
+
+
 def _row(d: dict[str, Any]) -> str:
     fo_max, fo_p99 = _s(d["failover_max"]), _s(d["failover_p99"])
     if d["failovers"] == 0 and d["sigstop_takeovers"]:
         t = d["sigstop_takeovers"]
         fo_max = f"{max(t):.2f}†"
-        fo_p99 = f"{sorted(t)[max(0, -(-99 * len(t) // 100) - 1)]:.2f}†"
+        fo_p99 = f"{_p99(t):.2f}†"
+    redis_fo = d.get("redis_failovers") or d.get("redis_pause_takeovers")
+    if d["failovers"] == 0 and redis_fo:
+        fo_max, fo_p99 = f"{max(redis_fo):.2f}‡", f"{_p99(redis_fo):.2f}‡"
+    windowed = str(d["lost_fsync"])
+    if d.get("lost_replication"):
+        windowed = f"{d['lost_fsync'] + d['lost_replication']} (replication)"
     dups = f"{d['duplicates']} ({d['dup_redeliveries']} r / {d['dup_copies']} c / {d['dup_unexplained']} u)"
     overl = f"{d['overlaps']} ({d['overlaps_forbidden']} forbidden)"
     name = d["scenario"] + (" (quick)" if d["quick"] else "")
     return (
         f"| {name} | {d['produced']:,} | {d['handled']:,} | {d['faults']} | {d['violations']} | {d['lost']} | "
-        f"{d['lost_fsync']} | {dups} | {d['dup_max_per_fault_queue']} | {overl} | {fo_max} | {fo_p99} | "
+        f"{windowed} | {dups} | {d['dup_max_per_fault_queue']} | {overl} | {fo_max} | {fo_p99} | "
         f"{'pass' if d['passed'] else '**FAIL**'} |"
     )
 
@@ -116,8 +148,50 @@ def _refusals(d: dict[str, Any]) -> str:
             + (f"; stale calls whose own run was refused: {own}" if own is not None else ""))
 
 
+def _redis_failover(d: dict[str, Any]) -> list[str]:
+    """The lines of a Sentinel scenario: each failover, the losses and redeliveries it explains, the fence."""
+    out = []
+    for i, e in enumerate(d.get("redis_failover_events") or []):
+        never = f"; **never resumed**: queues {e['never']}" if e.get("never") else ""
+        out.append(f"- {e['kind']} {i + 1} of {e['node']}: Sentinel's new primary answered after {_s(e['promoted_s'])} s, "
+                   f"the first acknowledged send after {_s(e['send_resumed_s'])} s, and all {e['queues']} queues had "
+                   f"a listener call again within {_s(e['resumed_max_s'])} s{never}")
+    if d.get("redis_failovers"):
+        out.append(f"- consumption resumed after a kill of the primary, per queue per kill: {_many(d['redis_failovers'])} s "
+                   f"(p99 {_s(d.get('redis_failover_p99'))} s, target {REDIS_FAILOVER_TARGET:.0f} s)")
+    if d.get("redis_pause_takeovers"):
+        out.append(f"- consumption resumed after a SIGSTOP of the primary, per queue: {_many(d['redis_pause_takeovers'])} s")
+    if d.get("lost_replication") is not None:
+        out.append(f"- acknowledged sends lost in a failover's loss window: {d['lost_replication']} (key gaps they left: "
+                   f"{d.get('replication_gaps', 0)}); redeliveries of messages handled in a loss window (their "
+                   f"commits lost with the primary): {d.get('dup_failover', 0)}; overlapping pairs of two epochs "
+                   f"right after a failover: {d.get('failover_overlaps', 0)}; at one epoch: "
+                   f"{d.get('same_epoch_overlaps', 0)}")
+    f = d.get("fence") or {}
+    if f:
+        ref = ", ".join(f"{k} {n}" for k, n in f.get("refusals_after", {}).items()) or "none"
+        line = (f"- fence: {f['new_epochs']} epochs first used on a queue after a promotion, "
+                f"{f['below_count']} of them at or below an epoch used before the failover; epochs used by two "
+                f"clients: {len(f.get('two_clients', []))}; refusals after the first failover: {ref}")
+        if f.get("lost_grants"):
+            line += (f"; lock grants the promoted replica lacked: {f['lost_grants']}, back in the lock table after "
+                     f"the promotion: {len(f.get('reappeared', []))} (so no commit under them could pass the fence, "
+                     f"which compares the caller's epoch with the table's), commits refused FENCED at a lost epoch: "
+                     f"{f['lost_holders_fenced']}, listener calls under a lost epoch after the promotion: "
+                     f"{f['lost_holder_calls']}; the replica also lacked the commits of {f['lost_commits']} queue(s) "
+                     f"and {f['lost_appends']} appended message(s)")
+            if not f["lost_holders_fenced"]:
+                line += (" (a run cut by the failover ends at its first Redis error and starts again through "
+                         "`begin.lua`, which judges the lock on the new primary: the lost holders' old commits were "
+                         "never sent)")
+        out.append(line)
+    return out
+
+
 def _details(d: dict[str, Any]) -> list[str]:
     env = ", ".join(f"`{k}={v}`" for k, v in d["env"].items()) or "defaults"
+    if d.get("sentinel"):
+        env = ", ".join(f"{k} {v}" for k, v in d["sentinel"].items()) + ("; " + env if d["env"] else "")
     kinds = ", ".join(f"{k} ×{n}" for k, n in sorted(d["fault_kinds"].items()))
     out = [
         f"### {d['scenario']}: {d['title']}",
@@ -126,6 +200,8 @@ def _details(d: dict[str, Any]) -> list[str]:
         f"`{d.get('engine') or 'unknown'}`; `appendfsync {d['fsync']}`; "
         f"settings: {env}",
         f"- faults: {kinds or 'none'}; sends that raised (unknown, retried): {d['unknown_sends']}"
+        + (f" ({', '.join(f'{k} {n}' for k, n in d['unknown_by_reason'].items())})" if d.get("unknown_by_reason")
+           else "")
         + (f"; ConsumeRequest tasks taken from the broker: {d['tasks_stolen']}" if d.get("tasks_stolen") else ""),
         *([f"- seconds from a queue's last lost task to its next listener call: {_many(d['lost_task_recovery'])}"]
           if d.get("lost_task_recovery") else []),
@@ -156,6 +232,7 @@ def _details(d: dict[str, Any]) -> list[str]:
                    f"p99 {_s(d['failover_p99'])} s; all (s): {_many(d.get('failover_values', []))}")
     if d["sigstop_takeovers"]:
         out.append(f"- takeover after SIGSTOP: {', '.join(f'{t:.2f}' for t in d['sigstop_takeovers'])} s")
+    out += _redis_failover(d)
     if d["lost_fsync"] or d["fsync_gaps"]:
         out.append(f"- lost within the last {FSYNC_WINDOW:.0f} s before a Redis kill (everysec): {d['lost_fsync']}; "
                    f"key gaps they left: {d['fsync_gaps']}")
@@ -179,6 +256,8 @@ def _details(d: dict[str, Any]) -> list[str]:
         out.append(f"- violation: {v}")
     for v in d["lost_examples"]:
         out.append(f"- lost: {v}")
+    for v in d.get("lost_replication_examples", []):
+        out.append(f"- lost in a replication window: {v}")
     out.append("")
     return out
 
@@ -195,7 +274,8 @@ def _failures(results: dict[str, dict[str, Any]], names: list[str]) -> list[str]
 
 
 def render(results: dict[str, dict[str, Any]]) -> str:
-    names = [n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER)
+    names = ([n for n in ORDER if n in results] + sorted(n for n in results if n not in ORDER + LAST)
+             + [n for n in LAST if n in results])
     lines = [
         "# Reliability: the chaos suite",
         "",
@@ -209,6 +289,12 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "it publishes. The checker proves everything from these records (`chaos/records.py`), never from a",
         "log line; the producer keeps its acknowledgements in memory.",
         "",
+        "The `sentinel-*` rows replace that one `redis-server` with a Sentinel deployment",
+        "(`chaos/topology.py`): a primary and two replicas, each with AOF on, watched by three Sentinels",
+        "(`down-after-milliseconds` 2000); workers, beat, traffic and the checker's samples all reach it",
+        "through its `redis+sentinel://` URL (Celery's broker too, through kombu's Sentinel transport), and",
+        "the ledger stays on a plain Redis that no fault touches.",
+        "",
         "| scenario | messages (acked) | handled | faults | order violations | lost | lost in fsync window | "
         "duplicates (redelivered / copies / unexplained) | max dups per queue per fault | overlapping calls | "
         "failover max s | failover p99 s | result |",
@@ -220,6 +306,9 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "(read from the lock table right before `kill -9`), the time from the kill to the start of the first",
         "listener call on that queue by another process; p99 is the nearest-rank percentile over every such",
         "queue of every kill in the scenario (with fewer than 100 samples it is the maximum).",
+        "‡ consumption resumed after a kill (or SIGSTOP) of the Redis primary: for every queue, the time",
+        "from the fault to its first listener call of a message acknowledged after it (stored on the new",
+        "primary only) or by a run that had made no call before it.",
         "",
         "## What is checked",
         "",
@@ -242,6 +331,18 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "- No epoch of a queue ever held by two clients (the lock table sampled every 0.2 s), committed",
         "  offsets never backward (outside an everysec Redis restart).",
         f"- Poison: in `%DLQ%chaos` after 1 + 3 attempts, its queue blocked at most 3 × 1 s + {POISON_SLACK:.0f} s.",
+        "- **Redis failover** (`chaos/failover_checks.py`): an acknowledged send may be lost only inside a",
+        f"  loss window: acknowledged within {REPLICATION_WINDOW:.0f} s before the primary was lost when sends do "
+        "not wait for a",
+        "  replica, or since the promoted replica went stale (it was paused); such losses and the key gaps",
+        "  they leave are counted apart, every other loss fails the run. No epoch of a queue is ever used by",
+        "  two clients, and an epoch first used after a promotion is above every epoch used before the",
+        "  failover; a lock grant the promoted replica lacked never comes back, and its holder's commit is",
+        "  refused. Two epochs overlapping after a failover fall under the overlap rule above (the stale call",
+        "  refused and told so); overlapping calls at one epoch are counted and, in the `sentinel-*` rows,",
+        "  fail the run. Redeliveries of messages handled in a loss window are counted apart from the",
+        "  one-batch bound. Consumption must resume on every queue after each failover",
+        f"  (`sentinel-failover`, `sentinel-async`: p99 at most {REDIS_FAILOVER_TARGET:.0f} s).",
         f"- Beat: while beat is down past the lease no queue goes {BEAT_OUTAGE_MAX_GAP:.0f} s without a call and no",
         "  epoch changes (workers renew their own leases); a restarted beat publishes rebalances again",
         "  (counted from each beat's publish records); two beats at once never double-assign.",

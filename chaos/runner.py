@@ -1,7 +1,7 @@
 """The chaos runner: one scenario's cluster, assembled from four parts with one job each.
 
 * :class:`~chaos.processes.Processes` starts, signals and stops the subprocesses (the Redis under
-  test, the ledger Redis, workers, beats);
+  test, or the Sentinel deployment under test, the ledger Redis, workers, beats);
 * :class:`~chaos.traffic.Traffic` sends the paced traffic (and poison) and waits for the drain;
 * :class:`~chaos.faults.Faults` injects the faults a scenario's script asks for;
 * :class:`~chaos.evidence.Evidence` keeps the fault log, samples the lock table and reads the
@@ -19,6 +19,7 @@ from chaos.evidence import Event, Evidence, log
 from chaos.faults import Faults
 from chaos.listeners import TOPIC
 from chaos.processes import Processes
+from chaos.topology import SentinelSpec
 from chaos.traffic import Ack, Traffic
 from mqorder import Producer
 from mqorder.rebalance.lock_manager import RebalanceLockManager
@@ -47,6 +48,7 @@ class Cluster:
         rate: float = 300.0,
         n_keys: int = 300,
         keep_logs: bool = False,
+        sentinel: SentinelSpec | None = None,
     ) -> None:
         self.name = name
         self.n_workers = workers
@@ -55,7 +57,8 @@ class Cluster:
         self.n_keys = n_keys
         self.keep_logs = keep_logs
         self.env_extra = dict(env or {})
-        self.procs = Processes(name, fsync=fsync, env=self.env_extra, concurrency=concurrency)
+        self.sentinel = sentinel
+        self.procs = Processes(name, fsync=fsync, env=self.env_extra, concurrency=concurrency, sentinel=sentinel)
         # Set by start(), once the Redis under test answers.
         self.settings: Settings | None = None
         self.evidence: Evidence | None = None
@@ -75,7 +78,8 @@ class Cluster:
         mqs = p.describe_topic(TOPIC).message_queues
         p.close()
         self.evidence = Evidence(self.name, url, self.procs.ledger_url, brokers, locks, mqs)
-        self.traffic = Traffic(url, brokers, mqs, rate=self.rate, n_keys=self.n_keys)
+        self.traffic = Traffic(url, brokers, mqs, rate=self.rate, n_keys=self.n_keys,
+                               wait_replicas=self.sentinel.send_wait if self.sentinel is not None else None)
         self.faults = Faults(self.procs, self.evidence, self.traffic)
         workers = [self.procs.start_worker(self.procs.new_worker_name(), wait=False) for _ in range(self.n_workers)]
         for w in workers:

@@ -13,6 +13,7 @@ from chaos import listeners
 from chaos.checker import Result, RunData, check
 from chaos.faults import Faults
 from chaos.runner import Cluster, log
+from chaos.topology import SentinelSpec
 from chaos.txn import ENV as TXN_ENV
 from chaos.txn import LATE_CHECKS, TxnTraffic
 from mqorder.consumer.key_request import uncommitted_bound
@@ -44,6 +45,8 @@ class Scenario:
     #: Celery's broker: ``redis`` (the Redis under test) or ``rabbitmq`` (a vhost of the run's own
     #: on the RabbitMQ service, deleted afterwards); mqorder's store is the Redis under test either way.
     celery_broker: str = "redis"
+    #: The Redis under test as a Sentinel deployment (``chaos.topology``), and how the traffic sends.
+    sentinel: SentinelSpec | None = None
 
 
 class Clock:
@@ -229,6 +232,72 @@ def concurrent_kill(f: Faults, quick: bool) -> None:
         time.sleep(4)
 
 
+def sentinel_kill_loop(f: Faults, quick: bool) -> None:
+    """kill -9 of the Redis primary every 12 s; Sentinel promotes a replica; 2 s later the killed
+    node starts again as a replica of the new primary, in sync before the next kill."""
+    clock = Clock()
+    for i in range(2 if quick else 5):
+        clock.at(5 + 12 * i)
+        f.kill_primary(restart_after=2.0)
+    time.sleep(5)
+
+
+def sentinel_pause(f: Faults, quick: bool) -> list[str]:
+    """SIGSTOP of the Redis primary for 8 s, past Sentinel's failover, then SIGCONT: the old primary
+    comes back believing it is the primary until Sentinel demotes it. Whatever it is asked to store
+    meanwhile must be refused (``min-replicas-to-write``: no replica follows it; ``READONLY`` once
+    demoted) or end as an unknown send (its ``WAIT`` for a replica cannot be met): never
+    acknowledged and lost."""
+    clock = Clock()
+    notes = []
+    for i in range(1 if quick else 2):
+        clock.at(5 + 25 * i)
+        e = f.pause_primary(8.0)
+        errors = ", ".join(f"{k} {n}" for k, n in e.info["old_primary_errors"].items()) or "none"
+        notes.append(f"pause {i + 1}: {e.info['promoted']} promoted {e.info['promoted_s']:.1f} s into the pause; the "
+                     f"old primary {e.target} was demoted by Sentinel {e.info['demoted_s']} s after SIGCONT, and "
+                     f"answered meanwhile with the errors: {errors}")
+        log(f"   {notes[-1]}")
+    time.sleep(5)
+    return notes
+
+
+def sentinel_missed_grant(f: Faults, quick: bool) -> list[str]:
+    """A replica paused (SIGSTOP) so it misses lock grants, commits and appends; a queue owner
+    killed -9 so its queues are granted again, on the primary, while the replica sleeps; then the
+    primary is killed -9 and the stale replica resumed at once: the other replica has
+    ``replica-priority 0``, so Sentinel must promote the stale one, which never saw those grants.
+    The fence must hold: every grant of the new primary above the lost ones, their holders
+    refused, acknowledged sends the promoted replica never got counted as lost within the window.
+    Twice (once with ``quick``), each time with a new stale replica."""
+    clock = Clock()
+    notes = []
+    for i in range(1 if quick else 2):
+        clock.at(4 + 30 * i)
+        stale, _ = f.stale_pair()
+        pause = f.pause_replica(stale)
+        time.sleep(1.0)
+        kill = f.kill_worker()
+        if kill is None:
+            raise RuntimeError("no worker owned a queue: the scenario would prove nothing")
+        took = f.wait_regranted(kill.queues, kill.info["client"])
+        time.sleep(3.0)  # listener calls under grants the stale replica never saw
+        e = f.fail_over_to_stale(stale, pause)
+        f.restart_worker(kill.target)
+        grants = e.info["lost_grants"]
+        if not grants:
+            raise RuntimeError("the promoted replica lacked no lock grant: the scenario would prove nothing")
+        notes.append(
+            f"failover {i + 1}: {kill.target}'s {len(kill.queues)} queues granted again {took:.1f} s after its kill, "
+            f"while replica {pause.target} was paused; Sentinel promoted it {e.info['promoted_s']:.1f} s after the "
+            f"primary's kill, lacking {len(grants)} lock grant(s) "
+            f"({', '.join(str((g['queue'], g['epoch'])) for g in grants[:6])}{'...' if len(grants) > 6 else ''}), "
+            f"the commits of {e.info['lost_commits']} queue(s) and {e.info['lost_appends']} appended message(s)")
+        log(f"   {notes[-1]}")
+    clock.at(4 + 30 * (1 if quick else 2))
+    return notes
+
+
 def smoke(f: Faults, quick: bool) -> None:
     """The ``make test`` smoke: one kill -9 (and restart), two lost-task deletions."""
     clock = Clock()
@@ -285,6 +354,19 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("concurrent", "concurrent listener: kill -9 of a queue owner, repeatedly, with restarts; poison "
              "messages through %RETRY%chaos to the DLQ", concurrent_kill, env=dict(CONCURRENT),
              enforce={"failover_target", "poison_bound"}),
+    Scenario("sentinel-failover", "Sentinel: kill -9 of the Redis primary, repeatedly (the killed node back as a "
+             "replica each time); sends wait for 1 replica", sentinel_kill_loop,
+             sentinel=SentinelSpec(send_wait=1), enforce={"redis_failover", "no_same_epoch_overlap"}),
+    Scenario("sentinel-pause", "Sentinel: SIGSTOP of the Redis primary past the failover, then SIGCONT (the old "
+             "primary demoted); sends wait for 1 replica", sentinel_pause,
+             sentinel=SentinelSpec(send_wait=1, min_replicas_to_write=1, min_replicas_max_lag_s=2),
+             enforce={"no_same_epoch_overlap"}),
+    Scenario("sentinel-async", "Sentinel: kill -9 of the Redis primary, repeatedly; sends do not wait for a "
+             "replica (losses allowed only in the replication window)", sentinel_kill_loop,
+             sentinel=SentinelSpec(send_wait=0), enforce={"redis_failover", "no_same_epoch_overlap"}),
+    Scenario("sentinel-missed-grant", "Sentinel: failover to a replica paused while queues were granted again "
+             "(a queue owner killed -9): the promoted replica lacks the last grants", sentinel_missed_grant,
+             sentinel=SentinelSpec(send_wait=1), enforce={"no_same_epoch_overlap"}),
 ]}
 
 SMOKE = Scenario("smoke", "smoke: one kill -9 and two lost-task bursts", smoke)
@@ -297,13 +379,16 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
     if vhost is not None:
         vhost.start()  # fails saying how to get RabbitMQ when it is not running
         env["MQORDER_CELERY_BROKER_URL"] = vhost.url
-    c = Cluster(sc.name, fsync=sc.fsync, env=env, workers=sc.workers, rate=sc.rate, keep_logs=keep_logs)
+    c = Cluster(sc.name, fsync=sc.fsync, env=env, workers=sc.workers, rate=sc.rate, keep_logs=keep_logs,
+                sentinel=sc.sentinel)
     res: Result | None = None
     try:
         c.start()
         assert c.faults is not None and c.traffic is not None
         c.traffic.start()
         notes = sc.script(c.faults, quick) or []
+        if sc.sentinel is not None:
+            notes.append(_failovers_note(c.faults))
         c.traffic.stop()
         drained = c.traffic.drain(drain_timeout)
         time.sleep(1.0)  # let the last listener calls finish their ledger writes
@@ -323,10 +408,21 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
     res.notes.extend(notes)
     log(f"== {sc.name}: {'PASS' if res.passed else 'FAIL'}: produced {res.produced}, handled {res.handled}, "
         f"violations {len(res.violations)}, lost {len(res.lost)}, dups {res.duplicates}, "
-        f"failover max {res.failover_max} p99 {res.failover_p99}")
+        f"failover max {res.failover_max} p99 {res.failover_p99}"
+        + (f", redis failover p99 {res.redis_failover_p99} (send resumed "
+           f"{[e['send_resumed_s'] for e in res.redis_failover_events]})" if res.redis_failover_events else ""))
     for p in res.problems:
         log(f"   problem: {p}")
     return res
+
+
+def _failovers_note(f: Faults) -> str:
+    """How many failovers Sentinel made, and whether each was one a fault asked for."""
+    extra = f.unplanned_failovers()
+    note = (f"Sentinel failovers: {f.planned_failovers} caused by the faults"
+            + (f", **{extra} unplanned** (no event explains their losses or redeliveries)" if extra else ", none other"))
+    log(f"   {note}")
+    return note
 
 
 def _run_data(sc: Scenario, c: Cluster, drained: bool) -> RunData:
@@ -345,6 +441,7 @@ def _run_data(sc: Scenario, c: Cluster, drained: bool) -> RunData:
         suspend_s=listeners.SUSPEND_MS / 1000, enforce=set(sc.enforce),
         pending_ttl_s=settings.pending_ttl_ms / 1000, sweep_interval_s=settings.sweep_interval_ms / 1000,
         ordering=sc.env.get(listeners.ORDERING_ENV, "queue"),
+        send_wait=sc.sentinel.send_wait if sc.sentinel is not None else 0,
         # What a key-ordered run may finish between two commits (a crash redelivers it).
         dup_bound=(uncommitted_bound(settings.pull_batch_size, settings.key_concurrency,
                                      settings.consume_message_batch_max_size)

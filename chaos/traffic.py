@@ -1,7 +1,9 @@
 """Traffic: the paced producer of a scenario, its poison messages, and the wait for a drain.
 
 The producer keeps its acknowledgements in this process's memory, never in a Redis that a
-scenario may kill: an acknowledgement is the promise the checker holds the cluster to.
+scenario may kill: an acknowledgement is the promise the checker holds the cluster to. With
+``wait_replicas`` (the Sentinel scenarios) a send is acknowledged only once that many replicas
+hold it; short of them it is an *unknown* send like one that timed out.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import redis
 from chaos.listeners import GROUP, TOPIC
 from mqorder import Producer
 from mqorder.client.selector import Selector
-from mqorder.errors import BrokerUnavailableError
+from mqorder.errors import BrokerRefusedError, BrokerUnavailableError
 from mqorder.model import MessageQueue
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.log import MessageLog
@@ -42,6 +44,20 @@ class Poison:
     t: float
 
 
+#: Redis error codes a refused write names (``mqorder.store.failures``): how an unknown send is told apart.
+_CODES = ("NOREPLICAS", "READONLY", "MASTERDOWN", "MISCONF", "OOM", "LOADING")
+
+
+def why(exc: BaseException) -> str:
+    """What an unknown send ran into: the error's class and, for a write Redis refused, its code
+    (``BrokerRefusedError:NOREPLICAS``: an old primary with no replica refused it)."""
+    name = type(exc).__name__
+    if isinstance(exc, BrokerRefusedError | redis.ResponseError):
+        code = next((c for c in _CODES if c in str(exc)), "")
+        return f"{name}:{code}" if code else name
+    return name
+
+
 def _spread(pid: int) -> Selector:
     """The selector of poison message ``pid``: consecutive ones land on different queues."""
 
@@ -59,10 +75,12 @@ class ProducerThread(threading.Thread):
     contiguous. Acks live in this process's memory only.
     """
 
-    def __init__(self, url: str, rate: float, n_keys: int, seed: int = 7) -> None:
+    def __init__(self, url: str, rate: float, n_keys: int, seed: int = 7, wait_replicas: int | None = None) -> None:
         super().__init__(name="chaos-producer", daemon=True)
         self.url = url
         self.rate = rate
+        #: ``send_orderly(..., wait_replicas=)`` of every send (None: the setting's default, 0).
+        self.wait_replicas = wait_replicas
         self.keys = [f"k{i:04d}" for i in range(n_keys)]
         self.rng = random.Random(seed)
         self.next_seq = dict.fromkeys(self.keys, 1)
@@ -88,9 +106,9 @@ class ProducerThread(threading.Thread):
                 body = f'{{"k": "{key}", "s": {seq}}}'.encode()
                 while not self.stop_event.is_set():
                     try:
-                        res = producer.send_orderly(TOPIC, body, sharding_key=key)
+                        res = producer.send_orderly(TOPIC, body, sharding_key=key, wait_replicas=self.wait_replicas)
                     except (BrokerUnavailableError, redis.RedisError) as exc:
-                        self.unknown.append((key, seq, time.time(), type(exc).__name__))
+                        self.unknown.append((key, seq, time.time(), why(exc)))
                         time.sleep(0.05)
                         continue
                     self.acks.append(Ack(key, seq, res.message_queue.queue_id, res.queue_offset, time.time()))
@@ -110,11 +128,11 @@ class Traffic:
     """Steady traffic over the scenario's topic, poison messages on demand, and the drain."""
 
     def __init__(self, url: str, brokers: BrokerRegistry, mqs: list[MessageQueue], *,
-                 rate: float, n_keys: int) -> None:
+                 rate: float, n_keys: int, wait_replicas: int | None = None) -> None:
         self.url = url
         self.brokers = brokers
         self.mqs = mqs
-        self.producer = ProducerThread(url, rate, n_keys)
+        self.producer = ProducerThread(url, rate, n_keys, wait_replicas=wait_replicas)
         self.poison: list[Poison] = []
         self.started = False
 

@@ -24,6 +24,7 @@ from bench.common import (
     broker_env,
     celery_broker_url,
     celery_task_totals,
+    client,
     commandstats,
     cpu_s,
     ctl_app,
@@ -44,6 +45,7 @@ from mqorder import keys
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.log import MessageLog
+from mqorder.testing.embedded import RedisServer
 
 CONSUME_TASK = "mqorder.consume_request"
 
@@ -69,21 +71,31 @@ class DrainSpec:
 
 
 def drain(cfg: Config, spec: DrainSpec, *, timeout: float = 600.0,
-          pair: Callable[[], dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+          pair: Callable[[], dict[str, Any]] | None = None, server: RedisServer | None = None,
+          worker_url: str | None = None) -> list[dict[str, Any]]:
     """Run the drains of ``spec.plan`` on one set of workers; one dict per measured run.
 
     ``pair``, if given, is called right before each measured run (after its backlog is written,
     before the clock starts) and its result stored as the run's ``paired``: a baseline measured
     under the same machine conditions (the raw ceiling, on its own redis-server).
+
+    ``server``: a redis-server started (and stopped) by the caller instead of one of the run's own
+    (the primary of a Sentinel deployment, ``bench.sentinel``); ``worker_url``: the store URL the
+    workers get (default the server's; a ``redis+sentinel://`` URL reaches the same primary through
+    the Sentinels). The driver (backlog, kick, lag polling) talks to the server directly either way.
     """
     results: list[dict[str, Any]] = []
     with contextlib.ExitStack() as st:
-        srv, r = redis_and_client(st)
+        if server is None:
+            srv, r = redis_and_client(st)
+        else:
+            srv, r = server, client(server.url)
+            st.callback(r.close)
         topic, group = f"drain-{spec.tag}", f"g-{spec.tag}"
         plan = ([(16, spec.warmup)] if spec.warmup else []) + list(spec.plan)
         broker = celery_broker_url(st, spec.celery_broker, srv.url)
         env = mq_env(
-            srv.url, topic=topic, group=group, lanes=len(plan),
+            worker_url or srv.url, topic=topic, group=group, lanes=len(plan),
             MQORDER_CONSUME_MESSAGE_BATCH_MAX_SIZE=str(spec.batch_max),
             MQORDER_PULL_BATCH_SIZE=str(spec.pull),
             # No periodic rebalance during a run: the run's own kick is the only one.

@@ -59,7 +59,7 @@ class Report:
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
                     self.celery_broker, self.produce, self.dedup, self.durable_send, self.transactions, self.failover,
-                    self.rebalance, self.memory, self.growth, self.retention, self.spark,
+                    self.sentinel, self.rebalance, self.memory, self.growth, self.retention, self.spark,
                     self.keys, self.concurrent, self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
@@ -444,6 +444,12 @@ class Report:
                       [[str(k["kill"]), k["victim"], str(k["queues_owned"]), f"{k['moved_s']:.2f}",
                         f"{k['failover_s']:.2f}"] for k in fo])
         return out
+
+    def sentinel(self) -> list[str]:
+        """Drain through Sentinel vs direct, and failover of the Redis primary (``bench.sentinel``)."""
+        from bench import sentinel
+
+        return sentinel.markdown(self.res.get("sentinel") or {})
 
     def rebalance(self) -> list[str]:
         rbr = self.res.get("rebalance") or {}

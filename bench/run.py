@@ -215,6 +215,13 @@ def sec_durable_send(cfg: Config, res: dict[str, Any]) -> None:
                                            runs=cfg.runs)
 
 
+def sec_sentinel(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import sentinel
+
+    res["sentinel"] = sentinel.run(cfg, messages=size(cfg, "drain_messages"), runs=cfg.runs,
+                                   concurrency=concurrency(cfg), kills=size(cfg, "sentinel_kills"))
+
+
 def sec_transactions(cfg: Config, res: dict[str, Any]) -> None:
     from bench import transactions
 
@@ -239,7 +246,7 @@ RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "produce": sec_produce, "failover": sec_failover, "rebalance": sec_rebalance, "memory": sec_memory,
     "growth": sec_growth, "retention": sec_retention, "spark": sec_spark,
     "spark_audit": sec_spark_audit, "dedup": sec_dedup, "transactions": sec_transactions, "keys": sec_keys,
-    "concurrent": sec_concurrent, "durable_send": sec_durable_send,
+    "concurrent": sec_concurrent, "durable_send": sec_durable_send, "sentinel": sec_sentinel,
 }
 
 

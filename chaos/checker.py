@@ -259,7 +259,8 @@ def check(data: RunData) -> Result:
     _beat(data, entries, r)
     for e in data.events:
         if e.kind == "crash":
-            r.crashes.append(f"{e.target} exited by itself (code {e.info.get('returncode')}) at {e.t:.3f}")
+            why = f": {e.info['last_error']}" if e.info.get("last_error") else ""
+            r.crashes.append(f"{e.target} exited by itself (code {e.info.get('returncode')}) at {e.t:.3f}{why}")
     if r.crashes:
         r.problems.append(f"worker(s) died without being killed: {r.crashes}")
     if not data.drained:
@@ -652,8 +653,8 @@ def _redis_failover(data: RunData, entries: list[Entry], r: Result) -> None:
         (r.redis_failovers if res.kind == "primary-kill" else r.redis_pause_takeovers).extend(res.values())
         never = [q for q, v in res.queues.items() if v is None]
         if never:
-            r.problems.append(f"queue(s) {never} had no listener call after the {res.kind} of {res.node} "
-                              "(before the next failover or the end of the run)")
+            r.problems.append(f"queue(s) {never} had no listener call after the {res.kind} of {res.node}, "
+                              "though sent messages after it")
     f = fo.fence(data, entries, data.refusals, data.samples)
     if f.new_epochs or f.lost_grants or f.refusals_after or f.two_clients:
         r.fence = f.to_json()

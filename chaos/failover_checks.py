@@ -91,7 +91,7 @@ class Resumption:
     t: float
     promoted_s: float | None
     send_resumed_s: float | None
-    #: Queue id -> seconds to its first call after the loss (None: never, before the next failover).
+    #: Queue id -> seconds to its first call after the loss (None: never, to the end of the run).
     queues: dict[int, float | None] = field(default_factory=dict)
 
     def values(self) -> list[float]:
@@ -115,11 +115,9 @@ def resumption(data: RunData, entries: list[Entry]) -> list[Resumption]:
         gone = lost_at(e)
         runs_before = {x.run for x in entries if x.start <= gone}
         first: dict[int, float] = {}
-        for x in entries:
+        for x in entries:  # up to the end of the run: a queue may resume only after the next failover
             if x.start <= gone or x.queue in first:
                 continue
-            if x.start >= until:
-                break
             if acked.get((x.key, x.seq), -math.inf) > gone or x.run not in runs_before:
                 first[x.queue] = round(x.start - e.t, 3)
         sends = [a for a in data.acks if gone < a.t < until]

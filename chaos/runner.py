@@ -14,6 +14,7 @@ does lives in ``chaos/scenarios.py``.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 from chaos.evidence import Event, Evidence, log
 from chaos.faults import Faults
@@ -31,6 +32,16 @@ __all__ = ["Ack", "Cluster", "Event", "log"]
 #: A worker subscribes to its wake channel only after it has taken its queues; a message sent in
 #: between waits for the pending TTL. Traffic starts this long after every queue has an owner.
 SETTLE_S = 1.5
+
+
+def last_error(logfile: Path | None) -> str:
+    """The last exception line of a crashed worker's log (``redis.exceptions.ResponseError: ...``),
+    for the report to say why it died. Only shown to the reader: no check rests on a log line."""
+    if logfile is None or not logfile.exists():
+        return ""
+    lines = logfile.read_bytes()[-20_000:].decode(errors="replace").splitlines()
+    return next((ln.strip()[:300] for ln in reversed(lines)
+                 if ln[:1].isalpha() and ("Error: " in ln or "Exception: " in ln)), "")
 
 
 class Cluster:
@@ -94,7 +105,8 @@ class Cluster:
         """A worker that exited without being killed or stopped by the runner becomes an event."""
         assert self.evidence is not None
         for w in self.procs.newly_crashed():
-            self.evidence.event("crash", w.name, fault=False, info={"returncode": w.returncode(), "client": w.hostname})
+            self.evidence.event("crash", w.name, fault=False, info={"returncode": w.returncode(), "client": w.hostname,
+                                                                    "last_error": last_error(w.logfile)})
 
     def quiesce(self) -> None:
         """Stop the producer, the monitor, every worker and beat; the two Redis servers stay up so

@@ -7,6 +7,7 @@ No Redis here: the records are built by hand, as the listener and the faults wri
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 import redis
@@ -16,6 +17,7 @@ from chaos.checker import DUP_WINDOW, Result, RunData, check
 from chaos.evidence import Event, Sample
 from chaos.failover_checks import REPLICATION_WINDOW
 from chaos.records import Entry, Refusal
+from chaos.runner import last_error
 from chaos.traffic import Ack, why
 from mqorder.errors import BrokerRefusedError, ReplicasBehindError
 
@@ -127,6 +129,12 @@ def test_consumption_resumed_over_the_target_or_never_fails_the_run() -> None:
     never = checked(before, acks[:-1] + [ack("k1", 1, 0, T + 2, queue=1)],
                     events=[kill()], enforce={"redis_failover"})
     assert any("had no listener call after the primary-kill" in p for p in never.problems)
+    # A queue that resumes only after the next failover did resume: its figure runs to that call.
+    acks2 = [*acks[:-1], ack("k1", 1, 0, T + 2, queue=1)]
+    later = [*before, call("k1", 1, 0, T + 40, queue=1, run="q")]
+    res = checked(later, acks2, events=[kill(), kill(T + 30)])
+    assert [e["resumed_max_s"] for e in res.redis_failover_events] == [40.0, 10.0]
+    assert not any("no listener call" in p for p in res.problems)
 
 
 # -- the fence ----------------------------------------------------------------------------------------
@@ -230,3 +238,16 @@ def test_the_report_shows_a_sentinel_row_with_its_failover_figures_and_fence() -
     assert "primary-kill 1 of node-0:1: Sentinel's new primary answered after 3.00 s" in text
     assert "MasterNotFoundError 1" in text and "fence: 1 epochs first used" in text
     assert "sentinel-async" in report.render({"sentinel-async": {**d, "scenario": "sentinel-async"}})
+
+
+def test_a_worker_that_died_by_itself_is_reported_with_the_last_exception_its_log_shows(tmp_path: Path) -> None:
+    log = tmp_path / "w1.log"
+    log.write_text("[..: CRITICAL/MainProcess] Unrecoverable error: server:ResponseError\nTraceback (most recent call last):\n"
+                   '  File "kombu/transport/redis.py", line 1479, in _brpop_read\n'
+                   "redis.exceptions.ResponseError: NOREPLICAS Not enough good replicas to write.\n")
+    assert last_error(log) == "redis.exceptions.ResponseError: NOREPLICAS Not enough good replicas to write."
+    assert last_error(tmp_path / "missing.log") == ""
+    crash = Event(T, "crash", "w1", fault=False, info={"returncode": 1, "last_error": last_error(log)})
+    before, acks = steady(T)
+    res = checked(before, acks, events=[crash])
+    assert res.crashes == [f"w1 exited by itself (code 1) at {T:.3f}: {last_error(log)}"] and not res.passed

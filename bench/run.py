@@ -220,6 +220,10 @@ def sec_sentinel(cfg: Config, res: dict[str, Any]) -> None:
 
     res["sentinel"] = sentinel.run(cfg, messages=size(cfg, "drain_messages"), runs=cfg.runs,
                                    concurrency=concurrency(cfg), kills=size(cfg, "sentinel_kills"))
+    # The section says when and from what it was measured: it may be run on its own (--only
+    # sentinel) and its section placed in a RESULTS.md of an earlier full run.
+    res["sentinel"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
+                                   "load1": round(load1(), 2)}
 
 
 def sec_transactions(cfg: Config, res: dict[str, Any]) -> None:

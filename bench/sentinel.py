@@ -211,6 +211,10 @@ def markdown(res: dict[str, Any]) -> list[str]:
     out = ["## Redis Sentinel: drain through the Sentinels, failover of the primary", ""]
     if not res:
         return out
+    m = res.get("measured")
+    if m:
+        out += [f"Measured {m['date']} at engine commit `{m['commit']}` (1-minute load average {m['load1']} at the "
+                "section's end).", ""]
     dr = res.get("drain") or {}
     rows = [[LABELS[k], summarize(r["rate"] for r in dr[k]).fmt(0, "msg/s"),
              summarize(r["worker_cpu_s"] / r["messages"] * 1e6 for r in dr[k]).fmt(1, "µs"),

@@ -157,8 +157,13 @@ class RedisServer:
                         if answering != proc.pid:
                             self._discard(proc)
                             raise _PortTaken(f"redis-server pid {answering} answers there, ours was pid {proc.pid}")
-                        # Wait for the AOF to be loaded (LOADING errors) before handing it out.
-                        client.get("mqorder:probe")
+                        # Wait for the AOF to be loaded (LOADING errors) before handing it out. A
+                        # cluster node serves no key before its slots are assigned: INFO instead.
+                        if "--cluster-enabled" in self.extra_args:
+                            if client.info("persistence").get("loading"):
+                                raise redis.BusyLoadingError("loading")
+                        else:
+                            client.get("mqorder:probe")
                         return
                 except (redis.ConnectionError, redis.TimeoutError, redis.BusyLoadingError, redis.ResponseError):
                     # Not up yet, or loading its AOF, or (ResponseError) a foreign server refusing our AUTH.

@@ -16,6 +16,15 @@
 So a producer killed between the phases leaves a half message that ends visible or rolled back,
 never stuck. Orderly topics are fine: the message waits in its key's queue's half store, and its
 place among the key's messages is decided by when it commits.
+
+Durable, as a send (``wait_replicas=n``, default ``MQORDER_SEND_WAIT_REPLICAS``): the prepare and
+the commit each return only once ``n`` replicas have them (``WAIT`` in the script's round trip,
+``mqorder.store.durable``), so a failover cannot lose a half message the executor acted on, nor a
+commit the caller was told about. Too few replicas connected: ``NotEnoughReplicasError`` before
+anything is stored. A prepare they do not acknowledge in time is rolled back, the executor not run,
+and ``ReplicasBehindError`` raised; a commit they do not acknowledge IS applied, and
+``ReplicasBehindError`` says so. A rollback does not wait: lost in a failover, it is checked back and
+rolled back again (``mqorder.store.transactions``).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from mqorder.client.selector import Selector
 from mqorder.codec import decode_entries
 from mqorder.errors import MessageError
 from mqorder.model import MessageExt, MessageQueue
+from mqorder.store.durable import SendWait
 from mqorder.store.transactions import HalfStore, TxnEnd
 
 log = logging.getLogger(__name__)
@@ -102,15 +112,24 @@ class TransactionProducer(Producer):
         keys: str | list[str] | None = None,
         tags: str | None = None,
         properties: dict[str, str] | None = None,
+        wait_replicas: int | None = None,
     ) -> TransactionSendResult:
         """Store a half message, run ``executor(msg, arg)``, then commit or roll back.
 
         With a ``sharding_key`` the queue is the one ``send_orderly`` picks for it; without, the
         next one round-robin. An executor that raises leaves the message to the check-back (the
         exception propagates after phase two is skipped), as does an UNKNOWN answer.
+
+        ``wait_replicas=n`` (default ``MQORDER_SEND_WAIT_REPLICAS``; 0: do not wait): the executor
+        runs only once ``n`` replicas have the half message, and a COMMIT returns only once they
+        have the commit, so neither is lost by a failover to one of them. ``NotEnoughReplicasError``
+        (fewer connected) before anything is stored; ``ReplicasBehindError`` if the prepare's
+        replicas fall short (rolled back, executor not run: sending again is safe) or the commit's
+        (the commit IS applied on the primary: do not send again). A ROLLBACK does not wait.
         """
         if not callable(executor):
             raise MessageError(f"executor must be a callable (msg, arg) -> LocalTransactionState, got {executor!r}")
+        wait = self._wait(wait_replicas)
         _, queues = self._route(topic)
         props = dict(properties or {})
         props[PROPERTY_TRANSACTION_PREPARED] = "true"
@@ -120,7 +139,9 @@ class TransactionProducer(Producer):
             mq = self._select_round_robin(queues, None)
         else:
             mq = self._select(queues, sharding_key, body, selector)
-        prepared_ms = self.half_store.prepare(mq, msg_id, header, body, self.settings.transaction_timeout_ms)
+        by = f"producer {self.producer_group}"
+        prepared_ms = self.half_store.prepare(mq, msg_id, header, body, self.settings.transaction_timeout_ms,
+                                              wait=wait, by=by)
         (msg,) = decode_entries(mq, [(b"0-1", [b"h", header, b"b", body, b"s", str(prepared_ms).encode()])])
         msg.queue_offset = -1
         try:
@@ -128,14 +149,26 @@ class TransactionProducer(Producer):
         except Exception:
             log.exception("local transaction of %s raised; left to the check-back", msg_id)
             raise
-        return self.end_transaction(mq, msg_id, state, by=f"producer {self.producer_group}")
+        return self._end(mq, msg_id, state, by, "", wait)
 
     def end_transaction(
-        self, mq: MessageQueue, txid: str, state: LocalTransactionState, *, by: str, reason: str = ""
+        self, mq: MessageQueue, txid: str, state: LocalTransactionState, *, by: str, reason: str = "",
+        wait_replicas: int | None = None,
     ) -> TransactionSendResult:
-        """Phase two for ``state`` (UNKNOWN: nothing now; the check-back will ask)."""
+        """Phase two for ``state`` (UNKNOWN: nothing now; the check-back will ask).
+
+        ``wait_replicas`` (default ``MQORDER_SEND_WAIT_REPLICAS``): a COMMIT returns once that many
+        replicas have it, as in ``send_in_transaction``; a transaction already ended is ``GONE``
+        (offset -1), and with a wait that end is waited for too: calling this again after a
+        ``ReplicasBehindError`` of a commit is safe.
+        """
+        return self._end(mq, txid, state, by, reason, self._wait(wait_replicas))
+
+    def _end(self, mq: MessageQueue, txid: str, state: LocalTransactionState, by: str, reason: str,
+             wait: SendWait | None) -> TransactionSendResult:
         if state is LocalTransactionState.UNKNOWN:
             return TransactionSendResult(txid, txid, mq, state)
         verdict = TxnEnd.COMMIT if state is LocalTransactionState.COMMIT else TxnEnd.ROLLBACK
-        reply = self.half_store.end(mq, txid, verdict, reason or f"local transaction answered {state.value}", by)
+        reply = self.half_store.end(mq, txid, verdict, reason or f"local transaction answered {state.value}", by,
+                                    wait=wait)
         return TransactionSendResult(txid, txid, mq, state, reply.offset, reply.store_ms)

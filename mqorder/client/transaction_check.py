@@ -13,6 +13,12 @@ asks the checker registered for the message's topic (import it through ``MQORDER
 COMMIT and ROLLBACK end the transaction (``txn_end.lua``, exactly once even if the producer ends
 it at the same moment); UNKNOWN, an exception or no checker at all leave it for the next check;
 the check after the last allowed one rolls it back and records why, in the queue's outcome log.
+
+A COMMIT of the check-back is durable as a producer's is: with ``MQORDER_SEND_WAIT_REPLICAS=n``
+(the worker's setting) it waits for ``n`` replicas (``mqorder.store.transactions``). Short of them
+the commit IS applied; the pass logs it, lists it in ``CheckReport.unreplicated`` and goes on with
+the other half messages (raising would leave them to the next pass for no gain). Should a failover
+then lose the commit, the half message is back on the promoted replica and is simply checked again.
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mqorder.client.transaction import LocalTransactionState, as_state
-from mqorder.errors import ListenerError
+from mqorder.errors import ListenerError, ReplicasBehindError
 from mqorder.model import MessageExt
 from mqorder.names import check_topic
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.durable import SendWait
 from mqorder.store.topics import TopicManager
 from mqorder.store.transactions import HalfMessage, HalfStore, TxnEnd
 
@@ -74,6 +81,8 @@ class CheckReport:
     rolled_back: int = 0
     unknown: int = 0
     gave_up: list[str] = field(default_factory=list)
+    #: Transactions committed whose replicas fell short of ``MQORDER_SEND_WAIT_REPLICAS`` in time.
+    unreplicated: list[str] = field(default_factory=list)
 
 
 class TransactionCheckService:
@@ -86,6 +95,9 @@ class TransactionCheckService:
         appender = QueueAppender(brokers, pending_ttl_ms=settings.pending_ttl_ms,
                                  timeout=settings.send_msg_timeout_ms / 1000, topics=self.topics)
         self.store = HalfStore(brokers, appender, timeout=settings.send_msg_timeout_ms / 1000)
+        #: What a commit of the check-back waits for (the settings validated the pair already).
+        self.wait = (SendWait(settings.send_wait_replicas, settings.send_wait_timeout_ms)
+                     if settings.send_wait_replicas else None)
 
     def check_once(self) -> CheckReport:
         report = CheckReport()
@@ -126,7 +138,12 @@ class TransactionCheckService:
             report.unknown += 1
             return
         verdict = TxnEnd.COMMIT if state is LocalTransactionState.COMMIT else TxnEnd.ROLLBACK
-        self.store.end(half.mq, half.txid, verdict, f"check-back {half.checks} answered {state.value}", "check-back")
+        try:
+            self.store.end(half.mq, half.txid, verdict, f"check-back {half.checks} answered {state.value}",
+                           "check-back", wait=self.wait)
+        except ReplicasBehindError as exc:  # committed all the same: see the module docstring
+            log.warning("transaction %s on %s: %s", half.txid, half.mq.key, exc)
+            report.unreplicated.append(half.txid)
         if verdict is TxnEnd.COMMIT:
             report.committed += 1
         else:

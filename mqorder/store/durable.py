@@ -124,15 +124,20 @@ class ReplicaGate:
             "the primary lists the connected ones; `mqorder doctor` explains the replication)"
         )
 
-    def behind(self, broker: Broker, wait: SendWait, acked: int, messages: int, action: str = "send") -> str:
-        """The sentence of ``ReplicasBehindError`` for one broker whose ``WAIT`` fell short."""
+    def behind(self, broker: Broker, wait: SendWait, acked: int, messages: int, action: str = "send",
+               *, what: str | None = None) -> str:
+        """The sentence of ``ReplicasBehindError`` for one broker whose ``WAIT`` fell short.
+
+        ``what`` names what IS on the primary when it is not "the message(s) IS/ARE stored": a
+        transaction's commit says "the commit IS applied" (``mqorder.store.transactions``)."""
         try:
             have: object = self.connected(broker, fresh=True)
         except redis.RedisError:
             have = "?"
-        what = "the message IS" if messages == 1 else f"the {messages} messages ARE"
+        if what is None:
+            what = "the message IS stored" if messages == 1 else f"the {messages} messages ARE stored"
         return (
-            f"{action}: {what} stored on the primary of broker {broker.name!r} at {broker.safe_url}, but only "
+            f"{action}: {what} on the primary of broker {broker.name!r} at {broker.safe_url}, but only "
             f"{acked} of {wait.replicas} {_plural(wait.replicas, 'replica', 'replicas')} acknowledged within "
             f"{wait.timeout_ms} ms (connected_slaves:{have}), so a failover now could lose "
             f"{_plural(messages, 'it', 'them')}"

@@ -150,6 +150,7 @@ def failover(cfg: Config, *, kills: int, concurrency: int, rate: float = 500.0, 
             old = d.primary()
             t_kill = time.perf_counter()
             old.kill()
+            t_dead = time.perf_counter()  # kill() returns once the process is gone: no ack comes from it after
             held = {}
             for node in d.nodes:
                 if node is old:
@@ -172,7 +173,7 @@ def failover(cfg: Config, *, kills: int, concurrency: int, rate: float = 500.0, 
                             resumed.setdefault(i, t)
                 time.sleep(0.01)
             c.close()
-            sent = traffic.first_ok_after(t_kill)
+            sent = traffic.first_ok_after(t_dead)
             ok = len(resumed) == len(mqs)
             res = {
                 "kill": k, "ok": ok, "promoted_s": promoted,

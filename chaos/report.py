@@ -295,7 +295,7 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "through its `redis+sentinel://` URL (Celery's broker too, through kombu's Sentinel transport), and",
         "the ledger stays on a plain Redis that no fault touches.",
         "",
-        "| scenario | messages (acked) | handled | faults | order violations | lost | lost in fsync window | "
+        "| scenario | messages (acked) | handled | faults | order violations | lost | lost in fsync / replication window | "
         "duplicates (redelivered / copies / unexplained) | max dups per queue per fault | overlapping calls | "
         "failover max s | failover p99 s | result |",
         "|---|---:|---:|---:|---:|---:|---:|---|---:|---|---:|---:|---|",

@@ -267,8 +267,9 @@ def sentinel_missed_grant(f: Faults, quick: bool) -> list[str]:
     killed -9 so its queues are granted again, on the primary, while the replica sleeps; then the
     primary is killed -9 and the stale replica resumed at once: the other replica has
     ``replica-priority 0``, so Sentinel must promote the stale one, which never saw those grants.
-    The fence must hold: every grant of the new primary above the lost ones, their holders
-    refused, acknowledged sends the promoted replica never got counted as lost within the window.
+    The fence must hold: every grant of the new primary above the lost ones, which never come back
+    in the lock table (so no commit under them can pass), no epoch used by two clients;
+    acknowledged sends the promoted replica never got are counted as lost within the window.
     Twice (once with ``quick``), each time with a new stale replica."""
     clock = Clock()
     notes = []

@@ -45,6 +45,9 @@ from mqorder.store.urls import SentinelURL, host_port, is_sentinel_url, parse_se
 
 #: Far above any countdown mqorder uses; see the module docstring.
 REDIS_VISIBILITY_TIMEOUT = 3600
+#: Celery's ``broker_transport`` for a Sentinel broker: kombu's Sentinel transport whose
+#: connections take an old primary's NOREPLICAS for a failover (``mqorder.celery.sentinel_transport``).
+SENTINEL_TRANSPORT = "mqorder.celery.sentinel_transport:SentinelTransport"
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,8 @@ class CeleryBroker:
     url: str
     transport_options: dict[str, Any] = field(default_factory=dict)
     use_ssl: dict[str, Any] | None = None
+    #: ``broker_transport`` (``None``: the URL's scheme decides).
+    transport: str | None = None
 
 
 def kombu_sentinel_url(parsed: SentinelURL) -> str:
@@ -83,12 +88,12 @@ def celery_broker(url: str, *, sentinel_master: str | None = None,
         if parsed.socket_connect_timeout is not None:
             options["socket_connect_timeout"] = parsed.socket_connect_timeout
         use_ssl = {"ssl_cert_reqs": ssl.CERT_REQUIRED} if parsed.ssl else None
-        return CeleryBroker(kombu_sentinel_url(parsed), options, use_ssl)
+        return CeleryBroker(kombu_sentinel_url(parsed), options, use_ssl, SENTINEL_TRANSPORT)
     if is_kombu_sentinel_url(url):
         options = {"sentinel_kwargs": sentinel_credentials(sentinel_password, None)}
         if sentinel_master:
             options["master_name"] = sentinel_master
-        return CeleryBroker(url, options)
+        return CeleryBroker(url, options, transport=SENTINEL_TRANSPORT)
     return CeleryBroker(url)
 
 

@@ -50,6 +50,8 @@ def install(app: Celery, settings: Settings | None = None) -> Celery:
     app_options = {**broker.transport_options, **(app.conf.broker_transport_options or {})}
     if broker.use_ssl and not app.conf.broker_use_ssl:
         app.conf.broker_use_ssl = broker.use_ssl
+    if broker.transport and not app.conf.broker_transport:
+        app.conf.broker_transport = broker.transport
     app.conf.update(
         broker_url=broker.url,
         task_serializer="json",

@@ -24,6 +24,7 @@ _broker = celery_broker(_settings.effective_celery_broker_url, sentinel_master=_
 
 __all__ = [
     "accept_content",
+    "broker_transport",
     "broker_transport_options",
     "broker_url",
     "broker_use_ssl",
@@ -37,6 +38,8 @@ __all__ = [
 ]
 
 broker_url = _broker.url
+#: kombu's Sentinel transport with demotion-aware connections for a Sentinel broker, else the URL's.
+broker_transport = _broker.transport
 #: TLS to the data nodes of a rediss+sentinel:// broker (kombu's Sentinel transport takes it here).
 broker_use_ssl: Any = _broker.use_ssl or False
 task_serializer = "json"

@@ -28,7 +28,7 @@ from typing import Any
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis.sentinel import MasterNotFoundError, Sentinel
+from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 
 from mqorder.store.urls import SentinelURL, is_sentinel_url, parse_sentinel_url
 
@@ -47,6 +47,42 @@ class SentinelAuthError(MasterNotFoundError):
     error report that handles an unreachable Redis handles it too, with a message that says what
     to fix instead of "No master found".
     """
+
+
+#: Error replies that mean "this node is no longer a primary you may use": Redis 7 answers
+#: NOREPLICAS to a write on a primary that has fewer than ``min-replicas-to-write`` good replicas,
+#: which is what an old primary resumed after a failover (SIGSTOP, a partition) says until Sentinel
+#: demotes it (READONLY after that, which redis-py already handles).
+DEMOTED_REPLIES = ("NOREPLICAS",)
+
+
+class DemotionAware:
+    """A Sentinel-managed connection that treats a NOREPLICAS reply like redis-py treats READONLY:
+    it drops the connection (the next one asks the Sentinels for the primary again) and raises
+    ``ConnectionError``, which every retry loop (the engine's, kombu's) knows to retry. Left a
+    ``ResponseError``, it would be retried on the same connection to the same old primary until
+    Sentinel demotes it (seconds), and kombu takes it for an unrecoverable error: a Celery worker
+    whose broker connection got NOREPLICAS on its BRPOP exited (chaos ``sentinel-pause``)."""
+
+    def read_response(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().read_response(*args, **kwargs)  # type: ignore[misc]
+        except redis.ResponseError as exc:
+            if str(exc).startswith(DEMOTED_REPLIES):
+                self.disconnect()  # type: ignore[attr-defined]
+                raise redis.ConnectionError(
+                    f"the primary refused a write ({str(exc).split('.')[0]}): it has lost its replicas, "
+                    "most likely it is an old primary that Sentinel has replaced; asking the Sentinels again"
+                ) from exc
+            raise
+
+
+class DemotionAwareConnection(DemotionAware, SentinelManagedConnection):
+    """``SentinelManagedConnection`` that also takes NOREPLICAS for a demoted primary."""
+
+
+class DemotionAwareSSLConnection(DemotionAware, SentinelManagedSSLConnection):
+    """The TLS variant (``rediss+sentinel://``)."""
 
 
 class MqorderSentinel(Sentinel):
@@ -148,6 +184,7 @@ def connect(url: str, *, sentinel_password: str | None = None, **client_kwargs: 
         return redis.Redis.from_url(url, **client_kwargs)
     parsed = parse_sentinel_url(url, sentinel_password=sentinel_password)
     data = _data_kwargs(parsed, client_kwargs)
+    data["connection_class"] = DemotionAwareSSLConnection if parsed.ssl else DemotionAwareConnection
     client: redis.Redis = _sentinel(parsed, client_kwargs).master_for(parsed.master_name, redis_class=redis.Redis, **data)
     return client
 

@@ -18,6 +18,7 @@ import redis
 from mqorder import Producer
 from mqorder.errors import BrokerUnavailableError
 from mqorder.store.connect import close, connect
+from mqorder.settings import Settings
 from mqorder.testing.embedded import RedisServer
 from mqorder.testing.sentinel import SentinelDeployment
 from tests.sentinel_support import (
@@ -93,7 +94,8 @@ def test_two_workers_through_sentinel_keep_every_key_in_order(sentinel_cluster: 
     # Celery's broker is the same deployment, through kombu's Sentinel transport.
     assert cluster.client.keys("_kombu.binding.*")
     for w in cluster.workers.values():
-        assert w.logfile is not None and "sentinel://" in w.logfile.read_text()
+        # Celery's banner names the transport: mqorder's Sentinel one (kombu's, demotion-aware).
+        assert w.logfile is not None and "sentinel_transport:SentinelTransport://" in w.logfile.read_text()
     p.close()
 
 
@@ -153,8 +155,15 @@ def test_kill_9_of_the_primary_during_consumption(dep: SentinelDeployment, senti
         stop.set()
         sender.join(timeout=10)
         last = {k: s for k, s, _ in acked}
+        # Eventually, within what the engine guarantees today: a finish.lua the promoted replica
+        # missed leaves its queue's run mark behind, and nothing dispatches the queue until that
+        # mark lapses (run_lease_ms, 60 s) and the next sweep (sweep_interval_ms) sees it. Seen
+        # once in a loaded `make test` (issue 25's closing note: stalls after a failover that lost
+        # writes). The resumption bound is the 10 s check below.
+        settle_s = (Settings.model_fields["run_lease_ms"].default + Settings.model_fields["sweep_interval_ms"].default
+                    + Settings.model_fields["pending_ttl_ms"].default) / 1000 + 10
         wait_for(lambda: all(any(e["key"] == k and e["seq"] == s for e in handled()) for k, s in last.items()),
-                 timeout=60, what="the last send of every key handled")
+                 timeout=settle_s, what="the last send of every key handled")
     finally:
         stop.set()
         sender.join(timeout=10)

@@ -17,8 +17,8 @@ import redis
 
 from mqorder import Producer
 from mqorder.errors import BrokerUnavailableError
-from mqorder.store.connect import close, connect
 from mqorder.settings import Settings
+from mqorder.store.connect import close, connect
 from mqorder.testing.embedded import RedisServer
 from mqorder.testing.sentinel import SentinelDeployment
 from tests.sentinel_support import (

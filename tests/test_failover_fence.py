@@ -217,7 +217,13 @@ def test_a_run_waits_for_a_replica_to_hold_its_epoch_before_calling_the_listener
             assert state(deployment.direct_client(primary))["owner"] == "c1"
         finally:
             deployment.resume(replica)
-        out = request_class(spec)(eng, spec, "g", MQ, out.token).run()
+        # The replica catches up after SIGCONT; the requeued run is dispatched again (as the
+        # Celery task would be) until a WAIT succeeds, then it consumes.
+        deployment.wait_replicas_online(1)
+        for _ in range(20):
+            if out.verb.value != "REQUEUE":
+                break
+            out = request_class(spec)(eng, spec, "g", MQ, out.token).run()
         assert seen == [0, 1, 2]
         # The replica has the epoch the listener ran under.
         st = state(deployment.direct_client(replica))

@@ -28,7 +28,7 @@ from mqorder.errors import (
 )
 from mqorder.model import MessageQueue
 from mqorder.settings import get_settings, load_settings
-from mqorder.testing.embedded import RedisServer
+from mqorder.testing.embedded import RedisServer, wait_online_replicas
 from mqorder.testing.sentinel import SentinelDeployment
 
 #: The WAIT timeout of these tests (ms): long enough for a loaded machine's replica to answer,
@@ -45,22 +45,6 @@ class Replicated:
         return redis.Redis(host="127.0.0.1", port=srv.port, socket_timeout=5)
 
 
-def _wait_online(primary: RedisServer, n: int, timeout: float = 30.0) -> None:
-    c = redis.Redis(host="127.0.0.1", port=primary.port, socket_timeout=2)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            info = c.info("replication")
-            online = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
-                      and v.get("state") == "online"]
-            if len(online) >= n:
-                return
-            time.sleep(0.05)
-    finally:
-        c.close()
-    raise AssertionError(f"{n} replicas did not come online within {timeout} s")
-
-
 @pytest.fixture(scope="module")
 def replicated() -> Iterator[Replicated]:
     primary = RedisServer().start()
@@ -68,7 +52,7 @@ def replicated() -> Iterator[Replicated]:
     try:
         for _ in range(2):
             replicas.append(RedisServer(extra_args=["--replicaof", "127.0.0.1", str(primary.port)]).start())
-        _wait_online(primary, 2)
+        wait_online_replicas(primary, 2)
         yield Replicated(primary, replicas)
     finally:
         for srv in [*replicas, primary]:

@@ -28,7 +28,7 @@ from mqorder.client.transaction_check import TransactionCheckService, _checkers,
 from mqorder.errors import BrokerUnavailableError, ConfigError, NotEnoughReplicasError, ReplicasBehindError
 from mqorder.model import MessageExt, MessageQueue
 from mqorder.settings import get_settings, load_settings
-from mqorder.testing.embedded import RedisServer
+from mqorder.testing.embedded import RedisServer, wait_online_replicas
 from mqorder.testing.sentinel import SentinelDeployment
 
 COMMIT, ROLLBACK, UNKNOWN = LocalTransactionState.COMMIT, LocalTransactionState.ROLLBACK, LocalTransactionState.UNKNOWN
@@ -41,27 +41,11 @@ def _client(srv: RedisServer) -> redis.Redis:
     return redis.Redis(host="127.0.0.1", port=srv.port, socket_timeout=5)
 
 
-def _wait_online(primary: RedisServer, n: int, timeout: float = 30.0) -> None:
-    c = _client(primary)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            info = c.info("replication")
-            online = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
-                      and v.get("state") == "online"]
-            if len(online) >= n:
-                return
-            time.sleep(0.05)
-    finally:
-        c.close()
-    raise AssertionError(f"{n} replicas did not come online within {timeout} s")
-
-
 def _start(replicas: int) -> tuple[RedisServer, list[RedisServer]]:
     # No diskless-sync delay (Redis 7.0 waits 5 s for more replicas before a full sync).
     primary = RedisServer(extra_args=["--repl-diskless-sync-delay", "0"]).start()
     reps = [RedisServer(extra_args=["--replicaof", "127.0.0.1", str(primary.port)]).start() for _ in range(replicas)]
-    _wait_online(primary, replicas)
+    wait_online_replicas(primary, replicas)
     c = _client(primary)
     try:
         # "online" comes before a fresh replica acknowledges anything (INFO shows its offset 0 for

@@ -250,3 +250,25 @@ def url_answers(url: str, timeout: float = 0.5) -> bool:
     except (redis.RedisError, OSError, ValueError):
         return False
 
+
+
+def online_replicas(info: dict) -> int:
+    """Replicas an ``INFO replication`` reply lists as ``online`` (connected and synced)."""
+    return sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")
+
+
+def wait_online_replicas(primary: RedisServer, n: int, timeout: float = 30.0, password: str | None = None) -> None:
+    """Wait until ``primary`` reports ``n`` replicas online (a WAIT before that proves nothing)."""
+    c = redis.Redis(host="127.0.0.1", port=primary.port, password=password, socket_timeout=2)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                if online_replicas(c.info("replication")) >= n:
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.05)
+    finally:
+        c.close()
+    raise BrokerUnavailableError(f"{n} replicas of port {primary.port} did not come online within {timeout:.0f} s")

@@ -20,7 +20,7 @@ from typing import Any
 import redis
 
 from mqorder.errors import BrokerUnavailableError
-from mqorder.testing.embedded import RedisServer, free_port, redis_server_binary
+from mqorder.testing.embedded import RedisServer, free_port, redis_server_binary, wait_online_replicas
 
 DEFAULT_MASTER_NAME = "mqorder"
 #: Sentinel's ``down-after-milliseconds`` in tests: a primary silent this long is subjectively down.
@@ -235,20 +235,8 @@ class SentinelDeployment:
 
     def wait_replicas_online(self, n: int, timeout: float = 30.0) -> None:
         """Wait until the primary reports ``n`` replicas online and in sync."""
-        deadline = time.monotonic() + timeout
-        last: object = None
-        while time.monotonic() < deadline:
-            try:
-                info = self.direct_client(self.primary() if self.sentinels[0].proc else self.nodes[0]).info("replication")
-                last = info
-                online = [v for k, v in info.items() if k.startswith("slave") and isinstance(v, dict)
-                          and v.get("state") == "online"]
-                if len(online) >= n:
-                    return
-            except (redis.RedisError, BrokerUnavailableError, KeyError):
-                pass
-            time.sleep(0.05)
-        raise BrokerUnavailableError(f"{n} replicas did not come online within {timeout:.0f} s: {last}")
+        primary = self.primary() if self.sentinels[0].proc else self.nodes[0]
+        wait_online_replicas(primary, n, timeout, self.password)
 
     def _wait_sentinels_agree(self, timeout: float) -> None:
         """Every Sentinel knows the primary, the replicas and the other Sentinels (so a quorum and

@@ -55,13 +55,17 @@ def _steady(r: Any, group: str, mqs: list[Any], hostnames: list[str], timeout: f
 
 
 class Traffic(threading.Thread):
-    def __init__(self, url: str, topic: str, rate: float, n_keys: int) -> None:
-        super().__init__(name="bench-traffic", daemon=True)
+    """Paced ``send_orderly``; remembers when each send succeeded, so the first success after a
+    fault says when sending resumed (``bench.sentinel`` kills the Redis primary under it)."""
+
+    def __init__(self, url: str, topic: str, rate: float, n_keys: int, name: str = "bench-traffic") -> None:
+        super().__init__(name=name, daemon=True)
         self.p = Producer(url)
         self.topic, self.rate, self.wl = topic, rate, Workload(n_keys)
         self.stop_ev = threading.Event()
         self.sent = 0
         self.errors = 0
+        self.ok_at: list[float] = []
 
     def run(self) -> None:
         t0 = time.perf_counter()
@@ -69,12 +73,19 @@ class Traffic(threading.Thread):
             delay = t0 + self.sent / self.rate - time.perf_counter()
             if delay > 0:
                 time.sleep(delay)
+            elif delay < -1.0:  # an outage: do not burst to catch up
+                t0 = time.perf_counter() - self.sent / self.rate
             k, s = self.wl.next()
             try:
                 self.p.send_orderly(self.topic, b'{"k":%d,"s":%d}' % (k, s), sharding_key=f"key-{k}")
-            except Exception:  # noqa: BLE001 - keep the stream going; counted
+                self.ok_at.append(time.perf_counter())
+            except Exception:  # noqa: BLE001 - keep the stream going (or the outage measured); counted
                 self.errors += 1
+                time.sleep(0.01)
             self.sent += 1
+
+    def first_ok_after(self, t: float) -> float | None:
+        return next((x for x in self.ok_at[-5000:] if x > t), None)
 
     def stop(self) -> None:
         self.stop_ev.set()

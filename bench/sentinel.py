@@ -23,13 +23,13 @@ stops consumption.
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from typing import Any
 
 import redis
 
-from bench.common import Config, Workload, log, mq_env, percentile, queues_of, start_mq_workers, summarize
+from bench import failover
+from bench.common import Config, log, mq_env, percentile, queues_of, start_mq_workers, summarize
 from bench.failover import _states, _steady
 from bench.mqorder_drain import DrainSpec, drain
 from mqorder import Producer
@@ -71,43 +71,11 @@ def drains(cfg: Config, *, messages: int, runs: int, concurrency: int) -> dict[s
 # -- failover of the primary ----------------------------------------------------------------------------
 
 
-class Traffic(threading.Thread):
-    """Paced ``send_orderly`` through the Sentinels; remembers when each send succeeded, so the
-    first success after a kill says when sending resumed."""
+class Traffic(failover.Traffic):
+    """``bench.failover``'s paced sender, through the Sentinels."""
 
     def __init__(self, url: str, topic: str, rate: float, n_keys: int) -> None:
-        super().__init__(name="bench-sentinel-traffic", daemon=True)
-        self.p = Producer(url)
-        self.topic, self.rate, self.wl = topic, rate, Workload(n_keys)
-        self.stop_ev = threading.Event()
-        self.sent = 0
-        self.errors = 0
-        self.ok_at: list[float] = []
-
-    def run(self) -> None:
-        t0 = time.perf_counter()
-        while not self.stop_ev.is_set():
-            delay = t0 + self.sent / self.rate - time.perf_counter()
-            if delay > 0:
-                time.sleep(delay)
-            elif delay < -1.0:  # an outage: do not burst to catch up
-                t0 = time.perf_counter() - self.sent / self.rate
-            k, s = self.wl.next()
-            try:
-                self.p.send_orderly(self.topic, b'{"k":%d,"s":%d}' % (k, s), sharding_key=f"key-{k}")
-                self.ok_at.append(time.perf_counter())
-            except Exception:  # noqa: BLE001 - the outage being measured; counted
-                self.errors += 1
-                time.sleep(0.01)
-            self.sent += 1
-
-    def first_ok_after(self, t: float) -> float | None:
-        return next((x for x in self.ok_at[-5000:] if x > t), None)
-
-    def stop(self) -> None:
-        self.stop_ev.set()
-        self.join(10)
-        self.p.close()
+        super().__init__(url, topic, rate, n_keys, name="bench-sentinel-traffic")
 
 
 def _steady_through(r: redis.Redis, group: str, mqs: list[Any], hostnames: list[str], timeout: float) -> None:

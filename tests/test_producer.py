@@ -227,3 +227,25 @@ def test_bad_topic_permissions_are_refused_with_the_choices(producer: Producer, 
 def test_perm_of_an_unknown_topic_cannot_be_changed(producer: Producer) -> None:
     with pytest.raises(TopicNotFoundError):
         producer.topics.update_perm("nope", "rw")
+
+
+def test_a_send_whose_subscription_read_fails_says_the_broker_is_unavailable() -> None:
+    """The append reads the topic's subscriptions (cached for a second) before its script: when
+    Redis is gone by then, the caller gets ``BrokerUnavailableError``, not redis-py's error (seen as
+    raw ``ConnectionError`` from ``send_orderly`` during a Sentinel failover)."""
+    from mqorder.errors import BrokerUnavailableError
+    from mqorder.settings import load_settings
+    from mqorder.testing.embedded import RedisServer
+
+    srv = RedisServer().start()
+    try:
+        p = Producer(settings=load_settings(redis_url=srv.url, send_msg_timeout_ms=500))
+        p.create_topic("t", queues=1)
+        p.send_orderly("t", b"1", sharding_key="k")  # the route and subscriptions are cached now
+        srv.kill()
+        p.appender._subs.clear()  # the subscription cache expired (SUBS_TTL), the route's not yet
+        with pytest.raises(BrokerUnavailableError, match="did not answer"):
+            p.send_orderly("t", b"2", sharding_key="k")
+        p.close()
+    finally:
+        srv.stop()

@@ -132,8 +132,11 @@ class QueueAppender:
                     self.replicas.before_write(broker, wait, self.action)
         for broker_name, idxs in by_broker.items():
             broker = self.brokers.get(broker_name)
-            calls = [("send", *self._send_call(requests[i])) for i in idxs]
             with translated(broker_name, broker.safe_url, self.timeout, self.action):
+                # Inside: the call reads the topic's subscriptions (cached a moment), a Redis read
+                # that fails like the write would during a failover (it leaked redis.ConnectionError
+                # to send_orderly's callers in the chaos sentinel-async run).
+                calls = [("send", *self._send_call(requests[i])) for i in idxs]
                 self.check_capacity(broker)
                 # Lean EVALSHAs (Scripts.run_many: no redis-py Pipeline, whose registered scripts
                 # cost a SCRIPT EXISTS round trip first); a NOSCRIPT call stored nothing and is

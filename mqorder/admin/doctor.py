@@ -20,6 +20,10 @@ What is checked, per Redis broker, and why:
   replicas and their lag, ``min-replicas-to-write``, what a failover can lose with the current
   settings (``MQORDER_SEND_WAIT_REPLICAS``), and for a ``redis+sentinel://`` URL each Sentinel's
   view and whether a failover can still be authorized.
+* **Redis Cluster** (a ``redis+cluster://`` URL, ``mqorder.admin.doctor_cluster``): cluster state,
+  slot coverage, replicas per primary, failed nodes, Redis 7 on every node, every queue's keys in
+  one slot; then persistence, eviction, memory, ``min-replicas`` and send durability on each
+  primary (a queue's data lives on one of them), and the clock once.
 
 And for Celery (when an app's configuration is given): JSON only (a pickle-accepting worker runs
 code from the broker), and on a Redis transport a visibility timeout longer than a
@@ -35,11 +39,20 @@ from typing import Any
 import redis
 
 from mqorder import keys
-from mqorder.admin.doctor_ha import replication_findings, sentinel_findings
+from mqorder.admin.doctor_cluster import cluster_findings, probe_cluster
+from mqorder.admin.doctor_ha import (
+    min_replicas_finding,
+    read_min_replicas,
+    read_replication,
+    replication_findings,
+    send_wait_finding,
+    sentinel_findings,
+)
 from mqorder.admin.findings import DoctorReport, Finding, Verdict
 from mqorder.settings import Settings
-from mqorder.store.brokers import Broker, BrokerRegistry
+from mqorder.store.brokers import Broker, BrokerRegistry, cluster_celery_broker_error
 from mqorder.store.capacity import SAFE_POLICY, eviction_policy, read_memory
+from mqorder.store.cluster_urls import is_cluster_url
 from mqorder.store.replies import text
 
 #: Skew between a host and Redis above which born/handled times stop being comparable.
@@ -62,6 +75,9 @@ def diagnose(settings: Settings, brokers: BrokerRegistry, celery_conf: Mapping[s
     report = DoctorReport()
     for name in brokers.names:
         broker = brokers.get(name)
+        if is_cluster_url(broker.url):
+            report.findings.extend(_cluster_broker_findings(settings, broker, brokers))
+            continue
         try:
             report.findings.extend(_broker_findings(settings, broker))
         except redis.RedisError as exc:
@@ -92,6 +108,31 @@ def _broker_findings(settings: Settings, broker: Broker) -> list[Finding]:
         clock_finding(c, broker.name),
         *replication_findings(c, settings, broker.name),
     ]
+
+
+def _cluster_broker_findings(settings: Settings, broker: Broker, brokers: BrokerRegistry) -> list[Finding]:
+    """The cluster's own checks, then the per-Redis ones on each primary that answers (named
+    ``<broker> <host:port>``); the version is the cluster check's (Redis 7 for sharded pub/sub)."""
+    probe = probe_cluster(broker.url)
+    try:
+        # Topic routes are on the default broker: this cluster, or another Redis.
+        routes = None if broker.name == brokers.default_name else brokers.meta
+        out = cluster_findings(probe, broker.name, routes)
+        for i, (addr, c) in enumerate(probe.live_primaries()):
+            where = f"{broker.name} {addr}"
+            try:
+                rep = read_replication(c)
+                out += [persistence_finding(c, where), eviction_finding(c, settings, where),
+                        memory_finding(c, settings, where), min_replicas_finding(rep, read_min_replicas(c), where),
+                        send_wait_finding(rep, settings, where)]
+                if i == 0:  # one clock is enough: the cluster's nodes run on hosts of one site
+                    out.append(clock_finding(c, broker.name))
+            except redis.RedisError as exc:
+                out.append(Finding("reachable", Verdict.FAIL, f"{addr} stopped answering: {exc}",
+                                   "check that node", where))
+        return out
+    finally:
+        probe.close()
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -215,6 +256,10 @@ def celery_findings(settings: Settings, conf: Mapping[str, Any]) -> list[Finding
     else:
         out.append(Finding("celery serializers", Verdict.OK, "JSON only"))
     url = str(conf.get("broker_url") or settings.effective_celery_broker_url)
+    if is_cluster_url(url):
+        out.append(Finding("celery broker", Verdict.FAIL, str(cluster_celery_broker_error(url, "Celery's broker")),
+                           "set MQORDER_CELERY_BROKER_URL to redis://, redis+sentinel:// or amqp://"))
+        return out
     # kombu's sentinel:// transport is its Redis transport behind Sentinel: the same visibility timeout.
     if url.startswith(("redis://", "rediss://", "unix://", "sentinel://", "redis+sentinel://", "rediss+sentinel://")):
         vt = float((conf.get("broker_transport_options") or {}).get("visibility_timeout", 3600))

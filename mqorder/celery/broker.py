@@ -30,6 +30,11 @@ whatever it is. What each broker needs:
   ``SentinelChannel`` passes them to ``redis.sentinel.Sentinel``). kombu's connection then follows
   a failover like the store's client does (each new connection asks the Sentinels). An explicit
   ``MQORDER_CELERY_BROKER_URL`` may be either form; kombu's needs ``MQORDER_CELERY_SENTINEL_MASTER``.
+* **Never a Redis Cluster**: kombu has no cluster transport (``mqorder.store.brokers.
+  cluster_celery_broker_error`` says why). A ``redis+cluster://`` store with no
+  ``MQORDER_CELERY_BROKER_URL`` would make the cluster Celery's broker too, so :func:`celery_broker`
+  refuses it when the app is configured (``install``, the stock workers' config), naming the
+  brokers that work; the store itself stays on the cluster.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mqorder.errors import ConfigError
-from mqorder.store.brokers import celery_transport, is_kombu_sentinel_url, redact_url
+from mqorder.store.brokers import celery_transport, cluster_celery_broker_error, is_kombu_sentinel_url, redact_url
+from mqorder.store.cluster_urls import is_cluster_url
 from mqorder.store.connect import sentinel_credentials
 from mqorder.store.urls import SentinelURL, host_port, is_sentinel_url, parse_sentinel_url
 
@@ -68,15 +74,23 @@ def kombu_sentinel_url(parsed: SentinelURL) -> str:
     return ";".join(f"sentinel://{parsed.userinfo}{host_port(h, p)}/{parsed.db}" for h, p in parsed.sentinels)
 
 
-def celery_broker(url: str, *, sentinel_master: str | None = None,
-                  sentinel_password: str | None = None) -> CeleryBroker:
+#: How :func:`celery_broker`'s refusal names a broker derived from the store's URL.
+DERIVED_FROM_STORE = "MQORDER_REDIS_URL (Celery's broker, since MQORDER_CELERY_BROKER_URL is unset)"
+
+
+def celery_broker(url: str, *, sentinel_master: str | None = None, sentinel_password: str | None = None,
+                  what: str = "Celery's broker") -> CeleryBroker:
     """Celery's broker for ``url`` (``MQORDER_CELERY_BROKER_URL``, else the store's URL).
 
     ``redis+sentinel://`` becomes kombu's ``sentinel://`` list with ``master_name`` and the
     Sentinels' credentials as transport options; kombu's own ``sentinel://`` gets ``master_name``
     from ``sentinel_master`` (``MQORDER_CELERY_SENTINEL_MASTER``) and the Sentinels' password
     from ``sentinel_password`` (``MQORDER_SENTINEL_PASSWORD``); any other URL is Celery's as is.
+    ``ConfigError`` for a Redis Cluster URL: the store may be one, Celery's broker may not; ``what``
+    names where the URL came from (``DERIVED_FROM_STORE``, the usual way here).
     """
+    if is_cluster_url(url):
+        raise cluster_celery_broker_error(url, what)
     if is_sentinel_url(url):
         parsed = parse_sentinel_url(url, sentinel_password=sentinel_password)
         options: dict[str, Any] = {

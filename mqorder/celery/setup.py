@@ -8,7 +8,7 @@ import logging
 from celery import Celery
 
 from mqorder.celery.bootsteps import ConsumerClientStep
-from mqorder.celery.broker import celery_broker, transport_options
+from mqorder.celery.broker import DERIVED_FROM_STORE, celery_broker, transport_options
 from mqorder.errors import ConfigError
 from mqorder.settings import Settings, get_settings
 
@@ -37,6 +37,13 @@ def import_listeners(modules: list[str]) -> None:
             ) from exc
 
 
+def _broker_origin(app: Celery, settings: Settings) -> str:
+    """Where Celery's broker URL comes from, for an error about it."""
+    if app.conf.broker_url:
+        return "the Celery app's broker_url"
+    return "MQORDER_CELERY_BROKER_URL" if settings.celery_broker_url else DERIVED_FROM_STORE
+
+
 def install(app: Celery, settings: Settings | None = None) -> Celery:
     """Configure ``app`` for mqorder: JSON only, direct queues, tasks, bootstep, beat schedule."""
     settings = settings or get_settings()
@@ -44,9 +51,11 @@ def install(app: Celery, settings: Settings | None = None) -> Celery:
 
     # A redis+sentinel:// URL (the store's, by default) becomes kombu's sentinel:// transport and
     # its options (mqorder.celery.broker); the application's own options win.
+    # A redis+cluster:// one is refused here, at configuration, not at a worker's first fetch.
     broker = celery_broker(app.conf.broker_url or settings.effective_celery_broker_url,
                            sentinel_master=settings.celery_sentinel_master,
-                           sentinel_password=settings.sentinel_password)
+                           sentinel_password=settings.sentinel_password,
+                           what=_broker_origin(app, settings))
     app_options = {**broker.transport_options, **(app.conf.broker_transport_options or {})}
     if broker.use_ssl and not app.conf.broker_use_ssl:
         app.conf.broker_use_ssl = broker.use_ssl

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from mqorder.celery.broker import celery_broker
+from mqorder.celery.broker import DERIVED_FROM_STORE, celery_broker
 from mqorder.settings import get_settings
 
 _settings = get_settings()
-# kombu's form of the broker: a redis+sentinel:// URL becomes sentinel:// plus transport options.
+# kombu's form of the broker: a redis+sentinel:// URL becomes sentinel:// plus transport options;
+# a redis+cluster:// store with no MQORDER_CELERY_BROKER_URL is refused here (ConfigError, exit 2).
 _broker = celery_broker(_settings.effective_celery_broker_url, sentinel_master=_settings.celery_sentinel_master,
-                        sentinel_password=_settings.sentinel_password)
+                        sentinel_password=_settings.sentinel_password,
+                        what="MQORDER_CELERY_BROKER_URL" if _settings.celery_broker_url else DERIVED_FROM_STORE)
 
 __all__ = [
     "accept_content",

@@ -4,7 +4,9 @@ The default broker (``broker-a``) is ``MQORDER_REDIS_URL`` and also plays the Na
 topic routes, group subscriptions and client heartbeats live there. More brokers may be named with
 ``MQORDER_BROKERS`` (a JSON object of name to URL); a topic's queues can then be spread over them.
 Any of these URLs may name a Sentinel deployment (``redis+sentinel://``, ``mqorder.store.urls``):
-the broker's client then follows the primary across failovers (``mqorder.store.connect``).
+the broker's client then follows the primary across failovers (``mqorder.store.connect``). Or a
+Redis Cluster (``redis+cluster://``, ``mqorder.store.cluster_urls``): the store only, never
+Celery's broker (``check_celery_broker_url`` says why and what to use instead).
 """
 
 from __future__ import annotations
@@ -20,6 +22,13 @@ import redis
 from mqorder.errors import BrokerUnavailableError, ConfigError
 from mqorder.model import MessageQueue
 from mqorder.names import check_name
+from mqorder.store.cluster_urls import (
+    CLUSTER_SCHEMES,
+    CLUSTER_URL_FORM,
+    is_cluster_url,
+    parse_cluster_url,
+    redact_cluster_url,
+)
 from mqorder.store.connect import SentinelAuthError, connect
 from mqorder.store.connect import close as close_client
 from mqorder.store.scripts import Scripts
@@ -55,6 +64,8 @@ def _redact_one(url: str) -> str:
         # Two passwords (the data nodes' in the netloc, the Sentinels' in the query) and a host
         # list that urlsplit cannot take apart.
         return redact_sentinel_url(url)
+    if scheme in CLUSTER_SCHEMES:
+        return redact_cluster_url(url)  # a host list, again
     try:
         parts = urlsplit(url)
     except ValueError:
@@ -70,13 +81,15 @@ def _redact_one(url: str) -> str:
 
 
 def check_redis_url(url: object, what: str = "MQORDER_REDIS_URL") -> str:
-    """A store URL: one Redis (``redis://``, ``rediss://``, ``unix://``) or a Sentinel deployment
-    (``redis+sentinel://``, ``rediss+sentinel://``, parsed here so a malformed one stops the start)."""
+    """A store URL: one Redis (``redis://``, ``rediss://``, ``unix://``), a Sentinel deployment
+    (``redis+sentinel://``, ``rediss+sentinel://``) or a Redis Cluster (``redis+cluster://``,
+    ``rediss+cluster://``); the last two are parsed here so a malformed one stops the start."""
     if not isinstance(url, str) or not url:
-        raise ConfigError(f"{what} must be a non-empty redis://, rediss:// or redis+sentinel:// URL, got {url!r}")
-    if is_sentinel_url(url):
+        raise ConfigError(f"{what} must be a non-empty redis://, rediss://, redis+sentinel:// or redis+cluster:// "
+                          f"URL, got {url!r}")
+    if is_sentinel_url(url) or is_cluster_url(url):
         try:
-            parse_sentinel_url(url)
+            parse_sentinel_url(url) if is_sentinel_url(url) else parse_cluster_url(url)
         except ConfigError as exc:
             raise ConfigError(f"{what}: {exc}") from None
         return url
@@ -84,7 +97,8 @@ def check_redis_url(url: object, what: str = "MQORDER_REDIS_URL") -> str:
     if scheme not in _SCHEMES:
         raise ConfigError(
             f"{what}={redact_url(url)!r} has scheme {scheme!r}; use redis://host:port/db, "
-            "rediss:// for TLS, unix:///path/to/socket, or a Sentinel deployment: " + URL_FORM
+            f"rediss:// for TLS, unix:///path/to/socket, a Sentinel deployment: {URL_FORM}, "
+            f"or a Redis Cluster: {CLUSTER_URL_FORM}"
         )
     return url
 
@@ -100,10 +114,29 @@ def celery_transport(url: str) -> Literal["redis", "amqp"]:
 _KINDS = ("Redis", "Redis Sentinel", "RabbitMQ")
 
 
+def cluster_celery_broker_error(url: str, what: str = "MQORDER_CELERY_BROKER_URL") -> ConfigError:
+    """Why Celery's broker cannot be a Redis Cluster, and the three ways out.
+
+    kombu has no cluster transport: its Redis transport polls all of a worker's queues with one
+    multi-key ``BRPOP`` and moves unacked messages with ``MULTI``/``EXEC`` over keys of many slots,
+    which a cluster refuses (``CROSSSLOT``). Said when the settings or the Celery app are
+    configured, not at the first task a worker would have failed to fetch.
+    """
+    return ConfigError(
+        f"{what} {redact_url(url)!r} is a Redis Cluster, and Celery's broker cannot run on one: kombu has no "
+        "Redis Cluster transport (its Redis transport reads every queue with one multi-key BRPOP and uses "
+        "MULTI over keys in many hash slots, which a cluster refuses with CROSSSLOT). Keep MQORDER_REDIS_URL "
+        "on the cluster (mqorder's store) and set MQORDER_CELERY_BROKER_URL to a plain Redis "
+        "(redis://host:6379/0), a Sentinel deployment (redis+sentinel://host:26379,host:26380/<master-name>) "
+        "or RabbitMQ (amqp://user:password@host:5672/vhost): it carries only mqorder's small tasks"
+    )
+
+
 def check_celery_broker_url(url: object, what: str = "MQORDER_CELERY_BROKER_URL") -> str:
     """Celery's own broker: Redis (as the store) or RabbitMQ. Only ``consume_request``,
     ``rebalance`` and ``lock_all`` tasks travel there; messages, locks and offsets stay in Redis.
-    Every URL of a kombu failover list is checked, and all of them must be of one kind.
+    Every URL of a kombu failover list is checked, and all of them must be of one kind. A Redis
+    Cluster is refused (``cluster_celery_broker_error``).
 
     Redis under Sentinel is either mqorder's own form (``redis+sentinel://h1,h2/<master>``, one
     URL) or kombu's (``sentinel://h1:26379;sentinel://h2:26379``, whose master name comes from
@@ -116,6 +149,8 @@ def check_celery_broker_url(url: object, what: str = "MQORDER_CELERY_BROKER_URL"
         return check_redis_url(url, what)
     kinds = set()
     for one in _FAILOVER_SEP.split(url):
+        if is_cluster_url(one):
+            raise cluster_celery_broker_error(url, what)
         scheme = urlsplit(one).scheme
         if scheme in AMQP_SCHEMES:
             kinds.add("RabbitMQ")

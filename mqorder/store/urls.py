@@ -23,7 +23,10 @@ failover) but the Sentinels' addresses and the name they monitor the primary und
 
 This module parses only (no Redis connection, no Celery): ``mqorder.store.connect`` builds clients
 from a :class:`SentinelURL`, ``mqorder.celery.broker`` derives kombu's ``sentinel://`` transport
-from it, and ``mqorder doctor`` reads it to check every Sentinel.
+from it, and ``mqorder doctor`` reads it to check every Sentinel. Its pieces (a host list, the
+credentials, the query, the TLS flag) are shared with ``mqorder.store.cluster_urls`` (Redis
+Cluster URLs have the same netloc and query rules), each taking the caller's ``refuse`` so an
+error shows the form of the URL the user meant to write.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from __future__ import annotations
 import ipaddress
 import math
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from urllib.parse import parse_qsl, quote, unquote, urlsplit
 
@@ -118,6 +122,10 @@ def is_sentinel_url(url: object) -> bool:
     return bool(sep) and scheme.lower() in SENTINEL_SCHEMES
 
 
+#: Builds the error for a bad part of ``url``: ``refuse(url, what is wrong)``.
+Refuse = Callable[[str, str], ConfigError]
+
+
 def _refuse(url: str, what: str) -> ConfigError:
     return ConfigError(f"bad Sentinel URL {redact_sentinel_url(url)!r}: {what}. The form is {URL_FORM}")
 
@@ -152,44 +160,102 @@ def redact_sentinel_url(url: str) -> str:
     return f"{head}://{netloc}{tail}"
 
 
-def _host_port(url: str, item: str) -> tuple[str, int]:
+def _host_port(url: str, item: str, *, refuse: Refuse = _refuse, default_port: int = DEFAULT_SENTINEL_PORT,
+               role: str = "Sentinel") -> tuple[str, int]:
+    """One ``host[:port]`` of a host list (``[addr]:port`` for IPv6); ``default_port`` without one."""
     item = item.strip()
     if not item:
-        raise _refuse(url, "an empty host in the Sentinel list (two commas, or a comma at an end)")
+        raise refuse(url, f"an empty host in the {role} list (two commas, or a comma at an end)")
     if item.startswith("["):
         host, close, rest = item[1:].partition("]")
         if not close:
-            raise _refuse(url, f"host {item!r} opens '[' without closing it")
+            raise refuse(url, f"host {item!r} opens '[' without closing it")
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
-            raise _refuse(url, f"host {item!r} is not a bracketed IPv6 address") from None
+            raise refuse(url, f"host {item!r} is not a bracketed IPv6 address") from None
         if rest and not rest.startswith(":"):
-            raise _refuse(url, f"host {item!r} has {rest!r} after the address; write [addr]:port")
+            raise refuse(url, f"host {item!r} has {rest!r} after the address; write [addr]:port")
         port_text = rest[1:] if rest else None
     else:
         if item.count(":") > 1:
-            raise _refuse(url, f"host {item!r}: write an IPv6 address in brackets, [addr]:port")
+            raise refuse(url, f"host {item!r}: write an IPv6 address in brackets, [addr]:port")
         host, colon, port_text_ = item.partition(":")
         port_text = port_text_ if colon else None
         if not host:
-            raise _refuse(url, f"host {item!r} has a port but no host name")
+            raise refuse(url, f"host {item!r} has a port but no host name")
     if port_text is None:
-        return host, DEFAULT_SENTINEL_PORT
+        return host, default_port
     if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-        raise _refuse(url, f"host {item!r} has bad port {port_text!r}; a port is 1-65535 "
-                           f"(Sentinel's is {DEFAULT_SENTINEL_PORT}, the default)")
+        raise refuse(url, f"host {item!r} has bad port {port_text!r}; a port is 1-65535 "
+                          f"({role}'s is {default_port}, the default)")
     return host, int(port_text)
 
 
-def _seconds(url: str, key: str, value: str) -> float:
+def _seconds(url: str, key: str, value: str, *, refuse: Refuse = _refuse) -> float:
     try:
         s = float(value)
     except ValueError:
         s = math.nan
     if not math.isfinite(s) or s <= 0:
-        raise _refuse(url, f"{key}={value!r} is not a positive number of seconds")
+        raise refuse(url, f"{key}={value!r} is not a positive number of seconds")
     return s
+
+
+def _credentials(url: str, netloc: str, *, refuse: Refuse = _refuse) -> tuple[str | None, str | None, str]:
+    """``(username, password, host list)`` of a netloc (``[[user]:password@]hosts``), unquoted.
+
+    urlsplit's ``hostname``/``port`` understand one host only, so the list is split here."""
+    userinfo, at, hostlist = netloc.rpartition("@")
+    username: str | None = None
+    password: str | None = None
+    if at:
+        user, colon, pw = userinfo.partition(":")
+        username = unquote(user) or None
+        password = unquote(pw) if colon else None
+        if not colon and username is not None:
+            # redis-py reads "redis://secret@host" as a password-only URL; be as explicit as the
+            # form: a lone userinfo is ambiguous, so refuse it instead of guessing.
+            raise refuse(url, "credentials without ':' are ambiguous; write ':password@' "
+                              "(password only) or 'user:password@'")
+    return username, password, hostlist
+
+
+def _query(url: str, query: str, allowed: tuple[str, ...], *, refuse: Refuse = _refuse) -> dict[str, str]:
+    """The query as a dict; an unknown or repeated parameter is refused (a misspelt one silently
+    ignored would surface much later as a different error)."""
+    out: dict[str, str] = {}
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, strict_parsing=bool(query))
+    except ValueError:
+        raise refuse(url, "the query is not key=value pairs joined by '&'") from None
+    for key, value in pairs:
+        if key not in allowed:
+            raise refuse(url, f"unknown query parameter {key!r}; allowed: {', '.join(allowed)}")
+        if key in out:
+            raise refuse(url, f"query parameter {key!r} is given twice")
+        out[key] = value
+    return out
+
+
+def _tls(url: str, scheme: str, tls_scheme: str, query: dict[str, str], *, refuse: Refuse = _refuse) -> bool:
+    """TLS from the scheme (``tls_scheme`` means TLS) and the query's ``ssl``, which may not contradict it."""
+    ssl = scheme == tls_scheme
+    if "ssl" in query:
+        flag = query["ssl"].lower()
+        if flag not in _TRUE + _FALSE:
+            raise refuse(url, f"ssl={query['ssl']!r} is not true or false")
+        if ssl and flag in _FALSE:
+            raise refuse(url, f"{tls_scheme}:// means TLS, but the query says ssl=false")
+        ssl = flag in _TRUE
+    return ssl
+
+
+def _timeouts(url: str, query: dict[str, str], *, refuse: Refuse = _refuse) -> tuple[float | None, float | None]:
+    """``(socket_timeout, socket_connect_timeout)`` from the query (``None``: not given)."""
+    t, ct = (_seconds(url, key, query[key], refuse=refuse) if key in query else None
+             for key in ("socket_timeout", "socket_connect_timeout"))
+    return t, ct
 
 
 def parse_sentinel_url(url: str, *, sentinel_password: str | None = None) -> SentinelURL:
@@ -210,19 +276,7 @@ def parse_sentinel_url(url: str, *, sentinel_password: str | None = None) -> Sen
     if parts.fragment:
         raise _refuse(url, f"unexpected fragment '#{parts.fragment}'")
     scheme = parts.scheme.lower()
-    # netloc: urlsplit's hostname/port understand one host only; split the list ourselves.
-    userinfo, at, hostlist = parts.netloc.rpartition("@")
-    username: str | None = None
-    password: str | None = None
-    if at:
-        user, colon, pw = userinfo.partition(":")
-        username = unquote(user) or None
-        password = unquote(pw) if colon else None
-        if not colon and username is not None:
-            # redis-py reads "redis://secret@host" as a password-only URL; be as explicit as the
-            # form: a lone userinfo is ambiguous, so refuse it instead of guessing.
-            raise _refuse(url, "credentials without ':' are ambiguous; write ':password@' "
-                               "(password only) or 'user:password@'")
+    username, password, hostlist = _credentials(url, parts.netloc)
     if not hostlist:
         raise _refuse(url, "no Sentinel host; name at least one host:port")
     sentinels = tuple(_host_port(url, item) for item in hostlist.split(","))
@@ -246,26 +300,9 @@ def parse_sentinel_url(url: str, *, sentinel_password: str | None = None) -> Sen
             raise _refuse(url, f"db {segments[1]!r} is not a non-negative integer")
         db = int(segments[1])
 
-    query: dict[str, str] = {}
-    try:
-        pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
-    except ValueError:
-        raise _refuse(url, "the query is not key=value pairs joined by '&'") from None
-    for key, value in pairs:
-        if key not in QUERY_PARAMS:
-            raise _refuse(url, f"unknown query parameter {key!r}; allowed: {', '.join(QUERY_PARAMS)}")
-        if key in query:
-            raise _refuse(url, f"query parameter {key!r} is given twice")
-        query[key] = value
-
-    ssl = scheme == "rediss+sentinel"
-    if "ssl" in query:
-        flag = query["ssl"].lower()
-        if flag not in _TRUE + _FALSE:
-            raise _refuse(url, f"ssl={query['ssl']!r} is not true or false")
-        if ssl and flag in _FALSE:
-            raise _refuse(url, "rediss+sentinel:// means TLS, but the query says ssl=false")
-        ssl = flag in _TRUE
+    query = _query(url, parts.query, QUERY_PARAMS)
+    ssl = _tls(url, scheme, "rediss+sentinel", query)
+    socket_timeout, socket_connect_timeout = _timeouts(url, query)
     s_password = query.get("sentinel_password")
     if s_password is None:
         s_password = sentinel_password if sentinel_password is not None else os.environ.get(SENTINEL_PASSWORD_ENV)
@@ -278,9 +315,8 @@ def parse_sentinel_url(url: str, *, sentinel_password: str | None = None) -> Sen
         sentinel_username=query.get("sentinel_username") or None,
         sentinel_password=s_password or None,
         ssl=ssl,
-        socket_timeout=_seconds(url, "socket_timeout", query["socket_timeout"]) if "socket_timeout" in query else None,
-        socket_connect_timeout=(_seconds(url, "socket_connect_timeout", query["socket_connect_timeout"])
-                                if "socket_connect_timeout" in query else None),
+        socket_timeout=socket_timeout,
+        socket_connect_timeout=socket_connect_timeout,
     )
 
 

@@ -21,6 +21,7 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:rebalance:seen:<crc>                    STR   one worker reacts to a membership change
     mqorder:topology                                STR   version: bumped by a new topic or subscription
     mqorder:wake:<client>                           CHAN  pub/sub: "a queue of yours has new messages"
+    mqorder:wake:{t:b:q}:<client>                   SCHAN the same on a Redis Cluster: a shard channel per queue
     mqorder:nudge:<client>                          STREAM "a request waits for a slot": ends lingering reads
     mqorder:stats:<sub>                             HASH  <queue key>#<counter> -> per-queue consume count
     mqorder:ledger:<group>                          STREAM consumption ledger (opt-in), one per broker
@@ -140,6 +141,24 @@ def topology_version() -> str:
 
 def wake_channel(client_id: str) -> str:
     return f"{PREFIX}:wake:{client_id}"
+
+
+def wake_prefix(tag: str | None = None) -> str:
+    """What the append scripts put before the owner's client id to name its wake-up channel.
+
+    On a plain Redis, ``mqorder:wake:`` (``wake_channel``: one channel per client, classic
+    ``PUBLISH``). On a Redis Cluster, ``mqorder:wake:{t:b:q}:`` with the queue's hash tag: the
+    channel of one client *for one queue*, a shard channel in the queue's own slot, published
+    with ``SPUBLISH`` (``publish_wake`` in ``_append.lua`` picks it by the brace) on the shard that
+    holds the queue. A classic ``PUBLISH`` on a cluster is forwarded to every node; a shard
+    channel stays on its shard, so a wake-up costs one shard, not all of them.
+    """
+    return f"{PREFIX}:wake:" if tag is None else f"{PREFIX}:wake:{tag}:"
+
+
+def shard_wake_channel(tag: str, client_id: str) -> str:
+    """The shard channel ``client_id`` subscribes (``SSUBSCRIBE``) to for the queue of ``tag``."""
+    return wake_prefix(tag) + client_id
 
 
 def linger_nudge(client_id: str) -> str:

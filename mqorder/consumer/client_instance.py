@@ -35,9 +35,10 @@ import redis
 from mqorder import keys
 from mqorder.backoff import Backoff
 from mqorder.consumer.listener import registered_listeners
+from mqorder.consumer.shard_wake import ShardWakeListener
 from mqorder.errors import EvictionPolicyError
 from mqorder.metrics import worker as worker_metrics
-from mqorder.model import MessageModel
+from mqorder.model import MessageModel, MessageQueue
 from mqorder.names import check_client_id
 from mqorder.rebalance.membership import ClientDetails, Subscription, redis_now_ms
 from mqorder.rebalance.service import REBALANCE_MUTEX_WAIT_S, Dispatch, RebalanceService
@@ -110,6 +111,13 @@ class ClientInstance:
         #: A rebalance this client took on was skipped (mutex held): try again at the next heartbeat.
         self._rebalance_owed = False
         self._registered = False
+        #: Wake-ups on Redis Cluster brokers arrive over sharded pub/sub, per queue
+        #: (``mqorder.consumer.shard_wake``); None when no broker is a cluster.
+        self.shard_wake: ShardWakeListener | None = None
+        if any(self.brokers.get(n).is_cluster for n in self.brokers.names):
+            self.shard_wake = ShardWakeListener(
+                self.brokers, client_id, self._owned_queues,
+                lambda w: self.dispatch(w.sub, w.mq_key, w.token, self.client_id), self._stop)
 
     # -- lifecycle -------------------------------------------------------------------------------
 
@@ -126,9 +134,16 @@ class ClientInstance:
             )
         # Listen for wake-ups before taking any queue: a message sent the moment a queue is
         # assigned must find somebody subscribed.
-        wake = threading.Thread(target=self._wake_loop, name=f"mqorder-wake-{self.client_id}", daemon=True)
-        wake.start()
-        self._threads.append(wake)
+        if self.shard_wake is not None:
+            swake = threading.Thread(target=self.shard_wake.run, name=f"mqorder-swake-{self.client_id}", daemon=True)
+            swake.start()
+            self._threads.append(swake)
+        if self.brokers.default.is_cluster:
+            self._subscribed.set()  # every wake-up of a cluster store is sharded (above)
+        else:
+            wake = threading.Thread(target=self._wake_loop, name=f"mqorder-wake-{self.client_id}", daemon=True)
+            wake.start()
+            self._threads.append(wake)
         self._subscribed.wait(WAKE_SUBSCRIBE_WAIT_S)
         try:
             self._register()
@@ -201,12 +216,18 @@ class ClientInstance:
 
     # -- duties ----------------------------------------------------------------------------------
 
+    def _owned_queues(self) -> list[MessageQueue]:
+        """Every queue the last rebalance assigned to this client, over all its lanes."""
+        return [mq for sub in self.lanes for mq in self.service.assigned_queues(sub, self.client_id)]
+
     def _rebalance_now(self, wait_s: float = REBALANCE_MUTEX_WAIT_S) -> bool:
         """Rebalance now; False when it was skipped (the mutex stayed held for ``wait_s``)."""
         report = self.service.rebalance(wait_s)
         if report.skipped:
             return False
         worker_metrics.rebalanced(report)
+        if self.shard_wake is not None:
+            self.shard_wake.poke()
         self._dispatch_all(report.dispatches)
         log.info(
             "mqorder: rebalance by %s: %d clients, %d dead, %d queues assigned, %d moved, %d busy, %.1f ms",

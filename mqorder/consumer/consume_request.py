@@ -200,7 +200,7 @@ class ConsumeRequest(LingeringReads):
         if seen.get((self.sub, self.mq.key)) == self.epoch:
             return True
         rw = self.engine.replica_wait
-        n = rw.wanted(self.broker)
+        n = rw.wanted(self.broker, self.mq.tag)
         if n and rw.wait(lambda cmd: self.lease.round_trip([cmd])[0], n) < n:
             log.warning(
                 "epoch %d of %s for %s is not on %d replica(s) after %d ms (WAIT); not consuming under "
@@ -533,7 +533,7 @@ class ConsumeRequest(LingeringReads):
 
         res, read = commit_pipelined(self.scripts, self.lease, script, keys_, args, self.ledger, queue_reads)
         if sliced:
-            return res, Slice(read[0], read[1])
+            return res, Slice(*self._slice_replies(read))
         return res, read[0] if pull else []
 
     def _flush_ledger(self) -> None:

@@ -114,9 +114,10 @@ class ConsumerState:
         """A watch over the other idle queues of ``sub`` on ``mq``'s broker, for a lingering request
         (None when lingering on other queues is off)."""
         s = self.settings
-        if not s.consume_linger_idle_queues:
-            return None
         broker = self.brokers.get(mq.broker_name)
+        if not s.consume_linger_idle_queues or broker.is_cluster:
+            # On a Redis Cluster one blocking read cannot span the slots of several queues.
+            return None
         group = keys.group_of_sub(sub)
 
         def watchable() -> list[MessageQueue]:

@@ -30,6 +30,9 @@ log = logging.getLogger(__name__)
 #: ``mqorder.consumer.nudge``); the slice bounds how late a missed nudge or a reassignment of the
 #: queue is noticed.
 LINGER_SLICE_S = 0.1
+#: Entries of the nudge stream a lingering read takes at once (only the newest id matters, and
+#: "went idle" entries that adopt queues are not used on a Redis Cluster).
+NUDGE_READ_COUNT = 16
 
 
 class LingeringReads:
@@ -83,7 +86,7 @@ class LingeringReads:
             pipe = RawPipeline(self.lease)
             if not self._queue_slice(pipe, until):
                 return NOTHING
-            reply, state = pipe.execute()
+            reply, state = self._slice_replies(pipe.execute())
             pulled = self._slice_result(reply, state)
             if pulled.kind is not PullKind.WAIT:
                 return pulled
@@ -103,19 +106,43 @@ class LingeringReads:
         if left <= 0 or not self.engine.may_linger():
             return False
         self.engine.note_lingering(True)
+        last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
+        block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
+        if self.lease.on_cluster:
+            # One blocking read may only name keys of one slot on a Redis Cluster: it blocks on this
+            # queue alone (no adopted queues: ``ConsumerState.idle_watch``), and the client's nudge
+            # stream, in a slot of its own, is read without blocking in the same round trip. A
+            # nudge is then seen within a slice or two (LINGER_SLICE_S) instead of at once.
+            pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", self.k_log, last_id)
+            pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
+            pipe.execute_command("XREAD", "COUNT", NUDGE_READ_COUNT, "STREAMS", keys.linger_nudge(self.client_id),
+                                 self.engine.nudge_seen)
+            return True
         if self.watch is None:
             self.watch = self.engine.idle_watch(self.sub, self.mq)
-        last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
         names, ids = [self.k_log, keys.linger_nudge(self.client_id)], [last_id, self.engine.nudge_seen]
         if self.watch is not None:
             self.watch.refresh(self.mq, self.lease)  # its own round trip, at most every ADOPT_REFRESH_S
             more, more_ids = self.watch.streams(self.mq)
             names += more
             ids += more_ids
-        block_ms = max(1, int(min(left, LINGER_SLICE_S) * 1000))
         pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", *names, *ids)
         pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
         return True
+
+    def _slice_replies(self, replies: list[Any]) -> tuple[Any, Any]:
+        """(stream read, queue state) of a lingering read's replies (``_queue_slice``). On a Redis
+        Cluster the nudge stream came in a read of its own, merged here into the stream read."""
+        if not self.lease.on_cluster:
+            return replies[0], replies[1]
+        read, state, nudges = replies[0], replies[1], replies[2]
+        if not nudges:
+            return read, state
+        if isinstance(read, dict) or isinstance(nudges, dict):
+            merged = dict(read.items()) if isinstance(read, dict) else {k: v for k, v in read or []}
+            merged.update(nudges.items() if isinstance(nudges, dict) else {k: v for k, v in nudges})
+            return merged, state
+        return [*(read or []), *nudges], state
 
     def _slice_result(self, reply: Any, state: list[Any]) -> Pull:
         """What one lingering read (``_queue_slice``) brought: messages of this queue, a switch to

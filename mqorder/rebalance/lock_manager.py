@@ -38,6 +38,10 @@ DEFAULT_LOCK_MAX_LIVE_TIME_MS: int = Settings.model_fields["lock_max_live_time_m
 DEFAULT_PENDING_TTL_MS: int = Settings.model_fields["pending_ttl_ms"].default
 
 
+def _tag(mq: MessageQueue) -> str:
+    return mq.tag
+
+
 @dataclass(frozen=True)
 class LockEntry:
     owner: str
@@ -72,43 +76,48 @@ class RebalanceLockManager:
         """Lock what can be locked; return the locked queues with their epochs.
 
         Renews the caller's own locks, takes free or expired ones (new epoch) unless assigned to
-        someone else, refuses live locks of other clients. One script call per broker.
+        someone else, refuses live locks of other clients. One round trip per broker: one script
+        call, or on a Redis Cluster one per hash slot, sent to every shard at once.
         """
         locked: dict[MessageQueue, int] = {}
         for broker_name, group_mqs in group_by_broker(mqs).items():
             broker = self.brokers.get(broker_name)
-            lock_keys = [keys.sub_state(mq.tag, sub) for mq in group_mqs]
-            lock_args = [client_id, self.lock_max_live_time_ms]
-            wanted = self.replica_wait.wanted(broker) if self.replica_wait is not None else 0
-            acked = wanted
-            if wanted:
+            batches = broker.slot_batches(group_mqs, _tag)
+            calls = [([keys.sub_state(mq.tag, sub) for mq in b], [client_id, self.lock_max_live_time_ms])
+                     for b in batches]
+            wanted = [self.replica_wait.wanted(broker, b[0].tag) if self.replica_wait is not None else 0
+                      for b in batches]
+            if any(wanted):
                 assert self.replica_wait is not None
-                epochs, acked = self._lock_and_wait(broker, lock_keys, lock_args, wanted, self.replica_wait.timeout_ms)
+                replies = self._lock_and_wait(broker, calls, wanted, self.replica_wait.timeout_ms)
             else:
-                epochs = broker.scripts.lock_batch(keys=lock_keys, args=lock_args)
-            for mq, epoch in zip(group_mqs, epochs, strict=True):
-                epoch = int(epoch)
-                if not epoch:
-                    continue
-                if int(acked) >= wanted:
-                    self._replicated[(sub, mq)] = epoch
-                elif self._replicated.get((sub, mq)) != epoch:
-                    continue  # a new grant no replica holds yet: not used until one does
-                locked[mq] = epoch
+                replies = [(epochs, 0) for epochs in broker.scripts.run_pipelined("lock_batch", calls)]
+            for b, want, (epochs, acked) in zip(batches, wanted, replies, strict=True):
+                for mq, epoch in zip(b, epochs, strict=True):
+                    epoch = int(epoch)
+                    if not epoch:
+                        continue
+                    if int(acked) >= want:
+                        self._replicated[(sub, mq)] = epoch
+                    elif self._replicated.get((sub, mq)) != epoch:
+                        continue  # a new grant no replica holds yet: not used until one does
+                    locked[mq] = epoch
         return locked
 
     @staticmethod
-    def _lock_and_wait(broker: Broker, lock_keys: list[str], lock_args: list[Any], wanted: int,
-                       timeout_ms: int) -> tuple[list[Any], int]:
-        """``lock_batch.lua`` with ``WAIT`` behind it in the same round trip: WAIT counts what its own
-        connection wrote. After ``NOSCRIPT`` (a restarted or promoted Redis) nothing ran: load, resend."""
+    def _lock_and_wait(broker: Broker, calls: list[tuple[list[str], list[Any]]], wanted: list[int],
+                       timeout_ms: int) -> list[tuple[list[Any], int]]:
+        """``lock_batch.lua`` with ``WAIT`` behind each call in the same round trip: WAIT counts what
+        its own connection wrote (on a cluster, the connection to that batch's shard). After
+        ``NOSCRIPT`` (a restarted or promoted Redis) nothing ran: load, resend."""
         for attempt in (0, 1):
             pipe = RawPipeline(broker.client)
-            broker.scripts.queue_in(pipe, "lock_batch", lock_keys, lock_args)
-            pipe.execute_command("WAIT", wanted, timeout_ms)
+            for (kl, args), want in zip(calls, wanted, strict=True):
+                broker.scripts.queue_in(pipe, "lock_batch", kl, args)
+                pipe.execute_command("WAIT", want, timeout_ms if want else 0)
             try:
-                epochs, acked = pipe.execute()
-                return list(epochs), int(acked)
+                out = pipe.execute()
+                return [(list(out[i]), int(out[i + 1])) for i in range(0, len(out), 2)]
             except redis.exceptions.NoScriptError:
                 if attempt:
                     raise
@@ -122,11 +131,12 @@ class RebalanceLockManager:
         unlocked: set[MessageQueue] = set()
         for broker_name, group_mqs in group_by_broker(mqs).items():
             broker = self.brokers.get(broker_name)
-            res = broker.scripts.unlock_batch(
-                keys=[keys.sub_state(mq.tag, sub) for mq in group_mqs],
-                args=[client_id, "1" if force else "0"],
-            )
-            unlocked.update(mq for mq, r in zip(group_mqs, res, strict=True) if int(r))
+            batches = broker.slot_batches(group_mqs, _tag)
+            replies = broker.scripts.run_pipelined("unlock_batch", [
+                ([keys.sub_state(mq.tag, sub) for mq in b], [client_id, "1" if force else "0"]) for b in batches
+            ])
+            for b, res in zip(batches, replies, strict=True):
+                unlocked.update(mq for mq, r in zip(b, res, strict=True) if int(r))
         return unlocked
 
     def lock_entry(self, sub: str, mq: MessageQueue) -> LockEntry:
@@ -158,18 +168,22 @@ class RebalanceLockManager:
     ) -> dict[MessageQueue, str]:
         """Apply a rebalance: ``(mq, assignee, token)`` triples; returns each queue's outcome."""
         out: dict[MessageQueue, str] = {}
-        for broker_name, items in group_by_broker(assignment, lambda item: item[0]).items():
+        for broker_name, group in group_by_broker(assignment, lambda item: item[0]).items():
             broker = self.brokers.get(broker_name)
-            kl: list[str] = []
-            args: list[object] = [self.lock_max_live_time_ms, pending_ttl_ms, len(dead_clients), *dead_clients]
-            for mq, assignee, token in items:
-                kl.append(keys.sub_state(mq.tag, sub))
-                kl.append(keys.queue_next(mq.tag))
-                args.append(assignee)
-                args.append(token)
-            res = broker.scripts.assign(keys=kl, args=args)
-            for (mq, _, _), r in zip(items, res, strict=True):
-                out[mq] = r.decode() if isinstance(r, bytes) else str(r)
+            batches = broker.slot_batches(group, lambda item: item[0].tag)
+            calls = []
+            for items in batches:
+                kl: list[str] = []
+                args: list[object] = [self.lock_max_live_time_ms, pending_ttl_ms, len(dead_clients), *dead_clients]
+                for mq, assignee, token in items:
+                    kl.append(keys.sub_state(mq.tag, sub))
+                    kl.append(keys.queue_next(mq.tag))
+                    args.append(assignee)
+                    args.append(token)
+                calls.append((kl, args))
+            for items, res in zip(batches, broker.scripts.run_pipelined("assign", calls), strict=True):
+                for (mq, _, _), r in zip(items, res, strict=True):
+                    out[mq] = r.decode() if isinstance(r, bytes) else str(r)
         return out
 
     def sweep(
@@ -187,13 +201,17 @@ class RebalanceLockManager:
         lease lapsed mid-run is fenced with a new epoch. One ``sweep.lua`` call per broker.
         """
         out: list[Redispatch] = []
-        for broker_name, items in group_by_broker(candidates, lambda item: item[0]).items():
+        for broker_name, group in group_by_broker(candidates, lambda item: item[0]).items():
             broker = self.brokers.get(broker_name)
-            kl: list[str] = []
-            for mq, _ in items:
-                kl += [keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)]
-            res = broker.scripts.sweep(keys=kl, args=[client_id, pending_ttl_ms, *(tok for _, tok in items)])
-            for i in range(0, len(res), 3):
-                mq = items[int(res[i]) - 1][0]
-                out.append(Redispatch(mq, res[i + 1].decode(), res[i + 2].decode()))
+            batches = broker.slot_batches(group, lambda item: item[0].tag)
+            calls = []
+            for items in batches:
+                kl: list[str] = []
+                for mq, _ in items:
+                    kl += [keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)]
+                calls.append((kl, [client_id, pending_ttl_ms, *(tok for _, tok in items)]))
+            for items, res in zip(batches, broker.scripts.run_pipelined("sweep", calls), strict=True):
+                for i in range(0, len(res), 3):
+                    mq = items[int(res[i]) - 1][0]
+                    out.append(Redispatch(mq, res[i + 1].decode(), res[i + 2].decode()))
         return out

@@ -191,7 +191,7 @@ class StagingArea:
         kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag), keys.stage_cursor(tag, self.job)]
         kl.extend(keys.stage_run(tag, self.job, r) for r in runs)
         kl.extend(state_keys)
-        args: list[Any] = [len(runs), chunk, self.appender.pending_ttl_ms, keys.wake_channel(""), *runs, *wake_args]
+        args: list[Any] = [len(runs), chunk, self.appender.pending_ttl_ms, self.appender.wake_prefix(mq), *runs, *wake_args]
         return kl, args
 
     def check_replicas(self, wait: SendWait, indexes: Iterable[int]) -> None:

@@ -189,6 +189,11 @@ class QueueAppender:
                 args.append(WakeUp(s, mq_key, t).encode())
         return state_keys, args
 
+    def wake_prefix(self, mq: MessageQueue) -> str:
+        """The wake channel prefix for ``mq``'s append scripts: a shard channel of the queue's slot
+        on a Redis Cluster, the per-client channel elsewhere (``mqorder.keys.wake_prefix``)."""
+        return keys.wake_prefix(mq.tag if self.brokers.get(mq.broker_name).is_cluster else None)
+
     def _send_call(self, req: AppendRequest) -> tuple[list[str], list[Any]]:
         """Keys and arguments of ``send.lua`` for one request."""
         mq = req.mq
@@ -211,7 +216,7 @@ class QueueAppender:
                 args.append(h)
                 args.append(b)
         args.append(self.pending_ttl_ms)
-        args.append(keys.wake_channel(""))
+        args.append(self.wake_prefix(mq))
         args.extend(wake_args)
         return kl, args
 

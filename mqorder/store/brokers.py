@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import re
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar, cast, overload
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.crc import key_slot
 
 from mqorder.errors import BrokerUnavailableError, ConfigError
 from mqorder.model import MessageQueue
 from mqorder.names import check_name
+from mqorder.store.cluster_route import ClusterClient
 from mqorder.store.cluster_urls import (
     CLUSTER_SCHEMES,
     CLUSTER_URL_FORM,
@@ -244,6 +246,31 @@ class Broker:
         self.client.set_response_callback("XRANGE", _raw_reply)
         self.client.set_response_callback("XREAD", _raw_reply)
         self.scripts = Scripts(self.client)
+
+    @property
+    def is_cluster(self) -> bool:
+        """Whether this broker is a Redis Cluster (``redis+cluster://``)."""
+        return isinstance(self.client, ClusterClient)
+
+    def slot_batches(self, items: Sequence[T], tag_of: Callable[[T], str]) -> list[list[T]]:
+        """``items`` in batches whose keys share one hash slot: one batch on a plain Redis, where a
+        multi-queue script may take any keys; one batch per slot on a cluster, where a script's
+        keys must all be in one slot (``CROSSSLOT``). ``tag_of`` gives an item's hash tag
+        (``MessageQueue.tag``). Callers send every batch's call in one round trip
+        (``Scripts.run_pipelined``): on a cluster it goes out per node, all nodes at once."""
+        if not isinstance(self.client, ClusterClient):
+            return [list(items)] if items else []
+        by_slot: dict[int, list[T]] = {}
+        for item in items:
+            by_slot.setdefault(key_slot(tag_of(item).encode()), []).append(item)
+        return list(by_slot.values())
+
+    def replicas_of(self, tag: str) -> int:
+        """Replicas the cluster's slot map lists for the primary serving ``tag`` (0 off a cluster)."""
+        if not isinstance(self.client, ClusterClient):
+            return 0
+        nodes = self.client.nodes_manager.slots_cache.get(key_slot(tag.encode())) or []
+        return max(0, len(nodes) - 1)
 
     @property
     def safe_url(self) -> str:

@@ -23,13 +23,15 @@ the next one is asked.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import redis
 from redis.backoff import NoBackoff
+from redis.cluster import ClusterNode
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 
+from mqorder.store.cluster_route import ClusterClient
 from mqorder.store.urls import SentinelURL, is_sentinel_url, parse_sentinel_url
 
 #: Upper bound of the socket (and connect) timeout of a connection to a Sentinel, in seconds.
@@ -171,6 +173,29 @@ def _sentinel(parsed: SentinelURL, client_kwargs: dict[str, Any]) -> MqorderSent
                            sentinel_kwargs=_sentinel_kwargs(parsed, _data_kwargs(parsed, client_kwargs)))
 
 
+def connect_cluster(url: str, **client_kwargs: Any) -> ClusterClient:
+    """A ``ClusterClient`` for a ``redis+cluster://`` URL: the listed nodes are only where the
+    slot map is first read; every node of the cluster is then reached as the map says, and a
+    failover or a migration is followed (``mqorder.store.cluster_route``). A partial cluster
+    (``require_full_coverage`` off) still serves the slots whose primaries are up."""
+    from mqorder.store.cluster_urls import parse_cluster_url
+
+    parsed = parse_cluster_url(url)
+    kw = dict(client_kwargs)
+    if parsed.username is not None:
+        kw["username"] = parsed.username
+    if parsed.password is not None:
+        kw["password"] = parsed.password
+    if parsed.ssl:
+        kw["ssl"] = True
+    if parsed.socket_timeout is not None:
+        kw["socket_timeout"] = parsed.socket_timeout
+    if parsed.socket_connect_timeout is not None:
+        kw["socket_connect_timeout"] = parsed.socket_connect_timeout
+    nodes = [ClusterNode(h, p) for h, p in parsed.startup_nodes]
+    return ClusterClient(startup_nodes=nodes, require_full_coverage=False, **kw)
+
+
 def connect(url: str, *, sentinel_password: str | None = None, **client_kwargs: Any) -> redis.Redis:
     """A Redis client for store URL ``url``; ``client_kwargs`` as ``redis.Redis`` takes them.
 
@@ -178,8 +203,13 @@ def connect(url: str, *, sentinel_password: str | None = None, **client_kwargs: 
     module docstring); ``sentinel_password`` is the Sentinels' password when the URL's query names
     none (``mqorder.store.urls.parse_sentinel_url``). No connection is made here: the first
     command connects, so a down Redis is an error of the first command, as with ``from_url``.
-    ``ConfigError`` if ``url`` is a malformed Sentinel URL.
+    ``ConfigError`` if ``url`` is a malformed Sentinel URL. A Redis Cluster URL
+    (``redis+cluster://``) gives a ``ClusterClient`` (``connect_cluster``).
     """
+    from mqorder.store.cluster_urls import is_cluster_url
+
+    if is_cluster_url(url):
+        return cast(redis.Redis, connect_cluster(url, **client_kwargs))
     if not is_sentinel_url(url):
         return redis.Redis.from_url(url, **client_kwargs)
     parsed = parse_sentinel_url(url, sentinel_password=sentinel_password)
@@ -202,6 +232,6 @@ def close(client: redis.Redis) -> None:
     """Close ``client``'s connections and, for a Sentinel client, its connections to the Sentinels
     (``client.close()`` alone leaves those open until garbage collection)."""
     client.close()
-    manager = getattr(client.connection_pool, "sentinel_manager", None)
+    manager = getattr(getattr(client, "connection_pool", None), "sentinel_manager", None)
     if isinstance(manager, Sentinel):
         manager.close()

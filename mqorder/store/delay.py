@@ -90,4 +90,4 @@ class DelayMover:
         state_keys, wake_args = self.appender.wake_tail(mq)
         kl = [keys.delay_schedule(tag), keys.delay_messages(tag), keys.queue_log(tag), keys.queue_next(tag),
               *state_keys]
-        return kl, [MOVE_CHUNK, self.appender.pending_ttl_ms, keys.wake_channel(""), *wake_args]
+        return kl, [MOVE_CHUNK, self.appender.pending_ttl_ms, self.appender.wake_prefix(mq), *wake_args]

@@ -28,18 +28,36 @@ import hiredis
 import redis
 from redis.exceptions import ResponseError
 
+from mqorder.store.cluster_route import ClusterClient, ClusterRoute
+
 
 class ConnectionLease:
-    """One connection of ``client``'s pool, taken at the first round trip and kept until ``release``."""
+    """One connection of ``client``'s pool, taken at the first round trip and kept until ``release``.
 
-    __slots__ = ("_pool", "_conn")
+    On a Redis Cluster (``ClusterClient``) it holds one connection per node instead, and routes
+    each command to its slot's primary (``mqorder.store.cluster_route.ClusterRoute``).
+    """
 
-    def __init__(self, client: redis.Redis) -> None:
-        self._pool = client.connection_pool
+    __slots__ = ("_pool", "_conn", "_route")
+
+    def __init__(self, client: redis.Redis | ClusterClient) -> None:
         self._conn: Any = None
+        if isinstance(client, ClusterClient):
+            self._pool: Any = None
+            self._route: ClusterRoute | None = ClusterRoute(client)
+        else:
+            self._pool = client.connection_pool
+            self._route = None
+
+    @property
+    def on_cluster(self) -> bool:
+        """Whether this lease routes over a Redis Cluster (one slot per multi-key command)."""
+        return self._route is not None
 
     def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` in one write and read every reply (error replies as exceptions, in place)."""
+        if self._route is not None:
+            return self._route.round_trip(commands)
         packed = [b"".join([hiredis.pack_command(c) for c in commands])]
         n = len(commands)
         conn = self._conn
@@ -58,6 +76,9 @@ class ConnectionLease:
 
     def release(self) -> None:
         """Give the connection back to the pool (the lease takes another if used again)."""
+        if self._route is not None:
+            self._route.release()
+            return
         conn, self._conn = self._conn, None
         if conn is not None:
             self._pool.release(conn)
@@ -69,7 +90,7 @@ class RawPipeline:
 
     __slots__ = ("_source", "_commands")
 
-    def __init__(self, source: redis.Redis | ConnectionLease) -> None:
+    def __init__(self, source: redis.Redis | ClusterClient | ConnectionLease) -> None:
         self._source = source
         self._commands: list[tuple[Any, ...]] = []
 

@@ -35,11 +35,16 @@ class ReplicaWait:
     def from_settings(cls, settings: Settings) -> ReplicaWait:
         return cls(settings.lock_wait_replicas, settings.lock_wait_timeout_ms)
 
-    def wanted(self, broker: Broker) -> int:
+    def wanted(self, broker: Broker, tag: str | None = None) -> int:
         """Replicas to wait for on ``broker``: the setting, else 1 behind Sentinel (a Sentinel set
-        exists to fail over to a replica), else 0 (a standalone Redis has none)."""
+        exists to fail over to a replica), else 0 (a standalone Redis has none). On a Redis
+        Cluster, 1 where the primary serving ``tag`` (a queue's hash tag) has a replica in the slot
+        map, the one the cluster would promote; 0 on a shard without replicas, whose WAIT could
+        never be satisfied."""
         if self.replicas is not None:
             return self.replicas
+        if broker.is_cluster:
+            return min(1, broker.replicas_of(tag)) if tag is not None else 0
         return 1 if is_sentinel_url(broker.url) else 0
 
     def wait(self, execute: Callable[[tuple[Any, ...]], Any], n: int) -> int:

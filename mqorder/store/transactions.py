@@ -221,7 +221,7 @@ class HalfStore:
         kl = [keys.queue_log(tag), keys.queue_next(tag), keys.txn_index(tag), keys.txn_half(tag), keys.txn_log(tag),
               *state_keys]
         args: list[Any] = [txid, verdict.value, reason, by, OUTCOME_LOG_LEN, self.appender.pending_ttl_ms,
-                           keys.wake_channel(""), *wake_args]
+                           self.appender.wake_prefix(mq), *wake_args]
         if verdict is not TxnEnd.COMMIT or wait is None or wait.replicas <= 0:
             with translated(broker.name, broker.safe_url, self.timeout, "end transaction"):
                 reply = broker.scripts.txn_end(keys=kl, args=args)

@@ -77,6 +77,16 @@ local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src, wi
   return first, off - first, dups
 end
 
+-- publish_wake(chan, payload): PUBLISH, or SPUBLISH for a shard channel. A channel name with a
+--   hash tag (mqorder.keys.wake_prefix on a Redis Cluster: mqorder:wake:{t:b:q}:<client>) is a
+--   shard channel in the queue's own slot, delivered on this shard only. Returns the receivers.
+local function publish_wake(chan, payload)
+  if string.find(chan, '{', 1, true) then
+    return redis.call('SPUBLISH', chan, payload)
+  end
+  return redis.call('PUBLISH', chan, payload)
+end
+
 -- wake_owners(k0, ttl, chan, base)
 --   KEYS[k0 ..] are the state HASHes of every subscription of the queue; ARGV[base + 1 ...] holds
 --   one (token, payload) pair per state key. The owner of each subscription that has a live lock
@@ -93,7 +103,7 @@ local function wake_owners(k0, ttl, chan, base)
         -- Only a wake-up somebody received makes a request pending: if the owner is not listening
         -- (starting, reconnecting), the queue stays unclaimed and its sweep dispatches it in one
         -- sweep interval instead of waiting out a pending token nobody acts on.
-        if redis.call('PUBLISH', chan .. owner, ARGV[j + 1]) > 0 then
+        if publish_wake(chan .. owner, ARGV[j + 1]) > 0 then
           if tonumber(st[5] or 0) > 0 then
             -- A run claimed this queue and its run lease lapsed (a process paused or killed
             -- mid-run): the next run gets a new epoch, so the lapsed one is fenced even within

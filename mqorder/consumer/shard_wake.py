@@ -1,0 +1,198 @@
+"""``ShardWakeListener``: a client's wake-ups on a Redis Cluster, over sharded pub/sub.
+
+On a plain Redis a client listens on one channel, ``mqorder:wake:<client>``, and the append
+scripts ``PUBLISH`` there. On a cluster a classic ``PUBLISH`` is forwarded over the cluster bus
+to *every* node, so each wake-up would cost every shard. Instead the scripts ``SPUBLISH`` on a
+shard channel in the queue's own slot, ``mqorder:wake:{t:b:q}:<client>``
+(``mqorder.keys.wake_prefix``), which stays on the shard that holds the queue, and the owner
+subscribes (``SSUBSCRIBE``) to the channel of each queue assigned to it, on the primary serving
+that queue's slot.
+
+This listener keeps those subscriptions in step with the assignment: every ``REFRESH_S`` (and at
+once when ``poke``\\d, after a rebalance) it reads the queues assigned to the client
+(``mqorder:assign:<sub>``, the rebalance's read hint) and which primary serves each, and hands each
+node's thread its set of channels. Each node has its own thread and pub/sub connection (a
+``redis.client.PubSub`` belongs to one thread), so a slow or dead node delays no other.
+
+What a lag costs is bounded, never a lost message: a wake-up published while nobody subscribes
+(``SPUBLISH`` answers 0) leaves the queue unclaimed (``wake_owners`` in ``_append.lua``), and the
+owner's sweep dispatches it within a sweep interval. A slot that migrates or fails over unsubscribes
+its channels on the old node (Redis sends ``sunsubscribe``); the next refresh subscribes them on
+the new one.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import redis
+
+from mqorder import keys
+from mqorder.backoff import Backoff
+from mqorder.model import MessageQueue
+from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.cluster_route import ClusterClient
+from mqorder.store.wake import WakeUp
+
+log = logging.getLogger(__name__)
+
+#: How often the subscriptions are reconciled with the assignment (and a dead node's channels
+#: moved to the node now serving their slots).
+REFRESH_S = 1.0
+#: How long a node thread blocks on its connection between two looks at its channel set.
+POLL_S = 0.2
+
+
+class _NodeSubscriber:
+    """One node's sharded subscriptions, held by one thread."""
+
+    def __init__(self, name: str, client: redis.Redis, on_wake: Callable[[WakeUp], object],
+                 stop: threading.Event) -> None:
+        self.name = name
+        self.client = client
+        self.on_wake = on_wake
+        self._stop = stop
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._wanted: set[str] = set()
+        #: Channels the server confirmed (ssubscribe replies) and has not unsubscribed since.
+        self.subscribed: set[str] = set()
+        self.thread = threading.Thread(target=self._loop, name=f"mqorder-swake-{name}", daemon=True)
+        self.thread.start()
+
+    def want(self, channels: set[str]) -> None:
+        with self._lock:
+            self._wanted = set(channels)
+
+    def close(self) -> None:
+        self._done.set()
+
+    def _loop(self) -> None:
+        backoff = Backoff()
+        while not (self._stop.is_set() or self._done.is_set()):
+            pubsub: Any = None
+            try:
+                pubsub = self.client.pubsub()
+                have: set[str] = set()
+                backoff.reset()
+                while not (self._stop.is_set() or self._done.is_set()):
+                    with self._lock:
+                        wanted = set(self._wanted)
+                    new, gone = wanted - have, have - wanted
+                    # One channel per command: the channels of one SSUBSCRIBE must share a slot.
+                    for chan in sorted(new):
+                        pubsub.ssubscribe(chan)
+                    for chan in sorted(gone):
+                        pubsub.sunsubscribe(chan)
+                    have = wanted
+                    if not have:
+                        self._done.wait(POLL_S)
+                        continue
+                    msg = pubsub.get_sharded_message(timeout=POLL_S)
+                    if msg is None:
+                        continue
+                    self._handle(msg, have)
+            except redis.RedisError as exc:
+                self.subscribed.clear()
+                delay = backoff.next()
+                log.warning("mqorder: sharded wake-ups on %s lost (%s); again in %.1fs", self.name, exc, delay)
+                self._done.wait(delay)
+            except Exception:
+                self.subscribed.clear()
+                log.exception("mqorder: sharded wake-up loop on %s failed", self.name)
+                self._done.wait(1.0)
+            finally:
+                if pubsub is not None:
+                    try:
+                        pubsub.close()
+                    except Exception:  # noqa: BLE001
+                        pass
+
+    def _handle(self, msg: dict[str, Any], have: set[str]) -> None:
+        kind = msg.get("type")
+        chan = msg.get("channel")
+        name = chan.decode() if isinstance(chan, bytes) else str(chan)
+        if kind == "ssubscribe":
+            self.subscribed.add(name)
+        elif kind == "sunsubscribe":
+            # Our own unsubscribe, or the server's after its slot moved: the refresh re-homes it.
+            self.subscribed.discard(name)
+            have.discard(name)
+        elif kind == "smessage":
+            try:
+                wake = WakeUp.decode(msg["data"])
+            except ValueError as exc:
+                log.warning("mqorder: ignoring a message on %s: %s", name, exc)
+                return
+            self.on_wake(wake)
+
+
+class ShardWakeListener:
+    """A client's sharded wake-up subscriptions on every Redis Cluster broker."""
+
+    def __init__(self, brokers: BrokerRegistry, client_id: str, owned: Callable[[], list[MessageQueue]],
+                 on_wake: Callable[[WakeUp], object], stop: threading.Event) -> None:
+        self.brokers = brokers
+        self.client_id = client_id
+        self._owned = owned
+        self.on_wake = on_wake
+        self._stop = stop
+        self._poke = threading.Event()
+        self._nodes: dict[tuple[str, str], _NodeSubscriber] = {}
+        #: Set after the first reconcile: the client then listens for what it owned at start.
+        self.ready = threading.Event()
+
+    def poke(self) -> None:
+        """Reconcile now (the assignment just changed), not at the next refresh."""
+        self._poke.set()
+
+    def channels_by_node(self) -> dict[tuple[str, str], tuple[ClusterClient, Any, set[str]]]:
+        """(broker, node name) -> (cluster client, node, shard channels wanted there)."""
+        out: dict[tuple[str, str], tuple[ClusterClient, Any, set[str]]] = {}
+        for mq in self._owned():
+            broker = self.brokers.get(mq.broker_name)
+            client = broker.client
+            if not isinstance(client, ClusterClient):
+                continue
+            node = client.primary_for(mq.tag)
+            entry = out.setdefault((broker.name, node.name), (client, node, set()))
+            entry[2].add(keys.shard_wake_channel(mq.tag, self.client_id))
+        return out
+
+    def reconcile(self) -> None:
+        wanted = self.channels_by_node()
+        for key, (client, node, channels) in wanted.items():
+            sub = self._nodes.get(key)
+            if sub is None:
+                sub = self._nodes[key] = _NodeSubscriber(key[1], client.node_client(node), self.on_wake, self._stop)
+            sub.want(channels)
+        for key in [k for k in self._nodes if k not in wanted]:
+            self._nodes.pop(key).close()
+
+    def subscribed(self) -> set[str]:
+        """Every shard channel a node confirmed (for tests and ``mqorder status``)."""
+        return {c for s in self._nodes.values() for c in s.subscribed}
+
+    def run(self) -> None:
+        """Reconcile until stopped (the client's wake thread)."""
+        backoff = Backoff()
+        while not self._stop.is_set():
+            try:
+                self.reconcile()
+                backoff.reset()
+                self.ready.set()
+                self._poke.wait(REFRESH_S)
+                self._poke.clear()
+            except redis.RedisError as exc:
+                delay = backoff.next()
+                log.warning("mqorder: cannot read the assignment for sharded wake-ups (%s); again in %.1fs",
+                            exc, delay)
+                self._stop.wait(delay)
+            except Exception:
+                log.exception("mqorder: sharded wake-up refresh failed")
+                self._stop.wait(1.0)
+        for sub in self._nodes.values():
+            sub.close()

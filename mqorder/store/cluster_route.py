@@ -1,0 +1,264 @@
+"""Redis Cluster routing for mqorder's lean round trips (``ConnectionLease``, ``RawPipeline``).
+
+On a cluster, every command goes to the primary that serves its key's hash slot. redis-py's
+``RedisCluster`` does that for its own commands and pipelines; mqorder's consume path sends its
+round trips through ``ConnectionLease`` instead (raw ``EVALSHA``\\s packed by hiredis, no
+response callbacks; ``mqorder.store.raw_pipe``), so this module gives that path the same routing:
+
+* **by slot, per node, in one round trip**: the commands of a round trip are grouped by the
+  primary of their key's slot; each node gets its group in one write, *all writes go out before
+  any reply is read*, so a round trip over three shards costs the slowest shard's latency, not
+  the sum. Replies come back in the caller's order. A command without a key (``WAIT``) goes to
+  the node of the command before it: ``WAIT`` counts the replicas that have *that* connection's
+  writes (``mqorder.store.durable``).
+* **MOVED** (a slot migrated, or a failover promoted a replica): the slot map is patched from the
+  redirection (``NodesManager.move_slot``, as redis-py does) and the command sent again to the
+  new owner. A refused command changed nothing, so resending is safe.
+* **ASK** (a slot *being* migrated, the key already on the target): ``ASKING`` then the command,
+  on the target, once. **TRYAGAIN** (a multi-key script whose keys are split between the two
+  nodes for an instant) and **CLUSTERDOWN**: a short pause, then again. All keys of one mqorder
+  queue share one hash tag (``mqorder.keys.queue_tag``), so a queue's state always moves as a
+  whole and its fencing (epochs, leases, offsets) moves with it.
+* a node that cannot be reached: its connections are dropped, the slot map is re-read from the
+  cluster (at most every ``REFRESH_MIN_S``) and a ``ConnectionError`` raised, which every retry
+  loop of mqorder already treats as "Redis is away for a moment": after a cluster failover the
+  next attempt finds the promoted replica.
+
+Only single-slot commands are routed: a multi-key command over keys of several slots is a
+``CROSSSLOT`` error on a cluster whatever the client does, so callers split multi-queue work per
+slot first (``Broker.slot_batches``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import hiredis
+import redis
+from redis.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import AskError, ClusterDownError, MovedError, ResponseError, TryAgainError
+
+#: Redirections (MOVED, ASK) and TRYAGAIN/CLUSTERDOWN answers followed within one round trip
+#: before giving up with the last error.
+MAX_REDIRECTS = 16
+#: Pause before resending a command answered TRYAGAIN or CLUSTERDOWN (a migration or a failover
+#: in progress; both settle in milliseconds to a couple of seconds).
+RETRY_PAUSE_S = 0.05
+#: The slot map is re-read from the cluster at most this often after connection failures (every
+#: thread of a worker sees the same dead node at once).
+REFRESH_MIN_S = 0.25
+
+_SCRIPT_COMMANDS = frozenset({b"EVALSHA", b"EVAL", b"EVALSHA_RO", b"EVAL_RO", b"FCALL", b"FCALL_RO"})
+_STREAM_READS = frozenset({b"XREAD", b"XREADGROUP"})
+_KEYLESS = frozenset({b"WAIT", b"PING", b"ASKING", b"TIME", b"INFO", b"ECHO"})
+
+
+def _upper(name: Any) -> bytes:
+    return (name if isinstance(name, bytes) else str(name).encode()).upper()
+
+
+def _as_bytes(key: Any) -> bytes:
+    if isinstance(key, bytes):
+        return key
+    return str(key).encode()
+
+
+def command_key(args: tuple[Any, ...]) -> bytes | None:
+    """The key that routes command ``args`` (its first key), ``None`` for a command without one."""
+    name = _upper(args[0])
+    if name in _SCRIPT_COMMANDS:
+        return _as_bytes(args[3]) if int(args[2]) > 0 else None
+    if name in _STREAM_READS:
+        for i in range(1, len(args) - 1):
+            if _upper(args[i]) == b"STREAMS":
+                return _as_bytes(args[i + 1])
+        return None
+    if name in _KEYLESS or len(args) < 2:
+        return None
+    return _as_bytes(args[1])
+
+
+class ClusterClient(RedisCluster):
+    """redis-py's ``RedisCluster`` as mqorder's store client on a Redis Cluster.
+
+    Everything redis-py routes (its commands, ``pipeline()``, ``register_script``, ``SCRIPT LOAD``
+    on every primary) is unchanged; ``mqorder.store.raw_pipe`` recognises it and routes its lean
+    round trips with ``ClusterRoute``. ``refresh_slots`` re-reads the slot map, rate-limited.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._refresh_lock = threading.Lock()
+        self._refreshed_at = 0.0
+
+    def refresh_slots(self, failed_node: str | None = None) -> None:
+        """Re-read which primary serves which slot (after a node failed), at most every
+        ``REFRESH_MIN_S`` however many threads ask; errors are left to the next attempt."""
+        with self._refresh_lock:
+            now = time.monotonic()
+            if now - self._refreshed_at < REFRESH_MIN_S:
+                return
+            self._refreshed_at = now
+        try:
+            self.nodes_manager.initialize(last_failed_node_name=failed_node)
+        except redis.RedisError:
+            pass  # the cluster is still settling: the next round trip that fails asks again
+
+    def node_client(self, node: ClusterNode) -> redis.Redis:
+        """The plain client of one node (its own connection pool)."""
+        conn = self.get_redis_connection(node)
+        assert conn is not None
+        return conn
+
+    def primary_for(self, key: bytes | str) -> ClusterNode:
+        return self.nodes_manager.get_node_from_slot(key_slot(_as_bytes(key)))
+
+
+class ClusterRoute:
+    """The per-node connections of one ``ConnectionLease`` on a cluster, and its routing."""
+
+    __slots__ = ("cluster", "_conns", "_last")
+
+    def __init__(self, cluster: ClusterClient) -> None:
+        self.cluster = cluster
+        #: node name -> (pool, connection) held by this lease.
+        self._conns: dict[str, tuple[Any, Any]] = {}
+        #: The node of the last keyed command sent: where a round trip of keyless commands alone
+        #: goes (a run's ``WAIT`` after its ``begin``, for the replicas of *that* node).
+        self._last: ClusterNode | None = None
+
+    def _conn(self, node: ClusterNode) -> Any:
+        held = self._conns.get(node.name)
+        if held is None:
+            pool = self.cluster.node_client(node).connection_pool
+            held = self._conns[node.name] = (pool, pool.get_connection())
+        return held[1]
+
+    def _drop(self, name: str) -> None:
+        held = self._conns.pop(name, None)
+        if held is not None:
+            held[1].disconnect()
+            held[0].release(held[1])
+
+    def release(self) -> None:
+        for pool, conn in self._conns.values():
+            pool.release(conn)
+        self._conns.clear()
+
+    def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Every command on its slot's primary, all nodes written before any is read; the
+        replies in ``commands``' order (error replies as exceptions, in place). Redirections
+        are followed here; a dead node is a ``ConnectionError`` (the slot map re-read)."""
+        n = len(commands)
+        out: list[Any] = [None] * n
+        todo = list(range(n))
+        asking: dict[int, tuple[str, int]] = {}
+        for attempt in range(MAX_REDIRECTS + 1):
+            batches = self._route(commands, todo, asking)
+            replies = self._exchange(commands, batches, asking)
+            again: list[int] = []
+            pause = False
+            asking = {}
+            for i in todo:
+                r = replies[i]
+                if attempt < MAX_REDIRECTS and isinstance(r, (MovedError, AskError, TryAgainError, ClusterDownError)):
+                    if isinstance(r, MovedError):
+                        self.cluster.nodes_manager.move_slot(r)
+                    elif isinstance(r, AskError):
+                        asking[i] = (r.host, r.port)
+                    else:
+                        pause = True
+                        if isinstance(r, ClusterDownError):
+                            self.cluster.refresh_slots()
+                    again.append(i)
+                else:
+                    out[i] = r
+            if not again:
+                return out
+            # A keyless command (WAIT) follows the command it was routed with.
+            resend = set(again)
+            for i in again:
+                j = i + 1
+                while j < n and command_key(commands[j]) is None:
+                    resend.add(j)
+                    j += 1
+            todo = sorted(resend)
+            if pause:
+                time.sleep(RETRY_PAUSE_S)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _route(self, commands: list[tuple[Any, ...]], todo: list[int],
+               asking: dict[int, tuple[str, int]]) -> dict[str, tuple[ClusterNode, list[int]]]:
+        """``todo``'s indices grouped by target node, each group in the caller's order."""
+        batches: dict[str, tuple[ClusterNode, list[int]]] = {}
+        prev: ClusterNode | None = self._last
+        pending_keyless: list[int] = []
+        manager = self.cluster.nodes_manager
+        for i in todo:
+            target = asking.get(i)
+            if target is not None:
+                node = manager.get_node(host=target[0], port=target[1]) or ClusterNode(target[0], target[1])
+                if node.name not in manager.nodes_cache:
+                    manager.nodes_cache[node.name] = node
+            else:
+                key = command_key(commands[i])
+                if key is None:
+                    if prev is None:
+                        pending_keyless.append(i)
+                        continue
+                    node = prev
+                else:
+                    node = manager.get_node_from_slot(key_slot(key))
+            if pending_keyless:
+                batches.setdefault(node.name, (node, []))[1].extend(pending_keyless)
+                pending_keyless = []
+            batches.setdefault(node.name, (node, []))[1].append(i)
+            prev = node
+        if pending_keyless:  # nothing keyed at all, nothing before: any primary answers
+            node = self.cluster.get_random_primary_node()
+            batches.setdefault(node.name, (node, []))[1].extend(pending_keyless)
+        self._last = prev
+        return batches
+
+    def _exchange(self, commands: list[tuple[Any, ...]], batches: dict[str, tuple[ClusterNode, list[int]]],
+                  asking: dict[int, tuple[str, int]]) -> dict[int, Any]:
+        """Write each node's commands, then read each node's replies."""
+        sent: list[tuple[str, Any, list[int], list[bool]]] = []
+        try:
+            for name, (node, idxs) in batches.items():
+                conn = self._conn(node)
+                packed: list[bytes] = []
+                discard: list[bool] = []
+                for i in idxs:
+                    if i in asking:
+                        packed.append(hiredis.pack_command(("ASKING",)))
+                        discard.append(True)
+                    packed.append(hiredis.pack_command(commands[i]))
+                    discard.append(False)
+                conn.send_packed_command([b"".join(packed)])
+                sent.append((name, conn, idxs, discard))
+            replies: dict[int, Any] = {}
+            for _name, conn, idxs, discard in sent:
+                it = iter(idxs)
+                for skip in discard:
+                    try:
+                        r = conn.read_response()
+                    except ResponseError as exc:
+                        r = exc
+                    if not skip:
+                        replies[next(it)] = r
+            return replies
+        except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            for name in list(batches):
+                self._drop(name)
+            self.cluster.refresh_slots()
+            if isinstance(exc, redis.RedisError):
+                raise
+            raise redis.ConnectionError(str(exc)) from exc
+        except BaseException:
+            for name in list(batches):
+                self._drop(name)
+            raise

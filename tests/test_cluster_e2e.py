@@ -1,0 +1,168 @@
+"""End to end on Redis Cluster: real ``celery worker`` subprocesses (prefork) whose store is a
+3-master cluster (``redis+cluster://``, ``mqorder.testing.cluster``), with a topic's queues spread
+over the shards by their hash tags. Celery's broker cannot be a cluster (kombu has no cluster
+transport), so it is a plain Redis of the test's own, which also holds the listeners' ledger
+(``MQORDER_TEST_LEDGER_URL``, ``tests/listeners.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from mqorder import Producer, keys
+from mqorder.store.connect import close, connect
+from mqorder.store.log import MessageLog
+from mqorder.testing.cluster import ClusterDeployment
+from mqorder.testing.embedded import RedisServer
+from tests.support import Cluster, body, check_order, ledger, wait_for
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def cdep() -> Iterator[ClusterDeployment]:
+    with ClusterDeployment(masters=3) as d:
+        yield d
+
+
+@pytest.fixture(scope="module")
+def side() -> Iterator[RedisServer]:
+    """Celery's broker and the listeners' ledger: a plain Redis."""
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def led(side: RedisServer) -> Iterator[redis.Redis]:
+    side.flushall()
+    c = redis.Redis.from_url(side.url)
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def ccluster(cdep: ClusterDeployment, side: RedisServer, led: redis.Redis, tmp_path: Path) -> Iterator[Cluster]:
+    """Workers whose store is the cluster and whose Celery broker is ``side``."""
+    for node in cdep.nodes[: cdep.masters]:
+        cdep.client(node).flushall()
+    client = connect(cdep.url())
+    c = Cluster(cdep.url(), tmp_path, client)
+    c.celery_broker_url = side.url
+    yield c
+    c.stop()
+    close(client)
+
+
+def _start(c: Cluster, side: RedisServer, *names: str, **extra: str) -> None:
+    for name in names:
+        c.start_worker(name, MQORDER_TEST_LEDGER_URL=side.url, **extra)
+
+
+def _handled(led: redis.Redis, group: str, n: int) -> bool:
+    return len({(e["key"], e["seq"]) for e in ledger(led, group) if e["ok"]}) >= n
+
+
+def _shards_of(cdep: ClusterDeployment, p: Producer, topic: str) -> set[int]:
+    """Ports of the masters serving the topic's queues."""
+    return {cdep.master_of_slot(key_slot(mq.tag.encode())).port for mq in p.describe_topic(topic).message_queues}
+
+
+def test_two_workers_every_key_in_order_over_three_shards(cdep: ClusterDeployment, side: RedisServer,
+                                                           ccluster: Cluster, led: redis.Redis) -> None:
+    p = Producer(ccluster.url)
+    p.create_topic("t-order", queues=8)
+    assert len(_shards_of(cdep, p, "t-order")) == 3  # the queues really are spread over the shards
+    _start(ccluster, side, "w1", "w2")
+    keys_ = [f"order-{i}" for i in range(1000)]
+    for seq in range(1, 5):
+        p.send_orderly_batch("t-order", [(k, body(k, seq)) for k in keys_])
+    wait_for(lambda: _handled(led, "g-order", 4000), timeout=120, what="4000 messages handled")
+    entries = ledger(led, "g-order")
+    violations, handled, _ = check_order(entries)
+    assert violations == [] and handled == 4000
+    assert {e["client"] for e in entries} == {w.hostname for w in ccluster.workers.values()}
+    log = MessageLog(p.brokers)
+    wait_for(lambda: sum(log.lag("g-order", mq) for mq in p.describe_topic("t-order").message_queues) == 0,
+             timeout=30, what="every offset committed")
+    # Celery's tasks went through the plain Redis, never the cluster.
+    assert led.keys("_kombu.binding.*")
+    p.close()
+
+
+def test_trickle_is_woken_over_sharded_pubsub(cdep: ClusterDeployment, side: RedisServer, ccluster: Cluster,
+                                              led: redis.Redis) -> None:
+    """Sends one at a time to idle queues: each is handled through a sharded wake-up (SPUBLISH on
+    the queue's shard), not by the sweep, so within well under a sweep interval."""
+    p = Producer(ccluster.url)
+    p.create_topic("t-order", queues=6)
+    _start(ccluster, side, "w1", MQORDER_SWEEP_INTERVAL_MS="60000", MQORDER_CONSUME_LINGER_MS="0")
+    # Wait for the worker's shard subscriptions: one channel per queue it owns.
+    client = ccluster.client
+    wait_for(lambda: all(
+        int(cdep.client(cdep.master_of_slot(key_slot(mq.tag.encode()))).execute_command(
+            "PUBSUB", "SHARDNUMSUB", keys.shard_wake_channel(mq.tag, ccluster.workers["w1"].hostname))[1]) == 1
+        for mq in p.describe_topic("t-order").message_queues), timeout=30, what="sharded wake subscriptions")
+    for i in range(30):
+        p.send_orderly("t-order", body(f"k{i}", 1), sharding_key=f"k{i}")
+        time.sleep(0.05)
+    wait_for(lambda: _handled(led, "g-order", 30), timeout=20, what="30 trickled messages handled")
+    assert client is not None
+    p.close()
+
+
+def test_key_mode_and_concurrent_listeners_on_the_cluster(side: RedisServer, ccluster: Cluster,
+                                                          led: redis.Redis) -> None:
+    p = Producer(ccluster.url)
+    p.create_topic("t-keys", queues=4)
+    p.create_topic("t-conc", queues=4)
+    led.hset("ctl:g-keys", "rand_sleep_ms", 2)
+    led.hset("ctl:g-conc", "flaky:c3:1", 2)  # comes back through %RETRY%g-conc, twice
+    _start(ccluster, side, "w1", "w2")
+    p.send_orderly_batch("t-keys", [(f"k{i % 50}", body(f"k{i % 50}", i // 50 + 1)) for i in range(600)])
+    p.send_orderly_batch("t-conc", [(f"c{i}", body(f"c{i}", 1)) for i in range(200)])
+    wait_for(lambda: _handled(led, "g-keys", 600), timeout=120, what="600 key-ordered messages")
+    wait_for(lambda: _handled(led, "g-conc", 200), timeout=120, what="200 concurrent messages")
+    violations, handled, _ = check_order(ledger(led, "g-keys"))
+    assert violations == [] and handled == 600
+    per_key: dict[str, list[int]] = defaultdict(list)
+    for e in ledger(led, "g-conc"):
+        per_key[e["key"]].append(e["reconsume"])
+    assert max(per_key["c3"]) == 2  # the flaky message really was retried through the retry topic
+    p.close()
+
+
+def test_transactions_and_delays_on_the_cluster(side: RedisServer, ccluster: Cluster, led: redis.Redis) -> None:
+    from mqorder.client.transaction import LocalTransactionState, TransactionProducer
+
+    tp = TransactionProducer(ccluster.url)
+    tp.create_topic("t-order", queues=4)
+    _start(ccluster, side, "w1")
+
+    def execute(msg: object, arg: object) -> LocalTransactionState:
+        return LocalTransactionState.COMMIT if arg == "commit" else LocalTransactionState.ROLLBACK
+
+    for i in range(20):
+        tp.send_in_transaction("t-order", body(f"t{i}", 1), sharding_key=f"t{i}", executor=execute,
+                               arg="commit" if i % 2 == 0 else "rollback")
+    tp.send("t-order", body("late", 1), delay_time_level=1)  # 1 s
+    wait_for(lambda: _handled(led, "g-order", 11), timeout=60, what="10 committed + 1 delayed message")
+    handled = {e["key"] for e in ledger(led, "g-order")}
+    assert handled == {f"t{i}" for i in range(0, 20, 2)} | {"late"}
+    tp.close()
+
+
+def test_the_cluster_refuses_to_be_celerys_broker(ccluster: Cluster) -> None:
+    """Without MQORDER_CELERY_BROKER_URL a cluster store cannot carry Celery's tasks: the worker
+    stops at start with a message naming the choices."""
+    ccluster.celery_broker_url = None
+    w = ccluster.start_worker("w0", wait=False)
+    wait_for(lambda: w.proc is not None and w.proc.poll() is not None, timeout=60, what="the worker to refuse")
+    text = w.logfile.read_text() if w.logfile is not None else ""
+    assert "MQORDER_CELERY_BROKER_URL" in text and "Cluster" in text, text[-2000:]

@@ -36,7 +36,7 @@ from mqorder import keys
 from mqorder.backoff import Backoff
 from mqorder.consumer.listener import registered_listeners
 from mqorder.consumer.shard_wake import ShardWakeListener
-from mqorder.errors import EvictionPolicyError
+from mqorder.errors import ConfigError
 from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.names import check_client_id
@@ -181,16 +181,19 @@ class ClientInstance:
     # -- registration ----------------------------------------------------------------------------
 
     def _check_brokers(self) -> None:
-        """An evicting Redis is silent data loss: refuse it (``mqorder.store.capacity``)."""
+        """An evicting Redis is silent data loss: refuse it (``mqorder.store.capacity``). A plain URL
+        naming one node of a Redis Cluster is refused too (``Broker.check_mode``)."""
         for name in self.brokers.names:
-            check_eviction_policy(self.brokers.get(name), allow=self.settings.allow_eviction)
+            broker = self.brokers.get(name)
+            broker.check_mode()
+            check_eviction_policy(broker, allow=self.settings.allow_eviction)
         self._policy_checked = True
 
     def _register(self) -> None:
         if not self._policy_checked:
             try:
                 self._check_brokers()
-            except EvictionPolicyError as exc:
+            except ConfigError as exc:
                 # Found only now (Redis was down at start): stop here, consuming nothing.
                 log.critical("mqorder: client %s will not consume: %s", self.client_id, exc)
                 self._stop.set()

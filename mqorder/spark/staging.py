@@ -25,7 +25,7 @@ broker.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -35,7 +35,7 @@ from mqorder.model import MessageQueue
 from mqorder.spark.encoding import StagedRow
 from mqorder.spark.queues import QueueRef
 from mqorder.store.append import QueueAppender
-from mqorder.store.brokers import BrokerRegistry, group_by_broker
+from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
 from mqorder.store.durable import SendWait, wait_after
 from mqorder.store.failures import translated
 from mqorder.store.replies import text
@@ -208,9 +208,13 @@ class StagingArea:
         all its round trips (the fence write makes it cover them whatever connection ran them);
         ``ReplicasBehindError`` (the rows ARE published) naming each broker that fell short."""
         by_broker = group_by_broker(sorted(totals.queues), lambda i: self.mq(i))
-        targets = [(self.brokers.get(name), keys.queue_next(self.mq(idxs[0]).tag),
-                    sum(totals.queues[i].stored + totals.queues[i].duplicates for i in idxs))
-                   for name, idxs in by_broker.items()]
+        targets = []
+        for name, idxs in by_broker.items():
+            broker = self.brokers.get(name)
+            # On a Redis Cluster each shard replicates on its own: one fence and WAIT per shard.
+            for part in _by_shard(broker, idxs, lambda i: self.mq(i).tag):
+                targets.append((broker, keys.queue_next(self.mq(part[0]).tag),
+                                sum(totals.queues[i].stored + totals.queues[i].duplicates for i in part)))
         wait_after(self.appender.replicas, wait, targets, timeout=self.timeout, action="publish", resend=RERUN)
 
     def registered_runs(self) -> dict[int, set[int]]:
@@ -239,3 +243,13 @@ class StagingArea:
         """After a successful publish: the run registry is no longer needed."""
         self.brokers.meta.delete(keys.spark_job_runs(self.job))
 
+
+def _by_shard(broker: Broker, idxs: list[int], tag_of: Callable[[int], str]) -> list[list[int]]:
+    """``idxs`` grouped by the cluster primary serving each queue; one group off a cluster."""
+    if not broker.is_cluster:
+        return [idxs]
+    client: Any = broker.client
+    groups: dict[str, list[int]] = {}
+    for i in idxs:
+        groups.setdefault(client.primary_for(tag_of(i)).name, []).append(i)
+    return list(groups.values())

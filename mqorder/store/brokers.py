@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import re
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar, cast, overload
 from urllib.parse import urlsplit, urlunsplit
@@ -27,6 +28,7 @@ from mqorder.store.cluster_route import ClusterClient
 from mqorder.store.cluster_urls import (
     CLUSTER_SCHEMES,
     CLUSTER_URL_FORM,
+    cluster_mode_hint,
     is_cluster_url,
     parse_cluster_url,
     redact_cluster_url,
@@ -37,6 +39,8 @@ from mqorder.store.scripts import Scripts
 from mqorder.store.urls import SENTINEL_SCHEMES, URL_FORM, is_sentinel_url, parse_sentinel_url, redact_sentinel_url
 
 DEFAULT_BROKER_NAME = "broker-a"
+#: How long ``Broker.replicas_of`` trusts a shard's replica count.
+REPLICA_COUNT_TTL_S = 5.0
 _SCHEMES = ("redis", "rediss", "unix")
 #: kombu's Redis Sentinel transport (``sentinel://h1:26379;sentinel://h2:26379``): for Celery's
 #: own broker, with the master name from ``MQORDER_CELERY_SENTINEL_MASTER`` (``mqorder.celery.broker``).
@@ -246,6 +250,8 @@ class Broker:
         self.client.set_response_callback("XRANGE", _raw_reply)
         self.client.set_response_callback("XREAD", _raw_reply)
         self.scripts = Scripts(self.client)
+        #: Cluster node name -> (when read, connected replicas): ``replicas_of``.
+        self._replicas: dict[str, tuple[float, int]] = {}
 
     @property
     def is_cluster(self) -> bool:
@@ -266,11 +272,21 @@ class Broker:
         return list(by_slot.values())
 
     def replicas_of(self, tag: str) -> int:
-        """Replicas the cluster's slot map lists for the primary serving ``tag`` (0 off a cluster)."""
+        """Replicas connected to the cluster primary serving ``tag`` (0 off a cluster): what a
+        ``WAIT`` on that shard can count. Read from the node (``INFO replication``), cached for
+        ``REPLICA_COUNT_TTL_S``: the slot map is no guide, as ``CLUSTER SLOTS`` leaves out a
+        replica that has not yet acknowledged any write."""
         if not isinstance(self.client, ClusterClient):
             return 0
-        nodes = self.client.nodes_manager.slots_cache.get(key_slot(tag.encode())) or []
-        return max(0, len(nodes) - 1)
+        node = self.client.primary_for(tag)
+        now = time.monotonic()
+        cached = self._replicas.get(node.name)
+        if cached is not None and now - cached[0] < REPLICA_COUNT_TTL_S:
+            return cached[1]
+        info = self.client.node_client(node).info("replication")
+        n = int(info.get("connected_slaves", 0))
+        self._replicas[node.name] = (now, n)
+        return n
 
     @property
     def safe_url(self) -> str:
@@ -289,6 +305,17 @@ class Broker:
             raise BrokerUnavailableError(
                 f"cannot reach Redis broker {self.name!r} at {self.safe_url}: {str(exc).rstrip('.')}{hint}"
             ) from exc
+        self.check_mode()
+
+    def check_mode(self) -> None:
+        """``ConfigError`` if a plain URL names one node of a Redis Cluster (``cluster_mode_hint``):
+        such a client reaches only that node's slots and gets MOVED for the rest, an error that
+        does not say what to change. One ``INFO cluster``; at start, not per command."""
+        if self.is_cluster or is_sentinel_url(self.url):
+            return
+        hint = cluster_mode_hint(self.client)
+        if hint is not None:
+            raise ConfigError(f"broker {self.name!r} ({self.safe_url}): {hint}")
 
     def close(self) -> None:
         close_client(self.client)

@@ -103,8 +103,13 @@ class ReplicaGate:
         seen = self._seen.get(broker.name)
         if seen is not None and not fresh and now - seen[0] < self.ttl_s:
             return seen[1]
-        info: Any = broker.client.info("replication")
-        n = int(info.get("connected_slaves", 0)) if info.get("role", "master") == "master" else -1
+        if broker.is_cluster:
+            # Every shard replicates on its own: the fewest replicas any primary has.
+            infos: Any = broker.client.info("replication", target_nodes="primaries")
+            n = min(int(i.get("connected_slaves", 0)) for i in infos.values())
+        else:
+            info: Any = broker.client.info("replication")
+            n = int(info.get("connected_slaves", 0)) if info.get("role", "master") == "master" else -1
         self._seen[broker.name] = (now, n)
         return n
 

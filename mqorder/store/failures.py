@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import redis
 
-from mqorder.errors import BrokerRefusedError, BrokerUnavailableError
+from mqorder.errors import BrokerRefusedError, BrokerUnavailableError, ConfigError
 
 #: Errors after which the broker may come back: the caller may retry.
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
@@ -60,6 +60,13 @@ def translated(broker_name: str, safe_url: str, timeout: float, action: str = "s
         yield
     except TRANSIENT as exc:
         raise unavailable(broker_name, safe_url, exc, timeout, action) from exc
+    except (redis.exceptions.MovedError, redis.exceptions.AskError) as exc:
+        # Only a plain client sees these (a cluster client follows them): its URL names one node.
+        raise ConfigError(
+            f"{action} failed: Redis broker {broker_name!r} at {safe_url} answered {type(exc).__name__[:-5].upper()} "
+            f"({exc}): it is a node of a Redis Cluster, and a plain redis:// URL reaches only the slots it "
+            "serves. Give mqorder the cluster's URL: redis+cluster://host:port[,host:port...]/"
+        ) from exc
     except redis.ResponseError as exc:
         err = refused(broker_name, safe_url, exc, action)
         if err is None:

@@ -27,6 +27,7 @@ from typing import Any
 import redis
 
 from mqorder import keys
+from mqorder.store.cluster_route import ClusterClient
 from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 
 NAMES = (
@@ -214,6 +215,8 @@ class Scripts:
         cannot run inside a script. When a call is sent again after ``NOSCRIPT``, ``then`` is sent
         again behind it, so its replies always follow the last of the writes.
         """
+        if then and isinstance(self._client, ClusterClient) and len(calls) > 1:
+            return self._run_many_then_per_shard(calls, then, via)
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         tail: list[Any] = []
@@ -238,6 +241,41 @@ class Scripts:
                     if isinstance(res, Exception):
                         raise res
                 return replies, tail
+            for name in {calls[i][0] for i in missing}:
+                self.load(name)
+            todo = missing
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _run_many_then_per_shard(self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]],
+                                 then: Sequence[tuple[Any, ...]], via: ConnectionLease | None) -> tuple[list[Any], list[Any]]:
+        """``run_many_then`` on a Redis Cluster, where the calls may land on several shards: ``then``
+        follows *each* call, so it runs on that call's shard (``WAIT`` counts the replicas of its
+        own connection's node). Returns the calls' replies and the ``then`` replies of the call
+        whose last reply is the smallest (the fewest replicas acknowledged)."""
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        tails: dict[int, list[Any]] = {}
+        k = len(then)
+        for attempt in (0, 1):
+            pipe = RawPipeline(via or self._client)
+            for i in todo:
+                self.queue_in(pipe, *calls[i])
+                for cmd in then:
+                    pipe.execute_command(*cmd)
+            res = pipe.execute(raise_on_error=False)
+            missing = []
+            for n, i in enumerate(todo):
+                r, t = res[n * (k + 1)], res[n * (k + 1) + 1:(n + 1) * (k + 1)]
+                if isinstance(r, redis.exceptions.NoScriptError) and not attempt:
+                    missing.append(i)
+                    continue
+                for x in (r, *t):
+                    if isinstance(x, Exception):
+                        raise x
+                replies[i], tails[i] = r, list(t)
+            if not missing:
+                worst = min(tails.values(), key=lambda t: t[-1] if t else 0)
+                return replies, worst
             for name in {calls[i][0] for i in missing}:
                 self.load(name)
             todo = missing

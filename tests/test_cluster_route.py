@@ -1,0 +1,241 @@
+"""``ClusterRoute``: the lean round trips on a real Redis Cluster (3 masters, each with a replica).
+
+Routing by slot with every node written before any is read; ``WAIT`` on the node of the write it
+follows; ``MOVED`` after a slot migration and ``ASK`` during one; a killed master is a
+``ConnectionError`` and the promoted replica serves the next round trip; a lock grant waited for
+(``WAIT``, ``ReplicaWait``) is on the replica the cluster promotes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from mqorder import keys
+from mqorder.errors import ConfigError
+from mqorder.model import MessageQueue
+from mqorder.rebalance.lock_manager import RebalanceLockManager
+from mqorder.store.brokers import Broker, BrokerRegistry
+from mqorder.store.cluster_route import ClusterClient, command_key
+from mqorder.store.connect import close, connect
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
+from mqorder.store.replication import ReplicaWait
+from mqorder.testing.cluster import ClusterDeployment
+from mqorder.testing.embedded import RedisServer
+
+
+@pytest.fixture(scope="module")
+def cdep() -> Iterator[ClusterDeployment]:
+    with ClusterDeployment(masters=3, replicas_per_master=1) as d:
+        yield d
+
+
+@pytest.fixture
+def cc(cdep: ClusterDeployment) -> Iterator[ClusterClient]:
+    client = connect(cdep.url())
+    assert isinstance(client, ClusterClient)
+    client.flushall()
+    yield client
+    close(client)
+
+
+def _keys_on_three_nodes(cdep: ClusterDeployment) -> list[str]:
+    """Three keys, each in a slot of a different master."""
+    out: dict[int, str] = {}
+    i = 0
+    while len(out) < 3:
+        k = f"k{i}"
+        out.setdefault(cdep.master_of_slot(key_slot(k.encode())).port, k)
+        i += 1
+    return list(out.values())
+
+
+def _id(cdep: ClusterDeployment, node: RedisServer) -> str:
+    raw = cdep.client(node).execute_command("CLUSTER", "MYID")
+    return raw.decode() if isinstance(raw, bytes) else str(raw)
+
+
+def _masters(cdep: ClusterDeployment) -> list[RedisServer]:
+    out = []
+    for n in cdep.nodes:
+        if n.proc is None or n.proc.poll() is not None:
+            continue
+        if cdep.client(n).info("replication").get("role") == "master":
+            out.append(n)
+    return out
+
+
+def _begin_migration(cdep: ClusterDeployment, slot: int) -> tuple[RedisServer, RedisServer]:
+    src = cdep.master_of_slot(slot)
+    dst = next(n for n in _masters(cdep) if n is not src)
+    cdep.client(dst).execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", _id(cdep, src))
+    cdep.client(src).execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", _id(cdep, dst))
+    return src, dst
+
+
+def _move_keys(cdep: ClusterDeployment, src: RedisServer, dst: RedisServer, slot: int) -> None:
+    c = cdep.client(src)
+    ks = c.execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    if ks:
+        c.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *ks)
+
+
+def _end_migration(cdep: ClusterDeployment, dst: RedisServer, slot: int) -> None:
+    for n in _masters(cdep):
+        cdep.client(n).execute_command("CLUSTER", "SETSLOT", slot, "NODE", _id(cdep, dst))
+
+
+def test_command_key_finds_the_routing_key() -> None:
+    assert command_key(("EVALSHA", "abc", 2, "k1", "k2", "a")) == b"k1"
+    assert command_key(("EVALSHA", "abc", 0, "a")) is None
+    assert command_key(("XREAD", "COUNT", 5, "BLOCK", 10, "STREAMS", "s1", "0-0")) == b"s1"
+    assert command_key(("HMGET", b"h", "f")) == b"h"
+    assert command_key(("WAIT", 1, 100)) is None
+
+
+def test_one_round_trip_over_three_nodes_keeps_the_callers_order(cdep: ClusterDeployment, cc: ClusterClient) -> None:
+    ks = _keys_on_three_nodes(cdep)
+    lease = ConnectionLease(cc)
+    try:
+        out = lease.round_trip([("SET", k, f"v-{k}") for k in ks] + [("GET", k) for k in reversed(ks)])
+    finally:
+        lease.release()
+    assert out[:3] == [b"OK"] * 3
+    assert out[3:] == [f"v-{k}".encode() for k in reversed(ks)]
+    for k in ks:  # each key really is on the master serving its slot
+        assert cdep.client(cdep.master_of_slot(key_slot(k.encode()))).get(k) == f"v-{k}".encode()
+
+
+def test_wait_goes_to_the_node_of_the_write_before_it(cdep: ClusterDeployment, cc: ClusterClient) -> None:
+    ks = _keys_on_three_nodes(cdep)
+    lease = ConnectionLease(cc)
+    try:
+        # Alone in its round trip, WAIT follows the lease's last write: 1 replica acknowledges it.
+        lease.round_trip([("SET", ks[0], "x")])
+        assert lease.round_trip([("WAIT", 1, 2000)]) == [1]
+        out = RawPipeline(lease).execute_command("SET", ks[1], "y").execute_command("WAIT", 1, 2000) \
+            .execute_command("SET", ks[2], "z").execute_command("WAIT", 1, 2000).execute()
+        assert out == [b"OK", 1, b"OK", 1]
+    finally:
+        lease.release()
+
+
+def test_moved_after_a_migration_is_followed(cdep: ClusterDeployment, cc: ClusterClient) -> None:
+    mq = MessageQueue("t-moved", "broker-a", 0)
+    k = keys.queue_next(mq.tag)
+    slot = key_slot(k.encode())
+    cc.set(k, 41)
+    src, dst = _begin_migration(cdep, slot)
+    _move_keys(cdep, src, dst, slot)
+    _end_migration(cdep, dst, slot)
+    lease = ConnectionLease(cc)  # its slot map still says src
+    try:
+        assert lease.round_trip([("INCR", k), ("GET", k)]) == [42, b"42"]
+    finally:
+        lease.release()
+    assert cc.primary_for(k).port == dst.port  # the map was patched from the MOVED
+    assert int(cdep.client(dst).get(k) or 0) == 42
+
+
+def test_ask_during_a_migration_is_followed_and_a_script_sees_its_whole_queue(cdep: ClusterDeployment,
+                                                                              cc: ClusterClient) -> None:
+    reg = BrokerRegistry(cdep.url())
+    try:
+        mq = MessageQueue("t-ask", "broker-a", 1)
+        state = keys.sub_state(mq.tag, "g")
+        locks = RebalanceLockManager(reg)
+        e1 = locks.try_lock_batch("g", [mq], "c1")[mq]
+        slot = key_slot(mq.tag.encode())
+        src, dst = _begin_migration(cdep, slot)
+        _move_keys(cdep, src, dst, slot)  # every key of the queue is on dst; the slot still src's
+        try:
+            # src answers ASK for the missing keys; the script runs on dst after ASKING.
+            assert locks.try_lock_batch("g", [mq], "c1")[mq] == e1  # renewed: the same epoch
+        finally:
+            _end_migration(cdep, dst, slot)
+        assert cdep.client(dst).hget(state, "owner") == b"c1"
+        assert locks.try_lock_batch("g", [mq], "c2") == {}  # c1's live lock moved with the slot
+    finally:
+        reg.close()
+
+
+def test_slot_batches_split_by_slot_on_a_cluster_only(cdep: ClusterDeployment) -> None:
+    broker = Broker("broker-a", cdep.url())
+    try:
+        mqs = [MessageQueue("t", "broker-a", i) for i in range(8)]
+        batches = broker.slot_batches(mqs, lambda mq: mq.tag)
+        assert sorted(mq.queue_id for b in batches for mq in b) == list(range(8))
+        assert all(len({key_slot(mq.tag.encode()) for mq in b}) == 1 for b in batches)
+        assert len(batches) == 8
+    finally:
+        broker.close()
+
+
+def test_a_plain_url_to_a_cluster_node_is_refused_with_the_cluster_url(cdep: ClusterDeployment) -> None:
+    node = cdep.nodes[0]
+    broker = Broker("broker-a", f"redis://127.0.0.1:{node.port}/0")
+    try:
+        with pytest.raises(ConfigError, match=r"redis\+cluster://"):
+            broker.ping()
+    finally:
+        broker.close()
+
+
+def test_a_durable_batch_waits_on_every_shard_it_wrote(cdep: ClusterDeployment, cc: ClusterClient) -> None:
+    from mqorder import Producer
+
+    p = Producer(cdep.url())
+    try:
+        p.create_topic("t-dur", queues=6)
+        masters = _masters(cdep)
+        for m in masters:
+            cdep.client(m).config_resetstat()
+        results = p.send_orderly_batch("t-dur", [(f"k{i}", b"m") for i in range(60)], wait_replicas=1)
+        assert len(results) == 60
+        shards = {cdep.master_of_slot(key_slot(r.message_queue.tag.encode())).port for r in results}
+        assert len(shards) == 3
+        for m in masters:  # a WAIT on each shard, on the connection that wrote there
+            stats = cdep.client(m).info("commandstats")
+            assert int(stats.get("cmdstat_wait", {}).get("calls", 0)) >= 1, m.port
+    finally:
+        p.close()
+
+
+def test_a_killed_master_fails_the_round_trip_then_its_promoted_replica_serves(cdep: ClusterDeployment,
+                                                                              cc: ClusterClient) -> None:
+    """Last in this module: it kills a master (the cluster keeps working on its replica)."""
+    mq = MessageQueue("t-fo", "broker-a", 3)
+    reg = BrokerRegistry(cdep.url())
+    broker = reg.default
+    try:
+        locks = RebalanceLockManager(reg, replica_wait=ReplicaWait(None, 2000))
+        assert ReplicaWait(None, 2000).wanted(broker, mq.tag) == 1  # this shard has a replica
+        epoch = locks.try_lock_batch("g", [mq], "c1")[mq]  # returned only once a replica has it
+        slot = key_slot(mq.tag.encode())
+        dead = cdep.master_of_slot(slot)
+        cdep.kill(dead)
+        lease = ConnectionLease(broker.client)
+        try:
+            with pytest.raises(redis.ConnectionError):
+                lease.round_trip([("HGET", keys.sub_state(mq.tag, "g"), "epoch")])
+            promoted = cdep.wait_failover(dead, slot)
+            # The grant the primary acknowledged after WAIT is on the promoted replica.
+            assert int(cdep.client(promoted).hget(keys.sub_state(mq.tag, "g"), "epoch") or 0) == epoch
+            for _ in range(50):  # the slot map is re-read (rate-limited) after the failure
+                try:
+                    assert lease.round_trip([("HGET", keys.sub_state(mq.tag, "g"), "owner")]) == [b"c1"]
+                    break
+                except redis.ConnectionError:
+                    time.sleep(0.2)
+            else:
+                raise AssertionError("the promoted replica never served the round trip")
+        finally:
+            lease.release()
+        # The fence: the next grant is above the last one, whatever the promoted replica missed.
+        assert locks.try_lock_batch("g", [mq], "c1")[mq] == epoch  # own live lock renewed
+    finally:
+        reg.close()

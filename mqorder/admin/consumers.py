@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mqorder import keys
+from mqorder.admin.clocked import clocked_reads
 from mqorder.admin.common import Admin
 from mqorder.errors import TopicNotFoundError
 from mqorder.model import MessageModel, MessageQueue
@@ -118,22 +119,18 @@ def _assignees_and_owners(
     """(client -> queue keys assigned to it, client -> live locks it holds) over ``lanes``.
 
     Read from each queue's state hash (``assignee``, written by ``assign.lua``; ``owner`` and
-    ``lease``), one pipeline per broker judged by its clock: the truth the scripts act on, not
+    ``lease``), one round trip per broker, each lock judged by the clock of the Redis holding it: the truth the scripts act on, not
     the assignment hint.
     """
     assigned: dict[str, list[str]] = defaultdict(list)
     held: dict[str, int] = defaultdict(int)
     for broker, items in group_by_broker(lanes, lambda lane: lane[1]).items():
-        pipe = admin.brokers.get(broker).client.pipeline(transaction=False)
-        pipe.time()
-        for sub, mq in items:
-            pipe.hmget(keys.sub_state(mq.tag, sub), "owner", "lease", "assignee")
-        replies = pipe.execute()
-        sec, usec = replies[0]
-        now = int(sec) * 1000 + int(usec) // 1000
-        for (_, mq), (owner, lease, assignee) in zip(items, replies[1:], strict=True):
-            if owner and int(lease or 0) > now:
+        reads = clocked_reads(admin.brokers.get(broker), items, lambda lane: lane[1].tag,
+                              lambda lane: [("HMGET", keys.sub_state(lane[1].tag, lane[0]), "owner", "lease", "assignee")])
+        for c in reads:
+            owner, lease, assignee = c.replies[0]
+            if owner and int(lease or 0) > c.now_ms:
                 held[text(owner)] += 1
             if assignee and text(assignee) != keys.NOBODY:
-                assigned[text(assignee)].append(mq.key)
+                assigned[text(assignee)].append(c.item[1].key)
     return dict(assigned), dict(held)

@@ -3,9 +3,10 @@
 
 The new offset of each queue is computed here (a time maps to the first offset stored at or after
 it, found by binary search over the stream entries' store time ``s``, which ``_append.lua`` writes
-from Redis's clock), then written by ``reset_offset.lua``, one call per broker, which in the same
-step bumps the epoch, releases the lock and pending request and clears the reconsume counts (the
-race it closes is in that script's header). Then the topology version is bumped, so the workers
+from Redis's clock), then written by ``reset_offset.lua``, one call per broker (per slot on a
+Redis Cluster, all in one round trip), which in the same step bumps the epoch, releases the lock
+and pending request and clears the reconsume counts (the race it closes is in that script's
+header). Then the topology version is bumped, so the workers
 rebalance at once and dispatch a ConsumeRequest that starts at the new offset.
 
 Refused while consumers of the group are live unless forced: a forced reset is safe for the
@@ -174,15 +175,30 @@ def _offset_and_store_ms(entry: Any) -> tuple[int, int]:
 
 
 def _apply(admin: Admin, plan: list[QueueReset]) -> list[QueueReset]:
-    """``reset_offset.lua``, one call per broker; the plan's rows with the old offset as the script
-    read it, the new epoch and the owner whose run it fenced."""
+    """``reset_offset.lua`` in one round trip per broker; the plan's rows with the old offset as
+    the script read it, the new epoch and the owner whose run it fenced.
+
+    One call per broker on a plain Redis. On a Redis Cluster a script's keys must share one slot,
+    so there is one call per slot (``Broker.slot_batches``: each queue's keys share its hash tag),
+    all sent in the one pipelined round trip (per node, every node at once). Each queue is still
+    reset atomically with its fence; no queue's reset depended on another's.
+    """
     done: dict[tuple[str, MessageQueue], QueueReset] = {}
-    for broker, items in group_by_broker(plan, lambda q: q.mq).items():
-        kl: list[str] = []
-        for q in items:
-            tag = q.mq.tag
-            kl += [keys.sub_state(tag, q.sub), keys.sub_retries(tag, q.sub)]
-        res = admin.brokers.get(broker).scripts.reset_offset(keys=kl, args=[q.new_offset for q in items])
-        for q, (old, epoch, owner) in zip(items, res, strict=True):
-            done[(q.sub, q.mq)] = replace(q, old_offset=int(old), epoch=int(epoch), owner=text(owner))
+    for broker_name, items in group_by_broker(plan, lambda q: q.mq).items():
+        broker = admin.brokers.get(broker_name)
+        batches = broker.slot_batches(items, lambda q: q.mq.tag)
+        calls = [(_reset_keys(batch), [q.new_offset for q in batch]) for batch in batches]
+        replies = broker.scripts.run_pipelined("reset_offset", calls)
+        for batch, res in zip(batches, replies, strict=True):
+            for q, (old, epoch, owner) in zip(batch, res, strict=True):
+                done[(q.sub, q.mq)] = replace(q, old_offset=int(old), epoch=int(epoch), owner=text(owner))
     return [done[(q.sub, q.mq)] for q in plan]
+
+
+def _reset_keys(batch: list[QueueReset]) -> list[str]:
+    """``reset_offset.lua``'s KEYS: (state HASH, retries HASH) per queue, in the batch's order."""
+    out: list[str] = []
+    for q in batch:
+        tag = q.mq.tag
+        out += [keys.sub_state(tag, q.sub), keys.sub_retries(tag, q.sub)]
+    return out

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from mqorder import keys
+from mqorder.admin.clocked import clocked_reads
 from mqorder.admin.common import Admin
 from mqorder.errors import TopicNotFoundError
 from mqorder.model import MessageQueue
@@ -129,25 +130,22 @@ def group_status(
 def _read_broker(
     admin: Admin, broker: str, lanes: list[tuple[str, MessageQueue]], stuck_after_ms: int
 ) -> dict[tuple[str, MessageQueue], QueueStatus]:
-    client = admin.brokers.get(broker).client
-    pipe = client.pipeline(transaction=False)
-    pipe.time()
-    for sub, mq in lanes:
-        pipe.get(keys.queue_next(mq.tag))
-        pipe.hmget(keys.sub_state(mq.tag, sub), *_STATE_FIELDS)
-        pipe.xrange(keys.queue_log(mq.tag), count=1)
-    replies = pipe.execute()
-    sec, usec = replies[0]
-    now = int(sec) * 1000 + int(usec) // 1000
+    store = admin.brokers.get(broker)
+    # Each lane judged by the clock of the Redis holding it (a cluster's nodes each have theirs).
+    reads = clocked_reads(store, lanes, lambda lane: lane[1].tag, lambda lane: (
+        ("GET", keys.queue_next(lane[1].tag)),
+        ("HMGET", keys.sub_state(lane[1].tag, lane[0]), *_STATE_FIELDS),
+        ("XRANGE", keys.queue_log(lane[1].tag), "-", "+", "COUNT", 1),
+    ))
     states = []
     firsts = []
-    for i in range(len(lanes)):
-        nxt, raw, first = replies[1 + 3 * i], replies[2 + 3 * i], replies[3 + 3 * i]
+    for c in reads:
+        nxt, raw, first = c.replies
         states.append((int(nxt or 0), dict(zip(_STATE_FIELDS, (text(v) for v in raw), strict=True))))
         firsts.append(int(text(first[0][0]).split("-", 1)[0]) if first else int(nxt or 0))
     # The head message (the next to consume) of every queue with a backlog: its store time and the
     # reconsume count an earlier run recorded for it (commit.lua's retries HASH).
-    pipe = client.pipeline(transaction=False)
+    pipe = store.client.pipeline(transaction=False)
     heads = [i for i, (nxt, st) in enumerate(states) if nxt > max(_int(st["offset"]), firsts[i])]
     for i in heads:
         sub, mq = lanes[i]
@@ -162,6 +160,7 @@ def _read_broker(
     out = {}
     for i, (sub, mq) in enumerate(lanes):
         nxt, st = states[i]
+        now = reads[i].now_ms
         lease = _int(st["lease"])
         live = bool(st["owner"]) and lease > now
         committed = _int(st["offset"])

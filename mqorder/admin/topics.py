@@ -241,7 +241,9 @@ def _delete_meta(
             pipe.hdel(keys.assignment(sub), *assign_fields[sub])
         if stats_fields[sub]:
             pipe.hdel(keys.stats(sub), *stats_fields[sub])
-    pipe.delete(keys.topic_route(topic), keys.topic_subs(topic))
+    # One key per DEL: on a Redis Cluster the two keys are in different slots (CROSSSLOT in one DEL).
+    pipe.delete(keys.topic_route(topic))
+    pipe.delete(keys.topic_subs(topic))
     pipe.srem(keys.topics(), topic)
     # Where the transaction check-back and the delay mover look (their per-queue keys went above).
     pipe.srem(keys.txn_topics(), topic)

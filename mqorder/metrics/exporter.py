@@ -5,8 +5,9 @@ it, how far behind is it, what is in the DLQ") is the state of the *group*, whic
 This exporter reads it at every scrape, so one scrape target covers every worker, live or dead,
 and a queue nobody consumes still shows its lag.
 
-A scrape costs one pipeline per broker (``TIME``, then per queue its next offset and per group
-lane its state hash, per group its DLQ length) plus a few reads of the topic routes,
+A scrape costs one round trip per broker (per queue its next offset, per group lane its state
+hash, per group its DLQ length, and ``TIME``: on a Redis Cluster every shard answers in that round
+trip, with its own clock, ``mqorder.admin.clocked``) plus a few reads of the topic routes,
 subscriptions and heartbeats on the default broker: nothing is written, no script is run, and
 the consume path is not touched. Broadcasting groups have one lane per client: their ``group``
 label is that lane's id, ``<group>%BC%<client>``.
@@ -28,6 +29,7 @@ import redis
 import typer
 
 from mqorder import keys
+from mqorder.admin.clocked import clocked_reads
 from mqorder.errors import ConfigError, MQOrderError, TopicNotFoundError
 from mqorder.metrics import names
 from mqorder.model import MessageModel, MessageQueue
@@ -142,7 +144,9 @@ class ClusterCollector:
         return plan
 
     def _read(self, plan: _Plan) -> _Reading:
-        """One pipeline per broker: ``TIME``, then every read of the plan on that broker."""
+        """One round trip per broker: every read of the plan on that broker, and ``TIME`` from
+        each node that answered (``clocked_reads``: on a cluster, every shard's queues, each
+        lane's lease judged by its own node's clock)."""
         ops: dict[str, list[tuple[str, Any]]] = defaultdict(list)
         for mq in plan.queues:
             ops[mq.broker_name].append(("next", mq))
@@ -153,28 +157,17 @@ class ClusterCollector:
         reading = _Reading()
         for broker, items in ops.items():
             try:
-                client = self.brokers.get(broker).client
+                store = self.brokers.get(broker)
             except ConfigError as exc:  # a route names a broker this exporter was not told about
                 log.warning("mqorder exporter: skipping the queues on broker %r: %s", broker, exc)
                 continue
-            pipe = client.pipeline(transaction=False)
-            pipe.time()
-            for kind, what in items:
-                if kind == "next":
-                    pipe.get(keys.queue_next(what.tag))
-                elif kind == "state":
-                    sub, mq = what
-                    pipe.hmget(keys.sub_state(mq.tag, sub), "owner", "lease", "epoch", "offset", "run")
-                else:
-                    pipe.xlen(keys.queue_log(what[1].tag))
-            replies = pipe.execute()
-            sec, usec = replies[0]
-            now_ms = int(sec) * 1000 + int(usec) // 1000
-            for (kind, what), reply in zip(items, replies[1:], strict=True):
+            for c in clocked_reads(store, items, _tag_of, _commands_of):
+                kind, what = c.item
+                reply = c.replies[0]
                 if kind == "next":
                     reading.max_offsets[what] = int(reply or 0)
                 elif kind == "state":
-                    reading.lanes[what] = _LaneState.parse(reply, now_ms)
+                    reading.lanes[what] = _LaneState.parse(reply, c.now_ms)
                 else:
                     reading.dlq[what[0]] = reading.dlq.get(what[0], 0) + int(reply or 0)
         return reading
@@ -210,6 +203,22 @@ class ClusterCollector:
             clients.add_metric([group], n)
             dlq.add_metric([group], reading.dlq.get(group, 0))
         return [max_offset, committed, lag, epoch, owner, running, clients, dlq]
+
+
+def _tag_of(op: tuple[str, Any]) -> str:
+    kind, what = op
+    mq: MessageQueue = what if kind == "next" else what[1]
+    return mq.tag
+
+
+def _commands_of(op: tuple[str, Any]) -> list[tuple[Any, ...]]:
+    kind, what = op
+    if kind == "next":
+        return [("GET", keys.queue_next(what.tag))]
+    if kind == "state":
+        sub, mq = what
+        return [("HMGET", keys.sub_state(mq.tag, sub), "owner", "lease", "epoch", "offset", "run")]
+    return [("XLEN", keys.queue_log(what[1].tag))]
 
 
 def registry_for(settings: Settings) -> CollectorRegistry:

@@ -1,5 +1,5 @@
 """End to end on Redis Cluster: real ``celery worker`` subprocesses (prefork) whose store is a
-3-master cluster (``redis+cluster://``, ``mqorder.testing.cluster``), with a topic's queues spread
+3-master cluster, each master with a replica (``redis+cluster://``, ``mqorder.testing.cluster``), with a topic's queues spread
 over the shards by their hash tags. Celery's broker cannot be a cluster (kombu has no cluster
 transport), so it is a plain Redis of the test's own, which also holds the listeners' ledger
 (``MQORDER_TEST_LEDGER_URL``, ``tests/listeners.py``).
@@ -7,6 +7,7 @@ transport), so it is a plain Redis of the test's own, which also holds the liste
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -17,10 +18,21 @@ import redis
 from redis.crc import key_slot
 
 from mqorder import Producer, keys
+from mqorder.errors import BrokerUnavailableError
+from mqorder.settings import Settings
 from mqorder.store.connect import close, connect
 from mqorder.store.log import MessageLog
 from mqorder.testing.cluster import ClusterDeployment
 from mqorder.testing.embedded import RedisServer
+from tests.sentinel_support import (
+    GROUP,
+    TOPIC,
+    eventually,
+    ledger_entries,
+    longest_pause,
+    order_violations,
+    stamped_body,
+)
 from tests.support import Cluster, body, check_order, ledger, wait_for
 
 pytestmark = pytest.mark.e2e
@@ -28,7 +40,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def cdep() -> Iterator[ClusterDeployment]:
-    with ClusterDeployment(masters=3) as d:
+    with ClusterDeployment(masters=3, replicas_per_master=1) as d:
         yield d
 
 
@@ -166,3 +178,82 @@ def test_the_cluster_refuses_to_be_celerys_broker(ccluster: Cluster) -> None:
     wait_for(lambda: w.proc is not None and w.proc.poll() is not None, timeout=60, what="the worker to refuse")
     text = w.logfile.read_text() if w.logfile is not None else ""
     assert "MQORDER_CELERY_BROKER_URL" in text and "Cluster" in text, text[-2000:]
+
+
+def test_kill_9_of_a_master_during_consumption(cdep: ClusterDeployment, side: RedisServer, ccluster: Cluster,
+                                               led: redis.Redis) -> None:
+    """Last in this module (it kills a master for good). Kill -9 a master while two workers consume
+    a steady stream; the cluster promotes its replica. Sends wait for one replica until the kill,
+    so none acknowledged is lost; the order of what was handled holds; the queues of the other shards are
+    never stopped; consumption of the failed shard's queues resumes soon after the promotion."""
+    p = Producer(ccluster.url)
+    p.create_topic(TOPIC, queues=6)
+    for name in ("w1", "w2"):
+        ccluster.start_worker(name, MQORDER_LISTENERS="tests.sentinel_listeners", SENTINEL_TEST_LEDGER_URL=side.url)
+    acked: list[tuple[str, int, float]] = []
+    stop, killed = threading.Event(), threading.Event()
+    n_keys = 18
+
+    def send_loop() -> None:
+        seq = dict.fromkeys((f"k{i}" for i in range(n_keys)), 0)
+        i = 0
+        while not stop.is_set():
+            k = f"k{i % n_keys}"
+            try:
+                # One replica acknowledges each send until the kill; the promoted replica has none.
+                p.send_orderly(TOPIC, stamped_body(k, seq[k] + 1, time.time()), sharding_key=k,
+                               wait_replicas=0 if killed.is_set() else 1)
+            except (redis.RedisError, BrokerUnavailableError):
+                time.sleep(0.05)
+                continue  # the same (key, seq) again: a key's acknowledged sends stay in order
+            seq[k] += 1
+            acked.append((k, seq[k], time.time()))
+            i += 1
+            time.sleep(0.004)
+
+    def handled() -> list[dict]:
+        return ledger_entries(led, GROUP)
+
+    mqs = p.describe_topic(TOPIC).message_queues
+    slots = {mq: key_slot(mq.tag.encode()) for mq in mqs}
+    victim = cdep.master_of_slot(slots[mqs[0]])
+    on_victim = {mq.queue_id for mq in mqs if cdep.master_of_slot(slots[mq]) is victim}
+    sender = threading.Thread(target=send_loop, daemon=True)
+    try:
+        sender.start()
+        wait_for(lambda: len(handled()) >= 500, timeout=60, what="500 handled before the kill")
+        t_kill = time.time()
+        killed.set()
+        cdep.kill(victim)
+        cdep.wait_failover(victim, slots[mqs[0]])
+        t_failover = time.time()
+
+        def first_new_on_victim() -> float | None:
+            times = [e["start"] for e in handled() if e["sent"] >= t_failover and e["queue"] in on_victim]
+            return min(times) if times else None
+
+        assert eventually(lambda: first_new_on_victim() is not None, timeout=30), "the failed shard never resumed"
+        time.sleep(2)
+        stop.set()
+        sender.join(timeout=10)
+        last = {k: s for k, s, _ in acked}
+        settle_s = (Settings.model_fields["run_lease_ms"].default + Settings.model_fields["sweep_interval_ms"].default
+                    + Settings.model_fields["pending_ttl_ms"].default) / 1000 + 10
+        wait_for(lambda: all(any(e["key"] == k and e["seq"] == s for e in handled()) for k, s in last.items()),
+                 timeout=settle_s, what="the last send of every key handled")
+    finally:
+        stop.set()
+        sender.join(timeout=10)
+        p.close()
+    entries = handled()
+    assert order_violations(entries) == []
+    seen = {(e["key"], e["seq"]) for e in entries}
+    lost = {(k, s) for k, s, _ in acked} - seen
+    assert not lost, f"{len(lost)} sends acknowledged by a replica were lost"
+    others = [e["start"] for e in entries if e["queue"] not in on_victim]
+    pause_others = longest_pause(others, since=t_kill - 0.5)
+    resumed = first_new_on_victim()
+    assert resumed is not None and resumed - t_failover <= 10.0
+    print(f"\ncluster e2e failover: promoted {t_failover - t_kill:.2f} s after the kill; the other shards' longest "
+          f"pause {pause_others:.2f} s; the failed shard's first new message handled {resumed - t_failover:.2f} s "
+          f"after the promotion; {len(acked)} acked sends, {len(entries)} handled")

@@ -46,6 +46,15 @@ REFRESH_S = 1.0
 POLL_S = 0.2
 
 
+class _ShardPubSub(redis.client.PubSub):
+    """redis-py's ``PubSub``, re-subscribing after a reconnect one shard channel per ``SSUBSCRIBE``:
+    all at once (redis-py's way) is ``CROSSSLOT`` when they are in different slots."""
+
+    def _resubscribe_shard_channels(self) -> None:
+        for name, handler in list(self.shard_channels.items()):
+            self._resubscribe({name: handler}, self.ssubscribe)
+
+
 class _NodeSubscriber:
     """One node's sharded subscriptions, held by one thread."""
 
@@ -75,7 +84,7 @@ class _NodeSubscriber:
         while not (self._stop.is_set() or self._done.is_set()):
             pubsub: Any = None
             try:
-                pubsub = self.client.pubsub()
+                pubsub = _ShardPubSub(self.client.connection_pool)
                 have: set[str] = set()
                 backoff.reset()
                 while not (self._stop.is_set() or self._done.is_set()):

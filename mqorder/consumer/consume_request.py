@@ -455,7 +455,9 @@ class ConsumeRequest(LingeringReads):
         on lingering); a refused commit discards it."""
         idle = idle_if_drained and pull and not self.retry_updates and not self.pq.consuming
         # A run ending here leaves its queue idle: a lingering request of this client may watch it.
-        then = idle_entry(self.client_id, [self.mq.key]) if idle and self.engine.nudges_idle else None
+        # Nobody adopts idle queues on a Redis Cluster (ConsumerState.idle_watch): no nudge there.
+        then = (idle_entry(self.client_id, [self.mq.key])
+                if idle and self.engine.nudges_idle and not self.lease.on_cluster else None)
         skipped = self.trimmed.due(self.commit_point)
         args: list[Any] = [
             self.client_id, self.epoch, self.token, self.commit_point, self.run_lease_ms,
@@ -619,7 +621,7 @@ class ConsumeRequest(LingeringReads):
         self._flush_ledger()
         self._flush_stats()
         verb = Verb(text(res[0]))
-        if verb is Verb.IDLE and self.engine.nudges_idle:
+        if verb is Verb.IDLE and self.engine.nudges_idle and not self.lease.on_cluster:
             RawPipeline(self.lease).execute_command(*idle_entry(self.client_id, [self.mq.key])).execute()
         if verb is Verb.ADOPTED:
             self.adopted_at = int(res[1])

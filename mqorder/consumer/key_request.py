@@ -394,7 +394,9 @@ class KeyConsumeRequest(ConsumeRequest):
         t = self.tracker
         idle = (idle_if_drained and pull and not self.retry_updates and not self.in_flight
                 and not self.lanes.buffered and not self.lanes.blocked)
-        then = idle_entry(self.client_id, [self.mq.key]) if idle and self.engine.nudges_idle else None
+        # Nobody adopts idle queues on a Redis Cluster (ConsumerState.idle_watch): no nudge there.
+        then = (idle_entry(self.client_id, [self.mq.key])
+                if idle and self.engine.nudges_idle and not self.lease.on_cluster else None)
         offset = t.base
         skipped = self.trimmed.due(offset)
         args: list[Any] = [

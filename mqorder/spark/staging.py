@@ -231,11 +231,18 @@ class StagingArea:
         deleted = 0
         by_broker = group_by_broker(list(runs), lambda i: self.mq(i))
         for broker_name, idxs in by_broker.items():
-            client = self.brokers.get(broker_name).client
+            # One DEL per key, all in one pipeline: the keys of different queues are in different
+            # slots on a Redis Cluster (one DEL of them all would be CROSSSLOT), and redis-py's
+            # cluster pipeline sends each node its DELs, every node in the same round trip.
+            pipe = self.brokers.get(broker_name).client.pipeline(transaction=False)
+            n_runs = 0
             for i in idxs:
                 for r in runs[i]:
-                    deleted += int(client.delete(self.run_key(i, r)))
-                client.delete(keys.stage_cursor(self.mq(i).tag, self.job))
+                    pipe.delete(self.run_key(i, r))
+                    n_runs += 1
+            for i in idxs:
+                pipe.delete(keys.stage_cursor(self.mq(i).tag, self.job))
+            deleted += sum(int(n) for n in pipe.execute()[:n_runs])
         self.brokers.meta.delete(keys.spark_job_runs(self.job))
         return deleted
 

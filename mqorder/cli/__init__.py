@@ -8,7 +8,8 @@ calls one function of ``mqorder.admin`` and prints its result through ``common.e
 or with ``--json`` JSON on stdout.
 
 Global options, before the command: ``--redis-url`` (else ``MQORDER_REDIS_URL``, as rq's
-``--url``; a ``redis+sentinel://`` URL too, ``mqorder.store.urls``) and ``--version``.
+``--url``; a ``redis+sentinel://`` URL too, ``mqorder.store.urls``, or a Redis Cluster's
+``redis+cluster://``, ``mqorder.store.cluster_urls``) and ``--version``.
 
 Errors go to stderr, one line, with these exit codes (``docs/ADMIN.md``; ``common.EXIT_*``):
 
@@ -74,9 +75,10 @@ def root(
     ctx: typer.Context,
     redis_url: str = typer.Option(
         None, "--redis-url", envvar=REDIS_URL_ENV, show_envvar=True,
-        help="the Redis that stores the messages (redis://host:port/db, rediss://, unix://, or under "
-             "Sentinel redis+sentinel://[:password@]host:port,host:port/<master-name>[/<db>]); given here, it "
-             "replaces MQORDER_REDIS_URL for this command",
+        help="the Redis that stores the messages (redis://host:port/db, rediss://, unix://, under "
+             "Sentinel redis+sentinel://[:password@]host:port,host:port/<master-name>[/<db>], or a Redis Cluster "
+             "redis+cluster://[[user]:password@]host:port,host:port/); given here, it replaces MQORDER_REDIS_URL for "
+             "this command",
     ),
     version: bool = typer.Option(False, "--version", is_eager=True, expose_value=False, callback=_print_version,
                                  help="print mqorder's version and exit"),

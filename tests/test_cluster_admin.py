@@ -386,4 +386,11 @@ def test_two_pull_consumers_share_queues_on_three_shards_in_order_and_lose_nothi
             MessageLog(c.brokers).max_offset(mq) for mq in held[c.client_id])
     a.shutdown()
     assert b.fetch_message_queues_in_balance("orders") == sorted(mqs)  # the leaver's queues move over
+    # A blocking pull waits on the shard of its queue for the next message.
+    mq = producer.send_orderly("orders", b"key0:late", sharding_key="key0").message_queue
+    offset = b.fetch_consume_offset(mq) + 1
+    threading.Timer(0.3, lambda: producer.send_orderly("orders", b"key0:later", sharding_key="key0")).start()
+    res = b.pull(mq, offset, 10, block_ms=3000)
+    assert res.pull_status is PullStatus.FOUND and [m.body for m in res.msg_found_list] == [b"key0:later"]
+    b.update_offset(mq, res.next_begin_offset)
     b.shutdown()

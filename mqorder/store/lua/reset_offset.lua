@@ -1,4 +1,5 @@
--- reset_offset.lua: `mqorder offsets reset` (RocketMQ's resetOffsetByTime), one call per broker.
+-- reset_offset.lua: `mqorder offsets reset` (RocketMQ's resetOffsetByTime), one call per broker
+-- (on a Redis Cluster, one call per hash slot, all in one pipelined round trip).
 --
 -- Moves a group's committed offset on each queue to a new value (backward or forward) and, in the
 -- same atomic step, takes the queue away from whoever consumes it, so a running owner can never

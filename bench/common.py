@@ -27,6 +27,7 @@ import redis
 
 from mqorder import keys
 from mqorder.model import MessageQueue
+from mqorder.store.connect import close, connect
 from mqorder.testing.embedded import RedisServer
 from mqorder.testing.launcher import WorkerProcess, project_env
 
@@ -159,12 +160,13 @@ def start_mq_workers(
         w.start()
         stack.callback(w.stop, 30)
         ws.append(w)
-    c = client(url)
+    # Any store URL (plain, Sentinel, Redis Cluster): the workers' registrations are read where they write them.
+    c = connect(url, socket_timeout=30)
     try:
         for w in ws:
             w.wait_registered(c, timeout=timeout)
     finally:
-        c.close()
+        close(c)
     # Every worker reacts to the others' joins at its next heartbeat (a rebalance); let that pass
     # so it cannot happen in the middle of a measurement.
     time.sleep(settle)

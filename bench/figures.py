@@ -110,6 +110,8 @@ class Figures:
         self.prod: dict[str, Any] = res.get("produce") or {}
         #: The ``keys`` section (``bench.keys``): queue vs key order.
         self.keys: dict[str, Any] = res.get("keys") or {}
+        #: The ``cluster`` section (``bench.cluster``): single node vs a 3-shard Redis Cluster.
+        self.cluster: dict[str, Any] = res.get("cluster") or {}
         self.best: int = self.mq.get("best_concurrency", concurrency(cfg))
         self.n_drain = size(cfg, "drain_messages")
         self.n_naive = size(cfg, "naive_messages")

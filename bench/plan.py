@@ -10,7 +10,7 @@ from bench.common import Config
 
 SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "celery_broker", "produce", "failover",
             "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "dedup", "transactions", "keys",
-            "concurrent", "durable_send", "sentinel")
+            "concurrent", "durable_send", "sentinel", "cluster")
 DEFAULT_CONCURRENCY = 2
 #: Threads-pool worker concurrency of the latency section and of the threads drain row.
 LAT_THREADS_C = 8
@@ -29,6 +29,7 @@ SIZES = {
     "durable_single": (5_000, 500),  # bench.durable_send: one by one, per variant and run
     "durable_batch": (100_000, 10_000),  # bench.durable_send: in batches of 10,000
     "sentinel_kills": (8, 2),  # bench.sentinel: kill -9 of the Redis primary (its drains use drain_messages)
+    "cluster_messages": (500_000, 10_000),  # bench.cluster: per drain, on each of its three stores
     "transactions_messages": (5_000, 500),
     "failover_kills": (10, 2),
     "rebalance_runs": (5, 1),

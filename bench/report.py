@@ -59,7 +59,7 @@ class Report:
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
                     self.celery_broker, self.produce, self.dedup, self.durable_send, self.transactions, self.failover,
-                    self.sentinel, self.rebalance, self.memory, self.growth, self.retention, self.spark,
+                    self.sentinel, self.cluster, self.rebalance, self.memory, self.growth, self.retention, self.spark,
                     self.keys, self.concurrent, self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
@@ -450,6 +450,12 @@ class Report:
         from bench import sentinel
 
         return sentinel.markdown(self.res.get("sentinel") or {})
+
+    def cluster(self) -> list[str]:
+        """Single node vs a 3-shard Redis Cluster (``bench.cluster``), when it ran."""
+        from bench import cluster_report
+
+        return cluster_report.markdown(self.res.get("cluster") or {})
 
     def rebalance(self) -> list[str]:
         rbr = self.res.get("rebalance") or {}

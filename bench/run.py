@@ -226,6 +226,16 @@ def sec_sentinel(cfg: Config, res: dict[str, Any]) -> None:
                                    "load1": round(load1(), 2)}
 
 
+def sec_cluster(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import cluster
+
+    res["cluster"] = cluster.run(cfg, messages=size(cfg, "cluster_messages"), runs=cfg.runs,
+                                 concurrency=concurrency(cfg))
+    # Measured on its own (--only cluster) and placed in a RESULTS.md of an earlier full run, as sentinel.
+    res["cluster"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
+                                  "load1": round(load1(), 2)}
+
+
 def sec_transactions(cfg: Config, res: dict[str, Any]) -> None:
     from bench import transactions
 
@@ -251,6 +261,7 @@ RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "growth": sec_growth, "retention": sec_retention, "spark": sec_spark,
     "spark_audit": sec_spark_audit, "dedup": sec_dedup, "transactions": sec_transactions, "keys": sec_keys,
     "concurrent": sec_concurrent, "durable_send": sec_durable_send, "sentinel": sec_sentinel,
+    "cluster": sec_cluster,
 }
 
 

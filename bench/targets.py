@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
-from bench.common import Summary, percentile
+from bench.common import Summary, percentile, summarize
 from bench.figures import Figures, fmt_paired, fmt_ratio, fmt_summary, fmt_verdict
 
 
@@ -141,6 +141,28 @@ def _of_keys(f: Figures, which: int) -> Reading:
     return Reading(rs[worst][which], "; ".join(f"{p}: {v[which]:.2f}x" for p, v in rs.items()), judged=worst)
 
 
+def _of_cluster_cpu(f: Figures) -> Reading:
+    """Redis CPU per message, 3-shard cluster / single node: the median of the per-run ratios."""
+    from bench.cluster_report import cpu_ratios
+
+    rs = cpu_ratios(f.cluster)
+    if not rs:
+        return Reading(None, "n/a")
+    s = summarize(rs)
+    return Reading(s.median, f"{s.median:.2f}x ({s.lo:.2f}–{s.hi:.2f}, {s.n} paired runs)")
+
+
+def _of_cluster_commands(f: Figures) -> Reading:
+    """Commands per message, 3-shard cluster (sum over shards) / single node: the median of the per-run ratios."""
+    from bench.cluster_report import command_ratios
+
+    rs = command_ratios(f.cluster)
+    if not rs:
+        return Reading(None, "n/a")
+    s = summarize(rs)
+    return Reading(s.median, f"{s.median:.2f}x ({s.lo:.2f}–{s.hi:.2f}, {s.n} paired runs)")
+
+
 AT_LEAST, AT_MOST = Comparison.AT_LEAST, Comparison.AT_MOST
 
 #: Every target of the benchmark. Per row: id; description (the report's text, ``{bound}`` standing
@@ -179,6 +201,11 @@ TARGETS: tuple[Target, ...] = (
            "(threads -c 128, gevent -c 256)", 8, AT_LEAST, "x", 0, lambda f: _of_keys(f, 0)),
     Target("keys_failing_key", "key order, one key always failing: other keys' throughput {bound} the run "
            "without it", 0.9, AT_LEAST, "x", 1, lambda f: _of_keys(f, 1)),
+    Target("cluster_redis_cpu", "Redis CPU per message on a 3-shard Redis Cluster (sum over shards) {bound} a "
+           "single node's", 1.2, AT_MOST, "x", 1, _of_cluster_cpu),
+    Target("cluster_commands", "no command on every shard per message: commands per message on the 3-shard "
+           "cluster (sum over shards) {bound} the single node's (one such command adds 2 per message)",
+           1.2, AT_MOST, "x", 1, _of_cluster_commands),
 )
 
 

@@ -3,6 +3,7 @@
     python -m chaos                      # every scenario (about 25 minutes)
     python -m chaos --scenario kill      # one (repeatable, or comma-separated)
     python -m chaos sentinel-failover    # the same, as positional names
+    python -m chaos cluster-kill cluster-failover cluster-reshard   # the Redis Cluster rows
     python -m chaos --quick              # shorter timelines, fewer faults
     python -m chaos --list
 """
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
             res = Result(n, sc.fsync, problems=[f"the scenario could not run: {exc!r}"[:400]])
         results[n] = report.compact(res, title=sc.title, env=sc.env, quick=args.quick,
                                     seconds=time.monotonic() - start, engine=engine,
-                                    sentinel=sc.sentinel.describe() if sc.sentinel is not None else None)
+                                    sentinel=sc.sentinel.describe() if sc.sentinel is not None else None,
+                                    cluster=sc.cluster.describe() if sc.cluster is not None else None)
         if not res.passed:
             failed.append(n)
         if not args.no_write:

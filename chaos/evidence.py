@@ -19,13 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 from chaos import records
 from chaos.listeners import GROUP
 from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
-from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.connect import connect
 from mqorder.store.log import MessageLog
 
@@ -70,13 +71,18 @@ class Monitor(threading.Thread):
 
     def run(self) -> None:
         # A Sentinel URL's client follows a failover: the samples are of whichever node is primary.
+        # A cluster's reads each queue on the master serving it now (redirections followed).
         client = connect(self.url, socket_timeout=1, socket_connect_timeout=1)
+        cluster = isinstance(client, RedisCluster)
         while not self.stop_event.wait(self.interval):
             if self.on_tick is not None:
                 self.on_tick()
             try:
+                # TIME has no key, so no place in a cluster's pipeline: asked of one node just before.
+                clock = client.time() if cluster else None
                 pipe = client.pipeline(transaction=False)
-                pipe.time()
+                if clock is None:
+                    pipe.time()
                 for mq in self.mqs:
                     pipe.hmget(keys.sub_state(mq.tag, GROUP), "owner", "epoch", "lease", "offset", "pending", "pend_until",
                                "run")
@@ -84,9 +90,11 @@ class Monitor(threading.Thread):
             except (redis.RedisError, OSError):
                 continue
             t = time.time()
-            sec, usec = res[0]
+            if clock is None:
+                clock, res = res[0], res[1:]
+            sec, usec = clock
             now_ms = sec * 1000 + usec // 1000
-            for mq, (owner, epoch, lease, offset, pending, pend_until, run) in zip(self.mqs, res[1:], strict=True):
+            for mq, (owner, epoch, lease, offset, pending, pend_until, run) in zip(self.mqs, res, strict=True):
                 self.samples.append((
                     t, mq.queue_id, (owner or b"").decode(), int(epoch or 0), int(lease or 0),
                     int(offset or 0), now_ms, (pending or b"").decode(), int(pend_until or 0), int(run or 0),
@@ -125,8 +133,21 @@ class Evidence:
     # -- the lock table -------------------------------------------------------------------------
 
     def owners(self) -> dict[int, str]:
-        """Queue id -> live owner, read from the state hashes (lock_entry)."""
-        return {mq.queue_id: self.locks.lock_entry(GROUP, mq).owner for mq in self.mqs}
+        """Queue id -> live owner (empty: none), read from the state hashes: the owner whose lease
+        is still ahead of Redis's clock, as ``RebalanceLockManager.lock_entry`` judges it. Read
+        here in one pipeline, with ``TIME`` asked just before, because ``lock_entry`` pipelines
+        ``TIME`` with the read, which redis-py refuses on a Redis Cluster."""
+        out: dict[int, str] = {}
+        for name, mqs in group_by_broker(self.mqs).items():
+            client = self.brokers.get(name).client
+            sec, usec = client.time()
+            now = sec * 1000 + usec // 1000
+            pipe = client.pipeline(transaction=False)
+            for mq in mqs:
+                pipe.hmget(keys.sub_state(mq.tag, GROUP), "owner", "lease")
+            for mq, (owner, lease) in zip(mqs, pipe.execute(), strict=True):
+                out[mq.queue_id] = (owner or b"").decode() if int(lease or 0) > now else ""
+        return out
 
     def wait_all_owned(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

@@ -18,7 +18,10 @@ Definitions:
 * **consumption resumed**: per failover and per queue, seconds from the loss of the primary to the
   first listener call on that queue after it, either of a message acknowledged after it (which
   exists on the new primary only) or by a run that had made no call before it (a run that
-  started after the loss). A call of a message a run had read before the loss proves nothing;
+  started after the loss). A call of a message a run had read before the loss proves nothing.
+  On a Redis Cluster the event names the queues of the killed master's shard (``Event.queues``):
+  only those had to resume elsewhere, so only those are measured (the other shards' queues never
+  stopped);
 * **fence across a failover**: an epoch first used on a queue after the promotion is above every
   epoch used on that queue before the loss (a promoted replica never hands out again an epoch
   the old primary granted, even one it never saw); a lost grant (a lock the old primary granted
@@ -126,8 +129,10 @@ def resumption(data: RunData, entries: list[Entry]) -> list[Resumption]:
                          round(min(a.t for a in sends) - e.t, 3) if sends else None)
         # Every queue that was sent something after the loss owes a call; a queue that was sent
         # nothing may have nothing to resume (it counts if it resumed anyway: a redelivery).
-        owed = {a.queue for a in sends}
-        res.queues = {q: first.get(q) for q in sorted(owed | set(first))}
+        owed = {a.queue for a in sends} | set(first)
+        if e.queues:  # a cluster shard's failover: its own queues
+            owed &= set(e.queues)
+        res.queues = {q: first.get(q) for q in sorted(owed)}
         out.append(res)
     return out
 

@@ -8,7 +8,8 @@ The Sentinel faults (``primary-kill``, ``primary-pause``, ``replica-pause``) act
 of ``chaos.topology`` and record what they saw of it in the event: which node Sentinel promoted and
 when, and, for a failover to a replica known to be stale, what that replica lacked of the old
 primary's state (the lock grants, commits and appends lost with it). The checker judges the fence
-by those records.
+by those records. The Redis Cluster faults (a master's kill, slot migrations) are
+``chaos.cluster_faults``'s, reached through :meth:`Faults.cluster_faults`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 import redis
 from celery.utils.nodenames import worker_direct
 
+from chaos.cluster_faults import ClusterFaults
 from chaos.evidence import Event, Evidence, log
 from chaos.listeners import CTL, TOPIC
 from chaos.processes import Processes, child_pids
@@ -70,6 +72,13 @@ class Faults:
         #: this class caused (any other one is unplanned: no event records it).
         self.epoch0 = procs.sentinel.config_epoch() if procs.sentinel is not None else 0
         self.planned_failovers = 0
+        #: Cluster scenarios: the faults on the cluster's nodes and slots.
+        self._cluster = ClusterFaults(procs, evidence) if procs.cluster is not None else None
+
+    def cluster_faults(self) -> ClusterFaults:
+        if self._cluster is None:
+            raise RuntimeError(f"scenario {self.procs.name} has no Redis Cluster (Scenario.cluster)")
+        return self._cluster
 
     def alive_workers(self) -> list[WorkerProcess]:
         return self.procs.alive_workers()

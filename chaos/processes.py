@@ -4,8 +4,11 @@ Two ``redis-server`` processes run per scenario: the one under test (AOF on, ``a
 ``always`` or ``everysec``; it is also the Celery broker) and a ledger Redis that the listeners
 write to and no fault touches. In the ``sentinel-*`` scenarios the Redis under test is a Sentinel
 deployment instead (``chaos.topology``: a primary, two replicas, three Sentinels), reached by every
-process through its ``redis+sentinel://`` URL. Workers and beats are real ``celery`` subprocesses in their own
-process groups, so a fault can stop or kill a worker's prefork pool with it.
+process through its ``redis+sentinel://`` URL; in the ``cluster-*`` scenarios it is a Redis Cluster
+(``chaos.cluster_topology``) reached through its ``redis+cluster://`` URL, and Celery's broker is
+the ledger's Redis (database ``BROKER_DB``), since Celery cannot use a cluster. Workers and beats
+are real ``celery`` subprocesses in their own process groups, so a fault can stop or kill a
+worker's prefork pool with it.
 
 A worker that exits while this class did not take it down (``expected_down``) has *crashed*:
 :meth:`Processes.newly_crashed` reports it once, and the checker fails the scenario for it.
@@ -22,6 +25,7 @@ from pathlib import Path
 
 import redis
 
+from chaos.cluster_topology import BROKER_DB, ClusterRedis, ClusterSpec
 from chaos.evidence import log
 from chaos.listeners import ROLE_ENV
 from chaos.topology import SentinelRedis, SentinelSpec
@@ -51,7 +55,9 @@ class Processes:
     """The Redis under test, the ledger Redis, the workers and the beats of one scenario."""
 
     def __init__(self, name: str, *, fsync: str, env: dict[str, str], concurrency: int,
-                 sentinel: SentinelSpec | None = None) -> None:
+                 sentinel: SentinelSpec | None = None, cluster: ClusterSpec | None = None) -> None:
+        if sentinel is not None and cluster is not None:
+            raise ValueError(f"scenario {name}: a Sentinel deployment or a Redis Cluster, not both")
         self.name = name
         self.fsync = fsync
         self.env_extra = dict(env)
@@ -60,6 +66,8 @@ class Processes:
         self.redis = RedisServer(appendonly=True, appendfsync=fsync, workdir=str(self.tmp / "redis"))
         #: The Sentinel deployment under test (``sentinel-*`` scenarios), else None: ``redis`` is.
         self.sentinel = SentinelRedis(sentinel, fsync=fsync) if sentinel is not None else None
+        #: The Redis Cluster under test (``cluster-*`` scenarios), else None.
+        self.cluster = ClusterRedis(cluster, fsync=fsync) if cluster is not None else None
         self.ledger_redis = RedisServer(workdir=str(self.tmp / "ledger"))
         self.workers: dict[str, WorkerProcess] = {}
         self.beats: list[BeatProcess] = []
@@ -73,9 +81,11 @@ class Processes:
 
     @property
     def url(self) -> str:
-        """The store URL every process is given: the Sentinels' (``redis+sentinel://``) or the one
-        Redis's."""
-        return self.sentinel.url if self.sentinel is not None else self.redis.url
+        """The store URL every process is given: the Sentinels' (``redis+sentinel://``), the
+        cluster's (``redis+cluster://``) or the one Redis's."""
+        if self.sentinel is not None:
+            return self.sentinel.url
+        return self.cluster.url if self.cluster is not None else self.redis.url
 
     @property
     def ledger_url(self) -> str:
@@ -86,15 +96,20 @@ class Processes:
         (self.tmp / "ledger").mkdir()
         if self.sentinel is not None:
             self.sentinel.start()
+        elif self.cluster is not None:
+            self.cluster.start()
         else:
             self.redis.start()
         self.ledger_redis.start()
+        if self.cluster is not None:  # known once the ledger Redis holds its port
+            self.env_extra["MQORDER_CELERY_BROKER_URL"] = self.ledger_url.rsplit("/", 1)[0] + f"/{BROKER_DB}"
         self._meta = connect(self.url)
 
     def kill_redis(self) -> None:
         """SIGKILL of the Redis under test (its AOF stays on disk for :meth:`start_redis`)."""
-        if self.sentinel is not None:
-            raise RuntimeError("a Sentinel scenario kills its primary (Faults.kill_primary), not one Redis")
+        if self.sentinel is not None or self.cluster is not None:
+            raise RuntimeError(f"scenario {self.name} kills a node of its deployment (Faults.kill_primary, "
+                               "ClusterFaults.kill_master), not one Redis")
         self.redis.kill()
 
     def start_redis(self, timeout: float = 60.0) -> None:
@@ -191,6 +206,8 @@ class Processes:
             self._meta.close()
         if self.sentinel is not None:
             self.sentinel.stop(keep=self.tmp / "sentinel")
+        if self.cluster is not None:
+            self.cluster.stop(keep=self.tmp / "cluster")
         for srv in (self.redis, self.ledger_redis):
             try:
                 srv.stop()

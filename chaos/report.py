@@ -22,8 +22,10 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"
 MARK = "chaos-results:"
 ORDER = ["kill", "kill-rabbitmq", "sigstop", "sigstop-lease", "sigstop-child", "redis-always", "redis-everysec", "churn",
          "lost-tasks", "lost-tasks-rabbitmq", "poison", "beat", "all"]
-#: The Sentinel rows come last, after every single-Redis row (sorted by name), in this order.
-LAST = ["sentinel-failover", "sentinel-pause", "sentinel-async", "sentinel-missed-grant"]
+#: The Sentinel rows, then the Redis Cluster rows, come last, after every single-Redis row (sorted
+#: by name), in this order.
+LAST = ["sentinel-failover", "sentinel-pause", "sentinel-async", "sentinel-missed-grant",
+        "cluster-kill", "cluster-failover", "cluster-reshard"]
 
 
 def engine_version() -> str:
@@ -40,12 +42,15 @@ def engine_version() -> str:
 
 
 def compact(r: Result, *, title: str, env: dict[str, str], quick: bool, seconds: float,
-            engine: str = "", sentinel: dict[str, str] | None = None) -> dict[str, Any]:
-    """What the report shows of one result (lists cut to a few examples). ``sentinel``: the
-    settings of a Sentinel scenario's deployment (``SentinelSpec.describe``)."""
+            engine: str = "", sentinel: dict[str, str] | None = None,
+            cluster: dict[str, str] | None = None) -> dict[str, Any]:
+    """What the report shows of one result (lists cut to a few examples). ``sentinel``,
+    ``cluster``: the settings of a Sentinel scenario's deployment (``SentinelSpec.describe``) or of
+    a cluster scenario's (``ClusterSpec.describe``)."""
     return {
         "scenario": r.scenario, "title": title, "env": env, "fsync": r.fsync, "quick": quick, "engine": engine,
         **({"sentinel": sentinel} if sentinel is not None else {}),
+        **({"cluster": cluster} if cluster is not None else {}),
         "date": time.strftime("%Y-%m-%d %H:%M"), "seconds": round(seconds),
         "produced": r.produced, "unknown_sends": r.unknown_sends, "handled": r.handled,
         "faults": r.faults, "fault_kinds": r.fault_kinds,
@@ -149,13 +154,17 @@ def _refusals(d: dict[str, Any]) -> str:
 
 
 def _redis_failover(d: dict[str, Any]) -> list[str]:
-    """The lines of a Sentinel scenario: each failover, the losses and redeliveries it explains, the fence."""
+    """The lines of a Sentinel (or cluster failover) scenario: each failover, the losses and
+    redeliveries it explains, the fence."""
     out = []
+    cluster = bool(d.get("cluster"))
     for i, e in enumerate(d.get("redis_failover_events") or []):
         never = f"; **never resumed**: queues {e['never']}" if e.get("never") else ""
-        out.append(f"- {e['kind']} {i + 1} of {e['node']}: Sentinel's new primary answered after {_s(e['promoted_s'])} s, "
-                   f"the first acknowledged send after {_s(e['send_resumed_s'])} s, and all {e['queues']} queues had "
-                   f"a listener call again within {_s(e['resumed_max_s'])} s{never}")
+        who = "the cluster's promoted replica served the shard's slots" if cluster else "Sentinel's new primary answered"
+        out.append(f"- {e['kind']} {i + 1} of {e['node']}: {who} after {_s(e['promoted_s'])} s, "
+                   f"the first acknowledged send after {_s(e['send_resumed_s'])} s, and all {e['queues']} queues "
+                   f"{'of the shard ' if cluster else ''}had a listener call again within "
+                   f"{_s(e['resumed_max_s'])} s{never}")
     if d.get("redis_failovers"):
         out.append(f"- consumption resumed after a kill of the primary, per queue per kill: {_many(d['redis_failovers'])} s "
                    f"(p99 {_s(d.get('redis_failover_p99'))} s, target {REDIS_FAILOVER_TARGET:.0f} s)")
@@ -190,8 +199,10 @@ def _redis_failover(d: dict[str, Any]) -> list[str]:
 
 def _details(d: dict[str, Any]) -> list[str]:
     env = ", ".join(f"`{k}={v}`" for k, v in d["env"].items()) or "defaults"
-    if d.get("sentinel"):
-        env = ", ".join(f"{k} {v}" for k, v in d["sentinel"].items()) + ("; " + env if d["env"] else "")
+    topology = d.get("sentinel") or d.get("cluster")
+    if topology:
+        # Sorted: a result reloaded from the JSON comment has its keys sorted, a fresh one not.
+        env = ", ".join(f"{k} {v}" for k, v in sorted(topology.items())) + ("; " + env if d["env"] else "")
     kinds = ", ".join(f"{k} ×{n}" for k, n in sorted(d["fault_kinds"].items()))
     out = [
         f"### {d['scenario']}: {d['title']}",
@@ -295,6 +306,16 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "through its `redis+sentinel://` URL (Celery's broker too, through kombu's Sentinel transport), and",
         "the ledger stays on a plain Redis that no fault touches.",
         "",
+        "The `cluster-*` rows replace it with a Redis Cluster (`chaos/cluster_topology.py`): 3 masters",
+        "(with one replica each in `cluster-failover`), AOF on, `cluster-node-timeout` 2000, reached through",
+        "a `redis+cluster://` URL; the 12 queues are spread over the shards by their hash tags. Celery's",
+        "broker cannot be a cluster, so it is the ledger's plain Redis (another database). `cluster-failover`",
+        "kills a shard's master (its failover is judged as the Sentinel ones are, over the queues that",
+        "shard served; with one replica per master, the promoted master has none until the killed node",
+        "rejoins as its replica, so sends waiting for one replica are refused on that shard until then);",
+        "`cluster-reshard` migrates the slots of live queues between masters while they are consumed",
+        "(`chaos/cluster_faults.py`).",
+        "",
         "| scenario | messages (acked) | handled | faults | order violations | lost | lost in fsync / replication window | "
         "duplicates (redelivered / copies / unexplained) | max dups per queue per fault | overlapping calls | "
         "failover max s | failover p99 s | result |",
@@ -339,10 +360,11 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "  two clients, and an epoch first used after a promotion is above every epoch used before the",
         "  failover; a lock grant the promoted replica lacked never comes back, and its holder's commit is",
         "  refused. Two epochs overlapping after a failover fall under the overlap rule above (the stale call",
-        "  refused and told so); overlapping calls at one epoch are counted and, in the `sentinel-*` rows,",
-        "  fail the run. Redeliveries of messages handled in a loss window are counted apart from the",
-        "  one-batch bound. Consumption must resume on every queue after each failover",
-        f"  (`sentinel-failover`, `sentinel-async`: p99 at most {REDIS_FAILOVER_TARGET:.0f} s).",
+        "  refused and told so); overlapping calls at one epoch are counted and, in the `sentinel-*` rows",
+        "  and `cluster-failover`, fail the run. Redeliveries of messages handled in a loss window are",
+        "  counted apart from the one-batch bound. Consumption must resume on every queue after each failover",
+        f"  (`sentinel-failover`, `sentinel-async`, `cluster-failover`: p99 at most {REDIS_FAILOVER_TARGET:.0f} s;",
+        "  on a cluster, over the queues of the killed master's shard).",
         f"- Beat: while beat is down past the lease no queue goes {BEAT_OUTAGE_MAX_GAP:.0f} s without a call and no",
         "  epoch changes (workers renew their own leases); a restarted beat publishes rebalances again",
         "  (counted from each beat's publish records); two beats at once never double-assign.",

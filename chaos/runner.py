@@ -1,7 +1,7 @@
 """The chaos runner: one scenario's cluster, assembled from four parts with one job each.
 
 * :class:`~chaos.processes.Processes` starts, signals and stops the subprocesses (the Redis under
-  test, or the Sentinel deployment under test, the ledger Redis, workers, beats);
+  test, or the Sentinel deployment or Redis Cluster under test, the ledger Redis, workers, beats);
 * :class:`~chaos.traffic.Traffic` sends the paced traffic (and poison) and waits for the drain;
 * :class:`~chaos.faults.Faults` injects the faults a scenario's script asks for;
 * :class:`~chaos.evidence.Evidence` keeps the fault log, samples the lock table and reads the
@@ -16,6 +16,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from chaos.cluster_topology import ClusterSpec
 from chaos.evidence import Event, Evidence, log
 from chaos.faults import Faults
 from chaos.listeners import TOPIC
@@ -60,6 +61,7 @@ class Cluster:
         n_keys: int = 300,
         keep_logs: bool = False,
         sentinel: SentinelSpec | None = None,
+        cluster: ClusterSpec | None = None,
     ) -> None:
         self.name = name
         self.n_workers = workers
@@ -69,7 +71,9 @@ class Cluster:
         self.keep_logs = keep_logs
         self.env_extra = dict(env or {})
         self.sentinel = sentinel
-        self.procs = Processes(name, fsync=fsync, env=self.env_extra, concurrency=concurrency, sentinel=sentinel)
+        self.cluster = cluster
+        self.procs = Processes(name, fsync=fsync, env=self.env_extra, concurrency=concurrency, sentinel=sentinel,
+                               cluster=cluster)
         # Set by start(), once the Redis under test answers.
         self.settings: Settings | None = None
         self.evidence: Evidence | None = None
@@ -79,8 +83,9 @@ class Cluster:
     def start(self) -> Cluster:
         self.procs.start_servers()
         url = self.procs.url
+        # The processes' settings (a cluster's adds Celery's broker, once the ledger Redis is up).
         self.settings = load_settings(redis_url=url, **{
-            k.removeprefix("MQORDER_").lower(): v for k, v in self.env_extra.items() if k.startswith("MQORDER_")
+            k.removeprefix("MQORDER_").lower(): v for k, v in self.procs.env_extra.items() if k.startswith("MQORDER_")
         })
         brokers = BrokerRegistry(url)
         locks = RebalanceLockManager(brokers, self.settings.lock_max_live_time_ms)
@@ -89,8 +94,9 @@ class Cluster:
         mqs = p.describe_topic(TOPIC).message_queues
         p.close()
         self.evidence = Evidence(self.name, url, self.procs.ledger_url, brokers, locks, mqs)
+        spec = self.sentinel or self.cluster
         self.traffic = Traffic(url, brokers, mqs, rate=self.rate, n_keys=self.n_keys,
-                               wait_replicas=self.sentinel.send_wait if self.sentinel is not None else None)
+                               wait_replicas=spec.send_wait if spec is not None else None)
         self.faults = Faults(self.procs, self.evidence, self.traffic)
         workers = [self.procs.start_worker(self.procs.new_worker_name(), wait=False) for _ in range(self.n_workers)]
         for w in workers:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from chaos import listeners
 from chaos.checker import Result, RunData, check
+from chaos.cluster_topology import ClusterSpec
 from chaos.faults import Faults
 from chaos.runner import Cluster, log
 from chaos.topology import SentinelSpec
@@ -47,6 +48,13 @@ class Scenario:
     celery_broker: str = "redis"
     #: The Redis under test as a Sentinel deployment (``chaos.topology``), and how the traffic sends.
     sentinel: SentinelSpec | None = None
+    #: The store under test as a Redis Cluster (``chaos.cluster_topology``); Celery's broker is then
+    #: a plain Redis (``chaos.processes``).
+    cluster: ClusterSpec | None = None
+
+    @property
+    def topology(self) -> SentinelSpec | ClusterSpec | None:
+        return self.sentinel or self.cluster
 
 
 class Clock:
@@ -299,6 +307,35 @@ def sentinel_missed_grant(f: Faults, quick: bool) -> list[str]:
     return notes
 
 
+def cluster_kill_masters(f: Faults, quick: bool) -> list[str]:
+    """kill -9 of a shard's master every 15 s, the shards in turn; the cluster promotes its replica;
+    2 s later the killed node starts again and rejoins as the promoted node's replica, in sync
+    before the next kill. The other shards' queues are consumed on throughout."""
+    cf = f.cluster_faults()
+    clock = Clock()
+    for i in range(2 if quick else 5):
+        clock.at(5 + 15 * i)
+        cf.kill_master(restart_after=2.0)
+    time.sleep(5)
+    return cf.failover_notes()
+
+
+def cluster_reshard(f: Faults, quick: bool) -> list[str]:
+    """Every 8 s the slots of 3 live queues (the next ones in turn) migrate to another master while
+    they are consumed: their messages, locks, epochs and offsets move with them, and every client
+    follows ASK, TRYAGAIN and then MOVED. 2 rounds (quick) or 6, so each queue moves at least once."""
+    cf = f.cluster_faults()
+    clock = Clock()
+    for i in range(2 if quick else 6):
+        clock.at(4 + 8 * i)
+        cf.reshard()
+    time.sleep(5)
+    notes = cf.reshard_notes()
+    for n in notes:
+        log(f"   {n}")
+    return notes
+
+
 def smoke(f: Faults, quick: bool) -> None:
     """The ``make test`` smoke: one kill -9 (and restart), two lost-task deletions."""
     clock = Clock()
@@ -368,6 +405,15 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("sentinel-missed-grant", "Sentinel: failover to a replica paused while queues were granted again "
              "(a queue owner killed -9): the promoted replica lacks the last grants", sentinel_missed_grant,
              sentinel=SentinelSpec(send_wait=1), enforce={"no_same_epoch_overlap"}),
+    Scenario("cluster-kill", "Redis Cluster (3 masters): kill -9 of a queue owner, repeatedly, with restarts",
+             kill_loop, cluster=ClusterSpec(replicas_per_master=0), enforce={"failover_target"}),
+    Scenario("cluster-failover", "Redis Cluster (3 masters, 1 replica each): kill -9 of a master, repeatedly "
+             "(its replica promoted, the killed node back as the new master's replica); sends wait for 1 replica",
+             cluster_kill_masters, cluster=ClusterSpec(replicas_per_master=1, send_wait=1),
+             enforce={"redis_failover", "no_same_epoch_overlap"}),
+    Scenario("cluster-reshard", "Redis Cluster (3 masters): the slots of live queues migrated to another master "
+             "while consumed (SETSLOT/MIGRATE, as redis-cli --cluster reshard), 3 queues a round",
+             cluster_reshard, cluster=ClusterSpec(replicas_per_master=0)),
 ]}
 
 SMOKE = Scenario("smoke", "smoke: one kill -9 and two lost-task bursts", smoke)
@@ -381,14 +427,14 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
         vhost.start()  # fails saying how to get RabbitMQ when it is not running
         env["MQORDER_CELERY_BROKER_URL"] = vhost.url
     c = Cluster(sc.name, fsync=sc.fsync, env=env, workers=sc.workers, rate=sc.rate, keep_logs=keep_logs,
-                sentinel=sc.sentinel)
+                sentinel=sc.sentinel, cluster=sc.cluster)
     res: Result | None = None
     try:
         c.start()
         assert c.faults is not None and c.traffic is not None
         c.traffic.start()
         notes = sc.script(c.faults, quick) or []
-        if sc.sentinel is not None:
+        if sc.sentinel is not None or (sc.cluster is not None and sc.cluster.replicas_per_master):
             notes.append(_failovers_note(c.faults))
         c.traffic.stop()
         drained = c.traffic.drain(drain_timeout)
@@ -418,9 +464,13 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
 
 
 def _failovers_note(f: Faults) -> str:
-    """How many failovers Sentinel made, and whether each was one a fault asked for."""
-    extra = f.unplanned_failovers()
-    note = (f"Sentinel failovers: {f.planned_failovers} caused by the faults"
+    """How many failovers Sentinel (or the cluster) made, and whether each was one a fault asked for."""
+    if f.procs.cluster is not None:
+        cf = f.cluster_faults()
+        who, planned, extra = "Cluster", cf.planned_failovers, cf.unplanned_failovers()
+    else:
+        who, planned, extra = "Sentinel", f.planned_failovers, f.unplanned_failovers()
+    note = (f"{who} failovers: {planned} caused by the faults"
             + (f", **{extra} unplanned** (no event explains their losses or redeliveries)" if extra else ", none other"))
     log(f"   {note}")
     return note
@@ -442,7 +492,7 @@ def _run_data(sc: Scenario, c: Cluster, drained: bool) -> RunData:
         suspend_s=listeners.SUSPEND_MS / 1000, enforce=set(sc.enforce),
         pending_ttl_s=settings.pending_ttl_ms / 1000, sweep_interval_s=settings.sweep_interval_ms / 1000,
         ordering=sc.env.get(listeners.ORDERING_ENV, "queue"),
-        send_wait=sc.sentinel.send_wait if sc.sentinel is not None else 0,
+        send_wait=sc.topology.send_wait if sc.topology is not None else 0,
         # What a key-ordered run may finish between two commits (a crash redelivers it).
         dup_bound=(uncommitted_bound(settings.pull_batch_size, settings.key_concurrency,
                                      settings.consume_message_batch_max_size)

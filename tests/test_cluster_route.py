@@ -192,17 +192,67 @@ def test_a_durable_batch_waits_on_every_shard_it_wrote(cdep: ClusterDeployment, 
     try:
         p.create_topic("t-dur", queues=6)
         masters = _masters(cdep)
-        for m in masters:
-            cdep.client(m).config_resetstat()
-        results = p.send_orderly_batch("t-dur", [(f"k{i}", b"m") for i in range(60)], wait_replicas=1)
-        assert len(results) == 60
-        shards = {cdep.master_of_slot(key_slot(r.message_queue.tag.encode())).port for r in results}
-        assert len(shards) == 3
-        for m in masters:  # a WAIT on each shard, on the connection that wrote there
-            stats = cdep.client(m).info("commandstats")
-            assert int(stats.get("cmdstat_wait", {}).get("calls", 0)) >= 1, m.port
+        p.brokers.default.scripts.load("send")  # else the first batch meets NOSCRIPT and is sent again
+        items = [(f"k{i}", b"m") for i in range(60)]
+        for dedup in (None, [f"d{i}" for i in range(60)]):  # with dedup keys: a fence write per shard
+            for m in masters:
+                cdep.client(m).config_resetstat()
+            results = p.send_orderly_batch("t-dur", items, wait_replicas=1, dedup_keys=dedup)
+            assert len(results) == 60
+            shards = {cdep.master_of_slot(key_slot(r.message_queue.tag.encode())).port for r in results}
+            assert len(shards) == 3
+            for m in masters:  # exactly one WAIT per shard, on the connection that wrote there
+                stats = cdep.client(m).info("commandstats")
+                assert int(stats.get("cmdstat_wait", {}).get("calls", 0)) == 1, (m.port, dedup is None)
     finally:
         p.close()
+
+
+def test_sharded_wake_ups_follow_a_slot_migration(cdep: ClusterDeployment, cc: ClusterClient) -> None:
+    """The listener subscribes a queue's shard channel on the node serving its slot; after the slot
+    migrates (the server unsubscribes the channel there), it re-homes it to the new node, where
+    a wake-up published on the shard then arrives."""
+    import threading
+
+    from mqorder.consumer.shard_wake import ShardWakeListener
+    from mqorder.store.wake import WakeUp
+
+    mq = MessageQueue("t-swake", "broker-a", 5)
+    reg = BrokerRegistry(cdep.url())
+    stop = threading.Event()
+    got: list[WakeUp] = []
+    listener = ShardWakeListener(reg, "c1", lambda: [mq], got.append, stop)
+    t = threading.Thread(target=listener.run, daemon=True)
+    t.start()
+    chan = keys.shard_wake_channel(mq.tag, "c1")
+    slot = key_slot(mq.tag.encode())
+
+    def subscribers(node: RedisServer) -> int:
+        return int(cdep.client(node).execute_command("PUBSUB", "SHARDNUMSUB", chan)[1])
+
+    def until(pred: object, what: str, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if pred():  # type: ignore[operator]
+                return
+            time.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    try:
+        src = cdep.master_of_slot(slot)
+        until(lambda: subscribers(src) == 1, "the subscription on the slot's node")
+        cc.execute_command("SPUBLISH", chan, WakeUp("g", mq.key, "tok1").encode(), target_nodes=cc.primary_for(chan))
+        until(lambda: [w.token for w in got] == ["tok1"], "the first wake-up")
+        src, dst = _begin_migration(cdep, slot)
+        _move_keys(cdep, src, dst, slot)
+        _end_migration(cdep, dst, slot)
+        until(lambda: subscribers(dst) == 1 and subscribers(src) == 0, "the subscription to move with the slot")
+        cdep.client(dst).execute_command("SPUBLISH", chan, WakeUp("g", mq.key, "tok2").encode())
+        until(lambda: [w.token for w in got] == ["tok1", "tok2"], "the wake-up on the new node")
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        reg.close()
 
 
 def test_a_killed_master_fails_the_round_trip_then_its_promoted_replica_serves(cdep: ClusterDeployment,

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
+from redis.crc import key_slot
 
 from mqorder import keys
 from mqorder.backoff import Backoff
@@ -59,14 +60,20 @@ class _NodeSubscriber:
     """One node's sharded subscriptions, held by one thread."""
 
     def __init__(self, name: str, client: redis.Redis, on_wake: Callable[[WakeUp], object],
-                 stop: threading.Event) -> None:
+                 on_trouble: Callable[[Exception | None], None], stop: threading.Event) -> None:
         self.name = name
         self.client = client
         self.on_wake = on_wake
+        #: Told when this node's channels may be homed elsewhere now (a MOVED, a server-side
+        #: unsubscribe after a migration, a lost connection): the listener re-reads the slot map.
+        self.on_trouble = on_trouble
         self._stop = stop
         self._done = threading.Event()
         self._lock = threading.Lock()
         self._wanted: set[str] = set()
+        #: Channels this node said it no longer serves: not subscribed here again until the next
+        #: reconcile hands this node its channels anew (from the corrected slot map).
+        self._moved: set[str] = set()
         #: Channels the server confirmed (ssubscribe replies) and has not unsubscribed since.
         self.subscribed: set[str] = set()
         self.thread = threading.Thread(target=self._loop, name=f"mqorder-swake-{name}", daemon=True)
@@ -75,61 +82,84 @@ class _NodeSubscriber:
     def want(self, channels: set[str]) -> None:
         with self._lock:
             self._wanted = set(channels)
+            self._moved.clear()
 
     def close(self) -> None:
         self._done.set()
 
+    def _stopped(self) -> bool:
+        return self._stop.is_set() or self._done.is_set()
+
     def _loop(self) -> None:
         backoff = Backoff()
-        while not (self._stop.is_set() or self._done.is_set()):
-            pubsub: Any = None
+        while not self._stopped():
+            pubsub: Any = _ShardPubSub(self.client.connection_pool)
             try:
-                pubsub = _ShardPubSub(self.client.connection_pool)
-                have: set[str] = set()
-                backoff.reset()
-                while not (self._stop.is_set() or self._done.is_set()):
-                    with self._lock:
-                        wanted = set(self._wanted)
-                    new, gone = wanted - have, have - wanted
-                    # One channel per command: the channels of one SSUBSCRIBE must share a slot.
-                    for chan in sorted(new):
-                        pubsub.ssubscribe(chan)
-                    for chan in sorted(gone):
-                        pubsub.sunsubscribe(chan)
-                    have = wanted
-                    if not have:
-                        self._done.wait(POLL_S)
-                        continue
-                    msg = pubsub.get_sharded_message(timeout=POLL_S)
-                    if msg is None:
-                        continue
-                    self._handle(msg, have)
+                self._serve(pubsub, backoff)
             except redis.RedisError as exc:
                 self.subscribed.clear()
+                _close(pubsub)  # before waiting: nothing is received (and dropped) meanwhile
+                self.on_trouble(exc)
                 delay = backoff.next()
                 log.warning("mqorder: sharded wake-ups on %s lost (%s); again in %.1fs", self.name, exc, delay)
                 self._done.wait(delay)
             except Exception:
                 self.subscribed.clear()
+                _close(pubsub)
                 log.exception("mqorder: sharded wake-up loop on %s failed", self.name)
                 self._done.wait(1.0)
-            finally:
-                if pubsub is not None:
-                    try:
-                        pubsub.close()
-                    except Exception:  # noqa: BLE001
-                        pass
+            else:
+                _close(pubsub)
 
-    def _handle(self, msg: dict[str, Any], have: set[str]) -> None:
+    def _serve(self, pubsub: Any, backoff: Backoff) -> None:
+        """Subscribe what is wanted here, dispatch what arrives, until stopped or an error."""
+        have: set[str] = set()
+        leaving: set[str] = set()
+        while not self._stopped():
+            with self._lock:
+                wanted = self._wanted - self._moved
+            # One channel per command: the channels of one SSUBSCRIBE must share a slot.
+            for chan in sorted(wanted - have):
+                pubsub.ssubscribe(chan)
+            for chan in sorted(have - wanted):
+                pubsub.sunsubscribe(chan)
+                leaving.add(chan)
+            have = set(wanted)
+            if not have and not leaving:
+                self._done.wait(POLL_S)
+                continue
+            try:
+                msg = pubsub.get_sharded_message(timeout=POLL_S)
+            except (redis.exceptions.MovedError, redis.exceptions.AskError) as exc:
+                # An SSUBSCRIBE for a slot this node no longer serves: that channel goes elsewhere.
+                gone = {c for c in have if key_slot(c.encode()) == exc.slot_id}
+                with self._lock:
+                    self._moved |= gone
+                have -= gone
+                self.on_trouble(exc)
+                continue
+            if msg is None:
+                continue
+            backoff.reset()  # the node answers
+            self._handle(msg, have, leaving)
+
+    def _handle(self, msg: dict[str, Any], have: set[str], leaving: set[str]) -> None:
         kind = msg.get("type")
         chan = msg.get("channel")
         name = chan.decode() if isinstance(chan, bytes) else str(chan)
         if kind == "ssubscribe":
             self.subscribed.add(name)
         elif kind == "sunsubscribe":
-            # Our own unsubscribe, or the server's after its slot moved: the refresh re-homes it.
             self.subscribed.discard(name)
-            have.discard(name)
+            if name in leaving:
+                leaving.discard(name)  # our own
+            else:
+                # The server's: the slot moved away (a migration, a failover). Re-homed by the
+                # listener once the slot map says where; not subscribed here again meanwhile.
+                with self._lock:
+                    self._moved.add(name)
+                have.discard(name)
+                self.on_trouble(None)
         elif kind == "smessage":
             try:
                 wake = WakeUp.decode(msg["data"])
@@ -137,6 +167,13 @@ class _NodeSubscriber:
                 log.warning("mqorder: ignoring a message on %s: %s", name, exc)
                 return
             self.on_wake(wake)
+
+
+def _close(pubsub: Any) -> None:
+    try:
+        pubsub.close()
+    except Exception:  # noqa: BLE001 - closing a broken connection
+        pass
 
 
 class ShardWakeListener:
@@ -176,25 +213,40 @@ class ShardWakeListener:
         for key, (client, node, channels) in wanted.items():
             sub = self._nodes.get(key)
             if sub is None:
-                sub = self._nodes[key] = _NodeSubscriber(key[1], client.node_client(node), self.on_wake, self._stop)
+                sub = self._nodes[key] = _NodeSubscriber(key[1], client.node_client(node), self.on_wake,
+                                                         self._trouble_on(client), self._stop)
             sub.want(channels)
         for key in [k for k in self._nodes if k not in wanted]:
             self._nodes.pop(key).close()
 
+    def _trouble_on(self, client: ClusterClient) -> Callable[[Exception | None], None]:
+        """What a node's thread calls when its channels may belong elsewhere now: patch the slot
+        map from a MOVED, or re-read it (rate-limited), then reconcile at once."""
+        def trouble(exc: Exception | None) -> None:
+            try:
+                if isinstance(exc, redis.exceptions.MovedError):
+                    client.nodes_manager.move_slot(exc)
+                else:
+                    client.refresh_slots()
+            except Exception:
+                log.debug("mqorder: slot map update after %r failed", exc, exc_info=True)
+            self.poke()
+        return trouble
+
     def subscribed(self) -> set[str]:
         """Every shard channel a node confirmed (for tests and ``mqorder status``)."""
-        return {c for s in self._nodes.values() for c in s.subscribed}
+        return {c for s in list(self._nodes.values()) for c in list(s.subscribed)}
 
     def run(self) -> None:
         """Reconcile until stopped (the client's wake thread)."""
         backoff = Backoff()
         while not self._stop.is_set():
             try:
+                self._poke.clear()  # before reading: a poke during the reconcile is not lost
                 self.reconcile()
                 backoff.reset()
                 self.ready.set()
                 self._poke.wait(REFRESH_S)
-                self._poke.clear()
             except redis.RedisError as exc:
                 delay = backoff.next()
                 log.warning("mqorder: cannot read the assignment for sharded wake-ups (%s); again in %.1fs",

@@ -42,6 +42,12 @@ def _tag(mq: MessageQueue) -> str:
     return mq.tag
 
 
+def _shard_of(broker: Broker, tag: str) -> str:
+    """The cluster primary serving ``tag`` (its replicas are what a WAIT there counts); one shard
+    off a cluster."""
+    return broker.client.primary_for(tag).name if broker.is_cluster else ""  # type: ignore[attr-defined]
+
+
 @dataclass(frozen=True)
 class LockEntry:
     owner: str
@@ -89,7 +95,8 @@ class RebalanceLockManager:
                       for b in batches]
             if any(wanted):
                 assert self.replica_wait is not None
-                replies = self._lock_and_wait(broker, calls, wanted, self.replica_wait.timeout_ms)
+                shards = [_shard_of(broker, b[0].tag) for b in batches]
+                replies = self._lock_and_wait(broker, calls, wanted, shards, self.replica_wait.timeout_ms)
             else:
                 replies = [(epochs, 0) for epochs in broker.scripts.run_pipelined("lock_batch", calls)]
             for b, want, (epochs, acked) in zip(batches, wanted, replies, strict=True):
@@ -106,22 +113,36 @@ class RebalanceLockManager:
 
     @staticmethod
     def _lock_and_wait(broker: Broker, calls: list[tuple[list[str], list[Any]]], wanted: list[int],
-                       timeout_ms: int) -> list[tuple[list[Any], int]]:
-        """``lock_batch.lua`` with ``WAIT`` behind each call in the same round trip: WAIT counts what
-        its own connection wrote (on a cluster, the connection to that batch's shard). After
+                       shards: list[str], timeout_ms: int) -> list[tuple[list[Any], int]]:
+        """``lock_batch.lua`` calls with ``WAIT`` behind them in the same round trip: WAIT counts what
+        its own connection wrote, so on a Redis Cluster one WAIT follows each shard's last call
+        (``shards[i]``: the shard of call ``i``) and answers for all of that shard's calls. After
         ``NOSCRIPT`` (a restarted or promoted Redis) nothing ran: load, resend."""
+        order: dict[str, list[int]] = {}
+        for i, shard in enumerate(shards):
+            order.setdefault(shard, []).append(i)
         for attempt in (0, 1):
             pipe = RawPipeline(broker.client)
-            for (kl, args), want in zip(calls, wanted, strict=True):
-                broker.scripts.queue_in(pipe, "lock_batch", kl, args)
+            for idxs in order.values():
+                for i in idxs:
+                    broker.scripts.queue_in(pipe, "lock_batch", *calls[i])
+                want = max(wanted[i] for i in idxs)
                 pipe.execute_command("WAIT", want, timeout_ms if want else 0)
             try:
                 out = pipe.execute()
-                return [(list(out[i]), int(out[i + 1])) for i in range(0, len(out), 2)]
             except redis.exceptions.NoScriptError:
                 if attempt:
                     raise
                 broker.scripts.load("lock_batch")
+                continue
+            replies: list[tuple[list[Any], int]] = [([], 0)] * len(calls)
+            pos = 0
+            for idxs in order.values():
+                acked = int(out[pos + len(idxs)])
+                for k, i in enumerate(idxs):
+                    replies[i] = (list(out[pos + k]), acked)
+                pos += len(idxs) + 1
+            return replies
         raise AssertionError("unreachable")  # pragma: no cover
 
     def unlock_batch(

@@ -17,7 +17,7 @@ in the same round trip, on their connection (``mqorder.store.durable``), and a s
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,7 +148,10 @@ class QueueAppender:
                     # after no write waits for nothing: the fence write (mqorder.store.durable).
                     fence = next((keys.queue_next(requests[i].mq.tag) for i in idxs if requests[i].ids is not None),
                                  None)
-                    raw, tail = broker.scripts.run_many_then(calls, wait.commands(fence))
+                    # On a Redis Cluster, one fence and WAIT per shard, after that shard's last
+                    # append (Scripts.run_many_then): each shard replicates on its own.
+                    shard_fence = _shard_fence(wait, [requests[i].mq.tag for i in idxs])
+                    raw, tail = broker.scripts.run_many_then(calls, wait.commands(fence), then_for=shard_fence)
                     acked = int(tail[-1])
                     if acked < wait.replicas:
                         messages = sum(len(requests[i].entries) for i in idxs)
@@ -219,6 +222,12 @@ class QueueAppender:
         args.append(self.wake_prefix(mq))
         args.extend(wake_args)
         return kl, args
+
+
+def _shard_fence(wait: SendWait, tags: list[str]) -> Callable[[int], list[tuple[Any, ...]]]:
+    """For a Redis Cluster: the fence write and ``WAIT`` after a shard's last append, that append
+    being the ``i``-th call (its queue's ``next`` key is on the same shard)."""
+    return lambda i: wait.commands(keys.queue_next(tags[i]))
 
 
 def _parse(reply: list[Any], n: int) -> AppendReply:

@@ -272,7 +272,7 @@ class Broker:
         return list(by_slot.values())
 
     def replicas_of(self, tag: str) -> int:
-        """Replicas connected to the cluster primary serving ``tag`` (0 off a cluster): what a
+        """Online replicas of the cluster primary serving ``tag`` (0 off a cluster): what a
         ``WAIT`` on that shard can count. Read from the node (``INFO replication``), cached for
         ``REPLICA_COUNT_TTL_S``: the slot map is no guide, as ``CLUSTER SLOTS`` leaves out a
         replica that has not yet acknowledged any write."""
@@ -284,7 +284,8 @@ class Broker:
         if cached is not None and now - cached[0] < REPLICA_COUNT_TTL_S:
             return cached[1]
         info = self.client.node_client(node).info("replication")
-        n = int(info.get("connected_slaves", 0))
+        # Online replicas only: one still in its initial sync acknowledges no WAIT yet.
+        n = sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")
         self._replicas[node.name] = (now, n)
         return n
 

@@ -37,9 +37,16 @@ from typing import Any
 
 import hiredis
 import redis
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import PRIMARY, ClusterNode, RedisCluster
 from redis.crc import key_slot
-from redis.exceptions import AskError, ClusterDownError, MovedError, ResponseError, TryAgainError
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    MovedError,
+    RedisClusterException,
+    ResponseError,
+    TryAgainError,
+)
 
 #: Redirections (MOVED, ASK) and TRYAGAIN/CLUSTERDOWN answers followed within one round trip
 #: before giving up with the last error.
@@ -54,6 +61,9 @@ REFRESH_MIN_S = 0.25
 _SCRIPT_COMMANDS = frozenset({b"EVALSHA", b"EVAL", b"EVALSHA_RO", b"EVAL_RO", b"FCALL", b"FCALL_RO"})
 _STREAM_READS = frozenset({b"XREAD", b"XREADGROUP"})
 _KEYLESS = frozenset({b"WAIT", b"PING", b"ASKING", b"TIME", b"INFO", b"ECHO"})
+#: Commands that only read: resent behind a redirected command of their slot (``_resend``).
+_READS = frozenset({b"XRANGE", b"XREVRANGE", b"XREAD", b"XLEN", b"HMGET", b"HGET", b"HGETALL", b"GET", b"MGET",
+                    b"EXISTS", b"ZRANGE", b"ZSCORE", b"ZCARD", b"SMEMBERS", b"SCARD", b"LRANGE", b"LLEN"})
 
 
 def _upper(name: Any) -> bytes:
@@ -94,6 +104,15 @@ class ClusterClient(RedisCluster):
         self._refresh_lock = threading.Lock()
         self._refreshed_at = 0.0
 
+    def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        """redis-py's, with "no node answers" and "no node serves this slot" (``RedisClusterException``,
+        not a ``RedisError``) raised as ``ConnectionError``: every retry loop of mqorder catches
+        ``RedisError`` and would let them crash a worker's thread instead of backing off."""
+        try:
+            return super().execute_command(*args, **kwargs)
+        except RedisClusterException as exc:
+            raise redis.ConnectionError(f"Redis Cluster not usable right now: {exc}") from exc
+
     def refresh_slots(self, failed_node: str | None = None) -> None:
         """Re-read which primary serves which slot (after a node failed), at most every
         ``REFRESH_MIN_S`` however many threads ask; errors are left to the next attempt."""
@@ -104,8 +123,8 @@ class ClusterClient(RedisCluster):
             self._refreshed_at = now
         try:
             self.nodes_manager.initialize(last_failed_node_name=failed_node)
-        except redis.RedisError:
-            pass  # the cluster is still settling: the next round trip that fails asks again
+        except (redis.RedisError, RedisClusterException):
+            pass  # the cluster is still settling (or no node answers): the next failure asks again
 
     def node_client(self, node: ClusterNode) -> redis.Redis:
         """The plain client of one node (its own connection pool)."""
@@ -147,24 +166,41 @@ class ClusterRoute:
         for pool, conn in self._conns.values():
             pool.release(conn)
         self._conns.clear()
+        self._last = None
 
     def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Every command on its slot's primary, all nodes written before any is read; the
         replies in ``commands``' order (error replies as exceptions, in place). Redirections
-        are followed here; a dead node is a ``ConnectionError`` (the slot map re-read)."""
+        are followed here; a dead node, or a slot map that cannot be read, is a
+        ``ConnectionError`` (the slot map re-read), which every retry loop of mqorder takes."""
+        try:
+            return self._round_trip(commands)
+        except (RedisClusterException, KeyError) as exc:
+            # No node answered the slot map's refresh, a slot no node serves (a master down under
+            # a partial cluster), a redirection to a slot the map lacks: the cluster is settling.
+            self.cluster.refresh_slots()
+            raise redis.ConnectionError(f"Redis Cluster not usable right now: {exc}") from exc
+
+    def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         n = len(commands)
         out: list[Any] = [None] * n
         todo = list(range(n))
         asking: dict[int, tuple[str, int]] = {}
+        node_of: dict[int, ClusterNode] = {}
         for attempt in range(MAX_REDIRECTS + 1):
-            batches = self._route(commands, todo, asking)
+            batches = self._route(commands, todo, asking, node_of)
             replies = self._exchange(commands, batches, asking)
             again: list[int] = []
             pause = False
             asking = {}
             for i in todo:
                 r = replies[i]
-                if attempt < MAX_REDIRECTS and isinstance(r, (MovedError, AskError, TryAgainError, ClusterDownError)):
+                if isinstance(r, (MovedError, AskError, TryAgainError, ClusterDownError)):
+                    if attempt == MAX_REDIRECTS:
+                        out[i] = redis.ConnectionError(
+                            f"Redis Cluster still redirecting after {MAX_REDIRECTS} tries "
+                            f"({type(r).__name__}: {r}): a migration or failover in progress")
+                        continue
                     if isinstance(r, MovedError):
                         self.cluster.nodes_manager.move_slot(r)
                     elif isinstance(r, AskError):
@@ -177,22 +213,45 @@ class ClusterRoute:
                 else:
                     out[i] = r
             if not again:
+                keyed = [i for i in range(n) if i in node_of and command_key(commands[i]) is not None]
+                if keyed:
+                    self._last = node_of[keyed[-1]]
                 return out
-            # A keyless command (WAIT) follows the command it was routed with.
-            resend = set(again)
-            for i in again:
-                j = i + 1
-                while j < n and command_key(commands[j]) is None:
-                    resend.add(j)
-                    j += 1
-            todo = sorted(resend)
+            todo = self._resend(commands, again, asking)
             if pause:
                 time.sleep(RETRY_PAUSE_S)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _route(self, commands: list[tuple[Any, ...]], todo: list[int],
-               asking: dict[int, tuple[str, int]]) -> dict[str, tuple[ClusterNode, list[int]]]:
-        """``todo``'s indices grouped by target node, each group in the caller's order."""
+    @staticmethod
+    def _resend(commands: list[tuple[Any, ...]], again: list[int], asking: dict[int, tuple[str, int]]) -> list[int]:
+        """What goes out again after ``again`` were redirected: them, the keyless commands that
+        follow each (a ``WAIT`` counts the replicas of the node of the write before it), and the
+        later *reads* of the same slot, which must still see what the redirected command did or
+        read (a lingering read's state check follows its blocking read: ``linger._queue_slice``).
+        A later read of the same slot goes where the redirected command goes."""
+        n = len(commands)
+        resend = set(again)
+        for i in again:
+            key = command_key(commands[i])
+            slot = key_slot(key) if key is not None else None
+            j = i + 1
+            while j < n:
+                kj = command_key(commands[j])
+                if kj is None:
+                    if j - 1 in resend:
+                        resend.add(j)
+                elif slot is not None and _upper(commands[j][0]) in _READS and key_slot(kj) == slot:
+                    resend.add(j)
+                    if i in asking:
+                        asking[j] = asking[i]
+                j += 1
+        return sorted(resend)
+
+    def _route(self, commands: list[tuple[Any, ...]], todo: list[int], asking: dict[int, tuple[str, int]],
+               node_of: dict[int, ClusterNode]) -> dict[str, tuple[ClusterNode, list[int]]]:
+        """``todo``'s indices grouped by target node, each group in the caller's order; the node of
+        each index is recorded in ``node_of``. A keyless command goes with the command before it
+        (in this round trip, else the lease's last keyed command: a run's ``WAIT`` after its begin)."""
         batches: dict[str, tuple[ClusterNode, list[int]]] = {}
         prev: ClusterNode | None = self._last
         pending_keyless: list[int] = []
@@ -200,9 +259,11 @@ class ClusterRoute:
         for i in todo:
             target = asking.get(i)
             if target is not None:
-                node = manager.get_node(host=target[0], port=target[1]) or ClusterNode(target[0], target[1])
-                if node.name not in manager.nodes_cache:
-                    manager.nodes_cache[node.name] = node
+                node = manager.get_node(host=target[0], port=target[1])
+                if node is None:
+                    with manager._lock:
+                        node = manager.nodes_cache.setdefault(
+                            f"{target[0]}:{target[1]}", ClusterNode(target[0], target[1], PRIMARY))
             else:
                 key = command_key(commands[i])
                 if key is None:
@@ -214,13 +275,17 @@ class ClusterRoute:
                     node = manager.get_node_from_slot(key_slot(key))
             if pending_keyless:
                 batches.setdefault(node.name, (node, []))[1].extend(pending_keyless)
+                for j in pending_keyless:
+                    node_of[j] = node
                 pending_keyless = []
             batches.setdefault(node.name, (node, []))[1].append(i)
+            node_of[i] = node
             prev = node
         if pending_keyless:  # nothing keyed at all, nothing before: any primary answers
             node = self.cluster.get_random_primary_node()
             batches.setdefault(node.name, (node, []))[1].extend(pending_keyless)
-        self._last = prev
+            for j in pending_keyless:
+                node_of[j] = node
         return batches
 
     def _exchange(self, commands: list[tuple[Any, ...]], batches: dict[str, tuple[ClusterNode, list[int]]],
@@ -252,9 +317,10 @@ class ClusterRoute:
                         replies[next(it)] = r
             return replies
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+            failed = sent[-1][0] if sent and len(sent) < len(batches) else None
             for name in list(batches):
                 self._drop(name)
-            self.cluster.refresh_slots()
+            self.cluster.refresh_slots(failed)
             if isinstance(exc, redis.RedisError):
                 raise
             raise redis.ConnectionError(str(exc)) from exc

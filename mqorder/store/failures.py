@@ -18,7 +18,10 @@ import redis
 from mqorder.errors import BrokerRefusedError, BrokerUnavailableError, ConfigError
 
 #: Errors after which the broker may come back: the caller may retry.
-TRANSIENT = (redis.ConnectionError, redis.TimeoutError)
+#: On a Redis Cluster also a failover or migration still settling (CLUSTERDOWN, TRYAGAIN) and no
+#: node answering at all (redis-py's ``RedisClusterException``, which is not a ``RedisError``).
+TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
+             redis.exceptions.TryAgainError, redis.exceptions.RedisClusterException)
 #: How Redis refuses a write before a script stored anything (a script's first command is a
 #: write, and these refusals apply to every write alike): redis-py's classes for the codes it
 #: knows (OOM, READONLY, NOPERM, MASTERDOWN), the text for those it does not.

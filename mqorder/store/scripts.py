@@ -22,7 +22,7 @@ import re
 from collections.abc import Callable, Sequence
 from functools import cache
 from importlib import resources
-from typing import Any
+from typing import Any, cast
 
 import redis
 
@@ -206,7 +206,9 @@ class Scripts:
         return self.run_many_then(calls, (), via)[0]
 
     def run_many_then(self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]],
-                      then: Sequence[tuple[Any, ...]], via: ConnectionLease | None = None) -> tuple[list[Any], list[Any]]:
+                      then: Sequence[tuple[Any, ...]], via: ConnectionLease | None = None, *,
+                      then_for: Callable[[int], Sequence[tuple[Any, ...]]] | None = None,
+                      ) -> tuple[list[Any], list[Any]]:
         """``run_many``, with plain commands ``then`` sent after the scripts on the same connection,
         in the same round trip; the scripts' replies and ``then``'s.
 
@@ -214,9 +216,14 @@ class Scripts:
         ``mqorder.store.durable``) counts the replicas that have this connection's writes, and
         cannot run inside a script. When a call is sent again after ``NOSCRIPT``, ``then`` is sent
         again behind it, so its replies always follow the last of the writes.
+
+        On a Redis Cluster the calls may land on several shards, each replicating on its own:
+        the trailing commands then follow *each shard's* last call, on that shard
+        (``_run_many_then_per_shard``). ``then_for(i)`` gives them for the shard whose last call is
+        ``calls[i]`` (a fence write must be a key of that shard); without it, ``then`` itself.
         """
         if then and isinstance(self._client, ClusterClient) and len(calls) > 1:
-            return self._run_many_then_per_shard(calls, then, via)
+            return self._run_many_then_per_shard(calls, then_for or (lambda _i: then), via)
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
         tail: list[Any] = []
@@ -247,38 +254,57 @@ class Scripts:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _run_many_then_per_shard(self, calls: Sequence[tuple[str, Sequence[Any], Sequence[Any]]],
-                                 then: Sequence[tuple[Any, ...]], via: ConnectionLease | None) -> tuple[list[Any], list[Any]]:
-        """``run_many_then`` on a Redis Cluster, where the calls may land on several shards: ``then``
-        follows *each* call, so it runs on that call's shard (``WAIT`` counts the replicas of its
-        own connection's node). Returns the calls' replies and the ``then`` replies of the call
-        whose last reply is the smallest (the fewest replicas acknowledged)."""
+                                 then_for: Callable[[int], Sequence[tuple[Any, ...]]],
+                                 via: ConnectionLease | None) -> tuple[list[Any], list[Any]]:
+        """``run_many_then`` over a cluster's shards: the calls grouped by the primary serving
+        them, each group followed by ``then_for(<its last call>)`` (one fence and one ``WAIT`` per
+        shard, counting that shard's replicas for all its calls), all in one round trip. Returns
+        the calls' replies and the trailing replies of the shard whose last reply is the smallest
+        (the fewest replicas acknowledged)."""
+        client = cast(ClusterClient, self._client)
+        groups: dict[str, list[int]] = {}
+        for i, (_, kl, _a) in enumerate(calls):
+            groups.setdefault(client.primary_for(kl[0]).name, []).append(i)
         replies: list[Any] = [None] * len(calls)
-        todo = list(range(len(calls)))
-        tails: dict[int, list[Any]] = {}
-        k = len(then)
+        tails: dict[str, list[Any]] = {}
         for attempt in (0, 1):
             pipe = RawPipeline(via or self._client)
-            for i in todo:
-                self.queue_in(pipe, *calls[i])
-                for cmd in then:
+            layout: list[tuple[str, list[int], int]] = []
+            for g, idxs in groups.items():
+                for i in idxs:
+                    self.queue_in(pipe, *calls[i])
+                tail_cmds = then_for(idxs[-1])
+                for cmd in tail_cmds:
                     pipe.execute_command(*cmd)
+                layout.append((g, idxs, len(tail_cmds)))
             res = pipe.execute(raise_on_error=False)
-            missing = []
-            for n, i in enumerate(todo):
-                r, t = res[n * (k + 1)], res[n * (k + 1) + 1:(n + 1) * (k + 1)]
-                if isinstance(r, redis.exceptions.NoScriptError) and not attempt:
-                    missing.append(i)
-                    continue
-                for x in (r, *t):
+            missing: set[str] = set()
+            pos = 0
+            for g, idxs, k in layout:
+                for i in idxs:
+                    r = res[pos]
+                    pos += 1
+                    if isinstance(r, redis.exceptions.NoScriptError) and not attempt:
+                        missing.add(calls[i][0])
+                    elif isinstance(r, Exception):
+                        raise r
+                    else:
+                        replies[i] = r
+                tail = list(res[pos:pos + k])
+                pos += k
+                for x in tail:
                     if isinstance(x, Exception):
                         raise x
-                replies[i], tails[i] = r, list(t)
+                tails[g] = tail
             if not missing:
-                worst = min(tails.values(), key=lambda t: t[-1] if t else 0)
-                return replies, worst
-            for name in {calls[i][0] for i in missing}:
+                return replies, min(tails.values(), key=lambda t: t[-1] if t else 0)
+            # A NOSCRIPT call stored nothing; the others did, and are idempotent only by id: send
+            # just the missing scripts' calls again, with their shard's fence and WAIT behind.
+            for name in missing:
                 self.load(name)
-            todo = missing
+            groups = {g: [i for i in idxs if calls[i][0] in missing and replies[i] is None]
+                      for g, idxs in groups.items()}
+            groups = {g: idxs for g, idxs in groups.items() if idxs}
         raise AssertionError("unreachable")  # pragma: no cover
 
     def load(self, name: str) -> None:

@@ -159,6 +159,8 @@ def test_ask_during_a_migration_is_followed_and_a_script_sees_its_whole_queue(cd
             _end_migration(cdep, dst, slot)
         assert cdep.client(dst).hget(state, "owner") == b"c1"
         assert locks.try_lock_batch("g", [mq], "c2") == {}  # c1's live lock moved with the slot
+        entry = locks.lock_entry("g", mq)  # read on the node that now holds it, by its clock
+        assert entry.owner == "c1" and entry.epoch == e1 and locks.is_locked("g", mq, "c1")
     finally:
         reg.close()
 

@@ -161,7 +161,12 @@ class RebalanceLockManager:
         return unlocked
 
     def lock_entry(self, sub: str, mq: MessageQueue) -> LockEntry:
-        client = self.brokers.get(mq.broker_name).client
+        broker = self.brokers.get(mq.broker_name)
+        client: Any = broker.client
+        if broker.is_cluster:
+            # The lease is judged by the clock of the node holding it, read in the same round trip
+            # (a cluster pipeline refuses TIME, which has no key): that node's own client.
+            client = client.node_client(client.primary_for(mq.tag))
         pipe = client.pipeline(transaction=False)
         pipe.time()
         pipe.hmget(keys.sub_state(mq.tag, sub), "owner", "epoch", "lease", "assignee", "run")

@@ -32,6 +32,7 @@ from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 
 from mqorder.store.cluster_route import ClusterClient
+from mqorder.store.cluster_urls import ClusterURL, is_cluster_url, parse_cluster_url
 from mqorder.store.urls import SentinelURL, is_sentinel_url, parse_sentinel_url
 
 #: Upper bound of the socket (and connect) timeout of a connection to a Sentinel, in seconds.
@@ -150,11 +151,10 @@ def _sentinel_kwargs(parsed: SentinelURL, client_kwargs: dict[str, Any]) -> dict
     return out
 
 
-def _data_kwargs(parsed: SentinelURL, client_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """What ``master_for`` gets: the caller's keywords, under the URL's db, credentials, TLS and
-    timeouts (the URL wins, as ``from_url``'s query does)."""
+def _url_keywords(parsed: SentinelURL | ClusterURL, client_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The caller's keywords under the URL's credentials, TLS and timeouts (the URL wins, as
+    ``from_url``'s query does): for the data nodes of a Sentinel set or of a cluster."""
     kw = dict(client_kwargs)
-    kw["db"] = parsed.db
     if parsed.username is not None:
         kw["username"] = parsed.username
     if parsed.password is not None:
@@ -168,6 +168,13 @@ def _data_kwargs(parsed: SentinelURL, client_kwargs: dict[str, Any]) -> dict[str
     return kw
 
 
+def _data_kwargs(parsed: SentinelURL, client_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """What ``master_for`` gets: ``_url_keywords`` and the URL's db."""
+    kw = _url_keywords(parsed, client_kwargs)
+    kw["db"] = parsed.db
+    return kw
+
+
 def _sentinel(parsed: SentinelURL, client_kwargs: dict[str, Any]) -> MqorderSentinel:
     return MqorderSentinel(parsed, list(parsed.sentinels),
                            sentinel_kwargs=_sentinel_kwargs(parsed, _data_kwargs(parsed, client_kwargs)))
@@ -178,20 +185,8 @@ def connect_cluster(url: str, **client_kwargs: Any) -> ClusterClient:
     slot map is first read; every node of the cluster is then reached as the map says, and a
     failover or a migration is followed (``mqorder.store.cluster_route``). A partial cluster
     (``require_full_coverage`` off) still serves the slots whose primaries are up."""
-    from mqorder.store.cluster_urls import parse_cluster_url
-
     parsed = parse_cluster_url(url)
-    kw = dict(client_kwargs)
-    if parsed.username is not None:
-        kw["username"] = parsed.username
-    if parsed.password is not None:
-        kw["password"] = parsed.password
-    if parsed.ssl:
-        kw["ssl"] = True
-    if parsed.socket_timeout is not None:
-        kw["socket_timeout"] = parsed.socket_timeout
-    if parsed.socket_connect_timeout is not None:
-        kw["socket_connect_timeout"] = parsed.socket_connect_timeout
+    kw = _url_keywords(parsed, client_kwargs)
     nodes = [ClusterNode(h, p) for h, p in parsed.startup_nodes]
     return ClusterClient(startup_nodes=nodes, require_full_coverage=False, **kw)
 
@@ -206,8 +201,6 @@ def connect(url: str, *, sentinel_password: str | None = None, **client_kwargs: 
     ``ConfigError`` if ``url`` is a malformed Sentinel URL. A Redis Cluster URL
     (``redis+cluster://``) gives a ``ClusterClient`` (``connect_cluster``).
     """
-    from mqorder.store.cluster_urls import is_cluster_url
-
     if is_cluster_url(url):
         return cast(redis.Redis, connect_cluster(url, **client_kwargs))
     if not is_sentinel_url(url):

@@ -170,6 +170,28 @@ def test_transactions_and_delays_on_the_cluster(side: RedisServer, ccluster: Clu
     tp.close()
 
 
+def test_retention_trims_what_the_workers_consumed_on_every_shard(cdep: ClusterDeployment, side: RedisServer,
+                                                                  ccluster: Cluster, led: redis.Redis) -> None:
+    """A worker's retention pass (the ``consumed`` policy) trims each queue's log behind its
+    group's committed offset, on the shard that holds it."""
+    p = Producer(ccluster.url)
+    p.create_topic("t-order", queues=6)
+    assert len(_shards_of(cdep, p, "t-order")) == 3
+    _start(ccluster, side, "w1", MQORDER_RETENTION_POLICY="consumed", MQORDER_RETENTION_MS="1000",
+           MQORDER_RETENTION_MIN_MS="0", MQORDER_RETENTION_INTERVAL_MS="500")
+    p.send_orderly_batch("t-order", [(f"k{i}", body(f"k{i}", 1)) for i in range(300)])
+    wait_for(lambda: _handled(led, "g-order", 300), timeout=60, what="300 messages handled")
+    mqs = p.describe_topic("t-order").message_queues
+
+    def stored() -> dict[int, int]:
+        """Entries left in each queue's log, read on the master serving it."""
+        return {mq.queue_id: int(cdep.client(cdep.master_of_slot(key_slot(mq.tag.encode()))).xlen(
+            keys.queue_log(mq.tag))) for mq in mqs}
+
+    wait_for(lambda: set(stored().values()) == {0}, timeout=30, what="every queue trimmed")
+    p.close()
+
+
 def test_the_cluster_refuses_to_be_celerys_broker(ccluster: Cluster) -> None:
     """Without MQORDER_CELERY_BROKER_URL a cluster store cannot carry Celery's tasks: the worker
     stops at start with a message naming the choices."""

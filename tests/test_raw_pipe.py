@@ -71,3 +71,42 @@ def test_appends_survive_a_script_flush_and_store_each_message_once(appender: Qu
     log = MessageLog(appender.brokers)
     assert [m.body for m in log.read(MQ0, 0, 10)] == [b"a", b"b"]
     assert [m.body for m in log.read(MQ1, 0, 10)] == [b"c", b"d"]
+
+
+def test_thread_leases_keep_a_connection_per_thread_and_give_it_back(redis_url: str) -> None:
+    """A producer's sends keep one connection per thread (``ThreadLeases``): the same connection
+    for every send of a thread, back in the pool when the thread ends or the leases are closed,
+    and never used by a forked child (its socket is the parent's)."""
+    import gc
+    import os
+    import threading
+
+    from mqorder.store.raw_pipe import ThreadLeases
+
+    client = redis.Redis.from_url(redis_url)
+    pool = client.connection_pool
+    leases = ThreadLeases()
+
+    def client_id() -> int:
+        return int(RawPipeline(leases.get(client)).execute_command("CLIENT", "ID").execute()[0])
+
+    mine = {client_id() for _ in range(5)}
+    assert len(mine) == 1 and len(pool._in_use_connections) == 1
+    seen: list[int] = []
+    t = threading.Thread(target=lambda: seen.extend(client_id() for _ in range(3)))
+    t.start()
+    t.join()
+    del t
+    gc.collect()
+    assert len(set(seen)) == 1 and set(seen) != mine  # its own connection...
+    assert len(pool._in_use_connections) == 1  # ...given back when the thread ended
+    pid = os.fork()
+    if pid == 0:  # the child: a fresh connection of its own, the parent's left alone
+        code = 0 if client_id() not in mine else 3
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert client_id() in mine  # the parent's connection still answers in step
+    leases.close()
+    assert len(pool._in_use_connections) == 0
+    client.close()

@@ -337,6 +337,7 @@ class Producer:
         return [r for r in results if r is not None]
 
     def close(self) -> None:
+        self.appender.leases.close()  # each sending thread's kept connection, back to its pool
         if self._own_brokers:
             self.brokers.close()
 

@@ -27,6 +27,7 @@ from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
 from mqorder.store.capacity import CapacityGuard
 from mqorder.store.durable import ReplicaGate, SendWait, behind_error
 from mqorder.store.failures import translated
+from mqorder.store.raw_pipe import ThreadLeases
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 from mqorder.store.wake import WakeUp
@@ -94,6 +95,8 @@ class QueueAppender:
         self.guard = guard
         #: Connected replicas per broker, checked before a durable append (``mqorder.store.durable``).
         self.replicas = ReplicaGate()
+        #: Each sending thread's connection per broker, kept across sends (``ThreadLeases``).
+        self.leases = ThreadLeases()
         self._subs: dict[str, tuple[float, list[str]]] = {}
 
     def append(
@@ -141,8 +144,9 @@ class QueueAppender:
                 # Lean EVALSHAs (Scripts.run_many: no redis-py Pipeline, whose registered scripts
                 # cost a SCRIPT EXISTS round trip first); a NOSCRIPT call stored nothing and is
                 # sent again once the script is loaded.
+                lease = self.leases.get(broker.client)
                 if wait is None:
-                    raw = broker.scripts.run_many(calls)
+                    raw = broker.scripts.run_many(calls, lease)
                 else:
                     # An idempotent append may store nothing (every id a duplicate), and a WAIT
                     # after no write waits for nothing: the fence write (mqorder.store.durable).
@@ -151,7 +155,7 @@ class QueueAppender:
                     # On a Redis Cluster, one fence and WAIT per shard, after that shard's last
                     # append (Scripts.run_many_then): each shard replicates on its own.
                     shard_fence = _shard_fence(wait, [requests[i].mq.tag for i in idxs])
-                    raw, tail = broker.scripts.run_many_then(calls, wait.commands(fence), then_for=shard_fence)
+                    raw, tail = broker.scripts.run_many_then(calls, wait.commands(fence), lease, then_for=shard_fence)
                     acked = int(tail[-1])
                     if acked < wait.replicas:
                         messages = sum(len(requests[i].entries) for i in idxs)

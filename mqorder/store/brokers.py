@@ -291,7 +291,11 @@ class Broker:
 
     @property
     def safe_url(self) -> str:
-        return redact_url(self.url)
+        """The URL with any password replaced (computed once: every send's error context quotes it)."""
+        safe: str | None = getattr(self, "_safe_url", None)
+        if safe is None:
+            safe = self._safe_url = redact_url(self.url)
+        return safe
 
     def ping(self) -> None:
         try:

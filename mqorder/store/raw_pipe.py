@@ -22,6 +22,9 @@ checkout each. It belongs to one thread (a ConsumeRequest's); whoever made it re
 
 from __future__ import annotations
 
+import os
+import threading
+import weakref
 from typing import Any
 
 import hiredis
@@ -38,10 +41,11 @@ class ConnectionLease:
     each command to its slot's primary (``mqorder.store.cluster_route.ClusterRoute``).
     """
 
-    __slots__ = ("_pool", "_conn", "_route")
+    __slots__ = ("_pool", "_conn", "_route", "_pid")
 
     def __init__(self, client: redis.Redis | ClusterClient) -> None:
         self._conn: Any = None
+        self._pid = os.getpid()
         if isinstance(client, ClusterClient):
             self._pool: Any = None
             self._route: ClusterRoute | None = ClusterRoute(client)
@@ -76,12 +80,73 @@ class ConnectionLease:
 
     def release(self) -> None:
         """Give the connection back to the pool (the lease takes another if used again)."""
+        if self._pid != os.getpid():
+            self._conn = None  # a forked child's copy: the connection is the parent's
+            return
         if self._route is not None:
             self._route.release()
             return
         conn, self._conn = self._conn, None
         if conn is not None:
             self._pool.release(conn)
+
+
+class ThreadLeases:
+    """A ``ConnectionLease`` per thread and client, kept across calls: for a producer's sends.
+
+    Through a plain ``RawPipeline`` on a client every round trip checks a connection out of
+    redis-py's pool and back in, each recording redis-py 8's observability counters: about 23 µs
+    of the ~60 µs of client CPU a ``send_orderly`` costs (cProfile, 5,000 sends). A thread that
+    keeps one connection pays it once. The lease is given back when its thread ends (the
+    thread-local holder is collected) or ``close``; in a forked child it is forgotten, never used:
+    its socket is the parent's.
+    """
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        #: Every live thread's holder, weakly: a thread's end collects its own and releases it.
+        self._all: weakref.WeakSet[_ThreadHeld] = weakref.WeakSet()
+
+    def get(self, client: redis.Redis | ClusterClient) -> ConnectionLease:
+        held: _ThreadHeld | None = getattr(self._local, "held", None)
+        if held is None or held.pid != os.getpid():
+            held = self._local.held = _ThreadHeld()
+            with self._lock:
+                self._all.add(held)
+        lease = held.leases.get(id(client))
+        if lease is None:
+            lease = held.leases[id(client)] = ConnectionLease(client)
+        return lease
+
+    def close(self) -> None:
+        """Give back every thread's connection (``Producer.close``)."""
+        with self._lock:
+            alive = list(self._all)
+        for held in alive:
+            held.release()
+
+
+class _ThreadHeld:
+    """One thread's leases; releases them when the thread ends and this is collected."""
+
+    __slots__ = ("pid", "leases", "__weakref__")
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.leases: dict[int, ConnectionLease] = {}
+
+    def release(self) -> None:
+        if self.pid != os.getpid():
+            return  # a forked child's copy: the connections are the parent's
+        for lease in list(self.leases.values()):
+            lease.release()
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - interpreter shutdown, a closed pool: nothing to give back
+            pass
 
 
 class RawPipeline:

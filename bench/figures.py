@@ -112,6 +112,8 @@ class Figures:
         self.keys: dict[str, Any] = res.get("keys") or {}
         #: The ``cluster`` section (``bench.cluster``): single node vs a 3-shard Redis Cluster.
         self.cluster: dict[str, Any] = res.get("cluster") or {}
+        #: The ``idle`` section (``bench.idle``): 2 stock workers + beat over 1,024 idle queues.
+        self.idle: dict[str, Any] = res.get("idle") or {}
         self.best: int = self.mq.get("best_concurrency", concurrency(cfg))
         self.n_drain = size(cfg, "drain_messages")
         self.n_naive = size(cfg, "naive_messages")

@@ -57,7 +57,8 @@ class Report:
         self.f = Figures(cfg, res)
 
     def render(self) -> str:
-        sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.latency,
+        sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.trickle_cost,
+                    self.idle, self.latency,
                     self.celery_broker, self.produce, self.dedup, self.durable_send, self.transactions, self.failover,
                     self.sentinel, self.cluster, self.rebalance, self.memory, self.growth, self.retention, self.spark,
                     self.keys, self.concurrent, self.history, self.notes)
@@ -274,6 +275,18 @@ class Report:
                           [[f"`{r['function']}`", f"{r['calls']:,}", f"{r['tottime_s']:.3f}", f"{r['cumtime_s']:.3f}"]
                            for r in prof["top"][:12]])
         return out
+
+    def trickle_cost(self) -> list[str]:
+        """Per message at a trickle and in a drain, where Redis's time goes (``bench.trickle_cost``), when it ran."""
+        from bench import trickle_cost_report
+
+        return trickle_cost_report.markdown(self.res["trickle_cost"]) if "trickle_cost" in self.res else []
+
+    def idle(self) -> list[str]:
+        """2 stock workers + beat over 1,024 idle queues (``bench.idle``), when it ran."""
+        from bench import idle
+
+        return idle.markdown(self.res["idle"]) if "idle" in self.res else []
 
     def latency(self) -> list[str]:
         """Send-to-handle percentiles and costs per configuration, and what linger does."""

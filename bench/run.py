@@ -254,6 +254,26 @@ def sec_keys(cfg: Config, res: dict[str, Any]) -> None:
     res["keys"] = keys.run(cfg, messages=size(cfg, "keys_messages"), runs=cfg.runs)
 
 
+def sec_trickle_cost(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import trickle_cost
+
+    res["trickle_cost"] = trickle_cost.run(cfg, [trickle_cost.CostSpec("now")], runs=cfg.runs,
+                                           seconds=size(cfg, "trickle_cost_seconds"),
+                                           drain_messages=size(cfg, "trickle_cost_drain"))
+    # Measured on its own (--only trickle_cost) and placed in a RESULTS.md of an earlier full run, as sentinel.
+    res["trickle_cost"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
+                                       "load1": round(load1(), 2)}
+
+
+def sec_idle(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import idle
+
+    res["idle"] = idle.run(cfg, seconds=size(cfg, "idle_seconds"), slow_seconds=size(cfg, "idle_slow_seconds"),
+                           warmup_s=size(cfg, "idle_warmup_seconds"))
+    res["idle"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
+                               "load1": round(load1(), 2)}
+
+
 RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "raw": sec_raw, "mqorder": sec_mqorder, "costs": sec_costs, "naive": sec_naive,
     "single_lane": sec_single_lane, "latency": sec_latency, "celery_broker": sec_celery_broker,
@@ -261,7 +281,7 @@ RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "growth": sec_growth, "retention": sec_retention, "spark": sec_spark,
     "spark_audit": sec_spark_audit, "dedup": sec_dedup, "transactions": sec_transactions, "keys": sec_keys,
     "concurrent": sec_concurrent, "durable_send": sec_durable_send, "sentinel": sec_sentinel,
-    "cluster": sec_cluster,
+    "cluster": sec_cluster, "trickle_cost": sec_trickle_cost, "idle": sec_idle,
 }
 
 

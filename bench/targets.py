@@ -152,6 +152,18 @@ def _of_cluster_cpu(f: Figures) -> Reading:
     return Reading(s.median, f"{s.median:.2f}x ({s.lo:.2f}–{s.hi:.2f}, {s.n} paired runs)")
 
 
+def _of_idle(f: Figures) -> Reading:
+    """Workers + Redis of an idle deployment, share of one core: the costlier of the two queue layouts."""
+    from bench.idle import shares, worst_share
+
+    worst = worst_share(f.idle)
+    if worst is None:
+        return Reading(None, "n/a")
+    each = "; ".join(f"{lay['topics']}×{lay['queues']}: {shares(lay)['workers_redis'] * 100:.2f} %"
+                     for lay in f.idle["layouts"])
+    return Reading(worst * 100, f"{worst * 100:.2f} % of one core ({each})")
+
+
 def _of_cluster_commands(f: Figures) -> Reading:
     """Commands per message, 3-shard cluster (sum over shards) / single node: the median of the per-run ratios."""
     from bench.cluster_report import command_ratios
@@ -206,6 +218,8 @@ TARGETS: tuple[Target, ...] = (
     Target("cluster_commands", "no command on every shard per message: commands per message on the 3-shard "
            "cluster (sum over shards) {bound} the single node's (one such command adds 2 per message)",
            1.2, AT_MOST, "x", 1, _of_cluster_commands),
+    Target("idle", "idle: 2 stock workers + beat over 1,024 idle queues, workers + Redis CPU {bound} of one core",
+           2, AT_MOST, " %", 0, _of_idle),
 )
 
 

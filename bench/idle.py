@@ -43,7 +43,7 @@ from bench.common import (
     wait_lag_zero,
 )
 from bench.listeners import lane_names
-from bench.redis_meter import RedisMeter, lock_script_names, pretty
+from bench.redis_meter import RedisMeter, library_script_names, pretty
 from mqorder import Producer
 from mqorder.testing.launcher import BeatProcess
 
@@ -72,7 +72,7 @@ def _script_names() -> dict[str, str]:
 
     from mqorder.store import scripts
 
-    return {**lock_script_names(),
+    return {**library_script_names(),
             **{hashlib.sha1(scripts.source(n).encode()).hexdigest(): n for n in scripts.NAMES}}
 
 

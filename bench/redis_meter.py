@@ -46,13 +46,23 @@ DRAIN_S = 0.2
 MAX_LEN = 1_000_000
 
 
-def lock_script_names() -> dict[str, str]:
-    """redis-py's ``Lock`` scripts (SHA1 → name): they run on the same Redis (a release is ``GET`` + ``DEL``)."""
+def library_script_names() -> dict[str, str]:
+    """Scripts of the libraries on the same Redis (SHA1 → name): redis-py's ``Lock`` (a release is
+    ``GET`` + ``DEL``) and kombu's Redis transport (its bindings' refresh and sweep)."""
     from redis.lock import Lock
 
-    return {hashlib.sha1(src.encode()).hexdigest(): f"redis-py Lock {what}"
-            for what, src in (("release", Lock.LUA_RELEASE_SCRIPT), ("extend", Lock.LUA_EXTEND_SCRIPT),
-                              ("reacquire", Lock.LUA_REACQUIRE_SCRIPT))}
+    out = {hashlib.sha1(src.encode()).hexdigest(): f"redis-py Lock {what}"
+           for what, src in (("release", Lock.LUA_RELEASE_SCRIPT), ("extend", Lock.LUA_EXTEND_SCRIPT),
+                             ("reacquire", Lock.LUA_REACQUIRE_SCRIPT))}
+    try:
+        from kombu.transport import redis as kombu_redis
+    except ImportError:
+        return out
+    for const, what in (("REFRESH_BINDING", "refresh binding"), ("SWEEP_BINDINGS", "sweep bindings")):
+        src = getattr(kombu_redis, const, None)
+        if isinstance(src, str):
+            out[hashlib.sha1(src.encode()).hexdigest()] = f"kombu {what}"
+    return out
 
 
 def label(args: list[bytes], names: dict[str, str]) -> str:

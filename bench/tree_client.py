@@ -19,6 +19,7 @@ Requests (``op``):
 * ``backlog``: ``topic``, ``n`` messages with ``send_orderly_batch`` in chunks of 10,000.
 * ``scripts``: the SHA1 of every script this tree sends, to its name (``EVALSHA <sha>`` in the
   SLOWLOG → ``begin``).
+* ``lua_floor``: µs per ``EVALSHA`` of an empty script and of each of ``scripts``' preludes alone.
 * ``kick``: open ``topic`` for reading, one rebalance from here, dispatch what it asks for through
   a Celery app on ``broker`` (``bench.common.kick``, with this tree's code).
 """
@@ -99,6 +100,41 @@ def scripts() -> dict[str, Any]:
     return {"names": {hashlib.sha1(s.source(n).encode()).hexdigest(): n for n in s.NAMES}}
 
 
+def lua_floor(url: str, req: dict[str, Any]) -> dict[str, Any]:
+    """µs per ``EVALSHA`` (Redis's ``commandstats``) of ``return 0`` alone, and of each named script's
+    preludes alone (every function it includes defined, then ``return 0``): what a call costs before
+    the script's own body runs. Run on a Redis nothing else uses yet."""
+    import redis
+
+    from mqorder.store import scripts as s
+
+    variants = {"": "return 0"}
+    for name in req["scripts"]:
+        variants[name] = "\n".join(s._read(p) or "" for p in s.include_order(name)) + "\nreturn 0"
+    r = redis.Redis.from_url(url)
+    out: dict[str, float | None] = {}
+    try:
+        for name, src in variants.items():
+            sha = r.script_load(src)
+
+            def stat() -> tuple[int, int]:
+                v = r.info("commandstats").get("cmdstat_evalsha", {"calls": 0, "usec": 0})
+                return int(v["calls"]), int(v["usec"])
+
+            c0, u0 = stat()
+            try:
+                for _ in range(int(req.get("n", 2000))):
+                    r.evalsha(sha, 0)
+            except redis.ResponseError:  # a prelude that needs KEYS or ARGV at load: not measurable alone
+                out[name] = None
+                continue
+            c1, u1 = stat()
+            out[name] = (u1 - u0) / (c1 - c0)
+    finally:
+        r.close()
+    return {"empty_us": out.pop(""), "preludes_us": out}
+
+
 def serve(url: str) -> None:
     p = Producer(url)
     keys: dict[str, Keys] = {}
@@ -121,8 +157,10 @@ def serve(url: str) -> None:
                     out = kick(url, req)
                 elif op == "scripts":
                     out = scripts()
+                elif op == "lua_floor":
+                    out = lua_floor(url, req)
                 else:
-                    out = {"error": f"unknown op {op!r}; use create, paced, backlog, kick, scripts or exit"}
+                    out = {"error": f"unknown op {op!r}; use create, paced, backlog, kick, scripts, lua_floor or exit"}
             except Exception as exc:  # noqa: BLE001 - answered to the driver, which raises it
                 out = {"error": f"{type(exc).__name__}: {exc}"}
             sys.stdout.write(json.dumps(out) + "\n")

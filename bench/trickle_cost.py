@@ -55,7 +55,7 @@ from bench.common import (
     wait_lag_zero,
 )
 from bench.listeners import LAT_KEY, lane_names
-from bench.redis_meter import METER_NAME, RedisMeter, lock_script_names
+from bench.redis_meter import METER_NAME, RedisMeter, library_script_names
 from mqorder import keys
 from mqorder.testing.launcher import project_env
 
@@ -69,6 +69,8 @@ WARMUP_S = 1.0
 SETTLE_S = 0.05
 #: The drain's lag poll interval, in seconds.
 POLL_S = 0.01
+#: The scripts of a trickling message, whose preludes alone are timed (``tree_client`` ``lua_floor``).
+HOT_SCRIPTS = ("send", "begin", "commit", "finish", "adopt")
 #: Messages of the drain's unmeasured first run.
 DRAIN_WARMUP = 5_000
 _KEY = re.compile(r"[A-Za-z][A-Za-z0-9_-]*")
@@ -150,10 +152,10 @@ class TreeClient:
 
 def _names(client: TreeClient) -> dict[str, str]:
     try:
-        return {**lock_script_names(), **client.request("scripts")["names"]}
+        return {**library_script_names(), **client.request("scripts")["names"]}
     except RuntimeError as exc:  # a tree without mqorder.store.scripts.source: rows keep the SHA1's digits
         log(f"trickle_cost: script names unknown ({exc}); EVALSHA rows show SHA1 prefixes")
-        return lock_script_names()
+        return library_script_names()
 
 
 class _Rig:
@@ -187,6 +189,11 @@ class TrickleRig(_Rig):
     def __init__(self, st: contextlib.ExitStack, cfg: Config, spec: CostSpec) -> None:
         super().__init__(st, cfg, spec, "trickle")
         self.topic, self.group = "lat", "g-lat"
+        try:  # on this Redis before anything else runs on it
+            self.lua_floor: dict[str, Any] = self.client.request("lua_floor", scripts=HOT_SCRIPTS)
+        except RuntimeError as exc:  # a tree whose scripts module has no include_order: not shown
+            log(f"trickle_cost [{spec.key}]: Lua floor not measured ({exc})")
+            self.lua_floor = {}
         self.client.request("create", topic=self.topic, queues=QUEUES, keys=KEYS)
         self.start_workers(st, "trickle", mq_env(self.url, topic=self.topic, group=self.group, mode="latency"))
         self.mqs = queues_of(self.topic, QUEUES)
@@ -302,6 +309,7 @@ def run(cfg: Config, specs: list[CostSpec], *, rate: float = 1000, seconds: floa
     with contextlib.ExitStack() as st:
         rigs = [TrickleRig(st, cfg, s) for s in specs]
         res["trickle"] = _interleaved(rigs, runs, lambda rig, slow: rig.window(n, rate, slowlog=slow), "trickle")
+        res["lua_floor"] = {rig.spec.key: rig.lua_floor for rig in rigs}
     with contextlib.ExitStack() as st:
         drigs = [DrainRig(st, cfg, s, lanes=1 + 2 * runs) for s in specs]
         warm = min(DRAIN_WARMUP, drain_messages)

@@ -17,7 +17,7 @@ PHASES = ("trickle", "drain")
 #: Commands of the benchmark itself in a trickle window: the latency listener's recorder (``bench.listeners``).
 APPARATUS = {"rpush": "the bench's latency recorder (`RPUSH bench:lat`, every 10 ms per process)"}
 NAN = float("nan")
-LUA_ROW = "Lua: the script minus its commands (interpreter, preludes, arguments)"
+LUA_ROW = "Lua: the script minus its commands (interpreter, `redis.call` arguments and replies, preludes)"
 
 
 def run_figures(run: dict[str, Any], phase: str) -> dict[str, float]:
@@ -145,8 +145,9 @@ def breakdown_rows(res: dict[str, Any], limit: int = 40) -> list[list[str]]:
         for c in cols:
             calls, usec = med(c, lab, 0), med(c, lab, 1)
             per_call = _median_or_nan([b[lab][1] / b[lab][0] for b in per[c] if b.get(lab, (0, 0))[0]])
-            cells += [f"{calls:.3f}" if calls else "–", f"{per_call:.1f}" if not math.isnan(per_call) else "–",
-                      f"{usec:.2f}" if calls else "–"]
+            seen = calls or not math.isnan(per_call)
+            cells += [f"{calls:.3f}" if seen else "–", f"{per_call:.1f}" if not math.isnan(per_call) else "–",
+                      f"{usec:.2f}" if seen else "–"]
         rows.append([_pretty(lab), *cells])
     totals = []
     for c in cols:
@@ -178,6 +179,43 @@ def commandstats_rows(res: dict[str, Any], limit: int = 25) -> list[list[str]]:
              *(x for c in cols for x in (f"{med(c, cmd, 0):.3f}", f"{med(c, cmd, 1):.2f}"))] for cmd in order]
 
 
+def evalsha_per_call(res: dict[str, Any], phase: str, key: str, window: str) -> float:
+    """Median over runs of ``commandstats`` µs per ``EVALSHA`` in the windows ``plain`` or ``slow``."""
+    per = []
+    for r in res.get(phase, {}).get(key, []):
+        v = r[window]["commandstats"].get("evalsha")
+        if v and v["calls"]:
+            per.append(v["usec"] / v["calls"])
+    return _median_or_nan(per)
+
+
+def lua_floor_rows(res: dict[str, Any]) -> list[list[str]]:
+    """Per hot script: the Lua of a call (breakdown), its preludes alone, and an empty script, µs/call."""
+    floors = res.get("lua_floor") or {}
+    keys = [s["key"] for s in res.get("specs", []) if floors.get(s["key"])]
+    if not keys:
+        return []
+    per = {k: [run_breakdown(r) for r in res["trickle"][k]] for k in keys}
+    rows = []
+    names = [n for n in floors[keys[0]]["preludes_us"]]
+    for name in ["", *names]:
+        cells = []
+        for k in keys:
+            f = floors[k]
+            if not name:
+                cells += ["", "", f"{f['empty_us']:.1f}"]
+                continue
+            lab = f"EVALSHA {name}"
+            lua = _median_or_nan([b[f"{lab} ↳ Lua"][1] / b[f"{lab} ↳ Lua"][0] for b in per[k]
+                                  if b.get(f"{lab} ↳ Lua", (0, 0))[0]])
+            whole = _median_or_nan([b[lab][1] / b[lab][0] for b in per[k] if b.get(lab, (0, 0))[0]])
+            pre = f["preludes_us"].get(name)
+            cells += [f"{whole:.1f}" if not math.isnan(whole) else "–", f"{lua:.1f}" if not math.isnan(lua) else "–",
+                      f"{pre:.1f}" if pre is not None else "–"]
+        rows.append([f"`{name}.lua`" if name else "`return 0` (an empty script: the floor of any EVALSHA)", *cells])
+    return rows
+
+
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|",
             *("| " + " | ".join(r) + " |" for r in rows), ""]
@@ -205,6 +243,21 @@ def markdown(res: dict[str, Any]) -> list[str]:
             "the commands it ran, listed under it):", ""]
     out += _table(["command or script", *(f"{h} {u}" for h in head for u in ("calls/msg", "µs/call", "µs/msg"))],
                   breakdown_rows(res))
+    ev = [(k, evalsha_per_call(res, "trickle", k, "plain"), evalsha_per_call(res, "trickle", k, "slow"))
+          for k in {c[1]: None for c in cols}]
+    out += ["A script's time above includes what the SLOWLOG itself costs to log the commands it runs (inside "
+            "the script's call): `EVALSHA` µs per call at the trickle without the SLOWLOG and with it, from "
+            "`commandstats`: " + "; ".join(f"{k}: {a:.1f} → {b:.1f}" for k, a, b in ev) + ".", ""]
+    floor = lua_floor_rows(res)
+    if floor:
+        fkeys = [s["key"] for s in specs if (res.get("lua_floor") or {}).get(s["key"])]
+        one = len(fkeys) == 1
+        out += ["The Lua of a call, and what a call costs before the script's body runs (µs per call; the last "
+                "column: `EVALSHA` of the script's preludes alone, every function it includes defined and then "
+                "`return 0`, 2,000 calls on an idle redis-server, without the SLOWLOG):", ""]
+        out += _table(["script", *(f"{u}" + ("" if one else f" [{k}]") for k in fkeys
+                                   for u in ("whole call (SLOWLOG on)", "its Lua (SLOWLOG on)", "preludes alone"))],
+                      floor)
     out += ["`INFO commandstats` of the windows without the SLOWLOG (every command, those run by scripts "
             "included: they count in their own row and in their script's):", ""]
     out += _table(["command", *(f"{h} {u}" for h in head for u in ("calls/msg", "µs/msg"))], commandstats_rows(res))
@@ -225,9 +278,10 @@ def markdown(res: dict[str, Any]) -> list[str]:
         "from the SLOWLOG window); \"outside any command\" is the rest: what Redis spends around commands, per "
         "round trip and per wake-up rather than per command. The SLOWLOG logs a command a script ran with "
         "address `?:0` right before the script's own entry, which gives each script's commands; \"Lua\" is the "
-        "script's time minus them. A blocking `XREAD` that timed out is not logged (Redis 7.0): its row comes "
-        "from commandstats. Round trips are requests Redis read (a pipeline is one); the latency recorder's "
-        "`RPUSH` is the benchmark's, not mqorder's.",
+        "script's time minus them: the interpreter, and turning each `redis.call`'s arguments into a command and "
+        "its reply into Lua values (a command's own time covers neither). A blocking `XREAD` that timed out "
+        "is not logged (Redis 7.0): its row comes from commandstats. Round trips are requests Redis read (a "
+        "pipeline is one); the latency recorder's `RPUSH` is the benchmark's, not mqorder's.",
         "",
     ]
     return out

@@ -94,6 +94,7 @@ def test_a_spec_names_its_tree_and_settings_or_says_what_is_wrong(tmp_path: Path
 def test_tree_client_sends_with_its_trees_producer_and_names_its_scripts(tmp_path: Path) -> None:
     with RedisServer() as srv, contextlib.ExitStack() as st:
         client = TreeClient(st, CostSpec("now"), srv.url, tmp_path / "client.log")
+        floor = client.request("lua_floor", scripts=["send", "commit"], n=200)
         client.request("create", topic="t", queues=4)
         sent = client.request("paced", topic="t", n=50, rate=2000)
         names = client.request("scripts")["names"]
@@ -106,6 +107,9 @@ def test_tree_client_sends_with_its_trees_producer_and_names_its_scripts(tmp_pat
             r.close()
     assert logged == 50 and sent["cpu_s"] > 0 and sent["rate"] > 500
     assert "send" in names.values() and "begin" in names.values()
+    # Defining send.lua's preludes costs more than an empty script, which costs something.
+    assert 0 < floor["empty_us"] < floor["preludes_us"]["send"]
+    assert set(floor["preludes_us"]) == {"send", "commit"}
 
 
 def _window(n: int, cpu_s: float, stats: dict[str, tuple[int, int]], **extra: Any) -> dict[str, Any]:
@@ -149,6 +153,10 @@ def test_report_puts_trickle_and_drain_side_by_side_per_configuration() -> None:
     assert "| per message | trickle [before] | trickle [after] | drain [before] | drain [after] |" in text
     row = next(line for line in text.splitlines() if line.startswith("| `send.lua` (EVALSHA)"))
     assert row.split(" | ")[1:4] == ["1.000", "41.0", "41.00"] and row.split(" | ")[4:7] == ["1.000", "31.0", "31.00"]
+    assert "EVALSHA` µs per call at the trickle without the SLOWLOG and with it" in text
+    res["lua_floor"] = {"after": {"empty_us": 4.0, "preludes_us": {"send": 12.5}}}
+    text = "\n".join(markdown(res))
+    assert "| `send.lua` | 31.0 | 28.0 | 12.5 |" in text  # whole call, its Lua, its preludes alone
 
 
 def _layout(topics: int, worker_s: float, redis_s: float) -> dict[str, Any]:

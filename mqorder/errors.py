@@ -78,3 +78,13 @@ class OffsetFencedError(MQOrderError):
 
 class OffsetIllegalError(MQOrderError, ValueError):
     """An offset a pull consumer gave is not allowed (backward, or past the end of the queue)."""
+
+
+class BufferExhaustedError(MQOrderError):
+    """``send_orderly_async`` waited ``max_block_ms`` for room in the producer's ``buffer_memory``
+    (Kafka's ``BufferExhaustedException``): Redis takes the sends slower than they come, or is
+    away. The message was not queued; nothing of it was sent."""
+
+
+class ProducerClosedError(MQOrderError, RuntimeError):
+    """``send_orderly_async`` after ``Producer.close()``: the background sender has stopped."""

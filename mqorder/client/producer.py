@@ -8,24 +8,32 @@ A send acknowledged by the primary can still be lost when a replica that lacks i
 (replication is asynchronous). ``wait_replicas=n`` (default ``MQORDER_SEND_WAIT_REPLICAS``) makes
 the send wait, in its own round trip, until ``n`` replicas have it (``mqorder.store.durable``);
 short of them it raises ``ReplicasBehindError``: stored, not yet safe from a failover.
+
+``send_orderly_async`` is the batching path (Kafka's ``linger.ms``): it returns a future at once
+and a background sender writes the sends of every thread together (``mqorder.client.batching``).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import time
+import zlib
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
+from mqorder.client.batching import BatchingConfig, ProducerRecord, Sender
 from mqorder.client.dedup import DedupDerive, dedup_key_of, first_send_result
-from mqorder.client.selector import Selector, key_hash, resolve, select_by_hash
+from mqorder.client.selector import Selector, key_bytes, key_hash, resolve, select_by_hash
 from mqorder.codec import MsgIdGenerator, check_body, encode_header
 from mqorder.errors import (
     BrokerUnavailableError,
     ConfigError,
     MessageError,
+    ProducerClosedError,
     ReplicasBehindError,
     TopicNotWritableError,
 )
@@ -57,6 +65,9 @@ class Producer:
 
     Ordering holds for one producer sending sequentially (RocketMQ's own rule: a single producer,
     synchronous sends). The producer is thread safe, but sends from several threads interleave.
+
+    ``linger_ms``, ``batch_size``, ``buffer_memory`` and ``max_block_ms`` (Kafka's names and
+    meanings; defaults in ``mqorder.client.batching``) shape ``send_orderly_async`` only.
     """
 
     def __init__(
@@ -73,7 +84,18 @@ class Producer:
         dedup_derive: DedupDerive | str | None = None,
         send_wait_replicas: int | None = None,
         send_wait_timeout_ms: int | None = None,
+        linger_ms: float | None = None,
+        batch_size: int | None = None,
+        buffer_memory: int | None = None,
+        max_block_ms: float | None = None,
     ) -> None:
+        #: ``send_orderly_async``'s batching, checked now; its sender thread starts on first use.
+        self.batching = BatchingConfig.of(linger_ms=linger_ms, batch_size=batch_size, buffer_memory=buffer_memory,
+                                          max_block_ms=max_block_ms)
+        self._sender: Sender | None = None
+        self._sender_lock = threading.Lock()
+        self._sender_lock_pid = os.getpid()
+        self._closed = False
         overrides: dict[str, Any] = {}
         if send_wait_replicas is not None:
             overrides["send_wait_replicas"] = send_wait_replicas
@@ -336,7 +358,56 @@ class Producer:
                     results[i] = by_offset[off] = SendResult(SendStatus.SEND_OK, msg_id, mq, off, reply.store_ms)
         return [r for r in results if r is not None]
 
+    def send_orderly_async(
+        self,
+        topic: str,
+        body: bytes,
+        *,
+        sharding_key: object,
+        keys: str | list[str] | None = None,
+        tags: str | None = None,
+        properties: dict[str, str] | None = None,
+        dedup_key: str | None = None,
+    ) -> Future[SendResult]:
+        """``send_orderly`` through the batching sender: a ``Future`` of its ``SendResult``.
+
+        The sends of every thread within ``linger_ms`` (or until ``batch_size`` are pending) go
+        to Redis together, one round trip per broker and one script call per queue chunk; each
+        key's messages are stored in the order of the calls (``mqorder.client.batching``).
+
+        Raised at once, in the caller's thread: what needs no Redis to check (a bad body, sharding
+        key, keys, tags, properties, dedup key or topic name, a message over ``max_message_size``),
+        ``BufferExhaustedError`` after ``max_block_ms`` with the buffer full, and
+        ``ProducerClosedError`` after ``close()``. The future fails with what Redis or the route
+        says, for its own chunk only: ``TopicNotFoundError``, ``TopicNotWritableError``,
+        ``BrokerRefusedError`` (nothing of the chunk stored), ``BrokerUnavailableError`` (not
+        known; a chunk whose sends all have dedup keys is retried first)... The default selector
+        only; replicas are waited for as ``MQORDER_SEND_WAIT_REPLICAS`` says. ``future.cancel()``
+        before the batch goes means the message is not sent.
+        """
+        if sharding_key is None:
+            raise MessageError("send_orderly_async needs a sharding_key (e.g. the order id)")
+        if topic not in self._routes:  # a routed topic's name was checked when it was routed
+            check_topic(topic, allow_dlq=True, allow_retry=True)
+        hash_ = zlib.crc32(key_bytes(sharding_key))  # the default selector's: queues[hash_ % n]
+        header, msg_id, body_b = self._prepare(body, keys, tags, properties, hash_)
+        key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body_b)
+        return self._batching_sender().submit(ProducerRecord(topic, hash_, header, body_b, msg_id, key))
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Wait until every ``send_orderly_async`` made before this call is resolved (what is
+        pending goes at once, without lingering); ``TimeoutError`` after ``timeout`` seconds."""
+        sender = self._sender
+        if sender is not None and sender.pid == os.getpid():
+            sender.flush(timeout)
+
     def close(self) -> None:
+        """Send what ``send_orderly_async`` still holds and stop its sender, then give back the
+        connections."""
+        self._closed = True
+        sender, self._sender = self._sender, None
+        if sender is not None and sender.pid == os.getpid():
+            sender.close()
         self.appender.leases.close()  # each sending thread's kept connection, back to its pool
         if self._own_brokers:
             self.brokers.close()
@@ -348,6 +419,26 @@ class Producer:
         self.close()
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _batching_sender(self) -> Sender:
+        """This process's sender, started on first use; in a forked child (Celery's prefork pool)
+        a new one: the parent's thread did not come along, and its pending sends stay its own."""
+        sender, pid = self._sender, os.getpid()
+        if sender is not None and sender.pid == pid:
+            return sender
+        if self._sender_lock_pid != pid:  # forked: the parent's lock may have been held at the fork
+            self._sender_lock, self._sender_lock_pid = threading.Lock(), pid
+        with self._sender_lock:
+            if self._closed:
+                raise ProducerClosedError("this producer is closed: send_orderly_async refused; build a new Producer")
+            sender = self._sender
+            if sender is None or sender.pid != pid:
+                sender = self._sender = Sender(
+                    self.batching, route=lambda topic: self._route(topic)[1], appender=self.appender,
+                    log_reader=self._log, dedup_window_ms=self.settings.dedup_window_ms,
+                    attempts=1 + self.settings.retry_times_when_send_failed, wait=self._wait(None),
+                )
+        return sender
 
     def _delay_ms(self, level: object) -> int:
         levels = self.settings.delay_levels_ms

@@ -114,6 +114,8 @@ class Figures:
         self.cluster: dict[str, Any] = res.get("cluster") or {}
         #: The ``idle`` section (``bench.idle``): 2 stock workers + beat over 1,024 idle queues.
         self.idle: dict[str, Any] = res.get("idle") or {}
+        #: The ``batching`` section (``bench.batching``): ``send_orderly_async`` vs ``send_orderly``.
+        self.batching: dict[str, Any] = res.get("batching") or {}
         self.best: int = self.mq.get("best_concurrency", concurrency(cfg))
         self.n_drain = size(cfg, "drain_messages")
         self.n_naive = size(cfg, "naive_messages")

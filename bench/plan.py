@@ -10,7 +10,7 @@ from bench.common import Config
 
 SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "celery_broker", "produce", "failover",
             "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "dedup", "transactions", "keys",
-            "concurrent", "durable_send", "sentinel", "cluster", "trickle_cost", "idle")
+            "concurrent", "durable_send", "sentinel", "cluster", "trickle_cost", "idle", "batching")
 DEFAULT_CONCURRENCY = 2
 #: Threads-pool worker concurrency of the latency section and of the threads drain row.
 LAT_THREADS_C = 8
@@ -50,6 +50,8 @@ SIZES = {
     "idle_seconds": (60, 5),  # bench.idle: the measured idle window, per layout
     "idle_slow_seconds": (20, 2),  # bench.idle: the window with the SLOWLOG on (the command table)
     "idle_warmup_seconds": (40, 5),  # bench.idle: after every queue's one message was consumed
+    "batching_per_thread": (1_000, 150),  # bench.batching: messages per producer thread (32), per run and variant
+    "batching_paced_seconds": (5, 2),  # bench.batching: the paced window at 1,000 msg/s, per run and variant
 }
 
 

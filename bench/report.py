@@ -59,9 +59,9 @@ class Report:
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.trickle_cost,
                     self.idle, self.latency,
-                    self.celery_broker, self.produce, self.dedup, self.durable_send, self.transactions, self.failover,
-                    self.sentinel, self.cluster, self.rebalance, self.memory, self.growth, self.retention, self.spark,
-                    self.keys, self.concurrent, self.history, self.notes)
+                    self.celery_broker, self.produce, self.batching, self.dedup, self.durable_send, self.transactions,
+                    self.failover, self.sentinel, self.cluster, self.rebalance, self.memory, self.growth, self.retention,
+                    self.spark, self.keys, self.concurrent, self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
     def header(self) -> list[str]:
@@ -392,6 +392,12 @@ class Report:
                 "The raw XADD has its headers encoded and queues chosen before the clock starts; the producer does "
                 "validation, ids, header encoding and queue selection inside.", ""]
         return out
+
+    def batching(self) -> list[str]:
+        """``send_orderly_async`` vs ``send_orderly`` from 32 threads (``bench.batching``), when it ran."""
+        from bench import batching
+
+        return batching.report_lines(self.res.get("batching") or {})
 
     def dedup(self) -> list[str]:
         """Dedup-window overhead on ``send_orderly`` (``bench.dedup``), only when that section ran."""

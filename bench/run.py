@@ -274,6 +274,16 @@ def sec_idle(cfg: Config, res: dict[str, Any]) -> None:
                                "load1": round(load1(), 2)}
 
 
+def sec_batching(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import batching
+
+    res["batching"] = batching.run(cfg, per_thread=size(cfg, "batching_per_thread"),
+                                   paced_seconds=size(cfg, "batching_paced_seconds"), runs=cfg.runs)
+    # Measured on its own (--only batching) and placed in a RESULTS.md of an earlier full run, as sentinel.
+    res["batching"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
+                                   "load1": round(load1(), 2)}
+
+
 RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "raw": sec_raw, "mqorder": sec_mqorder, "costs": sec_costs, "naive": sec_naive,
     "single_lane": sec_single_lane, "latency": sec_latency, "celery_broker": sec_celery_broker,
@@ -281,7 +291,7 @@ RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "growth": sec_growth, "retention": sec_retention, "spark": sec_spark,
     "spark_audit": sec_spark_audit, "dedup": sec_dedup, "transactions": sec_transactions, "keys": sec_keys,
     "concurrent": sec_concurrent, "durable_send": sec_durable_send, "sentinel": sec_sentinel,
-    "cluster": sec_cluster, "trickle_cost": sec_trickle_cost, "idle": sec_idle,
+    "cluster": sec_cluster, "trickle_cost": sec_trickle_cost, "idle": sec_idle, "batching": sec_batching,
 }
 
 

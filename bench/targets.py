@@ -164,6 +164,25 @@ def _of_idle(f: Figures) -> Reading:
     return Reading(worst * 100, f"{worst * 100:.2f} % of one core ({each})")
 
 
+def _of_batching(f: Figures, figure: str) -> Reading:
+    """``bench.batching``, the configuration the issue names (``linger_ms=2``); with ``batch_size=32``
+    judged too, after the verdict."""
+    from bench import batching
+
+    read = {"speedup": batching.speedups, "cpu": batching.cpu_per_msg, "p99": batching.paced_p99}[figure]
+    unit = {"speedup": "x", "cpu": " µs", "p99": " ms"}[figure]
+    judged, other = read(f.batching), read(f.batching, "async_b32")
+    if judged is None:
+        return Reading(None, "n/a")
+
+    def shown(s: Summary) -> str:
+        return f"{s.median:.2f}{unit} ({s.lo:.2f}–{s.hi:.2f}, {s.n} runs)" if s.n > 1 else f"{s.median:.2f}{unit} (1 run)"
+
+    text = f"linger_ms=2: {shown(judged)}" + (f"; with batch_size=32: {shown(other)}" if other else "")
+    return Reading(judged.median, text, judged="linger_ms=2",
+                   also=(("batch_size=32", other.median),) if other else ())
+
+
 def _of_cluster_commands(f: Figures) -> Reading:
     """Commands per message, 3-shard cluster (sum over shards) / single node: the median of the per-run ratios."""
     from bench.cluster_report import command_ratios
@@ -220,6 +239,13 @@ TARGETS: tuple[Target, ...] = (
            1.2, AT_MOST, "x", 1, _of_cluster_commands),
     Target("idle", "idle: 2 stock workers + beat over 1,024 idle queues, workers + Redis CPU {bound} of one core",
            2, AT_MOST, " %", 0, _of_idle),
+    Target("batching_throughput", "`send_orderly_async` from 32 threads, one message each at a time, "
+           "`linger_ms=2`: messages/s {bound} the same threads with `send_orderly`", 5, AT_LEAST, "x", 0,
+           lambda f: _of_batching(f, "speedup")),
+    Target("batching_cpu", "`send_orderly_async`, same run: producer CPU per message {bound}",
+           25, AT_MOST, " µs", 0, lambda f: _of_batching(f, "cpu")),
+    Target("batching_p99", "`send_orderly_async` at a paced 1,000 msg/s from 32 threads: p99 send→ack {bound}",
+           5, AT_MOST, " ms", 0, lambda f: _of_batching(f, "p99")),
 )
 
 

@@ -13,7 +13,7 @@ from mqorder.client.transaction_check import _checkers
 from tests.support import ROOT
 
 #: Each example's heading, and the page (under the repository root) that holds it.
-PAGES = {"Idempotent sends (dedup window)": "docs/PRODUCING.md",
+PAGES = {"Idempotent sends (dedup window)": "docs/PRODUCING.md", "Batching sends": "docs/PRODUCING.md",
          "Pull consumer (the application drives consumption)": "docs/PULL_CONSUMER.md",
          "Transactional messages": "docs/TRANSACTIONS.md", "Delay messages": "docs/DELAYS.md",
          "Concurrent listeners (no order, retries through `%RETRY%<group>`)": "docs/CONCURRENT.md",
@@ -59,6 +59,8 @@ def test_documented_example_runs(section: str, redis_url: str, capsys: pytest.Ca
     if section.startswith("Pull"):
         assert "b'{\"order\": 42, \"event\": \"paid\"}'" in out  # the message stored once, pulled
         assert out.count("paid") == 1
+    if section.startswith("Batching"):
+        assert out.split() == ["True"]  # one key's async sends, stored in call order
     if section.startswith("Transactional"):
         assert "COMMIT_MESSAGE 1" in out  # after the dedup example's one message
     if section.startswith("Delay"):

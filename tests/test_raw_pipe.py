@@ -53,7 +53,7 @@ def test_run_many_sends_again_only_the_calls_refused_with_noscript(appender: Que
     scripts = appender.brokers.get("broker-a").scripts
     r.script_flush()
     r.script_load(source("send"))  # send.lua is loaded, adopt.lua is not
-    send_keys, send_args = appender._send_call(AppendRequest(MQ0, [(encode_header("m0"), b"0")]))
+    send_keys, send_args = appender.send_call(AppendRequest(MQ0, [(encode_header("m0"), b"0")]))
     adopt = ([keys.sub_state(MQ1.tag, "g"), keys.queue_next(MQ1.tag)], ["c1", "tok", 2000])
     sent, adopted = scripts.run_many([("send", send_keys, send_args), ("adopt", *adopt)])
     assert int(sent[0]) == 0 and adopted == [0]

@@ -60,7 +60,6 @@ from dataclasses import dataclass
 
 import redis
 
-from mqorder.client.append_each import append_each
 from mqorder.client.dedup import first_send_result
 from mqorder.errors import (
     BrokerUnavailableError,
@@ -71,6 +70,7 @@ from mqorder.errors import (
 )
 from mqorder.model import MessageQueue, SendResult, SendStatus
 from mqorder.store.append import AppendReply, AppendRequest, QueueAppender
+from mqorder.store.append_each import append_each
 from mqorder.store.durable import SendWait
 from mqorder.store.log import MessageLog
 

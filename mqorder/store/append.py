@@ -139,7 +139,7 @@ class QueueAppender:
                 # Inside: the call reads the topic's subscriptions (cached a moment), a Redis read
                 # that fails like the write would during a failover (it leaked redis.ConnectionError
                 # to send_orderly's callers in the chaos sentinel-async run).
-                calls = [("send", *self._send_call(requests[i])) for i in idxs]
+                calls = [("send", *self.send_call(requests[i])) for i in idxs]
                 self.check_capacity(broker)
                 # Lean EVALSHAs (Scripts.run_many: no redis-py Pipeline, whose registered scripts
                 # cost a SCRIPT EXISTS round trip first); a NOSCRIPT call stored nothing and is
@@ -161,7 +161,7 @@ class QueueAppender:
                         messages = sum(len(requests[i].entries) for i in idxs)
                         behind.append(self.replicas.behind(broker, wait, acked, messages, self.action))
             for i, reply in zip(idxs, raw, strict=True):
-                replies[i] = _parse(reply, len(requests[i].entries))
+                replies[i] = parse_reply(reply, len(requests[i].entries))
         if behind:
             raise behind_error(behind)
         return [r for r in replies if r is not None]
@@ -201,7 +201,7 @@ class QueueAppender:
         on a Redis Cluster, the per-client channel elsewhere (``mqorder.keys.wake_prefix``)."""
         return keys.wake_prefix(mq.tag if self.brokers.get(mq.broker_name).is_cluster else None)
 
-    def _send_call(self, req: AppendRequest) -> tuple[list[str], list[Any]]:
+    def send_call(self, req: AppendRequest) -> tuple[list[str], list[Any]]:
         """Keys and arguments of ``send.lua`` for one request."""
         mq = req.mq
         tag = mq.tag
@@ -234,7 +234,7 @@ def _shard_fence(wait: SendWait, tags: list[str]) -> Callable[[int], list[tuple[
     return lambda i: wait.commands(keys.queue_next(tags[i]))
 
 
-def _parse(reply: list[Any], n: int) -> AppendReply:
+def parse_reply(reply: list[Any], n: int) -> AppendReply:
     first, store_ms, stored, dups = int(reply[0]), int(reply[1]), int(reply[2]), reply[3]
     woken = [text(w) for w in reply[4:]]
     if not dups:

@@ -25,10 +25,9 @@ With a ``SendWait`` the round trip ends with the fence write and ``WAIT`` (per s
 Cluster, behind that shard's last call: ``mqorder.store.durable``); if too few replicas
 acknowledge, each request stored there becomes ``ReplicasBehindError`` (stored, not yet safe).
 
-It builds each call with the appender's own ``_send_call`` and reads each reply with the store's
-``_parse``, so it cannot drift from ``send.lua``'s arguments and reply. Its place is
-``QueueAppender`` (as ``append_each``); it lives here, beside its one user, while
-``mqorder.store`` is being reworked by others.
+It builds each call with the appender's own ``send_call`` and reads each reply with
+``parse_reply``, so it cannot drift from ``send.lua``'s arguments and reply
+(``mqorder.store.append``). Its one user is the batching producer (``mqorder.client.batching``).
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ import redis
 
 from mqorder import keys
 from mqorder.errors import MQOrderError
-from mqorder.store.append import AppendReply, AppendRequest, QueueAppender, _parse
+from mqorder.store.append import AppendReply, AppendRequest, QueueAppender, parse_reply
 from mqorder.store.brokers import Broker
 from mqorder.store.durable import SendWait, behind_error
 from mqorder.store.failures import refused, translated
@@ -64,7 +63,7 @@ def append_each(appender: QueueAppender, broker_name: str, requests: Sequence[Ap
                 appender.replicas.before_write(broker, wait, appender.action)
             # Inside: the calls read the topic's subscriptions (cached a moment), a read that
             # fails like the write would during a failover (as in append_many).
-            calls = [appender._send_call(r) for r in requests]
+            calls = [appender.send_call(r) for r in requests]
             appender.check_capacity(broker)
             return _round_trip(appender, broker, requests, calls, wait, via or appender.leases.get(broker.client))
     except MQOrderError as exc:
@@ -105,7 +104,7 @@ def _round_trip(appender: QueueAppender, broker: Broker, requests: Sequence[Appe
                 elif isinstance(reply, redis.ResponseError):
                     out[i] = refused(broker.name, broker.safe_url, reply, appender.action) or reply
                 else:
-                    out[i] = _parse(reply, len(requests[i].entries))
+                    out[i] = parse_reply(reply, len(requests[i].entries))
                     stored.append(i)
             tail_replies = replies[pos:pos + n_tail]
             pos += n_tail

@@ -339,3 +339,22 @@ def test_two_generators_do_not_collide() -> None:
     ids = [a.next() for _ in range(1000)] + [b.next() for _ in range(1000)]
     assert len(set(ids)) == 2000
     assert a.next()[:16] != b.next()[:16]  # different random prefixes
+
+
+def test_header_bytes_are_the_compact_utf8_json_of_the_stdlib_and_a_surrogate_is_refused() -> None:
+    """Headers are written with orjson: byte for byte what ``json`` writes with ``ensure_ascii=False``
+    and compact separators (stored headers look the same whichever wrote them), and text no UTF-8
+    can carry (a lone surrogate) is a ``MessageError``, not a crash."""
+    import json
+
+    import pytest
+
+    from mqorder.codec import encode_header
+    from mqorder.errors import MessageError
+
+    raw = encode_header("ID1", keys=["a", "é✓"], tags="tag", properties={"x": "ü", "y": "\u2028"}, born_ms=5,
+                        key_hash=4294967295)
+    expected = {"i": "ID1", "b": 5, "k": ["a", "é✓"], "t": "tag", "p": {"x": "ü", "y": "\u2028"}, "h": 4294967295}
+    assert raw == json.dumps(expected, ensure_ascii=False, separators=(",", ":")).encode()
+    with pytest.raises(MessageError, match="not valid UTF-8"):
+        encode_header("ID2", keys=["\ud800"])

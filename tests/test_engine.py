@@ -348,9 +348,12 @@ def _linger_run(env, may_linger: Callable[[], bool] = lambda: True):
     t = threading.Thread(target=go, daemon=True)
     t.start()
     deadline = time.monotonic() + 5
-    while not seen and time.monotonic() < deadline:
+    log = MessageLog(eng.brokers)
+    # Handled and committed (the commit carries the first lingering read): on a loaded machine the
+    # commit can come well after the listener call, and a test acting before it would race it.
+    while not (seen and log.consume_offset("g", MQ) == 1) and time.monotonic() < deadline:
         time.sleep(0.005)
-    time.sleep(0.1)  # the run is lingering now (consume_linger_ms is 1 s)
+    time.sleep(0.05)  # the run is lingering now (consume_linger_ms is 1 s)
     assert not ended, "the run should still be lingering"
     return p, eng, seen, outs, ended, t, eng.brokers.default.client
 

@@ -54,7 +54,23 @@ def enable_linger(
     publisher = CapacityPublisher(lambda: celery_waiting(n), None if threads else SIGNAL, nudge=nudge,
                                   spare=lambda: celery_spare(n))
     publisher.start()
+    # A received request may be one a lingering request must give its slot back for: publish at
+    # once rather than at the publisher's next (idle-rate) turn.
+    global _publisher
+    _publisher = publisher
+    from celery.signals import task_received
+
+    task_received.connect(_poke_publisher, weak=False, dispatch_uid="mqorder-capacity-poke")
     return publisher
+
+
+#: The running ``CapacityPublisher`` of this process, poked by Celery's ``task_received``.
+_publisher: CapacityPublisher | None = None
+
+
+def _poke_publisher(**_: object) -> None:
+    if _publisher is not None:
+        _publisher.poke()
 
 
 def may_linger() -> bool:

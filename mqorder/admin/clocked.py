@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from mqorder.store.brokers import Broker
-from mqorder.store.cluster_route import ClusterClient
+from mqorder.store.cluster_route import shard_groups
 from mqorder.store.raw_pipe import RawPipeline
 
 T = TypeVar("T")
@@ -55,7 +55,7 @@ def clocked_reads(broker: Broker, items: Sequence[T], tag_of: Callable[[T], str]
     # Per node: the item indices, then one TIME after their commands.
     counts: list[int] = [0] * len(items)
     layout: list[list[int]] = []
-    for idxs in _by_node(broker, items, tag_of):
+    for idxs in shard_groups(broker.client, range(len(items)), lambda i: tag_of(items[i])):
         for i in idxs:
             cmds = commands_of(items[i])
             counts[i] = len(cmds)
@@ -77,14 +77,3 @@ def clocked_reads(broker: Broker, items: Sequence[T], tag_of: Callable[[T], str]
             at += counts[i]
         pos += 1
     return [c for c in out if c is not None]
-
-
-def _by_node(broker: Broker, items: Sequence[T], tag_of: Callable[[T], str]) -> list[list[int]]:
-    """Item indices grouped by the primary serving their tag (one group off a cluster)."""
-    client = broker.client
-    if not isinstance(client, ClusterClient):
-        return [list(range(len(items)))]
-    groups: dict[str, list[int]] = {}
-    for i, item in enumerate(items):
-        groups.setdefault(client.primary_for(tag_of(item)).name, []).append(i)
-    return list(groups.values())

@@ -29,6 +29,7 @@ from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.settings import Settings
 from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
+from mqorder.store.cluster_route import shard_groups
 from mqorder.store.raw_pipe import RawPipeline
 from mqorder.store.replication import ReplicaWait
 
@@ -40,12 +41,6 @@ DEFAULT_PENDING_TTL_MS: int = Settings.model_fields["pending_ttl_ms"].default
 
 def _tag(mq: MessageQueue) -> str:
     return mq.tag
-
-
-def _shard_of(broker: Broker, tag: str) -> str:
-    """The cluster primary serving ``tag`` (its replicas are what a WAIT there counts); one shard
-    off a cluster."""
-    return broker.client.primary_for(tag).name if broker.is_cluster else ""  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -95,8 +90,8 @@ class RebalanceLockManager:
                       for b in batches]
             if any(wanted):
                 assert self.replica_wait is not None
-                shards = [_shard_of(broker, b[0].tag) for b in batches]
-                replies = self._lock_and_wait(broker, calls, wanted, shards, self.replica_wait.timeout_ms)
+                replies = self._lock_and_wait(broker, calls, wanted, [b[0].tag for b in batches],
+                                              self.replica_wait.timeout_ms)
             else:
                 replies = [(epochs, 0) for epochs in broker.scripts.run_pipelined("lock_batch", calls)]
             for b, want, (epochs, acked) in zip(batches, wanted, replies, strict=True):
@@ -113,17 +108,15 @@ class RebalanceLockManager:
 
     @staticmethod
     def _lock_and_wait(broker: Broker, calls: list[tuple[list[str], list[Any]]], wanted: list[int],
-                       shards: list[str], timeout_ms: int) -> list[tuple[list[Any], int]]:
+                       tags: list[str], timeout_ms: int) -> list[tuple[list[Any], int]]:
         """``lock_batch.lua`` calls with ``WAIT`` behind them in the same round trip: WAIT counts what
         its own connection wrote, so on a Redis Cluster one WAIT follows each shard's last call
-        (``shards[i]``: the shard of call ``i``) and answers for all of that shard's calls. After
+        (``tags[i]``: a queue of call ``i``) and answers for all of that shard's calls. After
         ``NOSCRIPT`` (a restarted or promoted Redis) nothing ran: load, resend."""
-        order: dict[str, list[int]] = {}
-        for i, shard in enumerate(shards):
-            order.setdefault(shard, []).append(i)
+        order = shard_groups(broker.client, range(len(calls)), lambda i: tags[i])
         for attempt in (0, 1):
             pipe = RawPipeline(broker.client)
-            for idxs in order.values():
+            for idxs in order:
                 for i in idxs:
                     broker.scripts.queue_in(pipe, "lock_batch", *calls[i])
                 want = max(wanted[i] for i in idxs)
@@ -137,7 +130,7 @@ class RebalanceLockManager:
                 continue
             replies: list[tuple[list[Any], int]] = [([], 0)] * len(calls)
             pos = 0
-            for idxs in order.values():
+            for idxs in order:
                 acked = int(out[pos + len(idxs)])
                 for k, i in enumerate(idxs):
                     replies[i] = (list(out[pos + k]), acked)

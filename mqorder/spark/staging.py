@@ -25,7 +25,7 @@ broker.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
@@ -35,7 +35,8 @@ from mqorder.model import MessageQueue
 from mqorder.spark.encoding import StagedRow
 from mqorder.spark.queues import QueueRef
 from mqorder.store.append import QueueAppender
-from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
+from mqorder.store.brokers import BrokerRegistry, group_by_broker
+from mqorder.store.cluster_route import shard_groups
 from mqorder.store.durable import SendWait, wait_after
 from mqorder.store.failures import translated
 from mqorder.store.replies import text
@@ -212,7 +213,7 @@ class StagingArea:
         for name, idxs in by_broker.items():
             broker = self.brokers.get(name)
             # On a Redis Cluster each shard replicates on its own: one fence and WAIT per shard.
-            for part in _by_shard(broker, idxs, lambda i: self.mq(i).tag):
+            for part in shard_groups(broker.client, idxs, lambda i: self.mq(i).tag):
                 targets.append((broker, keys.queue_next(self.mq(part[0]).tag),
                                 sum(totals.queues[i].stored + totals.queues[i].duplicates for i in part)))
         wait_after(self.appender.replicas, wait, targets, timeout=self.timeout, action="publish", resend=RERUN)
@@ -249,14 +250,3 @@ class StagingArea:
     def forget(self) -> None:
         """After a successful publish: the run registry is no longer needed."""
         self.brokers.meta.delete(keys.spark_job_runs(self.job))
-
-
-def _by_shard(broker: Broker, idxs: list[int], tag_of: Callable[[int], str]) -> list[list[int]]:
-    """``idxs`` grouped by the cluster primary serving each queue; one group off a cluster."""
-    if not broker.is_cluster:
-        return [idxs]
-    client: Any = broker.client
-    groups: dict[str, list[int]] = {}
-    for i in idxs:
-        groups.setdefault(client.primary_for(tag_of(i)).name, []).append(i)
-    return list(groups.values())

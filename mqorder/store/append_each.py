@@ -41,6 +41,7 @@ from mqorder import keys
 from mqorder.errors import MQOrderError
 from mqorder.store.append import AppendReply, AppendRequest, QueueAppender, parse_reply
 from mqorder.store.brokers import Broker
+from mqorder.store.cluster_route import shard_groups
 from mqorder.store.durable import SendWait, behind_error
 from mqorder.store.failures import refused, translated
 from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
@@ -81,7 +82,7 @@ def _round_trip(appender: QueueAppender, broker: Broker, requests: Sequence[Appe
         sha = broker.scripts.send.sha
         pipe = RawPipeline(via)
         layout: list[tuple[list[int], int]] = []
-        for idxs in _by_node(broker, calls, todo):
+        for idxs in shard_groups(broker.client, todo, lambda i: calls[i][0][0]):
             for i in idxs:
                 kl, args = calls[i]
                 pipe.execute_command("EVALSHA", sha, len(kl), *kl, *args)
@@ -130,15 +131,3 @@ def _judge_wait(appender: QueueAppender, broker: Broker, wait: SendWait, request
     err = behind_error([appender.replicas.behind(broker, wait, int(acked), messages, appender.action)])
     for i in stored:
         out[i] = err
-
-
-def _by_node(broker: Broker, calls: list[tuple[list[str], list[Any]]], todo: list[int]) -> list[list[int]]:
-    """``todo`` grouped by the primary serving each call's keys (one group off a cluster), each
-    group in the order given: a queue's calls keep their order, on one connection."""
-    if not broker.is_cluster:
-        return [todo]
-    client: Any = broker.client
-    groups: dict[str, list[int]] = {}
-    for i in todo:
-        groups.setdefault(client.primary_for(calls[i][0][0]).name, []).append(i)
-    return list(groups.values())

@@ -33,7 +33,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 import hiredis
 import redis
@@ -58,6 +59,8 @@ RETRY_PAUSE_S = 0.05
 #: thread of a worker sees the same dead node at once).
 REFRESH_MIN_S = 0.25
 
+T = TypeVar("T")
+
 _SCRIPT_COMMANDS = frozenset({b"EVALSHA", b"EVAL", b"EVALSHA_RO", b"EVAL_RO", b"FCALL", b"FCALL_RO"})
 _STREAM_READS = frozenset({b"XREAD", b"XREADGROUP"})
 _KEYLESS = frozenset({b"WAIT", b"PING", b"ASKING", b"TIME", b"INFO", b"ECHO"})
@@ -74,6 +77,19 @@ def _as_bytes(key: Any) -> bytes:
     if isinstance(key, bytes):
         return key
     return str(key).encode()
+
+
+def shard_groups(client: object, items: Iterable[T], key_of: Callable[[T], str | bytes]) -> list[list[T]]:
+    """``items`` grouped by the cluster primary serving each one's key, each group in the order
+    given; one group off a cluster. What follows a shard's last write (a ``WAIT``, a fence, a
+    ``TIME``) must go per group: every shard replicates, and keeps its clock, on its own."""
+    items = list(items)
+    if not isinstance(client, ClusterClient):
+        return [items] if items else []
+    groups: dict[str, list[T]] = {}
+    for item in items:
+        groups.setdefault(client.primary_for(key_of(item)).name, []).append(item)
+    return list(groups.values())
 
 
 def command_key(args: tuple[Any, ...]) -> bytes | None:
@@ -213,9 +229,11 @@ class ClusterRoute:
                 else:
                     out[i] = r
             if not again:
-                keyed = [i for i in range(n) if i in node_of and command_key(commands[i]) is not None]
-                if keyed:
-                    self._last = node_of[keyed[-1]]
+                # Where a later lone WAIT goes: the node of the last keyed command, in the caller's order.
+                for i in reversed(range(n)):
+                    if command_key(commands[i]) is not None:
+                        self._last = node_of[i]
+                        break
                 return out
             todo = self._resend(commands, again, asking)
             if pause:

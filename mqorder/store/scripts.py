@@ -22,12 +22,12 @@ import re
 from collections.abc import Callable, Sequence
 from functools import cache
 from importlib import resources
-from typing import Any, cast
+from typing import Any
 
 import redis
 
 from mqorder import keys
-from mqorder.store.cluster_route import ClusterClient
+from mqorder.store.cluster_route import ClusterClient, shard_groups
 from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 
 NAMES = (
@@ -261,15 +261,12 @@ class Scripts:
         shard, counting that shard's replicas for all its calls), all in one round trip. Returns
         the calls' replies and the trailing replies of the shard whose last reply is the smallest
         (the fewest replicas acknowledged)."""
-        client = cast(ClusterClient, self._client)
-        groups: dict[str, list[int]] = {}
-        for i, (_, kl, _a) in enumerate(calls):
-            groups.setdefault(client.primary_for(kl[0]).name, []).append(i)
+        groups = dict(enumerate(shard_groups(self._client, range(len(calls)), lambda i: calls[i][1][0])))
         replies: list[Any] = [None] * len(calls)
-        tails: dict[str, list[Any]] = {}
+        tails: dict[int, list[Any]] = {}
         for attempt in (0, 1):
             pipe = RawPipeline(via or self._client)
-            layout: list[tuple[str, list[int], int]] = []
+            layout: list[tuple[int, list[int], int]] = []
             for g, idxs in groups.items():
                 for i in idxs:
                     self.queue_in(pipe, *calls[i])

@@ -74,8 +74,6 @@ class _NodeSubscriber:
         #: Channels this node said it no longer serves: not subscribed here again until the next
         #: reconcile hands this node its channels anew (from the corrected slot map).
         self._moved: set[str] = set()
-        #: Channels the server confirmed (ssubscribe replies) and has not unsubscribed since.
-        self.subscribed: set[str] = set()
         self.thread = threading.Thread(target=self._loop, name=f"mqorder-swake-{name}", daemon=True)
         self.thread.start()
 
@@ -97,14 +95,12 @@ class _NodeSubscriber:
             try:
                 self._serve(pubsub, backoff)
             except redis.RedisError as exc:
-                self.subscribed.clear()
                 _close(pubsub)  # before waiting: nothing is received (and dropped) meanwhile
                 self.on_trouble(exc)
                 delay = backoff.next()
                 log.warning("mqorder: sharded wake-ups on %s lost (%s); again in %.1fs", self.name, exc, delay)
                 self._done.wait(delay)
             except Exception:
-                self.subscribed.clear()
                 _close(pubsub)
                 log.exception("mqorder: sharded wake-up loop on %s failed", self.name)
                 self._done.wait(1.0)
@@ -147,10 +143,7 @@ class _NodeSubscriber:
         kind = msg.get("type")
         chan = msg.get("channel")
         name = chan.decode() if isinstance(chan, bytes) else str(chan)
-        if kind == "ssubscribe":
-            self.subscribed.add(name)
-        elif kind == "sunsubscribe":
-            self.subscribed.discard(name)
+        if kind == "sunsubscribe":
             if name in leaving:
                 leaving.discard(name)  # our own
             else:
@@ -188,8 +181,6 @@ class ShardWakeListener:
         self._stop = stop
         self._poke = threading.Event()
         self._nodes: dict[tuple[str, str], _NodeSubscriber] = {}
-        #: Set after the first reconcile: the client then listens for what it owned at start.
-        self.ready = threading.Event()
 
     def poke(self) -> None:
         """Reconcile now (the assignment just changed), not at the next refresh."""
@@ -233,10 +224,6 @@ class ShardWakeListener:
             self.poke()
         return trouble
 
-    def subscribed(self) -> set[str]:
-        """Every shard channel a node confirmed (for tests and ``mqorder status``)."""
-        return {c for s in list(self._nodes.values()) for c in list(s.subscribed)}
-
     def run(self) -> None:
         """Reconcile until stopped (the client's wake thread)."""
         backoff = Backoff()
@@ -245,7 +232,6 @@ class ShardWakeListener:
                 self._poke.clear()  # before reading: a poke during the reconcile is not lost
                 self.reconcile()
                 backoff.reset()
-                self.ready.set()
                 self._poke.wait(REFRESH_S)
             except redis.RedisError as exc:
                 delay = backoff.next()

@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml
 	  { echo "enabling RabbitMQ's management plugin (Flower's RabbitMQ queue lengths)"; rabbitmq-plugins enable -q rabbitmq_management >/dev/null; }; } || true
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -e '.[dev,spark]'
+	$(BIN)/python -m pip install -q -e '.[dev,spark,connect]'
 	@touch $(STAMP)
 
 install: $(STAMP)

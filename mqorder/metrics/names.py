@@ -71,6 +71,12 @@ WAITING = MetricSpec(
     "Requests this worker received that wait for a pool slot (prefork's capacity signal)",
 )
 
+EVENT_LOOP_LAG = MetricSpec(
+    "mqorder_event_loop_lag_seconds", "gauge",
+    "How late the worker process's asyncio loop (async def listeners) ran a timer in the last "
+    "second: a listener blocking the loop (time.sleep, CPU work) delays every async call of the process",
+)
+
 WORKER = (CONSUMED, CONSUME_DURATION, COMMITS_REFUSED, RUNS, LINGERING, LOCKS_HELD, LOCK_TAKEOVERS, WAITING)
 
 #: Listener calls take from a millisecond to minutes; RocketMQ's RT counters stop at seconds.

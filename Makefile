@@ -14,6 +14,11 @@ $(STAMP): pyproject.toml
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq openjdk-17-jre-headless) >/dev/null; }
 	@command -v chromium >/dev/null || { echo "installing chromium for the Flower browser test"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium) >/dev/null; }
+	@# Debian's prometheus package, for its promtool and prometheus binaries (tests/test_alert_rules.py and
+	@# tests/test_prometheus_stack.py run them on free ports); a service it started on :9090 is stopped.
+	@command -v promtool >/dev/null || { echo "installing prometheus (promtool) for the alert rule and Prometheus tests"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus) >/dev/null; \
+	  { command -v systemctl >/dev/null && systemctl disable --now -q prometheus; } >/dev/null 2>&1 || true; }
 	@{ command -v docker-compose || docker compose version; } >/dev/null 2>&1 || { echo "installing docker-compose to validate docker-compose.yml"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose) >/dev/null; }
 	@# RabbitMQ (Celery's other broker) runs as a service; Flower reads its queue lengths from the management API.

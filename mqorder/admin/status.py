@@ -156,7 +156,7 @@ def _read_broker(
     head: dict[int, tuple[int | None, int]] = {}
     for j, i in enumerate(heads):
         entries, retries = head_replies[2 * j], head_replies[2 * j + 1]
-        head[i] = (_store_ms(entries), _int(text(retries)))
+        head[i] = (store_ms(entries), _int(text(retries)))
     out = {}
     for i, (sub, mq) in enumerate(lanes):
         nxt, st = states[i]
@@ -188,7 +188,7 @@ def waiting_ms(lag: int, commit_ms: int | None, head_store_ms: int | None, now_m
     return max(0, now_ms - since)
 
 
-def _store_ms(entries: Any) -> int | None:
+def store_ms(entries: Any) -> int | None:
     """The ``s`` (store time) field of the first entry of an ``XRANGE`` reply."""
     if not entries:
         return None

@@ -1,16 +1,25 @@
 """``mqorder exporter --port 9808``: the state of every consumer group, read from Redis alone.
 
-Workers each export what *they* did; what an operator asks first ("which queue is stuck, who owns
-it, how far behind is it, what is in the DLQ") is the state of the *group*, which lives in Redis.
-This exporter reads it at every scrape, so one scrape target covers every worker, live or dead,
-and a queue nobody consumes still shows its lag.
+Workers each export what *they* did; what an operator asks first ("which queue is stuck, on what,
+who owns it, how far behind is it, what is in the DLQ") is the state of the *group*, which lives
+in Redis. This exporter reads it at every scrape, so one scrape target covers every worker, live or
+dead, and a queue nobody consumes still shows its lag.
 
-A scrape costs one round trip per broker (per queue its next offset, per group lane its state
-hash, per group its DLQ length, and ``TIME``: on a Redis Cluster every shard answers in that round
-trip, with its own clock, ``mqorder.admin.clocked``) plus a few reads of the topic routes,
-subscriptions and heartbeats on the default broker: nothing is written, no script is run, and
-the consume path is not touched. Broadcasting groups have one lane per client: their ``group``
-label is that lane's id, ``<group>%BC%<client>``.
+A scrape costs two round trips per broker, plus a few reads of the topic routes, subscriptions and
+heartbeats on the default broker:
+
+1. per queue its next offset, per group lane its state hash, per group its DLQ length, and
+   ``TIME`` (on a Redis Cluster every shard answers in that round trip, with its own clock,
+   ``mqorder.admin.clocked``);
+2. only for the lanes with a backlog: the head message (``XRANGE`` from the committed offset,
+   ``COUNT 1``: its ``s`` field is its store time by Redis's clock; the stream id is
+   ``<offset>-1`` and carries no time), its reconsume count, and in key mode how many messages are
+   parked, with ``TIME`` again. A caught-up lane costs nothing here.
+
+Nothing is written, no script is run, and the consume path is not touched. Every figure is
+derived from what Redis holds (``commit_ms`` is written by the commit scripts), so an exporter
+restart loses nothing. Broadcasting groups have one lane per client: their ``group`` label is that
+lane's id, ``<group>%BC%<client>``.
 """
 
 from __future__ import annotations
@@ -30,12 +39,13 @@ import typer
 
 from mqorder import keys
 from mqorder.admin.clocked import clocked_reads
+from mqorder.admin.status import store_ms, waiting_ms
 from mqorder.errors import ConfigError, MQOrderError, TopicNotFoundError
 from mqorder.metrics import names
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.membership import ClientRegistry
 from mqorder.settings import Settings, get_settings
-from mqorder.store.brokers import BrokerRegistry, redact_url
+from mqorder.store.brokers import Broker, BrokerRegistry, redact_url
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 
@@ -58,6 +68,10 @@ class _Plan:
     clients: dict[str, int] = field(default_factory=dict)
 
 
+#: The state hash fields a scrape reads (``mqorder.keys.sub_state``).
+_STATE_FIELDS = ("owner", "lease", "epoch", "offset", "run", "commit_ms", "done")
+
+
 @dataclass(frozen=True)
 class _LaneState:
     """One (group lane, queue) state hash, judged by its broker's clock (``mqorder.keys.sub_state``)."""
@@ -66,21 +80,37 @@ class _LaneState:
     epoch: int
     committed: int
     running: bool
+    commit_ms: int  # when the committed offset last moved (commit.lua), 0 if never
+    #: Key-ordered lane: only ``key_commit.lua`` writes the ``done`` field (even as ''), so its
+    #: presence tells the ordering, which Redis stores nowhere else.
+    key_mode: bool
 
     @classmethod
     def parse(cls, reply: list[Any], now_ms: int) -> _LaneState:
-        owner, lease, epoch, offset, run = reply
+        owner, lease, epoch, offset, run, commit_ms, done = reply
         live = bool(owner) and int(lease or 0) > now_ms
-        return cls(text(owner) if live else "", int(epoch or 0), int(offset or 0), int(run or 0) > now_ms)
+        return cls(text(owner) if live else "", int(epoch or 0), int(offset or 0), int(run or 0) > now_ms,
+                   int(commit_ms or 0), done is not None)
+
+
+@dataclass(frozen=True)
+class _Head:
+    """The head of a lane with a backlog: how long it waited and was stuck, its reconsume count."""
+
+    age_ms: int
+    stalled_ms: int
+    retries: int
+    parked: int  # key mode: messages with a recorded reconsume count
 
 
 @dataclass
 class _Reading:
-    """What one scrape read: max offset per queue, state per lane, DLQ messages per group."""
+    """What one scrape read: max offset per queue, state per lane, DLQ messages per group, heads."""
 
     max_offsets: dict[MessageQueue, int] = field(default_factory=dict)
     lanes: dict[tuple[str, MessageQueue], _LaneState] = field(default_factory=dict)
     dlq: dict[str, int] = field(default_factory=dict)
+    heads: dict[tuple[str, MessageQueue], _Head] = field(default_factory=dict)
 
 
 class ClusterCollector:
@@ -170,6 +200,9 @@ class ClusterCollector:
                     reading.lanes[what] = _LaneState.parse(reply, c.now_ms)
                 else:
                     reading.dlq[what[0]] = reading.dlq.get(what[0], 0) + int(reply or 0)
+            backlog = [(lane, st) for kind, lane in items if kind == "state"
+                       for st in (reading.lanes[lane],) if reading.max_offsets.get(lane[1], 0) > st.committed]
+            reading.heads.update(_read_heads(store, backlog))
         return reading
 
     def _families(self) -> list[Metric]:
@@ -198,11 +231,66 @@ class ClusterCollector:
             running.add_metric(labels, 1 if state.running else 0)
             if state.owner:
                 owner.add_metric([*labels, state.owner], 1)
+        head_age, stalled, head_retries = (family(names.QUEUE_HEAD_AGE), family(names.QUEUE_STALLED),
+                                           family(names.QUEUE_HEAD_RETRIES))
+        parked, unfinished = family(names.QUEUE_KEYS_SUSPENDED), family(names.QUEUE_OLDEST_UNFINISHED)
+        for sub, mq in plan.lanes:
+            state = reading.lanes.get((sub, mq))
+            if state is None:
+                continue
+            labels = [sub, mq.topic, mq.broker_name, str(mq.queue_id)]
+            head = reading.heads.get((sub, mq), _CAUGHT_UP)
+            head_age.add_metric(labels, head.age_ms / 1000.0)
+            stalled.add_metric(labels, head.stalled_ms / 1000.0)
+            head_retries.add_metric(labels, head.retries)
+            if state.key_mode:
+                parked.add_metric(labels, head.parked)
+                unfinished.add_metric(labels, head.age_ms / 1000.0)
         clients, dlq = family(names.CLIENTS_LIVE), family(names.DLQ_MESSAGES)
         for group, n in sorted(plan.clients.items()):
             clients.add_metric([group], n)
             dlq.add_metric([group], reading.dlq.get(group, 0))
-        return [max_offset, committed, lag, epoch, owner, running, clients, dlq]
+        return [max_offset, committed, lag, epoch, owner, running, clients, dlq, head_age, stalled, head_retries,
+                parked, unfinished]
+
+
+_CAUGHT_UP = _Head(0, 0, 0, 0)
+
+
+def _read_heads(store: Broker, lanes: list[tuple[tuple[str, MessageQueue], _LaneState]],
+                ) -> dict[tuple[str, MessageQueue], _Head]:
+    """The head of every lane with a backlog, in one round trip (``TIME`` per node again).
+
+    The head is the first entry at or above the committed offset (retention may have trimmed the
+    committed one): ``XRANGE <committed> + COUNT 1``, whose ``s`` field is the store time. Its
+    reconsume count is the retries hash's field of the committed offset (a count of another offset
+    does not belong to this head: 0). Stalled is ``mqorder.admin.status.waiting_ms``: since the
+    later of the offset's last move and the head's store time, so a queue idle for an hour that
+    just got a message is not an hour stalled.
+    """
+    def commands(item: tuple[tuple[str, MessageQueue], _LaneState]) -> list[tuple[Any, ...]]:
+        (sub, mq), st = item
+        cmds: list[tuple[Any, ...]] = [
+            ("XRANGE", keys.queue_log(mq.tag), st.committed, "+", "COUNT", 1),
+            ("HGET", keys.sub_retries(mq.tag, sub), st.committed),
+        ]
+        if st.key_mode:
+            cmds.append(("HLEN", keys.sub_retries(mq.tag, sub)))
+        return cmds
+
+    out = {}
+    for c in clocked_reads(store, lanes, lambda item: item[0][1].tag, commands):
+        lane, st = c.item
+        entries, retries = c.replies[0], c.replies[1]
+        if not entries:  # trimmed away since the first read: nothing waits
+            continue
+        head_offset = int(text(entries[0][0]).split("-", 1)[0])
+        stored = store_ms(entries)
+        age = max(0, c.now_ms - stored) if stored else 0
+        waited = waiting_ms(1, st.commit_ms or None, stored, c.now_ms) or 0
+        out[lane] = _Head(age, waited, int(retries or 0) if head_offset == st.committed else 0,
+                          int(c.replies[2]) if st.key_mode else 0)
+    return out
 
 
 def _tag_of(op: tuple[str, Any]) -> str:
@@ -217,7 +305,7 @@ def _commands_of(op: tuple[str, Any]) -> list[tuple[Any, ...]]:
         return [("GET", keys.queue_next(what.tag))]
     if kind == "state":
         sub, mq = what
-        return [("HMGET", keys.sub_state(mq.tag, sub), "owner", "lease", "epoch", "offset", "run")]
+        return [("HMGET", keys.sub_state(mq.tag, sub), *_STATE_FIELDS)]
     return [("XLEN", keys.queue_log(what[1].tag))]
 
 

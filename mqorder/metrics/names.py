@@ -77,11 +77,38 @@ EVENT_LOOP_LAG = MetricSpec(
     "second: a listener blocking the loop (time.sleep, CPU work) delays every async call of the process",
 )
 
-WORKER = (CONSUMED, CONSUME_DURATION, COMMITS_REFUSED, RUNS, LINGERING, LOCKS_HELD, LOCK_TAKEOVERS, WAITING)
+MESSAGE_LATENCY = MetricSpec(
+    "mqorder_message_latency_seconds", "histogram",
+    "End-to-end latency: from a message's born time (the producer's clock) to the start of its first "
+    "listener call (reconsume_times 0); a suspended message's later calls are not observed again",
+    ("group", "topic"),
+)
+REDELIVERIES = MetricSpec(
+    "mqorder_redeliveries_total", "counter",
+    "Messages this worker handed to a listener in a run that then lost its queue before committing "
+    "them (its fenced commit refused: FENCED, SUPERSEDED, AHEAD): the next owner delivers them again. "
+    "A worker killed outright counts nothing (docs/METRICS.md)",
+    ("group", "topic"),
+)
+KEYS_SUSPENDED = MetricSpec(
+    "mqorder_keys_suspended", "gauge",
+    "Sharding keys of key-ordered listeners (ordering='key') suspended in this worker now: their last "
+    "call failed and they wait for their retry",
+    ("group", "topic"),
+)
+
+WORKER = (CONSUMED, CONSUME_DURATION, COMMITS_REFUSED, RUNS, LINGERING, LOCKS_HELD, LOCK_TAKEOVERS, WAITING,
+          MESSAGE_LATENCY, REDELIVERIES, KEYS_SUSPENDED)
 
 #: Listener calls take from a millisecond to minutes; RocketMQ's RT counters stop at seconds.
 CONSUME_DURATION_BUCKETS = (
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)
+
+#: Born-to-call latency: a few ms on a live queue, minutes to hours behind a backlog or a stuck key.
+MESSAGE_LATENCY_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 900.0,
+    3600.0,
 )
 
 # -- cluster exporter (mqorder exporter): the state of every group, from Redis alone --------------
@@ -126,7 +153,37 @@ DLQ_MESSAGES = MetricSpec(
     "mqorder_dlq_messages", "gauge", "Messages stored in the group's dead-letter topic (%DLQ%<group>)", ("group",),
 )
 
+QUEUE_HEAD_AGE = MetricSpec(
+    "mqorder_queue_head_age_seconds", "gauge",
+    "How long the group's oldest unconsumed message of the queue (the first stored offset at or above "
+    "the committed one) has waited: Redis now - its store time; 0 when caught up. Time-based lag",
+    _QUEUE,
+)
+QUEUE_STALLED = MetricSpec(
+    "mqorder_queue_stalled_seconds", "gauge",
+    "How long the queue has had a backlog without its committed offset moving: now - the later of the "
+    "last move of the offset (commit_ms) and the head message's store time; 0 when caught up",
+    _QUEUE,
+)
+QUEUE_HEAD_RETRIES = MetricSpec(
+    "mqorder_queue_head_retries", "gauge",
+    "Reconsume count of the message at the head of the queue (0 if none, or caught up)", _QUEUE,
+)
+QUEUE_KEYS_SUSPENDED = MetricSpec(
+    "mqorder_queue_keys_suspended", "gauge",
+    "Key-ordered lanes only: messages parked after a failed call, waiting for their retry (a recorded "
+    "reconsume count); one per suspended key with consume_message_batch_max_size 1",
+    _QUEUE,
+)
+QUEUE_OLDEST_UNFINISHED = MetricSpec(
+    "mqorder_queue_oldest_unfinished_age_seconds", "gauge",
+    "Key-ordered lanes only: age of the lowest unfinished offset (the committed offset in key mode), 0 "
+    "when none is",
+    _QUEUE,
+)
+
 EXPORTER = (
     UP, SCRAPE_DURATION, QUEUE_MAX_OFFSET, QUEUE_COMMITTED_OFFSET, QUEUE_LAG, QUEUE_EPOCH, QUEUE_OWNER,
-    QUEUE_RUNNING, CLIENTS_LIVE, DLQ_MESSAGES,
+    QUEUE_RUNNING, CLIENTS_LIVE, DLQ_MESSAGES, QUEUE_HEAD_AGE, QUEUE_STALLED, QUEUE_HEAD_RETRIES,
+    QUEUE_KEYS_SUSPENDED, QUEUE_OLDEST_UNFINISHED,
 )

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import time
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
 from mqorder import ConsumeOrderlyStatus
 from mqorder.consumer.engine import ConsumerEngine, request_class
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.run_types import Outcome
+from mqorder.metrics import names
 from mqorder.metrics.exporter import ClusterCollector
+from mqorder.metrics.hook import KeyWatch, LingerWatch, MetricsHook
 from mqorder.model import MessageModel
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.topics import TopicManager
-from tests.engine_support import MQ
+from tests.engine_support import MQ, drain
 
 S = ConsumeOrderlyStatus
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -88,3 +92,80 @@ def test_a_blocked_head_grows_head_age_and_stalled_then_both_go_to_zero(env, set
     assert lane(done, "mqorder_queue_lag") == 0
     for name in ("mqorder_queue_head_age_seconds", "mqorder_queue_stalled_seconds", "mqorder_queue_head_retries"):
         assert lane(done, name) == 0, name
+
+
+# -- worker metrics: the hook the worker registers, on a private registry -----------------------------
+
+
+def worker_hook(**kw) -> tuple[MetricsHook, CollectorRegistry]:
+    """The ``MetricsHook`` a worker registers (``mqorder.metrics.worker``), its metrics on a private
+    registry instead of the multiprocess files (the e2e test covers those)."""
+    reg = CollectorRegistry()
+
+    def metric(cls, spec, **extra):
+        return cls(spec.family, spec.help, spec.labels, registry=reg, **extra)
+
+    hook = MetricsHook(
+        metric(Counter, names.CONSUMED), metric(Histogram, names.CONSUME_DURATION),
+        metric(Counter, names.COMMITS_REFUSED), LingerWatch(Gauge("linger", "l", registry=reg)), lambda g, t: 16,
+        metric(Histogram, names.MESSAGE_LATENCY, buckets=names.MESSAGE_LATENCY_BUCKETS),
+        metric(Counter, names.REDELIVERIES), KeyWatch(metric(Gauge, names.KEYS_SUSPENDED)), **kw,
+    )
+    return hook, reg
+
+
+def value(reg: CollectorRegistry, name: str, **labels: str) -> float:
+    return reg.get_sample_value(name, labels) or 0.0
+
+
+def test_latency_is_observed_once_per_message_from_its_born_time(env) -> None:
+    p, eng = env
+    for i in range(4):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    time.sleep(0.2)  # the messages wait before anybody consumes them
+    hook, reg = worker_hook()
+    calls = {"n": 0}
+
+    def listener(msgs, ctx):
+        calls["n"] += 1
+        return S.SUSPEND_CURRENT_QUEUE_A_MOMENT if calls["n"] == 2 else S.SUCCESS  # offset 1 fails once
+
+    drain(eng, ListenerSpec(listener, "t", "g", hooks=[hook], suspend_current_queue_time_millis=10))
+    assert calls["n"] == 5
+    gt = {"group": "g", "topic": "t"}
+    assert value(reg, "mqorder_message_latency_seconds_count", **gt) == 4  # not 5: the retry is not observed
+    assert value(reg, "mqorder_message_latency_seconds_sum", **gt) >= 4 * 0.2
+    assert value(reg, "mqorder_message_latency_seconds_bucket", le="0.1", **gt) == 0
+
+
+def test_a_suspended_key_shows_in_the_worker_and_the_exporter_until_it_succeeds(env, settings) -> None:
+    p, eng = env
+    TopicManager(eng.brokers).subscribe("g", "t", MessageModel.CLUSTERING)
+    for i, key in enumerate(["a", "b", "a", "c", "b"]):
+        p.send_orderly("t", f"{key}:{i}".encode(), sharding_key=key)
+    hook, reg = worker_hook(key_mode=lambda g, t: True)
+    blocked = {"a": True}
+
+    def listener(msgs, ctx):
+        key = msgs[0].body.decode().split(":")[0]
+        return S.SUSPEND_CURRENT_QUEUE_A_MOMENT if blocked.get(key) else S.SUCCESS
+
+    spec = ListenerSpec(listener, "t", "g", ordering="key", hooks=[hook], suspend_current_queue_time_millis=10_000)
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    outs, token = runs(eng, spec, 1)
+    assert outs[-1].verb == "REQUEUE"  # only key a is left, suspended for 10 s: the slot goes back
+    assert value(reg, "mqorder_keys_suspended", group="g", topic="t") == 1
+    e = scrape(settings)
+    assert lane(e, "mqorder_queue_committed_offset") == 0  # a's first message is the lowest unfinished
+    assert lane(e, "mqorder_queue_keys_suspended") == 1  # one message parked (batch size 1)
+    assert lane(e, "mqorder_queue_head_retries") == 1
+    assert lane(e, "mqorder_queue_oldest_unfinished_age_seconds") > 0
+    assert lane(e, "mqorder_queue_oldest_unfinished_age_seconds") == lane(e, "mqorder_queue_head_age_seconds")
+
+    blocked["a"] = False
+    assert runs(eng, spec, 5, token)[0][-1].verb == "IDLE"
+    assert value(reg, "mqorder_keys_suspended", group="g", topic="t") == 0
+    e = scrape(settings)
+    assert lane(e, "mqorder_queue_lag") == 0
+    assert lane(e, "mqorder_queue_keys_suspended") == 0
+    assert lane(e, "mqorder_queue_oldest_unfinished_age_seconds") == 0

@@ -30,9 +30,9 @@ from typing import TYPE_CHECKING, Protocol, cast
 
 from mqorder import keys
 from mqorder.consumer.hooks import register_consume_message_hook
-from mqorder.consumer.listener import get_listener
+from mqorder.consumer.listener import Ordering, get_listener
 from mqorder.metrics import multiproc, names
-from mqorder.metrics.hook import LingerWatch, MetricsHook
+from mqorder.metrics.hook import KeyWatch, LingerWatch, MetricsHook
 from mqorder.model import MessageQueue
 from mqorder.settings import Settings
 
@@ -87,9 +87,21 @@ class WorkerMetrics:
         # livesum: the slots lingering in processes that are alive now (dead ones are reaped).
         lingering = Gauge(names.LINGERING.family, names.LINGERING.help, registry=None, multiprocess_mode="livesum")
         self.linger = LingerWatch(lingering)
+        self.latency = Histogram(
+            names.MESSAGE_LATENCY.family, names.MESSAGE_LATENCY.help, names.MESSAGE_LATENCY.labels,
+            registry=None, buckets=names.MESSAGE_LATENCY_BUCKETS,
+        )
+        self.redeliveries = Counter(
+            names.REDELIVERIES.family, names.REDELIVERIES.help, names.REDELIVERIES.labels, registry=None
+        )
+        suspended = Gauge(names.KEYS_SUSPENDED.family, names.KEYS_SUSPENDED.help, names.KEYS_SUSPENDED.labels,
+                          registry=None, multiprocess_mode="livesum")
+        self.keys = KeyWatch(suspended)
         self.client = ClientFigures()
-        self.hook = MetricsHook(self.consumed, self.duration, self.refused, self.linger, self._max_reconsume)
+        self.hook = MetricsHook(self.consumed, self.duration, self.refused, self.linger, self._max_reconsume,
+                                self.latency, self.redeliveries, self.keys, self._key_mode)
         self._limits: dict[tuple[str, str], int] = {}
+        self._key_modes: dict[tuple[str, str], bool] = {}
         self.server: object | None = None
 
     # -- serving (main process) --------------------------------------------------------------------
@@ -137,6 +149,15 @@ class WorkerMetrics:
             own = spec.max_reconsume_times if spec is not None else None
             limit = self._limits[(group, topic)] = own if own is not None else self.settings.max_reconsume_times
         return limit
+
+
+    def _key_mode(self, group: str, topic: str) -> bool:
+        """Whether (group, topic)'s listener orders by key (``ordering="key"``); asked per call."""
+        key = self._key_modes.get((group, topic))
+        if key is None:
+            spec = get_listener(group, topic)
+            key = self._key_modes[(group, topic)] = spec is not None and spec.ordering is Ordering.KEY
+        return key
 
 
 class _WorkerCollector:
@@ -193,7 +214,9 @@ def after_run(sub: str, mq: MessageQueue, outcome: Outcome | None) -> None:
         return
     m.linger.mark(False)
     verb = "REDIS_DOWN" if outcome is None else outcome.verb.value
-    m.runs.labels(keys.group_of_sub(sub), mq.topic, verb).inc()
+    group = keys.group_of_sub(sub)
+    m.runs.labels(group, mq.topic, verb).inc()
+    m.hook.run_ended(group, mq.topic, mq.key, verb)
 
 
 def locks_held(count: int) -> int:

@@ -23,6 +23,7 @@ from mqorder.retention.policy import RetentionPolicy, TopicRetention
 from mqorder.retention.trimmer import RetentionTrimmer
 from mqorder.settings import load_settings
 from mqorder.store.log import MessageLog
+from mqorder.store.topics import TopicManager
 from tests.test_engine import drain as run_queue
 
 S = ConsumeOrderlyStatus
@@ -444,3 +445,49 @@ def test_a_stale_key_ordered_holder_commits_no_skip(env, r) -> None:
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 0
     eng.stats.flush(eng.brokers.meta)
     assert "skipped" not in ConsumerStatsManager.read(eng.brokers.meta, "g").get(MQ.key, {})
+
+
+# -- idle queues: the quiet skip (issue 27) -------------------------------------------------------
+
+
+def test_a_trimmer_skips_queues_that_cannot_have_anything_due_and_trims_them_on_time(settings, r) -> None:
+    """One call learns how long nothing can go (the head's age against the rule): the same trimmer's
+    next passes skip the queue until then, and trim it as soon as it is due."""
+    s = settings.model_copy(update={"retention_ms": 1500})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=2)  # queue 0 gets messages, queue 1 stays empty
+    p.send_orderly_batch("t", [("k", b"0"), ("k", b"1")], selector=lambda mqs, _m, _k: mqs[0])
+    trimmer = RetentionTrimmer(p.brokers, s)
+    first = trimmer.run()
+    assert (first.calls, first.quiet_skipped, first.trimmed) == (2, 0, 0)
+    again = trimmer.run()
+    assert (again.calls, again.quiet_skipped) == (0, 2)  # neither queue can have anything due yet
+    # A new trimmer knows nothing (the CLI's `mqorder retention run`): it calls every queue.
+    assert RetentionTrimmer(p.brokers, s).run().calls == 2
+    deadline = time.monotonic() + 10
+    trimmed = 0
+    while trimmed < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+        trimmed += trimmer.run().trimmed
+    assert trimmed == 2 and offsets_stored(r) == []
+    p.close()
+
+
+def test_a_changed_rule_or_cap_is_checked_at_once_despite_the_skip(settings, r) -> None:
+    s = settings.model_copy(update={"retention_ms": 3_600_000})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1)
+    send(p, 20)
+    trimmer = RetentionTrimmer(p.brokers, s)
+    assert trimmer.run().trimmed == 0
+    assert trimmer.run().quiet_skipped == 1
+    # A cap makes appends alone due: the rule changed, so the queue is called at once, and with a
+    # cap it is never skipped.
+    TopicManager(p.brokers, s.retention_defaults).update_retention("t", TopicRetention.of(retention_max_messages=5))
+    report = trimmer.run()
+    assert (report.trimmed, report.quiet_skipped) == (15, 0)
+    send(p, 3, start=20)
+    report = trimmer.run()
+    assert (report.trimmed, report.quiet_skipped) == (3, 0)
+    assert offsets_stored(r) == list(range(18, 23))
+    p.close()

@@ -215,7 +215,10 @@ class RebalanceService:
         if not client_id:  # the central sweep sees every owner; PullConsumers take no requests
             pullers = {c.client_id for c in self.registry.clients()[0] if c.pool == PULL_POOL}
         for sub in subs:
-            candidates = [(mq, new_token()) for mq in self.assigned_queues(sub, client_id or None)]
+            # One random token per sweep, suffixed per queue: unique all the same, without a
+            # uuid4 per owned queue every sweep interval (an idle worker's main cost, issue 27).
+            base = new_token()
+            candidates = [(mq, f"{base}.{i}") for i, mq in enumerate(self.assigned_queues(sub, client_id or None))]
             for r in self.locks.sweep(sub, candidates, client_id, pending_ttl):
                 if r.owner not in pullers:
                     out.append(Dispatch(sub, r.mq, r.owner, r.token))

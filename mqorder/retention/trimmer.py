@@ -66,6 +66,8 @@ class TrimReport:
     calls: int = 0
     took_ms: float = 0.0
     skipped: bool = False  # another worker holds this interval's pass
+    #: Queues not called this pass: an earlier call showed nothing could go before now.
+    quiet_skipped: int = 0
 
     @property
     def trimmed(self) -> int:
@@ -80,7 +82,8 @@ class TrimReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "trimmed": self.trimmed, "by_topic": self.by_topic(), "ledger_trimmed": self.ledger_trimmed,
-            "calls": self.calls, "took_ms": round(self.took_ms, 1), "skipped": self.skipped,
+            "calls": self.calls, "quiet_skipped": self.quiet_skipped, "took_ms": round(self.took_ms, 1),
+            "skipped": self.skipped,
             "rules": {t: r.to_json() for t, r in self.rules.items()},
             "holders": self.holders,
             "queues": {k: {"trimmed": q.trimmed, "first": q.first, "next": q.next} for k, q in self.queues.items()},
@@ -93,6 +96,11 @@ class RetentionTrimmer:
         self.settings = settings
         self.topics = TopicManager(brokers, settings.retention_defaults)
         self.registry = ClientRegistry(brokers.meta, settings.heartbeat_timeout_ms)
+        #: Queues a call showed nothing can be trimmed from for a while: queue key -> (the call's
+        #: keys and arguments, monotonic time until which the same call trims nothing). A worker's
+        #: passes skip them: an idle deployment's queues otherwise cost one ``trim.lua`` call each
+        #: every ``MQORDER_RETENTION_INTERVAL_MS``, for nothing (issue 27's idle cost).
+        self._quiet: dict[str, tuple[tuple[Any, ...], float]] = {}
 
     def run_if_due(self, client_id: str) -> TrimReport:
         """A pass, unless another worker runs this interval's (housekeeping calls this)."""
@@ -126,6 +134,9 @@ class RetentionTrimmer:
             report.rules[topic] = rule
             report.holders[topic] = holders
             work.extend((mq, rule, holders) for mq in route.message_queues)
+        if topics is None:  # forget queues that are gone (a deleted topic)
+            live_keys = {mq.key for mq, _, _ in work}
+            self._quiet = {k: v for k, v in self._quiet.items() if k in live_keys}
         self._trim_queues(work, report, deadline)
         report.ledger_trimmed = self._trim_ledgers(now)
         report.took_ms = (time.perf_counter() - t0) * 1000
@@ -184,17 +195,32 @@ class RetentionTrimmer:
                 if not pending or (deadline is not None and time.perf_counter() > deadline):
                     break
                 calls = [_call(mq, rule, holders, chunk) for mq, rule, holders in pending]
-                replies = scripts.run_pipelined("trim", calls)
-                report.calls += len(calls)
+                now = time.monotonic()
+                todo = [i for i, c in enumerate(calls) if not self._skips(pending[i][0].key, c, now)]
+                replies = scripts.run_pipelined("trim", [calls[i] for i in todo]) if todo else []
+                report.calls += len(todo)
+                report.quiet_skipped += len(calls) - len(todo)
                 more = []
-                for item, reply in zip(pending, replies, strict=True):
-                    trimmed, first, nxt, again = (int(x) for x in reply)
+                now = time.monotonic()
+                for i, reply in zip(todo, replies, strict=True):
+                    item = pending[i]
+                    trimmed, first, nxt, again, quiet_ms = (int(x) for x in reply)
                     q = report.queues.setdefault(item[0].key, QueueTrim())
                     q.trimmed += trimmed
                     q.first, q.next = first, nxt
+                    if quiet_ms > 0:
+                        self._quiet[item[0].key] = (_signature(calls[i]), now + quiet_ms / 1000)
+                    else:
+                        self._quiet.pop(item[0].key, None)
                     if again:
                         more.append(item)
                 pending = more
+
+    def _skips(self, queue_key: str, call: tuple[list[str], list[Any]], now: float) -> bool:
+        """Whether the last call showed that ``call`` cannot trim ``queue_key`` before a time
+        still ahead: same keys (holders) and arguments (rule) only; any change is checked now."""
+        seen = self._quiet.get(queue_key)
+        return seen is not None and seen[1] > now and seen[0] == _signature(call)
 
     def _trim_ledgers(self, now: int) -> int:
         """Ledger records older than the default retention (their ids are ``<ms>-<seq>``)."""
@@ -220,6 +246,12 @@ def _call(mq: MessageQueue, rule: RetentionRule, holders: list[str], chunk: int)
         [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag), *state_keys],
         [policy.value, rule.retention_ms, rule.retention_min_ms, rule.retention_max_messages, chunk],
     )
+
+
+def _signature(call: tuple[list[str], list[Any]]) -> tuple[Any, ...]:
+    """What a ``trim.lua`` call's answer depends on besides the queue's own data and the clock."""
+    keys_, args = call
+    return (*keys_, *(str(a) for a in args))
 
 
 def first_offsets(brokers: BrokerRegistry, mqs: list[MessageQueue]) -> dict[MessageQueue, int]:

@@ -18,8 +18,15 @@
 --         holder's committed offset and older than ARGV[3] goes)
 -- ARGV[2] retention_ms  ARGV[3] retention_min_ms  ARGV[4] most messages kept (0: no cap)
 -- ARGV[5] chunk: most entries this call removes
--- Returns {trimmed, first, next, more}: entries removed, the first stored offset after the call,
--- the queue's next offset, and 1 if more is due now (call again), else 0.
+-- Returns {trimmed, first, next, more, quiet}: entries removed, the first stored offset after the
+-- call, the queue's next offset, 1 if more is due now (call again), else 0, and `quiet`: when this
+-- call trimmed nothing, how many ms from now no call can trim anything with the same arguments
+-- (the head's store time plus the age it must reach, minus now; for an empty queue, that age: a
+-- later append is stored at or after now), else 0. Ages only grow and store times never decrease
+-- along a queue, so a caller that keeps the same arguments may skip the queue that long
+-- (mqorder.retention.trimmer's idle-queue skip). A duration, not a time: the caller measures it on
+-- its own monotonic clock, whatever the skew between its host and this node. With a cap
+-- (ARGV[4] > 0) appends alone make trimming due, so `quiet` is 0.
 -- Store times ('s' field) are Redis's clock at append, non-decreasing along a queue.
 
 --- @include "_now"
@@ -55,13 +62,21 @@ local function first_not_older(lo, hi, cutoff)
   return lo
 end
 
+local max_n = tonumber(ARGV[4])
+-- The age an entry must reach before any rule lets it go.
+local min_age = tonumber(ARGV[2])
+if ARGV[1] == 'consumed' then min_age = tonumber(ARGV[3]) end
+local function quiet_from(store)
+  if max_n > 0 then return 0 end
+  return math.max(0, store + min_age - now)
+end
+
 local nxt = tonumber(redis.call('GET', KEYS[2]) or 0)
 local head = redis.call('XRANGE', KEYS[1], '-', '+', 'COUNT', 1)
-if #head == 0 then return {0, nxt, nxt, 0} end
+if #head == 0 then return {0, nxt, nxt, 0, quiet_from(now)} end
 local first = offset_of(head[1][1])
 local chunk = tonumber(ARGV[5])
 local limit = math.min(nxt, first + chunk)
-local max_n = tonumber(ARGV[4])
 local by_count = first
 if max_n > 0 then by_count = math.max(first, nxt - max_n) end
 
@@ -80,7 +95,7 @@ else
   cut = math.max(by_age, by_count)
 end
 if cut > limit then cut = limit end
-if cut <= first then return {0, first, nxt, 0} end
+if cut <= first then return {0, first, nxt, 0, quiet_from(store_ms(head[1]))} end
 
 -- Ids of idempotent appends (Spark writes, DLQ replays) go with their entries, or the ids HASH
 -- would grow for ever.
@@ -104,4 +119,4 @@ end
 local trimmed = redis.call('XTRIM', KEYS[1], 'MINID', tostring(cut))
 local more = 0
 if cut == limit and limit < nxt then more = 1 end
-return {trimmed, cut, nxt, more}
+return {trimmed, cut, nxt, more, 0}

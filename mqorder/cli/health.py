@@ -14,6 +14,8 @@ from mqorder.admin import render, transactions
 from mqorder.admin.common import Admin
 from mqorder.admin.consumers import group_consumers
 from mqorder.admin.doctor import diagnose
+from mqorder.admin.key_status import DEFAULT_SCAN, key_status
+from mqorder.admin.key_status import render as render_key
 from mqorder.admin.status import group_status
 from mqorder.cli.common import EXIT_CHECK, JSON_OPT, emit
 from mqorder.settings import get_settings
@@ -30,9 +32,23 @@ def status(
         60.0, "--stuck-after", min=0.0, help="seconds a backlog may wait without progress before it counts as stuck"
     ),
     check: bool = typer.Option(False, "--check", help="exit 1 if any queue is stuck (cron, health checks)"),
+    key: str = typer.Option(
+        None, "--key", help="only this sharding key: its queue, its head, whether it waits or is parked, and on what"
+    ),
+    scan: int = typer.Option(
+        DEFAULT_SCAN, "--scan", help="with --key: backlog messages to read from the committed offset looking for the key"
+    ),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Per queue: offsets, lag, owner, lease, epoch, ConsumeRequest, head retries, last commit; stuck queues."""
+    """Per queue: offsets, lag, owner, lease, epoch, ConsumeRequest, head retries, last commit; stuck queues.
+    With --key: where one sharding key stands (is it stuck, and on what)."""
+    if key is not None:
+        with Admin.open() as admin:
+            report = key_status(admin, group, key, topic, scan)
+        emit(report, as_json, render_key)
+        if check and report.stuck(int(stuck_after * 1000)):
+            raise typer.Exit(EXIT_CHECK)
+        return
     with Admin.open() as admin:
         st = group_status(admin, group, topic, stuck_after)
     emit(st, as_json, render.status)

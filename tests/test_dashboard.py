@@ -112,4 +112,4 @@ def test_grafana_provisioning_loads_the_dashboard_folder_from_the_compose_promet
     sources = yaml.safe_load((PROVISIONING / "datasources" / "prometheus.yml").read_text())["datasources"]
     assert [(s["type"], s["url"], s["isDefault"]) for s in sources] == [("prometheus", "http://prometheus:9090", True)]
     providers = yaml.safe_load((PROVISIONING / "dashboards" / "mqorder.yml").read_text())["providers"]
-    assert [(p["type"], p["options"]["path"]) for p in providers] == [("file", "/var/lib/grafana/dashboards")]
+    assert [(p["type"], p["options"]["path"]) for p in providers] == [("file", "/etc/grafana/dashboards")]

@@ -117,5 +117,8 @@ os.environ.pop("COLUMNS", None)
 os.environ.pop("LINES", None)
 
 
-# The Spark session of the run (tests/spark_support.py): session-scoped, started on first use.
+# The Spark session of the run (tests/spark_support.py), and Spark beyond local[N]
+# (tests/spark_cluster.py): a standalone cluster, a Spark Connect server and driver processes on
+# them. All session-scoped, started on first use.
+from tests.spark_cluster import cluster_driver, connect_driver, connect_server, standalone_cluster  # noqa: E402,F401
 from tests.spark_support import spark  # noqa: E402,F401

@@ -58,7 +58,7 @@ class Report:
 
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.trickle_cost,
-                    self.idle, self.latency,
+                    self.trickle_floor, self.idle, self.latency,
                     self.celery_broker, self.produce, self.batching, self.dedup, self.durable_send, self.transactions,
                     self.failover, self.sentinel, self.cluster, self.rebalance, self.memory, self.growth, self.retention,
                     self.spark, self.keys, self.concurrent, self.history, self.notes)
@@ -281,6 +281,12 @@ class Report:
         from bench import trickle_cost_report
 
         return trickle_cost_report.markdown(self.res["trickle_cost"]) if "trickle_cost" in self.res else []
+
+    def trickle_floor(self) -> list[str]:
+        """What one round trip costs at a trickle (``bench.trickle_floor``), when it ran."""
+        from bench import trickle_floor
+
+        return trickle_floor.report_lines(self.res.get("trickle_floor") or {})
 
     def idle(self) -> list[str]:
         """2 stock workers + beat over 1,024 idle queues (``bench.idle``), when it ran."""

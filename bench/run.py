@@ -265,6 +265,15 @@ def sec_trickle_cost(cfg: Config, res: dict[str, Any]) -> None:
                                        "load1": round(load1(), 2)}
 
 
+def sec_trickle_floor(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import trickle_floor
+
+    res["trickle_floor"] = trickle_floor.run(cfg, seconds=size(cfg, "trickle_floor_seconds"), runs=cfg.runs)
+    # Measured on its own (--only trickle_floor) and placed in a RESULTS.md of an earlier full run, as sentinel.
+    res["trickle_floor"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
+                                        "load1": round(load1(), 2)}
+
+
 def sec_idle(cfg: Config, res: dict[str, Any]) -> None:
     from bench import idle
 
@@ -291,7 +300,8 @@ RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "growth": sec_growth, "retention": sec_retention, "spark": sec_spark,
     "spark_audit": sec_spark_audit, "dedup": sec_dedup, "transactions": sec_transactions, "keys": sec_keys,
     "concurrent": sec_concurrent, "durable_send": sec_durable_send, "sentinel": sec_sentinel,
-    "cluster": sec_cluster, "trickle_cost": sec_trickle_cost, "idle": sec_idle, "batching": sec_batching,
+    "cluster": sec_cluster, "trickle_cost": sec_trickle_cost,
+    "trickle_floor": sec_trickle_floor, "idle": sec_idle, "batching": sec_batching,
 }
 
 

@@ -35,6 +35,7 @@ as it was sent (``retry.restore``).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
@@ -43,10 +44,10 @@ from mqorder.consumer.concurrent_lanes import ConcurrentLanes
 from mqorder.consumer.context import ConsumeConcurrentlyContext
 from mqorder.consumer.hooks import global_hooks
 from mqorder.consumer.key_request import KeyConsumeRequest
-from mqorder.consumer.lane_workers import LaneResult, LaneWorkers
+from mqorder.consumer.lane_workers import LaneResult
 from mqorder.consumer.ledger import LedgerOutcome
 from mqorder.consumer.listener import ListenerSpec, Ordering, get_listener
-from mqorder.consumer.listener_call import CONCURRENT, call_listener
+from mqorder.consumer.listener_call import CONCURRENT, call_listener, call_listener_async
 from mqorder.consumer.retry import restore
 from mqorder.consumer.run_types import SUCCESS, SUSPEND, Handled, LoopEnd, Stop
 from mqorder.model import ConsumeConcurrentlyStatus, MessageExt, MessageModel
@@ -90,14 +91,19 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
             self._specs[topic] = spec if spec is not None and spec.ordering is Ordering.CONCURRENT else None
         return self._specs[topic]
 
-    def _submit(self, pool: LaneWorkers, key: int, msgs: list[MessageExt]) -> None:
-        self.in_flight += 1
+    def _submit(self, key: int, msgs: list[MessageExt]) -> None:
         ctx = ConsumeConcurrentlyContext(
             self.mq, epoch=self.epoch, client_id=self.client_id, group=self.spec.group,
             still_owner=self._still_owner, ack_index=len(msgs) - 1,
             suspend_current_queue_time_millis=self.suspend_ms, run_id=self.run_id,
         )
-        pool.submit(self._concurrent_call, key, msgs, ctx)
+        spec = self._listener_of(msgs)
+        if spec is not None and spec.is_async:
+            self._calls().submit_async(spec.name, key, lambda: self._concurrent_call_async(key, msgs, ctx),
+                                       LaneResult(key, msgs, Handled(SUSPEND), ctx))
+        else:
+            self._calls().submit(self._concurrent_call, key, msgs, ctx)
+        self.in_flight += 1  # once submitted: a call that never went out is never waited for
 
     def _concurrent_call(self, key: int, msgs: list[MessageExt], ctx: ConsumeConcurrentlyContext) -> None:
         """Runs on a lane worker; whatever happens, a result is reported."""
@@ -109,6 +115,26 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
                           "messages", self.spec.name, self.mq.key)
         finally:
             self.results.put(LaneResult(key, msgs, handled, ctx))
+
+    async def _concurrent_call_async(self, key: int, msgs: list[MessageExt], ctx: ConsumeConcurrentlyContext) -> None:
+        """``_concurrent_call`` of an async listener, on the process's loop."""
+        handled = Handled(SUSPEND)
+        try:
+            spec = self._listener_of(msgs)
+            assert spec is not None
+            hooks = self.hooks if spec is self.spec else [*global_hooks(), *spec.hooks]
+            status, rt, wall0 = await call_listener_async(CONCURRENT, spec, hooks, self.mq, msgs, ctx, self.epoch,
+                                                          self.client_id, self.run_id, self.ledger is not None)
+            self._art_sum += rt
+            self._art_n += 1
+            handled = self._concurrent_handled(status, ctx, wall0, rt)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("concurrent call of %s on %s failed outside the listener (a hook?); retrying its "
+                          "messages", self.spec.name, self.mq.key)
+        finally:
+            self._calls().deliver(LaneResult(key, msgs, handled, ctx))
 
     def _consume_concurrently(self, msgs: list[MessageExt], ctx: ConsumeConcurrentlyContext) -> Handled:
         """Hooks, the listener, hooks; ``SUCCESS`` for ``CONSUME_SUCCESS`` (``ctx.ack_index`` says
@@ -125,6 +151,9 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         status, rt, wall0 = call_listener(CONCURRENT, spec, hooks, self.mq, msgs, ctx, self.epoch, self.client_id,
                                           self.run_id, self.ledger is not None)
         self._note_rt(rt)
+        return self._concurrent_handled(status, ctx, wall0, rt)
+
+    def _concurrent_handled(self, status: Any, ctx: ConsumeConcurrentlyContext, wall0: float, rt: float) -> Handled:
         ok = status is CONSUME_SUCCESS
         if not ok:
             ctx.ack_index = -1

@@ -13,12 +13,16 @@ The run returns an ``Outcome``; the Celery task turns it into ``apply_async`` to
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import queue
 import time
 from typing import Any
 
 from mqorder import keys
 from mqorder.codec import decode_entries
+from mqorder.consumer import native
+from mqorder.consumer.async_loop import ProcessLoop
 from mqorder.consumer.commit_pipeline import commit_pipelined
 from mqorder.consumer.consumer_state import ConsumerState
 from mqorder.consumer.context import ConsumeOrderlyContext
@@ -26,8 +30,8 @@ from mqorder.consumer.hooks import RefusedContext, global_hooks, run_refused
 from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
 from mqorder.consumer.linger import LingeringReads
-from mqorder.consumer.listener import ListenerSpec
-from mqorder.consumer.listener_call import ORDERLY, call_listener
+from mqorder.consumer.listener import DEFAULT_CANCEL_GRACE_MS, ListenerSpec
+from mqorder.consumer.listener_call import ORDERLY, call_listener, call_listener_async
 from mqorder.consumer.nudge import idle_entry
 from mqorder.consumer.run_types import (
     BUDGET_REQUEUE_S,
@@ -38,6 +42,7 @@ from mqorder.consumer.run_types import (
     REPLICA_WAIT_REQUEUE_S,
     ROLLBACK,
     SUCCESS,
+    SUSPEND,
     Handled,
     LoopEnd,
     Outcome,
@@ -54,6 +59,14 @@ from mqorder.store.replies import text
 from mqorder.tokens import new_token
 
 log = logging.getLogger(__name__)
+
+#: Queue mode with an async listener: how often the dispatcher looks at its lease while it waits.
+AWAIT_POLL_S = 0.2
+#: While async calls run and nothing else made a fenced commit for this long, the run commits what
+#: it has (a no-op on the offset) to learn whether it still holds the queue: a revoked or fenced
+#: run then cancels its calls after their grace instead of waiting for them to end.
+HELD_CHECK_S = 1.0
+
 
 class ConsumeRequest(LingeringReads):
     """One run over (subscription, queue), started with the dispatch ``token`` it was given."""
@@ -130,6 +143,15 @@ class ConsumeRequest(LingeringReads):
         self._failed = 0
         self._rt_sum = 0.0
         self._rt_n = 0
+        # The same for async calls, written on the loop's thread only (no lock needed there).
+        self._art_sum = 0.0
+        self._art_n = 0
+        grace = spec.cancel_grace_ms if spec.cancel_grace_ms is not None else DEFAULT_CANCEL_GRACE_MS
+        #: How long calls of an async listener may go on after the run lost its queue.
+        self.cancel_grace_s = grace / 1000.0
+        #: Set when the queue was lost while an awaited call (queue mode) ran: how the loop ends.
+        self.call_lost: LoopEnd | None = None
+        self._held_checked = time.monotonic()
 
     # -- the run ---------------------------------------------------------------------------------
 
@@ -286,6 +308,8 @@ class ConsumeRequest(LingeringReads):
                 continue
             ctx = self._context()
             handled = self._consume(msgs, ctx)
+            if self.call_lost is not None:
+                return self.call_lost  # the queue was lost during an async call: settle nothing
             end = self._settle(msgs, handled, ctx)
             if end is not None:
                 return end
@@ -346,12 +370,83 @@ class ConsumeRequest(LingeringReads):
 
     def _consume(self, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> Handled:
         """Hooks before, the listener, hooks after; anything but a status counts as a suspend."""
+        if self.spec.is_async:
+            return self._consume_awaited(msgs, ctx)
         status, rt, wall0 = call_listener(ORDERLY, self.spec, self.hooks, self.mq, msgs, ctx, self.epoch,
                                           self.client_id, self.run_id, self.ledger is not None)
         self._note_rt(rt)
         if self.ledger is None:
             return Handled(status)
         return Handled(status, wall0 * 1000, wall0 * 1000 + rt)
+
+    async def _consume_async(self, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> Handled:
+        """``_consume`` of an async listener, on the process's loop."""
+        status, rt, wall0 = await call_listener_async(ORDERLY, self.spec, self.hooks, self.mq, msgs, ctx, self.epoch,
+                                                      self.client_id, self.run_id, self.ledger is not None)
+        self._art_sum += rt
+        self._art_n += 1
+        if self.ledger is None:
+            return Handled(status)
+        return Handled(status, wall0 * 1000, wall0 * 1000 + rt)
+
+    def _consume_awaited(self, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> Handled:
+        """Queue mode with an async listener: the call runs on the process's loop and this run
+        waits for it (one call per queue at a time, as for a plain listener), renewing its lease
+        meanwhile. If the queue is lost during the call (the lease is refused, or a rebalance
+        revoked it), the call gets ``cancel_grace_s`` to end and is then cancelled; a fenced run
+        settles nothing of it (``call_lost``), a revoked one settles a call that ended in time."""
+        box: queue.SimpleQueue[Handled] = queue.SimpleQueue()
+        hand = native.to_caller()
+
+        async def call() -> None:
+            handled = Handled(SUSPEND)
+            try:
+                handled = await self._consume_async(msgs, ctx)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("call of %s on %s failed outside the listener (a hook?); suspending the queue",
+                              self.spec.name, self.mq.key)
+            finally:
+                hand(box.put, handled)
+
+        running = ProcessLoop.get().submit(self.spec.name, call, lambda: hand(box.put, Handled(SUSPEND)))
+        lost: LoopEnd | None = None
+        cancel_at: float | None = None
+        while True:
+            now = time.monotonic()
+            timeout = AWAIT_POLL_S if cancel_at is None else max(0.0, cancel_at - now)
+            try:
+                handled = box.get(timeout=timeout if cancel_at != float("inf") else None)
+            except queue.Empty:
+                pass
+            else:
+                if lost is not None and (lost.stop is Stop.FENCED or cancel_at == float("inf")):
+                    self.call_lost = lost
+                return handled
+            if lost is None:
+                lost = self._still_held(now)
+                if lost is not None:
+                    cancel_at = now + self.cancel_grace_s
+            elif cancel_at is not None and now >= cancel_at and cancel_at != float("inf"):
+                log.warning("cancelling the async call of %s on %s: the run lost the queue %.1f s ago; nothing it "
+                            "did is committed", self.spec.name, self.mq.key, self.cancel_grace_s)
+                running.cancel()
+                cancel_at = float("inf")
+
+    def _still_held(self, now: float) -> LoopEnd | None:
+        """While async calls run: None if the run still holds its queue, else how it ends (a
+        rebalance revoked it: DONE; the commit was refused: FENCED). Asks Redis with a fenced
+        commit at most every ``HELD_CHECK_S`` (its reply says whether the queue was revoked)."""
+        if not self.pq.dropped and now - self._held_checked >= HELD_CHECK_S:
+            self._held_checked = now
+            if self._persist(pull=False).kind is PullKind.LOST:
+                return LoopEnd(Stop.FENCED)
+        if self.pq.dropped:
+            return LoopEnd(Stop.DONE)
+        if self.pq.is_lock_expired() and not self._touch():
+            return LoopEnd(Stop.FENCED)
+        return None
 
     def _note_rt(self, rt: float) -> None:
         self._rt_sum += rt
@@ -634,5 +729,6 @@ class ConsumeRequest(LingeringReads):
 
     def _flush_stats(self) -> None:
         """Hand this run's counters to the stats manager (once per run, not per message)."""
-        self.stats.add_run(self.sub, self.mq.key, self.consumed, self._failed, self._rt_sum, self._rt_n)
+        self.stats.add_run(self.sub, self.mq.key, self.consumed, self._failed, self._rt_sum + self._art_sum,
+                           self._rt_n + self._art_n)
         self.stats.flush_due(self.engine.brokers.meta)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from mqorder.consumer.async_loop import process_loop
 from mqorder.model import MessageQueue
 
 
@@ -57,6 +58,12 @@ class CallContext:
 
     def still_owner(self) -> bool:
         return self._still_owner()
+
+    async def still_owner_async(self) -> bool:
+        """``still_owner()`` for an ``async def`` listener: the Redis round trip runs off the
+        event loop (a worker thread; under gevent a greenlet of the hub), so the other calls of
+        the process go on meanwhile. Await it on the worker's loop, inside the listener."""
+        return bool(await process_loop().offload(self._still_owner))
 
 
 class ConsumeOrderlyContext(CallContext):

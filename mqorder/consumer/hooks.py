@@ -7,9 +7,13 @@ change the consume result.
 
 from __future__ import annotations
 
+import inspect
 import logging
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
+from typing import Any
 
+from mqorder.consumer.async_loop import process_loop
 from mqorder.model import MessageExt, MessageQueue
 
 log = logging.getLogger(__name__)
@@ -62,7 +66,9 @@ class ConsumeMessageContext:
 
 
 class ConsumeMessageHook:
-    """Subclass and override either method; both default to doing nothing."""
+    """Subclass and override either method; both default to doing nothing. Either may be
+    ``async def`` (awaited on the process's loop around an async listener, run there and waited
+    for around a plain one)."""
 
     def hook_name(self) -> str:
         return type(self).__name__
@@ -97,12 +103,38 @@ def global_hooks() -> list[ConsumeMessageHook]:
 
 
 def _run(hooks: list[ConsumeMessageHook], method: str, ctx: object, when: str) -> None:
-    """Call ``method`` of every hook; a failing hook is logged and never changes the consume result."""
+    """Call ``method`` of every hook; a failing hook is logged and never changes the consume result.
+    An ``async def`` hook method is run on the process's loop and waited for (around a plain
+    listener; around an ``async def`` listener the engine awaits it instead, ``_run_async``)."""
     for h in hooks:
         try:
-            getattr(h, method)(ctx)
+            res = getattr(h, method)(ctx)
+            if inspect.isawaitable(res):
+                process_loop().run_blocking(_awaited(res))
         except Exception:
             log.exception("consume hook %s failed %s", h.hook_name(), when)
+
+
+async def _awaited(aw: Awaitable[Any]) -> Any:
+    return await aw
+
+
+async def _run_async(hooks: list[ConsumeMessageHook], method: str, ctx: object, when: str) -> None:
+    for h in hooks:
+        try:
+            res = getattr(h, method)(ctx)
+            if inspect.isawaitable(res):
+                await res
+        except Exception:
+            log.exception("consume hook %s failed %s", h.hook_name(), when)
+
+
+async def run_before_async(hooks: list[ConsumeMessageHook], ctx: ConsumeMessageContext) -> None:
+    await _run_async(hooks, "consume_message_before", ctx, "before consume")
+
+
+async def run_after_async(hooks: list[ConsumeMessageHook], ctx: ConsumeMessageContext) -> None:
+    await _run_async(hooks, "consume_message_after", ctx, "after consume")
 
 
 def run_before(hooks: list[ConsumeMessageHook], ctx: ConsumeMessageContext) -> None:

@@ -55,6 +55,7 @@ stream and its client's other idle queues, while the worker has spare slots).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import queue
 import threading
@@ -62,10 +63,11 @@ import time
 from typing import Any
 
 from mqorder.codec import decode_entries
-from mqorder.consumer.consume_request import ConsumeRequest
+from mqorder.consumer.call_executor import LaneCalls
+from mqorder.consumer.consume_request import HELD_CHECK_S, ConsumeRequest
 from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.key_lanes import KeyLanes, Lanes
-from mqorder.consumer.lane_workers import LANE_POOL, LaneResult, LaneWorkers
+from mqorder.consumer.lane_workers import LaneResult
 from mqorder.consumer.ledger import LedgerOutcome
 from mqorder.consumer.nudge import idle_entry
 from mqorder.consumer.offset_map import OffsetTracker, decode_done
@@ -130,6 +132,9 @@ class KeyConsumeRequest(ConsumeRequest):
         self.last_persist = 0.0
         self.empty_pull_at = 0.0
         self._rt_lock = threading.Lock()
+        #: Where the calls go (lane workers, or the process's loop for an async listener): made
+        #: when the loop starts, once a subclass has set ``key_concurrency``.
+        self.calls: LaneCalls | None = None
 
     # -- check: begin.lua's reply carries the offset map ----------------------------------------
 
@@ -188,17 +193,20 @@ class KeyConsumeRequest(ConsumeRequest):
     # -- the loop: dispatch to lanes, settle, commit ----------------------------------------------
 
     def _consume_loop(self) -> LoopEnd:
-        pool = LANE_POOL.borrow(self.key_concurrency)
+        calls = self.calls = LaneCalls(self.key_concurrency, self.results.put, self.cancel_grace_s)
         try:
-            return self._dispatch_loop(pool)
+            return self._dispatch_loop()
         finally:
             # Never leave a call running past the run (an exception included): the next run of
-            # this queue, maybe in this process, must not call the same key beside it.
+            # this queue, maybe in this process, must not call the same key beside it. Async
+            # calls of a run that ends on an exception are cancelled: nothing of them is settled.
+            if self.in_flight:
+                calls.cancel_all(f"the run of {self.mq.key} ended on an error")
             while self.in_flight:
                 self._wait_one(None, discard=True)
-            LANE_POOL.give_back(pool)
+            calls.close()
 
-    def _dispatch_loop(self, pool: LaneWorkers) -> LoopEnd:
+    def _dispatch_loop(self) -> LoopEnd:
         deadline = time.monotonic() + self.budget
         lanes = self.lanes
         stop: LoopEnd | None = None
@@ -208,7 +216,8 @@ class KeyConsumeRequest(ConsumeRequest):
                 stop = self._should_stop(deadline)
             if stop is not None:
                 if self.in_flight:
-                    stop = self._wait_one(None, stop=stop)
+                    lost = stop.stop is Stop.FENCED or self.pq.dropped
+                    stop = self._wait_one(self._calls().wait_for_lost() if lost else None, stop=stop)
                     continue
                 return stop
             if self.poison:
@@ -220,7 +229,7 @@ class KeyConsumeRequest(ConsumeRequest):
                 got = lanes.take(self.batch_max)
                 if got is None:
                     break
-                self._submit(pool, *got)
+                self._submit(*got)
             if self._wants_pull(now):
                 pulled = self._persist(pull=True)
                 if pulled.kind is PullKind.LOST:
@@ -229,9 +238,11 @@ class KeyConsumeRequest(ConsumeRequest):
                 self.empty_pull_at = 0.0 if pulled.count else now
                 if pulled.count:
                     continue
-            elif (self.dirty or self.retry_updates) and (
+            elif ((self.dirty or self.retry_updates) and (
                 self.unsaved >= self.pull_n or now - self.last_persist >= COMMIT_INTERVAL_S
-            ):
+            )) or (self._calls().calls and now - self.last_persist >= HELD_CHECK_S):
+                # (Async calls run and nothing was committed for a while: the commit also says
+                # whether the queue is still this run's, so lost calls get cancelled.)
                 if self._persist(pull=False).kind is PullKind.LOST:
                     stop = LoopEnd(Stop.FENCED)
                     continue
@@ -286,10 +297,18 @@ class KeyConsumeRequest(ConsumeRequest):
 
     # -- lanes ------------------------------------------------------------------------------------
 
-    def _submit(self, pool: LaneWorkers, key: int, msgs: list[MessageExt]) -> None:
-        self.in_flight += 1
+    def _calls(self) -> LaneCalls:
+        assert self.calls is not None, "calls exist while the consume loop runs"
+        return self.calls
+
+    def _submit(self, key: int, msgs: list[MessageExt]) -> None:
         ctx = self._context()
-        pool.submit(self._lane_call, key, msgs, ctx)
+        if self.spec.is_async:
+            self._calls().submit_async(self.spec.name, key, lambda: self._lane_call_async(key, msgs, ctx),
+                                       LaneResult(key, msgs, Handled(SUSPEND), ctx))
+        else:
+            self._calls().submit(self._lane_call, key, msgs, ctx)
+        self.in_flight += 1  # once submitted: a call that never went out is never waited for
 
     def _lane_call(self, key: int, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> None:
         """Runs on a lane worker: hooks, the listener, hooks (``_consume``), then reports back.
@@ -303,6 +322,20 @@ class KeyConsumeRequest(ConsumeRequest):
         finally:
             self.results.put(LaneResult(key, msgs, handled, ctx))
 
+    async def _lane_call_async(self, key: int, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> None:
+        """``_lane_call`` of an async listener, on the process's loop. A cancelled call (the run
+        lost its queue) reports a suspend, which a run that lost its queue never settles."""
+        handled = Handled(SUSPEND)
+        try:
+            handled = await self._consume_async(msgs, ctx)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("lane call of %s on %s failed outside the listener (a hook?); suspending its key",
+                          self.spec.name, self.mq.key)
+        finally:
+            self._calls().deliver(LaneResult(key, msgs, handled, ctx))
+
     def _note_rt(self, rt: float) -> None:
         with self._rt_lock:  # lane workers report concurrently
             self._rt_sum += rt
@@ -314,6 +347,7 @@ class KeyConsumeRequest(ConsumeRequest):
             res = self.results.get(timeout=timeout)
         except queue.Empty:
             return stop
+        self._calls().ended(res.key)
         stop = self._settle_one(res, stop, discard)
         return self._settle_finished(stop, discard)
 
@@ -323,6 +357,7 @@ class KeyConsumeRequest(ConsumeRequest):
                 res = self.results.get_nowait()
             except queue.Empty:
                 return stop
+            self._calls().ended(res.key)
             stop = self._settle_one(res, stop, discard)
 
     def _settle_one(self, res: LaneResult, stop: LoopEnd | None, discard: bool) -> LoopEnd | None:

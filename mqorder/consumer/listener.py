@@ -19,11 +19,22 @@ from typing import Any
 from mqorder import keys
 from mqorder.consumer.hooks import ConsumeMessageHook
 from mqorder.errors import ListenerError
-from mqorder.model import ConsumeConcurrentlyStatus, ConsumeOrderlyStatus, MessageModel
+from mqorder.model import MessageModel
 from mqorder.names import check_name, check_topic
 
-ListenerFunc = Callable[[list[Any], Any], "ConsumeOrderlyStatus | ConsumeConcurrentlyStatus | None"]
+ListenerFunc = Callable[[list[Any], Any], Any]
 
+#: How long a run that lost its queue (a refused commit, a rebalance, the end of its time budget
+#: while handing over) waits for its ``async def`` calls in flight before cancelling them.
+DEFAULT_CANCEL_GRACE_MS = 2000
+
+
+def is_async_listener(func: object) -> bool:
+    """An ``async def`` function, or an object whose ``__call__`` is one."""
+    if inspect.iscoroutinefunction(func):
+        return True
+    call = getattr(func, "__call__", None)  # noqa: B004 - an instance with an async __call__
+    return call is not None and not inspect.isfunction(func) and inspect.iscoroutinefunction(call)
 
 
 class Ordering(StrEnum):
@@ -63,8 +74,14 @@ class ListenerSpec:
     #: The group's retry topic subscription (``%RETRY%<group>``): its messages are handed to the
     #: concurrent listener of the topic each was first sent to (``retry_spec``).
     is_retry: bool = False
+    #: ``async def`` listeners: how long a run that lost its queue lets calls in flight finish
+    #: before cancelling them (``None``: ``DEFAULT_CANCEL_GRACE_MS``).
+    cancel_grace_ms: int | None = None
+    #: Set from ``func``: an ``async def`` listener runs on the process's loop (``async_loop``).
+    is_async: bool = field(init=False, default=False)
 
     def __post_init__(self) -> None:
+        self.is_async = is_async_listener(self.func)
         try:
             self.ordering = Ordering(self.ordering)
         except ValueError:
@@ -73,7 +90,9 @@ class ListenerSpec:
 
     @property
     def name(self) -> str:
-        return f"{self.func.__module__}.{self.func.__qualname__}"
+        f = self.func
+        qual = getattr(f, "__qualname__", None) or type(f).__qualname__  # an object with __call__
+        return f"{getattr(f, '__module__', None) or type(f).__module__}.{qual}"
 
 
 _REGISTRY: dict[tuple[str, str], ListenerSpec] = {}
@@ -100,8 +119,14 @@ def orderly_listener(
     ordering: Ordering | str = Ordering.QUEUE,
     key_concurrency: int | None = None,
     consume_concurrently_max_span: int | None = None,
+    cancel_grace_ms: int | None = None,
 ) -> Callable[[ListenerFunc], ListenerFunc]:
     """Register ``func(msgs, ctx) -> ConsumeOrderlyStatus`` as the orderly listener of a group.
+
+    ``func`` may be ``async def`` (in either ordering): its calls then run on the worker process's
+    event loop (``mqorder.consumer.async_loop``), up to ``key_concurrency`` per queue in key mode,
+    one per queue in queue mode, with the same guarantees; a run that loses its queue cancels
+    its calls still in flight after ``cancel_grace_ms`` (2000). See docs/ASYNC.md.
 
     Returning ``None`` or raising counts as ``SUSPEND_CURRENT_QUEUE_A_MOMENT`` (as in RocketMQ).
 
@@ -124,6 +149,7 @@ def orderly_listener(
                             f"(one call at a time per sharding key), got {ordering!r}")
     _positive("key_concurrency", key_concurrency)
     _positive("consume_concurrently_max_span", consume_concurrently_max_span)
+    _positive("cancel_grace_ms", cancel_grace_ms, 0)
     _check_ledger_hooks(ledger, hooks)
 
     def register(func: ListenerFunc) -> ListenerFunc:
@@ -142,6 +168,7 @@ def orderly_listener(
             ordering=Ordering(ordering),
             key_concurrency=key_concurrency,
             consume_concurrently_max_span=consume_concurrently_max_span,
+            cancel_grace_ms=cancel_grace_ms,
         )
         _register(spec)
         return func
@@ -152,6 +179,9 @@ def orderly_listener(
 def _check_func(func: object, decorator: str) -> None:
     if not callable(func):
         raise ListenerError(f"@{decorator} must decorate a function, got {func!r}")
+    if inspect.isasyncgenfunction(func) or inspect.isgeneratorfunction(func):
+        raise ListenerError(f"listener {func!r} is a generator; a listener returns its status once: write it as "
+                            "'def' or 'async def' returning a ConsumeOrderlyStatus / ConsumeConcurrentlyStatus")
     try:
         inspect.signature(func).bind(object(), object())
     except TypeError:
@@ -207,6 +237,7 @@ def concurrent_listener(
     suspend_current_queue_time_millis: int | None = None,
     hooks: list[ConsumeMessageHook] | None = None,
     ledger: bool | None = None,
+    cancel_grace_ms: int | None = None,
 ) -> Callable[[ListenerFunc], ListenerFunc]:
     """Register ``func(msgs, ctx) -> ConsumeConcurrentlyStatus`` as a concurrent listener
     (RocketMQ's ``MessageListenerConcurrently``): no order, messages of one queue in parallel.
@@ -225,6 +256,9 @@ def concurrent_listener(
     redelivered); pulling pauses while the in-flight span is ``consume_concurrently_max_span``
     (2000) wide. ``BROADCASTING`` listeners retry failed messages in place after
     ``suspend_current_queue_time_millis`` instead (the retry topic is shared by the group).
+
+    ``func`` may be ``async def``: its calls run on the worker process's event loop instead of
+    lane threads (docs/ASYNC.md), cancelled ``cancel_grace_ms`` after the run lost its queue.
     """
     check_topic(topic)
     check_name("group", group)
@@ -235,6 +269,7 @@ def concurrent_listener(
     _positive("consume_concurrency", consume_concurrency)
     _positive("consume_concurrently_max_span", consume_concurrently_max_span)
     _positive("suspend_current_queue_time_millis", suspend_current_queue_time_millis, 10)
+    _positive("cancel_grace_ms", cancel_grace_ms, 0)
     _check_ledger_hooks(ledger, hooks)
 
     def register(func: ListenerFunc) -> ListenerFunc:
@@ -245,7 +280,7 @@ def concurrent_listener(
             max_reconsume_times=max_reconsume_times,
             suspend_current_queue_time_millis=suspend_current_queue_time_millis, hooks=list(hooks or []),
             ledger=ledger, ordering=Ordering.CONCURRENT, key_concurrency=consume_concurrency,
-            consume_concurrently_max_span=consume_concurrently_max_span,
+            consume_concurrently_max_span=consume_concurrently_max_span, cancel_grace_ms=cancel_grace_ms,
         ))
         return func
 

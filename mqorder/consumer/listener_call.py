@@ -2,18 +2,28 @@
 
 RocketMQ counts a listener that throws or returns null as a failed call (``SUSPEND_CURRENT_QUEUE_A_
 MOMENT`` for an orderly listener, ``RECONSUME_LATER`` for a concurrent one). Every kind of run
-calls its listener here, so that rule, the hooks and the timing are written once.
+calls its listener here (an ``async def`` one through ``call_listener_async``, on the process's
+loop), so that rule, the hooks and the timing are written once.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-from mqorder.consumer.hooks import ConsumeMessageContext, ConsumeMessageHook, run_after, run_before
+from mqorder.consumer.async_loop import process_loop
+from mqorder.consumer.hooks import (
+    ConsumeMessageContext,
+    ConsumeMessageHook,
+    run_after,
+    run_after_async,
+    run_before,
+    run_before_async,
+)
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.model import ConsumeConcurrentlyStatus, ConsumeOrderlyStatus, MessageExt, MessageQueue
 
@@ -66,18 +76,74 @@ def call_listener(
         log.exception("listener %s raised on %s offsets %d..%d; %s",
                       spec.name, mq.key, msgs[0].queue_offset, msgs[-1].queue_offset, rule.on_raise)
         status = rule.fallback
+    if status is not None and not isinstance(status, rule.status_type) and inspect.isawaitable(status):
+        status = _awaited_on_loop(rule, spec, mq, msgs, status)
     rt = (time.perf_counter() - t0) * 1000
+    status = checked_status(rule, spec, mq, status)
+    if hook_ctx is not None:
+        _hook_result(rule, hook_ctx, status, rt)
+        run_after(hooks, hook_ctx)
+    return status, rt, wall0
+
+
+async def call_listener_async(
+    rule: StatusRule, spec: ListenerSpec, hooks: list[ConsumeMessageHook], mq: MessageQueue,
+    msgs: list[MessageExt], ctx: Any, epoch: int, client_id: str, run_id: str, timed: bool,
+) -> tuple[Any, float, float]:
+    """``call_listener`` for an ``async def`` listener, on the process's loop: the same hooks
+    (awaited when they are ``async def``), the same status rule, the same timing. A cancellation
+    (the run lost its queue) is not a listener failure: it propagates, and the run settles nothing
+    of the call."""
+    hook_ctx = None
+    if hooks:
+        hook_ctx = ConsumeMessageContext(spec.group, mq, msgs, epoch, client_id, run_id)
+        await run_before_async(hooks, hook_ctx)
+    wall0 = time.time() if timed else 0.0
+    t0 = time.perf_counter()
+    status: Any
+    try:
+        status = await spec.func(msgs, ctx)
+    except Exception:
+        log.exception("listener %s raised on %s offsets %d..%d; %s",
+                      spec.name, mq.key, msgs[0].queue_offset, msgs[-1].queue_offset, rule.on_raise)
+        status = rule.fallback
+    rt = (time.perf_counter() - t0) * 1000
+    status = checked_status(rule, spec, mq, status)
+    if hook_ctx is not None:
+        _hook_result(rule, hook_ctx, status, rt)
+        await run_after_async(hooks, hook_ctx)
+    return status, rt, wall0
+
+
+def _awaited_on_loop(rule: StatusRule, spec: ListenerSpec, mq: MessageQueue, msgs: list[MessageExt],
+                     aw: Any) -> Any:
+    """A plain function that returned an awaitable (``functools.partial`` of an ``async def``, a
+    decorator that hides one): awaited on the process's loop, so it is handled, not dropped."""
+    async def wait() -> Any:
+        return await aw
+
+    try:
+        return process_loop().run_blocking(wait())
+    except Exception:
+        log.exception("listener %s raised on %s offsets %d..%d; %s",
+                      spec.name, mq.key, msgs[0].queue_offset, msgs[-1].queue_offset, rule.on_raise)
+        return rule.fallback
+
+
+def checked_status(rule: StatusRule, spec: ListenerSpec, mq: MessageQueue, status: Any) -> Any:
+    """What the listener returned, or ``rule.fallback`` for ``None`` or a value of another type."""
     if status is None:
         if rule.warn_none:
             log.warning("listener %s returned None for %s; treating it as %s", spec.name, mq.key, rule.fallback.name)
-        status = rule.fallback
-    elif not isinstance(status, rule.status_type):
+        return rule.fallback
+    if not isinstance(status, rule.status_type):
         log.warning("listener %s returned %r, not a %s; treating it as %s",
                     spec.name, status, rule.status_type.__name__, rule.fallback.name)
-        status = rule.fallback
-    if hook_ctx is not None:
-        hook_ctx.status = status.value
-        hook_ctx.success = status in rule.successes
-        hook_ctx.rt_ms = rt
-        run_after(hooks, hook_ctx)
-    return status, rt, wall0
+        return rule.fallback
+    return status
+
+
+def _hook_result(rule: StatusRule, hook_ctx: ConsumeMessageContext, status: Any, rt: float) -> None:
+    hook_ctx.status = status.value
+    hook_ctx.success = status in rule.successes
+    hook_ctx.rt_ms = rt

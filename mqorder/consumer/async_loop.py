@@ -1,0 +1,288 @@
+"""The process's asyncio loop: where every ``async def`` listener call of a worker process runs.
+
+Why one loop per process in its own thread: a Celery pool gives mqorder a thread (prefork child,
+threads pool, solo) or a greenlet (gevent) per ConsumeRequest run, never an event loop, and Celery
+cannot run a coroutine as a task. So the run's dispatcher stays where it is, doing the fenced
+Redis work exactly as for a plain listener, and only the listener call moves: it is submitted to
+this loop (``submit``), and its result comes back to the dispatcher the way a lane thread's does.
+Thousands of calls in flight then cost a coroutine each, not a thread each.
+
+* **Where it runs.** A native OS thread of the process, started on first use (after the fork: a
+  prefork child starts its own; ``ProcessLoop.get`` is per pid). Under ``-P gevent`` it is still
+  a native thread with the platform selector (``native``); the dispatchers stay greenlets of the
+  hub's thread and results reach them through the hub's thread-safe callback.
+* **Bounds.** Each run keeps at most ``key_concurrency`` calls in flight (queue mode: one);
+  the process caps all of them together at ``max_in_flight`` (``MQORDER_ASYNC_MAX_IN_FLIGHT``,
+  default 10,000): a call past the cap waits for a slot on the loop before its listener starts.
+* **A blocked loop is seen.** A watchdog thread posts a ping every ``PING_S`` and measures how late
+  the loop ran it (``lag``, exported as ``mqorder_event_loop_lag_seconds``). A ping unanswered
+  for ``BLOCKED_S`` means a step of one coroutine holds the loop (``time.sleep``, CPU work, a
+  blocking client): the watchdog names the listener whose task runs right now in a warning, once
+  per episode, instead of every key of the process silently slowing down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from mqorder.consumer import native
+from mqorder.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+#: Calls of all runs of one process in flight at once, unless ``MQORDER_ASYNC_MAX_IN_FLIGHT`` says.
+DEFAULT_MAX_IN_FLIGHT = 10_000
+MAX_IN_FLIGHT_ENV = "MQORDER_ASYNC_MAX_IN_FLIGHT"
+#: The watchdog's period, and how late a ping may be before the loop counts as blocked.
+PING_S = 0.1
+BLOCKED_S = 0.25
+#: ``lag()`` reports the worst lateness over this many seconds.
+LAG_WINDOW_S = 1.0
+
+
+def max_in_flight_from_env() -> int:
+    raw = os.environ.get(MAX_IN_FLIGHT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_MAX_IN_FLIGHT
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError(f"{MAX_IN_FLIGHT_ENV} must be a whole number >= 1 (async listener calls in flight "
+                          f"per worker process), got {raw!r}")
+    return int(raw)
+
+
+class AsyncCall:
+    """One listener call submitted to the loop: the dispatcher may ``cancel`` it (thread-safe).
+
+    ``make`` creates the call's coroutine when a slot of the process cap is free; a coroutine
+    never started cannot report anything, so a call cancelled before it started calls
+    ``on_skipped`` instead (the run still gets exactly one result per call)."""
+
+    __slots__ = ("_loop", "name", "make", "on_skipped", "task", "started", "cancel_asked")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, name: str, make: Callable[[], Coroutine[Any, Any, None]],
+                 on_skipped: Callable[[], None]) -> None:
+        self._loop = loop
+        self.name = name
+        self.make = make
+        self.on_skipped = on_skipped
+        self.task: asyncio.Task[None] | None = None
+        self.started = False
+        self.cancel_asked = False
+
+    def cancel(self) -> None:
+        self._loop.call_soon_threadsafe(self._cancel)
+
+    def _cancel(self) -> None:
+        self.cancel_asked = True
+        if self.task is not None and self.started:
+            self.task.cancel()
+
+
+class ProcessLoop:
+    """The loop of this process (``get``), its thread, the in-flight cap and the lag watchdog."""
+
+    _instance: ProcessLoop | None = None
+    _lock = threading.Lock()
+
+    def __init__(self, max_in_flight: int | None = None) -> None:
+        self.pid = os.getpid()
+        self.max_in_flight = max_in_flight or max_in_flight_from_env()
+        self.loop = asyncio.SelectorEventLoop(native.new_selector())
+        self._slots: asyncio.Semaphore | None = None
+        #: Calls submitted and not ended (written on the loop's thread only).
+        self.in_flight = 0
+        #: Listener name of each running call's task, for the blocked-loop warning.
+        self._names: dict[asyncio.Task[Any], str] = {}
+        self._lags: list[tuple[float, float]] = []  # (monotonic when answered, lateness s)
+        self._ping_sent = 0.0
+        self._ping_answered = True
+        self._warned_task: asyncio.Task[Any] | None = None
+        #: Called with each measured lateness (s) from the watchdog's thread (the worker's metric).
+        self.lag_observers: list[Callable[[float], None]] = []
+        self.blocked_episodes = 0
+        native.start_thread(self._run)
+        native.start_thread(self._watch)
+        self._wait_started()
+
+    @classmethod
+    def get(cls) -> ProcessLoop:
+        """This process's loop, started on first use (a forked child starts its own)."""
+        inst = cls._instance
+        if inst is not None and inst.pid == os.getpid():
+            return inst
+        with cls._lock:
+            inst = cls._instance
+            if inst is None or inst.pid != os.getpid():
+                inst = cls._instance = ProcessLoop()
+        return inst
+
+    def _wait_started(self) -> None:
+        deadline = time.monotonic() + 10
+        while not self.loop.is_running():
+            if time.monotonic() > deadline:  # pragma: no cover - a thread that cannot start
+                raise RuntimeError("the async listeners' event loop thread did not start within 10 s")
+            native.sleep(0.001)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self._slots = asyncio.Semaphore(self.max_in_flight)
+        self.loop.run_forever()
+
+    # -- calls -----------------------------------------------------------------------------------
+
+    def submit(self, name: str, make: Callable[[], Coroutine[Any, Any, None]],
+               on_skipped: Callable[[], None]) -> AsyncCall:
+        """Run ``make()`` (a listener call that reports its own result) on the loop, within the
+        process cap. ``name``: the listener's, for the blocked-loop warning."""
+        call = AsyncCall(self.loop, name, make, on_skipped)
+        self.loop.call_soon_threadsafe(self._start, call)
+        return call
+
+    def _start(self, call: AsyncCall) -> None:
+        task = self.loop.create_task(self._run_call(call))
+        call.task = task
+        self._names[task] = call.name
+        self.in_flight += 1
+        task.add_done_callback(self._ended)
+
+    async def _run_call(self, call: AsyncCall) -> None:
+        call.started = True
+        if call.cancel_asked:
+            call.on_skipped()
+            return
+        slots = self._slots
+        assert slots is not None
+        try:
+            await slots.acquire()
+        except asyncio.CancelledError:
+            call.on_skipped()  # cancelled while waiting for a slot: the listener never ran
+            raise
+        try:
+            await call.make()
+        finally:
+            slots.release()
+
+    def _ended(self, task: asyncio.Task[Any]) -> None:
+        self._names.pop(task, None)
+        self.in_flight -= 1
+
+    def run_blocking(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        """Run ``coro`` on the loop and wait for its result in the calling thread (or greenlet):
+        an ``async def`` hook around a plain listener. Never call it on the loop's own thread."""
+        box: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
+        hand = native.to_caller()
+
+        async def run() -> None:
+            try:
+                hand(box.put, (True, await coro))
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller, raised there
+                hand(box.put, (False, exc))
+
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(run()))
+        ok, value = box.get(timeout=timeout)
+        if not ok:
+            raise value
+        return value
+
+    async def offload(self, fn: Callable[[], Any]) -> Any:
+        """Run a blocking ``fn`` (a Redis round trip) off the loop and await its result: in a
+        worker thread, or under gevent in a greenlet of the hub's thread (whose sockets are
+        gevent's); ``ctx.still_owner_async``."""
+        if not native.gevent_patched():
+            return await self.loop.run_in_executor(None, fn)
+        gevent = native.gevent_module()
+        fut: asyncio.Future[Any] = self.loop.create_future()
+        loop = self.loop
+
+        def settle(ok: bool, value: Any) -> None:
+            if not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+
+        def job() -> None:
+            try:
+                v = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed back to the awaiting coroutine
+                loop.call_soon_threadsafe(settle, False, exc)
+            else:
+                loop.call_soon_threadsafe(settle, True, v)
+
+        gevent.get_hub().loop.run_callback_threadsafe(gevent.spawn, job)
+        return await fut
+
+    # -- the watchdog ----------------------------------------------------------------------------
+
+    def _pong(self, sent: float) -> None:
+        now = time.monotonic()
+        self._ping_answered = True
+        self._note_lag(now, max(0.0, now - sent))
+
+    def _note_lag(self, now: float, lag: float) -> None:
+        lags = self._lags
+        lags.append((now, lag))
+        while lags and lags[0][0] < now - LAG_WINDOW_S:
+            lags.pop(0)
+        for obs in self.lag_observers:
+            try:
+                obs(lag)
+            except Exception:
+                log.exception("event loop lag observer failed")
+
+    def lag(self) -> float:
+        """The worst lateness (s) of the loop over the last ``LAG_WINDOW_S``, an unanswered ping
+        included."""
+        now = time.monotonic()
+        worst = max((lag for at, lag in list(self._lags) if at >= now - LAG_WINDOW_S), default=0.0)
+        if not self._ping_answered:
+            worst = max(worst, now - self._ping_sent)
+        return worst
+
+    def _watch(self) -> None:
+        while True:
+            native.sleep(PING_S)
+            now = time.monotonic()
+            if self._ping_answered:
+                self._ping_sent, self._ping_answered = now, False
+                self._warned_task = None
+                try:
+                    self.loop.call_soon_threadsafe(self._pong, now)
+                except RuntimeError:  # pragma: no cover - the loop was closed
+                    return
+                continue
+            late = now - self._ping_sent
+            if late >= BLOCKED_S:
+                self._report_blocked(late)
+
+    def _report_blocked(self, late: float) -> None:
+        """The loop has not run a ping for ``late`` s: some coroutine's step is holding it. Name the
+        task running now (read from this thread: a dict lookup, safe under the GIL)."""
+        task = asyncio.current_task(self.loop) if self.loop.is_running() else None
+        if task is None or task is self._warned_task:
+            return
+        self._warned_task = task
+        self.blocked_episodes += 1
+        name = self._names.get(task, task.get_name())
+        log.warning(
+            "async listener %s is blocking the event loop of process %d (no other async call of this process "
+            "has run for %.2f s): it calls something blocking (time.sleep, CPU work, a sync client) "
+            "inside async def; await an async equivalent or run it with loop.run_in_executor",
+            name, self.pid, late,
+        )
+        for obs in self.lag_observers:
+            try:
+                obs(late)
+            except Exception:
+                log.exception("event loop lag observer failed")
+
+
+def process_loop() -> ProcessLoop:
+    return ProcessLoop.get()

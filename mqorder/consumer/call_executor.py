@@ -1,0 +1,92 @@
+"""``LaneCalls``: where a key-ordered or concurrent run's listener calls go, and how they come back.
+
+The seam between the run's dispatcher and the listener: a plain listener's call goes to a lane
+worker (a thread, a greenlet under gevent: ``lane_workers``), an ``async def`` listener's to the
+process's event loop (``async_loop``) as a task. Either way the call ends by putting one
+``LaneResult`` in the run's ``results`` queue, which the dispatcher settles, commits and fences
+exactly the same way: the engine's commit/fence logic is not copied for async listeners.
+
+What only the loop can do is cancel: a run that lost its queue cancels its async calls still in
+flight after the listener's grace (``cancel_after_grace``); their results come back marked
+cancelled, and the run settles nothing of a lost queue anyway (the new owner redelivers).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from mqorder.consumer import native
+from mqorder.consumer.async_loop import AsyncCall, ProcessLoop
+from mqorder.consumer.lane_workers import LANE_POOL, LaneResult, LaneWorkers
+
+log = logging.getLogger(__name__)
+
+
+class LaneCalls:
+    """The calls of one run: lane workers borrowed on first plain call, async calls by lane key."""
+
+    def __init__(self, size: int, put: Callable[[LaneResult], None], grace_s: float) -> None:
+        self.size = size
+        self._put = put
+        self.grace_s = grace_s
+        self._pool: LaneWorkers | None = None
+        self._loop: ProcessLoop | None = None
+        self._hand: Callable[[Callable[..., Any], Any], None] | None = None
+        #: Async calls in flight, by lane key (one call per key at a time).
+        self.calls: dict[int, AsyncCall] = {}
+        self._lost_at: float | None = None
+        self._cancelled = False
+
+    def submit(self, fn: Callable[..., None], *args: Any) -> None:
+        """A plain listener's call, on a lane worker (borrowed from ``LANE_POOL`` on first use)."""
+        if self._pool is None:
+            self._pool = LANE_POOL.borrow(self.size)
+        self._pool.submit(fn, *args)
+
+    def submit_async(self, name: str, key: int, make: Callable[[], Coroutine[Any, Any, None]],
+                     skipped: LaneResult) -> None:
+        """An async listener's call (``make()`` reports its result with ``deliver``), on the loop;
+        ``skipped`` is reported instead if it is cancelled before it started."""
+        if self._loop is None:
+            self._loop = ProcessLoop.get()
+            self._hand = native.to_caller()  # in the dispatcher's thread: its hub under gevent
+        self.calls[key] = self._loop.submit(name, make, lambda: self.deliver(skipped))
+
+    def deliver(self, res: LaneResult) -> None:
+        """Called on the loop's thread: hand the result to the dispatcher's queue."""
+        assert self._hand is not None
+        self._hand(self._put, res)
+
+    def ended(self, key: int) -> None:
+        self.calls.pop(key, None)
+
+    def wait_for_lost(self) -> float | None:
+        """The run lost its queue and waits for its calls: how long to wait for the next result
+        before looking again (None: as long as it takes). Async calls get ``grace_s`` from the
+        first time this is asked, then are cancelled; plain calls cannot be, and are waited for."""
+        if not self.calls or self._cancelled:
+            return None
+        now = time.monotonic()
+        if self._lost_at is None:
+            self._lost_at = now
+        left = self._lost_at + self.grace_s - now
+        if left > 0:
+            return left
+        self.cancel_all(f"its run lost the queue {self.grace_s:.1f} s ago")
+        return None
+
+    def cancel_all(self, why: str) -> None:
+        if self.calls and not self._cancelled:
+            log.warning("cancelling %d async listener call(s) in flight: %s; nothing they did is committed",
+                        len(self.calls), why)
+        self._cancelled = True
+        for call in self.calls.values():
+            call.cancel()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            LANE_POOL.give_back(self._pool)
+            self._pool = None

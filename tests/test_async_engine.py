@@ -1,0 +1,296 @@
+"""``async def`` listeners in the Celery-free engine, against a real redis-server: per-key order in
+key mode, one call at a time in queue mode, a failing key that reaches the DLQ while the others
+finish, cancellation of calls in flight when the run loses its queue, a listener that blocks the
+loop being named, concurrent listeners, async hooks, and a plain listener beside an async one.
+Real workers run the same listeners in ``test_async_e2e``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import defaultdict
+
+import pytest
+
+from mqorder import ConsumeConcurrentlyStatus, ConsumeOrderlyStatus, concurrent_listener, keys, orderly_listener
+from mqorder.consumer.async_loop import BLOCKED_S, ProcessLoop
+from mqorder.consumer.engine import ConsumerEngine
+from mqorder.consumer.hooks import ConsumeMessageContext, ConsumeMessageHook
+from mqorder.consumer.listener import ListenerSpec, get_listener, unregister_listener
+from mqorder.consumer.offset_map import decode_done
+from mqorder.consumer.run_types import Outcome
+from mqorder.errors import ListenerError
+from mqorder.model import MessageQueue
+from mqorder.rebalance.lock_manager import RebalanceLockManager
+from mqorder.store.log import MessageLog
+from tests.engine_support import MQ, drain
+
+S = ConsumeOrderlyStatus
+
+
+def send_keys(p, n_keys: int, per_key: int, topic: str = "t") -> dict[str, list[int]]:
+    sent: dict[str, list[int]] = defaultdict(list)
+    items = [(f"k{k}", f"k{k}:{i}".encode()) for i in range(per_key) for k in range(n_keys)]
+    for (key, _), res in zip(items, p.send_orderly_batch(topic, items), strict=True):
+        sent[key].append(res.queue_offset)
+    return sent
+
+
+class AsyncRecorder:
+    """An ``async def`` listener (an object with an async ``__call__``): awaits ``sleep_s`` and
+    records, per key, the offsets it saw, overlaps of one key and the most calls at once. It runs
+    on the loop's one thread only, so it needs no lock."""
+
+    def __init__(self, sleep_s: float = 0.005) -> None:
+        self.seen: dict[str, list[int]] = defaultdict(list)
+        self.running: dict[str, int] = defaultdict(int)
+        self.overlaps: list[str] = []
+        self.now_running = 0
+        self.max_running = 0
+        self.sleep_s = sleep_s
+        self.threads: set[int] = set()
+
+    async def __call__(self, msgs, ctx):
+        key = msgs[0].body.decode().split(":")[0]
+        self.threads.add(threading.get_ident())
+        self.running[key] += 1
+        if self.running[key] > 1:
+            self.overlaps.append(key)
+        self.now_running += 1
+        self.max_running = max(self.max_running, self.now_running)
+        try:
+            await asyncio.sleep(self.sleep_s)
+            self.seen[key].extend(m.queue_offset for m in msgs)
+            return await self.status(key, msgs, ctx)
+        finally:
+            self.running[key] -= 1
+            self.now_running -= 1
+
+    async def status(self, key: str, msgs, ctx):
+        return S.SUCCESS
+
+
+def test_async_key_mode_keeps_per_key_order_and_runs_keys_side_by_side_on_the_loop(env) -> None:
+    p, eng = env
+    sent = send_keys(p, 60, 5)
+    rec = AsyncRecorder()
+    drain(eng, ListenerSpec(rec, "t", "g", ordering="key", key_concurrency=32))
+    assert dict(rec.seen) == dict(sent)
+    assert rec.overlaps == []
+    assert 1 < rec.max_running <= 32
+    assert rec.threads == {ProcessLoop.get().loop._thread_id}  # every call on the process's loop
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 300
+
+
+def test_async_queue_mode_awaits_one_call_at_a_time_in_offset_order(env) -> None:
+    p, eng = env
+    sent = send_keys(p, 4, 10)
+    rec = AsyncRecorder(sleep_s=0.001)
+    drain(eng, ListenerSpec(rec, "t", "g"))
+    assert rec.max_running == 1
+    assert sorted(o for offs in rec.seen.values() for o in offs) == list(range(40))
+    assert dict(rec.seen) == dict(sent)
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 40
+
+
+def test_an_async_key_that_keeps_failing_reaches_the_dlq_while_the_others_finish(env) -> None:
+    p, eng = env
+    sent = send_keys(p, 10, 3)
+    done_at: dict[str, float] = {}
+
+    class Failing(AsyncRecorder):
+        async def status(self, key, msgs, ctx):
+            if key == "k3":
+                ctx.suspend_current_queue_time_millis = 30
+                raise RuntimeError("k3 always fails")  # an exception counts as a suspend
+            done_at[key] = time.monotonic()
+            return S.SUCCESS
+
+    rec = Failing(sleep_s=0.001)
+    t0 = time.monotonic()
+    drain(eng, ListenerSpec(rec, "t", "g", ordering="key", max_reconsume_times=2, key_concurrency=4))
+    for k, offs in sent.items():
+        if k != "k3":
+            assert rec.seen[k] == offs
+    assert rec.seen["k3"] == [o for o in sent["k3"] for _ in range(3)]  # 1 + max_reconsume_times each
+    dead = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
+    assert [int(m.properties["ORIGIN_QUEUE_OFFSET"]) for m in dead] == sent["k3"]
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 30
+    assert max(done_at.values()) - t0 < 3 * 3 * 0.03  # the others did not wait behind k3's retries
+
+
+def test_a_run_that_loses_its_lease_cancels_its_async_calls_after_the_grace_and_commits_none(env, settings) -> None:
+    """c1 finishes every key but k0, whose call hangs; the queue moves to c2 (new epoch). c1's run
+    is refused at its next commit, waits its grace (300 ms), cancels k0's call, and ends fenced;
+    c2 redelivers k0 only."""
+    p, eng = env
+    sent = send_keys(p, 6, 3)
+    cancelled = threading.Event()
+    hanging = threading.Event()
+
+    class Hang(AsyncRecorder):
+        async def status(self, key, msgs, ctx):
+            if key == "k0":
+                hanging.set()
+                try:
+                    await asyncio.sleep(60)
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    raise
+            return S.SUCCESS
+
+    spec1 = ListenerSpec(Hang(sleep_s=0), "t", "g", ordering="key", key_concurrency=4, cancel_grace_ms=300)
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    result: list[Outcome | None] = []
+    t = threading.Thread(target=lambda: result.append(eng.run(spec1, "g", MQ, "tok0")))
+    t.start()
+    r = eng.brokers.default.client
+    state = keys.sub_state(MQ.tag, "g")
+    finished = {o for k, offs in sent.items() if k != "k0" for o in offs}
+
+    def committed_map() -> set[int]:
+        off, raw = r.hmget(state, "offset", "done")
+        return decode_done(raw, int(off or 0))
+
+    deadline = time.monotonic() + 20
+    while committed_map() != finished and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert hanging.is_set() and committed_map() == finished
+    r.hset(state, mapping={"lease": 0})  # c1 paused past its lease: the queue goes to c2
+    eng2 = ConsumerEngine(settings, "c2")
+    rec2 = AsyncRecorder(sleep_s=0)
+    drain(eng2, ListenerSpec(rec2, "t", "g", ordering="key"), client="c2", token="tok1")
+    assert dict(rec2.seen) == {"k0": sent["k0"]}
+    t.join(20)
+    assert cancelled.is_set()
+    assert result and result[0] is not None and result[0].verb in ("FENCED", "STALE")
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 18
+    eng2.brokers.close()
+
+
+def test_queue_mode_cancels_an_async_call_when_a_rebalance_revokes_the_queue(env) -> None:
+    """The queue is revoked (reassigned to c2) while c1's only call hangs: c1's run cancels it after
+    the grace and ends without committing the message, which stays for the next owner."""
+    p, eng = env
+    send_keys(p, 1, 2)
+    cancelled = threading.Event()
+    started = threading.Event()
+
+    async def hang(msgs, ctx):
+        started.set()
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return S.SUCCESS
+
+    spec = ListenerSpec(hang, "t", "g", cancel_grace_ms=200)
+    lm = RebalanceLockManager(eng.brokers)
+    lm.assign("g", [(MQ, "c1", "tok0")])
+    result: list[Outcome | None] = []
+    t = threading.Thread(target=lambda: result.append(eng.run(spec, "g", MQ, "tok0")))
+    t.start()
+    assert started.wait(10)
+    lm.assign("g", [(MQ, "c2", "tok1")])  # a rebalance moves the queue away
+    t.join(20)
+    assert not t.is_alive() and cancelled.is_set()
+    assert result and result[0] is not None
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 0  # nothing of the cancelled call committed
+
+
+def test_a_listener_that_blocks_the_loop_is_named_and_shows_as_loop_lag(env, caplog) -> None:
+    p, eng = env
+    send_keys(p, 2, 1)
+    lags: list[float] = []
+    loop = ProcessLoop.get()
+    loop.lag_observers.append(lags.append)
+
+    async def sleepy_blocker(msgs, ctx):
+        time.sleep(BLOCKED_S * 2.5)  # the mistake: a blocking sleep inside async def
+        return S.SUCCESS
+
+    try:
+        with caplog.at_level(logging.WARNING, logger="mqorder.consumer.async_loop"):
+            drain(eng, ListenerSpec(sleepy_blocker, "t", "g", ordering="key"))
+    finally:
+        loop.lag_observers.remove(lags.append)
+    assert max(lags) >= BLOCKED_S
+    lines = [r.getMessage() for r in caplog.records if "blocking the event loop" in r.getMessage()]
+    assert lines and "sleepy_blocker" in lines[0]
+
+
+def test_async_concurrent_listener_acknowledges_and_retries(env) -> None:
+    p, eng = env
+    send_keys(p, 5, 4)
+    seen: list[int] = []
+
+    @concurrent_listener(topic="t", group="g-ac", consume_concurrency=8)
+    async def conc(msgs, ctx):
+        await asyncio.sleep(0.001)
+        seen.extend(m.queue_offset for m in msgs)
+        return ConsumeConcurrentlyStatus.CONSUME_SUCCESS
+
+    try:
+        spec = get_listener("g-ac", "t")
+        assert spec is not None and spec.is_async
+        RebalanceLockManager(eng.brokers).assign("g-ac", [(MQ, "c1", "tok0")])
+        out = eng.run(spec, "g-ac", MQ, "tok0")
+        assert out is not None
+        deadline = time.monotonic() + 10
+        while len(seen) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(seen) == list(range(20))
+    finally:
+        unregister_listener("g-ac", "t")
+
+
+def test_async_hooks_are_awaited_around_async_and_plain_listeners_side_by_side(env) -> None:
+    """One engine runs a plain key-mode listener and an async one (two groups), both with an
+    ``async def`` hook."""
+    p, eng = env
+    send_keys(p, 3, 2)
+    calls: list[tuple[str, str, bool]] = []
+
+    class AsyncHook(ConsumeMessageHook):
+        async def consume_message_before(self, context: ConsumeMessageContext) -> None:
+            await asyncio.sleep(0)
+            calls.append(("before", context.consumer_group, context.success))
+
+        async def consume_message_after(self, context: ConsumeMessageContext) -> None:
+            calls.append(("after", context.consumer_group, context.success))
+
+    async def async_one(msgs, ctx):
+        return S.SUCCESS
+
+    def plain_one(msgs, ctx):
+        return S.SUCCESS
+
+    drain(eng, ListenerSpec(async_one, "t", "g", ordering="key", hooks=[AsyncHook()]))
+    RebalanceLockManager(eng.brokers).assign("g2", [(MQ, "c1", "tok9")])
+    assert eng.run(ListenerSpec(plain_one, "t", "g2", ordering="key", hooks=[AsyncHook()]), "g2", MQ, "tok9")
+    assert calls.count(("after", "g", True)) == 6 and calls.count(("before", "g", False)) == 6
+    assert calls.count(("after", "g2", True)) == 6 and calls.count(("before", "g2", False)) == 6
+    assert MessageLog(eng.brokers).consume_offset("g2", MQ) == 6
+
+
+def test_the_decorators_take_async_def_and_refuse_generators_with_what_to_write() -> None:
+    @orderly_listener(topic="t-a1", group="g-a1", ordering="key")
+    async def ok(msgs, ctx):
+        return S.SUCCESS
+
+    try:
+        spec = get_listener("g-a1", "t-a1")
+        assert spec is not None and spec.is_async
+    finally:
+        unregister_listener("g-a1", "t-a1")
+
+    async def agen(msgs, ctx):
+        yield S.SUCCESS
+
+    with pytest.raises(ListenerError, match="generator.*async def"):
+        orderly_listener(topic="t-a2", group="g-a2")(agen)
+    with pytest.raises(ListenerError, match="cancel_grace_ms"):
+        orderly_listener(topic="t-a2", group="g-a2", cancel_grace_ms=-1)

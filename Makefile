@@ -21,6 +21,8 @@ $(STAMP): pyproject.toml
 	  { command -v systemctl >/dev/null && systemctl disable --now -q prometheus; } >/dev/null 2>&1 || true; }
 	@{ command -v docker-compose || docker compose version; } >/dev/null 2>&1 || { echo "installing docker-compose to validate docker-compose.yml"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker-compose) >/dev/null; }
+	@{ command -v dockerd && command -v debootstrap; } >/dev/null || { echo "installing docker.io and debootstrap for the compose stack test"; \
+	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends docker.io debootstrap) >/dev/null; }
 	@# RabbitMQ (Celery's other broker) runs as a service; Flower reads its queue lengths from the management API.
 	@command -v rabbitmq-plugins >/dev/null && { rabbitmq-plugins list -e -m | grep -qx rabbitmq_management || \
 	  { echo "enabling RabbitMQ's management plugin (Flower's RabbitMQ queue lengths)"; rabbitmq-plugins enable -q rabbitmq_management >/dev/null; }; } || true

@@ -9,18 +9,18 @@ from __future__ import annotations
 import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.parser import text_string_to_metric_families
 
 from mqorder import ConsumeOrderlyStatus
 from mqorder.consumer.engine import ConsumerEngine, request_class
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.run_types import Outcome
 from mqorder.metrics import names
-from mqorder.metrics.exporter import ClusterCollector
+from mqorder.metrics.exporter import collector_for
 from mqorder.metrics.hook import KeyWatch, LingerWatch, MetricsHook
 from mqorder.model import MessageModel
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.settings import Settings
-from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.topics import TopicManager
 from tests.engine_support import MQ, drain
 
@@ -30,13 +30,15 @@ LANE = {"group": "g", "topic": "t", "broker": "broker-a", "queue": "0"}
 
 
 def scrape(settings: Settings) -> Samples:
-    """One scrape of the exporter's collector, as ``mqorder exporter`` serves it."""
-    brokers = BrokerRegistry(settings.redis_url, settings.brokers)
+    """One scrape of the exporter's collector, as ``mqorder exporter`` serves it, parsed by
+    prometheus-client's parser."""
+    collector = collector_for(settings)
     try:
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for fam in ClusterCollector(brokers, settings.heartbeat_timeout_ms).collect() for s in fam.samples}
+        text = collector.scrape()
     finally:
-        brokers.close()
+        collector.brokers.close()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
 
 
 def lane(samples: Samples, name: str) -> float | None:

@@ -30,28 +30,23 @@ import sys
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 import redis
 import typer
 
 from mqorder import keys
 from mqorder.admin.clocked import clocked_reads
-from mqorder.admin.status import store_ms, waiting_ms
 from mqorder.errors import ConfigError, MQOrderError, TopicNotFoundError
 from mqorder.metrics import names
+from mqorder.metrics.exposition import Family, escape, labels, render, serve
+from mqorder.metrics.lane_read import Lane, LaneReading, lane_batches, lanes_command, parse_lanes
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.membership import ClientRegistry
 from mqorder.settings import Settings, get_settings
-from mqorder.store.brokers import Broker, BrokerRegistry, redact_url
-from mqorder.store.replies import text
+from mqorder.store.brokers import BrokerRegistry, redact_url
 from mqorder.store.topics import TopicManager
-
-if TYPE_CHECKING:
-    from prometheus_client.metrics_core import Metric
-    from prometheus_client.registry import Collector, CollectorRegistry
 
 log = logging.getLogger(__name__)
 
@@ -68,73 +63,38 @@ class _Plan:
     clients: dict[str, int] = field(default_factory=dict)
 
 
-#: The state hash fields a scrape reads (``mqorder.keys.sub_state``).
-_STATE_FIELDS = ("owner", "lease", "epoch", "offset", "run", "commit_ms", "done")
-
-
-@dataclass(frozen=True)
-class _LaneState:
-    """One (group lane, queue) state hash, judged by its broker's clock (``mqorder.keys.sub_state``)."""
-
-    owner: str  # the holder of a live lock, "" if none (_lock.lua's lock_live)
-    epoch: int
-    committed: int
-    running: bool
-    commit_ms: int  # when the committed offset last moved (commit.lua), 0 if never
-    #: Key-ordered lane: only ``key_commit.lua`` writes the ``done`` field (even as ''), so its
-    #: presence tells the ordering, which Redis stores nowhere else.
-    key_mode: bool
-
-    @classmethod
-    def parse(cls, reply: list[Any], now_ms: int) -> _LaneState:
-        owner, lease, epoch, offset, run, commit_ms, done = reply
-        live = bool(owner) and int(lease or 0) > now_ms
-        return cls(text(owner) if live else "", int(epoch or 0), int(offset or 0), int(run or 0) > now_ms,
-                   int(commit_ms or 0), done is not None)
-
-
-@dataclass(frozen=True)
-class _Head:
-    """The head of a lane with a backlog: how long it waited and was stuck, its reconsume count."""
-
-    age_ms: int
-    stalled_ms: int
-    retries: int
-    parked: int  # key mode: messages with a recorded reconsume count
-
-
 @dataclass
 class _Reading:
-    """What one scrape read: max offset per queue, state per lane, DLQ messages per group, heads."""
+    """What one scrape read: max offset per queue, each lane as ``LANES_LUA`` judged it, DLQ
+    messages per group."""
 
     max_offsets: dict[MessageQueue, int] = field(default_factory=dict)
-    lanes: dict[tuple[str, MessageQueue], _LaneState] = field(default_factory=dict)
+    lanes: dict[Lane, LaneReading] = field(default_factory=dict)
     dlq: dict[str, int] = field(default_factory=dict)
-    heads: dict[tuple[str, MessageQueue], _Head] = field(default_factory=dict)
 
 
 class ClusterCollector:
-    """A prometheus-client collector (``collect()``) over the Redis state of every group."""
+    """The Redis state of every group, as one Prometheus exposition per ``scrape()``."""
 
     def __init__(self, brokers: BrokerRegistry, heartbeat_timeout_ms: int) -> None:
         self.brokers = brokers
         self.topics = TopicManager(brokers)
         self.registry = ClientRegistry(brokers.meta, heartbeat_timeout_ms)
 
-    def collect(self) -> Iterator[Metric]:
-        from prometheus_client.core import GaugeMetricFamily
-
+    def scrape(self) -> str:
+        """One scrape: every family in the Prometheus text format, then ``mqorder_up`` and the time
+        this took (an unreadable Redis: only those two, ``mqorder_up`` 0)."""
         t0 = time.perf_counter()
         try:
-            families = self._families()
+            body = render(self._families())
             up = 1
         except (redis.RedisError, MQOrderError) as exc:
             log.warning("mqorder exporter: cannot read %s (%s)", self.brokers.default.safe_url, exc)
-            families, up = [], 0
-        yield from families
-        yield GaugeMetricFamily(names.UP.name, names.UP.help, value=up)
-        took = time.perf_counter() - t0
-        yield GaugeMetricFamily(names.SCRAPE_DURATION.name, names.SCRAPE_DURATION.help, value=took)
+            body, up = "", 0
+        tail = [Family(names.UP), Family(names.SCRAPE_DURATION)]
+        tail[0].add("", up)
+        tail[1].add("", time.perf_counter() - t0)
+        return body + render(tail)
 
     # -- reading ---------------------------------------------------------------------------------
 
@@ -174,149 +134,121 @@ class ClusterCollector:
         return plan
 
     def _read(self, plan: _Plan) -> _Reading:
-        """One round trip per broker: every read of the plan on that broker, and ``TIME`` from
-        each node that answered (``clocked_reads``: on a cluster, every shard's queues, each
-        lane's lease judged by its own node's clock)."""
+        """One round trip per broker (``clocked_reads``: on a cluster every shard at once): the
+        lanes in ``LANES_LUA`` batches, the next offset of any queue no lane reads, the length of
+        every DLQ queue."""
         ops: dict[str, list[tuple[str, Any]]] = defaultdict(list)
-        for mq in plan.queues:
-            ops[mq.broker_name].append(("next", mq))
+        by_broker: dict[str, list[Lane]] = defaultdict(list)
         for lane in plan.lanes:
-            ops[lane[1].broker_name].append(("state", lane))
+            by_broker[lane[1].broker_name].append(lane)
+        laned = {mq for _, mq in plan.lanes}
+        for mq in plan.queues:
+            if mq not in laned:  # a broadcasting topic with no client yet: its max offset alone
+                ops[mq.broker_name].append(("next", mq))
         for group, mq in plan.dlq:
             ops[mq.broker_name].append(("dlq", (group, mq)))
         reading = _Reading()
-        for broker, items in ops.items():
+        for broker in sorted(set(ops) | set(by_broker)):
             try:
                 store = self.brokers.get(broker)
             except ConfigError as exc:  # a route names a broker this exporter was not told about
                 log.warning("mqorder exporter: skipping the queues on broker %r: %s", broker, exc)
                 continue
+            items = [("lanes", batch) for batch in lane_batches(store, by_broker[broker])] + ops[broker]
             for c in clocked_reads(store, items, _tag_of, _commands_of):
                 kind, what = c.item
                 reply = c.replies[0]
-                if kind == "next":
+                if kind == "lanes":
+                    for lane, got in zip(what, parse_lanes(reply), strict=True):
+                        reading.lanes[lane] = got
+                        reading.max_offsets[lane[1]] = got.next_offset
+                elif kind == "next":
                     reading.max_offsets[what] = int(reply or 0)
-                elif kind == "state":
-                    reading.lanes[what] = _LaneState.parse(reply, c.now_ms)
                 else:
                     reading.dlq[what[0]] = reading.dlq.get(what[0], 0) + int(reply or 0)
-            backlog = [(lane, st) for kind, lane in items if kind == "state"
-                       for st in (reading.lanes[lane],) if reading.max_offsets.get(lane[1], 0) > st.committed]
-            reading.heads.update(_read_heads(store, backlog))
         return reading
 
-    def _families(self) -> list[Metric]:
-        from prometheus_client.core import GaugeMetricFamily
-
+    def _families(self) -> list[Family]:
+        """Every family of one scrape. The loop runs once per lane (10,000 and more), so a lane's
+        label set is escaped once and each line is appended as one f-string."""
         plan = self._plan()
         reading = self._read(plan)
-
-        def family(spec: names.MetricSpec) -> GaugeMetricFamily:
-            return GaugeMetricFamily(spec.name, spec.help, labels=spec.labels)
-
-        max_offset, committed, lag = (family(names.QUEUE_MAX_OFFSET), family(names.QUEUE_COMMITTED_OFFSET),
-                                      family(names.QUEUE_LAG))
-        epoch, owner, running = family(names.QUEUE_EPOCH), family(names.QUEUE_OWNER), family(names.QUEUE_RUNNING)
+        fam = {spec: Family(spec) for spec in _LANE_SPECS}
+        max_offset = Family(names.QUEUE_MAX_OFFSET)
+        queue_part: dict[MessageQueue, str] = {}
         for mq in plan.queues:
+            part = queue_part[mq] = f'topic="{escape(mq.topic)}",broker="{escape(mq.broker_name)}",queue="{mq.queue_id}"'
             if mq in reading.max_offsets:
-                max_offset.add_metric([mq.topic, mq.broker_name, str(mq.queue_id)], reading.max_offsets[mq])
-        for sub, mq in plan.lanes:
-            state = reading.lanes.get((sub, mq))
-            if state is None:
+                max_offset.lines.append(f"{names.QUEUE_MAX_OFFSET.name}{{{part}}} {reading.max_offsets[mq]}\n")
+        n = {spec: spec.name for spec in _LANE_SPECS}
+        committed, lag, epoch, running = (fam[s].lines.append for s in (
+            names.QUEUE_COMMITTED_OFFSET, names.QUEUE_LAG, names.QUEUE_EPOCH, names.QUEUE_RUNNING))
+        owner, head_age, stalled, head_retries, parked, unfinished = (fam[s].lines.append for s in (
+            names.QUEUE_OWNER, names.QUEUE_HEAD_AGE, names.QUEUE_STALLED, names.QUEUE_HEAD_RETRIES,
+            names.QUEUE_KEYS_SUSPENDED, names.QUEUE_OLDEST_UNFINISHED))
+        (n_committed, n_lag, n_epoch, n_running, n_owner, n_age, n_stalled, n_retries, n_parked,
+         n_unfinished) = n.values()
+        for lane in plan.lanes:
+            got = reading.lanes.get(lane)
+            if got is None:
                 continue
-            labels = [sub, mq.topic, mq.broker_name, str(mq.queue_id)]
-            committed.add_metric(labels, state.committed)
-            lag.add_metric(labels, max(0, reading.max_offsets[mq] - state.committed))
-            epoch.add_metric(labels, state.epoch)
-            running.add_metric(labels, 1 if state.running else 0)
-            if state.owner:
-                owner.add_metric([*labels, state.owner], 1)
-        head_age, stalled, head_retries = (family(names.QUEUE_HEAD_AGE), family(names.QUEUE_STALLED),
-                                           family(names.QUEUE_HEAD_RETRIES))
-        parked, unfinished = family(names.QUEUE_KEYS_SUSPENDED), family(names.QUEUE_OLDEST_UNFINISHED)
-        for sub, mq in plan.lanes:
-            state = reading.lanes.get((sub, mq))
-            if state is None:
-                continue
-            labels = [sub, mq.topic, mq.broker_name, str(mq.queue_id)]
-            head = reading.heads.get((sub, mq), _CAUGHT_UP)
-            head_age.add_metric(labels, head.age_ms / 1000.0)
-            stalled.add_metric(labels, head.stalled_ms / 1000.0)
-            head_retries.add_metric(labels, head.retries)
-            if state.key_mode:
-                parked.add_metric(labels, head.parked)
-                unfinished.add_metric(labels, head.age_ms / 1000.0)
-        clients, dlq = family(names.CLIENTS_LIVE), family(names.DLQ_MESSAGES)
-        for group, n in sorted(plan.clients.items()):
-            clients.add_metric([group], n)
-            dlq.add_metric([group], reading.dlq.get(group, 0))
-        return [max_offset, committed, lag, epoch, owner, running, clients, dlq, head_age, stalled, head_retries,
-                parked, unfinished]
+            sub, mq = lane
+            inner = f'group="{escape(sub)}",{queue_part[mq]}'
+            ls = "{" + inner + "}"
+            committed(f"{n_committed}{ls} {got.committed}\n")
+            lag(f"{n_lag}{ls} {got.lag}\n")
+            epoch(f"{n_epoch}{ls} {got.epoch}\n")
+            running(f"{n_running}{ls} {1 if got.running else 0}\n")
+            if got.owner:
+                owner(f'{n_owner}{{{inner},owner="{escape(got.owner)}"}} 1\n')
+            age = got.head_age_ms / 1000
+            head_age(f"{n_age}{ls} {age}\n")
+            stalled(f"{n_stalled}{ls} {got.stalled_ms / 1000}\n")
+            head_retries(f"{n_retries}{ls} {got.head_retries}\n")
+            if got.key_mode:
+                parked(f"{n_parked}{ls} {got.parked}\n")
+                unfinished(f"{n_unfinished}{ls} {age}\n")
+        clients, dlq = Family(names.CLIENTS_LIVE), Family(names.DLQ_MESSAGES)
+        for group, count in sorted(plan.clients.items()):
+            ls = labels(("group",), (group,))
+            clients.add(ls, count)
+            dlq.add(ls, reading.dlq.get(group, 0))
+        return [max_offset, *fam.values(), clients, dlq]
 
 
-_CAUGHT_UP = _Head(0, 0, 0, 0)
-
-
-def _read_heads(store: Broker, lanes: list[tuple[tuple[str, MessageQueue], _LaneState]],
-                ) -> dict[tuple[str, MessageQueue], _Head]:
-    """The head of every lane with a backlog, in one round trip (``TIME`` per node again).
-
-    The head is the first entry at or above the committed offset (retention may have trimmed the
-    committed one): ``XRANGE <committed> + COUNT 1``, whose ``s`` field is the store time. Its
-    reconsume count is the retries hash's field of the committed offset (a count of another offset
-    does not belong to this head: 0). Stalled is ``mqorder.admin.status.waiting_ms``: since the
-    later of the offset's last move and the head's store time, so a queue idle for an hour that
-    just got a message is not an hour stalled.
-    """
-    def commands(item: tuple[tuple[str, MessageQueue], _LaneState]) -> list[tuple[Any, ...]]:
-        (sub, mq), st = item
-        cmds: list[tuple[Any, ...]] = [
-            ("XRANGE", keys.queue_log(mq.tag), st.committed, "+", "COUNT", 1),
-            ("HGET", keys.sub_retries(mq.tag, sub), st.committed),
-        ]
-        if st.key_mode:
-            cmds.append(("HLEN", keys.sub_retries(mq.tag, sub)))
-        return cmds
-
-    out = {}
-    for c in clocked_reads(store, lanes, lambda item: item[0][1].tag, commands):
-        lane, st = c.item
-        entries, retries = c.replies[0], c.replies[1]
-        if not entries:  # trimmed away since the first read: nothing waits
-            continue
-        head_offset = int(text(entries[0][0]).split("-", 1)[0])
-        stored = store_ms(entries)
-        age = max(0, c.now_ms - stored) if stored else 0
-        waited = waiting_ms(1, st.commit_ms or None, stored, c.now_ms) or 0
-        out[lane] = _Head(age, waited, int(retries or 0) if head_offset == st.committed else 0,
-                          int(c.replies[2]) if st.key_mode else 0)
-    return out
+#: The per-lane families, in the order ``_families`` fills them; their labels are the queue's
+#: (``names._QUEUE``), plus ``owner`` last for the owner family, as the f-strings there write them.
+_LANE_SPECS = (
+    names.QUEUE_COMMITTED_OFFSET, names.QUEUE_LAG, names.QUEUE_EPOCH, names.QUEUE_RUNNING, names.QUEUE_OWNER,
+    names.QUEUE_HEAD_AGE, names.QUEUE_STALLED, names.QUEUE_HEAD_RETRIES, names.QUEUE_KEYS_SUSPENDED,
+    names.QUEUE_OLDEST_UNFINISHED,
+)
+_QUEUE_LABELS = ("group", "topic", "broker", "queue")
+assert all(s.labels in (_QUEUE_LABELS, (*_QUEUE_LABELS, "owner")) for s in _LANE_SPECS)
+assert names.QUEUE_MAX_OFFSET.labels == _QUEUE_LABELS[1:]
 
 
 def _tag_of(op: tuple[str, Any]) -> str:
     kind, what = op
+    if kind == "lanes":
+        return str(what[0][1].tag)  # one slot per batch on a cluster (lane_batches)
     mq: MessageQueue = what if kind == "next" else what[1]
     return mq.tag
 
 
 def _commands_of(op: tuple[str, Any]) -> list[tuple[Any, ...]]:
     kind, what = op
+    if kind == "lanes":
+        return [lanes_command(what)]
     if kind == "next":
         return [("GET", keys.queue_next(what.tag))]
-    if kind == "state":
-        sub, mq = what
-        return [("HMGET", keys.sub_state(mq.tag, sub), *_STATE_FIELDS)]
     return [("XLEN", keys.queue_log(what[1].tag))]
 
 
-def registry_for(settings: Settings) -> CollectorRegistry:
-    """A prometheus-client registry holding only the cluster collector."""
-    from prometheus_client import CollectorRegistry
-
-    registry = CollectorRegistry(auto_describe=False)
+def collector_for(settings: Settings) -> ClusterCollector:
+    """The cluster collector over the brokers ``settings`` name."""
     brokers = BrokerRegistry(settings.redis_url, settings.brokers)
-    registry.register(cast("Collector", ClusterCollector(brokers, settings.heartbeat_timeout_ms)))
-    return registry
+    return ClusterCollector(brokers, settings.heartbeat_timeout_ms)
 
 
 def exporter(
@@ -330,20 +262,18 @@ def exporter(
 
     One scrape target for the whole cluster (the workers' own metrics are on MQORDER_METRICS_PORT).
     """
-    from prometheus_client import generate_latest, start_http_server
-
     try:
         settings = get_settings()
-        registry = registry_for(settings)
+        collector = collector_for(settings)
     except MQOrderError as exc:
         typer.echo(f"error: {exc}", err=True)
         raise typer.Exit(2) from None
     if once:
-        out = generate_latest(registry).decode()
+        out = collector.scrape()
         sys.stdout.write(out)
-        raise typer.Exit(0 if f"\n{names.UP.name} 1.0\n" in f"\n{out}" else 1)
+        raise typer.Exit(0 if f"\n{names.UP.name} 1\n" in f"\n{out}" else 1)
     try:
-        server, _ = start_http_server(port, addr, registry)
+        server = serve(addr, port, collector.scrape)
     except OSError as exc:
         typer.echo(f"error: cannot listen on {addr}:{port} ({exc}); choose another --port", err=True)
         raise typer.Exit(2) from None

@@ -1,0 +1,96 @@
+"""The Prometheus text format (0.0.4), written directly, and the HTTP endpoint that serves it.
+
+The cluster exporter answers with nine to thirteen series per (group, queue): about 100,000 lines
+at 10,000 queues. prometheus-client's ``generate_latest`` validates and escapes every label name
+and value of every sample, one sample at a time; measured on the benchmark machine that took as
+long as reading Redis did (``bench/RESULTS.md``, "Exporter scrape"). Here the label set of a
+queue is escaped once and shared by every series of that queue, and a line is one f-string.
+
+Only gauges are written (the exporter has nothing else); the workers' own endpoint keeps
+prometheus-client, which their multiprocess mode needs.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from mqorder.metrics.names import MetricSpec
+
+log = logging.getLogger(__name__)
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def escape(value: str) -> str:
+    """A label value as the text format quotes it: backslash, double quote and newline escaped."""
+    if "\\" in value or '"' in value or "\n" in value:
+        return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return value
+
+
+def labels(names: Sequence[str], values: Sequence[str]) -> str:
+    """``{name="value",...}``: built once per label set, reused by every series that has it."""
+    return "{" + ",".join(f'{n}="{escape(v)}"' for n, v in zip(names, values, strict=True)) + "}"
+
+
+def number(value: float) -> str:
+    """A sample value: integers exactly (epochs exceed a float's 2^53 only past the year 2255), the
+    rest as Python's shortest round-tripping repr, which Prometheus parses."""
+    if isinstance(value, int):
+        return str(value)
+    return repr(float(value))
+
+
+class Family:
+    """The lines of one gauge family: ``add(label_set, value)``, then ``text()``."""
+
+    __slots__ = ("spec", "lines")
+
+    def __init__(self, spec: MetricSpec) -> None:
+        self.spec = spec
+        self.lines: list[str] = []
+
+    def add(self, label_set: str, value: float) -> None:
+        self.lines.append(f"{self.spec.name}{label_set} {number(value)}\n")
+
+    def text(self) -> str:
+        help_ = self.spec.help.replace("\\", "\\\\").replace("\n", "\\n")
+        head = f"# HELP {self.spec.name} {help_}\n# TYPE {self.spec.name} {self.spec.kind}\n"
+        return head + "".join(self.lines)
+
+
+def render(families: Sequence[Family]) -> str:
+    return "".join(f.text() for f in families)
+
+
+def serve(addr: str, port: int, scrape: Callable[[], str]) -> ThreadingHTTPServer:
+    """Serve ``scrape()`` on ``GET /metrics`` (and ``/``) from a daemon thread; ``OSError`` if the
+    port is taken. Stop it with ``shutdown()`` and ``server_close()``."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                self.send_error(404, "try /metrics")
+                return
+            try:
+                body = scrape().encode()
+            except Exception:  # a bug: say so to the scraper and the log, keep serving
+                log.exception("mqorder exporter: the scrape failed")
+                self.send_error(500, "the scrape failed; see the exporter's log")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: object) -> None:
+            log.debug("exporter: " + format, *args)
+
+    server = ThreadingHTTPServer((addr, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="mqorder-exporter-http", daemon=True).start()
+    return server

@@ -10,7 +10,8 @@ from bench.common import Config
 
 SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "celery_broker", "produce", "failover",
             "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "dedup", "transactions", "keys",
-            "concurrent", "durable_send", "sentinel", "cluster", "trickle_cost", "trickle_floor", "idle", "batching")
+            "concurrent", "durable_send", "sentinel", "cluster", "trickle_cost", "trickle_floor", "idle", "batching",
+            "exporter_scrape")
 DEFAULT_CONCURRENCY = 2
 #: Threads-pool worker concurrency of the latency section and of the threads drain row.
 LAT_THREADS_C = 8

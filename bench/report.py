@@ -59,7 +59,7 @@ class Report:
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.trickle_cost,
                     self.trickle_floor, self.idle, self.latency,
-                    self.celery_broker, self.produce, self.batching, self.dedup, self.durable_send, self.transactions,
+                    self.celery_broker, self.produce, self.batching, self.exporter_scrape, self.dedup, self.durable_send, self.transactions,
                     self.failover, self.sentinel, self.cluster, self.rebalance, self.memory, self.growth, self.retention,
                     self.spark, self.keys, self.concurrent, self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
@@ -404,6 +404,12 @@ class Report:
         from bench import batching
 
         return batching.report_lines(self.res.get("batching") or {})
+
+    def exporter_scrape(self) -> list[str]:
+        """What a scrape of ``mqorder exporter`` and a ``status --key`` cost (``bench.exporter_scrape``)."""
+        from bench import exporter_scrape
+
+        return exporter_scrape.report_lines(self.res.get("exporter_scrape") or {})
 
     def dedup(self) -> list[str]:
         """Dedup-window overhead on ``send_orderly`` (``bench.dedup``), only when that section ran."""

@@ -283,6 +283,14 @@ def sec_idle(cfg: Config, res: dict[str, Any]) -> None:
                                "load1": round(load1(), 2)}
 
 
+def sec_exporter_scrape(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import exporter_scrape
+
+    res["exporter_scrape"] = exporter_scrape.run(cfg, runs=cfg.runs)
+    res["exporter_scrape"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
+                                          "load1": round(load1(), 2)}
+
+
 def sec_batching(cfg: Config, res: dict[str, Any]) -> None:
     from bench import batching
 
@@ -302,6 +310,7 @@ RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "concurrent": sec_concurrent, "durable_send": sec_durable_send, "sentinel": sec_sentinel,
     "cluster": sec_cluster, "trickle_cost": sec_trickle_cost,
     "trickle_floor": sec_trickle_floor, "idle": sec_idle, "batching": sec_batching,
+    "exporter_scrape": sec_exporter_scrape,
 }
 
 

@@ -15,10 +15,11 @@ Thousands of calls in flight then cost a coroutine each, not a thread each.
   the process caps all of them together at ``max_in_flight`` (``MQORDER_ASYNC_MAX_IN_FLIGHT``,
   default 10,000): a call past the cap waits for a slot on the loop before its listener starts.
 * **A blocked loop is seen.** A watchdog thread posts a ping every ``PING_S`` and measures how late
-  the loop ran it (``lag``, exported as ``mqorder_event_loop_lag_seconds``). A ping unanswered
-  for ``BLOCKED_S`` means a step of one coroutine holds the loop (``time.sleep``, CPU work, a
-  blocking client): the watchdog names the listener whose task runs right now in a warning, once
-  per episode, instead of every key of the process silently slowing down.
+  the loop ran it (``lag``, exported as ``mqorder_event_loop_lag_seconds``). While a ping is
+  late it samples the task running on the loop; the same task at every sample for ``BLOCKED_S``
+  means one step of one call holds the loop (``time.sleep``, CPU work, a blocking client): the
+  watchdog names that listener in a warning, once per episode, instead of every key of the
+  process silently slowing down. (A loop merely busy with many short steps shows as lag only.)
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Coroutine
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mqorder.consumer import native
@@ -85,6 +87,46 @@ class AsyncCall:
             self.task.cancel()
 
 
+class HubExecutor(ThreadPoolExecutor):
+    """The loop's default executor under gevent: ``run_in_executor`` work runs as a greenlet of
+    the hub's thread (where gevent's sockets and resolver work) and its result comes back to the
+    loop thread-safely. Blocking work there holds the hub as any greenlet does; CPU-heavy work
+    belongs in a process pool under gevent, as it would anyway. A ``ThreadPoolExecutor`` by type
+    only (asyncio takes no other as default), none of whose threads is ever started."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        gevent = native.gevent_module()
+        self._spawn = gevent.spawn
+        self._run_in_hub = gevent.get_hub().loop.run_callback_threadsafe
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """Called on the loop's thread (``run_in_executor``); an asyncio future is taken as is."""
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        loop = self._loop
+
+        def settle(ok: bool, value: Any) -> None:
+            if not fut.done():
+                if ok:
+                    fut.set_result(value)
+                else:
+                    fut.set_exception(value)
+
+        def job() -> None:
+            try:
+                v = fn(*args, **kwargs)
+            except BaseException as exc:  # noqa: BLE001 - handed back to the awaiting coroutine
+                loop.call_soon_threadsafe(settle, False, exc)
+            else:
+                loop.call_soon_threadsafe(settle, True, v)
+
+        self._run_in_hub(self._spawn, job)
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """Nothing to stop: the greenlets belong to the hub."""
+
+
 class ProcessLoop:
     """The loop of this process (``get``), its thread, the in-flight cap and the lag watchdog."""
 
@@ -95,6 +137,11 @@ class ProcessLoop:
         self.pid = os.getpid()
         self.max_in_flight = max_in_flight or max_in_flight_from_env()
         self.loop = asyncio.SelectorEventLoop(native.new_selector())
+        if native.gevent_patched():
+            # The standard executor's threads would be greenlets of the loop's thread, whose hub
+            # never runs: every run_in_executor (a client's getaddrinfo too) would hang. Made
+            # here, in the thread of the hub that will run the work.
+            self.loop.set_default_executor(HubExecutor(self.loop))
         self._slots: asyncio.Semaphore | None = None
         #: Calls submitted and not ended (written on the loop's thread only).
         self.in_flight = 0
@@ -104,6 +151,8 @@ class ProcessLoop:
         self._ping_sent = 0.0
         self._ping_answered = True
         self._warned_task: asyncio.Task[Any] | None = None
+        self._suspect: asyncio.Task[Any] | None = None
+        self._suspect_since = 0.0
         #: Called with each measured lateness (s) from the watchdog's thread (the worker's metric).
         self.lag_observers: list[Callable[[float], None]] = []
         self.blocked_episodes = 0
@@ -192,32 +241,9 @@ class ProcessLoop:
         return value
 
     async def offload(self, fn: Callable[[], Any]) -> Any:
-        """Run a blocking ``fn`` (a Redis round trip) off the loop and await its result: in a
-        worker thread, or under gevent in a greenlet of the hub's thread (whose sockets are
-        gevent's); ``ctx.still_owner_async``."""
-        if not native.gevent_patched():
-            return await self.loop.run_in_executor(None, fn)
-        gevent = native.gevent_module()
-        fut: asyncio.Future[Any] = self.loop.create_future()
-        loop = self.loop
-
-        def settle(ok: bool, value: Any) -> None:
-            if not fut.done():
-                if ok:
-                    fut.set_result(value)
-                else:
-                    fut.set_exception(value)
-
-        def job() -> None:
-            try:
-                v = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed back to the awaiting coroutine
-                loop.call_soon_threadsafe(settle, False, exc)
-            else:
-                loop.call_soon_threadsafe(settle, True, v)
-
-        gevent.get_hub().loop.run_callback_threadsafe(gevent.spawn, job)
-        return await fut
+        """Run a blocking ``fn`` (a Redis round trip) off the loop and await its result:
+        ``ctx.still_owner_async``. Where it runs: ``loop.run_in_executor``'s default executor."""
+        return await self.loop.run_in_executor(None, fn)
 
     # -- the watchdog ----------------------------------------------------------------------------
 
@@ -252,34 +278,38 @@ class ProcessLoop:
             now = time.monotonic()
             if self._ping_answered:
                 self._ping_sent, self._ping_answered = now, False
-                self._warned_task = None
+                self._suspect, self._warned_task = None, None
                 try:
                     self.loop.call_soon_threadsafe(self._pong, now)
                 except RuntimeError:  # pragma: no cover - the loop was closed
                     return
                 continue
-            late = now - self._ping_sent
-            if late >= BLOCKED_S:
-                self._report_blocked(late)
+            self._sample(now)
 
-    def _report_blocked(self, late: float) -> None:
-        """The loop has not run a ping for ``late`` s: some coroutine's step is holding it. Name the
-        task running now (read from this thread: a dict lookup, safe under the GIL)."""
+    def _sample(self, now: float) -> None:
+        """The ping is late. A loop busy with many short steps (thousands of calls) is late too,
+        and that is only lag; a loop whose *same* task is running at every sample for
+        ``BLOCKED_S`` is held by that one step: name it (read from this thread: a dict lookup,
+        safe under the GIL), once per episode."""
         task = asyncio.current_task(self.loop) if self.loop.is_running() else None
-        if task is None or task is self._warned_task:
+        if task is None or task is not self._suspect:
+            self._suspect, self._suspect_since = task, now
+            return
+        held = now - self._suspect_since
+        if held < BLOCKED_S or task is self._warned_task:
             return
         self._warned_task = task
         self.blocked_episodes += 1
         name = self._names.get(task, task.get_name())
         log.warning(
-            "async listener %s is blocking the event loop of process %d (no other async call of this process "
-            "has run for %.2f s): it calls something blocking (time.sleep, CPU work, a sync client) "
-            "inside async def; await an async equivalent or run it with loop.run_in_executor",
-            name, self.pid, late,
+            "async listener %s is blocking the event loop of process %d (one step of its call has held the loop for "
+            "%.2f s; no other async call of this process ran meanwhile): it calls something blocking (time.sleep, "
+            "CPU work, a sync client) inside async def; await an async equivalent or use loop.run_in_executor",
+            name, self.pid, held,
         )
         for obs in self.lag_observers:
             try:
-                obs(late)
+                obs(now - self._ping_sent)
             except Exception:
                 log.exception("event loop lag observer failed")
 

@@ -314,7 +314,17 @@ def _print_audit(rep: AuditReport, report: Path) -> None:
 
 
 def _spark_error(exc: Exception) -> Exception:
-    """Spark's errors carry a JVM stack trace: keep the first line, which names the problem."""
+    """Spark's errors carry a JVM stack trace. One of our checks that failed in Spark's Python
+    workers (on a cluster's executors too) is raised again as itself (``mqorder.spark.errors``);
+    else keep the first line, which names the problem."""
+    try:
+        from mqorder.spark.errors import mqorder_error  # pyspark is there: Spark raised this
+    except ImportError:
+        ours = None
+    else:
+        ours = mqorder_error(exc)
+    if ours is not None:
+        return ours
     text = str(exc).strip().splitlines()
     first = next((line for line in text if line.strip()), type(exc).__name__)
     return PipelineError(f"{type(exc).__name__}: {first}")

@@ -20,10 +20,11 @@ from pyspark.sql.types import IntegralType, StringType
 from mqorder import keys
 from mqorder.errors import ConfigError, MessageError, ReplicasBehindError
 from mqorder.settings import get_settings, load_settings
+from mqorder.spark.errors import mqorder_error
 from mqorder.spark.options import BODY_JSON, ON_NULL
 from mqorder.spark.queues import KEY_COLUMN, QUEUE_COLUMN, key_string, queue_of
 from mqorder.spark.reader import queue_spans
-from mqorder.spark.session import register
+from mqorder.spark.session import default_parallelism, register
 from mqorder.spark.writer import JobRefusedError
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.replies import text
@@ -97,7 +98,7 @@ def publish(
         df = df.withColumn(KEY_COLUMN, key_string(key))
         key_col = KEY_COLUMN
     df = df.withColumn(QUEUE_COLUMN, queue_of(F.col(key_col), count))
-    n = partitions or min(count, max(2, spark.sparkContext.defaultParallelism * 2))
+    n = partitions or min(count, max(2, default_parallelism(spark) * 2))
     df = df.repartition(n, QUEUE_COLUMN)
 
     job = new_token()
@@ -120,6 +121,9 @@ def publish(
             raise JobRefusedError(str(report.get("error"))) from None
         if report.get("status") == "unreplicated":  # option waitReplicas: published, not yet on the replicas
             raise ReplicasBehindError(str(report.get("error"))) from None
+        ours = mqorder_error(exc)  # a check in Spark's Python workers: the same error as a local call
+        if ours is not None:
+            raise ours from exc
         raise exc
     report = _report(settings.redis_url, settings.brokers, job)
     if report.get("status") != "published":

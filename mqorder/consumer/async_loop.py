@@ -49,6 +49,12 @@ BLOCKED_S = 0.25
 LAG_WINDOW_S = 1.0
 
 
+#: Called with the loop's lag (s, the worst over ``LAG_WINDOW_S``) after each ping, from the
+#: watchdog's thread, in every process (the worker's metrics register a gauge's ``set`` here in
+#: the main process; forked children inherit it).
+LAG_OBSERVERS: list[Callable[[float], None]] = []
+
+
 def max_in_flight_from_env() -> int:
     raw = os.environ.get(MAX_IN_FLIGHT_ENV, "").strip()
     if not raw:
@@ -153,7 +159,7 @@ class ProcessLoop:
         self._warned_task: asyncio.Task[Any] | None = None
         self._suspect: asyncio.Task[Any] | None = None
         self._suspect_since = 0.0
-        #: Called with each measured lateness (s) from the watchdog's thread (the worker's metric).
+        #: Called with each measured lateness (s) from the watchdog's thread (``LAG_OBSERVERS`` too).
         self.lag_observers: list[Callable[[float], None]] = []
         self.blocked_episodes = 0
         native.start_thread(self._run)
@@ -262,6 +268,13 @@ class ProcessLoop:
                 obs(lag)
             except Exception:
                 log.exception("event loop lag observer failed")
+        if LAG_OBSERVERS:
+            worst = max(lg for _, lg in lags)
+            for obs in LAG_OBSERVERS:
+                try:
+                    obs(worst)
+                except Exception:
+                    log.exception("event loop lag observer failed")
 
     def lag(self) -> float:
         """The worst lateness (s) of the loop over the last ``LAG_WINDOW_S``, an unanswered ping

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, cast
 
 from mqorder import keys
+from mqorder.consumer.async_loop import LAG_OBSERVERS
 from mqorder.consumer.hooks import register_consume_message_hook
 from mqorder.consumer.listener import Ordering, get_listener
 from mqorder.metrics import multiproc, names
@@ -97,6 +98,10 @@ class WorkerMetrics:
         suspended = Gauge(names.KEYS_SUSPENDED.family, names.KEYS_SUSPENDED.help, names.KEYS_SUSPENDED.labels,
                           registry=None, multiprocess_mode="livesum")
         self.keys = KeyWatch(suspended)
+        # Set by each process's async listener loop (livemax: the worst live process).
+        loop_lag = Gauge(names.EVENT_LOOP_LAG.family, names.EVENT_LOOP_LAG.help, registry=None,
+                         multiprocess_mode="livemax")
+        LAG_OBSERVERS.append(loop_lag.set)
         self.client = ClientFigures()
         self.hook = MetricsHook(self.consumed, self.duration, self.refused, self.linger, self._max_reconsume,
                                 self.latency, self.redeliveries, self.keys, self._key_mode)

@@ -359,6 +359,11 @@ def sub_state(tag: str, sub: str) -> str:
         When ``offset`` last moved: written by ``commit`` in its existing HSET (kept when a commit
         does not move the offset) and by ``reset_offset``. Read only by ``mqorder status``, which
         tells a stuck queue (a backlog waiting since then) from a slow one.
+    ``error``
+        The last exception a listener of this lane raised, ``<offset>|<ms>|<text>`` (``ms`` by the
+        worker's clock, the text cut to 500 characters): written by ``commit`` and ``key_commit``
+        with the reconsume counts it goes with, only when a call failed. Never deleted: it is void
+        once the offset is below the committed one. Read only by ``mqorder status --key``.
     ``skipped``
         Messages retention trimmed before this subscription consumed them (``time`` policy, or a
         group gone for longer than ``retention_ms``): ``commit`` and ``key_commit`` add them

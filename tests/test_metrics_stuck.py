@@ -171,3 +171,21 @@ def test_a_suspended_key_shows_in_the_worker_and_the_exporter_until_it_succeeds(
     assert lane(e, "mqorder_queue_lag") == 0
     assert lane(e, "mqorder_queue_keys_suspended") == 0
     assert lane(e, "mqorder_queue_oldest_unfinished_age_seconds") == 0
+
+
+def test_redeliveries_are_counted_when_a_run_loses_its_queue_before_committing(env) -> None:
+    p, eng = env
+    for i in range(3):
+        p.send_orderly("t", str(i).encode(), sharding_key="k")
+    hook, reg = worker_hook()
+    locks = RebalanceLockManager(eng.brokers)
+
+    def listener(msgs, ctx):
+        if msgs[0].queue_offset == 1:  # another client takes the queue mid-run (a pause past the lease)
+            locks.assign("g", [(MQ, "c2", "other")], dead_clients=["c1"])
+        return S.SUCCESS
+
+    drain(eng, ListenerSpec(listener, "t", "g", hooks=[hook]))
+    assert value(reg, "mqorder_commits_refused_total", group="g", topic="t", reason="FENCED") == 1
+    # Offsets 0..2 were handed out, none committed: c2 reads them again.
+    assert value(reg, "mqorder_redeliveries_total", group="g", topic="t") == 3

@@ -102,6 +102,7 @@ def test_a_blocked_key_shows_its_queue_head_retries_owner_and_what_waits(world) 
     assert lane["waiting"] == 2 and lane["waiting_offsets"] == [0, 2]
     assert lane["scan_from"] == 0 and lane["scan_to"] == 4 and lane["scan_complete"]
     assert "failed 2 time(s)" in lane["verdict"]
+    assert head["last_error"] == "RuntimeError: card declined for order-7"  # recorded by commit.lua
 
     # Another key of the same queue waits behind it: queue order.
     (other,) = cli_json("status", "g", "--key", others[0])["lanes"]
@@ -111,7 +112,8 @@ def test_a_blocked_key_shows_its_queue_head_retries_owner_and_what_waits(world) 
     # Human output names the same facts.
     res = cli("status", "g", "orders", "--key", "order-7")
     assert res.exit_code == 0, res.stderr
-    for text in ("orders:broker-a:", "offset 0 (this key)", "2 retries", "id-0", "key waiting", "0, 2", "c1"):
+    for text in ("orders:broker-a:", "offset 0 (this key)", "2 retries", "id-0", "key waiting", "0, 2", "c1",
+                 "RuntimeError: card declined for order-7 (offset 0)"):
         assert text in res.stdout, text
 
     # --check: stuck once the backlog waited longer than --stuck-after.
@@ -141,6 +143,7 @@ def test_a_parked_key_in_key_mode_and_a_bounded_scan(world) -> None:
     assert lane["ordering"] == "key" and lane["parked"]
     assert lane["committed"] == 5 and lane["waiting_offsets"] == [5, 20] and lane["first_waiting_retries"] == 1
     assert "parked" in lane["verdict"]
+    assert lane["first_waiting_error"] == "RuntimeError: card declined for acct-1"  # key_commit.lua's
     # The other key finished everything (the offset map): nothing of it waits although the
     # committed offset is below its messages.
     (other,) = cli_json("status", "g", "--key", others[0])["lanes"]

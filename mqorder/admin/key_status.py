@@ -120,6 +120,9 @@ class KeyLane:
     first_waiting_retries: int = 0
     #: Key mode: the key's first unfinished message failed and waits for its retry.
     parked: bool = False
+    #: The last error recorded for the key's first waiting message, if the lane's last recorded
+    #: error is of that message (one per lane is kept: the latest).
+    first_waiting_error: str | None = None
 
     @property
     def lag(self) -> int:
@@ -275,6 +278,7 @@ def _scan(lane: KeyLane, entries: list[Any], hash_: int, retries: dict[int, int]
                 lane.first_waiting_age_ms = max(0, lane.now_ms - stored) if stored else None
                 lane.first_waiting_retries = retries.get(offset, 0)
                 lane.parked = lane.ordering == "key" and lane.first_waiting_retries > 0
+                lane.first_waiting_error = error.text if error is not None and error.offset == offset else None
             lane.waiting += 1
             if len(lane.waiting_offsets) < 20:
                 lane.waiting_offsets.append(offset)
@@ -325,7 +329,7 @@ def render(console: Console, report: KeyReport) -> None:
                       f"epoch {ln.epoch}; run {'running, ' + duration(ln.run_left_ms) + ' left' if ln.running else '-'}"
                       f"{'; request pending' if ln.pending else ''}"),
             ("head", _head_line(ln, duration)),
-            ("last error", ln.head.last_error if ln.head and ln.head.last_error else "-"),
+            ("last error", _error_line(ln)),
             ("scanned", looked),
             ("key waiting", f"{ln.waiting:,}" + (f" at offsets {', '.join(map(str, ln.waiting_offsets))}"
                                                   f"{' ...' if ln.waiting > len(ln.waiting_offsets) else ''}"
@@ -338,6 +342,15 @@ def render(console: Console, report: KeyReport) -> None:
         for name, value in rows:
             t.add_row(name, escape(value))
         console.print(t)
+
+
+def _error_line(ln: KeyLane) -> str:
+    """What the listener last raised on the head, or on the key's first waiting message."""
+    if ln.head is not None and ln.head.last_error:
+        return f"{ln.head.last_error} (offset {ln.head.offset})"
+    if ln.first_waiting_error:
+        return f"{ln.first_waiting_error} (offset {ln.waiting_offsets[0]})"
+    return "- (none recorded)"
 
 
 def _head_line(ln: KeyLane, duration: Any) -> str:

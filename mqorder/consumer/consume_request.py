@@ -25,7 +25,7 @@ from mqorder.consumer import native
 from mqorder.consumer.async_loop import ProcessLoop
 from mqorder.consumer.commit_pipeline import commit_pipelined
 from mqorder.consumer.consumer_state import ConsumerState
-from mqorder.consumer.context import ConsumeOrderlyContext
+from mqorder.consumer.context import CallContext, ConsumeOrderlyContext
 from mqorder.consumer.hooks import RefusedContext, global_hooks, run_refused
 from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
@@ -135,6 +135,9 @@ class ConsumeRequest(LingeringReads):
         self.commit_point = 0  # offset the ProcessQueue says may be persisted
         self.pulled_to = 0  # one past the highest offset pulled
         self.retry_updates: dict[int, int] = {}
+        #: The last listener exception of the run not committed yet, ``"<offset>|<ms>|<text>"``:
+        #: written with the next commit, beside the reconsume counts (``error`` in the state hash).
+        self.failure = ""
         self.retries: dict[int, int] | None = None
         #: Ranges retention trimmed before this run read them, until a commit counts them.
         self.trimmed = TrimmedRanges()
@@ -457,6 +460,7 @@ class ConsumeRequest(LingeringReads):
         None means "go on consuming"."""
         n = len(msgs)
         status = handled.status
+        self._note_failure(msgs, ctx)
         succeeded = status is SUCCESS or status is COMMIT or (ctx.auto_commit and status is ROLLBACK)
         if self.ledger is not None and succeeded:
             self.ledger.note(msgs, LedgerOutcome.SUCCESS, handled.start_ms, handled.end_ms, self.epoch)
@@ -484,6 +488,12 @@ class ConsumeRequest(LingeringReads):
             return self._stop_for_retry(ctx.suspend_current_queue_time_millis)
         return self._suspend(msgs, handled, ctx.suspend_current_queue_time_millis)
 
+
+    def _note_failure(self, msgs: list[MessageExt], ctx: CallContext) -> None:
+        """The listener raised on ``msgs``: keep what it raised for the next commit (the first
+        offset of the call stands for the batch)."""
+        if ctx.failure:
+            self.failure = f"{msgs[0].queue_offset}|{int(time.time() * 1000)}|{ctx.failure}"
 
     def _dead_letter_exhausted(self, msgs: list[MessageExt]) -> int | None:
         """``checkReconsumeTimes``: the leading messages past ``max_reconsume_times`` go to the DLQ
@@ -561,6 +571,8 @@ class ConsumeRequest(LingeringReads):
         for off, n in self.retry_updates.items():
             args.append(off)
             args.append(n)
+        if self.failure:
+            args += ("e", self.failure)  # commit.lua: the state's 'error' field
         keys_ = [self.k_state, self.k_next, self.k_retries]
         if pull or (self.ledger is not None and self.ledger.records):
             # One round trip: the fenced commit, then a plain read of the next batch (and the
@@ -573,11 +585,13 @@ class ConsumeRequest(LingeringReads):
             self._skips_counted(self.commit_point, skipped)
         if verb == "IDLE":
             self.committed = self.commit_point
+            self.failure = ""
             return ENDED
         if verb != "OK":
             self._on_refused(verb, res)
             return LOST
         self.retry_updates.clear()
+        self.failure = ""
         self.committed = self.commit_point
         return self._took(res, entries, pull)
 
@@ -650,7 +664,7 @@ class ConsumeRequest(LingeringReads):
             run_refused(self.hooks, RefusedContext(
                 self.spec.group, self.sub, self.mq, self.client_id, self.run_id, self.epoch, verb,
                 int(res[1]) if fenced else self.epoch, text(res[2]) if fenced else self.client_id,
-                self.commit_point, time.time(),
+                self.commit_point, time.time(), self.committed,
             ))
         if verb == "FENCED":
             log.warning(

@@ -33,6 +33,7 @@ class CallContext:
         "client_id",
         "group",
         "run_id",
+        "failure",
         "_still_owner",
     )
 
@@ -54,6 +55,9 @@ class CallContext:
         self.group = group
         #: Unique per ConsumeRequest run (a redelivery after a failover comes from another run).
         self.run_id = run_id
+        #: ``"<ExceptionType>: <message>"`` when the listener raised in this call, else "": the
+        #: engine records the last one with the reconsume count (``mqorder status --key`` shows it).
+        self.failure = ""
         self._still_owner = still_owner
 
     def still_owner(self) -> bool:
@@ -91,6 +95,7 @@ class ConsumeOrderlyContext(CallContext):
         self.client_id = client_id
         self.group = group
         self.run_id = run_id
+        self.failure = ""  # CallContext.failure
         self._still_owner = still_owner
         self.auto_commit = auto_commit
 

@@ -44,6 +44,9 @@ class RefusedContext:
     offset: int
     #: ``time.time()`` when the refusal was seen.
     at: float
+    #: The last offset the run had committed (-1: not told): the next owner reads from there, so
+    #: what the run handed to listeners at or above it is delivered again (``mqorder.metrics``).
+    committed: int = -1
 
 
 @dataclass

@@ -370,6 +370,7 @@ class KeyConsumeRequest(ConsumeRequest):
             return stop
         msgs, handled, ctx = res.msgs, res.handled, res.ctx
         status = handled.status
+        self._note_failure(msgs, ctx)
         if status is SUCCESS or status is COMMIT:
             self._finished(msgs, LedgerOutcome.SUCCESS, handled)
             self.consumed += len(msgs)
@@ -441,6 +442,8 @@ class KeyConsumeRequest(ConsumeRequest):
         for off, n in self.retry_updates.items():
             args.append(off)
             args.append(n)
+        if self.failure:
+            args += ("e", self.failure)  # key_commit.lua: the state's 'error' field
         res, entries = self._commit_pipelined([self.k_state, self.k_next, self.k_retries], args, pull, "key_commit",
                                               self.tracker.pulled_to, linger_until, then)
         verb = text(res[0])
@@ -449,6 +452,7 @@ class KeyConsumeRequest(ConsumeRequest):
             self._skips_counted(offset, skipped)
         if verb == "IDLE":
             self.committed = self.commit_point = offset
+            self.failure = ""
             self.dirty = False
             self.unsaved = 0
             return ENDED
@@ -459,6 +463,7 @@ class KeyConsumeRequest(ConsumeRequest):
             self._on_refused(verb, res)
             return LOST
         self.retry_updates.clear()
+        self.failure = ""
         self.committed = self.commit_point = offset
         self.dirty = False
         self.unsaved = 0

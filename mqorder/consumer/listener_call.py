@@ -72,12 +72,13 @@ def call_listener(
     status: Any
     try:
         status = spec.func(msgs, ctx)
-    except Exception:
+    except Exception as exc:
+        note_failure(ctx, exc)
         log.exception("listener %s raised on %s offsets %d..%d; %s",
                       spec.name, mq.key, msgs[0].queue_offset, msgs[-1].queue_offset, rule.on_raise)
         status = rule.fallback
     if status is not None and not isinstance(status, rule.status_type) and inspect.isawaitable(status):
-        status = _awaited_on_loop(rule, spec, mq, msgs, status)
+        status = _awaited_on_loop(rule, spec, mq, msgs, status, ctx)
     rt = (time.perf_counter() - t0) * 1000
     status = checked_status(rule, spec, mq, status)
     if hook_ctx is not None:
@@ -103,7 +104,8 @@ async def call_listener_async(
     status: Any
     try:
         status = await spec.func(msgs, ctx)
-    except Exception:
+    except Exception as exc:
+        note_failure(ctx, exc)
         log.exception("listener %s raised on %s offsets %d..%d; %s",
                       spec.name, mq.key, msgs[0].queue_offset, msgs[-1].queue_offset, rule.on_raise)
         status = rule.fallback
@@ -116,7 +118,7 @@ async def call_listener_async(
 
 
 def _awaited_on_loop(rule: StatusRule, spec: ListenerSpec, mq: MessageQueue, msgs: list[MessageExt],
-                     aw: Any) -> Any:
+                     aw: Any, ctx: Any = None) -> Any:
     """A plain function that returned an awaitable (``functools.partial`` of an ``async def``, a
     decorator that hides one): awaited on the process's loop, so it is handled, not dropped."""
     async def wait() -> Any:
@@ -124,10 +126,22 @@ def _awaited_on_loop(rule: StatusRule, spec: ListenerSpec, mq: MessageQueue, msg
 
     try:
         return process_loop().run_blocking(wait())
-    except Exception:
+    except Exception as exc:
+        note_failure(ctx, exc)
         log.exception("listener %s raised on %s offsets %d..%d; %s",
                       spec.name, mq.key, msgs[0].queue_offset, msgs[-1].queue_offset, rule.on_raise)
         return rule.fallback
+
+
+#: A recorded failure is cut to this many characters (it travels in the commit's arguments).
+FAILURE_CHARS = 500
+
+
+def note_failure(ctx: Any, exc: BaseException) -> None:
+    """Keep what the listener raised on the call's context (``CallContext.failure``), for the
+    engine to record with the reconsume count."""
+    if hasattr(ctx, "failure"):
+        ctx.failure = f"{type(exc).__name__}: {exc}"[:FAILURE_CHARS]
 
 
 def checked_status(rule: StatusRule, spec: ListenerSpec, mq: MessageQueue, status: Any) -> Any:

@@ -225,8 +225,8 @@ class MetricsHook(ConsumeMessageHook):
             return
         with self._handed_lock:
             handed = self._handed.pop((group, context.message_queue.key), None)
-        committed = getattr(context, "committed", None)
-        if handed is None or handed.run_id != context.run_id or committed is None:
+        committed = context.committed
+        if handed is None or handed.run_id != context.run_id or committed < 0:
             return
         again = len({o for o in handed.offsets if o >= committed})
         if again:

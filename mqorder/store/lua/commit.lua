@@ -16,7 +16,9 @@
 --         they were read (the committed offset was below the queue's first stored offset): added
 --         to the state's 'skipped' count with the commit that moves past them ('' or absent: 0)
 -- ARGV[9] read_to: one past the highest offset the run has read (AHEAD if above the queue's next)
--- ARGV[10..] pairs (offset, reconsume times) to record
+-- ARGV[10..] pairs (offset, reconsume times) to record; a pair ('e', '<offset>|<ms>|<text>') is the
+--         run's last listener exception instead, kept as the state's 'error' field (read by
+--         `mqorder status --key`; void once the offset moves past <offset>)
 -- Returns {'OK', next, revoked_to}, {'IDLE'} (run ended, queue drained)
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset},
 --         {'AHEAD', next}
@@ -36,5 +38,11 @@ redis.call('HSET', KEYS[1], 'offset', new, 'run', run_until, 'pend_until', run_u
   'lease', now + tonumber(ARGV[6]), 'commit_ms', moved_ms)
 count_skipped(KEYS[1], ARGV[8])
 drop_retries_below(KEYS[3], new, cur)
-for i = 10, #ARGV, 2 do redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1]) end
+for i = 10, #ARGV, 2 do
+  if ARGV[i] == 'e' then
+    redis.call('HSET', KEYS[1], 'error', ARGV[i + 1])
+  else
+    redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])
+  end
+end
 return commit_end(KEYS[1], nxt, st, ARGV[1], new, ARGV[7] == '1')

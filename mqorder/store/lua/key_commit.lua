@@ -20,7 +20,8 @@
 --          counted with this commit as in commit.lua (its ARGV[8]; '' or 0: none)
 -- ARGV[11] read_to: one past the highest offset the run has read (AHEAD if above the queue's next;
 --          the map never covers an offset the run did not read)
--- ARGV[12..] pairs (offset, reconsume times) to record; times 0 deletes the offset's count
+-- ARGV[12..] pairs (offset, reconsume times) to record; times 0 deletes the offset's count; a pair
+--          ('e', '<offset>|<ms>|<text>') is the run's last listener exception, as in commit.lua
 -- Returns {'OK', next, revoked_to}, {'IDLE'}
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset},
 --         {'AHEAD', next}, {'BADMAP', reason}
@@ -45,7 +46,9 @@ redis.call('HSET', KEYS[1], 'offset', new, 'done', map, 'run', run_until, 'pend_
 count_skipped(KEYS[1], ARGV[10])
 drop_retries_below(KEYS[3], new, cur)
 for i = 12, #ARGV, 2 do
-  if ARGV[i + 1] == '0' then
+  if ARGV[i] == 'e' then
+    redis.call('HSET', KEYS[1], 'error', ARGV[i + 1])
+  elseif ARGV[i + 1] == '0' then
     redis.call('HDEL', KEYS[3], ARGV[i])
   else
     redis.call('HSET', KEYS[3], ARGV[i], ARGV[i + 1])

@@ -207,10 +207,16 @@ def test_stack_runs_the_demo_in_order_through_a_killed_worker(images: Images, st
     move to the other; every order's four events applied once, in order; the stack down with its
     volume."""
     started = time.monotonic()
+    phases: dict[str, float] = {}
+
+    def phase(name: str) -> None:
+        phases[name] = round(time.monotonic() - started - sum(phases.values()), 1)
+
     stack.compose("up", "-d", "--no-build")
+    phase("up")
     wait_for(lambda: not stack.unhealthy(), timeout=300, interval=1,
              what=f"every service healthy (still: {stack.unhealthy()})")
-    up_s = time.monotonic() - started
+    phase("healthy")
 
     # Flower: its health endpoint open, its API behind the basic auth, both workers seen.
     assert stack.get(stack.flower_port, "/healthcheck") == (200, "OK")
@@ -230,6 +236,7 @@ def test_stack_runs_the_demo_in_order_through_a_killed_worker(images: Images, st
     wait_for(lambda: metric(stack.get(stack.exporter_port, "/metrics")[1], "mqorder_clients_live") == [2.0],
              timeout=60, interval=1, what="the exporter counting 2 live clients")
 
+    phase("flower+exporter")
     # The demo, through its compose profile; one worker killed once consumption has begun.
     r = redis.Redis.from_url(stack.url)
     demo = stack.popen("--profile", "demo", "run", "--rm", "demo")
@@ -241,6 +248,7 @@ def test_stack_runs_the_demo_in_order_through_a_killed_worker(images: Images, st
         moved = {q for q, c in before.items() if c == victim}
         run(["docker", "kill", victim_id], timeout=60)
         killed_at = counts(r).get("handled", 0)
+        phase("demo to kill")
         out, err = demo.communicate(timeout=300)
     finally:
         if demo.poll() is None:
@@ -251,8 +259,10 @@ def test_stack_runs_the_demo_in_order_through_a_killed_worker(images: Images, st
     assert moved, f"{victim} owned no queue of {before}"
     assert not inspect(victim_id)["State"]["Running"], "the killed worker was restarted"
 
+    phase("demo published")
     wait_for(lambda: set(assignees(r, stack.url).values()) == {survivor}, timeout=120, interval=0.5,
              what=f"{victim}'s queues {sorted(moved)} assigned to {survivor}")
+    phase("queues moved")
     wait_for(lambda: counts(r).get("handled", 0) >= ORDERS * 4, timeout=300, interval=0.5,
              what=f"{ORDERS * 4} events handled (now {counts(r)})")
     c = counts(r)
@@ -264,9 +274,10 @@ def test_stack_runs_the_demo_in_order_through_a_killed_worker(images: Images, st
     wait_for(lambda: sum(metric(stack.get(stack.exporter_port, "/metrics")[1], "mqorder_queue_lag")) == 0,
              timeout=60, interval=1, what="the exporter reporting no lag")
     r.close()
+    phase("consumed")
 
     # Down with the volume: nothing of the project left.
-    stack.compose("down", "--volumes", "--remove-orphans", "--timeout", "10")
+    stack.compose("down", "--volumes", "--remove-orphans", "--timeout", "5")
     assert stack.containers(every=True) == [] and stack.volumes() == []
-    print(f"stack healthy in {up_s:.0f} s; {c.get('duplicates', 0)} redeliveries skipped after the kill; "
-          f"whole test {time.monotonic() - started:.0f} s")
+    phase("down")
+    print(f"phases (s): {phases}; killed at {killed_at} handled; {c.get('duplicates', 0)} redeliveries skipped")

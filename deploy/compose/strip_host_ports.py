@@ -6,8 +6,8 @@ docker-py) refuses the combination ("host" network_mode is incompatible with por
 an override file cannot remove a key in v1. So the merged file is resolved once and cleaned here::
 
     docker-compose -f docker-compose.yml -f deploy/compose/hostnet.yml --profile demo config \\
-      | python3 deploy/compose/strip_host_ports.py > /tmp/mqorder-hostnet.yml
-    docker-compose -p mqorder --project-directory . -f /tmp/mqorder-hostnet.yml up -d
+      | python3 deploy/compose/strip_host_ports.py > hostnet-stack.yml
+    docker-compose -p mqorder --project-directory . -f hostnet-stack.yml up -d
 
 Reads the resolved file (``config`` output: variables already interpolated, ``$`` kept as ``$$``)
 on stdin and writes it on stdout. Needs PyYAML (Debian's docker-compose depends on it).

@@ -36,8 +36,9 @@ have() { docker image inspect "$1" >/dev/null 2>&1; }
 # Present, or pulled now; a registry that cannot be reached fails the pull in well under a second.
 present_or_pulled() { have "$1" || docker pull -q "$1" >/dev/null 2>&1; }
 
-# One build at a time on a machine: concurrent test runs wait here, then find the tags made.
-exec 9>/tmp/mqorder-build-images.lock
+# One build at a time per engine: concurrent test runs wait here, then find the tags made.
+lock_name=${DOCKER_HOST:-default}
+exec 9>"/tmp/mqorder-build-images.${lock_name//[^A-Za-z0-9]/_}.lock"
 flock 9
 
 local_base() {

@@ -77,15 +77,36 @@ def inspect(ref: str) -> dict:
     return json.loads(run(["docker", "inspect", ref], timeout=60).stdout)[0]
 
 
-def test_images_run_as_non_root_with_a_health_check_and_stay_small(images: Images) -> None:
+def test_images_run_as_non_root_and_their_own_health_checks_pass(images: Images) -> None:
+    """Each image as ``docker run`` starts it, without compose: a Redis, and the app image's default
+    command (a stock worker) beside it, sharing the Redis container's network namespace (its
+    loopback, so no bridge and no host port). Both become healthy by the image's own HEALTHCHECK
+    (probed every 2 s instead of 30 s), as a non-root user; each image stays under 400 MB."""
     for ref, user in ((images.app, "10001:10001"), (images.redis, "redis")):
         config = inspect(ref)["Config"]
         assert config["User"] == user, ref
         assert config["Healthcheck"]["Test"][0] in ("CMD", "CMD-SHELL"), f"{ref} has no HEALTHCHECK"
-        uid = run(["docker", "run", "--rm", "--network", "none", "--entrypoint", "id", ref, "-u"], timeout=60)
-        assert uid.stdout.strip() not in ("", "0"), f"{ref} runs as root"
         size = inspect(ref)["Size"]
         assert size < MAX_IMAGE_BYTES, f"{ref} is {size / 2**20:.0f} MB"
+        print(f"{ref}: {size / 1e6:.0f} MB")
+    fast = ["--health-interval", "2s", "--health-start-period", "120s"]
+    started: list[str] = []
+    try:
+        started.append(run(["docker", "run", "-d", "--network", "none", *fast, images.redis], timeout=60).stdout.strip())
+        started.append(run(["docker", "run", "-d", f"--network=container:{started[0]}", *fast,
+                            "-e", "MQORDER_REDIS_URL=redis://127.0.0.1:6379/0", images.app], timeout=60).stdout.strip())
+
+        def health() -> list[str]:
+            return [inspect(c)["State"].get("Health", {}).get("Status", "none") for c in started]
+
+        wait_for(lambda: health() == ["healthy", "healthy"], timeout=240, interval=1,
+                 what=f"the images' own health checks passing (now {health()})")
+        for cid in started:
+            uid = run(["docker", "exec", cid, "id", "-u"], timeout=60).stdout.strip()
+            assert uid not in ("", "0"), f"{inspect(cid)['Config']['Image']} runs as root"
+    finally:
+        if started:
+            run(["docker", "rm", "-f", "-v", *reversed(started)], timeout=120, check=False)
 
 
 def free_ports(n: int) -> list[int]:

@@ -30,6 +30,7 @@ import os
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -149,6 +150,9 @@ class ProcessLoop:
             # here, in the thread of the hub that will run the work.
             self.loop.set_default_executor(HubExecutor(self.loop))
         self._slots: asyncio.Semaphore | None = None
+        #: Calls submitted from other threads, started on the loop by ``_start_pending``.
+        self._pending: deque[AsyncCall] = deque()
+        self._start_scheduled = False
         #: Calls submitted and not ended (written on the loop's thread only).
         self.in_flight = 0
         #: Listener name of each running call's task, for the blocked-loop warning.
@@ -197,8 +201,21 @@ class ProcessLoop:
         """Run ``make()`` (a listener call that reports its own result) on the loop, within the
         process cap. ``name``: the listener's, for the blocked-loop warning."""
         call = AsyncCall(self.loop, name, make, on_skipped)
-        self.loop.call_soon_threadsafe(self._start, call)
+        self._pending.append(call)
+        if not self._start_scheduled:
+            # One wake-up of the loop (a write to its self-pipe) per burst of submissions, not
+            # one per call: a run hands out up to key_concurrency calls in one go.
+            self._start_scheduled = True
+            self.loop.call_soon_threadsafe(self._start_pending)
         return call
+
+    def _start_pending(self) -> None:
+        # Cleared before draining: a call appended after the last pop finds it clear and
+        # schedules another drain (at worst one drain too many, never a call left behind).
+        self._start_scheduled = False
+        pending = self._pending
+        while pending:
+            self._start(pending.popleft())
 
     def _start(self, call: AsyncCall) -> None:
         task = self.loop.create_task(self._run_call(call))

@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 class LaneCalls:
     """The calls of one run: lane workers borrowed on first plain call, async calls by lane key."""
 
-    def __init__(self, size: int, put: Callable[[LaneResult], None], grace_s: float) -> None:
+    def __init__(self, size: int, put: Callable[[LaneResult | list[LaneResult]], None], grace_s: float) -> None:
         self.size = size
         self._put = put
         self.grace_s = grace_s
@@ -39,6 +39,8 @@ class LaneCalls:
         self.calls: dict[int, AsyncCall] = {}
         self._lost_at: float | None = None
         self._cancelled = False
+        #: Async results of this turn of the loop, handed over together (loop thread only).
+        self._done: list[LaneResult] = []
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         """A plain listener's call, on a lane worker (borrowed from ``LANE_POOL`` on first use)."""
@@ -56,9 +58,19 @@ class LaneCalls:
         self.calls[key] = self._loop.submit(name, make, lambda: self.deliver(skipped))
 
     def deliver(self, res: LaneResult) -> None:
-        """Called on the loop's thread: hand the result to the dispatcher's queue."""
+        """Called on the loop's thread: the results of the calls that end in one turn of the loop
+        go to the dispatcher together, at the end of the turn (one wake-up of its thread, not one
+        per call: that hand-over was the largest cost of an async call)."""
+        done = self._done
+        done.append(res)
+        if len(done) == 1:
+            assert self._loop is not None
+            self._loop.loop.call_soon(self._flush)
+
+    def _flush(self) -> None:
+        batch, self._done = self._done, []
         assert self._hand is not None
-        self._hand(self._put, res)
+        self._hand(self._put, batch)
 
     def ended(self, key: int) -> None:
         self.calls.pop(key, None)

@@ -121,7 +121,7 @@ class KeyConsumeRequest(ConsumeRequest):
         self.lanes: Lanes = KeyLanes()
         self.tracker = OffsetTracker(0)
         #: Finished calls, reported by the lane workers (a C SimpleQueue: no Condition per put).
-        self.results: queue.SimpleQueue[LaneResult] = queue.SimpleQueue()
+        self.results: queue.SimpleQueue[LaneResult | list[LaneResult]] = queue.SimpleQueue()
         self.in_flight = 0
         self.poison: list[MessageExt] = []
         #: Progress not committed yet (finished offsets, skipped ones), and how many messages
@@ -347,8 +347,7 @@ class KeyConsumeRequest(ConsumeRequest):
             res = self.results.get(timeout=timeout)
         except queue.Empty:
             return stop
-        self._calls().ended(res.key)
-        stop = self._settle_one(res, stop, discard)
+        stop = self._settle_item(res, stop, discard)
         return self._settle_finished(stop, discard)
 
     def _settle_finished(self, stop: LoopEnd | None, discard: bool = False) -> LoopEnd | None:
@@ -357,8 +356,20 @@ class KeyConsumeRequest(ConsumeRequest):
                 res = self.results.get_nowait()
             except queue.Empty:
                 return stop
-            self._calls().ended(res.key)
-            stop = self._settle_one(res, stop, discard)
+            stop = self._settle_item(res, stop, discard)
+
+    def _settle_item(self, item: LaneResult | list[LaneResult], stop: LoopEnd | None, discard: bool) -> LoopEnd | None:
+        """One result of a lane worker, or the results of async calls that ended in one turn of the
+        loop (``LaneCalls.deliver`` hands them over together: one wake-up of this thread)."""
+        calls = self._calls()
+        if type(item) is list:
+            for res in item:
+                calls.ended(res.key)
+                stop = self._settle_one(res, stop, discard)
+            return stop
+        assert isinstance(item, LaneResult)
+        calls.ended(item.key)
+        return self._settle_one(item, stop, discard)
 
     def _settle_one(self, res: LaneResult, stop: LoopEnd | None, discard: bool) -> LoopEnd | None:
         """``processConsumeResult`` for one key: finish its messages, or suspend only its lane

@@ -23,12 +23,14 @@ hash of the ledger Redis raises it for one client (used to land a SIGSTOP inside
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import time
 from typing import Any
 
 import redis
+import redis.asyncio as aioredis
 from celery.signals import before_task_publish
 
 from chaos import records
@@ -139,6 +141,56 @@ def _record(parsed: list[tuple[str, int, bool, MessageExt]], ctx: ConsumeOrderly
     _ledger().rpush(records.LEDGER, *entries)
 
 
+#: ``CHAOS_ASYNC=1`` (the ``async-keys-kill`` scenario) registers ``handle_async``, the same
+#: listener as ``async def`` (issue 31): its calls run on each worker process's event loop.
+ASYNC_ENV = "CHAOS_ASYNC"
+
+
+_ar: dict[int, aioredis.Redis] = {}
+
+
+def _async_ledger() -> aioredis.Redis:
+    """The ledger Redis for ``handle_async``, one asyncio client per process (its loop's)."""
+    c = _ar.get(os.getpid())
+    if c is None:
+        c = _ar[os.getpid()] = aioredis.Redis(connection_pool=aioredis.BlockingConnectionPool.from_url(
+            os.environ["CHAOS_LEDGER_URL"], max_connections=16, socket_timeout=5))
+    return c
+
+
+async def handle_async(msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> ConsumeOrderlyStatus:
+    """``handle`` as ``async def``: the simulated work is awaited, ``ctx.still_owner_async()``
+    asked, and the ledger Redis is written with ``redis.asyncio``, so nothing blocks the loop."""
+    parsed = [(*_parse(m), m) for m in msgs]
+    status = (ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT if any(p for _, _, p, _ in parsed)
+              else ConsumeOrderlyStatus.SUCCESS)
+    ledger = _async_ledger()
+    start = time.time()
+    work_ms = float(os.environ.get("CHAOS_WORK_MS", "1"))
+    slow = await ledger.hget(CTL, f"slow:{ctx.client_id}")
+    if slow:
+        work_ms = max(work_ms, float(slow))
+    if work_ms > 0:
+        await asyncio.sleep(work_ms / 1000)
+    asked = time.time()
+    try:
+        still_owner: bool | None = await ctx.still_owner_async()
+    except redis.RedisError:
+        still_owner = None
+    end = time.time()
+    pid = os.getpid()
+    entries = [
+        records.Entry(
+            key=k, seq=s, queue=m.queue_id, offset=m.queue_offset, epoch=ctx.epoch, client=ctx.client_id,
+            pid=pid, start=start, end=end, reconsume=m.reconsume_times, status=status.name,
+            still_owner=still_owner, run=ctx.run_id, asked=asked,
+        ).to_json()
+        for k, s, _, m in parsed
+    ]
+    await ledger.rpush(records.LEDGER, *entries)
+    return status
+
+
 _ORDERING = os.environ.get(ORDERING_ENV, "queue")
 if _ORDERING == "concurrent":
     concurrent_listener(topic=TOPIC, group=GROUP, max_reconsume_times=MAX_RECONSUME,
@@ -146,7 +198,7 @@ if _ORDERING == "concurrent":
 else:
     orderly_listener(topic=TOPIC, group=GROUP, max_reconsume_times=MAX_RECONSUME,
                      suspend_current_queue_time_millis=SUSPEND_MS, hooks=[RefusalRecorder()],
-                     ordering=_ORDERING)(handle)
+                     ordering=_ORDERING)(handle_async if os.environ.get(ASYNC_ENV) == "1" else handle)
 
 
 def _record_publish(sender: str | None = None, **_: Any) -> None:

@@ -389,6 +389,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              env=dict(KEY_ORDER)),
     Scenario("keys-poison", "key order: poison messages that always SUSPEND hold back only their key", poison,
              env=dict(KEY_ORDER), enforce={"poison_bound"}),
+    Scenario("async-keys-kill", "key order, async def listener: kill -9 of a queue owner, repeatedly, with "
+             "restarts", kill_loop, env={**KEY_ORDER, listeners.ASYNC_ENV: "1"}),
     Scenario("concurrent", "concurrent listener: kill -9 of a queue owner, repeatedly, with restarts; poison "
              "messages through %RETRY%chaos to the DLQ", concurrent_kill, env=dict(CONCURRENT),
              enforce={"failover_target", "poison_bound"}),

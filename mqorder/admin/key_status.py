@@ -140,7 +140,7 @@ class KeyLane:
         if not self.waiting:
             more = "" if self.scan_complete else f" in the first {self.scan_to - self.scan_from:,} of the backlog"
             return f"nothing of this key waits{more}"
-        n = f"{self.waiting:,} message{'s' if self.waiting != 1 else ''} of this key wait"
+        n = "1 message of this key waits" if self.waiting == 1 else f"{self.waiting:,} messages of this key wait"
         head = self.head
         if self.parked:
             return f"{n}; the key is parked: offset {self.waiting_offsets[0]} failed " \

@@ -6,12 +6,16 @@ messages and the age of its lowest unfinished offset."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 
+import pytest
+import redis
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.parser import text_string_to_metric_families
 
-from mqorder import ConsumeOrderlyStatus
+from mqorder import ConsumeOrderlyStatus, Producer
 from mqorder.consumer.engine import ConsumerEngine, request_class
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.run_types import Outcome
@@ -23,6 +27,9 @@ from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.settings import Settings
 from mqorder.store.topics import TopicManager
 from tests.engine_support import MQ, drain
+from tests.support import ROOT, Cluster, body, wait_for
+from tests.test_metrics import ok_calls, total, worker_with_metrics
+from tests.test_metrics import scrape as metrics_of
 
 S = ConsumeOrderlyStatus
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -189,3 +196,39 @@ def test_redeliveries_are_counted_when_a_run_loses_its_queue_before_committing(e
     assert value(reg, "mqorder_commits_refused_total", group="g", topic="t", reason="FENCED") == 1
     # Offsets 0..2 were handed out, none committed: c2 reads them again.
     assert value(reg, "mqorder_redeliveries_total", group="g", topic="t") == 3
+
+
+@pytest.mark.e2e
+def test_a_real_worker_exports_latency_and_the_exporter_cli_the_stuck_head(cluster: Cluster, r: redis.Redis) -> None:
+    """The latency histogram through a real prefork worker's endpoint (multiprocess files summed by
+    its main process), and the stuck-head series from the real ``mqorder exporter --once``."""
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=1)
+    r.hset("ctl:g-order", "fail:stuck", 1)  # tests.listeners: key "stuck" always suspends (1 s each)
+    port = worker_with_metrics(cluster, "w1")
+    for i in range(6):
+        p.send_orderly("t-order", body(f"k{i}", 1), sharding_key=f"k{i}")
+    p.send_orderly("t-order", body("stuck", 1), sharding_key="stuck")
+    wait_for(lambda: ok_calls(r, "g-order") >= 6, timeout=60, what="the six keys before it handled")
+
+    def suspended_once() -> Samples | None:
+        m = metrics_of(port)
+        return m if total(m, "mqorder_consumed_messages_total", group="g-order", result="suspended") >= 1 else None
+
+    m = wait_for(suspended_once, timeout=30, what="the stuck message suspended")
+    # One observation per message at its first call: 7 (the stuck one's retries are not observed).
+    assert total(m, "mqorder_message_latency_seconds_count", group="g-order", topic="t-order") == 7
+    assert total(m, "mqorder_message_latency_seconds_bucket", group="g-order", le="+Inf") == 7
+    assert total(m, "mqorder_redeliveries_total") == 0  # no run lost its queue
+
+    out = subprocess.run([sys.executable, "-m", "mqorder.cli", "exporter", "--once"], env=cluster.env(), cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    e = {(s.name, tuple(sorted(s.labels.items()))): s.value
+         for f in text_string_to_metric_families(out.stdout) for s in f.samples}
+    lane_ = (("broker", "broker-a"), ("group", "g-order"), ("queue", "0"), ("topic", "t-order"))
+    assert e[("mqorder_queue_committed_offset", lane_)] == 6
+    assert e[("mqorder_queue_head_retries", lane_)] >= 1
+    assert e[("mqorder_queue_head_age_seconds", lane_)] > 0
+    assert e[("mqorder_queue_stalled_seconds", lane_)] > 0
+    assert ("mqorder_queue_keys_suspended", lane_) not in e  # queue order: no key-mode series

@@ -5,21 +5,18 @@ who owns it, how far behind is it, what is in the DLQ") is the state of the *gro
 in Redis. This exporter reads it at every scrape, so one scrape target covers every worker, live or
 dead, and a queue nobody consumes still shows its lag.
 
-A scrape costs two round trips per broker, plus a few reads of the topic routes, subscriptions and
-heartbeats on the default broker:
+A scrape costs one round trip per broker, plus a few reads of the topic routes, subscriptions
+and heartbeats on the default broker: the lanes in batches of one read-only script
+(``mqorder.metrics.lane_read``: per lane its queue's next offset, its state hash and, with a
+backlog, its head message's store time and reconsume count, judged by that Redis's clock), the
+length of every DLQ queue, and ``TIME`` from every node (``mqorder.admin.clocked``: on a Redis
+Cluster every shard answers in that round trip). The answer is written in the text format
+directly (``mqorder.metrics.exposition``).
 
-1. per queue its next offset, per group lane its state hash, per group its DLQ length, and
-   ``TIME`` (on a Redis Cluster every shard answers in that round trip, with its own clock,
-   ``mqorder.admin.clocked``);
-2. only for the lanes with a backlog: the head message (``XRANGE`` from the committed offset,
-   ``COUNT 1``: its ``s`` field is its store time by Redis's clock; the stream id is
-   ``<offset>-1`` and carries no time), its reconsume count, and in key mode how many messages are
-   parked, with ``TIME`` again. A caught-up lane costs nothing here.
-
-Nothing is written, no script is run, and the consume path is not touched. Every figure is
-derived from what Redis holds (``commit_ms`` is written by the commit scripts), so an exporter
-restart loses nothing. Broadcasting groups have one lane per client: their ``group`` label is that
-lane's id, ``<group>%BC%<client>``.
+Nothing is written and the consume path is not touched. Every figure is derived from what Redis
+holds (``commit_ms`` is written by the commit scripts), so an exporter restart loses nothing.
+Broadcasting groups have one lane per client: their ``group`` label is that lane's id,
+``<group>%BC%<client>``.
 """
 
 from __future__ import annotations

@@ -35,7 +35,9 @@ from mqorder.client.producer import Producer
 from mqorder.store.replies import text
 from tests.support import ROOT, wait_for
 
-pytestmark = pytest.mark.e2e
+# A cold machine makes the base with debootstrap and builds every image first (~10 min measured on
+# 2 loaded cores); a warm one finds them by tag. The suite's default 300 s would stop the cold run.
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]
 
 HERE = ROOT / "deploy" / "compose"
 TOPIC, GROUP = "orders", "order-lifecycle"  # the demo listener's defaults (docker-compose.yml)

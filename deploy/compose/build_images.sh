@@ -106,8 +106,10 @@ if ! have "$app"; then
   log "building $app on $base"
   args=(--build-arg "BASE_IMAGE=$base" --build-arg "PIP_OPTS=--no-index")
   [ -n "${BUILD_DEPS+x}" ] && args+=(--build-arg "BUILD_DEPS=$BUILD_DEPS")
-  DOCKER_BUILDKIT=0 docker build --network host "${args[@]}" -t "$app" "$ROOT" >/tmp/mqorder-build-app.log 2>&1 \
-    || { tail -n 40 /tmp/mqorder-build-app.log >&2; exit 1; }
+  build_log=$(mktemp /tmp/mqorder-build-app.XXXXXX)
+  DOCKER_BUILDKIT=0 docker build --network host "${args[@]}" -t "$app" "$ROOT" >"$build_log" 2>&1 \
+    || { tail -n 40 "$build_log" >&2; exit 1; }
+  rm -f "$build_log"
   # Keep the 3 newest source tags (other checkouts' runs may still use them), drop the rest.
   docker image ls mqorder --format '{{.CreatedAt}}|{{.Tag}}' | grep '|src-' | sort -r | tail -n +4 \
     | cut -d'|' -f2 | while read -r tag; do docker rmi "mqorder:$tag" >/dev/null 2>&1 || true; done
@@ -122,9 +124,11 @@ else
   redis_image=mqorder-redis:src-$redis_hash
   if ! have "$redis_image"; then
     log "building $redis_image (Debian's redis-server) on $base"
+    build_log=$(mktemp /tmp/mqorder-build-redis.XXXXXX)
     DOCKER_BUILDKIT=0 docker build --network host --build-arg "BASE_IMAGE=$base" -f "$HERE/redis.Dockerfile" \
-      -t "$redis_image" "$HERE" >/tmp/mqorder-build-redis.log 2>&1 \
-      || { tail -n 40 /tmp/mqorder-build-redis.log >&2; exit 1; }
+      -t "$redis_image" "$HERE" >"$build_log" 2>&1 \
+      || { tail -n 40 "$build_log" >&2; exit 1; }
+    rm -f "$build_log"
   fi
   docker tag "$redis_image" mqorder-redis:bookworm
 fi

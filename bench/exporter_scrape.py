@@ -116,6 +116,7 @@ def _key_status(runs: int, backlog: int) -> dict[str, Any]:
     """``key_status`` over one queue holding ``backlog`` unconsumed messages of 1,000 keys."""
     with contextlib.ExitStack() as st:
         srv, _ = redis_and_client(st)
+        pid = server_pid(srv)
         settings = load_settings(redis_url=srv.url)
         p = Producer(settings=settings)
         st.callback(p.close)
@@ -123,16 +124,20 @@ def _key_status(runs: int, backlog: int) -> dict[str, Any]:
         TopicManager(p.brokers).subscribe(GROUP, "t-key", MessageModel.CLUSTERING)
         for start in range(0, backlog, 5000):
             p.send_orderly_batch("t-key", [(f"order-{i % 1000}", BODY) for i in range(start, min(backlog, start + 5000))])
-        times, waiting = [], 0
+        times, cpu, redis_cpu, waiting = [], [], [], 0
         with Admin.open(settings) as admin:
             for _ in range(runs):
+                c0, rc0 = time.process_time(), cpu_s(pid)
                 t0 = time.perf_counter()
                 rep = key_status(admin, GROUP, "order-7", scan=backlog)
                 times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+                redis_cpu.append(cpu_s(pid) - rc0)
                 waiting = rep.lanes[0].waiting
                 assert rep.lanes[0].scan_complete
         log(f"exporter_scrape: status --key over {backlog:,} messages: {summarize(times).fmt(3, 's')}")
-        return {"backlog": backlog, "seconds": times, "waiting": waiting}
+        return {"backlog": backlog, "seconds": times, "cpu_s": cpu, "redis_cpu_s": redis_cpu, "waiting": waiting,
+                "load1": load1()}
 
 
 def report_lines(res: dict[str, Any]) -> list[str]:
@@ -167,8 +172,11 @@ def report_lines(res: dict[str, Any]) -> list[str]:
             f"grows with it while the CPU times do not. Target: at most {res['target_s']:g} s at 10,000 queues.",
             "",
             f"`mqorder status GROUP --key KEY` (`key_status`) over one queue of {k['backlog']:,} unconsumed "
-            f"messages of 1,000 keys, scanning all of them: {summarize(k['seconds']).fmt(3, 's')} "
-            f"({k['waiting']} messages of the key found).", ""]
+            f"messages of 1,000 keys, scanning all of them: {summarize(k['seconds']).fmt(3, 's')} wall, "
+            f"{summarize(k.get('cpu_s') or [float('nan')]).fmt(3, 's')} CPU of the command's process, "
+            f"{summarize(k.get('redis_cpu_s') or [float('nan')]).fmt(2, 's')} of Redis's, at a load average of "
+            f"{k.get('load1', float('nan')):.1f} ({k['waiting']} messages of the key found). Target: under a second.",
+            ""]
     return out
 
 

@@ -176,7 +176,7 @@ class ClusterCollector:
         for mq in plan.queues:
             part = queue_part[mq] = f'topic="{escape(mq.topic)}",broker="{escape(mq.broker_name)}",queue="{mq.queue_id}"'
             if mq in reading.max_offsets:
-                max_offset.lines.append(f"{names.QUEUE_MAX_OFFSET.name}{{{part}}} {reading.max_offsets[mq]}\n")
+                max_offset.lines.append(f"{names.QUEUE_MAX_OFFSET.name}{{{part}}} {reading.max_offsets[mq]}.0\n")
         n = {spec: spec.name for spec in _LANE_SPECS}
         committed, lag, epoch, running = (fam[s].lines.append for s in (
             names.QUEUE_COMMITTED_OFFSET, names.QUEUE_LAG, names.QUEUE_EPOCH, names.QUEUE_RUNNING))
@@ -192,18 +192,18 @@ class ClusterCollector:
             sub, mq = lane
             inner = f'group="{escape(sub)}",{queue_part[mq]}'
             ls = "{" + inner + "}"
-            committed(f"{n_committed}{ls} {got.committed}\n")
-            lag(f"{n_lag}{ls} {got.lag}\n")
-            epoch(f"{n_epoch}{ls} {got.epoch}\n")
-            running(f"{n_running}{ls} {1 if got.running else 0}\n")
+            committed(f"{n_committed}{ls} {got.committed}.0\n")
+            lag(f"{n_lag}{ls} {got.lag}.0\n")
+            epoch(f"{n_epoch}{ls} {got.epoch}.0\n")
+            running(f"{n_running}{ls} {1.0 if got.running else 0.0}\n")
             if got.owner:
-                owner(f'{n_owner}{{{inner},owner="{escape(got.owner)}"}} 1\n')
+                owner(f'{n_owner}{{{inner},owner="{escape(got.owner)}"}} 1.0\n')
             age = got.head_age_ms / 1000
             head_age(f"{n_age}{ls} {age}\n")
             stalled(f"{n_stalled}{ls} {got.stalled_ms / 1000}\n")
-            head_retries(f"{n_retries}{ls} {got.head_retries}\n")
+            head_retries(f"{n_retries}{ls} {got.head_retries}.0\n")
             if got.key_mode:
-                parked(f"{n_parked}{ls} {got.parked}\n")
+                parked(f"{n_parked}{ls} {got.parked}.0\n")
                 unfinished(f"{n_unfinished}{ls} {age}\n")
         clients, dlq = Family(names.CLIENTS_LIVE), Family(names.DLQ_MESSAGES)
         for group, count in sorted(plan.clients.items()):
@@ -268,7 +268,7 @@ def exporter(
     if once:
         out = collector.scrape()
         sys.stdout.write(out)
-        raise typer.Exit(0 if f"\n{names.UP.name} 1\n" in f"\n{out}" else 1)
+        raise typer.Exit(0 if f"\n{names.UP.name} 1.0\n" in f"\n{out}" else 1)
     try:
         server = serve(addr, port, collector.scrape)
     except OSError as exc:

@@ -37,10 +37,11 @@ def labels(names: Sequence[str], values: Sequence[str]) -> str:
 
 
 def number(value: float) -> str:
-    """A sample value: integers exactly (epochs exceed a float's 2^53 only past the year 2255), the
-    rest as Python's shortest round-tripping repr, which Prometheus parses."""
+    """A sample value as prometheus-client writes it for small numbers (``1.0``): integers with all
+    their digits (an epoch has 16, which prometheus-client would round to ``1.7956e+15``), the rest
+    as Python's shortest round-tripping repr; Prometheus parses both."""
     if isinstance(value, int):
-        return str(value)
+        return f"{value}.0"
     return repr(float(value))
 
 

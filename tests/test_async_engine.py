@@ -7,6 +7,7 @@ Real workers run the same listeners in ``test_async_e2e``."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -294,3 +295,50 @@ def test_the_decorators_take_async_def_and_refuse_generators_with_what_to_write(
         orderly_listener(topic="t-a2", group="g-a2")(agen)
     with pytest.raises(ListenerError, match="cancel_grace_ms"):
         orderly_listener(topic="t-a2", group="g-a2", cancel_grace_ms=-1)
+
+
+def test_a_plain_function_returning_a_coroutine_is_awaited_not_dropped(env) -> None:
+    """A decorator that hides an ``async def`` behind a plain function returning its coroutine: the
+    calls are awaited on the process's loop, not silently lost (issue 31's bug)."""
+    p, eng = env
+    send_keys(p, 3, 2)
+    seen: list[int] = []
+
+    async def handle(tag, msgs, ctx):
+        await asyncio.sleep(0)
+        seen.extend(m.queue_offset for m in msgs)
+        return S.SUCCESS
+
+    def wrapper(msgs, ctx):  # what a careless decorator leaves
+        return handle("x", msgs, ctx)
+
+    spec = ListenerSpec(wrapper, "t", "g")
+    assert not spec.is_async
+    drain(eng, spec)
+    assert seen == list(range(6))
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 6
+
+
+def test_the_process_cap_holds_calls_past_it_until_a_slot_frees() -> None:
+    loop = ProcessLoop(max_in_flight=2)
+    running, peak, done = [0], [0], threading.Event()
+    release = asyncio.Event()
+    ended: list[int] = []
+
+    async def call(i: int) -> None:
+        running[0] += 1
+        peak[0] = max(peak[0], running[0])
+        if i < 2:
+            await release.wait()
+        running[0] -= 1
+        ended.append(i)
+        if len(ended) == 5:
+            done.set()
+
+    for i in range(5):
+        loop.submit("cap-test", functools.partial(call, i), lambda: None)
+    time.sleep(0.3)
+    assert peak[0] == 2 and ended == []  # three calls wait for a slot
+    loop.loop.call_soon_threadsafe(release.set)
+    assert done.wait(10)
+    assert peak[0] == 2 and sorted(ended) == [0, 1, 2, 3, 4]

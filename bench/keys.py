@@ -59,6 +59,12 @@ class KeysSpec:
     pool: str
     concurrency: int
     ordering: str
+    #: The listener as ``async def`` (issue 31), on each worker process's event loop.
+    async_listener: bool = False
+    #: ``key_concurrency`` of the listener (None: the setting's default, 16).
+    key_concurrency: int | None = None
+    sleep_ms: int = SLEEP_MS
+    keys: int = KEYS
 
     @property
     def scale(self) -> int:
@@ -74,11 +80,26 @@ SPECS = [
     KeysSpec("gev-queue", "gevent", 256, "queue"),
     KeysSpec("gev-key", "gevent", 256, "key"),
 ]
+#: Issue 31: the same key-order workload with an ``async def`` listener on the stock prefork pool
+#: (8 children per worker: one ConsumeRequest per child, so the 16 queues run at once as on the
+#: other pools), at the default key_concurrency (16, the same calls in flight as the rows above)
+#: and at 64, beside the plain listener on the same prefork workers (the control) and the async
+#: one on gevent; then a 100 ms listener over 20,000 keys at key_concurrency 256.
+ASYNC_SPECS = [
+    KeysSpec("pre-key", "prefork", 8, "key"),
+    KeysSpec("async-pre-key", "prefork", 8, "key", async_listener=True),
+    KeysSpec("async-pre-key64", "prefork", 8, "key", async_listener=True, key_concurrency=64),
+    KeysSpec("async-gev-key64", "gevent", 256, "key", async_listener=True, key_concurrency=64),
+    KeysSpec("async-pre-100ms", "prefork", 8, "key", async_listener=True, key_concurrency=256, sleep_ms=100,
+             keys=20_000),
+]
+#: The async target of issue 31 for the 100 ms row (msg/s on the two workers).
+ASYNC_100MS_TARGET = 20_000
 
 
-def fail_count(messages: int) -> int:
+def fail_count(messages: int, keys: int = KEYS) -> int:
     """How many of the workload's first ``messages`` messages belong to ``FAIL_KEY``."""
-    w = Workload(KEYS)
+    w = Workload(keys)
     return sum(1 for k, _ in w.items(messages) if k == FAIL_KEY)
 
 
@@ -97,16 +118,21 @@ def measure(cfg: Config, spec: KeysSpec, messages: int, timeout: float = 600.0) 
     failing key."""
     out: list[dict[str, Any]] = []
     messages *= spec.scale
-    bad = fail_count(messages)
+    bad = fail_count(messages, spec.keys)
     with contextlib.ExitStack() as st:
         srv, r = redis_and_client(st)
         topic, group = f"keys-{spec.tag}", f"g-keys-{spec.tag}"
+        extra = {"BENCH_ASYNC": "1"} if spec.async_listener else {}
+        if spec.key_concurrency:
+            extra["BENCH_KEY_CONCURRENCY"] = str(spec.key_concurrency)
         env = mq_env(srv.url, topic=topic, group=group, mode="sleep", lanes=3,
-                     BENCH_SLEEP_MS=str(SLEEP_MS), BENCH_ORDERING=spec.ordering, BENCH_FAIL_KEY=FAIL_KEY,
+                     BENCH_SLEEP_MS=str(spec.sleep_ms), BENCH_ORDERING=spec.ordering, BENCH_FAIL_KEY=FAIL_KEY,
                      BENCH_FAIL_LANES="2", BENCH_MAX_RECONSUME=str(MAX_RECONSUME), BENCH_SUSPEND_MS=str(SUSPEND_MS),
-                     MQORDER_REBALANCE_INTERVAL_MS="3600000")
+                     MQORDER_REBALANCE_INTERVAL_MS="3600000", **extra)
         names = [f"{spec.tag}-w{i}" for i in range(2)]
-        log(f"keys {spec.tag}: starting 2 workers -P {spec.pool} -c {spec.concurrency}, ordering={spec.ordering}")
+        log(f"keys {spec.tag}: starting 2 workers -P {spec.pool} -c {spec.concurrency}, ordering={spec.ordering}"
+            f"{', async def listener' if spec.async_listener else ''}, key_concurrency={spec.key_concurrency or 16}, "
+            f"{spec.sleep_ms} ms, {spec.keys:,} keys")
         ws = start_mq_workers(st, srv.url, names, env, spec.concurrency, cfg.logdir / f"keys-{spec.tag}",
                               pool=spec.pool)
         app = ctl_app(srv.url)
@@ -115,7 +141,7 @@ def measure(cfg: Config, spec: KeysSpec, messages: int, timeout: float = 600.0) 
         for lane, (t, g) in enumerate(lane_names(topic, group, 3)):
             fails = lane == 2
             n = WARMUP if lane == 0 else messages
-            produce_backlog(srv.url, t, QUEUES, n, KEYS, hold=True)
+            produce_backlog(srv.url, t, QUEUES, n, spec.keys, hold=True)
             mqs = queues_of(t, QUEUES)
             time.sleep(0.3)
             cpu_w0, cpu_r0 = tree_cpu_s(w.pid for w in ws), cpu_s(redis_pid)
@@ -129,6 +155,8 @@ def measure(cfg: Config, spec: KeysSpec, messages: int, timeout: float = 600.0) 
                 continue
             res = {
                 "tag": spec.tag, "pool": spec.pool, "concurrency": spec.concurrency, "ordering": spec.ordering,
+                "async": spec.async_listener, "key_concurrency": spec.key_concurrency or 16, "sleep_ms": spec.sleep_ms,
+                "keys": spec.keys,
                 "failing_key": fails, "messages": messages, "failing_messages": bad if fails else 0,
                 "others_s": t_others, "others_rate": others / t_others, "all_s": t_all,
                 "lag_after": total_lag(r, g, mqs), "worker_cpu_s": cpu_w, "redis_cpu_s": cpu_r, "load1": load1(),
@@ -141,9 +169,9 @@ def measure(cfg: Config, spec: KeysSpec, messages: int, timeout: float = 600.0) 
 
 
 def run(cfg: Config, messages: int, runs: int) -> dict[str, Any]:
-    results: dict[str, list[dict[str, Any]]] = {s.tag: [] for s in SPECS}
+    results: dict[str, list[dict[str, Any]]] = {s.tag: [] for s in (*SPECS, *ASYNC_SPECS)}
     for _ in range(runs):
-        for spec in SPECS:
+        for spec in (*SPECS, *ASYNC_SPECS):
             results[spec.tag].extend(measure(cfg, spec, messages))
     return {"messages": messages, "queues": QUEUES, "keys": KEYS, "sleep_ms": SLEEP_MS, "fail_key": FAIL_KEY,
             "max_reconsume": MAX_RECONSUME, "suspend_ms": SUSPEND_MS, "runs": results}
@@ -191,4 +219,49 @@ def report_lines(res: dict[str, Any]) -> list[str]:
             f"until the DLQ, max_reconsume_times {res['max_reconsume']}, suspend {res['suspend_ms']} ms) the figure "
             "is the throughput of the other keys, and in brackets its ratio to the run without the failing key.",
             ""]
+    return out + async_lines(res)
+
+
+def _cpu_us(rows: list[dict[str, Any]]) -> float:
+    """Worker CPU per message (µs, median over the runs without the failing key)."""
+    xs = [x["worker_cpu_s"] / x["messages"] * 1e6 for x in rows if not x["failing_key"]]
+    return summarize(xs).median if xs else float("nan")
+
+
+def async_lines(res: dict[str, Any]) -> list[str]:
+    """The async rows (issue 31), against the threads and gevent key-order rows of the same run."""
+    runs = res.get("runs") or {}
+    if not any(runs.get(s.tag) for s in ASYNC_SPECS):
+        return []
+    thr, gev = runs.get("thr-key") or [], runs.get("gev-key") or []
+    best_name, best = max((("threads -c 128", _rate(thr, False)), ("gevent -c 256", _rate(gev, False))),
+                          key=lambda x: x[1] if x[1] == x[1] else -1.0)
+    thr_cpu = _cpu_us(thr)
+    out = ["### Async listeners, key mode (issue 31)", "",
+           "| 2 workers, key order | listener | key_concurrency | keys | msg/s | / best plain "
+           f"({best_name}) | one key failing | worker CPU µs/msg | / threads CPU |",
+           "|---|---|---|---|---|---|---|---|---|"]
+    for pool, short, c in POOLS:
+        rows = runs.get(f"{short}-key") or []
+        if rows:
+            k0, k1 = _rate(rows, False), _rate(rows, True)
+            out.append(f"| -P {pool} -c {c} | def, {res['sleep_ms']} ms | 16 | {res['keys']:,} | {k0:,.0f} | "
+                       f"{k0 / best:.2f}x | {k1:,.0f} ({k1 / k0:.2f}x) | {_cpu_us(rows):.0f} | "
+                       f"{_cpu_us(rows) / thr_cpu:.2f}x |")
+    for spec in ASYNC_SPECS:
+        rows = runs.get(spec.tag) or []
+        if not rows:
+            continue
+        k0, k1, cpu = _rate(rows, False), _rate(rows, True), _cpu_us(rows)
+        kind = "async def" if spec.async_listener else "def"
+        out.append(f"| -P {spec.pool} -c {spec.concurrency} | {kind}, {spec.sleep_ms} ms | "
+                   f"{spec.key_concurrency or 16} | {spec.keys:,} | {k0:,.0f} | {k0 / best:.2f}x | "
+                   f"{k1:,.0f} ({k1 / k0:.2f}x) | {cpu:.0f} | {cpu / thr_cpu:.2f}x |")
+    out += ["", f"Same workload and run as the table above ({5 * res['messages']:,} messages per run, 16 queues); "
+            "the async listener awaits `asyncio.sleep` where the plain one calls `time.sleep`. Prefork runs one "
+            "ConsumeRequest per child, so its workers have 8 children each (all 16 queues at once, as the "
+            "threads and gevent workers); each child runs its calls on its own event loop. Issue 31's targets: "
+            "async key mode on prefork at least 1.3x the best plain row, worker CPU per message at most 0.7x "
+            f"threads key mode, and at least {ASYNC_100MS_TARGET:,} msg/s for the 100 ms listener at "
+            "key_concurrency 256 (the last row, 20,000 keys).", ""]
     return out

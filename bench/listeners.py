@@ -15,13 +15,16 @@ Configured from the environment so one module serves every section:
 * ``BENCH_ORDERING``: ``queue`` (default) or ``key``, the listeners' ``ordering``, or
   ``concurrent``: the no-op listener registered with ``@concurrent_listener`` (the ``concurrent``
   section; noop mode only);
-  ``BENCH_MAX_RECONSUME`` / ``BENCH_SUSPEND_MS`` their ``max_reconsume_times`` and suspend time.
+  ``BENCH_MAX_RECONSUME`` / ``BENCH_SUSPEND_MS`` their ``max_reconsume_times`` and suspend time,
+  ``BENCH_KEY_CONCURRENCY`` their ``key_concurrency``;
+* ``BENCH_ASYNC=1``: the ``sleep`` listener as ``async def`` (``async_sleeper``).
 
 The consume batch size comes from ``MQORDER_CONSUME_MESSAGE_BATCH_MAX_SIZE`` (settings).
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import threading
 import time
@@ -149,6 +152,22 @@ def sleeper(group: str, fail_hash: int | None) -> Callable[[Any, Any], ConsumeOr
     return listener
 
 
+def async_sleeper(group: str, fail_hash: int | None) -> Callable[[Any, Any], Any]:
+    """``sleeper`` as ``async def`` (``BENCH_ASYNC=1``, the keys section's async rows): the same
+    I/O-bound work awaited on the worker process's event loop (issue 31)."""
+    pause = float(os.environ.get("BENCH_SLEEP_MS", "10")) / 1000
+
+    async def listener(msgs, ctx):
+        if fail_hash is not None and msgs[0].key_hash == fail_hash:
+            await asyncio.sleep(pause)
+            return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        await asyncio.sleep(pause * len(msgs))
+        OK_COUNTER.add(group, len(msgs))
+        return SUCCESS
+
+    return listener
+
+
 def lane_names(topic: str, group: str, lanes: int) -> list[tuple[str, str]]:
     if lanes <= 1:
         return [(topic, group)]
@@ -169,6 +188,8 @@ def _register() -> None:
         opts["max_reconsume_times"] = int(os.environ["BENCH_MAX_RECONSUME"])
     if os.environ.get("BENCH_SUSPEND_MS"):
         opts["suspend_current_queue_time_millis"] = int(os.environ["BENCH_SUSPEND_MS"])
+    if os.environ.get("BENCH_KEY_CONCURRENCY"):
+        opts["key_concurrency"] = int(os.environ["BENCH_KEY_CONCURRENCY"])
     fail_key = os.environ.get("BENCH_FAIL_KEY")
     fail_lanes = {int(x) for x in os.environ.get("BENCH_FAIL_LANES", "").split(",") if x}
     lanes = lane_names(topic, group, int(os.environ.get("BENCH_LANES", "1")))
@@ -179,7 +200,7 @@ def _register() -> None:
     for i, (t, g) in enumerate(lanes):
         if mode == "sleep":
             fail = zlib.crc32(fail_key.encode()) if fail_key and i in fail_lanes else None
-            func = sleeper(g, fail)
+            func = (async_sleeper if os.environ.get("BENCH_ASYNC") == "1" else sleeper)(g, fail)
         orderly_listener(topic=t, group=g, **opts)(func)
 
 

@@ -6,9 +6,12 @@ messages and the age of its lowest unfinished offset."""
 
 from __future__ import annotations
 
+import gzip
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import pytest
 import redis
@@ -21,6 +24,7 @@ from mqorder.consumer.listener import ListenerSpec
 from mqorder.consumer.run_types import Outcome
 from mqorder.metrics import names
 from mqorder.metrics.exporter import collector_for
+from mqorder.metrics.exposition import serve
 from mqorder.metrics.hook import KeyWatch, LingerWatch, MetricsHook
 from mqorder.model import MessageModel
 from mqorder.rebalance.lock_manager import RebalanceLockManager
@@ -232,3 +236,29 @@ def test_a_real_worker_exports_latency_and_the_exporter_cli_the_stuck_head(clust
     assert e[("mqorder_queue_head_age_seconds", lane_)] > 0
     assert e[("mqorder_queue_stalled_seconds", lane_)] > 0
     assert ("mqorder_queue_keys_suspended", lane_) not in e  # queue order: no key-mode series
+
+
+def test_the_exporter_endpoint_serves_text_gzipped_on_request_and_404_elsewhere(env, settings) -> None:
+    p, eng = env
+    TopicManager(eng.brokers).subscribe("g", "t", MessageModel.CLUSTERING)
+    p.send_orderly("t", b"x", sharding_key="k")
+    collector = collector_for(settings)
+    server = serve("127.0.0.1", 0, collector.scrape)
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        plain = urllib.request.urlopen(f"{base}/metrics", timeout=10)
+        assert plain.headers["Content-Type"] == "text/plain; version=0.0.4; charset=utf-8"
+        text = plain.read().decode()
+        zipped = urllib.request.urlopen(urllib.request.Request(f"{base}/metrics", headers={"Accept-Encoding": "gzip"}),
+                                        timeout=10)
+        assert zipped.headers["Content-Encoding"] == "gzip"
+        unzipped = gzip.decompress(zipped.read()).decode()
+        for body in (text, unzipped):
+            samples = {s.name: s for f in text_string_to_metric_families(body) for s in f.samples}
+            assert samples["mqorder_up"].value == 1 and samples["mqorder_queue_lag"].value == 1
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"{base}/nothing", timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+        collector.brokers.close()

@@ -106,20 +106,14 @@ def stream(spark: SparkSession, source: str, sink: str, checkpoint: str, opts: d
     q.awaitTermination()
     if q.exception() is not None:
         raise RuntimeError(str(q.exception()))
-    progress = q.recentProgress
-    return {"batches": sum(1 for p in progress if p["numInputRows"]),
-            "rows": sum(int(p["numInputRows"]) for p in progress)}
+    rows = [int(p.numInputRows or 0) for p in q.recentProgress]  # the property: Connect's dict may hold None
+    return {"batches": sum(1 for n in rows if n), "rows": sum(rows)}
 
 
-def ledger_and_audit(spark: SparkSession, topic: str, group: str, report_dir: str,
-                     opts: dict[str, str]) -> dict[str, Any]:
-    """The group's ledger as a DataFrame (its row count), then ``mqorder.spark.audit``."""
-    import mqorder.spark
-
-    ledger = spark.read.format("mqorder").options(**opts).option("ledger", group).load()
-    rep = mqorder.spark.audit(spark, topic, group, report_dir=report_dir, redis_url=opts.get("redisUrl"))
-    return {"ledger_rows": ledger.count(), "ok": rep.ok, "violations": rep.violation_count, "gaps": rep.gap_count,
-            "stored": rep.messages_stored, "succeeded": rep.messages_succeeded}
+def ledger(spark: SparkSession, group: str, opts: dict[str, str]) -> list[list[Any]]:
+    """The group's consumption ledger as a DataFrame: ``[queue, offset, outcome]`` per record."""
+    df = spark.read.format("mqorder").options(**opts).option("ledger", group).load()
+    return sorted([r.queue, r.offset, r.outcome] for r in df.select("queue", "offset", "outcome").collect())
 
 
 def bad_write(spark: SparkSession, topic: str, opts: dict[str, str], key: str = "k", null_key_every: int = 0,

@@ -146,8 +146,9 @@ class MetricsHook(ConsumeMessageHook):
     Messages that cannot even be decoded go to the DLQ without a listener call: the exporter's
     ``mqorder_dlq_messages`` counts those too.
 
-    Latency is observed once per message, at its first call (``reconsume_times`` 0), from its
-    born time (the producer's clock; a negative skew counts as 0). Redeliveries: the offsets each
+    Latency is observed at every call of a message, retries included, from its born time (the
+    producer's clock; a negative skew counts as 0): a message that keeps failing is observed again
+    at each retry with a larger latency, so a stuck key shows in the high quantiles while it lasts. Redeliveries: the offsets each
     run handed out are remembered per queue (``_Handed``); when that run's commit is refused, those
     at or above the offset it had last committed are what the next owner hands out again.
     """
@@ -180,8 +181,7 @@ class MetricsHook(ConsumeMessageHook):
             now_ms = time.time() * 1000
             observe = self.latency.labels(context.consumer_group, context.message_queue.topic).observe
             for m in msgs:
-                if m.reconsume_times == 0:
-                    observe(max(0.0, now_ms - m.born_timestamp) / 1000.0)
+                observe(max(0.0, now_ms - m.born_timestamp) / 1000.0)
         if self.redeliveries is not None and msgs:
             where = (context.consumer_group, context.message_queue.key)
             with self._handed_lock:

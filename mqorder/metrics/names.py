@@ -79,8 +79,8 @@ EVENT_LOOP_LAG = MetricSpec(
 
 MESSAGE_LATENCY = MetricSpec(
     "mqorder_message_latency_seconds", "histogram",
-    "End-to-end latency: from a message's born time (the producer's clock) to the start of its first "
-    "listener call (reconsume_times 0); a suspended message's later calls are not observed again",
+    "End-to-end latency: from a message's born time (the producer's clock) to the start of a listener "
+    "call of it; observed at every call, so a retried message is observed again, later each time",
     ("group", "topic"),
 )
 REDELIVERIES = MetricSpec(

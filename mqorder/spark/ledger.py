@@ -35,6 +35,7 @@ from mqorder.consumer.ledger import FIELDS
 from mqorder.errors import BrokerUnavailableError, ConfigError, MQOrderError
 from mqorder.names import check_name, check_topic
 from mqorder.spark.options import Connection, check_known, connection, lower_options
+from mqorder.spark.reader import PausedGC
 from mqorder.store.brokers import BrokerRegistry
 
 #: The schema of a ledger read, as DDL for ``DataSource.schema`` (``FIELDS`` in order, then ``entry``).
@@ -63,8 +64,8 @@ LEDGER_ARROW_SCHEMA = pa.schema([
 ])
 assert tuple(LEDGER_ARROW_SCHEMA.names[: len(FIELDS)]) == FIELDS, "the reader's columns follow ledger.FIELDS"
 
-#: Records fetched per ``XRANGE`` (and rows per Arrow batch).
-READ_PAGE = 5000
+#: Records fetched per ``XRANGE`` (and rows per Arrow batch): a record is about 250 bytes.
+READ_PAGE = 10_000
 #: A broker's ledger is cut into Spark partitions of about this many records.
 DEFAULT_MAX_ROWS_PER_PARTITION = 250_000
 _KNOWN = ("ledger", "topic", "redisurl", "brokers", "maxrowsperpartition", "path")
@@ -182,22 +183,31 @@ def plan_slices(group: str, streams: Sequence[LedgerStream], max_rows: int, topi
     return out
 
 
-def _records(client: redis.Redis, group: str, start: str, end: str) -> Iterator[list[tuple[bytes, bytes]]]:
-    """Pages of (entry id, raw record) from ``start`` to ``end``, ``READ_PAGE`` at a time."""
+def _records(client: redis.Redis, group: str, start: str, end: str) -> Iterator[tuple[Sequence[bytes], Sequence[bytes]]]:
+    """Pages of (entry ids, raw records) from ``start`` to ``end``, ``READ_PAGE`` at a time.
+
+    A page of records in the engine's layout (one field ``r``) is transposed with ``zip``, with no
+    Python code per record, and the cyclic collector paused while the reply is parsed and cut
+    (``reader.PausedGC``: it would walk the page's thousands of lists over and over)."""
     key = keys.ledger(group)
     nxt = start
     while True:
-        page = client.execute_command("XRANGE", key, nxt, end, "COUNT", READ_PAGE)
-        if not page:
+        with PausedGC():
+            page = client.execute_command("XRANGE", key, nxt, end, "COUNT", READ_PAGE)
+            if not page:
+                return
+            ids, fields = zip(*page, strict=True)
+            names: Sequence[bytes] = ()
+            if set(map(len, fields)) == {2}:
+                names, raws = zip(*fields, strict=True)
+            if set(names) != {b"r"}:
+                raws = tuple(f[1] if len(f) >= 2 and f[0] == b"r" else dict(zip(f[::2], f[1::2], strict=False)).get(b"r", b"")
+                             for f in fields)
+            del page, fields
+        yield ids, raws
+        if len(ids) < READ_PAGE:
             return
-        out = []
-        for entry_id, fields in page:
-            raw = fields[1] if len(fields) >= 2 and fields[0] == b"r" else dict(zip(fields[::2], fields[1::2], strict=False)).get(b"r", b"")
-            out.append((entry_id, raw))
-        yield out
-        if len(page) < READ_PAGE:
-            return
-        nxt = "(" + _text(page[-1][0])
+        nxt = "(" + _text(ids[-1])
 
 
 def _columns_of(schema: Any) -> tuple[str, ...]:
@@ -219,12 +229,12 @@ def _json_options(columns: Sequence[str], topic: str | None) -> pj.ParseOptions:
                                                       and f.name != "entry"]), unexpected_field_behavior="ignore")
 
 
-def _page_fast(page: list[tuple[bytes, bytes]], parse: pj.ParseOptions) -> pa.Table:
+def _page_fast(ids: Sequence[bytes], raws: Sequence[bytes], parse: pj.ParseOptions, entry: bool) -> pa.Table:
     """A page parsed in C++ by ``pyarrow.json`` against the schema: the engine's records always fit."""
-    table = pj.read_json(io.BytesIO(b"\n".join(raw for _, raw in page)), parse_options=parse, read_options=_JSON_READ)
-    if table.num_rows != len(page):
-        raise pa.ArrowInvalid(f"{table.num_rows} rows parsed from {len(page)} records")
-    return table.append_column("entry", pa.array([_text(i) for i, _ in page], pa.string()))
+    table = pj.read_json(io.BytesIO(b"\n".join(raws)), parse_options=parse, read_options=_JSON_READ)
+    if table.num_rows != len(raws):
+        raise pa.ArrowInvalid(f"{table.num_rows} rows parsed from {len(raws)} records")
+    return table.append_column("entry", pa.array(ids, pa.string())) if entry else table
 
 
 def _row(entry_id: bytes, raw: bytes) -> dict[str, Any]:
@@ -249,9 +259,9 @@ def _row(entry_id: bytes, raw: bytes) -> dict[str, Any]:
     return row
 
 
-def _page_checked(page: list[tuple[bytes, bytes]]) -> pa.Table:
+def _page_checked(ids: Sequence[bytes], raws: Sequence[bytes]) -> pa.Table:
     """The slow path, record by record, for a page holding something that is not the engine's JSON."""
-    rows = [_row(i, raw) for i, raw in page]
+    rows = [_row(i, raw) for i, raw in zip(ids, raws, strict=True)]
     return pa.Table.from_batches([pa.RecordBatch.from_arrays(
         [pa.array([r[f.name] for r in rows], f.type) for f in LEDGER_ARROW_SCHEMA], schema=LEDGER_ARROW_SCHEMA)])
 
@@ -263,15 +273,17 @@ def read_slice(conn: Connection, part: LedgerSlice, columns: Sequence[str] | Non
     brokers = conn.registry()
     try:
         client = brokers.get(part.broker).client
-        for page in _records(client, part.group, part.start, part.end):
-            try:
-                table = _page_fast(page, parse)
-            except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
-                table = _page_checked(page)
-            if part.topic is not None:
-                table = table.filter(pc.equal(table["topic"], part.topic))
-            if table.num_rows:
-                yield from table.select(list(columns)).combine_chunks().to_batches()
+        for ids, raws in _records(client, part.group, part.start, part.end):
+            with PausedGC():
+                try:
+                    table = _page_fast(ids, raws, parse, "entry" in columns)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, OverflowError):
+                    table = _page_checked(ids, raws)
+                del ids, raws
+                if part.topic is not None:
+                    table = table.filter(pc.equal(table["topic"], part.topic))
+                batches = table.select(list(columns)).combine_chunks().to_batches() if table.num_rows else []
+            yield from batches
     finally:
         brokers.close()
 

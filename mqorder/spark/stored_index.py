@@ -25,7 +25,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from mqorder.errors import ConfigError
 from mqorder.names import check_topic
 from mqorder.spark.options import Connection, check_known, connection, lower_options
-from mqorder.spark.reader import QueueRange, read_pages, split, topic_layout
+from mqorder.spark.reader import PausedGC, QueueRange, _headers_arrow, columns, read_pages, split, topic_layout
 
 FORMAT = "mqorder_audit_index"
 SCHEMA_DDL = "qi INT, offset BIGINT, key STRING, msg_id STRING, field_value STRING"
@@ -67,10 +67,28 @@ def _field_text(body: bytes, name: str) -> str | None:
 
 def read_index(conn: Connection, part: QueueRange, order_field: str | None) -> Iterator[pa.RecordBatch]:
     for entries in read_pages(conn, part):
-        yield _batch(part, entries, order_field)
+        with PausedGC():
+            batch = _batch(part, entries, order_field)
+            del entries
+        yield batch
 
 
 def _batch(part: QueueRange, entries: list, order_field: str | None) -> pa.RecordBatch:
+    """The page's columns the way the topic reader cuts them (``reader.columns``, headers by Arrow's
+    JSON reader), or message by message (``_batch_checked``) for a page they do not fit."""
+    n = len(entries)
+    cols = columns(entries) if n else None
+    headers = _headers_arrow(cols[1]) if cols is not None else None
+    if cols is None or headers is None:
+        return _batch_checked(part, entries, order_field)
+    offsets, _, bodies, _ = cols
+    values = (pa.array([_field_text(b, order_field) for b in bodies], pa.string()) if order_field
+              else pa.nulls(n, pa.string()))
+    return pa.RecordBatch.from_arrays([pa.repeat(pa.scalar(part.span.index, pa.int32()), n), offsets, headers[1],
+                                       headers[0], values], schema=ARROW_SCHEMA)
+
+
+def _batch_checked(part: QueueRange, entries: list, order_field: str | None) -> pa.RecordBatch:
     offsets, keys_, ids, values = [], [], [], []
     loads = orjson.loads
     for entry_id, fields in entries:

@@ -597,6 +597,11 @@ class Report:
                     f"started in {a['session_start_s']:.1f} s, apart. Verdict on this clean ledger: "
                     f"{'passed' if a['audit_ok'] else 'FAILED'} ({a['violations']} violations, {a['gaps']} gaps); "
                     f"latency p50 {a['p50_ms']:.1f} ms, p99 {a['p99_ms']:.1f} ms.", ""]
+            if a.get("audit_ab"):
+                from bench.spark import ab_rows
+
+                out += ["| measure | result | target |", "|---|---|---|",
+                        *ab_rows(a["audit_ab"], "audit", a["records"], 2.0), ""]
         return out
 
     def keys(self) -> list[str]:

@@ -199,7 +199,7 @@ def sec_spark(cfg: Config, res: dict[str, Any]) -> None:
 def sec_spark_audit(cfg: Config, res: dict[str, Any]) -> None:
     from bench import spark_audit
 
-    res["spark_audit"] = spark_audit.run(size(cfg, "audit_records"))
+    res["spark_audit"] = spark_audit.run(size(cfg, "audit_records"), ab_runs=1 if cfg.quick else cfg.runs)
 
 
 def sec_dedup(cfg: Config, res: dict[str, Any]) -> None:

@@ -15,6 +15,9 @@ woken):
 * **send_orderly**: one Python process, one synchronous call per message (a ``one_by_one`` prefix
   of the same pairs; the rate is what matters).
 * **spark batch read**: ``spark.read.format("mqorder").load().count()`` of the published topic.
+* **read A/B** (``bench.spark_ab``): the same count by today's reader and by the reader of the
+  baseline commit (issue 29's target: >= 2.5x), each in a Spark application of its own on the same
+  master and data, in back-to-back pairs (ratio per pair, wall time and CPU time of the process tree).
 
 Spark's session start (JVM, Python workers) is reported apart: it is paid once per application.
 Runnable alone: ``python -m bench.spark [--rows N] [--runs R]``; ``bench.run`` calls
@@ -168,6 +171,11 @@ def run(cfg: Config | None = None, *, rows: int | None = None, n_keys: int = 200
         out["spark_read"] = {"messages": counted, "seconds": secs, "rate": counted / secs}
         log(f"spark bench: spark batch read {counted / secs:,.0f}/s")
 
+        from bench import spark_ab
+
+        out["read_ab"] = spark_ab.ab_pairs("read", srv.url, TOPIC, master, runs, reps=2, expect=counted, queues=QUEUES,
+                                           log=log)
+
     ratios = [sp["rate"] / b["rate"] for sp, b in zip(out["spark_publish"], out["send_orderly_batch"], strict=True)]
     out["ratio_vs_batch"] = summarize(ratios).to_json()
     out["ratio_vs_one_by_one"] = summarize(sp["rate"] / out["send_orderly"]["rate"]
@@ -200,9 +208,31 @@ def markdown(res: dict[str, Any]) -> str:
         f"| Spark publish / send_orderly_batch | {ratio('ratio_vs_batch', threshold('spark_publish'), 2)} |",
         f"| Spark publish / send_orderly | {ratio('ratio_vs_one_by_one', threshold('spark_one_by_one'), 1)} |",
         f"| Spark batch read into a count | {read['rate']:,.0f} msg/s ({read['messages']:,} messages) | |",
+        *ab_rows(res.get("read_ab"), "read", read["messages"], READ_AB_TARGET),
         f"| Spark session start (once per application, not in the rates) | {res['session_start_s']:.1f} s | |",
     ]
     return "\n".join(lines) + "\n"
+
+
+#: Issue 29: today's reader against the baseline's, into a count, same run.
+READ_AB_TARGET = 2.5
+
+
+def ab_rows(ab: dict[str, Any] | None, what: str, rows: int, target: float) -> list[str]:
+    """Table rows of a ``bench.spark_ab`` A/B: each side's rate, and the per-pair ratios."""
+    if not ab:
+        return []
+    def rate(side: str) -> str:
+        return summarize(rows / min(c["seconds"]) for c in ab[side]).fmt(0, "rows/s")
+
+    wall, cpu = summarize(ab["ratios"]), summarize(ab["cpu_ratios"])
+    met = "met" if wall.median >= target else "NOT met"
+    return [
+        f"| {what}, baseline `{ab['baseline_commit'][:7]}` (own Spark app, same data) | {rate('baseline')} | |",
+        f"| {what}, this code (own Spark app, same data) | {rate('current')} | |",
+        f"| {what}: this code / baseline, wall time (per pair) | {wall.fmt(2, 'x')} | >= {target:g}x {met} |",
+        f"| {what}: baseline / this code, CPU seconds of the app's processes (per pair) | {cpu.fmt(2, 'x')} | |",
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:

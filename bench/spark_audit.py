@@ -99,8 +99,10 @@ def build(url: str, records: int, seed: int = 42) -> dict[str, float]:
 
 
 def run(records: int = 1_000_000, master: str = "local[2]", order_field: str | None = None,
-        report_dir: Path | None = None) -> dict[str, Any]:
-    """Build the data, start Spark, audit; the figures (seconds) and the audit's verdict."""
+        report_dir: Path | None = None, ab_runs: int = 0) -> dict[str, Any]:
+    """Build the data, start Spark, audit; the figures (seconds) and the audit's verdict. With
+    ``ab_runs``, also that many A/B pairs of the audit against the baseline commit's code
+    (``bench.spark_ab``: each in a Spark application of its own, same data)."""
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     with RedisServer() as srv:
         _log(f"writing {records:,} messages and ledger records to {srv.url}")
@@ -126,6 +128,11 @@ def run(records: int = 1_000_000, master: str = "local[2]", order_field: str | N
         write_report(rep, out)
         report_s = time.perf_counter() - t2
         spark.stop()
+        ab = None
+        if ab_runs:
+            from bench import spark_ab
+
+            ab = spark_ab.ab_pairs("audit", srv.url, TOPIC, master, ab_runs, group=GROUP, expect=records, log=_log)
     result = {
         "records": records, "master": master, "order_field": order_field, **built,
         "session_start_s": round(session_s, 2), "audit_s": round(audit_s, 2), "report_files_s": round(report_s, 2),
@@ -134,6 +141,8 @@ def run(records: int = 1_000_000, master: str = "local[2]", order_field: str | N
         "violations": rep.violation_count, "gaps": rep.gap_count, "p50_ms": rep.latency.p50_ms,
         "p99_ms": rep.latency.p99_ms, "report_dir": str(out), "loadavg": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
+    if ab is not None:
+        result["audit_ab"] = ab
     return result
 
 
@@ -143,8 +152,9 @@ def main() -> None:
     ap.add_argument("--master", default=os.environ.get("MQORDER_SPARK_MASTER", "local[2]"))
     ap.add_argument("--order-field", default=None, help="also check this body field (the bench bodies carry s)")
     ap.add_argument("--report", type=Path, default=None, help="write the audit report here")
+    ap.add_argument("--ab", type=int, default=0, help="also this many A/B pairs against the baseline commit")
     args = ap.parse_args()
-    result = run(args.records, args.master, args.order_field, args.report)
+    result = run(args.records, args.master, args.order_field, args.report, args.ab)
     print(json.dumps(result, indent=2))
     if not result["audit_ok"] or result["ledger_records"] != args.records:
         sys.exit(f"the audit of a clean ledger did not pass: {result}")

@@ -26,6 +26,11 @@ def register(spark: SparkSession) -> SparkSession:
     if not getattr(spark, _REGISTERED, False):
         from mqorder.spark.source import MQOrderDataSource
 
+        if is_connect(spark):
+            from mqorder.spark.connect_compat import install
+
+            install()  # command streams that carry our workers' metrics (SPARK-59135)
+
         spark.dataSource.register(MQOrderDataSource)
         setattr(spark, _REGISTERED, True)
     return spark
@@ -68,6 +73,9 @@ def session(app_name: str = "mqorder", master: str | None = None, *, remote: str
         if master is not None:
             raise ValueError("give master= (a Spark driver here) or remote= (a Spark Connect server), not both")
         builder = SparkSession.builder.remote(remote)
+        # An error keeps the Python traceback that ends with mqorder's message, without the
+        # server's JVM stack trace after it (what a classic session shows too).
+        conf = {"spark.sql.connect.serverStacktrace.enabled": "false", **conf}
         for k, v in conf.items():
             builder = builder.config(k, str(v))
         return register(builder.getOrCreate())

@@ -23,7 +23,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -75,6 +75,15 @@ def images() -> Images:
     return Images(app=out["MQORDER_IMAGE"], redis=out["REDIS_IMAGE"], base=out["MQORDER_BASE_IMAGE"])
 
 
+def wait_until(pred: Callable[[], object], *, timeout: float, what: str, state: Callable[[], object],
+               interval: float = 1.0) -> None:
+    """``wait_for``, with the state at the deadline in the failure (not the state at the start)."""
+    try:
+        wait_for(pred, timeout=timeout, interval=interval, what=what)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; at the deadline: {state()}") from None
+
+
 def inspect(ref: str) -> dict:
     return json.loads(run(["docker", "inspect", ref], timeout=60).stdout)[0]
 
@@ -101,8 +110,8 @@ def test_images_run_as_non_root_and_their_own_health_checks_pass(images: Images)
         def health() -> list[str]:
             return [inspect(c)["State"].get("Health", {}).get("Status", "none") for c in started]
 
-        wait_for(lambda: health() == ["healthy", "healthy"], timeout=240, interval=1,
-                 what=f"the images' own health checks passing (now {health()})")
+        wait_until(lambda: health() == ["healthy", "healthy"], timeout=240,
+                   what="the images' own health checks passing", state=health)
         for cid in started:
             uid = run(["docker", "exec", cid, "id", "-u"], timeout=60).stdout.strip()
             assert uid not in ("", "0"), f"{inspect(cid)['Config']['Image']} runs as root"
@@ -177,9 +186,11 @@ class Stack:
             if len(ids) != (2 if service == "worker" else 1):
                 out[service] = f"{len(ids)} containers running"
             for cid in ids:
-                status = inspect(cid)["State"].get("Health", {}).get("Status", "no health check")
-                if status != "healthy":
-                    out[f"{service} {cid[:12]}"] = status
+                health = inspect(cid)["State"].get("Health") or {"Status": "no health check"}
+                if health["Status"] != "healthy":
+                    probes = health.get("Log") or [{}]
+                    last = f"last probe exit {probes[-1].get('ExitCode')}: {str(probes[-1].get('Output', ''))[:120]}"
+                    out[f"{service} {cid[:12]}"] = f"{health['Status']} ({len(probes)} probes, {last})"
         return out
 
     def logs(self) -> str:
@@ -237,8 +248,7 @@ def test_stack_runs_the_demo_in_order_through_a_killed_worker(images: Images, st
 
     stack.compose("up", "-d", "--no-build")
     phase("up")
-    wait_for(lambda: not stack.unhealthy(), timeout=300, interval=1,
-             what=f"every service healthy (still: {stack.unhealthy()})")
+    wait_until(lambda: not stack.unhealthy(), timeout=300, what="every service healthy", state=stack.unhealthy)
     phase("healthy")
 
     # Flower: its health endpoint open, its API behind the basic auth, both workers seen.
@@ -251,7 +261,7 @@ def test_stack_runs_the_demo_in_order_through_a_killed_worker(images: Images, st
         status, body = stack.get(stack.flower_port, "/api/workers?refresh=1", auth=True)
         return set(json.loads(body)) if status == 200 else set()
 
-    wait_for(lambda: names <= flower_workers(), timeout=60, interval=1, what=f"Flower lists {names}")
+    wait_until(lambda: names <= flower_workers(), timeout=60, what=f"Flower listing {names}", state=flower_workers)
 
     # The exporter: up, reading Redis, both workers live in the demo group.
     status, scrape = stack.get(stack.exporter_port, "/metrics")
@@ -283,11 +293,11 @@ def test_stack_runs_the_demo_in_order_through_a_killed_worker(images: Images, st
     assert not inspect(victim_id)["State"]["Running"], "the killed worker was restarted"
 
     phase("demo published")
-    wait_for(lambda: set(assignees(r, stack.url).values()) == {survivor}, timeout=120, interval=0.5,
-             what=f"{victim}'s queues {sorted(moved)} assigned to {survivor}")
+    wait_until(lambda: set(assignees(r, stack.url).values()) == {survivor}, timeout=120, interval=0.5,
+               what=f"{victim}'s queues {sorted(moved)} assigned to {survivor}", state=lambda: assignees(r, stack.url))
     phase("queues moved")
-    wait_for(lambda: counts(r).get("handled", 0) >= ORDERS * 4, timeout=300, interval=0.5,
-             what=f"{ORDERS * 4} events handled (now {counts(r)})")
+    wait_until(lambda: counts(r).get("handled", 0) >= ORDERS * 4, timeout=300, interval=0.5,
+               what=f"{ORDERS * 4} events handled", state=lambda: counts(r))
     c = counts(r)
     assert c.get("handled") == ORDERS * 4, c
     assert c.get("illegal", 0) == 0, (c, r.lrange(f"demo:{GROUP}:illegal", 0, 9))

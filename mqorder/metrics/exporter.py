@@ -89,7 +89,8 @@ class ClusterCollector:
         Scrapes run one at a time (two Prometheus servers scraping at once wait for each other
         rather than read Redis twice as hard), with Python's cyclic garbage collector paused: a
         scrape of 10,000 queues allocates some 200,000 short-lived objects, none in a cycle, and
-        the collections they triggered took a fifth of its CPU (``bench/RESULTS.md``)."""
+        the collections they triggered took a fifth of its CPU (measured with ``bench.exporter_scrape``'s
+        setup: 0.04 to 0.1 s of 0.25 s)."""
         with self._one_at_a_time:
             t0 = time.perf_counter()
             collecting = gc.isenabled()

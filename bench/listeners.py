@@ -152,6 +152,36 @@ def sleeper(group: str, fail_hash: int | None) -> Callable[[Any, Any], ConsumeOr
     return listener
 
 
+class AsyncOkCounter:
+    """``OkCounter`` for the async listeners: counted on the process's event loop (its one thread,
+    no lock), handed to ``OK_COUNTER`` every ``FLUSH_S`` through ``run_in_executor``. The loop runs
+    in a native thread even under gevent, where ``OkCounter``'s lock and thread are gevent's and
+    must be used from the hub's thread only (the executor runs there under gevent)."""
+
+    FLUSH_S = 0.01
+
+    def __init__(self) -> None:
+        self._pid = 0
+        self._counts: dict[str, int] = {}
+
+    def add(self, group: str, n: int) -> None:
+        if self._pid != os.getpid():
+            self._pid, self._counts = os.getpid(), {}
+            asyncio.get_running_loop().create_task(self._flush_forever())
+        self._counts[group] = self._counts.get(group, 0) + n
+
+    async def _flush_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.FLUSH_S)
+            counts, self._counts = self._counts, {}
+            for g, n in counts.items():
+                await loop.run_in_executor(None, OK_COUNTER.add, g, n)
+
+
+ASYNC_OK_COUNTER = AsyncOkCounter()
+
+
 def async_sleeper(group: str, fail_hash: int | None) -> Callable[[Any, Any], Any]:
     """``sleeper`` as ``async def`` (``BENCH_ASYNC=1``, the keys section's async rows): the same
     I/O-bound work awaited on the worker process's event loop (issue 31)."""
@@ -162,7 +192,7 @@ def async_sleeper(group: str, fail_hash: int | None) -> Callable[[Any, Any], Any
             await asyncio.sleep(pause)
             return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
         await asyncio.sleep(pause * len(msgs))
-        OK_COUNTER.add(group, len(msgs))
+        ASYNC_OK_COUNTER.add(group, len(msgs))
         return SUCCESS
 
     return listener

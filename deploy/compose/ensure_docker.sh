@@ -46,6 +46,10 @@ start_dockerd() {  # start_dockerd DRIVER
   return 1
 }
 
+# One session at a time installs and starts (two test sessions on a fresh machine would both find
+# no engine, and the second dockerd would fail on the first one's pid file).
+exec 9>/tmp/mqorder-ensure-docker.lock
+flock 9
 need dockerd docker.io
 need docker-compose docker-compose
 need debootstrap debootstrap

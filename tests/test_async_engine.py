@@ -342,3 +342,42 @@ def test_the_process_cap_holds_calls_past_it_until_a_slot_frees() -> None:
     loop.loop.call_soon_threadsafe(release.set)
     assert done.wait(10)
     assert peak[0] == 2 and sorted(ended) == [0, 1, 2, 3, 4]
+
+
+def test_a_revoked_key_run_cancels_its_hanging_call_and_counts_no_reconsume(env) -> None:
+    """A rebalance revokes the queue while one key's call hangs: the other keys' work is committed,
+    the hanging call is cancelled after the grace, and its message stays unfinished with its
+    reconsume count untouched (never a step towards the DLQ)."""
+    p, eng = env
+    sent = send_keys(p, 4, 1)
+    cancelled = threading.Event()
+
+    class Hang(AsyncRecorder):
+        async def status(self, key, msgs, ctx):
+            if key == "k0":
+                try:
+                    await asyncio.sleep(60)
+                except asyncio.CancelledError:
+                    cancelled.set()
+                    raise
+            return S.SUCCESS
+
+    rec = Hang(sleep_s=0)
+    spec = ListenerSpec(rec, "t", "g", ordering="key", cancel_grace_ms=200, max_reconsume_times=0)
+    lm = RebalanceLockManager(eng.brokers)
+    lm.assign("g", [(MQ, "c1", "tok0")])
+    result: list[Outcome | None] = []
+    t = threading.Thread(target=lambda: result.append(eng.run(spec, "g", MQ, "tok0")))
+    t.start()
+    deadline = time.monotonic() + 10
+    while len(rec.seen) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    lm.assign("g", [(MQ, "c2", "tok1")])
+    t.join(20)
+    assert not t.is_alive() and cancelled.is_set()
+    r = eng.brokers.default.client
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == sent["k0"][0]  # k0's offset stays unfinished
+    assert decode_done(r.hget(keys.sub_state(MQ.tag, "g"), "done"), sent["k0"][0]) == {1, 2, 3}
+    assert not r.hgetall(keys.sub_retries(MQ.tag, "g"))  # no reconsume counted for the cancelled call
+    dlq = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
+    assert dlq == []

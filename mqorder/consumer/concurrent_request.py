@@ -100,7 +100,7 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         spec = self._listener_of(msgs)
         if spec is not None and spec.is_async:
             self._calls().submit_async(spec.name, key, lambda: self._concurrent_call_async(key, msgs, ctx),
-                                       LaneResult(key, msgs, Handled(SUSPEND), ctx))
+                                       LaneResult(key, msgs, Handled(SUSPEND), ctx, True))
         else:
             self._calls().submit(self._concurrent_call, key, msgs, ctx)
         self.in_flight += 1  # once submitted: a call that never went out is never waited for
@@ -119,6 +119,7 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
     async def _concurrent_call_async(self, key: int, msgs: list[MessageExt], ctx: ConsumeConcurrentlyContext) -> None:
         """``_concurrent_call`` of an async listener, on the process's loop."""
         handled = Handled(SUSPEND)
+        cancelled = False
         try:
             spec = self._listener_of(msgs)
             assert spec is not None
@@ -129,12 +130,13 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
             self._art_n += 1
             handled = self._concurrent_handled(status, ctx, wall0, rt)
         except asyncio.CancelledError:
+            cancelled = True
             raise
         except Exception:
             log.exception("concurrent call of %s on %s failed outside the listener (a hook?); retrying its "
                           "messages", self.spec.name, self.mq.key)
         finally:
-            self._calls().deliver(LaneResult(key, msgs, handled, ctx))
+            self._calls().deliver(LaneResult(key, msgs, handled, ctx, cancelled))
 
     def _consume_concurrently(self, msgs: list[MessageExt], ctx: ConsumeConcurrentlyContext) -> Handled:
         """Hooks, the listener, hooks; ``SUCCESS`` for ``CONSUME_SUCCESS`` (``ctx.ack_index`` says
@@ -168,7 +170,7 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         """``processConsumeResult``: the acknowledged prefix finishes; the rest is sent back to the
         retry topic (or the DLQ) and finishes too, or, in place, waits for its suspend time."""
         self.in_flight -= 1
-        if discard or self.fenced:
+        if discard or self.fenced or res.cancelled:
             self.lanes.busy.discard(res.key)
             return stop
         msgs, handled = res.msgs, res.handled

@@ -305,7 +305,7 @@ class KeyConsumeRequest(ConsumeRequest):
         ctx = self._context()
         if self.spec.is_async:
             self._calls().submit_async(self.spec.name, key, lambda: self._lane_call_async(key, msgs, ctx),
-                                       LaneResult(key, msgs, Handled(SUSPEND), ctx))
+                                       LaneResult(key, msgs, Handled(SUSPEND), ctx, True))
         else:
             self._calls().submit(self._lane_call, key, msgs, ctx)
         self.in_flight += 1  # once submitted: a call that never went out is never waited for
@@ -324,17 +324,20 @@ class KeyConsumeRequest(ConsumeRequest):
 
     async def _lane_call_async(self, key: int, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> None:
         """``_lane_call`` of an async listener, on the process's loop. A cancelled call (the run
-        lost its queue) reports a suspend, which a run that lost its queue never settles."""
+        lost its queue) reports itself cancelled: its messages stay unfinished and count no
+        reconsume (the next owner delivers them)."""
         handled = Handled(SUSPEND)
+        cancelled = False
         try:
             handled = await self._consume_async(msgs, ctx)
         except asyncio.CancelledError:
+            cancelled = True
             raise
         except Exception:
             log.exception("lane call of %s on %s failed outside the listener (a hook?); suspending its key",
                           self.spec.name, self.mq.key)
         finally:
-            self._calls().deliver(LaneResult(key, msgs, handled, ctx))
+            self._calls().deliver(LaneResult(key, msgs, handled, ctx, cancelled))
 
     def _note_rt(self, rt: float) -> None:
         with self._rt_lock:  # lane workers report concurrently
@@ -376,7 +379,7 @@ class KeyConsumeRequest(ConsumeRequest):
         (DLQ past ``max_reconsume_times``). A fenced run settles nothing: the new owner
         redelivers from the last commit."""
         self.in_flight -= 1
-        if discard or self.fenced:
+        if discard or self.fenced or res.cancelled:
             self.lanes.busy.discard(res.key)
             return stop
         msgs, handled, ctx = res.msgs, res.handled, res.ctx

@@ -30,6 +30,9 @@ class LaneResult:
     msgs: list[MessageExt]
     handled: Handled
     ctx: CallContext
+    #: An async call cancelled (or never started) because its run lost the queue: its messages
+    #: stay unfinished, with no reconsume counted (the next owner delivers them).
+    cancelled: bool = False
 
 
 class LaneWorkers:

@@ -3,10 +3,10 @@
 ``spark-pipelines run`` imports this file with ``spark`` (a Spark Connect session) in its
 globals. The source topic's messages carry JSON bodies ``{"order_id", "customer", "seq", "amount",
 "ts"}`` and are keyed by order: one order's events live in one queue, in the order they were sent.
-The flow re-keys them by customer and orders them by ``ts``, so each customer's events (and, within
-them, each order's) reach the sink topic in event-time order. The sink is a micro-batch
-``format("mqorder")`` write: all or nothing per micro-batch, and a micro-batch replayed after a
-failure stores nothing twice.
+The flow re-keys them by customer, ordered by ``ts`` within each micro-batch; micro-batches follow
+the source queues' offsets, so each order's events reach the sink topic in the order they were
+sent, end to end. The sink is a micro-batch ``format("mqorder")`` write: all or nothing per
+micro-batch, and a micro-batch replayed after a failure stores nothing twice.
 """
 
 import os

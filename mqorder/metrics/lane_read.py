@@ -10,9 +10,11 @@ scrape of 10,000 lanes is a few dozen replies (``bench/RESULTS.md``, "Exporter s
 
 The script writes nothing and is sent with ``EVAL`` (no registration: it is cached by Redis like
 any script), a batch per hash slot on a Redis Cluster (``Broker.slot_batches``: a script's keys
-must share a slot), all batches of a broker in the exporter's one round trip (``clocked_reads``). A batch holds
-Redis for about as long as its commands would take pipelined, and other clients run between
-batches.
+must share a slot), all batches of a broker in the exporter's one round trip
+(``clocked_reads``). A batch holds Redis for about as long as its commands would take pipelined,
+and other clients run between batches. ``XRANGE`` cannot leave fields out: the head's body is copied into the script too, so a
+queue of large messages costs a copy of one body per lane with a backlog and scrape (never sent
+to the exporter, unlike a pipelined ``XRANGE``).
 """
 
 from __future__ import annotations

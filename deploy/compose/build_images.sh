@@ -39,7 +39,7 @@ present_or_pulled() { have "$1" || docker pull -q "$1" >/dev/null 2>&1; }
 # One build at a time per engine: concurrent test runs wait here, then find the tags made.
 lock_name=${DOCKER_HOST:-default}
 exec 9>"/tmp/mqorder-build-images.${lock_name//[^A-Za-z0-9]/_}.lock"
-flock 9
+flock -w 1500 9 || { log "the build lock is still held after 1500 s"; exit 1; }
 
 local_base() {
   have "$LOCAL_BASE" && return 0

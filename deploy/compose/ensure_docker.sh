@@ -37,8 +37,9 @@ wait_engine() {  # wait_engine PID: 0 once the engine answers, 1 if dockerd exit
 start_dockerd() {  # start_dockerd DRIVER
   echo "ensure_docker: starting dockerd (storage driver $1, log $DOCKERD_LOG)" >&2
   # setsid: the daemon outlives the test session that started it, so the next run finds it up.
+  # 9>&-: the daemon must not inherit the lock below, or it would hold it for its whole life.
   setsid dockerd --storage-driver="$1" --iptables=false --ip-masq=false --bridge=none \
-    >>"$DOCKERD_LOG" 2>&1 < /dev/null &
+    >>"$DOCKERD_LOG" 2>&1 < /dev/null 9>&- &
   local pid=$!
   if wait_engine "$pid"; then return 0; fi
   kill "$pid" 2>/dev/null || true
@@ -49,7 +50,7 @@ start_dockerd() {  # start_dockerd DRIVER
 # One session at a time installs and starts (two test sessions on a fresh machine would both find
 # no engine, and the second dockerd would fail on the first one's pid file).
 exec 9>/tmp/mqorder-ensure-docker.lock
-flock 9
+flock -w 900 9 || { echo "ensure_docker: /tmp/mqorder-ensure-docker.lock is still held after 900 s (by: $(fuser /tmp/mqorder-ensure-docker.lock 2>&1))" >&2; exit 1; }
 need dockerd docker.io
 need docker-compose docker-compose
 need debootstrap debootstrap

@@ -82,9 +82,10 @@ def test_a_blocked_head_grows_head_age_and_stalled_then_both_go_to_zero(env, set
         return S.SUCCESS
 
     spec = ListenerSpec(listener, "t", "g", suspend_current_queue_time_millis=10)
+    time.sleep(0.02)  # the head's age is measured in ms: let one pass
     caught_up = scrape(settings)
     assert lane(caught_up, "mqorder_queue_lag") == 3
-    assert lane(caught_up, "mqorder_queue_head_age_seconds") >= 0  # never consumed: waits since stored
+    assert lane(caught_up, "mqorder_queue_head_age_seconds") > 0  # never consumed: waits since stored
 
     RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
     _, token = runs(eng, spec, 3)  # offset 0 committed, offset 1 raises three times
@@ -265,3 +266,24 @@ def test_the_exporter_endpoint_serves_text_gzipped_on_request_and_404_elsewhere(
         server.shutdown()
         server.server_close()
         collector.brokers.close()
+
+
+def test_broadcast_lanes_of_clients_that_died_without_leaving_are_not_exported(settings) -> None:
+    """A broadcast client killed outright keeps its subscription (``%BC%<client>``) and a backlog
+    nobody will consume: exporting it would keep the stalled and head-age alerts firing for ever."""
+    from mqorder import keys
+    from mqorder.rebalance.membership import ClientRegistry, Subscription
+
+    p = Producer(settings=settings)
+    p.create_topic("bt", queues=1)
+    topics = TopicManager(p.brokers, settings.retention_defaults)
+    topics.subscribe("bg", "bt", MessageModel.BROADCASTING)
+    for client in ("alive", "gone"):
+        topics.add_sub("bt", keys.broadcast_sub("bg", client))
+    ClientRegistry(p.brokers.meta, settings.heartbeat_timeout_ms).register(
+        "alive", [Subscription("bg", "bt", MessageModel.BROADCASTING)])
+    p.send_orderly("bt", b"x", sharding_key="k")
+    groups = {dict(labels).get("group") for (name, labels) in scrape(settings) if name == "mqorder_queue_lag"}
+    assert keys.broadcast_sub("bg", "alive") in groups
+    assert keys.broadcast_sub("bg", "gone") not in groups
+    p.close()

@@ -115,9 +115,10 @@ def panels() -> list[tuple[Panel, int, int]]:
         (stat("Oldest waiting message", "Age of the oldest uncommitted message over the group's queues: "
               "the group's lag in time (MqorderQueueHeadOld fires past 15 minutes).",
               f"max({n.QUEUE_HEAD_AGE.name}{G})", "s", thresholds=(300, 900)), 4, 4),
-        (stat("Stalled queues", "Queues with a backlog whose committed offset has not moved "
-              "(mqorder_queue_stalled_seconds > 0); MqorderQueueStalled fires after 5 minutes.",
-              f"sum({n.QUEUE_STALLED.name}{G} > bool 0)", thresholds=(1, 1)), 4, 4),
+        (stat("Stalled queues", "Queues with a backlog whose committed offset has not moved for over a "
+              "minute (mqorder_queue_stalled_seconds > 60; a busy queue is a few ms behind at any scrape); "
+              "MqorderQueueStalled fires after 5 minutes.",
+              f"sum({n.QUEUE_STALLED.name}{G} > bool 60)", thresholds=(1, 1)), 4, 4),
         (stat("Dead letters", "Messages in %DLQ%<group> (`mqorder dlq list GROUP`).",
               f"sum({n.DLQ_MESSAGES.name}{G})", thresholds=(1, 100)), 4, 4),
         (stat("Live workers", "Consumer clients with a live heartbeat subscribed to the group.",
@@ -141,8 +142,8 @@ def panels() -> list[tuple[Panel, int, int]]:
                      target(f"sum by (topic) (rate({n.QUEUE_COMMITTED_OFFSET.name}{G}{RATE}))", "committed {{topic}}"),
                      target(f"sum by (topic, result) (rate({n.CONSUMED.name}{G}{RATE}))", "{{result}} {{topic}}")],
                     "ops"), 12, 8),
-        (timeseries("End-to-end latency", "From a message's born time (producer clock) to the start of its "
-                    "first listener call: percentiles over all workers.",
+        (timeseries("End-to-end latency", "From a message's born time (producer clock) to the start of each "
+                    "listener call of it (retries included): percentiles over all workers.",
                     [target(_quantile(q, n.MESSAGE_LATENCY), f"p{round(q * 100)}") for q in (0.5, 0.9, 0.99)],
                     "s"), 12, 8),
         (timeseries("Listener call time", "Time of one listener call (mqorder_consume_duration_seconds).",

@@ -115,6 +115,7 @@ class ClusterCollector:
         plan = _Plan()
         groups = self.topics.groups()
         live, _, _ = self.registry.clients()
+        live_ids = {c.client_id for c in live}
         for c in live:
             for g in {s.group for s in c.subscriptions}:
                 plan.clients[g] = plan.clients.get(g, 0) + 1
@@ -134,8 +135,11 @@ class ClusterCollector:
             for topic, model in sorted(groups[group].items()):
                 mqs = queues_of(topic)
                 if model is MessageModel.BROADCASTING:
-                    subs = [s for s in self.topics.subs_of_topic(topic)
-                            if keys.BROADCAST_SEP in s and keys.group_of_sub(s) == group]
+                    # Live clients' lanes only: a broadcast client that died without leaving (a
+                    # kill, an OOM; its id is its hostname, new with each pod) keeps its
+                    # subscription and a backlog no one will consume, which would page for ever.
+                    known = set(self.topics.subs_of_topic(topic))
+                    subs = [s for s in (keys.broadcast_sub(group, c) for c in sorted(live_ids)) if s in known]
                 else:
                     subs = [group]
                 plan.lanes.extend((sub, mq) for sub in subs for mq in mqs)

@@ -97,8 +97,9 @@ class KeyWatch:
     """The keys of key-ordered listeners suspended in this process now, per (group, topic).
 
     A key is suspended when its call failed and not all of its messages went to the DLQ; it stops
-    being so when a call of it succeeds or dead-letters all it had, when its queue's run ends in a
-    way that leaves the queue (``queue_left``), or after ``SUSPENDED_TTL_S`` without news. The
+    being so when a call of it succeeds or dead-letters all it had, when its queue's run in this
+    process ends (``queue_left``; the next run is a new task, perhaps in another pool process,
+    which counts the key again if it fails again), or after ``SUSPENDED_TTL_S`` without news. The
     gauge is *set* to this process's count (multiprocess ``livesum``), as ``LingerWatch`` does.
     """
 
@@ -234,12 +235,15 @@ class MetricsHook(ConsumeMessageHook):
 
     def run_ended(self, group: str, topic: str, queue: str, verb: str) -> None:
         """A run of ``queue`` ended with ``verb`` (``mqorder.metrics.worker.after_run``)."""
-        if verb in _LEFT and self.keys is not None:
+        if verb in _DUPLICATE:  # a duplicate task: the queue's real run may still be on
+            return
+        # Whatever the ending (REQUEUE included), the queue's next run is a new Celery task that
+        # may run in another pool process: its suspended keys are no longer this process's.
+        if self.keys is not None:
             self.keys.queue_left(group, topic, queue)
-        if verb not in ("STALE", "BUSY"):  # a duplicate task: the queue's real run may still be on
-            with self._handed_lock:
-                self._handed.pop((group, queue), None)
+        with self._handed_lock:
+            self._handed.pop((group, queue), None)
 
 
-#: Run endings after which the queue's suspended keys are no longer this process's to retry.
-_LEFT = frozenset({"IDLE", "FENCED", "HANDOVER", "DISPATCH"})
+#: Run endings of a duplicate task, which leave the queue's real run (elsewhere) as it was.
+_DUPLICATE = frozenset({"STALE", "BUSY"})

@@ -4,7 +4,8 @@
 #   deploy/compose/build_images.sh            # then: docker compose up -d (the printed variables in .env)
 #
 # Prints, on stdout, the variables that make docker-compose.yml use what it built:
-#   MQORDER_IMAGE=mqorder:local            (also tagged mqorder:src-<hash of its inputs>)
+#   MQORDER_IMAGE=mqorder:local            (the app image; with MQORDER_IMAGE= empty, its src- tag)
+#   MQORDER_SOURCE_IMAGE=mqorder:src-<hash of its inputs>
 #   REDIS_IMAGE=redis:7.2-alpine | mqorder-redis:bookworm
 #   MQORDER_BASE_IMAGE=python:3.11-slim-bookworm | mqorder-base:bookworm
 #
@@ -33,8 +34,9 @@ EXTRA_TAG=${MQORDER_IMAGE-mqorder:local}
 
 log() { echo "build_images: $*" >&2; }
 have() { docker image inspect "$1" >/dev/null 2>&1; }
-# Present, or pulled now; a registry that cannot be reached fails the pull in well under a second.
-present_or_pulled() { have "$1" || docker pull -q "$1" >/dev/null 2>&1; }
+# Present, or pulled now. An unresolvable registry fails the pull at once (0.3 s here); one whose
+# packets are dropped would hang, hence the bound.
+present_or_pulled() { have "$1" || timeout 120 docker pull -q "$1" >/dev/null 2>&1; }
 
 # One build at a time per engine: concurrent test runs wait here, then find the tags made.
 lock_name=${DOCKER_HOST:-default}

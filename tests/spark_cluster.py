@@ -170,7 +170,8 @@ class StandaloneCluster:
             str(home / "bin/spark-class"), "org.apache.spark.deploy.master.Master",
             "--host", "127.0.0.1", "--port", str(self.port), "--webui-port", str(self.ui_port)],
             env, self.workdir / "master.log", self.workdir))
-        wait_until(lambda: (self._state() or {}).get("status") == "ALIVE", "the Spark master", self.procs)
+        # The workers start with the master, not after it (a JVM start saved): a worker retries
+        # registering until the master answers.
         for i in range(self.n_workers):
             wdir = self.workdir / f"worker{i}"
             wdir.mkdir(parents=True, exist_ok=True)

@@ -255,7 +255,8 @@ class SparkDriver:
             cmd += ["--conf", f"{k}={v}"]
         self.log = log
         self._err = log.open("ab")
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=spark_env(PYTHONPATH=str(ROOT), **(env or {})),
+        base = spark_env(PYTHONPATH=str(ROOT), PYTEST_XDIST_WORKER=xdist_worker())  # names its application
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env={**base, **(env or {})},
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, text=True,
                                      start_new_session=True)
         self._replies: queue.Queue[str | None] = queue.Queue()

@@ -5,7 +5,7 @@ subprocesses, the async listeners of ``tests.async_listeners`` beside the plain 
 * prefork (the stock pool): per-key order with thousands of calls in flight, a plain key-mode
   listener running beside, and a ``kill -9`` of one worker mid-flight: the survivor redelivers
   only what the dead one had not committed as finished;
-* gevent and threads pools: key mode with a key that always fails (its messages reach the DLQ
+* gevent, threads and solo pools: key mode with a key that always fails (its messages reach the DLQ
   while the other keys finish) and queue mode (one call per queue at a time), on one worker.
 """
 
@@ -94,7 +94,7 @@ def test_prefork_async_keys_beside_plain_ones_survive_a_kill_9_mid_flight(cluste
     p.close()
 
 
-POOLS = [("gevent", 16), ("threads", 4)]
+POOLS = [("gevent", 16), ("threads", 4), ("solo", 1)]
 
 
 @pytest.mark.parametrize(("pool", "concurrency"), POOLS, ids=[p for p, _ in POOLS])

@@ -56,6 +56,58 @@ def baseline_tree(commit: str = BASELINE) -> Iterator[Path]:
         yield Path(tmp)
 
 
+#: String literals of ``mqorder/spark`` renamed in the baseline copy, so both register side by side.
+_RENAMED = {'"mqorder"': '"mqorder_baseline"', '"_mqorder_registered"': '"_mqorder_baseline_registered"',
+            '"mqorder_audit_index"': '"mqorder_baseline_audit_index"',
+            '"_mqorder_audit_index_registered"': '"_mqorder_baseline_audit_index_registered"'}
+
+
+def baseline_package(tree: Path) -> Path:
+    """The baseline copy in ``tree`` renamed to the package ``mqorder_baseline`` (imports rewritten,
+    its Spark formats named ``mqorder_baseline`` and ``mqorder_baseline_audit_index``), so one
+    Spark application can run the baseline's reader and audit next to today's. Returns the
+    directory to put on the path."""
+    import re
+    import shutil
+
+    src, dst = tree / "mqorder", tree / "renamed" / "mqorder_baseline"
+    if not dst.exists():
+        shutil.copytree(src, dst)
+        imports = re.compile(r"(?m)^(\s*)(from|import) mqorder(?=[\s.])")
+        for f in dst.rglob("*.py"):
+            text = imports.sub(r"\1\2 mqorder_baseline", f.read_text())
+            if f.parent.name == "spark":
+                for old, new in _RENAMED.items():
+                    text = text.replace(old, new)
+            f.write_text(text)
+    return dst.parent
+
+
+def interleaved(what: str, url: str, topic: str, master: str, rounds: int, group: str = "", expect: int = 0,
+                queues: int = 1, log: Any = None) -> dict[str, Any]:
+    """The A/B inside one Spark application: the baseline (``baseline_package``) and today's code
+    alternate ``rounds`` times on the same JVM and Python workers, after a warm-up of each; on a
+    shared machine this is the fairer of the two A/Bs (no application start between the halves).
+    Ratios are per round: baseline seconds / current seconds."""
+    with baseline_tree() as tree:
+        path = baseline_package(tree)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(path)])
+        env["PYSPARK_PYTHON"] = env["PYSPARK_DRIVER_PYTHON"] = sys.executable
+        cmd = [sys.executable, "-m", "bench.spark_ab", "interleaved", "--what", what, "--url", url, "--topic", topic,
+               "--master", master, "--reps", str(rounds), "--group", group, "--expect", str(expect),
+               "--queues", str(queues)]
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"interleaved A/B ({what}) failed:\n{proc.stderr[-4000:]}")
+    res: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+    res["baseline_commit"] = BASELINE
+    res["ratios"] = [b / c for b, c in zip(res["baseline_seconds"], res["current_seconds"], strict=True)]
+    if log is not None:
+        log(f"{what} interleaved A/B: baseline {res['baseline_seconds']}, current {res['current_seconds']}")
+    return res
+
+
 def run_child(what: str, tree: Path | None, url: str, topic: str, master: str, reps: int,
               group: str = "", expect: int = 0, queues: int = 1) -> dict[str, Any]:
     """One child: ``tree`` (a baseline copy) or None (this checkout). Returns its figures."""
@@ -160,20 +212,66 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def _interleaved(args: argparse.Namespace) -> dict[str, Any]:
+    import mqorder_baseline  # type: ignore[import-not-found]
+    import mqorder_baseline.spark as old  # type: ignore[import-not-found]
+
+    import mqorder
+    import mqorder.spark as new
+
+    spark = new.session("mqorder-bench-ab", args.master, **{
+        "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false", "spark.driver.memory": "2g",
+        "spark.sql.shuffle.partitions": "8"})
+    spark.sparkContext.setLogLevel("ERROR")
+    old.register(spark)
+    files = spark.sparkContext.parallelize([0], 1).map(
+        lambda _: (__import__("mqorder").__file__, __import__("mqorder_baseline").__file__)).collect()[0]
+    if "renamed" not in files[1] or "renamed" in files[0]:
+        raise SystemExit(f"executors imported {files}")
+    out: dict[str, Any] = {"what": args.what, "driver": [mqorder.__file__, mqorder_baseline.__file__],
+                           "baseline_seconds": [], "current_seconds": [], "baseline_cpu": [], "current_cpu": []}
+
+    def once(side: str) -> float:
+        if args.what == "read":
+            fmt = "mqorder_baseline" if side == "baseline" else "mqorder"
+            n = spark.read.format(fmt).option("topic", args.topic).option("redisUrl", args.url).load().count()
+        else:
+            rep = (old if side == "baseline" else new).audit(spark, args.topic, args.group, redis_url=args.url)
+            if not rep.ok:
+                raise SystemExit(f"the {side} audit did not pass")
+            n = rep.ledger_records
+        if args.expect and n != args.expect:
+            raise SystemExit(f"{side} {args.what}: {n} rows, expected {args.expect}")
+        return n
+
+    for side in ("baseline", "current"):  # warm-up: workers started, modules imported, the JIT at work
+        once(side)
+    for _ in range(args.reps):
+        for side in ("baseline", "current"):
+            c0, t0 = _tree_cpu(), time.perf_counter()
+            out["rows"] = once(side)
+            out[f"{side}_seconds"].append(time.perf_counter() - t0)
+            out[f"{side}_cpu"].append(_tree_cpu() - c0)
+    spark.stop()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.spark_ab", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    c = sub.add_parser("child", help="one measurement (run by ab_pairs)")
-    c.add_argument("--what", choices=("read", "audit"), required=True)
-    c.add_argument("--url", required=True)
-    c.add_argument("--topic", required=True)
-    c.add_argument("--group", default="")
-    c.add_argument("--master", default="local[2]")
-    c.add_argument("--reps", type=int, default=1)
-    c.add_argument("--expect", type=int, default=0)
-    c.add_argument("--queues", type=int, default=1, help="queues of the topic (the read warm-up reads each)")
+    for name, what in (("child", "one measurement (run by ab_pairs)"),
+                       ("interleaved", "baseline and current alternating in one application (run by interleaved)")):
+        c = sub.add_parser(name, help=what)
+        c.add_argument("--what", choices=("read", "audit"), required=True)
+        c.add_argument("--url", required=True)
+        c.add_argument("--topic", required=True)
+        c.add_argument("--group", default="")
+        c.add_argument("--master", default="local[2]")
+        c.add_argument("--reps", type=int, default=1)
+        c.add_argument("--expect", type=int, default=0)
+        c.add_argument("--queues", type=int, default=1, help="queues of the topic (the read warm-up reads each)")
     args = ap.parse_args(argv)
-    res = _child(args)
+    res = _child(args) if args.cmd == "child" else _interleaved(args)
     sys.stdout.write(json.dumps(res) + "\n")
     return 0
 

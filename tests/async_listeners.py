@@ -3,7 +3,8 @@
 
 They write the same ledger lines as ``tests.listeners`` (``key|seq|queue|offset|epoch|client|pid|
 start_us|end_us|reconsume|verdict``) with ``redis.asyncio``, so nothing here blocks the loop, and
-take the same ``ctl:<group>`` knobs (``rand_sleep_ms``, ``fail:<key>``), awaited.
+take the same ``ctl:<group>`` knobs (``rand_sleep_ms``, ``fail:<key>``), awaited. Each call asks
+``await ctx.still_owner_async()`` and suspends if the answer is no (on every pool).
 
 * ``g-akeys`` on ``t-akeys``: key mode, ``key_concurrency=64``;
 * ``g-aqueue`` on ``t-aqueue``: queue mode.
@@ -51,6 +52,8 @@ async def _record(group: str, msgs, ctx) -> ConsumeOrderlyStatus:
         if ctl.get(f"fail:{key}"):
             status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
         lines.append((key, seq, m))
+    if not await ctx.still_owner_async():  # off the loop: a thread, or a hub greenlet under gevent
+        status = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
     end = time.time_ns() // 1000
     verdict = "S" if status is ConsumeOrderlyStatus.SUCCESS else "X"
     await c.rpush(f"ledger:{group}", *[

@@ -163,9 +163,8 @@ def test_write_stream_killed_mid_batch_restarts_exactly_once(redis_url: str, r: 
 def _committed_parquet(out: Path) -> list[Path]:
     """The files the file sink committed (its ``_spark_metadata`` log), as Spark reads them."""
     files = []
-    for entry in sorted((out / "_spark_metadata").iterdir(), key=lambda p: int(p.name.split(".")[0])):
-        if not entry.name.split(".")[0].isdigit():
-            continue
+    logs = [p for p in (out / "_spark_metadata").iterdir() if p.name.split(".")[0].isdigit()]  # not .N.crc
+    for entry in sorted(logs, key=lambda p: int(p.name.split(".")[0])):
         for line in entry.read_text().splitlines()[1:]:  # after the "v1" version line
             files.append(Path(json.loads(line)["path"].removeprefix("file:")))
     return files

@@ -38,7 +38,18 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from bench.common import Config, Summary, Workload, cpu_s, log, percentile, redis_and_client, server_pid, summarize
+from bench.common import (
+    Config,
+    Summary,
+    Workload,
+    cpu_s,
+    log,
+    measured_note,
+    percentile,
+    redis_and_client,
+    server_pid,
+    summarize,
+)
 from mqorder import Producer
 from mqorder.model import MessageModel
 
@@ -251,10 +262,7 @@ def report_lines(res: dict[str, Any]) -> list[str]:
               f"send→ack p50 / p99 at {res['paced_rate']:,} msg/s", f"producer CPU per message at {res['paced_rate']:,} msg/s",
               f"Redis CPU per message at {res['paced_rate']:,} msg/s"]
     out = ["## Batching producer: `send_orderly_async` vs `send_orderly` (issue 27)", ""]
-    m = res.get("measured")
-    if m:  # measured on its own (--only batching), placed in the RESULTS.md of an earlier full run
-        out += [f"Measured {m['date']} at engine commit `{m['commit']}` (1-minute load average {m['load1']} at the "
-                "section's end).", ""]
+    out += measured_note(res)
     out += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for key, label, kwargs in VARIANTS:
         rows = _rows(res, key)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from bench.cluster import KINDS, LABELS
-from bench.common import summarize
+from bench.common import measured_note, summarize
 from bench.targets import threshold
 
 #: Commands below this many calls per message on both sides are left out of the fan-out check.
@@ -174,10 +174,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
     out = [f"## Redis Cluster: single node vs a {res.get('masters', 3)}-shard cluster (issue 26)", ""]
     if not res or not _runs(res, "cluster"):
         return out
-    m = res.get("measured")
-    if m:
-        out += [f"Measured {m['date']} at engine commit `{m['commit']}` (1-minute load average {m['load1']} at the "
-                "section's end).", ""]
+    out += measured_note(res)
     out += _table(["drain, consume batch 32", "messages/s", "Redis CPU per message (all nodes)", "CPU vs single node",
                    "commands per message", "reads per message (client round trips)", "busiest node busy",
                    "worker CPU per message"], _drain_rows(res))

@@ -78,6 +78,16 @@ class Summary:
         return {"median": self.median, "min": self.lo, "max": self.hi, "n": self.n, "values": self.values}
 
 
+def measured_note(res: dict[str, Any]) -> list[str]:
+    """The line a section measured on its own (``--only``, ``bench.run._measured``) opens its report
+    with, or nothing."""
+    m = res.get("measured")
+    if not m:
+        return []
+    return [f"Measured {m['date']} at engine commit `{m['commit']}` (1-minute load average {m['load1']} at the "
+            "section's end).", ""]
+
+
 def summarize(values: Iterable[float]) -> Summary:
     v = [float(x) for x in values]
     if not v:

@@ -30,7 +30,7 @@ import json
 import time
 from typing import Any
 
-from bench.common import Config, cpu_s, load1, log, redis_and_client, server_pid, summarize
+from bench.common import Config, cpu_s, load1, log, measured_note, redis_and_client, server_pid, summarize
 from mqorder import Producer
 from mqorder.admin.common import Admin
 from mqorder.admin.key_status import key_status
@@ -147,10 +147,7 @@ def report_lines(res: dict[str, Any]) -> list[str]:
     if not res:
         return []
     out = ["## Exporter scrape and `status --key` (issue 28)", ""]
-    m = res.get("measured")
-    if m:
-        out += [f"Measured {m['date']} at engine commit `{m['commit']}` (1-minute load average {m['load1']} at the "
-                "section's end).", ""]
+    out += measured_note(res)
     out += ["| queues | state | `mqorder_exporter_scrape_duration_seconds` | exporter CPU | Redis CPU | "
             "series | Redis commands | load average |", "|---|---|---|---|---|---|---|---|"]
     for n, row in res["sizes"].items():

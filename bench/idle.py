@@ -35,6 +35,7 @@ from bench.common import (
     Config,
     cpu_s,
     log,
+    measured_note,
     mq_env,
     queues_of,
     redis_and_client,
@@ -196,10 +197,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
     lays = res.get("layouts") or []
     if not lays:
         return out + ["Not measured in this run (`python -m bench.run --only idle`).", ""]
-    m = res.get("measured")
-    if m:
-        out += [f"Measured {m['date']} at engine commit `{m['commit']}` (1-minute load average {m['load1']} at the "
-                "section's end).", ""]
+    out += measured_note(res)
     target = res.get("target_share", TARGET_SHARE)
     rows = []
     for lay in lays:

@@ -48,6 +48,12 @@ from bench.report import Report
 # -- sections ------------------------------------------------------------------------------------------
 
 
+def _measured() -> dict[str, Any]:
+    """When, at which commit and under what load a section measured on its own (``--only``) ran: its
+    report says so, as it is placed in the RESULTS.md of an earlier full run."""
+    return {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(), "load1": round(load1(), 2)}
+
+
 def sec_raw(cfg: Config, res: dict[str, Any]) -> None:
     from bench import raw
 
@@ -222,8 +228,7 @@ def sec_sentinel(cfg: Config, res: dict[str, Any]) -> None:
                                    concurrency=concurrency(cfg), kills=size(cfg, "sentinel_kills"))
     # The section says when and from what it was measured: it may be run on its own (--only
     # sentinel) and its section placed in a RESULTS.md of an earlier full run.
-    res["sentinel"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
-                                   "load1": round(load1(), 2)}
+    res["sentinel"]["measured"] = _measured()
 
 
 def sec_cluster(cfg: Config, res: dict[str, Any]) -> None:
@@ -232,8 +237,7 @@ def sec_cluster(cfg: Config, res: dict[str, Any]) -> None:
     res["cluster"] = cluster.run(cfg, messages=size(cfg, "cluster_messages"), runs=cfg.runs,
                                  concurrency=concurrency(cfg))
     # Measured on its own (--only cluster) and placed in a RESULTS.md of an earlier full run, as sentinel.
-    res["cluster"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
-                                  "load1": round(load1(), 2)}
+    res["cluster"]["measured"] = _measured()
 
 
 def sec_transactions(cfg: Config, res: dict[str, Any]) -> None:
@@ -261,8 +265,7 @@ def sec_trickle_cost(cfg: Config, res: dict[str, Any]) -> None:
                                            seconds=size(cfg, "trickle_cost_seconds"),
                                            drain_messages=size(cfg, "trickle_cost_drain"))
     # Measured on its own (--only trickle_cost) and placed in a RESULTS.md of an earlier full run, as sentinel.
-    res["trickle_cost"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
-                                       "load1": round(load1(), 2)}
+    res["trickle_cost"]["measured"] = _measured()
 
 
 def sec_trickle_floor(cfg: Config, res: dict[str, Any]) -> None:
@@ -270,8 +273,7 @@ def sec_trickle_floor(cfg: Config, res: dict[str, Any]) -> None:
 
     res["trickle_floor"] = trickle_floor.run(cfg, seconds=size(cfg, "trickle_floor_seconds"), runs=cfg.runs)
     # Measured on its own (--only trickle_floor) and placed in a RESULTS.md of an earlier full run, as sentinel.
-    res["trickle_floor"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
-                                        "load1": round(load1(), 2)}
+    res["trickle_floor"]["measured"] = _measured()
 
 
 def sec_idle(cfg: Config, res: dict[str, Any]) -> None:
@@ -279,16 +281,14 @@ def sec_idle(cfg: Config, res: dict[str, Any]) -> None:
 
     res["idle"] = idle.run(cfg, seconds=size(cfg, "idle_seconds"), slow_seconds=size(cfg, "idle_slow_seconds"),
                            warmup_s=size(cfg, "idle_warmup_seconds"))
-    res["idle"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
-                               "load1": round(load1(), 2)}
+    res["idle"]["measured"] = _measured()
 
 
 def sec_exporter_scrape(cfg: Config, res: dict[str, Any]) -> None:
     from bench import exporter_scrape
 
     res["exporter_scrape"] = exporter_scrape.run(cfg, runs=cfg.runs)
-    res["exporter_scrape"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
-                                          "load1": round(load1(), 2)}
+    res["exporter_scrape"]["measured"] = _measured()
 
 
 def sec_batching(cfg: Config, res: dict[str, Any]) -> None:
@@ -297,8 +297,7 @@ def sec_batching(cfg: Config, res: dict[str, Any]) -> None:
     res["batching"] = batching.run(cfg, per_thread=size(cfg, "batching_per_thread"),
                                    paced_seconds=size(cfg, "batching_paced_seconds"), runs=cfg.runs)
     # Measured on its own (--only batching) and placed in a RESULTS.md of an earlier full run, as sentinel.
-    res["batching"]["measured"] = {"date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": _git_commit(),
-                                   "load1": round(load1(), 2)}
+    res["batching"]["measured"] = _measured()
 
 
 RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {

@@ -29,7 +29,7 @@ from typing import Any
 import redis
 
 from bench import failover
-from bench.common import Config, log, mq_env, percentile, queues_of, start_mq_workers, summarize
+from bench.common import Config, log, measured_note, mq_env, percentile, queues_of, start_mq_workers, summarize
 from bench.failover import _states, _steady
 from bench.mqorder_drain import DrainSpec, drain
 from mqorder import Producer
@@ -180,10 +180,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
     out = ["## Redis Sentinel: drain through the Sentinels, failover of the primary", ""]
     if not res:
         return out
-    m = res.get("measured")
-    if m:
-        out += [f"Measured {m['date']} at engine commit `{m['commit']}` (1-minute load average {m['load1']} at the "
-                "section's end).", ""]
+    out += measured_note(res)
     dr = res.get("drain") or {}
     rows = [[LABELS[k], summarize(r["rate"] for r in dr[k]).fmt(0, "msg/s"),
              summarize(r["worker_cpu_s"] / r["messages"] * 1e6 for r in dr[k]).fmt(1, "µs"),

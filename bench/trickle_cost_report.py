@@ -11,6 +11,7 @@ import math
 import statistics
 from typing import Any
 
+from bench.common import measured_note
 from bench.redis_meter import pretty, top_level
 
 PHASES = ("trickle", "drain")
@@ -227,10 +228,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
     cols = _columns(res)
     if not cols:
         return out + ["Not measured in this run (`python -m bench.run --only trickle_cost`).", ""]
-    m = res.get("measured")
-    if m:
-        out += [f"Measured {m['date']} at engine commit `{m['commit']}` (1-minute load average {m['load1']} at the "
-                "section's end).", ""]
+    out += measured_note(res)
     specs = res["specs"]
     if len(specs) > 1 or specs[0]["root"] or specs[0]["env"]:
         out += ["Configurations: " + "; ".join(

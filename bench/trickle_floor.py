@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from bench.common import Config, log, redis_and_client, summarize
+from bench.common import Config, log, measured_note, redis_and_client, summarize
 from mqorder import Producer
 
 RATE = 1_000
@@ -101,22 +101,12 @@ def run(cfg: Config, *, seconds: float, runs: int) -> dict[str, Any]:
     return {"rate": RATE, "seconds": seconds, "runs": runs, "rows": rows}
 
 
-def medians(res: dict[str, Any], variant: str) -> tuple[float, float] | None:
-    rows = [r for r in res.get("rows") or [] if r["variant"] == variant]
-    if not rows:
-        return None
-    return summarize(r["client_us"] for r in rows).median, summarize(r["redis_us"] for r in rows).median
-
-
-def report_lines(res: dict[str, Any], trickle: dict[str, Any] | None = None) -> list[str]:
+def report_lines(res: dict[str, Any]) -> list[str]:
     """The report's ``trickle_floor`` section, only when it ran."""
     if not res or not res.get("rows"):
         return []
     out = ["## The floor at a trickle: one round trip (issue 27)", ""]
-    m = res.get("measured")
-    if m:
-        out += [f"Measured {m['date']} at engine commit `{m['commit']}` (1-minute load average {m['load1']} at the "
-                "section's end).", ""]
+    out += measured_note(res)
     out += [f"One operation at a time from one connection, paced at {res['rate']:,}/s for {res['seconds']} s, "
             f"{res['runs']} runs per variant, variants alternating; each variant on a `redis-server` of its own. "
             "Median (min–max) over runs.", "",

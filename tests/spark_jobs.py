@@ -129,3 +129,10 @@ def bad_write(spark: SparkSession, topic: str, opts: dict[str, str], key: str = 
         return
     (df.write.format("mqorder").options(**opts).option("topic", topic).option("key", key).option("orderBy", "ts")
      .option("body", "body").mode("append").save())
+
+
+def audit(spark: SparkSession, topic: str, group: str, opts: dict[str, str]) -> dict[str, Any]:
+    """``mqorder.spark.audit`` of ``group`` on ``topic``: its report as JSON (``AuditReport.to_json``)."""
+    import mqorder.spark
+
+    return mqorder.spark.audit(spark, topic, group, redis_url=opts.get("redisUrl")).to_json()

@@ -51,7 +51,7 @@ from mqorder.spark import audit_frames as frames
 from mqorder.spark.audit_model import AuditReport, Gap, QueueInfo
 from mqorder.spark.ledger import LedgerNotFoundError, ledger_streams, no_ledger_hint
 from mqorder.spark.reader import SCHEMA_DDL as TOPIC_SCHEMA
-from mqorder.spark.session import register
+from mqorder.spark.session import default_parallelism, register
 from mqorder.spark.stored_index import FORMAT as INDEX_FORMAT
 from mqorder.spark.stored_index import SCHEMA_DDL as INDEX_SCHEMA
 from mqorder.spark.stored_index import register_index
@@ -168,7 +168,7 @@ def audit(
         recs = frames.records(_load(spark, settings, frames.LEDGER_COLUMNS, ledger=group, topic=topic), route)
         dead = _dead_letters(spark, settings, brokers, topic, group, route)
         bucket_ms = frames.throughput_bucket_ms(streams)
-        parts = frames.lane_partitions(spark.sparkContext.defaultParallelism, sum(s.length for s in streams),
+        parts = frames.lane_partitions(default_parallelism(spark), sum(s.length for s in streams),
                                        int(spark.conf.get("spark.sql.shuffle.partitions") or 200))
 
         # Phase 1: the ledger alone (see audit_frames). A body field needs the stored messages

@@ -121,3 +121,24 @@ def test_a_group_on_two_topics_keeps_the_assignment_of_both(brokers: BrokerRegis
     assert {mq.topic for mq in svc.assigned_queues("g", "c1")} == {"ta", "tb"}
     assert len(svc.assigned_queues("g", "c1")) == 5
     assert svc.lock_all("c1", ["g"]) == 5
+
+
+def test_the_assignment_parsed_once_per_change_still_follows_every_change(
+    brokers: BrokerRegistry, settings, r: redis.Redis
+) -> None:
+    """The service keeps the parsed assignment while the hash is unchanged (issue 27's idle cost),
+    and a queue assigned, moved or removed since is seen at the next read, whoever wrote it."""
+    svc = RebalanceService(brokers, settings)
+    other = MessageQueue("t", "broker-a", 1)
+    r.hset(keys.assignment("g"), MQ.key, "c1")
+    assert svc.assigned_queues("g", "c1") == [MQ]
+    first = svc.assigned_queues("g", "c1")
+    first.append(other)  # a caller's list is its own: the kept copy does not change
+    assert svc.assigned_queues("g", "c1") == [MQ]
+    r.hset(keys.assignment("g"), other.key, "c1")
+    assert svc.assigned_queues("g", "c1") == [MQ, other]
+    r.hset(keys.assignment("g"), MQ.key, "c2")
+    assert svc.assigned_queues("g", "c1") == [other]
+    assert svc.assigned_queues("g") == [MQ, other]
+    r.delete(keys.assignment("g"))
+    assert svc.assigned_queues("g", "c1") == []

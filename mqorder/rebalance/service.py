@@ -54,7 +54,11 @@ class Dispatch:
 def assigned_queues(meta: redis.Redis, sub: str, client_id: str | None = None) -> list[MessageQueue]:
     """The queues of ``sub`` the last rebalance assigned (to ``client_id``, or to anyone), sorted:
     its read hint ``keys.assignment``. The locks, not this hint, decide who consumes."""
-    raw = meta.hgetall(keys.assignment(sub))
+    return parse_assignment(meta.hgetall(keys.assignment(sub)), client_id)
+
+
+def parse_assignment(raw: dict[bytes | str, bytes | str], client_id: str | None = None) -> list[MessageQueue]:
+    """The queues of an assignment hash's ``HGETALL`` (those of ``client_id``, or all), sorted."""
     return sorted(
         MessageQueue.from_key(text(k)) for k, v in raw.items() if client_id is None or text(v) == client_id
     )
@@ -103,6 +107,11 @@ class RebalanceService:
         #: rebalance takes milliseconds, and two compute the same deterministic answer and apply it
         #: through atomic scripts.
         self.mutex_timeout_s = settings.heartbeat_timeout_ms / 1000
+        #: (sub, client) -> (the assignment hash as last read, its parsed queues). The hash is read
+        #: at every sweep and lock renewal, but changes only at a rebalance: an unchanged one is
+        #: not parsed again (parsing 1,024 queue keys every sweep was most of an idle worker's
+        #: sweep, issue 27). The read itself stays: the hash, not this copy, is what counts.
+        self._assigned: dict[tuple[str, str | None], tuple[dict[bytes | str, bytes | str], list[MessageQueue]]] = {}
 
     def rebalance(self, wait_s: float = REBALANCE_MUTEX_WAIT_S) -> RebalanceReport:
         """Recompute and apply the assignment of every subscribed topic, under a mutex.
@@ -186,7 +195,14 @@ class RebalanceService:
     # -- lease renewal and sweeping ------------------------------------------------------------------
 
     def assigned_queues(self, sub: str, client_id: str | None = None) -> list[MessageQueue]:
-        return assigned_queues(self.brokers.meta, sub, client_id)
+        """``assigned_queues`` of this service's meta broker, parsed once per change of the hash."""
+        raw = self.brokers.meta.hgetall(keys.assignment(sub))
+        seen = self._assigned.get((sub, client_id))
+        if seen is not None and seen[0] == raw:
+            return list(seen[1])
+        mqs = parse_assignment(raw, client_id)
+        self._assigned[(sub, client_id)] = (raw, mqs)
+        return list(mqs)
 
     def lanes_of(self, client: ClientInfo) -> list[str]:
         out = []

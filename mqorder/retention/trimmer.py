@@ -194,33 +194,39 @@ class RetentionTrimmer:
             for _ in range(MAX_ROUNDS):
                 if not pending or (deadline is not None and time.perf_counter() > deadline):
                     break
-                calls = [_call(mq, rule, holders, chunk) for mq, rule, holders in pending]
+                # A quiet queue is skipped before its call is built: an idle pass then costs a dict
+                # lookup per queue, not its keys, arguments and signature (issue 27's idle cost).
                 now = time.monotonic()
-                todo = [i for i, c in enumerate(calls) if not self._skips(pending[i][0].key, c, now)]
-                replies = scripts.run_pipelined("trim", [calls[i] for i in todo]) if todo else []
+                todo: list[tuple[tuple[MessageQueue, RetentionRule, list[str]], str, tuple[Any, ...]]] = []
+                for item in pending:
+                    key, sig = item[0].key, _signature(item[1], item[2], chunk)
+                    if not self._skips(key, sig, now):
+                        todo.append((item, key, sig))
+                calls = [_call(mq, rule, holders, chunk) for (mq, rule, holders), _, _ in todo]
+                replies = scripts.run_pipelined("trim", calls) if calls else []
                 report.calls += len(todo)
-                report.quiet_skipped += len(calls) - len(todo)
+                report.quiet_skipped += len(pending) - len(todo)
                 more = []
                 now = time.monotonic()
-                for i, reply in zip(todo, replies, strict=True):
-                    item = pending[i]
+                for (item, key, sig), reply in zip(todo, replies, strict=True):
                     trimmed, first, nxt, again, quiet_ms = (int(x) for x in reply)
-                    q = report.queues.setdefault(item[0].key, QueueTrim())
+                    q = report.queues.setdefault(key, QueueTrim())
                     q.trimmed += trimmed
                     q.first, q.next = first, nxt
                     if quiet_ms > 0:
-                        self._quiet[item[0].key] = (_signature(calls[i]), now + quiet_ms / 1000)
+                        self._quiet[key] = (sig, now + quiet_ms / 1000)
                     else:
-                        self._quiet.pop(item[0].key, None)
+                        self._quiet.pop(key, None)
                     if again:
                         more.append(item)
                 pending = more
 
-    def _skips(self, queue_key: str, call: tuple[list[str], list[Any]], now: float) -> bool:
-        """Whether the last call showed that ``call`` cannot trim ``queue_key`` before a time
-        still ahead: same keys (holders) and arguments (rule) only; any change is checked now."""
+    def _skips(self, queue_key: str, sig: tuple[Any, ...], now: float) -> bool:
+        """Whether the last call showed that a call of signature ``sig`` (``_signature``) cannot
+        trim ``queue_key`` before a time still ahead: same holders and rule only; any change is
+        checked now."""
         seen = self._quiet.get(queue_key)
-        return seen is not None and seen[1] > now and seen[0] == _signature(call)
+        return seen is not None and seen[1] > now and seen[0] == sig
 
     def _trim_ledgers(self, now: int) -> int:
         """Ledger records older than the default retention (their ids are ``<ms>-<seq>``)."""
@@ -248,10 +254,11 @@ def _call(mq: MessageQueue, rule: RetentionRule, holders: list[str], chunk: int)
     )
 
 
-def _signature(call: tuple[list[str], list[Any]]) -> tuple[Any, ...]:
-    """What a ``trim.lua`` call's answer depends on besides the queue's own data and the clock."""
-    keys_, args = call
-    return (*keys_, *(str(a) for a in args))
+def _signature(rule: RetentionRule, holders: list[str], chunk: int) -> tuple[Any, ...]:
+    """What a queue's ``trim.lua`` call (``_call``: its keys and arguments) depends on besides the
+    queue's own data and the clock: the rule (policy and limits), the holders (their state keys)
+    and the chunk. Built without the call, so a skipped queue costs no keys."""
+    return (rule, tuple(holders), chunk)
 
 
 def first_offsets(brokers: BrokerRegistry, mqs: list[MessageQueue]) -> dict[MessageQueue, int]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import time
 
+from mqorder.celery import capacity
 from mqorder.celery.capacity import STALE_AFTER_S, CapacityPublisher, CapacitySignal
 
 
@@ -74,6 +75,28 @@ def test_publisher_stops_and_clears_and_a_failing_probe_clears_too() -> None:
     time.sleep(0.03)
     assert not sig.may_linger()
     bad.stop()
+
+
+def test_a_publisher_of_a_worker_holding_no_request_waits_for_a_poke_and_publishes_at_once() -> None:
+    """Holding no request, no child reads the stamp: the publisher stops refreshing it (issue 27's
+    idle cost) until a received request pokes it, which publishes before the child can look."""
+    sig = CapacitySignal()
+    held = [0]
+    pub = CapacityPublisher(lambda: 0, sig, interval=0.005, held=lambda: held[0])
+    pub.start()
+    try:
+        time.sleep(capacity.ACTIVE_WINDOW_S + STALE_AFTER_S + 0.2)  # past the fast window, then stale
+        assert not sig.may_linger()  # nothing published for a reader that does not exist
+        held[0] = 1  # a request was received: Celery's task_received pokes the publisher
+        pub.poke()
+        deadline = time.monotonic() + 0.05
+        while not sig.may_linger() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert sig.may_linger()  # published at once, not at the end of the long wait
+        time.sleep(STALE_AFTER_S + 0.1)
+        assert sig.may_linger()  # holding a request: kept fresh at the idle interval
+    finally:
+        pub.stop()
 
 
 def test_a_request_may_begin_to_linger_only_while_a_slot_would_stay_free() -> None:

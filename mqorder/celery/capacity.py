@@ -48,6 +48,12 @@ PUBLISH_INTERVAL_S = 0.005
 IDLE_PUBLISH_INTERVAL_S = 0.04
 #: How long after the last change the publisher keeps the fast interval.
 ACTIVE_WINDOW_S = 1.0
+#: How often while the worker holds no request at all: no child runs, so nobody reads the stamp
+#: (only a child running a request does), and the next request's receipt pokes the publisher,
+#: which publishes before that child can look. 25 Hz of publishing for no reader was most of an
+#: idle worker's main-process CPU after the sweep (issue 27). Any wait works here; this one only
+#: keeps the thread from sleeping unboundedly.
+HELD_NONE_INTERVAL_S = 1.0
 #: A stamp older than this reads as "no publisher": do not linger.
 STALE_AFTER_S = 0.1
 
@@ -143,6 +149,14 @@ def celery_waiting(slots: int) -> int:
     return max(0, len(state.reserved_requests) - slots)
 
 
+def celery_held() -> int:
+    """Requests this worker received and has not finished (running ones included): while there
+    are none, no prefork child runs a request, so none reads the signal."""
+    from celery.worker import state
+
+    return len(state.reserved_requests)
+
+
 def celery_spare(slots: int) -> bool:
     """Whether a request that begins to linger now leaves a slot free for the next one: fewer
     requests received (running ones included) than slots, or a one-slot pool (where lingering is
@@ -157,7 +171,7 @@ class CapacityPublisher:
 
     def __init__(self, waiting: Callable[[], int], signal: CapacitySignal | None = SIGNAL,
                  interval: float = PUBLISH_INTERVAL_S, nudge: Callable[[], None] | None = None,
-                 spare: Callable[[], bool] | None = None) -> None:
+                 spare: Callable[[], bool] | None = None, held: Callable[[], int] | None = None) -> None:
         #: None: only nudge (the threads pool reads Celery's bookkeeping itself, no shared page).
         self.signal = signal
         self.waiting = waiting
@@ -166,6 +180,10 @@ class CapacityPublisher:
         #: Called while requests wait for a slot: ends the lingering reads of this client
         #: (``mqorder.consumer.nudge.LingerNudge``), which otherwise notice only at their slice end.
         self.nudge = nudge
+        #: Requests the worker holds (received and not finished, running ones included:
+        #: ``celery_held``); at 0 the publisher waits ``HELD_NONE_INTERVAL_S`` or a ``poke``.
+        #: None: always the idle interval.
+        self.held = held
         self.interval = interval
         self.idle_interval = max(interval, IDLE_PUBLISH_INTERVAL_S)
         self._stop = threading.Event()
@@ -210,7 +228,12 @@ class CapacityPublisher:
             now = time.monotonic()
             if (waiting, spare) != last:
                 last, changed_at = (waiting, spare), now
-            busy = waiting or now - changed_at < ACTIVE_WINDOW_S
-            self._wake.wait(self.interval if busy else self.idle_interval)
+            if waiting or now - changed_at < ACTIVE_WINDOW_S:
+                wait = self.interval
+            elif self.held is not None and self.held() == 0:
+                wait = max(self.idle_interval, HELD_NONE_INTERVAL_S)  # no reader until a poke
+            else:
+                wait = self.idle_interval
+            self._wake.wait(wait)
         if self.signal is not None:
             self.signal.clear()

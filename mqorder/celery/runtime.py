@@ -11,7 +11,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from mqorder.celery.capacity import SIGNAL, CapacityPublisher, celery_spare, celery_waiting
+from mqorder.celery.capacity import SIGNAL, CapacityPublisher, celery_held, celery_spare, celery_waiting
 from mqorder.consumer.engine import ConsumerEngine
 from mqorder.settings import get_settings
 
@@ -52,7 +52,7 @@ def enable_linger(
     threads = module.endswith(".thread")
     n = max(1, slots)
     publisher = CapacityPublisher(lambda: celery_waiting(n), None if threads else SIGNAL, nudge=nudge,
-                                  spare=lambda: celery_spare(n))
+                                  spare=lambda: celery_spare(n), held=celery_held)
     publisher.start()
     # A received request may be one a lingering request must give its slot back for: publish at
     # once rather than at the publisher's next (idle-rate) turn.

@@ -52,10 +52,12 @@ class AsyncRecorder:
         self.max_running = 0
         self.sleep_s = sleep_s
         self.threads: set[int] = set()
+        self.loops: set[asyncio.AbstractEventLoop] = set()
 
     async def __call__(self, msgs, ctx):
         key = msgs[0].body.decode().split(":")[0]
         self.threads.add(threading.get_ident())
+        self.loops.add(asyncio.get_running_loop())
         self.running[key] += 1
         if self.running[key] > 1:
             self.overlaps.append(key)
@@ -81,7 +83,10 @@ def test_async_key_mode_keeps_per_key_order_and_runs_keys_side_by_side_on_the_lo
     assert dict(rec.seen) == dict(sent)
     assert rec.overlaps == []
     assert 1 < rec.max_running <= 32
-    assert rec.threads == {ProcessLoop.get().loop._thread_id}  # every call on the process's loop
+    assert rec.loops == {ProcessLoop.get().loop}  # every call on the process's loop
+    # The only run of the process drives the loop in its own thread (ProcessLoop.claim): no
+    # thread crossing per call.
+    assert rec.threads == {threading.get_ident()}
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 300
 
 
@@ -381,3 +386,75 @@ def test_a_revoked_key_run_cancels_its_hanging_call_and_counts_no_reconsume(env)
     assert not r.hgetall(keys.sub_retries(MQ.tag, "g"))  # no reconsume counted for the cancelled call
     dlq = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
     assert dlq == []
+
+
+def test_a_run_gives_the_loop_back_when_it_ends_and_background_tasks_go_on(env) -> None:
+    """The only run of a process drives the loop in its own thread (``ProcessLoop.claim``); when
+    it ends the loop's own thread runs it again: a task the listener left behind keeps running."""
+    p, eng = env
+    sent = send_keys(p, 20, 3)
+    ticks: list[int] = []
+    started = threading.Event()
+
+    async def ticker() -> None:
+        while True:
+            ticks.append(threading.get_ident())
+            await asyncio.sleep(0.01)
+
+    rec = AsyncRecorder(sleep_s=0.002)
+
+    async def listener(msgs, ctx):
+        if not started.is_set():
+            started.set()
+            asyncio.get_running_loop().create_task(ticker())
+        return await rec(msgs, ctx)
+
+    drain(eng, ListenerSpec(listener, "t", "g", ordering="key", key_concurrency=8))
+    assert dict(rec.seen) == dict(sent)
+    assert rec.threads == {threading.get_ident()}  # the run drove the loop itself
+    loop = ProcessLoop.get()
+    n = len(ticks)
+    deadline = time.monotonic() + 5
+    while len(ticks) < n + 5 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(ticks) >= n + 5, "the loop stopped running after the run that drove it ended"
+    assert ticks[-1] == loop.thread_id  # back on the loop's own thread
+    for task in [t for t in asyncio.all_tasks(loop.loop) if t.get_coro().__name__ == "ticker"]:
+        loop.loop.call_soon_threadsafe(task.cancel)
+
+
+def test_two_runs_of_one_process_share_the_loop_and_keep_per_key_order(settings) -> None:
+    """Two key-ordered async runs at once in one process (a threads pool): neither may keep the
+    loop to itself; both finish, each key in order, and calls ran on the loop's own thread."""
+    from mqorder import Producer
+
+    pr = Producer(settings=settings)
+    pr.create_topic("u", queues=2)
+    eng = ConsumerEngine(settings, "c1")
+    try:
+        sent = send_keys(pr, 40, 4, topic="u")
+        rec = AsyncRecorder(sleep_s=0.003)
+        spec = ListenerSpec(rec, "u", "g", ordering="key", key_concurrency=8)
+        mqs = [MessageQueue("u", "broker-a", i) for i in range(2)]
+        errors: list[BaseException] = []
+
+        def run(i: int) -> None:
+            try:
+                drain(eng, spec, mq=mqs[i], token=f"tok-u{i}")
+            except BaseException as exc:  # noqa: BLE001 - reported by the test below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and not any(t.is_alive() for t in threads)
+        assert dict(rec.seen) == dict(sent)
+        assert rec.overlaps == []
+        assert ProcessLoop.get().thread_id in rec.threads  # the loop's own thread ran calls too
+        log = MessageLog(eng.brokers)
+        assert sum(log.consume_offset("g", mq) for mq in mqs) == 160
+    finally:
+        pr.close()
+        eng.brokers.close()

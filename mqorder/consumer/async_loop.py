@@ -48,6 +48,9 @@ PING_S = 0.1
 BLOCKED_S = 0.25
 #: ``lag()`` reports the worst lateness over this many seconds.
 LAG_WINDOW_S = 1.0
+#: A run may claim the loop (``ProcessLoop.claim``) only when no other thread gave it work for
+#: this long (a queue-mode async run of a threads pool beside it).
+FOREIGN_QUIET_S = 1.0
 
 
 #: Called with the loop's lag (s, the worst over ``LAG_WINDOW_S``) after each ping, from the
@@ -149,14 +152,29 @@ class ProcessLoop:
             # never runs: every run_in_executor (a client's getaddrinfo too) would hang. Made
             # here, in the thread of the hub that will run the work.
             self.loop.set_default_executor(HubExecutor(self.loop))
-        self._slots: asyncio.Semaphore | None = None
+        #: Free places under the process cap, and the calls waiting for one (loop thread only;
+        #: a counter and futures rather than ``asyncio.Semaphore``, whose ``acquire`` is one more
+        #: coroutine per call).
+        self._free = self.max_in_flight
+        self._slot_waiters: deque[asyncio.Future[None]] = deque()
+        self._gevent = native.gevent_patched()
+        #: The thread that drives the loop instead of its own (``claim``), None: the loop's thread.
+        self._owner: int | None = None
+        self._claim_lock = threading.Lock()
+        self._handing = False
+        self._parked = threading.Event()
+        self._resume = threading.Event()
+        self._release_asked = False
+        self._foreign_at = 0.0
+        #: Runs submitting calls now (``enter_run``).
+        self._runs = 0
+        #: The loop's own thread (set when it starts).
+        self.thread_id = 0
         #: Calls submitted from other threads, started on the loop by ``_start_pending``.
         self._pending: deque[AsyncCall] = deque()
         self._start_scheduled = False
         #: Calls submitted and not ended (written on the loop's thread only).
         self.in_flight = 0
-        #: Listener name of each running call's task, for the blocked-loop warning.
-        self._names: dict[asyncio.Task[Any], str] = {}
         self._lags: list[tuple[float, float]] = []  # (monotonic when answered, lateness s)
         self._ping_sent = 0.0
         self._ping_answered = True
@@ -190,9 +208,84 @@ class ProcessLoop:
             native.sleep(0.001)
 
     def _run(self) -> None:
+        self.thread_id = threading.get_ident()
         asyncio.set_event_loop(self.loop)
-        self._slots = asyncio.Semaphore(self.max_in_flight)
-        self.loop.run_forever()
+        while True:
+            self.loop.run_forever()
+            if self.loop.is_closed() or not self._handing:  # pragma: no cover - stopped for good
+                return
+            # Stopped for a hand-over (``claim``): the claiming run drives the loop until it gives
+            # it back (``release``); this thread waits, using no CPU.
+            self._parked.set()
+            self._resume.wait()
+            self._resume.clear()
+
+    # -- inline runs: the run's own thread drives the loop -----------------------------------------
+
+    def claim(self) -> bool:
+        """Let the calling run's thread drive the loop itself while it waits for its calls
+        (``drive``), instead of this process's loop thread: no thread crossing per call (a
+        self-pipe write to submit, a wake-up of the run's thread per result), which on a busy
+        2-core machine cost more than the calls. Granted only when no other run of the process
+        uses the loop (a prefork child, solo: one run at a time) and never under gevent, whose
+        runs are greenlets of one thread. True when granted; the caller must ``release``."""
+        if self._gevent or self._owner is not None or self._runs > 1:
+            return False
+        if time.monotonic() - self._foreign_at < FOREIGN_QUIET_S:
+            return False
+        with self._claim_lock:
+            if self._owner is not None:
+                return False
+            self._handing = True
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._parked.wait()
+            self._parked.clear()
+            self._release_asked = False
+            self._owner = threading.get_ident()
+        return True
+
+    def release(self) -> None:
+        """Give the loop back to its own thread (the caller claimed it and is not driving it)."""
+        if self._owner != threading.get_ident():
+            return
+        self._owner = None
+        self._handing = False
+        self._resume.set()
+
+    @property
+    def release_asked(self) -> bool:
+        """Another thread gave the loop work while a run drives it: the run should give it back."""
+        return self._release_asked
+
+    def drive(self, timeout: float | None) -> None:
+        """Run the loop in the claiming thread until something calls ``loop.stop()`` (a result of
+        the run's calls: ``LaneCalls``) or ``timeout`` seconds pass."""
+        loop = self.loop
+        timer = loop.call_later(timeout, loop.stop) if timeout is not None else None
+        try:
+            loop.run_forever()
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def enter_run(self) -> None:
+        """A run starts submitting calls to the loop (``leave_run`` when it ends): while more
+        than one does, none may ``claim`` the loop, and a run that holds it is asked to give it
+        back."""
+        with self._claim_lock:
+            self._runs += 1
+            if self._owner is not None and self._runs > 1:
+                self._release_asked = True
+
+    def leave_run(self) -> None:
+        with self._claim_lock:
+            self._runs -= 1
+
+    def _note_foreign(self) -> None:
+        """Work for the loop from a thread that does not drive it while another run does."""
+        if self._owner is not None and self._owner != threading.get_ident():
+            self._foreign_at = time.monotonic()
+            self._release_asked = True
 
     # -- calls -----------------------------------------------------------------------------------
 
@@ -201,12 +294,22 @@ class ProcessLoop:
         """Run ``make()`` (a listener call that reports its own result) on the loop, within the
         process cap. ``name``: the listener's, for the blocked-loop warning."""
         call = AsyncCall(self.loop, name, make, on_skipped)
+        if self._owner is not None:
+            self._note_foreign()
         self._pending.append(call)
         if not self._start_scheduled:
             # One wake-up of the loop (a write to its self-pipe) per burst of submissions, not
             # one per call: a run hands out up to key_concurrency calls in one go.
             self._start_scheduled = True
             self.loop.call_soon_threadsafe(self._start_pending)
+        return call
+
+    def submit_inline(self, name: str, make: Callable[[], Coroutine[Any, Any, None]],
+                      on_skipped: Callable[[], None]) -> AsyncCall:
+        """``submit`` from the thread that claimed the loop: the call's task is made at once
+        (it starts at the next ``drive``), no wake-up of another thread."""
+        call = AsyncCall(self.loop, name, make, on_skipped)
+        self._start(call)
         return call
 
     def _start_pending(self) -> None:
@@ -220,34 +323,55 @@ class ProcessLoop:
     def _start(self, call: AsyncCall) -> None:
         task = self.loop.create_task(self._run_call(call))
         call.task = task
-        self._names[task] = call.name
         self.in_flight += 1
-        task.add_done_callback(self._ended)
 
     async def _run_call(self, call: AsyncCall) -> None:
-        call.started = True
-        if call.cancel_asked:
-            call.on_skipped()
-            return
-        slots = self._slots
-        assert slots is not None
+        # The bookkeeping of the end is done here, not in a done callback (one more loop
+        # callback per call): every task made by ``_start`` runs this body, since a call is
+        # cancelled only once started (``AsyncCall._cancel``).
         try:
-            await slots.acquire()
-        except asyncio.CancelledError:
-            call.on_skipped()  # cancelled while waiting for a slot: the listener never ran
-            raise
-        try:
-            await call.make()
+            call.started = True
+            if call.cancel_asked:
+                call.on_skipped()
+                return
+            if self._free > 0:
+                self._free -= 1
+            else:
+                waiter: asyncio.Future[None] = self.loop.create_future()
+                self._slot_waiters.append(waiter)
+                try:
+                    await waiter  # a slot handed over by ``_free_slot``
+                except asyncio.CancelledError:
+                    if waiter.done() and not waiter.cancelled():
+                        self._free_slot()  # handed a slot as it was cancelled: pass it on
+                    call.on_skipped()  # cancelled while waiting for a slot: the listener never ran
+                    raise
+            try:
+                await call.make()
+            finally:
+                self._free_slot()
         finally:
-            slots.release()
+            self.in_flight -= 1
 
-    def _ended(self, task: asyncio.Task[Any]) -> None:
-        self._names.pop(task, None)
-        self.in_flight -= 1
+    def _free_slot(self) -> None:
+        """A call ended: its place goes to the first call still waiting, or back to the pool."""
+        waiters = self._slot_waiters
+        while waiters:
+            w = waiters.popleft()
+            if not w.done():
+                w.set_result(None)
+                return
+        self._free += 1
 
     def run_blocking(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
         """Run ``coro`` on the loop and wait for its result in the calling thread (or greenlet):
         an ``async def`` hook around a plain listener. Never call it on the loop's own thread."""
+        if self._owner is not None and self._owner == threading.get_ident():
+            # The caller drives the loop itself (``claim``): waiting for the loop's thread would
+            # wait forever; run the loop here until the coroutine is done.
+            return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+        if self._owner is not None:
+            self._note_foreign()
         box: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
         hand = native.to_caller()
 
@@ -267,6 +391,14 @@ class ProcessLoop:
         """Run a blocking ``fn`` (a Redis round trip) off the loop and await its result:
         ``ctx.still_owner_async``. Where it runs: ``loop.run_in_executor``'s default executor."""
         return await self.loop.run_in_executor(None, fn)
+
+    @staticmethod
+    def _call_name(task: asyncio.Task[Any]) -> str:
+        """The listener name of a call's task (read at a warning only, so not kept per call):
+        the ``call`` local of its ``_run_call`` frame."""
+        frame = getattr(task.get_coro(), "cr_frame", None)
+        call = frame.f_locals.get("call") if frame is not None else None
+        return call.name if isinstance(call, AsyncCall) else task.get_name()
 
     # -- the watchdog ----------------------------------------------------------------------------
 
@@ -330,7 +462,7 @@ class ProcessLoop:
             return
         self._warned_task = task
         self.blocked_episodes += 1
-        name = self._names.get(task, task.get_name())
+        name = self._call_name(task)
         log.warning(
             "async listener %s is blocking the event loop of process %d (one step of its call has held the loop for "
             "%.2f s; no other async call of this process ran meanwhile): it calls something blocking (time.sleep, "

@@ -6,6 +6,13 @@ process's event loop (``async_loop``) as a task. Either way the call ends by put
 ``LaneResult`` in the run's ``results`` queue, which the dispatcher settles, commits and fences
 exactly the same way: the engine's commit/fence logic is not copied for async listeners.
 
+Where a run is the only one of its process using the loop (a prefork child, solo), it claims the
+loop (``ProcessLoop.claim``) and drives it in its own thread while it waits for results
+(``next_result``): a call's task is made at once and its result is read without a wake-up of
+another thread. The run gives the loop back when it has no call in flight and would block on
+something else (a lingering read, a suspended key's wait), when another run starts using the loop,
+and when it ends; otherwise the loop's own thread runs it, as before.
+
 What only the loop can do is cancel: a run that lost its queue cancels its async calls still in
 flight after the listener's grace (``cancel_after_grace``); their results come back marked
 cancelled, and the run settles nothing of a lost queue anyway (the new owner redelivers).
@@ -14,6 +21,7 @@ cancelled, and the run settles nothing of a lost queue anyway (the new owner red
 from __future__ import annotations
 
 import logging
+import queue
 import time
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -41,6 +49,8 @@ class LaneCalls:
         self._cancelled = False
         #: Async results of this turn of the loop, handed over together (loop thread only).
         self._done: list[LaneResult] = []
+        #: This run drives the loop itself (``ProcessLoop.claim``).
+        self.inline = False
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         """A plain listener's call, on a lane worker (borrowed from ``LANE_POOL`` on first use)."""
@@ -52,10 +62,47 @@ class LaneCalls:
                      skipped: LaneResult) -> None:
         """An async listener's call (``make()`` reports its result with ``deliver``), on the loop;
         ``skipped`` is reported instead if it is cancelled before it started."""
-        if self._loop is None:
-            self._loop = ProcessLoop.get()
+        loop = self._loop
+        if loop is None:
+            loop = self._loop = ProcessLoop.get()
             self._hand = native.to_caller()  # in the dispatcher's thread: its hub under gevent
-        self.calls[key] = self._loop.submit(name, make, lambda: self.deliver(skipped))
+            loop.enter_run()
+        if not self.inline and not self.calls:
+            self.inline = loop.claim()
+        if self.inline:
+            self.calls[key] = loop.submit_inline(name, make, lambda: self.deliver(skipped))
+        else:
+            self.calls[key] = loop.submit(name, make, lambda: self.deliver(skipped))
+
+    def next_result(self, results: queue.SimpleQueue[Any], timeout: float | None) -> Any:
+        """The next item of ``results`` within ``timeout`` (None: as long as it takes), or None.
+        A run that drives the loop runs it meanwhile, here in its own thread."""
+        if self.inline:
+            try:
+                return results.get_nowait()
+            except queue.Empty:
+                pass
+            loop = self._loop
+            assert loop is not None
+            if not loop.release_asked:
+                loop.drive(timeout)
+                try:
+                    return results.get_nowait()
+                except queue.Empty:
+                    return None
+            self.release()  # another run wants the loop: its own thread runs it from now on
+        try:
+            return results.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def release(self) -> None:
+        """Stop driving the loop (the run blocks on something else next, or ends); its own
+        thread runs it again, and runs the calls still in flight."""
+        if self.inline:
+            self.inline = False
+            assert self._loop is not None
+            self._loop.release()
 
     def deliver(self, res: LaneResult) -> None:
         """Called on the loop's thread: the results of the calls that end in one turn of the loop
@@ -71,6 +118,10 @@ class LaneCalls:
         batch, self._done = self._done, []
         assert self._hand is not None
         self._hand(self._put, batch)
+        if self.inline:
+            # Only the run's own thread runs the loop now (``drive``): back to the dispatcher.
+            assert self._loop is not None
+            self._loop.loop.stop()
 
     def ended(self, key: int) -> None:
         self.calls.pop(key, None)
@@ -99,6 +150,10 @@ class LaneCalls:
             call.cancel()
 
     def close(self) -> None:
+        self.release()
+        if self._loop is not None:
+            self._loop.leave_run()
+            self._loop = None
         if self._pool is not None:
             LANE_POOL.give_back(self._pool)
             self._pool = None

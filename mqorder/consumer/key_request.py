@@ -249,7 +249,9 @@ class KeyConsumeRequest(ConsumeRequest):
             if self.in_flight:
                 stop = self._wait_one(self._wait_time(now, COMMIT_INTERVAL_S))
                 continue
-            # Nothing runs: drained, or only suspended keys are left.
+            # Nothing runs: drained, or only suspended keys are left. A run driving the loop
+            # gives it back before it blocks here (a lingering read, a suspended key's wait).
+            self._calls().release()
             if not lanes.buffered and not lanes.blocked:
                 # Queue mode's end of a drained loop, lingering read included (fenced alike).
                 end = self._drained(deadline, pull=True)
@@ -346,9 +348,8 @@ class KeyConsumeRequest(ConsumeRequest):
 
     def _wait_one(self, timeout: float | None, stop: LoopEnd | None = None, discard: bool = False) -> LoopEnd | None:
         """Wait up to ``timeout`` for a call to end, then settle every call that ended."""
-        try:
-            res = self.results.get(timeout=timeout)
-        except queue.Empty:
+        res = self._calls().next_result(self.results, timeout)
+        if res is None:
             return stop
         stop = self._settle_item(res, stop, discard)
         return self._settle_finished(stop, discard)

@@ -195,6 +195,10 @@ class Settings(BaseSettings):
     #: Key-ordered listeners (``@orderly_listener(ordering="key")``): at most this many keys of one
     #: queue are handled at once (one call per key at a time, in offset order per key).
     key_concurrency: int = Field(16, ge=1, le=1024)
+    #: ``async def`` listeners: at most this many calls of all the runs of one worker process in
+    #: flight at once on its event loop; a call past it waits for a place before its listener
+    #: starts (``key_concurrency`` still bounds each queue).
+    async_max_in_flight: int = Field(10_000, ge=1, le=1_000_000)
     #: Key-ordered listeners: stop pulling a queue while its pulled span (highest pulled offset
     #: minus the lowest unfinished one) is this wide (RocketMQ's consumeConcurrentlyMaxSpan).
     consume_concurrently_max_span: int = Field(2000, ge=1, le=100_000)

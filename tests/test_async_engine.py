@@ -458,3 +458,37 @@ def test_two_runs_of_one_process_share_the_loop_and_keep_per_key_order(settings)
     finally:
         pr.close()
         eng.brokers.close()
+
+
+def test_the_process_cap_is_a_validated_setting_that_reaches_the_loop(monkeypatch, redis_url) -> None:
+    """``async_max_in_flight`` (``MQORDER_ASYNC_MAX_IN_FLIGHT``) is read and checked with the other
+    settings, and a run passes it to the process's loop."""
+    from mqorder.errors import ConfigError
+    from mqorder.settings import load_settings
+
+    monkeypatch.setenv("MQORDER_ASYNC_MAX_IN_FLIGHT", "0")
+    with pytest.raises(ConfigError, match="MQORDER_ASYNC_MAX_IN_FLIGHT"):
+        load_settings(redis_url=redis_url)
+    monkeypatch.setenv("MQORDER_ASYNC_MAX_IN_FLIGHT", "lots")
+    with pytest.raises(ConfigError, match="MQORDER_ASYNC_MAX_IN_FLIGHT"):
+        load_settings(redis_url=redis_url)
+    monkeypatch.setenv("MQORDER_ASYNC_MAX_IN_FLIGHT", "3")
+    s = load_settings(redis_url=redis_url)
+    assert s.async_max_in_flight == 3
+    from mqorder import Producer
+
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1)
+    eng = ConsumerEngine(s, "c1")
+    loop = ProcessLoop.get()
+    before = loop.max_in_flight
+    try:
+        sent = send_keys(p, 12, 2)
+        rec = AsyncRecorder(sleep_s=0.005)
+        drain(eng, ListenerSpec(rec, "t", "g", ordering="key", key_concurrency=8))
+        assert dict(rec.seen) == dict(sent)
+        assert loop.max_in_flight == 3 and rec.max_running <= 3  # the process cap, below key_concurrency
+    finally:
+        ProcessLoop.get(before)
+        p.close()
+        eng.brokers.close()

@@ -12,8 +12,8 @@ Thousands of calls in flight then cost a coroutine each, not a thread each.
   a native thread with the platform selector (``native``); the dispatchers stay greenlets of the
   hub's thread and results reach them through the hub's thread-safe callback.
 * **Bounds.** Each run keeps at most ``key_concurrency`` calls in flight (queue mode: one);
-  the process caps all of them together at ``max_in_flight`` (``MQORDER_ASYNC_MAX_IN_FLIGHT``,
-  default 10,000): a call past the cap waits for a slot on the loop before its listener starts.
+  the process caps all of them together at ``max_in_flight`` (the ``async_max_in_flight``
+  setting, ``MQORDER_ASYNC_MAX_IN_FLIGHT``, default 10,000): a call past the cap waits for a slot on the loop before its listener starts.
 * **A blocked loop is seen.** A watchdog thread posts a ping every ``PING_S`` and measures how late
   the loop ran it (``lag``, exported as ``mqorder_event_loop_lag_seconds``). While a ping is
   late it samples the task running on the loop; the same task at every sample for ``BLOCKED_S``
@@ -40,9 +40,9 @@ from mqorder.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-#: Calls of all runs of one process in flight at once, unless ``MQORDER_ASYNC_MAX_IN_FLIGHT`` says.
+#: Calls of all runs of one process in flight at once until a run passes the ``async_max_in_flight``
+#: setting (``ProcessLoop.get``): the setting's default.
 DEFAULT_MAX_IN_FLIGHT = 10_000
-MAX_IN_FLIGHT_ENV = "MQORDER_ASYNC_MAX_IN_FLIGHT"
 #: The watchdog's period, and how late a ping may be before the loop counts as blocked.
 PING_S = 0.1
 BLOCKED_S = 0.25
@@ -57,16 +57,6 @@ FOREIGN_QUIET_S = 1.0
 #: watchdog's thread, in every process (the worker's metrics register a gauge's ``set`` here in
 #: the main process; forked children inherit it).
 LAG_OBSERVERS: list[Callable[[float], None]] = []
-
-
-def max_in_flight_from_env() -> int:
-    raw = os.environ.get(MAX_IN_FLIGHT_ENV, "").strip()
-    if not raw:
-        return DEFAULT_MAX_IN_FLIGHT
-    if not raw.isdigit() or int(raw) < 1:
-        raise ConfigError(f"{MAX_IN_FLIGHT_ENV} must be a whole number >= 1 (async listener calls in flight "
-                          f"per worker process), got {raw!r}")
-    return int(raw)
 
 
 class AsyncCall:
@@ -145,7 +135,7 @@ class ProcessLoop:
 
     def __init__(self, max_in_flight: int | None = None) -> None:
         self.pid = os.getpid()
-        self.max_in_flight = max_in_flight or max_in_flight_from_env()
+        self.max_in_flight = max_in_flight or DEFAULT_MAX_IN_FLIGHT
         self.loop = asyncio.SelectorEventLoop(native.new_selector())
         if native.gevent_patched():
             # The standard executor's threads would be greenlets of the loop's thread, whose hub
@@ -189,16 +179,35 @@ class ProcessLoop:
         self._wait_started()
 
     @classmethod
-    def get(cls) -> ProcessLoop:
-        """This process's loop, started on first use (a forked child starts its own)."""
+    def get(cls, max_in_flight: int | None = None) -> ProcessLoop:
+        """This process's loop, started on first use (a forked child starts its own).
+        ``max_in_flight``: the cap of the caller's settings (``async_max_in_flight``), applied
+        when it differs from the loop's (hooks and contexts pass none: they run inside calls)."""
         inst = cls._instance
-        if inst is not None and inst.pid == os.getpid():
-            return inst
-        with cls._lock:
-            inst = cls._instance
-            if inst is None or inst.pid != os.getpid():
-                inst = cls._instance = ProcessLoop()
+        if inst is None or inst.pid != os.getpid():
+            with cls._lock:
+                inst = cls._instance
+                if inst is None or inst.pid != os.getpid():
+                    inst = cls._instance = ProcessLoop(max_in_flight)
+        if max_in_flight is not None and max_in_flight != inst.max_in_flight:
+            inst.set_cap(max_in_flight)
         return inst
+
+    def set_cap(self, max_in_flight: int) -> None:
+        """Change the process cap (applied on the loop: places freed or taken at once)."""
+        if max_in_flight < 1:
+            raise ConfigError(f"async_max_in_flight must be at least 1, got {max_in_flight}")
+        old, self.max_in_flight = self.max_in_flight, max_in_flight
+
+        def apply() -> None:
+            self._free += max_in_flight - old
+            while self._free > 0 and self._slot_waiters:
+                w = self._slot_waiters.popleft()
+                if not w.done():
+                    self._free -= 1
+                    w.set_result(None)
+
+        self.loop.call_soon_threadsafe(apply)
 
     def _wait_started(self) -> None:
         deadline = time.monotonic() + 10

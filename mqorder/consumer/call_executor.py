@@ -36,8 +36,11 @@ log = logging.getLogger(__name__)
 class LaneCalls:
     """The calls of one run: lane workers borrowed on first plain call, async calls by lane key."""
 
-    def __init__(self, size: int, put: Callable[[LaneResult | list[LaneResult]], None], grace_s: float) -> None:
+    def __init__(self, size: int, put: Callable[[LaneResult | list[LaneResult]], None], grace_s: float,
+                 max_in_flight: int | None = None) -> None:
         self.size = size
+        #: The process cap of the run's settings (``async_max_in_flight``).
+        self.max_in_flight = max_in_flight
         self._put = put
         self.grace_s = grace_s
         self._pool: LaneWorkers | None = None
@@ -64,7 +67,7 @@ class LaneCalls:
         ``skipped`` is reported instead if it is cancelled before it started."""
         loop = self._loop
         if loop is None:
-            loop = self._loop = ProcessLoop.get()
+            loop = self._loop = ProcessLoop.get(self.max_in_flight)
             self._hand = native.to_caller()  # in the dispatcher's thread: its hub under gevent
             loop.enter_run()
         if not self.inline and not self.calls:

@@ -413,7 +413,7 @@ class ConsumeRequest(LingeringReads):
             finally:
                 hand(box.put, handled)
 
-        running = ProcessLoop.get().submit(self.spec.name, call, lambda: hand(box.put, Handled(SUSPEND)))
+        running = ProcessLoop.get(self.engine.settings.async_max_in_flight).submit(self.spec.name, call, lambda: hand(box.put, Handled(SUSPEND)))
         lost: LoopEnd | None = None
         cancel_at: float | None = None
         while True:

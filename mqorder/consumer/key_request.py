@@ -193,7 +193,8 @@ class KeyConsumeRequest(ConsumeRequest):
     # -- the loop: dispatch to lanes, settle, commit ----------------------------------------------
 
     def _consume_loop(self) -> LoopEnd:
-        calls = self.calls = LaneCalls(self.key_concurrency, self.results.put, self.cancel_grace_s)
+        calls = self.calls = LaneCalls(self.key_concurrency, self.results.put, self.cancel_grace_s,
+                                       self.engine.settings.async_max_in_flight)
         try:
             return self._dispatch_loop()
         finally:

@@ -18,16 +18,28 @@ A second, shorter window with the SLOWLOG at threshold 0 names the scripts (``be
 
 Issue 27's target: workers and Redis together ≤ 2 % of one core.
 
+A/B of two engines in the same run: with ``BENCH_IDLE_BASELINE=<commit>`` each layout is measured
+twice, the workers and beat of one measurement running a ``git archive`` of that commit (its
+``PYTHONPATH`` and working directory), the other this tree, in alternating order (baseline first
+for the first layout, this tree first for the next); the report gives both and their ratio.
+
     python -m bench.run --only idle
+    BENCH_IDLE_BASELINE=30e00c7 python -m bench.run --only idle --out /tmp/idle.md
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import statistics
+import subprocess
+import tarfile
+import tempfile
 import time
 import zlib
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from bench.common import (
@@ -99,10 +111,22 @@ def _slices(meter: RedisMeter, seconds: float) -> list[dict[str, float]]:
     return out
 
 
+@contextlib.contextmanager
+def commit_tree(commit: str) -> Iterator[Path]:
+    """A temporary directory holding the whole tree of ``commit`` (``git archive``): the baseline's
+    workers, beat and listeners run from it."""
+    raw = subprocess.run(["git", "-C", str(ROOT), "archive", commit], check=True, capture_output=True).stdout
+    with tempfile.TemporaryDirectory(prefix="mqorder-idle-baseline-") as tmp:
+        with tarfile.open(fileobj=io.BytesIO(raw)) as tar:
+            tar.extractall(tmp, filter="data")
+        yield Path(tmp)
+
+
 def measure(cfg: Config, *, topics: int, queues: int, seconds: float, slow_seconds: float,
-            warmup_s: float = WARMUP_S) -> dict[str, Any]:
-    """One layout, on a redis-server of its own; see the module docstring."""
-    tag = f"idle-{topics}x{queues}"
+            warmup_s: float = WARMUP_S, tree: Path | None = None, variant: str = "") -> dict[str, Any]:
+    """One layout, on a redis-server of its own; see the module docstring. ``tree``: the source tree
+    the workers and beat run (default: this one)."""
+    tag = f"idle-{topics}x{queues}" + (f"-{variant}" if variant else "")
     concurrency = os.cpu_count() or 1
     with contextlib.ExitStack() as st:
         srv, r = redis_and_client(st)
@@ -111,11 +135,13 @@ def measure(cfg: Config, *, topics: int, queues: int, seconds: float, slow_secon
         st.callback(p.close)
         for t, _ in lanes:
             p.create_topic(t, queues=queues)
-        env = mq_env(srv.url, topic="idle", group="g-idle", lanes=topics)
+        extra = {"PYTHONPATH": str(tree)} if tree is not None else {}
+        env = mq_env(srv.url, topic="idle", group="g-idle", lanes=topics, **extra)
         log(f"idle {tag}: 2 workers -c {concurrency} + beat")
-        ws = start_mq_workers(st, srv.url, [f"{tag}-w{i}" for i in range(2)], env, concurrency, cfg.logdir / tag)
+        ws = start_mq_workers(st, srv.url, [f"{tag}-w{i}" for i in range(2)], env, concurrency, cfg.logdir / tag,
+                              cwd=tree)
         beat = BeatProcess(env=env, workdir=cfg.logdir / tag / "beat", logfile=cfg.logdir / tag / "beat.log",
-                           cwd=ROOT)
+                           cwd=tree or ROOT)
         beat.start()
         st.callback(beat.stop)
         keys = _keys_per_queue(queues)
@@ -146,7 +172,7 @@ def measure(cfg: Config, *, topics: int, queues: int, seconds: float, slow_secon
         slow = meter.stop()
         if not all(w.alive() for w in ws) or not beat.alive():
             raise RuntimeError(f"idle {tag}: a worker or beat exited during the window; see {cfg.logdir / tag}")
-    out = {"topics": topics, "queues": queues, "concurrency": concurrency, "warmup_s": warmup_s,
+    out = {"topics": topics, "queues": queues, "variant": variant, "concurrency": concurrency, "warmup_s": warmup_s,
            "worker_cpu_s": w1 - w0, "worker_main_cpu_s": m1 - m0, "beat_cpu_s": b1 - b0, "window": win,
            "slow": slow}
     s = win["seconds"]
@@ -157,9 +183,31 @@ def measure(cfg: Config, *, topics: int, queues: int, seconds: float, slow_secon
 
 
 def run(cfg: Config, *, seconds: float, slow_seconds: float, warmup_s: float = WARMUP_S) -> dict[str, Any]:
-    return {"seconds": seconds, "slow_seconds": slow_seconds, "target_share": TARGET_SHARE,
-            "layouts": [measure(cfg, topics=t, queues=q, seconds=seconds, slow_seconds=slow_seconds,
-                                warmup_s=warmup_s) for t, q in LAYOUTS]}
+    baseline = os.environ.get("BENCH_IDLE_BASELINE", "").strip()
+    out: dict[str, Any] = {"seconds": seconds, "slow_seconds": slow_seconds, "target_share": TARGET_SHARE}
+    if not baseline:
+        out["layouts"] = [measure(cfg, topics=t, queues=q, seconds=seconds, slow_seconds=slow_seconds,
+                                  warmup_s=warmup_s) for t, q in LAYOUTS]
+        return out
+    def rev(c: str) -> str:
+        return subprocess.run(["git", "-C", str(ROOT), "rev-parse", c], check=True, capture_output=True,
+                              text=True).stdout.strip()
+
+    full = rev(baseline)
+    out["baseline"] = full
+    # BENCH_IDLE_NEW=<commit>: the new side from an archive too (a shared checkout may hold others'
+    # uncommitted changes); default: this tree as it is.
+    new = os.environ.get("BENCH_IDLE_NEW", "").strip()
+    out["new"] = rev(new) if new else ""
+    lays: list[dict[str, Any]] = []
+    with commit_tree(full) as tree, (commit_tree(out["new"]) if new else contextlib.nullcontext()) as new_tree:
+        for i, (t, q) in enumerate(LAYOUTS):
+            order = [("baseline", tree), ("new", new_tree)]
+            for variant, root in order if i % 2 == 0 else order[::-1]:
+                lays.append(measure(cfg, topics=t, queues=q, seconds=seconds, slow_seconds=slow_seconds,
+                                    warmup_s=warmup_s, tree=root, variant=variant))
+    out["layouts"] = lays
+    return out
 
 
 # -- the report ----------------------------------------------------------------------------------------
@@ -174,8 +222,9 @@ def shares(lay: dict[str, Any]) -> dict[str, float]:
 
 
 def worst_share(res: dict[str, Any]) -> float | None:
-    """Workers + Redis, share of one core, of the costlier layout (what the target judges)."""
-    lays = res.get("layouts") or []
+    """Workers + Redis, share of one core, of the costlier layout (what the target judges; in an
+    A/B, of this tree's measurements)."""
+    lays = [lay for lay in res.get("layouts") or [] if lay.get("variant", "") in ("", "new")]
     return max(shares(lay)["workers_redis"] for lay in lays) if lays else None
 
 
@@ -188,8 +237,37 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows), ""]
 
 
-def _name(lay: dict[str, Any]) -> str:
+def _layout(lay: dict[str, Any]) -> str:
     return f"{lay['topics']} topic{'s' if lay['topics'] > 1 else ''} × {lay['queues']:,} queues"
+
+
+def _name(lay: dict[str, Any], res: dict[str, Any] | None = None) -> str:
+    """The layout, and in an A/B which engine ran it (its commit when it ran from an archive)."""
+    variant = lay.get("variant", "")
+    if not variant:
+        return _layout(lay)
+    commit = str((res or {}).get(variant) or "")
+    return f"{_layout(lay)}, {variant}" + (f" `{commit[:7]}`" if commit else "")
+
+
+def _ab_lines(res: dict[str, Any]) -> list[str]:
+    """Per layout: this tree's shares over the baseline's (same run), and the order they ran in."""
+    lays = res.get("layouts") or []
+    rows = []
+    for t, q in LAYOUTS:
+        pair = {lay["variant"]: lay for lay in lays if (lay["topics"], lay["queues"]) == (t, q)}
+        if set(pair) != {"baseline", "new"}:
+            continue
+        b, n = shares(pair["baseline"]), shares(pair["new"])
+        first = "baseline" if lays.index(pair["baseline"]) < lays.index(pair["new"]) else "new"
+        cells = [f"{n[k] / b[k]:.2f}x" if b[k] > 0 else "–" for k in ("workers", "main", "children", "redis",
+                                                                      "workers_redis")]
+        rows.append([_layout(pair["new"]), *cells, first])
+    if not rows:
+        return []
+    return ["New over baseline, same run (shares of one core; below 1: cheaper):", "",
+            *_table(["layout", "workers", "main processes", "pool children", "Redis", "workers + Redis",
+                     "measured first"], rows)]
 
 
 def markdown(res: dict[str, Any]) -> list[str]:
@@ -204,16 +282,17 @@ def markdown(res: dict[str, Any]) -> list[str]:
         sh, win = shares(lay), lay["window"]
         s = win["seconds"]
         ok = sh["workers_redis"] <= target
-        rows.append([_name(lay), _pct(sh["workers"]), f"{_pct(sh['main'])} / {_pct(sh['children'])}",
+        rows.append([_name(lay, res), _pct(sh["workers"]), f"{_pct(sh['main'])} / {_pct(sh['children'])}",
                      _pct(sh["beat"]), _pct(sh["redis"]),
                      f"**{_pct(sh['workers_redis'])}** ({'met' if ok else '**NOT met**'})",
                      f"{win['reads'] / s:,.1f}", f"{sum(v['calls'] for v in win['commandstats'].values()) / s:,.1f}"])
     out += _table(["layout", "workers CPU (share of one core)", "… main processes / pool children", "beat CPU",
                    "Redis CPU", f"workers + Redis (target ≤ {target * 100:.0f} %)", "Redis round trips/s",
                    "Redis commands/s (with those scripts run)"], rows)
+    out += _ab_lines(res)
     out += ["CPU seconds per second are the same figures as shares of one core (1 % = 10 ms of CPU per second). "
             f"Redis per {SLICE_S:.0f} s slice of the window (commands/s, CPU), to show it was steady: "
-            + "; ".join(f"{_name(lay)}: " + ", ".join(f"{x['commands_per_s']:,.0f}/s {_pct(x['cpu_share'])}"
+            + "; ".join(f"{_name(lay, res)}: " + ", ".join(f"{x['commands_per_s']:,.0f}/s {_pct(x['cpu_share'])}"
                                                       for x in lay["window"].get("slices", []))
                         for lay in lays) + ".", ""]
     out += ["Commands per second by what clients sent (the window with the SLOWLOG on; a script's row counts "
@@ -230,7 +309,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
             s = lay["slow"]["seconds"]
             cells += [f"{calls / s:,.2f}", f"{usec / s:,.0f}"]
         trows.append([pretty(lab), *cells])
-    out += _table(["command or script", *(f"{_name(lay)}: {u}" for lay in lays for u in ("calls/s", "µs/s"))], trows)
+    out += _table(["command or script", *(f"{_name(lay, res)}: {u}" for lay in lays for u in ("calls/s", "µs/s"))], trows)
     out += ["`INFO commandstats` of the main window (commands scripts ran included):", ""]
     cmds: dict[str, float] = {}
     for lay in lays:
@@ -243,7 +322,7 @@ def markdown(res: dict[str, Any]) -> list[str]:
             v, s = lay["window"]["commandstats"].get(cmd, {"calls": 0, "usec": 0}), lay["window"]["seconds"]
             cells += [f"{v['calls'] / s:,.2f}", f"{v['usec'] / s:,.0f}"]
         crow.append([f"`{cmd}`", *cells])
-    out += _table(["command", *(f"{_name(lay)}: {u}" for lay in lays for u in ("calls/s", "µs/s"))], crow)
+    out += _table(["command", *(f"{_name(lay, res)}: {u}" for lay in lays for u in ("calls/s", "µs/s"))], crow)
     secs = statistics.median(lay["window"]["seconds"] for lay in lays)
     out += [f"Each layout on a redis-server of its own: 2 workers (`celery -A workers.app worker`, prefork "
             f"-c {lays[0]['concurrency']}, stock settings) and `celery -A workers.app beat`, Celery's broker the "

@@ -255,7 +255,7 @@ def _ab_lines(res: dict[str, Any]) -> list[str]:
     lays = res.get("layouts") or []
     rows = []
     for t, q in LAYOUTS:
-        pair = {lay["variant"]: lay for lay in lays if (lay["topics"], lay["queues"]) == (t, q)}
+        pair = {lay.get("variant", ""): lay for lay in lays if (lay["topics"], lay["queues"]) == (t, q)}
         if set(pair) != {"baseline", "new"}:
             continue
         b, n = shares(pair["baseline"]), shares(pair["new"])

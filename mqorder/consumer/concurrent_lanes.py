@@ -51,6 +51,9 @@ class ConcurrentLanes:
     def done(self, key: int) -> None:
         self.busy.discard(key)
 
+    def release(self, key: int) -> None:
+        self.busy.discard(key)
+
     def retry(self, key: int, msgs: list[MessageExt], until: float) -> None:
         self.busy.discard(key)
         if not msgs:

@@ -171,7 +171,7 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         retry topic (or the DLQ) and finishes too, or, in place, waits for its suspend time."""
         self.in_flight -= 1
         if discard or self.fenced or res.cancelled:
-            self.lanes.busy.discard(res.key)
+            self.lanes.release(res.key)
             return stop
         msgs, handled = res.msgs, res.handled
         ctx = res.ctx

@@ -42,6 +42,7 @@ class Lanes(Protocol):
     def put(self, msg: MessageExt) -> None: ...
     def take(self, batch_max: int) -> tuple[int, list[MessageExt]] | None: ...
     def done(self, key: int) -> None: ...
+    def release(self, key: int) -> None: ...
     def retry(self, key: int, msgs: list[MessageExt], until: float) -> None: ...
     def unblock(self, now: float) -> None: ...
     def next_unblock(self) -> float | None: ...
@@ -58,6 +59,9 @@ class KeyLanes:
         self._unblock: list[tuple[float, int]] = []  # (until, key)
         #: Messages in lanes, not handed out.
         self.buffered = 0
+        #: Keys busy or blocked that have a lane (messages waiting): kept as lanes change, so
+        #: ``ready_count`` (asked at every turn of the dispatcher) costs nothing per key in flight.
+        self._held = 0
 
     def put(self, msg: MessageExt) -> None:
         """Add a pulled message (pulls come in offset order, so it goes to its lane's tail)."""
@@ -68,7 +72,10 @@ class KeyLanes:
         lane.append(msg)
         self.buffered += 1
         if len(lane) == 1:
-            self._maybe_ready(key)
+            if key in self.busy or key in self.blocked:
+                self._held += 1
+            else:
+                self._maybe_ready(key)
 
     def _maybe_ready(self, key: int) -> None:
         lane = self.lanes.get(key)
@@ -88,6 +95,8 @@ class KeyLanes:
             msgs = [lane.popleft() for _ in range(n)]
             if not lane:
                 del self.lanes[key]
+            else:
+                self._held += 1
             self.buffered -= n
             self.busy.add(key)
             return key, msgs
@@ -95,21 +104,31 @@ class KeyLanes:
 
     def done(self, key: int) -> None:
         """The call of ``key`` ended and its messages finished: its lane may go on."""
-        self.busy.discard(key)
+        self.release(key)
         self._maybe_ready(key)
+
+    def release(self, key: int) -> None:
+        """``key`` is no longer busy (its call ended), without handing its lane out again."""
+        if key in self.busy:
+            self.busy.discard(key)
+            if key in self.lanes and key not in self.blocked:
+                self._held -= 1
 
     def retry(self, key: int, msgs: list[MessageExt], until: float) -> None:
         """The call of ``key`` suspended: its messages go back to the head of the lane, which is
         blocked until ``until`` (monotonic seconds)."""
         back = list(msgs)
+        lanes = self.lanes
+        was_held = key in lanes and (key in self.busy or key in self.blocked)
         self.busy.discard(key)
         if back:
-            lane = self.lanes.get(key)
+            lane = lanes.get(key)
             if lane is None:
-                lane = self.lanes[key] = deque()
+                lane = lanes[key] = deque()
             lane.extendleft(reversed(back))
             self.buffered += len(back)
         self.blocked[key] = until
+        self._held += (key in lanes) - was_held
         heapq.heappush(self._unblock, (until, key))
 
     def unblock(self, now: float) -> None:
@@ -119,6 +138,8 @@ class KeyLanes:
             until, key = heapq.heappop(q)
             if self.blocked.get(key) == until:
                 del self.blocked[key]
+                if key in self.lanes and key not in self.busy:
+                    self._held -= 1
                 self._maybe_ready(key)
 
     def next_unblock(self) -> float | None:
@@ -132,9 +153,7 @@ class KeyLanes:
         """Lanes that could be handed out now (messages waiting, neither busy nor blocked): what
         decides whether to pull more. Counting messages instead would let one blocked key with a
         long lane stop the pulls of its whole queue."""
-        lanes = self.lanes
-        return (len(lanes) - sum(1 for k in self.busy if k in lanes)
-                - sum(1 for k in self.blocked if k in lanes))
+        return len(self.lanes) - self._held
 
     def clear(self) -> None:
         self.lanes.clear()
@@ -143,3 +162,4 @@ class KeyLanes:
         self._ready.clear()
         self._unblock.clear()
         self.buffered = 0
+        self._held = 0

@@ -135,6 +135,8 @@ class KeyConsumeRequest(ConsumeRequest):
         #: Where the calls go (lane workers, or the process's loop for an async listener): made
         #: when the loop starts, once a subclass has set ``key_concurrency``.
         self.calls: LaneCalls | None = None
+        #: The listener's name for the loop's blocked-loop warning (``spec.name`` formats it).
+        self._name = self.spec.name
 
     # -- check: begin.lua's reply carries the offset map ----------------------------------------
 
@@ -307,7 +309,7 @@ class KeyConsumeRequest(ConsumeRequest):
     def _submit(self, key: int, msgs: list[MessageExt]) -> None:
         ctx = self._context()
         if self.spec.is_async:
-            self._calls().submit_async(self.spec.name, key, lambda: self._lane_call_async(key, msgs, ctx),
+            self._calls().submit_async(self._name, key, lambda: self._lane_call_async(key, msgs, ctx),
                                        LaneResult(key, msgs, Handled(SUSPEND), ctx, True))
         else:
             self._calls().submit(self._lane_call, key, msgs, ctx)
@@ -382,7 +384,7 @@ class KeyConsumeRequest(ConsumeRequest):
         redelivers from the last commit."""
         self.in_flight -= 1
         if discard or self.fenced or res.cancelled:
-            self.lanes.busy.discard(res.key)
+            self.lanes.release(res.key)
             return stop
         msgs, handled, ctx = res.msgs, res.handled, res.ctx
         status = handled.status

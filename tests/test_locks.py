@@ -275,6 +275,25 @@ def test_sweep_redispatches_an_owned_backlog_once(brokers: BrokerRegistry, locks
     assert locks.sweep("g", [(mq, "t2"), (other, "t3")]) == []  # t0 pending: no second request
 
 
+def test_sweep_lanes_sweeps_each_lane_in_one_round_trip_and_answers_per_lane(
+    brokers: BrokerRegistry, locks: RebalanceLockManager
+) -> None:
+    """Several subscriptions swept at once (a worker of many groups, issue 27): each lane's state
+    is its own, the answers come back per lane, and a queue without a backlog is never dispatched."""
+    mq, other = MQS[0], MQS[1]
+    for sub in ("g", "h"):
+        locks.try_lock_batch(sub, [mq, other], "c1")
+    c = brokers.default.client
+    c.set(keys.queue_next(mq.tag), 3)
+    c.set(keys.queue_next(other.tag), 2)
+    c.hset(keys.sub_state(other.tag, "h"), "offset", 2)  # h consumed other's backlog already
+    got = locks.sweep_lanes([("g", [(mq, "g0"), (other, "g1")]), ("h", [(mq, "h0"), (other, "h1")]), ("e", [])], "c1")
+    assert got == [[Redispatch(mq, "c1", "g0"), Redispatch(other, "c1", "g1")], [Redispatch(mq, "c1", "h0")], []]
+    assert c.hget(keys.sub_state(mq.tag, "h"), "pending") == b"h0"
+    assert c.hget(keys.sub_state(other.tag, "h"), "pending") in (None, b"")
+    assert locks.sweep_lanes([("g", [(mq, "x")]), ("h", [(other, "y")])], "c1") == [[], []]
+
+
 # -- grouping by broker ------------------------------------------------------------------------------------
 
 

@@ -142,3 +142,21 @@ def test_the_assignment_parsed_once_per_change_still_follows_every_change(
     assert svc.assigned_queues("g") == [MQ, other]
     r.delete(keys.assignment("g"))
     assert svc.assigned_queues("g", "c1") == []
+
+
+def test_topics_described_and_their_subscriptions_read_in_one_go_match_one_by_one(brokers: BrokerRegistry) -> None:
+    """The trimmer's batched reads (issue 27): the same routes and subscriptions as one topic at a
+    time, and a topic that does not exist left out rather than raised."""
+    from mqorder.model import MessageModel
+    from mqorder.store.topics import TopicManager
+
+    tm = TopicManager(brokers)
+    tm.create_topic("ta", 2)
+    tm.create_topic("tb", 3)
+    tm.subscribe("g", "ta", MessageModel.CLUSTERING)
+    tm.subscribe("h", "ta", MessageModel.CLUSTERING)
+    routes = tm.describe_topics(["ta", "gone", "tb"])
+    assert list(routes) == ["ta", "tb"]
+    assert routes["ta"] == tm.describe_topic("ta") and routes["tb"] == tm.describe_topic("tb")
+    assert tm.subs_of_topics(["ta", "tb"]) == {"ta": ["g", "h"], "tb": []}
+    assert tm.describe_topics([]) == {} and tm.subs_of_topics([]) == {}

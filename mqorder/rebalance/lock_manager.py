@@ -219,18 +219,38 @@ class RebalanceLockManager:
         owner is ``client_id`` are considered (any owner when ``client_id`` is ``''``); a run whose
         lease lapsed mid-run is fenced with a new epoch. One ``sweep.lua`` call per broker.
         """
-        out: list[Redispatch] = []
-        for broker_name, group in group_by_broker(candidates, lambda item: item[0]).items():
+        return self.sweep_lanes([(sub, candidates)], client_id, pending_ttl_ms)[0]
+
+    def sweep_lanes(
+        self,
+        lanes: Sequence[tuple[str, Sequence[tuple[MessageQueue, str]]]],
+        client_id: str = "",
+        pending_ttl_ms: int = DEFAULT_PENDING_TTL_MS,
+    ) -> list[list[Redispatch]]:
+        """``sweep`` of several subscriptions at once, one list of redispatches per ``(sub,
+        candidates)``: the ``sweep.lua`` calls of every lane go to each broker in one round trip.
+        A worker of 64 single-topic groups otherwise paid 64 round trips per sweep interval, the
+        bulk of its idle cost (issue 27)."""
+        out: list[list[Redispatch]] = [[] for _ in lanes]
+        flat = [(li, mq, tok) for li, (_, cands) in enumerate(lanes) for mq, tok in cands]
+        for broker_name, group in group_by_broker(flat, lambda item: item[1]).items():
             broker = self.brokers.get(broker_name)
-            batches = broker.slot_batches(group, lambda item: item[0].tag)
+            batches: list[tuple[int, list[tuple[int, MessageQueue, str]]]] = []
+            by_lane: dict[int, list[tuple[int, MessageQueue, str]]] = {}
+            for item in group:
+                by_lane.setdefault(item[0], []).append(item)
+            for li, items in by_lane.items():
+                batches += [(li, b) for b in broker.slot_batches(items, lambda item: item[1].tag)]
             calls = []
-            for items in batches:
+            for li, items in batches:
+                sub = lanes[li][0]
                 kl: list[str] = []
-                for mq, _ in items:
-                    kl += [keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)]
-                calls.append((kl, [client_id, pending_ttl_ms, *(tok for _, tok in items)]))
-            for items, res in zip(batches, broker.scripts.run_pipelined("sweep", calls), strict=True):
+                for _, mq, _ in items:
+                    tag = mq.tag
+                    kl += [keys.sub_state(tag, sub), keys.queue_next(tag)]
+                calls.append((kl, [client_id, pending_ttl_ms, *(tok for _, _, tok in items)]))
+            for (li, items), res in zip(batches, broker.scripts.run_pipelined("sweep", calls), strict=True):
                 for i in range(0, len(res), 3):
-                    mq = items[int(res[i]) - 1][0]
-                    out.append(Redispatch(mq, res[i + 1].decode(), res[i + 2].decode()))
+                    mq = items[int(res[i]) - 1][1]
+                    out[li].append(Redispatch(mq, res[i + 1].decode(), res[i + 2].decode()))
         return out

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import redis
@@ -196,7 +197,18 @@ class RebalanceService:
 
     def assigned_queues(self, sub: str, client_id: str | None = None) -> list[MessageQueue]:
         """``assigned_queues`` of this service's meta broker, parsed once per change of the hash."""
-        raw = self.brokers.meta.hgetall(keys.assignment(sub))
+        return self._parsed(sub, client_id, self.brokers.meta.hgetall(keys.assignment(sub)))
+
+    def assigned_queues_of(self, subs: Sequence[str], client_id: str | None = None) -> list[list[MessageQueue]]:
+        """``assigned_queues`` of each of ``subs``, their hashes read in one round trip."""
+        if len(subs) < 2:
+            return [self.assigned_queues(sub, client_id) for sub in subs]
+        pipe = self.brokers.meta.pipeline(transaction=False)
+        for sub in subs:
+            pipe.hgetall(keys.assignment(sub))
+        return [self._parsed(sub, client_id, raw) for sub, raw in zip(subs, pipe.execute(), strict=True)]
+
+    def _parsed(self, sub: str, client_id: str | None, raw: dict[bytes | str, bytes | str]) -> list[MessageQueue]:
         seen = self._assigned.get((sub, client_id))
         if seen is not None and seen[0] == raw:
             return list(seen[1])
@@ -213,8 +225,7 @@ class RebalanceService:
     def lock_all(self, client_id: str, subs: list[str]) -> int:
         """RocketMQ's ``lockAll`` for one client: renew (or take) every queue assigned to it."""
         n = 0
-        for sub in subs:
-            mqs = self.assigned_queues(sub, client_id)
+        for sub, mqs in zip(subs, self.assigned_queues_of(subs, client_id), strict=True):
             if mqs:
                 n += len(self.locks.try_lock_batch(sub, mqs, client_id))
         return n
@@ -230,12 +241,15 @@ class RebalanceService:
         pullers: set[str] = set()
         if not client_id:  # the central sweep sees every owner; PullConsumers take no requests
             pullers = {c.client_id for c in self.registry.clients()[0] if c.pool == PULL_POOL}
-        for sub in subs:
-            # One random token per sweep, suffixed per queue: unique all the same, without a
-            # uuid4 per owned queue every sweep interval (an idle worker's main cost, issue 27).
+        # One random token per lane and sweep, suffixed per queue: unique all the same, without a
+        # uuid4 per owned queue every sweep interval (an idle worker's main cost, issue 27). Every
+        # lane's assignment is read in one round trip and every lane swept in one per broker.
+        lanes = []
+        for sub, mqs in zip(subs, self.assigned_queues_of(subs, client_id or None), strict=True):
             base = new_token()
-            candidates = [(mq, f"{base}.{i}") for i, mq in enumerate(self.assigned_queues(sub, client_id or None))]
-            for r in self.locks.sweep(sub, candidates, client_id, pending_ttl):
+            lanes.append((sub, [(mq, f"{base}.{i}") for i, mq in enumerate(mqs)]))
+        for (sub, _), found in zip(lanes, self.locks.sweep_lanes(lanes, client_id, pending_ttl), strict=True):
+            for r in found:
                 if r.owner not in pullers:
                     out.append(Dispatch(sub, r.mq, r.owner, r.token))
         return out

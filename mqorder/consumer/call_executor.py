@@ -81,18 +81,13 @@ class LaneCalls:
         """The next item of ``results`` within ``timeout`` (None: as long as it takes), or None.
         A run that drives the loop runs it meanwhile, here in its own thread."""
         if self.inline:
-            try:
-                return results.get_nowait()
-            except queue.Empty:
-                pass
+            if not results.empty():
+                return results.get_nowait()  # this thread is the queue's one reader
             loop = self._loop
             assert loop is not None
             if not loop.release_asked:
                 loop.drive(timeout)
-                try:
-                    return results.get_nowait()
-                except queue.Empty:
-                    return None
+                return None if results.empty() else results.get_nowait()
             self.release()  # another run wants the loop: its own thread runs it from now on
         try:
             return results.get(timeout=timeout)

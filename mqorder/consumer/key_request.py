@@ -358,12 +358,14 @@ class KeyConsumeRequest(ConsumeRequest):
         return self._settle_finished(stop, discard)
 
     def _settle_finished(self, stop: LoopEnd | None, discard: bool = False) -> LoopEnd | None:
-        while True:
+        results = self.results
+        while not results.empty():  # (a raised queue.Empty per turn of the dispatcher costs more)
             try:
-                res = self.results.get_nowait()
-            except queue.Empty:
+                res = results.get_nowait()
+            except queue.Empty:  # pragma: no cover - the queue has one reader, this thread
                 return stop
             stop = self._settle_item(res, stop, discard)
+        return stop
 
     def _settle_item(self, item: LaneResult | list[LaneResult], stop: LoopEnd | None, discard: bool) -> LoopEnd | None:
         """One result of a lane worker, or the results of async calls that ended in one turn of the

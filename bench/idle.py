@@ -80,13 +80,23 @@ def _keys_per_queue(n: int) -> list[str]:
     return [out[q] for q in range(n)]
 
 
-def _script_names() -> dict[str, str]:
+def _script_names(tree: Path | None = None) -> dict[str, str]:
+    """SHA1 -> script name for the SLOWLOG: this tree's scripts, or (A/B) those of ``tree``, whose
+    sources may differ (read by that tree's own ``mqorder.store.scripts``, in a subprocess)."""
     import hashlib
+    import json
+    import sys
 
     from mqorder.store import scripts
 
-    return {**library_script_names(),
-            **{hashlib.sha1(scripts.source(n).encode()).hexdigest(): n for n in scripts.NAMES}}
+    if tree is None:
+        return {**library_script_names(),
+                **{hashlib.sha1(scripts.source(n).encode()).hexdigest(): n for n in scripts.NAMES}}
+    code = ("import hashlib, json\nfrom mqorder.store import scripts\n"
+            "print(json.dumps({hashlib.sha1(scripts.source(n).encode()).hexdigest(): n for n in scripts.NAMES}))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)},
+                         check=True, capture_output=True, text=True).stdout
+    return {**library_script_names(), **json.loads(out)}
 
 
 def _slices(meter: RedisMeter, seconds: float) -> list[dict[str, float]]:
@@ -153,7 +163,7 @@ def measure(cfg: Config, *, topics: int, queues: int, seconds: float, slow_secon
         time.sleep(warmup_s)
         if not beat.alive():
             raise RuntimeError(f"celery beat exited; see {cfg.logdir / tag / 'beat.log'}")
-        meter = RedisMeter(srv.url, _script_names())
+        meter = RedisMeter(srv.url, _script_names(tree))
         st.callback(meter.close)
         assert beat.proc is not None
         pids, beat_pid = [w.pid for w in ws], beat.proc.pid

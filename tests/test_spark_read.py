@@ -56,14 +56,43 @@ def test_batch_read_gives_every_stored_message_and_honours_offsets(spark, redis_
     # Ranges never pass what is stored.
     assert read(endingOffsets='{"1": 100000}').filter("queue = 1").count() == per_queue[1]
 
-    split = read(maxRowsPerPartition="7")
-    assert split.rdd.getNumPartitions() == sum(math.ceil(n / 7) for n in per_queue.values())
-    assert split.count() == 90
+    # Partitions are groups of queue ranges: at least minPartitions, at most maxRowsPerPartition
+    # offsets each, their count a multiple of minPartitions (13 groups of 7 -> 14 groups of 7).
+    split = read(maxRowsPerPartition="7", minPartitions="2")
+    assert split.rdd.getNumPartitions() == 2 * math.ceil(math.ceil(90 / 7) / 2) == 14
+    assert sorted((r.queue, r.offset) for r in split.select("queue", "offset").collect()) == sorted(
+        (q, off) for q, off, _, _ in sent.values())
+    assert read(minPartitions="1").rdd.getNumPartitions() == 1
+    assert read(minPartitions="5").rdd.getNumPartitions() == 5
+    with pytest.raises(PySparkException, match="minPartitions"):
+        read(minPartitions="0").collect()
 
     with pytest.raises(PySparkException, match="startingOffsets"):
         read(startingOffsets="yesterday").collect()
     with pytest.raises(PySparkException, match="has no queue 7"):
         read(startingOffsets='{"7": 0}').collect()
+
+
+@pytest.mark.parametrize("sizes, max_rows, min_partitions", [
+    ([90, 0, 7, 33], 7, 2), ([5, 5, 5], 250_000, 2), ([1], 10, 4), ([100, 1, 1, 1, 1], 30, 3), ([18_750] * 16, 250_000, 2),
+])
+def test_partitions_are_equal_groups_of_queue_ranges_covering_every_offset_once(
+        sizes: list[int], max_rows: int, min_partitions: int) -> None:
+    from mqorder.spark.queues import QueueRef
+    from mqorder.spark.reader import partition_count, plan_partitions
+
+    spans = [QueueRef(i, "broker-a", i) for i in range(len(sizes))]
+    start = {i: 10 * i for i in range(len(sizes))}
+    end = {i: 10 * i + n for i, n in enumerate(sizes)}
+    groups = plan_partitions("t", spans, start, end, max_rows, min_partitions)
+    total = sum(sizes)
+    assert len(groups) == partition_count(total, max_rows, min_partitions) == min(
+        total, min_partitions * math.ceil(max(min_partitions, math.ceil(total / max_rows)) / min_partitions))
+    got = [(r.span.index, o) for g in groups for r in g.ranges for o in range(r.start, r.end)]
+    assert got == [(i, o) for i in range(len(sizes)) for o in range(start[i], end[i])]  # once each, in order
+    rows = [sum(r.end - r.start for r in g.ranges) for g in groups]
+    assert max(rows) <= min(max_rows, math.ceil(total / len(groups))) and min(rows) >= 1
+    assert all(r.start < r.end for g in groups for r in g.ranges)
 
 
 def test_stream_read_into_a_file_sink_is_exactly_once_across_restarts(spark, redis_url: str, tmp_path: Path) -> None:

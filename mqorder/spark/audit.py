@@ -87,7 +87,8 @@ def _stored(spark: SparkSession, settings: Settings, topic: str, order_field: st
     """(qi, offset, key, msg id, order field) of every stored message: the audit's own light read
     (``stored_index``), not the full topic read that would move every body into the JVM."""
     extra = {"orderField": order_field} if order_field else {}
-    return _load(register_index(spark), settings, INDEX_SCHEMA, INDEX_FORMAT, topic=topic, **extra)
+    return _load(register_index(spark), settings, INDEX_SCHEMA, INDEX_FORMAT, topic=topic,
+                 minPartitions=str(default_parallelism(spark)), **extra)
 
 
 def _dead_letters(spark: SparkSession, settings: Settings, brokers: BrokerRegistry, topic: str, group: str,
@@ -165,10 +166,12 @@ def audit(
         start_mode = "ledger" if start == "ledger" or report.ledger_trimmed else "stored"
         report.start = start_mode
         route = frames.Route.of(infos)
-        recs = frames.records(_load(spark, settings, frames.LEDGER_COLUMNS, ledger=group, topic=topic), route)
+        cores = default_parallelism(spark)
+        recs = frames.records(_load(spark, settings, frames.LEDGER_COLUMNS, ledger=group, topic=topic,
+                                    minPartitions=str(cores)), route)
         dead = _dead_letters(spark, settings, brokers, topic, group, route)
         bucket_ms = frames.throughput_bucket_ms(streams)
-        parts = frames.lane_partitions(default_parallelism(spark), sum(s.length for s in streams),
+        parts = frames.lane_partitions(cores, sum(s.length for s in streams),
                                        int(spark.conf.get("spark.sql.shuffle.partitions") or 200))
 
         # Phase 1: the ledger alone (see audit_frames). A body field needs the stored messages

@@ -68,7 +68,7 @@ assert tuple(LEDGER_ARROW_SCHEMA.names[: len(FIELDS)]) == FIELDS, "the reader's 
 READ_PAGE = 10_000
 #: A broker's ledger is cut into Spark partitions of about this many records.
 DEFAULT_MAX_ROWS_PER_PARTITION = 250_000
-_KNOWN = ("ledger", "topic", "redisurl", "brokers", "maxrowsperpartition", "path")
+_KNOWN = ("ledger", "topic", "redisurl", "brokers", "maxrowsperpartition", "minpartitions", "path")
 _JSON_READ = pj.ReadOptions(use_threads=False, block_size=64 << 20)
 _INT_FIELDS = {"queue", "offset", "born_ms", "attempt", "epoch"}
 _FLOAT_FIELDS = {"start_ms", "end_ms"}
@@ -84,6 +84,9 @@ class LedgerOptions:
     topic: str | None
     max_rows_per_partition: int
     conn: Connection
+    #: Slices at least, over all brokers (``minPartitions``; the audit passes its parallelism), so
+    #: a ledger smaller than ``maxRowsPerPartition`` is not read by one task while the other cores wait.
+    min_partitions: int = 1
 
 
 def ledger_options(options: Mapping[str, Any]) -> LedgerOptions:
@@ -99,7 +102,10 @@ def ledger_options(options: Mapping[str, Any]) -> LedgerOptions:
         raise ConfigError(f"option maxRowsPerPartition={raw!r} must be an integer") from None
     if max_rows < 1:
         raise ConfigError(f"option maxRowsPerPartition={max_rows} must be at least 1")
-    return LedgerOptions(group, topic, max_rows, connection(opts))
+    raw_min = opts.get("minpartitions") or "1"
+    if not raw_min.isdigit() or int(raw_min) < 1:
+        raise ConfigError(f"option minPartitions={raw_min!r} must be a positive integer")
+    return LedgerOptions(group, topic, max_rows, connection(opts), int(raw_min))
 
 
 @dataclass(frozen=True)
@@ -160,17 +166,20 @@ def _text(v: bytes | str) -> str:
     return v.decode() if isinstance(v, bytes) else v
 
 
-def plan_slices(group: str, streams: Sequence[LedgerStream], max_rows: int, topic: str | None = None) -> list[LedgerSlice]:
+def plan_slices(group: str, streams: Sequence[LedgerStream], max_rows: int, topic: str | None = None,
+                min_slices: int = 1) -> list[LedgerSlice]:
     """Cut each stream into ``ceil(length / max_rows)`` id ranges of equal time span (of equal
-    sequence span, for a stream written within one millisecond).
+    sequence span, for a stream written within one millisecond), and into at least its share of
+    ``min_slices`` (by length) so every core gets a slice.
 
     Equal time spans hold about equal record counts when records arrive at a steady pace; a burst
     makes one slice bigger, never wrong: together the slices cover ``[first_id, last_id]`` exactly.
     """
     out: list[LedgerSlice] = []
+    total = sum(s.length for s in streams) or 1
     for s in streams:
         (lo_ms, lo_seq), (hi_ms, hi_seq) = _id(s.first_id), _id(s.last_id)
-        want = math.ceil(s.length / max_rows)
+        want = max(math.ceil(s.length / max_rows), math.ceil(min_slices * s.length / total))
         if lo_ms < hi_ms:
             n = max(1, min(want, hi_ms - lo_ms + 1))
             cuts = [f"{lo_ms + (hi_ms - lo_ms + 1) * i // n}-0" for i in range(1, n)]
@@ -301,7 +310,8 @@ class LedgerReader(DataSourceReader):
             brokers.close()
         if not self.streams:
             raise LedgerNotFoundError(no_ledger_hint(opts.group))
-        self.slices = plan_slices(opts.group, self.streams, opts.max_rows_per_partition, opts.topic)
+        self.slices = plan_slices(opts.group, self.streams, opts.max_rows_per_partition, opts.topic,
+                                  opts.min_partitions)
 
     def partitions(self) -> Sequence[InputPartition]:
         return self.slices

@@ -42,20 +42,20 @@ DEFAULT_STAGING_TTL_S = 6 * 3600
 DEFAULT_STAGE_CHUNK = 1000
 #: ``stage.lua`` unpacks four values per row into one ``RPUSH``; Lua unpacks at most 8,000.
 MAX_STAGE_CHUNK = 1500
-#: A batch read splits a queue into Spark partitions of at most this many offsets.
-DEFAULT_MAX_ROWS_PER_PARTITION = 1_000_000
+#: A read's Spark partitions hold at most this many offsets each (``maxRowsPerPartition``).
+DEFAULT_MAX_ROWS_PER_PARTITION = 250_000
 
 #: Options Spark itself sets or reads (``save(path)``, a stream's checkpoint): not ours to refuse.
 _SPARK = ("path", "checkpointlocation", "queryname")
 _COMMON = ("topic", "redisurl", "brokers", *_SPARK)
 _WRITE = (*_COMMON, "key", "orderby", "body", "idcolumn", "onnull", "stagingttl", "stagechunk", "jobid",
           "maxmessagesize", "waitreplicas", "waittimeoutms")
-_READ = (*_COMMON, "startingoffsets", "endingoffsets", "maxrowsperpartition", "maxoffsetspertrigger")
+_READ = (*_COMMON, "startingoffsets", "endingoffsets", "maxrowsperpartition", "minpartitions", "maxoffsetspertrigger")
 _SPELLING = {
     "redisurl": "redisUrl", "orderby": "orderBy", "idcolumn": "idColumn", "onnull": "onNull",
     "stagingttl": "stagingTtl", "stagechunk": "stageChunk", "jobid": "jobId", "maxmessagesize": "maxMessageSize",
     "startingoffsets": "startingOffsets", "endingoffsets": "endingOffsets",
-    "maxrowsperpartition": "maxRowsPerPartition", "maxoffsetspertrigger": "maxOffsetsPerTrigger",
+    "maxrowsperpartition": "maxRowsPerPartition", "minpartitions": "minPartitions", "maxoffsetspertrigger": "maxOffsetsPerTrigger",
     "orderfield": "orderField", "waitreplicas": "waitReplicas", "waittimeoutms": "waitTimeoutMs",
 }
 
@@ -225,6 +225,8 @@ class ReadOptions:
     max_rows_per_partition: int
     max_offsets_per_trigger: int | None
     conn: Connection
+    #: Read tasks at least (``minPartitions``); None: the planning machine's cores.
+    min_partitions: int | None = None
 
 
 def read_options(options: Mapping[str, Any], *, streaming: bool) -> ReadOptions:
@@ -241,4 +243,5 @@ def read_options(options: Mapping[str, Any], *, streaming: bool) -> ReadOptions:
         max_rows_per_partition=_int(opts, "maxrowsperpartition", DEFAULT_MAX_ROWS_PER_PARTITION, 1, 2**62),
         max_offsets_per_trigger=per_trigger or None,
         conn=connection(opts),
+        min_partitions=_int(opts, "minpartitions", 0, 1, 100_000) if opts.get("minpartitions") else None,
     )

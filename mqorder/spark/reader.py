@@ -24,6 +24,8 @@ from __future__ import annotations
 import gc
 import io
 import json
+import math
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -156,7 +158,7 @@ def resolve(offsets: Mapping[int, int], limits: Mapping[int, tuple[int, int]]) -
 
 def split(topic: str, spans: Sequence[QueueRef], start: Mapping[int, int], end: Mapping[int, int],
           max_rows: int) -> list[QueueRange]:
-    """One partition per queue with something to read, large ranges cut into ``max_rows`` pieces."""
+    """One range per queue with something to read, large ranges cut into ``max_rows`` pieces."""
     parts = []
     for s in spans:
         a, b = start.get(s.index, 0), end.get(s.index, 0)
@@ -164,6 +166,60 @@ def split(topic: str, spans: Sequence[QueueRef], start: Mapping[int, int], end: 
             parts.append(QueueRange(topic, s, a, min(b, a + max_rows)))
             a += max_rows
     return parts
+
+
+@dataclass(frozen=True)
+class RangeGroup(InputPartition):
+    """The queue ranges one read task reads, one after the other, on one connection per broker.
+
+    A task costs about as much as reading tens of thousands of messages (a Python runner started
+    and fed by the JVM, its plan and projection built, its result sent back), whatever it reads:
+    with a partition per queue, a 16-queue topic of 300,000 messages cost 16 of them, and a count of
+    3,000 messages took as long as one of 300,000. Groups cut that to what keeps the cores busy."""
+
+    ranges: tuple[QueueRange, ...]
+
+
+def partition_count(rows: int, max_rows: int, min_partitions: int) -> int:
+    """Read tasks for ``rows`` offsets: at least ``min_partitions`` (the cores to keep busy), at most
+    ``max_rows`` each, rounded up to a multiple of ``min_partitions`` so the last round of tasks is
+    as full as the first; never more than there are offsets."""
+    m = max(1, min_partitions)
+    n = max(m, math.ceil(rows / max(1, max_rows)))
+    return max(1, min(rows, math.ceil(n / m) * m))
+
+
+def default_min_partitions() -> int:
+    """The cores of the process planning the read (the driver's machine; a Connect server's): what
+    ``local[*]`` runs on. A cluster with more cores than its driver sets ``minPartitions``."""
+    return os.cpu_count() or 2
+
+
+def plan_partitions(topic: str, spans: Sequence[QueueRef], start: Mapping[int, int], end: Mapping[int, int],
+                    max_rows: int, min_partitions: int | None = None) -> list[RangeGroup]:
+    """The offsets ``[start, end)`` of every queue, in queue order, dealt into ``partition_count``
+    groups of equal size, give or take one (a queue's range cut where a group is full): every offset in exactly one
+    group, and a group's ranges in queue and offset order. Depends only on its arguments, so a
+    stream's replayed micro-batch gets the same groups."""
+    ranges = split(topic, spans, start, end, 2**62)
+    total = sum(r.end - r.start for r in ranges)
+    if not total:
+        return []
+    n = partition_count(total, max_rows, default_min_partitions() if min_partitions is None else min_partitions)
+    sizes = [total // n + (1 if i < total % n else 0) for i in range(n)]  # n groups, within one of each other
+    groups: list[RangeGroup] = []
+    cur: list[QueueRange] = []
+    room = sizes[0]
+    for r in ranges:
+        a = r.start
+        while a < r.end:
+            take = min(r.end - a, room)
+            cur.append(QueueRange(topic, r.span, a, a + take))
+            a, room = a + take, room - take
+            if not room:
+                groups.append(RangeGroup(tuple(cur)))
+                cur, room = [], sizes[len(groups)] if len(groups) < n else 0
+    return groups
 
 
 def page_rows(entries: list[Any]) -> int:
@@ -181,20 +237,35 @@ def read_pages(conn: Connection, part: QueueRange) -> Iterator[list[Any]]:
     the caller holds it: the caller converts it at once, under ``PausedGC`` too."""
     brokers = conn.registry()
     try:
-        client = brokers.get(part.span.broker).client
-        log_key = keys.queue_log(_mq(part.topic, part.span).tag)
-        nxt, count = part.start, FIRST_PAGE
-        while nxt < part.end:
-            with PausedGC():
-                entries = client.xrange(log_key, min=f"{nxt}-0", max=f"{part.end - 1}-18446744073709551615",
-                                        count=count)
-            if not entries:
-                break
-            yield entries
-            nxt = int(text(entries[-1][0]).split("-", 1)[0]) + 1
-            count = page_rows(entries)
+        yield from _pages(brokers, part)
     finally:
         brokers.close()
+
+
+def group_pages(conn: Connection, group: RangeGroup) -> Iterator[tuple[QueueRange, list[Any]]]:
+    """``read_pages`` of each range of ``group`` in turn, on one connection per broker."""
+    brokers = conn.registry()
+    try:
+        for part in group.ranges:
+            for entries in _pages(brokers, part):
+                yield part, entries
+    finally:
+        brokers.close()
+
+
+def _pages(brokers: BrokerRegistry, part: QueueRange) -> Iterator[list[Any]]:
+    client = brokers.get(part.span.broker).client
+    log_key = keys.queue_log(_mq(part.topic, part.span).tag)
+    nxt, count = part.start, FIRST_PAGE
+    while nxt < part.end:
+        with PausedGC():
+            entries = client.xrange(log_key, min=f"{nxt}-0", max=f"{part.end - 1}-18446744073709551615",
+                                    count=count)
+        if not entries:
+            break
+        yield entries
+        nxt = int(text(entries[-1][0]).split("-", 1)[0]) + 1
+        count = page_rows(entries)
 
 
 class PausedGC:
@@ -213,7 +284,12 @@ class PausedGC:
 
 def read_range(conn: Connection, part: QueueRange) -> Iterator[pa.RecordBatch]:
     """The messages of ``part`` as Arrow batches, one per page."""
-    for entries in read_pages(conn, part):
+    return read_group(conn, RangeGroup((part,)))
+
+
+def read_group(conn: Connection, group: RangeGroup) -> Iterator[pa.RecordBatch]:
+    """The messages of every range of ``group`` as Arrow batches, one per page."""
+    for part, entries in group_pages(conn, group):
         with PausedGC():
             batch = _batch(part, entries)
             del entries
@@ -362,11 +438,12 @@ class MQOrderReader(DataSourceReader):
         spans, limits = topic_layout(opts.conn, opts.topic)
         start = resolve(parse_offsets(opts.starting, opts.topic, spans, EARLIEST, "startingOffsets"), limits)
         end = resolve(parse_offsets(opts.ending, opts.topic, spans, LATEST, "endingOffsets"), limits)
-        self.ranges = split(opts.topic, spans, start, end, opts.max_rows_per_partition)
+        self.ranges = plan_partitions(opts.topic, spans, start, end, opts.max_rows_per_partition,
+                                      opts.min_partitions)
 
     def partitions(self) -> Sequence[InputPartition]:
         return self.ranges
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        if isinstance(partition, QueueRange):  # nothing to read gives Spark's placeholder partition
-            yield from read_range(self.opts.conn, partition)
+        if isinstance(partition, RangeGroup):  # nothing to read gives Spark's placeholder partition
+            yield from read_group(self.opts.conn, partition)

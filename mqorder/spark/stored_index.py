@@ -8,7 +8,8 @@ key and message id, plus, with option ``orderField``, that field of each JSON bo
 numbers as written, strings unquoted; null when absent or not JSON).
 
 Ranges are planned exactly as the topic reader plans them (``reader.queue_spans`` / ``bounds`` /
-``split``): from each queue's first stored offset to its next offset at planning.
+``plan_partitions``): from each queue's first stored offset to its next offset at planning, dealt
+into groups of queue ranges.
 """
 
 from __future__ import annotations
@@ -25,7 +26,16 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 from mqorder.errors import ConfigError
 from mqorder.names import check_topic
 from mqorder.spark.options import Connection, check_known, connection, lower_options
-from mqorder.spark.reader import PausedGC, QueueRange, _headers_arrow, columns, read_pages, split, topic_layout
+from mqorder.spark.reader import (
+    PausedGC,
+    QueueRange,
+    RangeGroup,
+    _headers_arrow,
+    columns,
+    group_pages,
+    plan_partitions,
+    topic_layout,
+)
 
 FORMAT = "mqorder_audit_index"
 SCHEMA_DDL = "qi INT, offset BIGINT, key STRING, msg_id STRING, field_value STRING"
@@ -33,7 +43,7 @@ ARROW_SCHEMA = pa.schema([("qi", pa.int32()), ("offset", pa.int64()), ("key", pa
                           ("msg_id", pa.string()), ("field_value", pa.string())])
 #: Offsets per Spark partition (a queue longer than this is read by several tasks).
 MAX_ROWS_PER_PARTITION = 250_000
-_KNOWN = ("topic", "redisurl", "brokers", "orderfield", "path")
+_KNOWN = ("topic", "redisurl", "brokers", "orderfield", "minpartitions", "path")
 _REGISTERED = "_mqorder_audit_index_registered"
 
 
@@ -42,6 +52,8 @@ class IndexOptions:
     topic: str
     order_field: str | None
     conn: Connection
+    #: Read tasks at least (the audit passes its session's parallelism); None: the planner's cores.
+    min_partitions: int | None = None
 
 
 def index_options(options: Mapping[str, Any]) -> IndexOptions:
@@ -49,7 +61,11 @@ def index_options(options: Mapping[str, Any]) -> IndexOptions:
     check_known(opts, _KNOWN, "audit index read", FORMAT)
     if not opts.get("topic"):
         raise ConfigError(f"format('{FORMAT}') needs option('topic', <name>)")
-    return IndexOptions(check_topic(opts["topic"]), opts.get("orderfield") or None, connection(opts))
+    raw = opts.get("minpartitions") or ""
+    if raw and (not raw.isdigit() or int(raw) < 1):
+        raise ConfigError(f"format('{FORMAT}'): minPartitions must be a positive integer, got {raw!r}")
+    return IndexOptions(check_topic(opts["topic"]), opts.get("orderfield") or None, connection(opts),
+                        int(raw) if raw else None)
 
 
 def _field_text(body: bytes, name: str) -> str | None:
@@ -65,8 +81,8 @@ def _field_text(body: bytes, name: str) -> str | None:
     return orjson.dumps(v).decode()
 
 
-def read_index(conn: Connection, part: QueueRange, order_field: str | None) -> Iterator[pa.RecordBatch]:
-    for entries in read_pages(conn, part):
+def read_index(conn: Connection, group: RangeGroup, order_field: str | None) -> Iterator[pa.RecordBatch]:
+    for part, entries in group_pages(conn, group):
         with PausedGC():
             batch = _batch(part, entries, order_field)
             del entries
@@ -115,15 +131,16 @@ class StoredIndexReader(DataSourceReader):
     def __init__(self, opts: IndexOptions) -> None:
         self.opts = opts
         spans, limits = topic_layout(opts.conn, opts.topic)
-        self.ranges = split(opts.topic, spans, {i: lo for i, (lo, _) in limits.items()},
-                            {i: hi for i, (_, hi) in limits.items()}, MAX_ROWS_PER_PARTITION)
+        self.ranges = plan_partitions(opts.topic, spans, {i: lo for i, (lo, _) in limits.items()},
+                                      {i: hi for i, (_, hi) in limits.items()}, MAX_ROWS_PER_PARTITION,
+                                      opts.min_partitions)
 
     def partitions(self) -> Sequence[InputPartition]:
         return self.ranges
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, QueueRange)
-        yield from read_index(self.opts.conn, partition, self.opts.order_field)
+        if isinstance(partition, RangeGroup):  # an empty topic gives Spark's placeholder partition
+            yield from read_index(self.opts.conn, partition, self.opts.order_field)
 
 
 class StoredIndexSource(DataSource):

@@ -22,13 +22,13 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from mqorder.spark.options import ReadOptions
 from mqorder.spark.reader import (
     EARLIEST,
-    QueueRange,
+    RangeGroup,
     bounds,
     parse_offsets,
+    plan_partitions,
     queue_spans,
-    read_range,
+    read_group,
     resolve,
-    split,
 )
 
 Offset = dict[str, int]
@@ -107,12 +107,12 @@ class MQOrderStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return _to_offset(latest)
 
     def partitions(self, start: Offset, end: Offset) -> Sequence[InputPartition]:
-        return split(self.opts.topic, self.spans, _from_offset(start), _from_offset(end),
-                     self.opts.max_rows_per_partition)
+        return plan_partitions(self.opts.topic, self.spans, _from_offset(start), _from_offset(end),
+                               self.opts.max_rows_per_partition, self.opts.min_partitions)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        if isinstance(partition, QueueRange):  # nothing to read gives Spark's placeholder partition
-            yield from read_range(self.opts.conn, partition)
+        if isinstance(partition, RangeGroup):  # nothing to read gives Spark's placeholder partition
+            yield from read_group(self.opts.conn, partition)
 
     def commit(self, end: Offset) -> None:
         """Nothing to release: offsets live in Spark's checkpoint, the log is read-only here."""

@@ -294,6 +294,20 @@ def test_sweep_lanes_sweeps_each_lane_in_one_round_trip_and_answers_per_lane(
     assert locks.sweep_lanes([("g", [(mq, "x")]), ("h", [(other, "y")])], "c1") == [[], []]
 
 
+def test_try_lock_lanes_answers_per_lane_as_try_lock_batch_does(brokers: BrokerRegistry, locks: RebalanceLockManager) -> None:
+    """Leases of several subscriptions renewed in one round trip (issue 27): per lane, the same
+    epochs try_lock_batch gives, and a queue locked by another client is refused in its own lane only."""
+    mq, other = MQS[0], MQS[1]
+    assert locks.try_lock_batch("h", [other], "c2") == {other: locks.lock_entry("h", other).epoch}
+    got = locks.try_lock_lanes([("g", [mq, other]), ("h", [mq, other]), ("e", [])], "c1")
+    assert got[0] == {mq: locks.lock_entry("g", mq).epoch, other: locks.lock_entry("g", other).epoch}
+    assert got[1] == {mq: locks.lock_entry("h", mq).epoch}  # other is c2's on lane h
+    assert got[2] == {}
+    again = locks.try_lock_lanes([("g", [mq, other]), ("h", [mq])], "c1")
+    assert again == [got[0], got[1]]  # renewed, not granted again
+    assert locks.try_lock_batch("g", [mq, other], "c1") == got[0]
+
+
 # -- grouping by broker ------------------------------------------------------------------------------------
 
 

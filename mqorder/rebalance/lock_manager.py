@@ -106,6 +106,34 @@ class RebalanceLockManager:
                     locked[mq] = epoch
         return locked
 
+    def try_lock_lanes(
+        self, lanes: Sequence[tuple[str, Sequence[MessageQueue]]], client_id: str
+    ) -> list[dict[MessageQueue, int]]:
+        """``try_lock_batch`` of several subscriptions at once, one answer per ``(sub, queues)``:
+        every lane's ``lock_batch.lua`` call goes to each broker in one round trip (a worker of 64
+        groups renewed its leases in 64 round trips, issue 27). With replica waits (durable locks)
+        each lane keeps its own ``try_lock_batch``, whose WAITs follow its own calls."""
+        if self.replica_wait is not None:
+            return [self.try_lock_batch(sub, mqs, client_id) for sub, mqs in lanes]
+        out: list[dict[MessageQueue, int]] = [{} for _ in lanes]
+        flat = [(li, mq) for li, (_, mqs) in enumerate(lanes) for mq in mqs]
+        for broker_name, group in group_by_broker(flat, lambda item: item[1]).items():
+            broker = self.brokers.get(broker_name)
+            by_lane: dict[int, list[MessageQueue]] = {}
+            for li, mq in group:
+                by_lane.setdefault(li, []).append(mq)
+            batches = [(li, b) for li, mqs in by_lane.items() for b in broker.slot_batches(mqs, _tag)]
+            calls = [([keys.sub_state(mq.tag, lanes[li][0]) for mq in b], [client_id, self.lock_max_live_time_ms])
+                     for li, b in batches]
+            for (li, b), epochs in zip(batches, broker.scripts.run_pipelined("lock_batch", calls), strict=True):
+                sub = lanes[li][0]
+                for mq, epoch in zip(b, epochs, strict=True):
+                    epoch = int(epoch)
+                    if epoch:
+                        self._replicated[(sub, mq)] = epoch  # as try_lock_batch with nothing to wait for
+                        out[li][mq] = epoch
+        return out
+
     @staticmethod
     def _lock_and_wait(broker: Broker, calls: list[tuple[list[str], list[Any]]], wanted: list[int],
                        tags: list[str], timeout_ms: int) -> list[tuple[list[Any], int]]:

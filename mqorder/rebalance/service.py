@@ -21,7 +21,6 @@ import redis
 from redis.exceptions import LockError
 
 from mqorder import keys
-from mqorder.errors import TopicNotFoundError
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.allocate import AllocateMessageQueueStrategy, allocate_all, strategy_from_settings
 from mqorder.rebalance.lock_manager import RebalanceLockManager
@@ -154,10 +153,12 @@ class RebalanceService:
         # The assignment hint of a lane covers every topic it subscribes to: written once per lane,
         # after all its topics are assigned (one delete per topic would keep only the last one's).
         hints: dict[str, list[str]] = defaultdict(list)
+        # Every lane's route in one round trip, not one per lane (issue 27: beat rebalances every
+        # 20 s, and a deployment of 64 topics paid 64 round trips for the routes alone).
+        routes = self.topics.describe_topics(sorted({topic for _, topic in lanes}))
         for (sub, topic), cids in sorted(lanes.items()):
-            try:
-                route = self.topics.describe_topic(topic)
-            except TopicNotFoundError:
+            route = routes.get(topic)
+            if route is None:
                 log.warning("group lane %s subscribes to %r, which does not exist yet", sub, topic)
                 continue
             mqs = route.message_queues
@@ -225,9 +226,9 @@ class RebalanceService:
     def lock_all(self, client_id: str, subs: list[str]) -> int:
         """RocketMQ's ``lockAll`` for one client: renew (or take) every queue assigned to it."""
         n = 0
-        for sub, mqs in zip(subs, self.assigned_queues_of(subs, client_id), strict=True):
-            if mqs:
-                n += len(self.locks.try_lock_batch(sub, mqs, client_id))
+        lanes = [(sub, mqs) for sub, mqs in zip(subs, self.assigned_queues_of(subs, client_id), strict=True) if mqs]
+        for locked in self.locks.try_lock_lanes(lanes, client_id):
+            n += len(locked)
         return n
 
     def lock_all_clients(self) -> int:

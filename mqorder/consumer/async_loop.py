@@ -160,6 +160,8 @@ class ProcessLoop:
         self._runs = 0
         #: The loop's own thread (set when it starts).
         self.thread_id = 0
+        #: Tasks of ``run_blocking``, held until they end (``_keep``).
+        self._background: set[asyncio.Task[None]] = set()
         #: Calls submitted from other threads, started on the loop by ``_start_pending``.
         self._pending: deque[AsyncCall] = deque()
         self._start_scheduled = False
@@ -221,8 +223,10 @@ class ProcessLoop:
         asyncio.set_event_loop(self.loop)
         while True:
             self.loop.run_forever()
-            if self.loop.is_closed() or not self._handing:  # pragma: no cover - stopped for good
+            if self.loop.is_closed():  # pragma: no cover - closed for good
                 return
+            if not self._handing:  # pragma: no cover - a listener stopped the loop: run on
+                continue
             # Stopped for a hand-over (``claim``): the claiming run drives the loop until it gives
             # it back (``release``); this thread waits, using no CPU.
             self._parked.set()
@@ -390,11 +394,20 @@ class ProcessLoop:
             except BaseException as exc:  # noqa: BLE001 - handed back to the caller, raised there
                 hand(box.put, (False, exc))
 
-        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(run()))
+        self.loop.call_soon_threadsafe(self._keep, run())
         ok, value = box.get(timeout=timeout)
         if not ok:
             raise value
         return value
+
+    def _keep(self, coro: Coroutine[Any, Any, None]) -> None:
+        """Run ``coro`` as a task held in ``_background`` until it ends: the loop keeps only a weak
+        reference to a task, and one that waits on a stream's reply may be referred to by nothing
+        else, so a garbage collection could destroy it mid-wait (the bench's async counter lost
+        its flush task that way)."""
+        task = self.loop.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def offload(self, fn: Callable[[], Any]) -> Any:
         """Run a blocking ``fn`` (a Redis round trip) off the loop and await its result:

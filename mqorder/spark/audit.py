@@ -178,17 +178,17 @@ def audit(
         # anyway: then phase 1 runs only when the audit start depends on the ledger's first offsets.
         extents: dict[int, frames.Extent] = {}
         done = False
+        # Not cached: a clean ledger (the usual case) is read by the summary's one job and never
+        # again, and building the cache cost a quarter of that audit's CPU; an audit with findings
+        # to list reads the ledger a second time instead.
         if order_field is None or start_mode == "ledger":
-            m = frames.messages(recs, None, dead, route, ordering, None, bucket_ms, parts).persist()
-            try:
-                extents = frames.summary(m, infos, report, bucket_ms)
-                counts = {q.index: frames.unseen(q, extents.get(q.index, frames.Extent()), start_mode) for q in infos}
-                done = order_field is None and not any(u.gaps or u.holes for u in counts.values())
-                if done:
-                    frames.settle_unseen(report, infos, counts)
-                    frames.listed(m, report, max_listed)
-            finally:
-                m.unpersist()
+            m = frames.messages(recs, None, dead, route, ordering, None, bucket_ms, parts)
+            extents = frames.summary(m, infos, report, bucket_ms)
+            counts = {q.index: frames.unseen(q, extents.get(q.index, frames.Extent()), start_mode) for q in infos}
+            done = order_field is None and not any(u.gaps or u.holes for u in counts.values())
+            if done:
+                frames.settle_unseen(report, infos, counts)
+                frames.listed(m, report, max_listed)
 
         if not done:  # Phase 2: the stored messages too, each one classified.
             report = AuditReport(topic, group, ordering, order_field, report.started_at_ms, start=start_mode,

@@ -19,7 +19,8 @@ Built for a million records on two cores, where every Python row, shuffle, sort 
   its hash aggregation (a string ``max`` or a ``collect_set`` would make it sort);
 - percentiles come from log-spaced latency bins 1 % wide (``BIN_RATIO``), counted per queue in the
   same job as the per-queue totals and the throughput buckets (``summary``, one ``groupingSets``);
-  the message table is cached between it and ``listed``, which runs only if something was found.
+  ``listed`` runs only if something was found (phase 2 caches the message table for it; phase 1
+  does not: a clean ledger is then read once, and one with findings twice).
 """
 
 from __future__ import annotations

@@ -42,11 +42,20 @@ install: $(STAMP)
 # whole files leave one worker busy long after the other is done. -n 2, not 3 or 4: -n 4 was
 # 20-30 s faster, inside this machine's run-to-run noise, but every worker that runs a Spark test
 # starts a JVM of its own (1g heap), and 4 workers started 4; 2 workers bound the run to two.
+# Since issue 29 (a Spark standalone cluster and a Connect server): --dist loadgroup with the
+# scheduler of tests/xdist_schedule.py (tests/conftest.py), which runs every test needing those
+# servers on one worker (one cluster, one Connect server per run) and hands out the slowest first.
 PYTEST_WORKERS ?= 2
-PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist load
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+# The compose stack test's images (tests/test_compose_run.py) build in the background from the
+# start of `make test`, beside lint and the other tests; the test waits on build_images.sh's lock
+# and finds them built (on a machine that has them, the script returns at once).
+IMAGES_LOG ?= /tmp/mqorder-test-images.log
 SLOW_MARKERS := e2e or spark or browser or rabbitmq or chaos_smoke
 
 test: $(STAMP)
+	@(bash deploy/compose/ensure_docker.sh && MQORDER_IMAGE= BUILD_DEPS= bash deploy/compose/build_images.sh) \
+	  >$(IMAGES_LOG) 2>&1 </dev/null &
 	$(BIN)/ruff check mqorder workers tasks config tests bench chaos
 	$(BIN)/mypy
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict -q

@@ -19,6 +19,7 @@ from mqorder.store.topics import TopicManager
 from mqorder.testing.embedded import RedisServer
 from mqorder.testing.rabbit_vhost import RabbitVhost
 from tests.support import Cluster, xdist_worker
+from tests.xdist_schedule import GroupedLoadScheduling
 
 
 @pytest.fixture(scope="session")
@@ -122,3 +123,8 @@ os.environ.pop("LINES", None)
 # them. All session-scoped, started on first use.
 from tests.spark_cluster import cluster_driver, connect_driver, connect_server, standalone_cluster  # noqa: E402,F401
 from tests.spark_support import spark  # noqa: E402,F401
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> GroupedLoadScheduling | None:
+    """``--dist loadgroup`` (``make test``): tests/xdist_schedule.py's grouping and order."""
+    return GroupedLoadScheduling(config, log) if config.getvalue("dist") == "loadgroup" else None

@@ -20,8 +20,9 @@ jar), on free loopback ports, and stopped at the end of the run:
   as Connect (``SPARK_CONNECT_MODE_ENABLED``), which would turn the local session's functions into
   Connect ones for every later test of this worker.
 
-The fixtures are session-scoped: one cluster, one Connect server and one driver of each kind per
-pytest-xdist worker that runs a test needing them.
+The fixtures are session-scoped, started on first use: one cluster, one Connect server and one
+driver of each kind per test process that needs them. ``make test`` runs every test that needs them
+on one pytest-xdist worker (``tests/xdist_schedule.py``), so a run starts one of each.
 """
 
 from __future__ import annotations

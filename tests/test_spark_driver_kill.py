@@ -7,10 +7,10 @@ it at once (a machine dying, not a shutdown: no hook, no ``finally`` runs), chec
 the sink holds at that moment, and starts the driver again on the same checkpoint.
 
 * **writeStream** (topic → ``format("mqorder")`` → topic): killed once with batch 1's tasks staged
-  and its commit not started, once with batch 3 published and not yet recorded by Spark; the
+  and its commit not started, once with batch 2 published and not yet recorded by Spark; the
   restarted query publishes every row exactly once, each key's rows in their source order, and
   leaves no staged run behind.
-* **readStream** (topic → Parquet): killed while a read task of batch 2 is handing its rows to the
+* **readStream** (topic → Parquet): killed while a read task of batch 1 is handing its rows to the
   sink; the restarted query's committed files hold every stored message exactly once (no offset
   range skipped, none read twice).
 """
@@ -34,8 +34,10 @@ from tests.spark_support import ROOT, staged_keys, stored
 pytestmark = [pytest.mark.spark, pytest.mark.timeout(1200)]
 
 QUEUES = 3
-MESSAGES = 360
-PER_TRIGGER = 60  # 6 micro-batches
+MESSAGES = 240
+#: 4 micro-batches: each kill lands in a batch after a committed one, and one batch follows the last
+#: replay (each batch more is a few seconds of every driver run).
+PER_TRIGGER = 60
 #: Generous: a JVM start on a loaded 2-core machine takes tens of seconds.
 DEADLINE_S = 400.0
 
@@ -142,16 +144,16 @@ def test_write_stream_killed_mid_batch_restarts_exactly_once(redis_url: str, r: 
     assert published() == PER_TRIGGER
     assert staged_keys(r), "batch 1's tasks had staged their rows"
 
-    # Restarted, killed again once batch 3 is published but before Spark recorded it as done.
-    _run_until_paused(tmp_path, args, "published", 3)
-    assert published() == 4 * PER_TRIGGER
-    # Restarted to the end: batch 3 replayed (nothing stored twice), then the rest.
+    # Restarted, killed again once batch 2 is published but before Spark recorded it as done.
+    _run_until_paused(tmp_path, args, "published", 2)
+    assert published() == 3 * PER_TRIGGER
+    # Restarted to the end: batch 2 replayed (nothing stored twice), then the rest.
     _run_to_end(tmp_path, args)
 
     reports = _job_reports(r)
     assert sorted(reports) == list(range(MESSAGES // PER_TRIGGER))
-    assert (reports[3]["stored"], reports[3]["duplicates"]) == (0, PER_TRIGGER)  # the replay's report
-    assert all(rep["stored"] == PER_TRIGGER for b, rep in reports.items() if b != 3)
+    assert (reports[2]["stored"], reports[2]["duplicates"]) == (0, PER_TRIGGER)  # the replay's report
+    assert all(rep["stored"] == PER_TRIGGER for b, rep in reports.items() if b != 2)
     got: dict[str, list[bytes]] = {}
     for msgs in stored(redis_url, "dst").values():
         for _, key, _, body in msgs:
@@ -177,7 +179,7 @@ def test_read_stream_killed_mid_batch_restarts_exactly_once(redis_url: str, tmp_
     out = tmp_path / "out"
     args = ["read", "--url", redis_url, "--src", "src", "--out", str(out), "--checkpoint", str(tmp_path / "ckpt"),
             "--per-trigger", str(PER_TRIGGER)]
-    _run_until_paused(tmp_path, args, "reading", 2)
+    _run_until_paused(tmp_path, args, "reading", 1)
     _run_to_end(tmp_path, args)
 
     rows = pq.ParquetDataset([str(f) for f in _committed_parquet(out)]).read().to_pylist()

@@ -24,7 +24,13 @@ def test_worker_started_before_redis_answers_starts_consuming_when_it_does(tmp_p
     w = WorkerProcess("early", env=project_env(srv.url, **FAST), logfile=tmp_path / "w.log", cwd=ROOT, loglevel="INFO")
     try:
         w.start()
-        time.sleep(6)  # longer than the worker's wait for its wake-up subscription
+        # Redis starts only once the worker said it cannot reach it (a fixed sleep was too short
+        # for a worker starting on a loaded machine), then a while longer than the worker's wait
+        # for its wake-up subscription.
+        log = tmp_path / "w.log"
+        wait_for(lambda: log.exists() and "cannot reach Redis" in log.read_text(), timeout=120,
+                 what="the worker saying it cannot reach Redis")
+        time.sleep(6)
         assert w.alive()
         srv.start()
         client = redis.Redis.from_url(srv.url)
@@ -33,7 +39,6 @@ def test_worker_started_before_redis_answers_starts_consuming_when_it_does(tmp_p
         p.create_topic("t-order", queues=2)
         p.send_orderly_batch("t-order", [(f"k{i}", body(f"k{i}", 1)) for i in range(20)])
         wait_for(lambda: check_order(ledger(client, "g-order"))[1] == 20, timeout=60, what="20 handled")
-        assert "cannot reach Redis" in (tmp_path / "w.log").read_text()
     finally:
         w.stop()
         srv.stop()

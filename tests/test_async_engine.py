@@ -105,17 +105,18 @@ def test_an_async_key_that_keeps_failing_reaches_the_dlq_while_the_others_finish
     p, eng = env
     sent = send_keys(p, 10, 3)
     done_at: dict[str, float] = {}
+    k3_at: list[float] = []
 
     class Failing(AsyncRecorder):
         async def status(self, key, msgs, ctx):
             if key == "k3":
+                k3_at.append(time.monotonic())
                 ctx.suspend_current_queue_time_millis = 30
                 raise RuntimeError("k3 always fails")  # an exception counts as a suspend
             done_at[key] = time.monotonic()
             return S.SUCCESS
 
     rec = Failing(sleep_s=0.001)
-    t0 = time.monotonic()
     drain(eng, ListenerSpec(rec, "t", "g", ordering="key", max_reconsume_times=2, key_concurrency=4))
     for k, offs in sent.items():
         if k != "k3":
@@ -124,7 +125,9 @@ def test_an_async_key_that_keeps_failing_reaches_the_dlq_while_the_others_finish
     dead = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
     assert [int(m.properties["ORIGIN_QUEUE_OFFSET"]) for m in dead] == sent["k3"]
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 30
-    assert max(done_at.values()) - t0 < 3 * 3 * 0.03  # the others did not wait behind k3's retries
+    # The others did not wait behind k3's retries (9 calls, 30 ms apart at least): all were done
+    # before k3's last call. Compared with k3's own calls, not a wall-clock bound (a loaded machine).
+    assert len(k3_at) == 9 and max(done_at.values()) < k3_at[-1]
 
 
 def test_a_run_that_loses_its_lease_cancels_its_async_calls_after_the_grace_and_commits_none(env, settings) -> None:

@@ -233,6 +233,11 @@ def speedups(res: dict[str, Any], key: str = JUDGED) -> Summary | None:
     return summarize(xs) if xs else None
 
 
+def rate(res: dict[str, Any], key: str = JUDGED) -> Summary | None:
+    rows = _rows(res, key)
+    return summarize(r["rate"] for r in rows) if rows else None
+
+
 def cpu_per_msg(res: dict[str, Any], key: str = JUDGED) -> Summary | None:
     rows = _rows(res, key)
     return summarize(r["cpu_us"] for r in rows) if rows else None
@@ -302,7 +307,37 @@ def report_lines(res: dict[str, Any]) -> list[str]:
             f"At 1,000 msg/s over {res['queues']} queues a batch holds a few sends for as many queues, so it saves "
             "round trips but few script calls, and each send adds a hand-off to the sender's thread: the trickle's per-message "
             "cost is not what batching cuts. It pays where many sends are in flight at once.", ""]
+    out += floor_lines(res)
     return out
+
+
+def floor_lines(res: dict[str, Any]) -> list[str]:
+    """What bounds the closed loop against its targets (5x ``send_orderly``, <= 25 µs of producer
+    CPU per message), from this run's own figures: one process's GIL runs every sender, the batching
+    thread and redis-py, and each message blocks and wakes its sender's thread (the handoff floor)."""
+    batched, handoff_s, sync_rate = cpu_per_msg(res, "async_b32"), cpu_per_msg(res, "floor"), rate(res, "sync")
+    if not (batched and handoff_s and sync_rate):
+        return []
+    busy = summarize(r["rate"] * r["cpu_us"] / 1e6 for r in _rows(res, "async_b32")).median
+    budget, handoff, best = 1e6 / (5 * sync_rate.median), handoff_s.median, batched.median
+    own = best - handoff
+    lines = [f"What bounds it in this run: one process, so one GIL, runs every sender, the batching thread "
+             f"and redis-py. With `batch_size={res['threads']}` that process was busy {busy:.2f} of a core "
+             f"({best:.1f} µs of CPU per message at its rate" + (
+                 "): CPU-bound, not waiting on Redis. " if busy >= 0.85 else
+                 "; below one core: the machine's other work took the rest). ") +
+             f"Of those {best:.1f} µs, the handoff floor (a thread blocked on its `Future` and woken, no Redis, "
+             f"no encoding) is {handoff:.1f} µs and the send path itself (validation, the message id, the "
+             f"header encoding, the queue choice, the script call's share) the other {own:.1f} µs. "
+             f"5x `send_orderly` ({5 * sync_rate.median:,.0f} msg/s) leaves one core {budget:.1f} µs per "
+             f"message, and the ≤ 25 µs target leaves the send path {25 - handoff:.1f} µs beside the handoff"]
+    if handoff + own > budget and own > 25 - handoff:
+        lines[0] += (": both below what this send path, with one thread blocked per message, costs in one "
+                     "process. Sending without waiting per message (the last row) or from several "
+                     "processes is what goes past it.")
+    else:
+        lines[0] += "."
+    return lines + [""]
 
 
 def main() -> None:

@@ -179,6 +179,12 @@ def _of_batching(f: Figures, figure: str) -> Reading:
         return f"{s.median:.2f}{unit} ({s.lo:.2f}–{s.hi:.2f}, {s.n} runs)" if s.n > 1 else f"{s.median:.2f}{unit} (1 run)"
 
     text = f"linger_ms=2: {shown(judged)}" + (f"; with batch_size=32: {shown(other)}" if other else "")
+    floor = batching.cpu_per_msg(f.batching, "floor")
+    base = batching.rate(f.batching, "sync")
+    if figure in ("speedup", "cpu") and floor and base:
+        text += (f"; below the floor: the handoff alone costs {floor.median:.1f} µs of the "
+                 f"{1e6 / (5 * base.median):.1f} µs of CPU per message that 5x leaves one process "
+                 "(see the Batching producer section)")
     return Reading(judged.median, text, judged="linger_ms=2",
                    also=(("batch_size=32", other.median),) if other else ())
 

@@ -306,7 +306,9 @@ def test_a_trim_pass_trims_every_queue_of_every_shard_under_both_policies(
 ) -> None:
     monkeypatch.setenv("MQORDER_RETENTION_TRIM_CHUNK", "4")  # several rounds per queue
     get_settings.cache_clear()
-    producer.create_topic("aged", queues=QUEUES, retention_ms=1000)  # 'time': older than 1 s goes
+    # 'time': older than 3 s goes. 3 s, not 1: the check at the end must come before the young
+    # messages age out too (on a loaded machine the CLI's pass took over a second).
+    producer.create_topic("aged", queues=QUEUES, retention_ms=3000)
     producer.create_topic("done", queues=QUEUES, retention_policy="consumed", retention_ms=60_000, retention_min_ms=0)
     producer.topics.subscribe("g", "done", MessageModel.CLUSTERING)
     aged, done = (producer.describe_topic(t).message_queues for t in ("aged", "done"))
@@ -316,7 +318,7 @@ def test_a_trim_pass_trims_every_queue_of_every_shard_under_both_policies(
         producer.send_orderly_batch(topic, [(key_for(i % QUEUES), f"{i}".encode()) for i in range(10 * QUEUES)])
     for mq in done:  # the group consumed a different amount of each queue
         producer.brokers.meta.hset(keys.sub_state(mq.tag, "g"), "offset", mq.queue_id)
-    time.sleep(1.1)
+    time.sleep(3.1)
     producer.send_orderly_batch("aged", [(key_for(q), b"young") for q in range(QUEUES)])
 
     report = cli_json(url, "retention", "run")

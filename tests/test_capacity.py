@@ -99,6 +99,39 @@ def test_a_publisher_of_a_worker_holding_no_request_waits_for_a_poke_and_publish
         pub.stop()
 
 
+def test_a_request_received_with_a_countdown_keeps_the_stamp_fresh_until_after_its_eta() -> None:
+    """A ConsumeRequest re-queued with a countdown is received now (the poke) but held by Celery's
+    timer, not as a reserved request, and its ETA sends no signal: the publisher keeps the stamp
+    fresh through the countdown, so the child that runs it reads a live publisher (review of
+    d36844a: it read "no publisher" for 0.7 s)."""
+    from datetime import UTC, datetime, timedelta
+    from types import SimpleNamespace
+
+    from mqorder.celery import runtime
+
+    sig = CapacitySignal()
+    pub = CapacityPublisher(lambda: 0, sig, interval=0.005, held=lambda: 0)  # held by the timer only
+    pub.start()
+    runtime._publisher, before = pub, runtime._publisher
+    try:
+        time.sleep(capacity.ACTIVE_WINDOW_S + STALE_AFTER_S + 0.2)
+        assert not sig.may_linger()  # holding nothing: the stamp went stale
+        eta = datetime.now(UTC) + timedelta(seconds=0.5)
+        runtime._poke_publisher(request=SimpleNamespace(eta=eta))  # Celery's task_received
+        deadline = time.monotonic() + 0.05
+        while not sig.may_linger() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        end = time.monotonic() + 0.5 + capacity.ACTIVE_WINDOW_S - STALE_AFTER_S
+        while time.monotonic() < end:  # through the countdown and a while after: always fresh
+            assert sig.may_linger()
+            time.sleep(0.02)
+        time.sleep(capacity.ACTIVE_WINDOW_S + STALE_AFTER_S + 0.2)
+        assert not sig.may_linger()  # then back to the long wait of a worker holding nothing
+    finally:
+        runtime._publisher = before
+        pub.stop()
+
+
 def test_a_request_may_begin_to_linger_only_while_a_slot_would_stay_free() -> None:
     """``spare`` gates beginning to linger (while another child lingers); going on lingering needs
     only that nobody waits."""

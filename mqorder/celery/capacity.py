@@ -189,15 +189,25 @@ class CapacityPublisher:
         self._stop = threading.Event()
         #: Set by ``poke`` (a request was received) or ``stop``: publish now.
         self._wake = threading.Event()
+        #: monotonic time until which the stamp is kept fresh though no request is held (``poke``).
+        self._hold_until = 0.0
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="mqorder-capacity", daemon=True)
         self._thread.start()
 
-    def poke(self) -> None:
+    def poke(self, hold_s: float = 0.0) -> None:
         """Publish now: the worker received a request (Celery's ``task_received``), which may be
-        one a lingering child must give its slot back for."""
+        one a lingering child must give its slot back for.
+
+        ``hold_s``: keep the stamp fresh (the idle interval, not the long wait of a worker holding
+        no request) for that long. A request with a countdown (a suspended or re-queued
+        ConsumeRequest) is received now but held by Celery's timer, not as a reserved request, and
+        its ETA sends no signal: without the hold, the child that runs it would read a stale stamp
+        ("no publisher") and neither linger nor wait in place."""
+        if hold_s > 0:
+            self._hold_until = max(self._hold_until, time.monotonic() + hold_s)
         self._wake.set()
 
     def stop(self) -> None:
@@ -230,7 +240,7 @@ class CapacityPublisher:
                 last, changed_at = (waiting, spare), now
             if waiting or now - changed_at < ACTIVE_WINDOW_S:
                 wait = self.interval
-            elif self.held is not None and self.held() == 0:
+            elif self.held is not None and self.held() == 0 and now >= self._hold_until:
                 wait = max(self.idle_interval, HELD_NONE_INTERVAL_S)  # no reader until a poke
             else:
                 wait = self.idle_interval

@@ -10,8 +10,16 @@ import logging
 import os
 import threading
 from collections.abc import Callable
+from datetime import datetime
 
-from mqorder.celery.capacity import SIGNAL, CapacityPublisher, celery_held, celery_spare, celery_waiting
+from mqorder.celery.capacity import (
+    ACTIVE_WINDOW_S,
+    SIGNAL,
+    CapacityPublisher,
+    celery_held,
+    celery_spare,
+    celery_waiting,
+)
 from mqorder.consumer.engine import ConsumerEngine
 from mqorder.settings import get_settings
 
@@ -68,9 +76,17 @@ def enable_linger(
 _publisher: CapacityPublisher | None = None
 
 
-def _poke_publisher(**_: object) -> None:
-    if _publisher is not None:
-        _publisher.poke()
+def _poke_publisher(request: object = None, **_: object) -> None:
+    """Celery's ``task_received``: publish now, and for a request with an ETA keep publishing until
+    a while after it (Celery applies it from its timer without a signal)."""
+    if _publisher is None:
+        return
+    eta = getattr(request, "eta", None)
+    hold = 0.0
+    if isinstance(eta, datetime):
+        now = datetime.now(eta.tzinfo) if eta.tzinfo is not None else datetime.now()
+        hold = max(0.0, (eta - now).total_seconds()) + ACTIVE_WINDOW_S
+    _publisher.poke(hold)
 
 
 def may_linger() -> bool:

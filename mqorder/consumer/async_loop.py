@@ -246,6 +246,11 @@ class ProcessLoop:
             return False
         if time.monotonic() - self._foreign_at < FOREIGN_QUIET_S:
             return False
+        # Nothing of anyone else's on the loop: the claimant has no calls of its own yet, so a
+        # call in flight or pending is another run's (a queue-mode run never enters as a run),
+        # which would then move only while this run's thread drives the loop.
+        if self.in_flight or self._pending or self._background:
+            return False
         with self._claim_lock:
             if self._owner is not None:
                 return False

@@ -34,7 +34,7 @@ from mqorder import keys
 from mqorder.consumer.ledger import FIELDS
 from mqorder.errors import BrokerUnavailableError, ConfigError, MQOrderError
 from mqorder.names import check_name, check_topic
-from mqorder.spark.options import Connection, check_known, connection, lower_options
+from mqorder.spark.options import Connection, check_known, connection, lower_options, min_partitions
 from mqorder.spark.reader import PausedGC
 from mqorder.store.brokers import BrokerRegistry
 
@@ -102,10 +102,7 @@ def ledger_options(options: Mapping[str, Any]) -> LedgerOptions:
         raise ConfigError(f"option maxRowsPerPartition={raw!r} must be an integer") from None
     if max_rows < 1:
         raise ConfigError(f"option maxRowsPerPartition={max_rows} must be at least 1")
-    raw_min = opts.get("minpartitions") or "1"
-    if not raw_min.isdigit() or int(raw_min) < 1:
-        raise ConfigError(f"option minPartitions={raw_min!r} must be a positive integer")
-    return LedgerOptions(group, topic, max_rows, connection(opts), int(raw_min))
+    return LedgerOptions(group, topic, max_rows, connection(opts), min_partitions(opts) or 1)
 
 
 @dataclass(frozen=True)

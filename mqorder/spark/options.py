@@ -116,6 +116,12 @@ def _int(opts: Mapping[str, str], name: str, default: int, lo: int, hi: int) -> 
     return value
 
 
+def min_partitions(opts: Mapping[str, str]) -> int | None:
+    """The option ``minPartitions`` (read tasks at least, Kafka's name), checked the same for
+    every reader: an integer in [1, 100,000]; None when not given."""
+    return _int(opts, "minpartitions", 0, 1, 100_000) if opts.get("minpartitions") else None
+
+
 def connection(opts: Mapping[str, str]) -> Connection:
     """The options ``redisUrl``, ``brokers`` (JSON) and ``maxMessageSize`` if given, else the
     ``MQORDER_*`` settings.
@@ -243,5 +249,5 @@ def read_options(options: Mapping[str, Any], *, streaming: bool) -> ReadOptions:
         max_rows_per_partition=_int(opts, "maxrowsperpartition", DEFAULT_MAX_ROWS_PER_PARTITION, 1, 2**62),
         max_offsets_per_trigger=per_trigger or None,
         conn=connection(opts),
-        min_partitions=_int(opts, "minpartitions", 0, 1, 100_000) if opts.get("minpartitions") else None,
+        min_partitions=min_partitions(opts),
     )

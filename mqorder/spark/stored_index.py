@@ -25,7 +25,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from mqorder.errors import ConfigError
 from mqorder.names import check_topic
-from mqorder.spark.options import Connection, check_known, connection, lower_options
+from mqorder.spark.options import Connection, check_known, connection, lower_options, min_partitions
 from mqorder.spark.reader import (
     PausedGC,
     QueueRange,
@@ -61,11 +61,8 @@ def index_options(options: Mapping[str, Any]) -> IndexOptions:
     check_known(opts, _KNOWN, "audit index read", FORMAT)
     if not opts.get("topic"):
         raise ConfigError(f"format('{FORMAT}') needs option('topic', <name>)")
-    raw = opts.get("minpartitions") or ""
-    if raw and (not raw.isdigit() or int(raw) < 1):
-        raise ConfigError(f"format('{FORMAT}'): minPartitions must be a positive integer, got {raw!r}")
     return IndexOptions(check_topic(opts["topic"]), opts.get("orderfield") or None, connection(opts),
-                        int(raw) if raw else None)
+                        min_partitions(opts))
 
 
 def _field_text(body: bytes, name: str) -> str | None:

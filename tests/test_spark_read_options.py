@@ -1,0 +1,31 @@
+"""``minPartitions`` is checked the same way by every reader that takes it (the topic reader, the
+ledger read and the audit's stored index): an integer in [1, 100,000], else a ``ConfigError``
+naming the option and what it must be. No Spark session: the options are parsed before planning."""
+
+from __future__ import annotations
+
+import pytest
+
+from mqorder.errors import ConfigError
+from mqorder.spark.ledger import ledger_options
+from mqorder.spark.options import read_options
+from mqorder.spark.stored_index import index_options
+
+URL = {"redisUrl": "redis://127.0.0.1:1/0"}  # never connected to: parsing only
+PARSERS = {
+    "topic": lambda extra: read_options({"topic": "t", **URL, **extra}, streaming=False).min_partitions,
+    "ledger": lambda extra: ledger_options({"ledger": "g", **URL, **extra}).min_partitions,
+    "index": lambda extra: index_options({"topic": "t", **URL, **extra}).min_partitions,
+}
+
+
+@pytest.mark.parametrize("reader", sorted(PARSERS))
+@pytest.mark.parametrize("bad", ["0", "-3", "x", "²", "1.5", "100001", "100000000"])
+def test_a_bad_min_partitions_is_refused_saying_what_it_must_be(reader: str, bad: str) -> None:
+    with pytest.raises(ConfigError, match=r"minPartitions=.*(must be an integer|out of range \[1, 100000\])"):
+        PARSERS[reader]({"minPartitions": bad})
+
+
+@pytest.mark.parametrize("reader", sorted(PARSERS))
+def test_a_good_min_partitions_is_taken(reader: str) -> None:
+    assert PARSERS[reader]({"minPartitions": "7"}) == 7

@@ -146,6 +146,8 @@ class ProcessLoop:
         #: a counter and futures rather than ``asyncio.Semaphore``, whose ``acquire`` is one more
         #: coroutine per call).
         self._free = self.max_in_flight
+        #: The cap ``_free`` was last counted against (written on the loop's thread only).
+        self._applied_cap = self.max_in_flight
         self._slot_waiters: deque[asyncio.Future[None]] = deque()
         self._gevent = native.gevent_patched()
         #: The thread that drives the loop instead of its own (``claim``), None: the loop's thread.
@@ -199,10 +201,14 @@ class ProcessLoop:
         """Change the process cap (applied on the loop: places freed or taken at once)."""
         if max_in_flight < 1:
             raise ConfigError(f"async_max_in_flight must be at least 1, got {max_in_flight}")
-        old, self.max_in_flight = self.max_in_flight, max_in_flight
+        self.max_in_flight = max_in_flight
 
         def apply() -> None:
-            self._free += max_in_flight - old
+            # Against the cap last applied, on the loop's thread: two threads changing the cap at
+            # once (each reading the old one) cannot count the same change twice.
+            cap = self.max_in_flight
+            self._free += cap - self._applied_cap
+            self._applied_cap = cap
             while self._free > 0 and self._slot_waiters:
                 w = self._slot_waiters.popleft()
                 if not w.done():

@@ -213,8 +213,12 @@ class ClientInstance:
                 self.service.locks.unlock_batch(sub, mqs, self.client_id, force=True)
         self.service.registry.register(self.client_id, self.subscriptions, self.details)
         self._registered = True
+        # What this rebalance sees, read before it: a topic or member that appears while it runs
+        # is then a change at the next heartbeat. Read after it, such a topic was in the
+        # fingerprint but not in the rebalance, and waited for the stale fallback (40 s).
+        fingerprint = self._fingerprint_now()
         self._rebalance_now()
-        self._fingerprint = self._fingerprint_now()
+        self._fingerprint = fingerprint
         log.info("mqorder: client %s joined lanes %s", self.client_id, ", ".join(self.lanes) or "-")
 
     # -- duties ----------------------------------------------------------------------------------

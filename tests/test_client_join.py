@@ -1,0 +1,39 @@
+"""A worker joining its group (``ClientInstance._register``) while a topic is created: the topic's
+queues are taken at the next heartbeat, not after the 40 s stale fallback. Found as a flake of
+``test_e2e``'s "topic created while workers run" on a loaded machine: the join read the topology
+version after its rebalance, so a topic created during the rebalance was in the fingerprint but in
+no assignment, and no later heartbeat saw a change."""
+
+from __future__ import annotations
+
+import pytest
+
+import tests.listeners  # noqa: F401 -- registers g-late on t-late (the topic created mid-join)
+from mqorder import Producer
+from mqorder.consumer.client_instance import ClientInstance
+from mqorder.settings import load_settings
+
+
+def test_a_topic_created_during_the_join_s_rebalance_is_taken_at_the_next_heartbeat(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    s = load_settings(redis_url=redis_url)
+    client = ClientInstance("w1@join", s, dispatch=lambda *a: True)
+    p = Producer(settings=s)
+    rebalance = client._rebalance_now
+
+    def rebalance_then_a_topic_appears(wait_s: float = 1.0) -> bool:
+        done = rebalance(wait_s)
+        p.create_topic("t-late", queues=4)  # by another process, right after this rebalance read
+        return done
+
+    monkeypatch.setattr(client, "_rebalance_now", rebalance_then_a_topic_appears)
+    try:
+        client._register()
+        assert client.service.assigned_queues("g-late", client.client_id) == []  # not in that rebalance
+        monkeypatch.setattr(client, "_rebalance_now", rebalance)
+        client._watch_membership()  # the next heartbeat's check
+        assert len(client.service.assigned_queues("g-late", client.client_id)) == 4
+    finally:
+        client.service.registry.unregister(client.client_id)
+        p.close()
+        client.brokers.close()

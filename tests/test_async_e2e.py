@@ -72,7 +72,10 @@ def test_prefork_async_keys_beside_plain_ones_survive_a_kill_9_mid_flight(cluste
     pkeys = [f"plain-{i}" for i in range(40)]
     for seq in range(1, 6):
         p.send_orderly_batch("t-keys", [(k, body(k, seq)) for k in pkeys])
-    wait_for(lambda: _handled(r, "g-akeys", 400), timeout=60, what="a sixth handled", interval=0.02)
+    # Killed mid-flight once it consumes: a sixth handled, some by w1 (on a loaded machine w2 could
+    # handle a sixth from its own queues before w1's children had started).
+    wait_for(lambda: _handled(r, "g-akeys", 400) and any(e["client"] == w1.hostname for e in ledger(r, "g-akeys")),
+             timeout=60, what="a sixth handled, some by w1", interval=0.05)
     w1.kill()  # kill -9, mid-flight
     killed_us = time.time_ns() // 1000
     wait_for(lambda: _handled(r, "g-akeys", 2400), timeout=90, what="all 2400 async handled after the kill")

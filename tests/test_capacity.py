@@ -101,15 +101,24 @@ def test_a_publisher_of_a_worker_holding_no_request_waits_for_a_poke_and_publish
 
 def test_a_request_received_with_a_countdown_keeps_the_stamp_fresh_until_after_its_eta() -> None:
     """A ConsumeRequest re-queued with a countdown is received now (the poke) but held by Celery's
-    timer, not as a reserved request, and its ETA sends no signal: the publisher keeps the stamp
-    fresh through the countdown, so the child that runs it reads a live publisher (review of
-    d36844a: it read "no publisher" for 0.7 s)."""
+    timer, not as a reserved request, and its ETA sends no signal: the publisher keeps publishing at
+    its idle interval through the countdown, so the child that runs it reads a live publisher
+    (review of d36844a: it read "no publisher" for 0.7 s). Counted in publishes, not by sampling the
+    stamp's age, so a loaded machine's scheduling hiccup does not decide it."""
     from datetime import UTC, datetime, timedelta
     from types import SimpleNamespace
 
     from mqorder.celery import runtime
 
     sig = CapacitySignal()
+    published: list[float] = []
+    publish = sig.publish
+
+    def counted(waiting: int, spare: bool) -> None:
+        published.append(time.monotonic())
+        publish(waiting, spare)
+
+    sig.publish = counted  # type: ignore[method-assign]  # the real signal, its publishes counted
     pub = CapacityPublisher(lambda: 0, sig, interval=0.005, held=lambda: 0)  # held by the timer only
     pub.start()
     runtime._publisher, before = pub, runtime._publisher
@@ -117,15 +126,14 @@ def test_a_request_received_with_a_countdown_keeps_the_stamp_fresh_until_after_i
         time.sleep(capacity.ACTIVE_WINDOW_S + STALE_AFTER_S + 0.2)
         assert not sig.may_linger()  # holding nothing: the stamp went stale
         eta = datetime.now(UTC) + timedelta(seconds=0.5)
+        poked = time.monotonic()
         runtime._poke_publisher(request=SimpleNamespace(eta=eta))  # Celery's task_received
-        deadline = time.monotonic() + 0.05
-        while not sig.may_linger() and time.monotonic() < deadline:
-            time.sleep(0.001)
-        end = time.monotonic() + 0.5 + capacity.ACTIVE_WINDOW_S - STALE_AFTER_S
-        while time.monotonic() < end:  # through the countdown and a while after: always fresh
-            assert sig.may_linger()
-            time.sleep(0.02)
-        time.sleep(capacity.ACTIVE_WINDOW_S + STALE_AFTER_S + 0.2)
+        time.sleep(0.5 + capacity.ACTIVE_WINDOW_S)
+        held = [t for t in published if t >= poked]
+        # At the idle interval (40 ms) through 1.5 s: ~37 publishes; the long wait of a worker
+        # holding nothing (1 s) would make 2. Far apart, whatever the machine's load.
+        assert len(held) >= 10, f"{len(held)} publishes during the countdown and after it"
+        time.sleep(capacity.ACTIVE_WINDOW_S + STALE_AFTER_S + 0.3)
         assert not sig.may_linger()  # then back to the long wait of a worker holding nothing
     finally:
         runtime._publisher = before

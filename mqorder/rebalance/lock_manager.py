@@ -19,7 +19,7 @@ Leases are judged by Redis ``TIME`` inside the scripts, never by a worker's cloc
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,23 +116,31 @@ class RebalanceLockManager:
         if self.replica_wait is not None:
             return [self.try_lock_batch(sub, mqs, client_id) for sub, mqs in lanes]
         out: list[dict[MessageQueue, int]] = [{} for _ in lanes]
-        flat = [(li, mq) for li, (_, mqs) in enumerate(lanes) for mq in mqs]
-        for broker_name, group in group_by_broker(flat, lambda item: item[1]).items():
-            broker = self.brokers.get(broker_name)
-            by_lane: dict[int, list[MessageQueue]] = {}
-            for li, mq in group:
-                by_lane.setdefault(li, []).append(mq)
-            batches = [(li, b) for li, mqs in by_lane.items() for b in broker.slot_batches(mqs, _tag)]
-            calls = [([keys.sub_state(mq.tag, lanes[li][0]) for mq in b], [client_id, self.lock_max_live_time_ms])
+        flat = [(li, mq, "") for li, (_, mqs) in enumerate(lanes) for mq in mqs]
+        for broker, batches in self._lane_batches(flat):
+            calls = [([keys.sub_state(mq.tag, lanes[li][0]) for _, mq, _ in b], [client_id, self.lock_max_live_time_ms])
                      for li, b in batches]
             for (li, b), epochs in zip(batches, broker.scripts.run_pipelined("lock_batch", calls), strict=True):
                 sub = lanes[li][0]
-                for mq, epoch in zip(b, epochs, strict=True):
+                for (_, mq, _), epoch in zip(b, epochs, strict=True):
                     epoch = int(epoch)
                     if epoch:
                         self._replicated[(sub, mq)] = epoch  # as try_lock_batch with nothing to wait for
                         out[li][mq] = epoch
         return out
+
+    def _lane_batches(
+        self, flat: Sequence[tuple[int, MessageQueue, str]]
+    ) -> Iterator[tuple[Broker, list[tuple[int, list[tuple[int, MessageQueue, str]]]]]]:
+        """``(lane index, queue, token)`` items grouped per broker, then per lane into the broker's
+        slot batches (one script call each): what ``try_lock_lanes`` and ``sweep_lanes`` pipeline."""
+        for broker_name, group in group_by_broker(flat, lambda item: item[1]).items():
+            broker = self.brokers.get(broker_name)
+            by_lane: dict[int, list[tuple[int, MessageQueue, str]]] = {}
+            for item in group:
+                by_lane.setdefault(item[0], []).append(item)
+            yield broker, [(li, b) for li, items in by_lane.items()
+                           for b in broker.slot_batches(items, lambda item: item[1].tag)]
 
     @staticmethod
     def _lock_and_wait(broker: Broker, calls: list[tuple[list[str], list[Any]]], wanted: list[int],
@@ -261,14 +269,7 @@ class RebalanceLockManager:
         bulk of its idle cost (issue 27)."""
         out: list[list[Redispatch]] = [[] for _ in lanes]
         flat = [(li, mq, tok) for li, (_, cands) in enumerate(lanes) for mq, tok in cands]
-        for broker_name, group in group_by_broker(flat, lambda item: item[1]).items():
-            broker = self.brokers.get(broker_name)
-            batches: list[tuple[int, list[tuple[int, MessageQueue, str]]]] = []
-            by_lane: dict[int, list[tuple[int, MessageQueue, str]]] = {}
-            for item in group:
-                by_lane.setdefault(item[0], []).append(item)
-            for li, items in by_lane.items():
-                batches += [(li, b) for b in broker.slot_batches(items, lambda item: item[1].tag)]
+        for broker, batches in self._lane_batches(flat):
             calls = []
             for li, items in batches:
                 sub = lanes[li][0]

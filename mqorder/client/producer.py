@@ -275,8 +275,11 @@ class Producer:
             )
         wait = self._wait(wait_replicas)
         _, queues = self._route(topic)
-        header, msg_id, body = self._prepare(body, keys, tags, properties, key_hash(sharding_key))
-        mq = self._select(queues, sharding_key, body, selector)
+        hash_ = key_hash(sharding_key)
+        header, msg_id, body = self._prepare(body, keys, tags, properties, hash_)
+        # The default selector is crc32(key) mod n: the hash just stored, not computed twice.
+        mq = (queues[hash_ % len(queues)] if selector is None and hash_ is not None
+              else self._select(queues, sharding_key, body, selector))
         key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body)
         if key is not None:
             return self._send_keyed(mq, header, body, msg_id, key, wait)
@@ -535,12 +538,13 @@ class Producer:
         return queues[next(self._rr) % n]
 
     def _route(self, topic: str, for_send: bool = True) -> tuple[TopicRoute, list[MessageQueue]]:
-        check_topic(topic, allow_dlq=True, allow_retry=True)
         now = time.monotonic()
-        cached = self._routes.get(topic)
+        # Only checked names are cached: a hit needs no check (a trickle of sends asks every time).
+        cached = self._routes.get(topic) if isinstance(topic, str) else None
         if cached and now - cached[0] < ROUTE_TTL:
             route, queues = cached[1], cached[2]
         else:
+            check_topic(topic, allow_dlq=True, allow_retry=True)
             try:
                 route = self.topics.describe_topic(topic)
             except TRANSIENT as exc:

@@ -26,7 +26,7 @@ from mqorder.model import MessageQueue
 from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
 from mqorder.store.capacity import CapacityGuard
 from mqorder.store.durable import ReplicaGate, SendWait, behind_error
-from mqorder.store.failures import translated
+from mqorder.store.failures import translated, translation
 from mqorder.store.raw_pipe import ThreadLeases
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -103,8 +103,29 @@ class QueueAppender:
         self, mq: MessageQueue, entries: Sequence[Entry], *, ids: Sequence[str] | None = None,
         dedup_window_ms: int | None = None, wait: SendWait | None = None,
     ) -> AppendReply:
-        """Append to one queue in one script call (``len(entries) <= MAX_PER_CALL``)."""
-        return self.append_many([AppendRequest(mq, entries, ids, dedup_window_ms)], wait=wait)[0]
+        """Append to one queue in one script call (``len(entries) <= MAX_PER_CALL``).
+
+        Without a durable ``wait`` this is ``append_many`` of one request, lean: a trickle of
+        ``send_orderly`` calls comes through here one message at a time, and ``append_many``'s
+        grouping by broker and per-request bookkeeping cost more client CPU than the round trip's
+        own packing and parsing."""
+        req = AppendRequest(mq, entries, ids, dedup_window_ms)
+        if wait is not None and wait.replicas > 0:
+            return self.append_many([req], wait=wait)[0]
+        _check_request(req)
+        broker = self.brokers.get(mq.broker_name)
+        try:
+            kl, args = self.send_call(req, broker)  # reads the topic's subscriptions: inside, as append_many
+            if self.guard is not None:
+                self.guard.before_send(broker, self.action)
+            reply = broker.scripts.call("send", kl, args, self.leases.get(broker.client))
+        except Exception as exc:
+            # translated(), without a context manager's cost per send
+            err = translation(exc, mq.broker_name, broker.safe_url, self.timeout, self.action)
+            if err is None:
+                raise
+            raise err from exc
+        return parse_reply(reply, len(entries))
 
     def append_many(self, requests: Sequence[AppendRequest], *, wait: SendWait | None = None) -> list[AppendReply]:
         """One script call per request, pipelined per broker: one round trip per broker.
@@ -123,10 +144,7 @@ class QueueAppender:
         behind: list[str] = []
         replies: list[AppendReply | None] = [None] * len(requests)
         for req in requests:
-            if len(req.entries) > MAX_PER_CALL:
-                raise ValueError(f"at most {MAX_PER_CALL} messages per append call, got {len(req.entries)}")
-            if req.ids is not None and len(req.ids) != len(req.entries):
-                raise ValueError(f"{len(req.ids)} ids for {len(req.entries)} messages")
+            _check_request(req)
         by_broker = group_by_broker(range(len(requests)), lambda i: requests[i].mq)
         if wait is not None:
             for broker_name in by_broker:
@@ -196,13 +214,16 @@ class QueueAppender:
                 args.append(WakeUp(s, mq_key, t).encode())
         return state_keys, args
 
-    def wake_prefix(self, mq: MessageQueue) -> str:
+    def wake_prefix(self, mq: MessageQueue, broker: Broker | None = None) -> str:
         """The wake channel prefix for ``mq``'s append scripts: a shard channel of the queue's slot
-        on a Redis Cluster, the per-client channel elsewhere (``mqorder.keys.wake_prefix``)."""
-        return keys.wake_prefix(mq.tag if self.brokers.get(mq.broker_name).is_cluster else None)
+        on a Redis Cluster, the per-client channel elsewhere (``mqorder.keys.wake_prefix``).
+        ``broker``: ``mq``'s, when the caller has it already."""
+        if broker is None:
+            broker = self.brokers.get(mq.broker_name)
+        return keys.wake_prefix(mq.tag if broker.is_cluster else None)
 
-    def send_call(self, req: AppendRequest) -> tuple[list[str], list[Any]]:
-        """Keys and arguments of ``send.lua`` for one request."""
+    def send_call(self, req: AppendRequest, broker: Broker | None = None) -> tuple[list[str], list[Any]]:
+        """Keys and arguments of ``send.lua`` for one request (``broker``: its queue's, if known)."""
         mq = req.mq
         tag = mq.tag
         state_keys, wake_args = self.wake_tail(mq)
@@ -223,9 +244,16 @@ class QueueAppender:
                 args.append(h)
                 args.append(b)
         args.append(self.pending_ttl_ms)
-        args.append(self.wake_prefix(mq))
+        args.append(self.wake_prefix(mq, broker))
         args.extend(wake_args)
         return kl, args
+
+
+def _check_request(req: AppendRequest) -> None:
+    if len(req.entries) > MAX_PER_CALL:
+        raise ValueError(f"at most {MAX_PER_CALL} messages per append call, got {len(req.entries)}")
+    if req.ids is not None and len(req.ids) != len(req.entries):
+        raise ValueError(f"{len(req.ids)} ids for {len(req.entries)} messages")
 
 
 def _shard_fence(wait: SendWait, tags: list[str]) -> Callable[[int], list[tuple[Any, ...]]]:

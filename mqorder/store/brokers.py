@@ -252,11 +252,14 @@ class Broker:
         self.scripts = Scripts(self.client)
         #: Cluster node name -> (when read, connected replicas): ``replicas_of``.
         self._replicas: dict[str, tuple[float, int]] = {}
+        # Known once: an isinstance check against redis-py's RedisCluster goes through its ABC's
+        # __instancecheck__, a few µs on every send that asks.
+        self._is_cluster = isinstance(self.client, ClusterClient)
 
     @property
     def is_cluster(self) -> bool:
         """Whether this broker is a Redis Cluster (``redis+cluster://``)."""
-        return isinstance(self.client, ClusterClient)
+        return self._is_cluster
 
     def slot_batches(self, items: Sequence[T], tag_of: Callable[[T], str]) -> list[list[T]]:
         """``items`` in batches whose keys share one hash slot: one batch on a plain Redis, where a

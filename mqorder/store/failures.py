@@ -56,22 +56,34 @@ def refused(broker_name: str, safe_url: str, exc: redis.ResponseError, action: s
     )
 
 
+def translation(exc: BaseException, broker_name: str, safe_url: str, timeout: float,
+                action: str = "send") -> Exception | None:
+    """What ``translated`` raises instead of ``exc`` (None: ``exc`` itself is raised).
+
+    For a hot path that cannot afford a generator-based context manager per call (a trickle of
+    single sends: entering and leaving ``translated`` cost ~14 µs of client CPU per send here):
+    ``try: ... except Exception as exc: raise (translation(exc, ...) or exc) from ...``."""
+    if isinstance(exc, TRANSIENT):
+        return unavailable(broker_name, safe_url, exc, timeout, action)
+    if isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)):
+        # Only a plain client sees these (a cluster client follows them): its URL names one node.
+        return ConfigError(
+            f"{action} failed: Redis broker {broker_name!r} at {safe_url} answered {type(exc).__name__[:-5].upper()} "
+            f"({exc}): it is a node of a Redis Cluster, and a plain redis:// URL reaches only the slots it "
+            "serves. Give mqorder the cluster's URL: redis+cluster://host:port[,host:port...]/"
+        )
+    if isinstance(exc, redis.ResponseError):
+        return refused(broker_name, safe_url, exc, action)
+    return None
+
+
 @contextmanager
 def translated(broker_name: str, safe_url: str, timeout: float, action: str = "send") -> Iterator[None]:
     """Run a write; re-raise its Redis failure as ``BrokerUnavailableError``/``BrokerRefusedError``."""
     try:
         yield
-    except TRANSIENT as exc:
-        raise unavailable(broker_name, safe_url, exc, timeout, action) from exc
-    except (redis.exceptions.MovedError, redis.exceptions.AskError) as exc:
-        # Only a plain client sees these (a cluster client follows them): its URL names one node.
-        raise ConfigError(
-            f"{action} failed: Redis broker {broker_name!r} at {safe_url} answered {type(exc).__name__[:-5].upper()} "
-            f"({exc}): it is a node of a Redis Cluster, and a plain redis:// URL reaches only the slots it "
-            "serves. Give mqorder the cluster's URL: redis+cluster://host:port[,host:port...]/"
-        ) from exc
-    except redis.ResponseError as exc:
-        err = refused(broker_name, safe_url, exc, action)
+    except Exception as exc:
+        err = translation(exc, broker_name, safe_url, timeout, action)
         if err is None:
             raise
         raise err from exc

@@ -110,3 +110,73 @@ def test_thread_leases_keep_a_connection_per_thread_and_give_it_back(redis_url: 
     leases.close()
     assert len(pool._in_use_connections) == 0
     client.close()
+
+
+def test_lean_reads_give_what_redis_py_reads_and_keep_the_connection_healthy(redis_url: str) -> None:
+    """Replies are read straight from hiredis's reader on a plain connection (``_read_lean``):
+    the same values as redis-py's own reads for every reply shape, error replies in place, and the
+    connection's health-check clock moved as redis-py moves it (no extra PING on the next send)."""
+    from mqorder.store import raw_pipe
+
+    r = redis.Redis.from_url(redis_url, health_check_interval=30)  # as Broker makes its client
+    r.xadd("s", {"f": "v"}, id="1-1")
+    r.hset("h", mapping={"a": "1"})
+    commands = [("XRANGE", "s", "-", "+"), ("HMGET", "h", "a", "zz"), ("INCR", "h"), ("TIME",), ("GET", "nope")]
+    lease = ConnectionLease(r)
+    got = lease.round_trip(commands)
+    conn = lease._conn
+    assert raw_pipe._lean_reads(conn)
+    assert got[0] == [[b"1-1", [b"f", b"v"]]] and got[1] == [b"1", None] and got[4] is None
+    assert isinstance(got[2], redis.ResponseError) and "WRONGTYPE" in str(got[2])
+    assert isinstance(got[3], list) and len(got[3]) == 2
+    # redis-py's own reads of the same commands, on a connection of the same kind
+    other = r.connection_pool.get_connection()
+    try:
+        other.send_packed_command(other.pack_commands([commands[0], commands[1], commands[4]]))
+        assert [other.read_response() for _ in range(3)] == [got[0], got[1], got[4]]
+    finally:
+        r.connection_pool.release(other)
+    conn.next_health_check = 0.0
+    lease.round_trip([("PING",)])
+    assert conn.next_health_check > 0.0
+    lease.release()
+    r.close()
+
+
+def test_a_connection_class_with_its_own_reads_is_read_through_them(redis_url: str) -> None:
+    """A connection class that overrides ``read_response`` (redis-py's Sentinel-managed one does,
+    turning a demoted primary's READONLY into a reconnect) is never read around: every reply of a
+    lean round trip goes through its override."""
+    from mqorder.store import raw_pipe
+
+    calls = []
+
+    class Counting(redis.Connection):
+        def read_response(self, *a, **kw):  # type: ignore[no-untyped-def]
+            calls.append(1)
+            return super().read_response(*a, **kw)
+
+    client = redis.Redis(connection_pool=redis.ConnectionPool.from_url(redis_url, connection_class=Counting))
+    lease = ConnectionLease(client)
+    lease.round_trip([("PING",)])  # connected (the handshake's replies are read through it too)
+    calls.clear()
+    assert lease.round_trip([("SET", "k", "1"), ("GET", "k"), ("INCR", "k")]) == [b"OK", b"1", 2]
+    assert len(calls) == 3 and not raw_pipe._lean_reads(lease._conn)
+    lease.release()
+    client.close()
+
+
+def test_scripts_call_on_a_lease_loads_a_flushed_script_and_runs_it_once(appender: QueueAppender, r: redis.Redis) -> None:
+    """``Scripts.call`` on a lease (a send's and the consume path's single script call): after
+    ``SCRIPT FLUSH`` the NOSCRIPT reply ran nothing, the script is loaded and the call sent once
+    more, so the message is stored once."""
+    scripts = appender.brokers.get("broker-a").scripts
+    lease = ConnectionLease(r)
+    r.script_flush()
+    send_keys, send_args = appender.send_call(AppendRequest(MQ0, [(encode_header("m0"), b"0")]))
+    reply = scripts.call("send", send_keys, send_args, lease)
+    assert int(reply[0]) == 0
+    with pytest.raises(redis.ResponseError):  # any other error reply is raised
+        scripts.call("send", send_keys, ["not-a-count"], lease)
+    assert [m.body for m in MessageLog(appender.brokers).read(MQ0, 0, 10)] == [b"0"]
+    lease.release()

@@ -256,9 +256,64 @@ def _interleaved(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+#: The read A/B's topic (``ab``): ``--messages`` bodies of ``BODY`` bytes over 16 queues.
+READ_TOPIC, READ_QUEUES, BODY, READ_KEYS = "spark_ab_read", 16, 100, 2000
+
+
+def build_read(url: str, messages: int) -> None:
+    """The read A/B's topic: ``messages`` of ``BODY`` bytes over ``READ_KEYS`` keys (bench.spark's shape)."""
+    from mqorder import Producer
+
+    p = Producer(url)
+    try:
+        p.create_topic(READ_TOPIC, queues=READ_QUEUES)
+        for c in range(0, messages, 10_000):
+            p.send_orderly_batch(READ_TOPIC, [
+                (f"key-{i % READ_KEYS}", (b'{"k":%d,"s":%d}' % (i % READ_KEYS, i)).ljust(BODY, b" "))
+                for i in range(c, min(messages, c + 10_000))])
+    finally:
+        p.close()
+
+
+def _median(xs: list[float]) -> float:
+    s = sorted(xs)
+    return (s[len(s) // 2] + s[(len(s) - 1) // 2]) / 2
+
+
+def run_ab(what: str, size: int, rounds: int, master: str) -> dict[str, Any]:
+    """The whole A/B on a fresh ``redis-server``: the data built (``build_read``, or
+    ``bench.spark_audit.build`` for the audit), then ``interleaved``; load averages before and after."""
+    from mqorder.testing.embedded import RedisServer
+
+    def log(msg: str) -> None:
+        sys.stderr.write(f"[bench spark_ab {time.strftime('%H:%M:%S')}] {msg}\n")
+
+    with RedisServer() as srv:
+        if what == "read":
+            build_read(srv.url, size)
+            topic, group = READ_TOPIC, ""
+        else:
+            from bench import spark_audit
+
+            spark_audit.build(srv.url, size)
+            topic, group = spark_audit.TOPIC, spark_audit.GROUP
+        load0 = os.getloadavg()[0]
+        log(f"{what}: {size:,} built, load {load0:.1f}; {rounds} rounds")
+        res = interleaved(what, srv.url, topic, master, rounds, group=group, expect=size, queues=READ_QUEUES, log=log)
+    res["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
+    res.update(size=size, master=master, median_ratio=_median(res["ratios"]),
+               median_baseline_s=_median(res["baseline_seconds"]), median_current_s=_median(res["current_seconds"]))
+    return res
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.spark_ab", description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("ab", help="the whole A/B: redis-server started, data built, both codes interleaved")
+    a.add_argument("--what", choices=("read", "audit"), default="read")
+    a.add_argument("--size", type=int, default=0, help="messages (read: 300,000) or ledger records (audit: 200,000)")
+    a.add_argument("--rounds", type=int, default=6)
+    a.add_argument("--master", default="local[2]")
     for name, what in (("child", "one measurement (run by ab_pairs)"),
                        ("interleaved", "baseline and current alternating in one application (run by interleaved)")):
         c = sub.add_parser(name, help=what)
@@ -271,7 +326,10 @@ def main(argv: list[str] | None = None) -> int:
         c.add_argument("--expect", type=int, default=0)
         c.add_argument("--queues", type=int, default=1, help="queues of the topic (the read warm-up reads each)")
     args = ap.parse_args(argv)
-    res = _child(args) if args.cmd == "child" else _interleaved(args)
+    if args.cmd == "ab":
+        res = run_ab(args.what, args.size or (300_000 if args.what == "read" else 200_000), args.rounds, args.master)
+    else:
+        res = _child(args) if args.cmd == "child" else _interleaved(args)
     sys.stdout.write(json.dumps(res) + "\n")
     return 0
 

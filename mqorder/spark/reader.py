@@ -28,6 +28,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any
 
 import orjson
@@ -39,6 +40,7 @@ from pyspark.sql.datasource import DataSourceReader, InputPartition
 from mqorder import keys
 from mqorder.errors import ConfigError
 from mqorder.model import MessageQueue
+from mqorder.spark import headers
 from mqorder.spark.options import Connection, ReadOptions
 from mqorder.spark.queues import QueueRef
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
@@ -349,21 +351,26 @@ _LAYOUT = ({b"h"}, {b"b"}, {b"s"})
 
 def columns(entries: list) -> tuple[pa.Array, Sequence[bytes], Sequence[bytes], pa.Array] | None:
     """(offsets, raw headers, bodies, store times) of a page in the layout ``append_entries``
-    writes (fields h, b, s in that order, store times in digits), transposed with ``zip`` and cut
-    and cast by Arrow: no Python code per entry. None for any other page (then ``_fields``)."""
-    ids, fields = zip(*entries, strict=True)
+    writes (fields h, b, s in that order, store times in digits), flattened with ``chain`` and cut
+    by strided slices, the numbers parsed as whole columns (``headers``): no Python code per entry.
+    None for any other page (then ``_fields``)."""
+    if set(map(len, entries)) != {2}:
+        return None
+    flat = list(chain.from_iterable(entries))  # [id, fields, id, fields, ...]: strided slices below
+    ids, fields = flat[0::2], flat[1::2]
+    del flat
     if set(map(len, fields)) != {6}:
         return None
-    h, heads, b, bodies, s, stores = zip(*fields, strict=True)
-    if (set(h), set(b), set(s)) != _LAYOUT:
+    values = list(chain.from_iterable(fields))
+    if (set(values[0::6]), set(values[2::6]), set(values[4::6])) != _LAYOUT:
+        return None
+    heads, bodies, stores = values[1::6], values[3::6], values[5::6]
+    del values, fields
+    store_ms, offsets = headers.digit_integers(stores), headers.entry_offsets(ids)
+    if store_ms is None or offsets is None:
         return None
     try:
-        raw_s = pa.array(stores, pa.string())
-        if not pc.all(pc.utf8_is_digit(raw_s)).as_py():
-            return None
-        offsets = pc.split_pattern(pa.array(ids, pa.string()), "-", max_splits=1)
-        return (pc.cast(pc.list_element(offsets, 0), pa.int64()), heads, bodies,
-                pc.cast(raw_s, pa.int64()).cast(_TS_MS).cast(_TS))
+        return offsets, heads, bodies, store_ms.cast(_TS_MS).cast(_TS)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         return None
 
@@ -375,8 +382,23 @@ _HEADER_PARSE = pa_json.ParseOptions(explicit_schema=_HEADER_SCHEMA, unexpected_
 _HEADER_READ = pa_json.ReadOptions(use_threads=False, block_size=64 * 1024 * 1024)
 
 
+def _no_properties(n: int) -> pa.MapArray:
+    return pa.MapArray.from_arrays(pa.repeat(pa.scalar(0, pa.int32()), n + 1), pa.array([], pa.string()),
+                                   pa.array([], pa.string()))
+
+
 def _headers_arrow(heads: Sequence[bytes]) -> list[pa.Array] | None:
-    """msg id, first key, tags, properties and born time columns, or None to take the careful path."""
+    """msg id, first key, tags, properties and born time columns, or None to take the careful path.
+    Headers of the common shape are cut with numpy (``headers.parse``), others read by Arrow's
+    JSON reader."""
+    common = headers.parse(heads)
+    if common is not None:
+        ids, first_keys, born = common
+        n = len(heads)
+        try:
+            return [ids, first_keys, pa.nulls(n, pa.string()), _no_properties(n), born.cast(_TS_MS).cast(_TS)]
+        except pa.ArrowInvalid:  # a born time out of Spark's range: the JSON path says so
+            pass
     joined = b"\n".join(heads)
     if b'"p"' in joined or joined.count(b"\n") != len(heads) - 1:
         return None
@@ -392,9 +414,7 @@ def _headers_arrow(heads: Sequence[bytes]) -> list[pa.Array] | None:
     first_key = pc.list_slice(k, 0, 1, return_fixed_size_list=True).flatten()
     if len(first_key) != n:
         return None
-    no_props = pa.MapArray.from_arrays(pa.repeat(pa.scalar(0, pa.int32()), n + 1), pa.array([], pa.string()),
-                                       pa.array([], pa.string()))
-    return [t.column("i").combine_chunks(), first_key, t.column("t").combine_chunks(), no_props,
+    return [t.column("i").combine_chunks(), first_key, t.column("t").combine_chunks(), _no_properties(n),
             t.column("b").combine_chunks().cast(_TS_MS).cast(_TS)]
 
 

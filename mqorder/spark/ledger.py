@@ -34,6 +34,7 @@ from mqorder import keys
 from mqorder.consumer.ledger import FIELDS
 from mqorder.errors import BrokerUnavailableError, ConfigError, MQOrderError
 from mqorder.names import check_name, check_topic
+from mqorder.spark import ledger_parse
 from mqorder.spark.options import Connection, check_known, connection, lower_options, min_partitions
 from mqorder.spark.reader import PausedGC
 from mqorder.store.brokers import BrokerRegistry
@@ -236,8 +237,11 @@ def _json_options(columns: Sequence[str], topic: str | None) -> pj.ParseOptions:
 
 
 def _page_fast(ids: Sequence[bytes], raws: Sequence[bytes], parse: pj.ParseOptions, entry: bool) -> pa.Table:
-    """A page parsed in C++ by ``pyarrow.json`` against the schema: the engine's records always fit."""
-    table = pj.read_json(io.BytesIO(b"\n".join(raws)), parse_options=parse, read_options=_JSON_READ)
+    """A page parsed against the schema: records of the engine's exact shape as whole columns
+    (``ledger_parse``), any other page in C++ by ``pyarrow.json``."""
+    table = ledger_parse.parse(raws, parse.explicit_schema)
+    if table is None:
+        table = pj.read_json(io.BytesIO(b"\n".join(raws)), parse_options=parse, read_options=_JSON_READ)
     if table.num_rows != len(raws):
         raise pa.ArrowInvalid(f"{table.num_rows} rows parsed from {len(raws)} records")
     return table.append_column("entry", pa.array(ids, pa.string())) if entry else table

@@ -294,6 +294,29 @@ def test_exporter_shows_lag_before_consumption_and_none_after_drain(
     assert sorted(s["queue"] for s in owners()) == ["0", "1", "2", "3"]  # one live owner per queue
 
 
+def test_the_exporter_stops_on_sigterm_with_an_idle_connection_open(cluster: Cluster) -> None:
+    """A connection that never sends its request (a TCP health probe, a half-open scraper) must
+    not keep the exporter from stopping, nor other scrapes from being served: SIGTERM ends it
+    within seconds, exit status 0."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "mqorder.cli", "exporter", "--port", str(port), "--addr", "127.0.0.1"],
+        env=cluster.env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )
+    try:
+        wait_for(lambda: _answers(port), timeout=30, what="the exporter's endpoint")
+        idle = socket.create_connection(("127.0.0.1", port))
+        assert _answers(port)  # another scraper is still served beside it
+        proc.send_signal(signal.SIGTERM)
+        out = proc.communicate(timeout=10)[0].decode()
+        idle.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, out
+
+
 def test_exporter_once_reports_an_unreachable_redis_as_down() -> None:
     env = {**os.environ, "MQORDER_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     out = subprocess.run([sys.executable, "-m", "mqorder.cli", "exporter", "--once"], env=env, cwd=ROOT,

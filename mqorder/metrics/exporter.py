@@ -296,19 +296,35 @@ def exporter(
         out = collector.scrape()
         sys.stdout.write(out)
         raise typer.Exit(0 if f"\n{names.UP.name} 1.0\n" in f"\n{out}" else 1)
+    # Installed before the port opens: a SIGTERM as soon as the endpoint answers is a clean stop.
+    # It raises in the main thread, wherever that is. It used to set a threading.Event the main
+    # thread waited on, which can deadlock: a handler runs between two bytecodes of the main
+    # thread, possibly inside Event.wait() while that thread holds the Event's own non-reentrant
+    # lock, which set() then takes. Once in a test run the exporter did not exit within 15 s of
+    # SIGTERM; this is the one way we found for it to hang there.
+    signal.signal(signal.SIGTERM, _stop_on_term)
+    server = None
     try:
-        server = serve(addr, port, collector.scrape)
-    except OSError as exc:
-        typer.echo(f"error: cannot listen on {addr}:{port} ({exc}); choose another --port", err=True)
-        raise typer.Exit(2) from None
-    where = redact_url(settings.redis_url)
-    typer.echo(f"mqorder exporter: metrics of {where} on http://{addr}:{port}/metrics", err=True)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    try:
-        while not stop.wait(1.0):
-            pass
-    except KeyboardInterrupt:
+        try:
+            server = serve(addr, port, collector.scrape)
+        except OSError as exc:
+            typer.echo(f"error: cannot listen on {addr}:{port} ({exc}); choose another --port", err=True)
+            raise typer.Exit(2) from None
+        where = redact_url(settings.redis_url)
+        typer.echo(f"mqorder exporter: metrics of {where} on http://{addr}:{port}/metrics", err=True)
+        while True:
+            time.sleep(3600)
+    except (_Stopped, KeyboardInterrupt):
         pass
-    server.shutdown()
-    server.server_close()
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already
+    if server is not None:
+        server.shutdown()
+        server.server_close()
+
+
+class _Stopped(Exception):
+    """SIGTERM: the exporter stops cleanly (exit status 0)."""
+
+
+def _stop_on_term(_signum: int, _frame: object) -> None:
+    raise _Stopped

@@ -69,6 +69,10 @@ def render(families: Sequence[Family]) -> str:
     return "".join(f.text() for f in families)
 
 
+#: Seconds a metrics connection may sit idle before its request is read (then it is closed).
+REQUEST_TIMEOUT_S = 30.0
+
+
 def serve(addr: str, port: int, scrape: Callable[[], str]) -> ThreadingHTTPServer:
     """Serve ``scrape()`` on ``GET /metrics`` (and ``/``) from a daemon thread; ``OSError`` if the
     port is taken. Stop it with ``shutdown()`` and ``server_close()``."""
@@ -98,7 +102,11 @@ def serve(addr: str, port: int, scrape: Callable[[], str]) -> ThreadingHTTPServe
         def log_message(self, format: str, *args: object) -> None:
             log.debug("exporter: " + format, *args)
 
+    # A connection that never sends its request (a TCP health probe) must not hold a thread for
+    # ever, nor may server_close() wait for one (request threads are daemons: not joined).
+    Handler.timeout = REQUEST_TIMEOUT_S
     server = ThreadingHTTPServer((addr, port), Handler)
     server.daemon_threads = True
+    server.block_on_close = False
     threading.Thread(target=server.serve_forever, name="mqorder-exporter-http", daemon=True).start()
     return server

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from bench.common import (
@@ -112,10 +113,14 @@ def _wait_count(r: Any, key: str, n: int, timeout: float) -> float:
     raise TimeoutError(f"{key} did not reach {n} within {timeout:.0f}s")
 
 
-def measure(cfg: Config, spec: KeysSpec, messages: int, timeout: float = 600.0) -> list[dict[str, Any]]:
+def measure(cfg: Config, spec: KeysSpec, messages: int, timeout: float = 600.0, *, root: str = "",
+            failing: bool = True, env_extra: dict[str, str] | None = None) -> list[dict[str, Any]]:
     """Two measured runs on one worker set, after an unmeasured warm-up (lane 0; the lane pools
     and connections of a fresh worker are made on first use): lane 1 without, lane 2 with the
-    failing key."""
+    failing key (skipped unless ``failing``).
+
+    ``root``: the source tree the workers run (default: this one; a ``git archive`` of another
+    commit for a same-run A/B, ``bench.async_ab``); ``env_extra``: more settings for them."""
     out: list[dict[str, Any]] = []
     messages *= spec.scale
     bad = fail_count(messages, spec.keys)
@@ -123,6 +128,9 @@ def measure(cfg: Config, spec: KeysSpec, messages: int, timeout: float = 600.0) 
         srv, r = redis_and_client(st)
         topic, group = f"keys-{spec.tag}", f"g-keys-{spec.tag}"
         extra = {"BENCH_ASYNC": "1"} if spec.async_listener else {}
+        extra.update(env_extra or {})
+        if root:
+            extra["PYTHONPATH"] = root
         if spec.key_concurrency:
             extra["BENCH_KEY_CONCURRENCY"] = str(spec.key_concurrency)
         env = mq_env(srv.url, topic=topic, group=group, mode="sleep", lanes=3,
@@ -134,12 +142,14 @@ def measure(cfg: Config, spec: KeysSpec, messages: int, timeout: float = 600.0) 
             f"{', async def listener' if spec.async_listener else ''}, key_concurrency={spec.key_concurrency or 16}, "
             f"{spec.sleep_ms} ms, {spec.keys:,} keys")
         ws = start_mq_workers(st, srv.url, names, env, spec.concurrency, cfg.logdir / f"keys-{spec.tag}",
-                              pool=spec.pool)
+                              pool=spec.pool, cwd=Path(root) if root else None)
         app = ctl_app(srv.url)
         st.callback(app.close)
         redis_pid = server_pid(srv)
         for lane, (t, g) in enumerate(lane_names(topic, group, 3)):
             fails = lane == 2
+            if fails and not failing:
+                break
             n = WARMUP if lane == 0 else messages
             produce_backlog(srv.url, t, QUEUES, n, spec.keys, hold=True)
             mqs = queues_of(t, QUEUES)

@@ -53,3 +53,35 @@ def test_ready_count_matches_a_count_from_scratch_through_random_operations(seed
             lanes.unblock(now)
         assert lanes.ready_count() == counted(lanes)
         assert not lanes.busy & set(lanes.blocked)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_a_whole_read_recorded_at_once_leaves_the_tracker_as_offset_by_offset(seed: int) -> None:
+    """``OffsetTracker.pulled_all`` (a read's bookkeeping in one step) against ``pulled`` one offset
+    at a time, through random reads, finishes and retention gaps; it declines (recording nothing)
+    when a previous owner's finished offsets are still to skip or the read overlaps."""
+    from mqorder.consumer.offset_map import OffsetTracker
+
+    rng = random.Random(seed)
+    inherited = {o for o in range(5, 60) if rng.random() < 0.2} if seed % 2 else set()
+    a, b = OffsetTracker(5, set(inherited)), OffsetTracker(5, set(inherited))
+    nxt = 5
+    for _ in range(200):
+        if rng.random() < 0.5:
+            nxt += rng.choice([0, 0, 0, 3])  # a retention gap now and then
+            start = nxt - (rng.randrange(3) if rng.random() < 0.1 else 0)  # an overlapping read
+            read = list(range(start, start + rng.randrange(1, 9)))
+            nxt = max(nxt, read[-1] + 1)
+            before = (list(a.unfinished), a.pulled_to, a.base)
+            if not a.pulled_all(read):
+                assert (list(a.unfinished), a.pulled_to, a.base) == before
+                for o in read:
+                    a.pulled(o)
+            for o in read:
+                b.pulled(o)
+        elif a.unfinished:
+            o = rng.choice(a.unfinished)
+            a.finish(o)
+            b.finish(o)
+        assert (a.unfinished, a.pulled_to, a.base, a.inherited) == (b.unfinished, b.pulled_to, b.base, b.inherited)
+        assert a.encoded() == b.encoded()

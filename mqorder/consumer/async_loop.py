@@ -66,7 +66,7 @@ class AsyncCall:
     never started cannot report anything, so a call cancelled before it started calls
     ``on_skipped`` instead (the run still gets exactly one result per call)."""
 
-    __slots__ = ("_loop", "name", "make", "on_skipped", "task", "started", "cancel_asked")
+    __slots__ = ("_loop", "name", "make", "on_skipped", "task", "started", "cancel_asked", "finished")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, name: str, make: Callable[[], Coroutine[Any, Any, None]],
                  on_skipped: Callable[[], None]) -> None:
@@ -77,13 +77,16 @@ class AsyncCall:
         self.task: asyncio.Task[None] | None = None
         self.started = False
         self.cancel_asked = False
+        #: Its listener call returned: its task may run another call now (``ProcessLoop.hand_on``),
+        #: which a late ``cancel`` of this one must not touch.
+        self.finished = False
 
     def cancel(self) -> None:
         self._loop.call_soon_threadsafe(self._cancel)
 
     def _cancel(self) -> None:
         self.cancel_asked = True
-        if self.task is not None and self.started:
+        if self.task is not None and self.started and not self.finished:
             self.task.cancel()
 
 
@@ -169,6 +172,10 @@ class ProcessLoop:
         self._start_scheduled = False
         #: Calls submitted and not ended (written on the loop's thread only).
         self.in_flight = 0
+        #: While a call's task is ending (``hand_on``): the next call of the run driving the loop,
+        #: submitted in that step, which the ending task runs instead of a new task.
+        self._taking = False
+        self._handed: AsyncCall | None = None
         self._lags: list[tuple[float, float]] = []  # (monotonic when answered, lateness s)
         self._ping_sent = 0.0
         self._ping_answered = True
@@ -331,10 +338,26 @@ class ProcessLoop:
     def submit_inline(self, name: str, make: Callable[[], Coroutine[Any, Any, None]],
                       on_skipped: Callable[[], None]) -> AsyncCall:
         """``submit`` from the thread that claimed the loop: the call's task is made at once
-        (it starts at the next ``drive``), no wake-up of another thread."""
+        (it starts at the next ``drive``), no wake-up of another thread; or, submitted by a call
+        as it ends (``hand_on``), the first such call goes on in that call's task and place."""
         call = AsyncCall(self.loop, name, make, on_skipped)
-        self._start(call)
+        if self._taking and self._handed is None:
+            self._handed = call
+        else:
+            self._start(call)
         return call
+
+    def hand_on(self, fn: Callable[[Any], bool], arg: Any) -> bool:
+        """Run ``fn(arg)`` in the step of a call's task that ends the call (the call reports its
+        result: ``LaneCalls.deliver``); the first call ``fn`` submits inline then runs in that same
+        task, with its place under the process cap, once the ending one returns (``_run_call``).
+        A task, its coroutine and a scheduling of it per call were a tenth of an async key-mode
+        call's CPU; a run keeping its keys busy mostly submits from here."""
+        self._taking = True
+        try:
+            return fn(arg)
+        finally:
+            self._taking = False
 
     def _start_pending(self) -> None:
         # Cleared before draining: a call appended after the last pop finds it clear and
@@ -370,8 +393,27 @@ class ProcessLoop:
                         self._free_slot()  # handed a slot as it was cancelled: pass it on
                     call.on_skipped()  # cancelled while waiting for a slot: the listener never ran
                     raise
+            nxt: AsyncCall | None = None
             try:
-                await call.make()
+                while True:
+                    try:
+                        await call.make()
+                    finally:
+                        call.finished = True
+                        nxt, self._handed = self._handed, None
+                    if nxt is None:
+                        break
+                    # Handed on as the call ended (``hand_on``): the next call, in this task and
+                    # this place under the cap; the same steps as a new task's start.
+                    nxt.task, nxt.started = call.task, True
+                    call = nxt
+                    if call.cancel_asked:  # pragma: no cover - cancelled within the step that made it
+                        call.on_skipped()
+                        break
+            except BaseException:
+                if nxt is not None:  # pragma: no cover - the ending call raised past its own handling
+                    self._start(nxt)  # what was handed on still runs (and reports), in a task of its own
+                raise
             finally:
                 self._free_slot()
         finally:

@@ -65,7 +65,8 @@ class KeyLanes:
 
     def put(self, msg: MessageExt) -> None:
         """Add a pulled message (pulls come in offset order, so it goes to its lane's tail)."""
-        key = lane_key(msg)
+        h = msg.key_hash  # (``lane_key``, inline: once per pulled message)
+        key = NO_KEY if h is None else h
         lane = self.lanes.get(key)
         if lane is None:
             lane = self.lanes[key] = deque()

@@ -60,6 +60,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from mqorder.codec import decode_entries
@@ -69,6 +70,7 @@ from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.key_lanes import KeyLanes, Lanes
 from mqorder.consumer.lane_workers import LaneResult
 from mqorder.consumer.ledger import LedgerOutcome
+from mqorder.consumer.listener_call import ORDERLY, checked_status, listener_raised
 from mqorder.consumer.nudge import idle_entry
 from mqorder.consumer.offset_map import OffsetTracker, decode_done
 from mqorder.consumer.run_types import (
@@ -85,7 +87,7 @@ from mqorder.consumer.run_types import (
     PullKind,
     Stop,
 )
-from mqorder.model import MessageExt
+from mqorder.model import ConsumeOrderlyStatus, MessageExt
 from mqorder.store.replies import text
 
 log = logging.getLogger(__name__)
@@ -137,6 +139,10 @@ class KeyConsumeRequest(ConsumeRequest):
         self.calls: LaneCalls | None = None
         #: The listener's name for the loop's blocked-loop warning (``spec.name`` formats it).
         self._name = self.spec.name
+        #: ``_settle_fast``, or None for a run whose settling is not key mode's (a subclass's own
+        #: ``_settle_one``: the concurrent run sends retries), which keeps the dispatcher's path.
+        self._fast: Callable[[LaneResult], bool] | None = (
+            self._settle_fast if type(self)._settle_one is KeyConsumeRequest._settle_one else None)
 
     # -- check: begin.lua's reply carries the offset map ----------------------------------------
 
@@ -180,13 +186,21 @@ class KeyConsumeRequest(ConsumeRequest):
             # started below the queue's first stored offset. The tracker moves past the gap.
             self._trimmed(t.pulled_to, msgs[0].queue_offset)
             self.dirty = True
-        for m in msgs:
-            if not t.pulled(m.queue_offset):
-                self.dirty = True  # finished by a previous owner: skipped, never handed out
-            elif m.decode_error is not None:
-                self.poison.append(m)
-            else:
-                lanes.put(m)
+        put = lanes.put
+        if t.pulled_all([m.queue_offset for m in msgs]):  # the usual read: all of it new
+            for m in msgs:
+                if m.decode_error is None:
+                    put(m)
+                else:
+                    self.poison.append(m)
+        else:
+            for m in msgs:
+                if not t.pulled(m.queue_offset):
+                    self.dirty = True  # finished by a previous owner: skipped, never handed out
+                elif m.decode_error is not None:
+                    self.poison.append(m)
+                else:
+                    put(m)
         self.pulled_to = t.pulled_to
 
     def _decode(self, entries: list[Any]) -> list[MessageExt]:
@@ -250,7 +264,7 @@ class KeyConsumeRequest(ConsumeRequest):
                     stop = LoopEnd(Stop.FENCED)
                     continue
             if self.in_flight:
-                stop = self._wait_one(self._wait_time(now, COMMIT_INTERVAL_S))
+                stop = self._wait_one(self._wait_time(now, COMMIT_INTERVAL_S), fast=self._fast)
                 continue
             # Nothing runs: drained, or only suspended keys are left. A run driving the loop
             # gives it back before it blocks here (a lingering read, a suspended key's wait).
@@ -334,7 +348,26 @@ class KeyConsumeRequest(ConsumeRequest):
         handled = Handled(SUSPEND)
         cancelled = False
         try:
-            handled = await self._consume_async(msgs, ctx)
+            if self.hooks:
+                handled = await self._consume_async(msgs, ctx)
+            else:
+                # ``_consume_async`` without hooks, in this coroutine: one coroutine per call
+                # where the layers (this, ``_consume_async``, ``call_listener_async``) made three,
+                # each started and resumed per call (the same status rule and timing).
+                spec, mq = self.spec, self.mq
+                wall0 = time.time() if self.ledger is not None else 0.0
+                t0 = time.perf_counter()
+                status: Any
+                try:
+                    status = await spec.func(msgs, ctx)
+                except Exception as exc:  # noqa: BLE001 - logged with its traceback by listener_raised
+                    status = listener_raised(ORDERLY, spec, mq, msgs, ctx, exc)
+                rt = (time.perf_counter() - t0) * 1000
+                if type(status) is not ConsumeOrderlyStatus:
+                    status = checked_status(ORDERLY, spec, mq, status)
+                self._art_sum += rt
+                self._art_n += 1
+                handled = Handled(status) if wall0 == 0.0 else Handled(status, wall0 * 1000, wall0 * 1000 + rt)
         except asyncio.CancelledError:
             cancelled = True
             raise
@@ -344,14 +377,44 @@ class KeyConsumeRequest(ConsumeRequest):
         finally:
             self._calls().deliver(LaneResult(key, msgs, handled, ctx, cancelled))
 
+    def _settle_fast(self, res: LaneResult) -> bool:
+        """A call that ended while this run drives the loop itself (``LaneCalls.next_result``): a
+        success is settled here, at once, in this thread, as the dispatcher would settle it
+        (``_settle_one``), and the freed place goes to the next ready lane (``_submit``); the
+        dispatcher is woken only when it has work of its own: ``pull_n`` finished messages to
+        commit (its commit pulls the next batch), or a free place and no ready lane (a pull).
+        Its timed checks (deadline, lease, commit interval, suspended lanes) still run at least
+        every ``COMMIT_INTERVAL_S``: the loop is driven with that timeout. Anything else (a
+        suspend, a cancelled call, a lost or revoked queue) goes to the dispatcher as before.
+        False: not settled here."""
+        status = res.handled.status
+        if res.cancelled or self.fenced or self.pq.dropped or (status is not SUCCESS and status is not COMMIT):
+            return False
+        calls = self._calls()
+        calls.ended(res.key)
+        self._settle_one(res, None, False)  # a success: finishes, never stops the run
+        lanes = self.lanes
+        starved = False
+        while self.in_flight < self.key_concurrency:
+            got = lanes.take(self.batch_max)
+            if got is None:
+                starved = True
+                break
+            self._submit(*got)
+        if starved or self.unsaved >= self.pull_n:
+            calls.wake()
+        return True
+
     def _note_rt(self, rt: float) -> None:
         with self._rt_lock:  # lane workers report concurrently
             self._rt_sum += rt
             self._rt_n += 1
 
-    def _wait_one(self, timeout: float | None, stop: LoopEnd | None = None, discard: bool = False) -> LoopEnd | None:
-        """Wait up to ``timeout`` for a call to end, then settle every call that ended."""
-        res = self._calls().next_result(self.results, timeout)
+    def _wait_one(self, timeout: float | None, stop: LoopEnd | None = None, discard: bool = False,
+                  fast: Callable[[LaneResult], bool] | None = None) -> LoopEnd | None:
+        """Wait up to ``timeout`` for a call to end, then settle every call that ended (``fast``:
+        ``_settle_fast``, while the run drives the loop)."""
+        res = self._calls().next_result(self.results, timeout, fast)
         if res is None:
             return stop
         stop = self._settle_item(res, stop, discard)

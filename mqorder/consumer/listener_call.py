@@ -104,17 +104,26 @@ async def call_listener_async(
     status: Any
     try:
         status = await spec.func(msgs, ctx)
-    except Exception as exc:
-        note_failure(ctx, exc)
-        log.exception("listener %s raised on %s offsets %d..%d; %s",
-                      spec.name, mq.key, msgs[0].queue_offset, msgs[-1].queue_offset, rule.on_raise)
-        status = rule.fallback
+    except Exception as exc:  # noqa: BLE001 - logged with its traceback by listener_raised
+        status = listener_raised(rule, spec, mq, msgs, ctx, exc)
     rt = (time.perf_counter() - t0) * 1000
     status = checked_status(rule, spec, mq, status)
     if hook_ctx is not None:
         _hook_result(rule, hook_ctx, status, rt)
         await run_after_async(hooks, hook_ctx)
     return status, rt, wall0
+
+
+def listener_raised(rule: StatusRule, spec: ListenerSpec, mq: MessageQueue, msgs: list[MessageExt], ctx: Any,
+                    exc: Exception) -> Any:
+    """What a listener call that raised ``exc`` counts as (``rule.fallback``), the failure kept and
+    logged with its traceback. Call it inside the ``except`` block (``log.exception``): a key-mode
+    lane calls an async listener without hooks in its own coroutine
+    (``KeyConsumeRequest._lane_call_async``), not through ``call_listener_async``."""
+    note_failure(ctx, exc)
+    log.exception("listener %s raised on %s offsets %d..%d; %s",
+                  spec.name, mq.key, msgs[0].queue_offset, msgs[-1].queue_offset, rule.on_raise)
+    return rule.fallback
 
 
 def _awaited_on_loop(rule: StatusRule, spec: ListenerSpec, mq: MessageQueue, msgs: list[MessageExt],

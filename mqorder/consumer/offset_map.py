@@ -147,6 +147,18 @@ class OffsetTracker:
         self._advance()
         return True
 
+    def pulled_all(self, offsets: list[int]) -> bool:
+        """``pulled`` for a whole read at once (ascending offsets), when none of it was read
+        before or finished by a previous owner: every offset is to hand out. False, recording
+        nothing, otherwise (then ``pulled`` each). Per read, not per message: the read's
+        bookkeeping is one list extension."""
+        if not offsets or self.inherited or offsets[0] < self.pulled_to:
+            return False
+        self.unfinished.extend(offsets)
+        self.pulled_to = offsets[-1] + 1
+        self._advance()
+        return True
+
     def skip_to(self, offset: int) -> None:
         """Everything below ``offset`` not pulled yet is gone from the log (trimmed by retention):
         pulling goes on from there, and the base moves once the window before it finished."""

@@ -11,6 +11,10 @@ Thousands of calls in flight then cost a coroutine each, not a thread each.
   prefork child starts its own; ``ProcessLoop.get`` is per pid). Under ``-P gevent`` it is still
   a native thread with the platform selector (``native``); the dispatchers stay greenlets of the
   hub's thread and results reach them through the hub's thread-safe callback.
+* **A task per call, mostly reused.** Each call is a task (``_run_call``); a call submitted by a
+  run driving the loop as another call of that run ends (``hand_on``) runs in the ending call's
+  task and place under the cap instead, so a busy key-ordered run makes a task per slot, not per
+  message.
 * **Bounds.** Each run keeps at most ``key_concurrency`` calls in flight (queue mode: one);
   the process caps all of them together at ``max_in_flight`` (the ``async_max_in_flight``
   setting, ``MQORDER_ASYNC_MAX_IN_FLIGHT``, default 10,000): a call past the cap waits for a slot on the loop before its listener starts.

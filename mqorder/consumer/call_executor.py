@@ -11,7 +11,11 @@ loop (``ProcessLoop.claim``) and drives it in its own thread while it waits for 
 (``next_result``): a call's task is made at once and its result is read without a wake-up of
 another thread. The run gives the loop back when it has no call in flight and would block on
 something else (a lingering read, a suspended key's wait), when another run starts using the loop,
-and when it ends; otherwise the loop's own thread runs it, as before.
+and when it ends; otherwise the loop's own thread runs it, as before. While it drives the loop, a
+key-ordered run settles each success in the step of the loop that ends the call and hands the
+freed place to the next ready lane in that same task (``next_result``'s ``fast``,
+``ProcessLoop.hand_on``): the dispatcher comes back once per commit (``pull_n`` finished
+messages), for a starved place, or after its timeout, not once per result.
 
 What only the loop can do is cancel: a run that lost its queue cancels its async calls still in
 flight after the listener's grace (``cancel_after_grace``); their results come back marked

@@ -11,9 +11,9 @@ set, so the consumer can send it to the DLQ with a reason instead of blocking it
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -43,20 +43,18 @@ class MsgIdGenerator:
     """
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
         self._reset()
 
     def _reset(self) -> None:
         self._pid = os.getpid()
         self._prefix = f"{self._pid & 0xFFFF:04X}{os.urandom(6).hex().upper()}"
-        self._counter = 0
+        #: ``next()`` of an ``itertools.count`` is atomic (one C call under the GIL): no lock.
+        self._counter = itertools.count(1)
 
     def next(self) -> str:
         if os.getpid() != self._pid:  # forked: never share a prefix with the parent
             self._reset()
-        with self._lock:
-            self._counter += 1
-            return f"{self._prefix}{int(time.time() * 1000) & 0xFFFFFFFFFF:010X}{self._counter:08X}"
+        return f"{self._prefix}{int(time.time() * 1000) & 0xFFFFFFFFFF:010X}{next(self._counter):08X}"
 
 
 def _check_keys(keys: object) -> list[str]:
@@ -115,14 +113,16 @@ def encode_header(
     if tags is not None and not isinstance(tags, str):
         raise MessageError(f"tags must be a str or None, got {type(tags).__name__}")
     header: dict[str, Any] = {"i": msg_id, "b": born_ms if born_ms is not None else int(time.time() * 1000)}
-    k = _check_keys(keys)
-    if k:
-        header["k"] = k
+    if keys is not None:
+        k = _check_keys(keys)
+        if k:
+            header["k"] = k
     if tags:
         header["t"] = tags
-    p = _check_props(properties)
-    if p:
-        header["p"] = p
+    if properties is not None:
+        p = _check_props(properties)
+        if p:
+            header["p"] = p
     if key_hash is not None:
         header["h"] = key_hash
     try:

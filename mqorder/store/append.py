@@ -98,6 +98,8 @@ class QueueAppender:
         #: Each sending thread's connection per broker, kept across sends (``ThreadLeases``).
         self.leases = ThreadLeases()
         self._subs: dict[str, tuple[float, list[str]]] = {}
+        #: Each queue's hash tag, formatted once (a send asks for it every time).
+        self._tags: dict[MessageQueue, str] = {}
 
     def append(
         self, mq: MessageQueue, entries: Sequence[Entry], *, ids: Sequence[str] | None = None,
@@ -199,19 +201,23 @@ class QueueAppender:
         self._subs[topic] = (now, subs)
         return subs
 
-    def wake_tail(self, mq: MessageQueue) -> tuple[list[str], list[Any]]:
+    def wake_tail(self, mq: MessageQueue, tag: str | None = None) -> tuple[list[str], list[Any]]:
         """The wake-up part of any script that appends to ``mq`` (``wake_owners`` in Lua): the
-        state key of every subscription of the topic, and per key a fresh (token, payload) pair."""
+        state key of every subscription of the topic, and per key a fresh (token, payload) pair.
+        ``tag``: ``mq.tag``, when the caller has it already."""
         subs = self.subscriptions(mq.topic)
-        state_keys = [keys.sub_state(mq.tag, s) for s in subs]
+        if not subs:
+            return [], []
+        if tag is None:
+            tag = mq.tag
+        state_keys = [keys.sub_state(tag, s) for s in subs]
         args: list[Any] = []
-        if subs:
-            token = new_token()
-            mq_key = mq.key
-            for i, s in enumerate(subs):
-                t = f"{token}.{i}"
-                args.append(t)
-                args.append(WakeUp(s, mq_key, t).encode())
+        token = new_token()
+        mq_key = mq.key
+        for i, s in enumerate(subs):
+            t = f"{token}.{i}"
+            args.append(t)
+            args.append(WakeUp(s, mq_key, t).encode())
         return state_keys, args
 
     def wake_prefix(self, mq: MessageQueue, broker: Broker | None = None) -> str:
@@ -225,8 +231,10 @@ class QueueAppender:
     def send_call(self, req: AppendRequest, broker: Broker | None = None) -> tuple[list[str], list[Any]]:
         """Keys and arguments of ``send.lua`` for one request (``broker``: its queue's, if known)."""
         mq = req.mq
-        tag = mq.tag
-        state_keys, wake_args = self.wake_tail(mq)
+        tag = self._tags.get(mq)
+        if tag is None:
+            tag = self._tags[mq] = mq.tag  # a property formatting it anew: once per queue here
+        state_keys, wake_args = self.wake_tail(mq, tag)
         args: list[Any] = [len(req.entries), "0" if req.ids is None else "1"]
         if req.ids is not None and req.dedup_window_ms is not None:
             kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_dedup(tag), keys.queue_dedup_expiry(tag),
@@ -244,7 +252,9 @@ class QueueAppender:
                 args.append(h)
                 args.append(b)
         args.append(self.pending_ttl_ms)
-        args.append(self.wake_prefix(mq, broker))
+        if broker is None:
+            broker = self.brokers.get(mq.broker_name)
+        args.append(keys.wake_prefix(tag if broker.is_cluster else None))
         args.extend(wake_args)
         return kl, args
 
@@ -264,9 +274,9 @@ def _shard_fence(wait: SendWait, tags: list[str]) -> Callable[[int], list[tuple[
 
 def parse_reply(reply: list[Any], n: int) -> AppendReply:
     first, store_ms, stored, dups = int(reply[0]), int(reply[1]), int(reply[2]), reply[3]
-    woken = [text(w) for w in reply[4:]]
+    woken = [text(w) for w in reply[4:]] if len(reply) > 4 else []
     if not dups:
-        return AppendReply(first, stored, store_ms, list(range(first, first + n)), woken)
+        return AppendReply(first, stored, store_ms, [first] if n == 1 else list(range(first, first + n)), woken)
     dup_at = {int(dups[i]): int(dups[i + 1]) for i in range(0, len(dups), 2)}
     offsets, nxt = [], first
     for i in range(n):

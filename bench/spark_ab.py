@@ -15,6 +15,10 @@ What a child measures (``--what``):
 * ``read``: ``spark.read.format("mqorder").option("topic", T).load().count()``;
 * ``audit``: ``mqorder.spark.audit(spark, T, G)`` (the ledger and, if the audit needs them, the
   stored messages), its report's verdict checked.
+
+The whole interleaved A/B in one command (a ``redis-server`` started, the data built, JSON of the
+rounds on stdout): ``python -m bench.spark_ab ab --what read --rounds 6`` (300,000 messages) or
+``--what audit --rounds 5`` (a 200,000-record ledger, ``bench.spark_audit.build``).
 """
 
 from __future__ import annotations

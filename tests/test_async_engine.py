@@ -90,6 +90,107 @@ def test_async_key_mode_keeps_per_key_order_and_runs_keys_side_by_side_on_the_lo
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 300
 
 
+def test_each_async_call_runs_in_a_task_and_context_of_its_own(env) -> None:
+    """A ``ContextVar`` a listener sets (a request id, structlog's bound values) is never seen by
+    another message's call, of its key or another, and each call is a task of its own (what a
+    scoped session keyed by ``asyncio.current_task()`` relies on). A run driving the loop once
+    ran the next call in the task of the call that just ended, leaking both."""
+    import contextvars
+
+    p, eng = env
+    send_keys(p, 40, 5)
+    request_id: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+    leaks: list[str] = []
+    tasks: list[asyncio.Task] = []
+
+    async def listener(msgs, ctx):
+        if request_id.get():
+            leaks.append(request_id.get())
+        request_id.set(msgs[0].body.decode())
+        tasks.append(asyncio.current_task())
+        if msgs[0].queue_offset % 3:
+            await asyncio.sleep(0)
+        return S.SUCCESS
+
+    drain(eng, ListenerSpec(listener, "t", "g", ordering="key", key_concurrency=8))
+    assert len(tasks) == 200 and leaks == []
+    assert len({id(t) for t in tasks}) == 200  # kept alive in the list: distinct objects
+
+
+def test_a_listener_that_never_suspends_still_commits_every_pull(env, monkeypatch) -> None:
+    """An ``async def`` listener that returns without awaiting anything (a cache hit, CPU work)
+    ends its call within the step that started it. The run still commits once ``pull_n`` finished
+    messages are unsaved: what a crash may redeliver stays within ``uncommitted_bound`` (settling
+    and starting calls where they end once kept the dispatcher away for the whole buffer)."""
+    from mqorder.consumer.key_request import KeyConsumeRequest, uncommitted_bound
+
+    p, eng = env
+    sent = send_keys(p, 10, 100)  # few, deep keys: the run pulls its whole buffer while they wait
+    unsaved_at_commit: list[int] = []
+    persist = KeyConsumeRequest._persist
+
+    def spy(self, *a, **kw):
+        unsaved_at_commit.append(self.unsaved)
+        return persist(self, *a, **kw)
+
+    monkeypatch.setattr(KeyConsumeRequest, "_persist", spy)
+    seen: dict[str, list[int]] = defaultdict(list)
+
+    async def listener(msgs, ctx):
+        key, i = msgs[0].body.decode().split(":")
+        if i == "0":
+            # Each key's first call waits a little: the dispatcher meanwhile pulls the backlog
+            # into the run's buffer, and every later call then ends without suspending.
+            await asyncio.sleep(0.02)
+        seen[key].extend(m.queue_offset for m in msgs)
+        return S.SUCCESS
+
+    drain(eng, ListenerSpec(listener, "t", "g", ordering="key", key_concurrency=16))
+    assert dict(seen) == dict(sent)
+    pull_n = eng.settings.pull_batch_size
+    assert unsaved_at_commit and max(unsaved_at_commit) <= uncommitted_bound(pull_n, 16)
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 1000
+
+
+def test_a_failure_settling_a_result_where_its_call_ends_ends_the_run_with_it(env, monkeypatch) -> None:
+    """A bug while a result is settled in the step that ends its call (the run drives the loop)
+    surfaces as the run's error, as when the dispatcher settles it, not as an unseen task error
+    with the run waiting for ever on a call it thinks is in flight."""
+    from mqorder.consumer.key_request import KeyConsumeRequest
+
+    p, eng = env
+    send_keys(p, 20, 5)
+    finished = KeyConsumeRequest._finished
+    count = [0]
+
+    def failing(self, *a, **kw):  # where settling a success records it (ledger, offset tracker)
+        count[0] += 1
+        if count[0] == 30:
+            raise RuntimeError("bug in settling")
+        return finished(self, *a, **kw)
+
+    monkeypatch.setattr(KeyConsumeRequest, "_finished", failing)
+
+    async def listener(msgs, ctx):
+        await asyncio.sleep(0.001)
+        return S.SUCCESS
+
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            eng.run(ListenerSpec(listener, "t", "g", ordering="key", key_concurrency=8), "g", MQ, "tok0")
+        except BaseException as exc:  # noqa: BLE001 - what the run raised is the test's subject
+            raised.append(exc)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "the run hung after a failure settling a result"
+    assert len(raised) == 1 and isinstance(raised[0], RuntimeError) and "bug in settling" in str(raised[0])
+
+
 def test_async_queue_mode_awaits_one_call_at_a_time_in_offset_order(env) -> None:
     p, eng = env
     sent = send_keys(p, 4, 10)

@@ -11,10 +11,11 @@ Thousands of calls in flight then cost a coroutine each, not a thread each.
   prefork child starts its own; ``ProcessLoop.get`` is per pid). Under ``-P gevent`` it is still
   a native thread with the platform selector (``native``); the dispatchers stay greenlets of the
   hub's thread and results reach them through the hub's thread-safe callback.
-* **A task per call, mostly reused.** Each call is a task (``_run_call``); a call submitted by a
-  run driving the loop as another call of that run ends (``hand_on``) runs in the ending call's
-  task and place under the cap instead, so a busy key-ordered run makes a task per slot, not per
-  message.
+* **A task per call.** Each call is a task of its own (``_run_call``), with its own copy of the
+  submitting thread's context: a ``ContextVar`` a listener sets (a request id, structlog's bound
+  values) never leaks into another message's call. (Running the next call of a run in the task
+  of the call that just ended saved about a tenth of an async key-mode call's CPU, but leaked
+  exactly that, across keys; it was taken out.)
 * **Bounds.** Each run keeps at most ``key_concurrency`` calls in flight (queue mode: one);
   the process caps all of them together at ``max_in_flight`` (the ``async_max_in_flight``
   setting, ``MQORDER_ASYNC_MAX_IN_FLIGHT``, default 10,000): a call past the cap waits for a slot on the loop before its listener starts.
@@ -29,6 +30,7 @@ Thousands of calls in flight then cost a coroutine each, not a thread each.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import os
 import queue
@@ -70,10 +72,10 @@ class AsyncCall:
     never started cannot report anything, so a call cancelled before it started calls
     ``on_skipped`` instead (the run still gets exactly one result per call)."""
 
-    __slots__ = ("_loop", "name", "make", "on_skipped", "task", "started", "cancel_asked", "finished")
+    __slots__ = ("_loop", "name", "make", "on_skipped", "task", "started", "cancel_asked", "context")
 
     def __init__(self, loop: asyncio.AbstractEventLoop, name: str, make: Callable[[], Coroutine[Any, Any, None]],
-                 on_skipped: Callable[[], None]) -> None:
+                 on_skipped: Callable[[], None], context: contextvars.Context | None = None) -> None:
         self._loop = loop
         self.name = name
         self.make = make
@@ -81,16 +83,15 @@ class AsyncCall:
         self.task: asyncio.Task[None] | None = None
         self.started = False
         self.cancel_asked = False
-        #: Its listener call returned: its task may run another call now (``ProcessLoop.hand_on``),
-        #: which a late ``cancel`` of this one must not touch.
-        self.finished = False
+        #: The context the call's task runs in (None: a copy of the submitter's current one).
+        self.context = context
 
     def cancel(self) -> None:
         self._loop.call_soon_threadsafe(self._cancel)
 
     def _cancel(self) -> None:
         self.cancel_asked = True
-        if self.task is not None and self.started and not self.finished:
+        if self.task is not None and self.started:
             self.task.cancel()
 
 
@@ -176,10 +177,6 @@ class ProcessLoop:
         self._start_scheduled = False
         #: Calls submitted and not ended (written on the loop's thread only).
         self.in_flight = 0
-        #: While a call's task is ending (``hand_on``): the next call of the run driving the loop,
-        #: submitted in that step, which the ending task runs instead of a new task.
-        self._taking = False
-        self._handed: AsyncCall | None = None
         self._lags: list[tuple[float, float]] = []  # (monotonic when answered, lateness s)
         self._ping_sent = 0.0
         self._ping_answered = True
@@ -325,10 +322,11 @@ class ProcessLoop:
     # -- calls -----------------------------------------------------------------------------------
 
     def submit(self, name: str, make: Callable[[], Coroutine[Any, Any, None]],
-               on_skipped: Callable[[], None]) -> AsyncCall:
+               on_skipped: Callable[[], None], context: contextvars.Context | None = None) -> AsyncCall:
         """Run ``make()`` (a listener call that reports its own result) on the loop, within the
-        process cap. ``name``: the listener's, for the blocked-loop warning."""
-        call = AsyncCall(self.loop, name, make, on_skipped)
+        process cap. ``name``: the listener's, for the blocked-loop warning. ``context``: the
+        context its task runs in (one context per call: ``LaneCalls`` gives a fresh copy)."""
+        call = AsyncCall(self.loop, name, make, on_skipped, context)
         if self._owner is not None:
             self._note_foreign()
         self._pending.append(call)
@@ -340,28 +338,12 @@ class ProcessLoop:
         return call
 
     def submit_inline(self, name: str, make: Callable[[], Coroutine[Any, Any, None]],
-                      on_skipped: Callable[[], None]) -> AsyncCall:
+                      on_skipped: Callable[[], None], context: contextvars.Context | None = None) -> AsyncCall:
         """``submit`` from the thread that claimed the loop: the call's task is made at once
-        (it starts at the next ``drive``), no wake-up of another thread; or, submitted by a call
-        as it ends (``hand_on``), the first such call goes on in that call's task and place."""
-        call = AsyncCall(self.loop, name, make, on_skipped)
-        if self._taking and self._handed is None:
-            self._handed = call
-        else:
-            self._start(call)
+        (it starts at the next ``drive``), no wake-up of another thread."""
+        call = AsyncCall(self.loop, name, make, on_skipped, context)
+        self._start(call)
         return call
-
-    def hand_on(self, fn: Callable[[Any], bool], arg: Any) -> bool:
-        """Run ``fn(arg)`` in the step of a call's task that ends the call (the call reports its
-        result: ``LaneCalls.deliver``); the first call ``fn`` submits inline then runs in that same
-        task, with its place under the process cap, once the ending one returns (``_run_call``).
-        A task, its coroutine and a scheduling of it per call were a tenth of an async key-mode
-        call's CPU; a run keeping its keys busy mostly submits from here."""
-        self._taking = True
-        try:
-            return fn(arg)
-        finally:
-            self._taking = False
 
     def _start_pending(self) -> None:
         # Cleared before draining: a call appended after the last pop finds it clear and
@@ -372,7 +354,7 @@ class ProcessLoop:
             self._start(pending.popleft())
 
     def _start(self, call: AsyncCall) -> None:
-        task = self.loop.create_task(self._run_call(call))
+        task = self.loop.create_task(self._run_call(call), context=call.context)
         call.task = task
         self.in_flight += 1
 
@@ -397,27 +379,8 @@ class ProcessLoop:
                         self._free_slot()  # handed a slot as it was cancelled: pass it on
                     call.on_skipped()  # cancelled while waiting for a slot: the listener never ran
                     raise
-            nxt: AsyncCall | None = None
             try:
-                while True:
-                    try:
-                        await call.make()
-                    finally:
-                        call.finished = True
-                        nxt, self._handed = self._handed, None
-                    if nxt is None:
-                        break
-                    # Handed on as the call ended (``hand_on``): the next call, in this task and
-                    # this place under the cap; the same steps as a new task's start.
-                    nxt.task, nxt.started = call.task, True
-                    call = nxt
-                    if call.cancel_asked:  # pragma: no cover - cancelled within the step that made it
-                        call.on_skipped()
-                        break
-            except BaseException:
-                if nxt is not None:  # pragma: no cover - the ending call raised past its own handling
-                    self._start(nxt)  # what was handed on still runs (and reports), in a task of its own
-                raise
+                await call.make()
             finally:
                 self._free_slot()
         finally:

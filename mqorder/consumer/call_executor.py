@@ -12,10 +12,10 @@ loop (``ProcessLoop.claim``) and drives it in its own thread while it waits for 
 another thread. The run gives the loop back when it has no call in flight and would block on
 something else (a lingering read, a suspended key's wait), when another run starts using the loop,
 and when it ends; otherwise the loop's own thread runs it, as before. While it drives the loop, a
-key-ordered run settles each success in the step of the loop that ends the call and hands the
-freed place to the next ready lane in that same task (``next_result``'s ``fast``,
-``ProcessLoop.hand_on``): the dispatcher comes back once per commit (``pull_n`` finished
-messages), for a starved place, or after its timeout, not once per result.
+key-ordered run settles each success in the step of the loop that ends the call and submits the
+next ready lane's call from there (``next_result``'s ``fast``): the dispatcher comes back once per
+commit (``pull_n`` finished messages), for a starved place, or after its timeout, not once per
+result.
 
 What only the loop can do is cancel: a run that lost its queue cancels its async calls still in
 flight after the listener's grace (``cancel_after_grace``); their results come back marked
@@ -24,6 +24,7 @@ cancelled, and the run settles nothing of a lost queue anyway (the new owner red
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import queue
 import time
@@ -61,6 +62,8 @@ class LaneCalls:
         #: While the run drives the loop waiting for a result (``next_result``'s ``fast``): settles
         #: a result right where it ends, in the run's own thread, True when it did (``deliver``).
         self._fast: Callable[[LaneResult], bool] | None = None
+        #: The dispatcher's context when the run began: each async call runs in a copy of it.
+        self._context = contextvars.copy_context()
 
     def submit(self, fn: Callable[..., None], *args: Any) -> None:
         """A plain listener's call, on a lane worker (borrowed from ``LANE_POOL`` on first use)."""
@@ -79,10 +82,14 @@ class LaneCalls:
             loop.enter_run()
         if not self.inline and not self.calls:
             self.inline = loop.claim()
+        # Each call's task runs in a fresh copy of the run's context as it began: a ContextVar one
+        # call sets is never seen by another. (A call submitted as another ends, ``next_result``'s
+        # ``fast``, would otherwise copy the ending call's context.)
+        context = self._context.copy()
         if self.inline:
-            self.calls[key] = loop.submit_inline(name, make, lambda: self.deliver(skipped))
+            self.calls[key] = loop.submit_inline(name, make, lambda: self.deliver(skipped), context)
         else:
-            self.calls[key] = loop.submit(name, make, lambda: self.deliver(skipped))
+            self.calls[key] = loop.submit(name, make, lambda: self.deliver(skipped), context)
 
     def next_result(self, results: queue.SimpleQueue[Any], timeout: float | None,
                     fast: Callable[[LaneResult], bool] | None = None) -> Any:
@@ -124,10 +131,8 @@ class LaneCalls:
         per call: that hand-over was the largest cost of an async call). While the run drives the
         loop, its ``fast`` settles the result here first (``next_result``)."""
         fast = self._fast
-        if fast is not None:
-            assert self._loop is not None
-            if self._loop.hand_on(fast, res):
-                return
+        if fast is not None and fast(res):
+            return
         done = self._done
         done.append(res)
         if len(done) == 1:

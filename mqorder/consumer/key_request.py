@@ -143,6 +143,9 @@ class KeyConsumeRequest(ConsumeRequest):
         #: ``_settle_one``: the concurrent run sends retries), which keeps the dispatcher's path.
         self._fast: Callable[[LaneResult], bool] | None = (
             self._settle_fast if type(self)._settle_one is KeyConsumeRequest._settle_one else None)
+        #: What ``_settle_fast`` raised (a bug): raised by the dispatcher at its next look.
+        self._fast_error: Exception | None = None
+        self._fast_failed = False
 
     # -- check: begin.lua's reply carries the offset map ----------------------------------------
 
@@ -217,11 +220,13 @@ class KeyConsumeRequest(ConsumeRequest):
             # Never leave a call running past the run (an exception included): the next run of
             # this queue, maybe in this process, must not call the same key beside it. Async
             # calls of a run that ends on an exception are cancelled: nothing of them is settled.
-            if self.in_flight:
-                calls.cancel_all(f"the run of {self.mq.key} ended on an error")
-            while self.in_flight:
-                self._wait_one(None, discard=True)
-            calls.close()
+            try:
+                if self.in_flight:
+                    calls.cancel_all(f"the run of {self.mq.key} ended on an error")
+                while self.in_flight:
+                    self._wait_one(None, discard=True)
+            finally:
+                calls.close()  # the process loop given back, whatever happened above
 
     def _dispatch_loop(self) -> LoopEnd:
         deadline = time.monotonic() + self.budget
@@ -388,20 +393,36 @@ class KeyConsumeRequest(ConsumeRequest):
         suspend, a cancelled call, a lost or revoked queue) goes to the dispatcher as before.
         False: not settled here."""
         status = res.handled.status
-        if res.cancelled or self.fenced or self.pq.dropped or (status is not SUCCESS and status is not COMMIT):
+        if (res.cancelled or self.fenced or self.pq.dropped or self._fast_failed
+                or (status is not SUCCESS and status is not COMMIT)):
             return False
         calls = self._calls()
-        calls.ended(res.key)
-        self._settle_one(res, None, False)  # a success: finishes, never stops the run
-        lanes = self.lanes
-        starved = False
-        while self.in_flight < self.key_concurrency:
-            got = lanes.take(self.batch_max)
-            if got is None:
-                starved = True
-                break
-            self._submit(*got)
-        if starved or self.unsaved >= self.pull_n:
+        try:
+            calls.ended(res.key)
+            # (``_settle_one`` counts the call out of ``in_flight`` first: whatever fails after
+            # that, the run's end does not wait for this call again.)
+            self._settle_one(res, None, False)  # a success: finishes, never stops the run
+            if self.unsaved >= self.pull_n:
+                # The dispatcher's commit is due: no new call before it (it refills the places),
+                # so what is finished and not committed stays within uncommitted_bound.
+                calls.wake()
+                return True
+            lanes = self.lanes
+            starved = False
+            while self.in_flight < self.key_concurrency:
+                got = lanes.take(self.batch_max)
+                if got is None:
+                    starved = True
+                    break
+                self._submit(*got)
+            if starved:
+                calls.wake()
+        except Exception as exc:  # noqa: BLE001 - re-raised by the dispatcher
+            # A bug here would otherwise end in the call's task, unseen ("Task exception was never
+            # retrieved"), with a lane left busy for ever: the dispatcher raises it instead, as it
+            # would have raised it settling the result itself.
+            self._fast_error = exc
+            self._fast_failed = True
             calls.wake()
         return True
 
@@ -415,6 +436,12 @@ class KeyConsumeRequest(ConsumeRequest):
         """Wait up to ``timeout`` for a call to end, then settle every call that ended (``fast``:
         ``_settle_fast``, while the run drives the loop)."""
         res = self._calls().next_result(self.results, timeout, fast)
+        err = self._fast_error
+        if err is not None:
+            self._fast_error = None  # raised once: the run ends on it, waiting for its calls
+            if res is not None:
+                self.results.put(res)  # settled (discarded) by the run's end, not lost
+            raise err
         if res is None:
             return stop
         stop = self._settle_item(res, stop, discard)

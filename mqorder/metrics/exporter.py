@@ -302,9 +302,9 @@ def exporter(
     # thread, possibly inside Event.wait() while that thread holds the Event's own non-reentrant
     # lock, which set() then takes. Once in a test run the exporter did not exit within 15 s of
     # SIGTERM; this is the one way we found for it to hang there.
-    signal.signal(signal.SIGTERM, _stop_on_term)
     server = None
     try:
+        signal.signal(signal.SIGTERM, _stop_on_term)
         try:
             server = serve(addr, port, collector.scrape)
         except OSError as exc:
@@ -316,7 +316,6 @@ def exporter(
             time.sleep(3600)
     except (_Stopped, KeyboardInterrupt):
         pass
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # stopping already
     if server is not None:
         server.shutdown()
         server.server_close()
@@ -327,4 +326,5 @@ class _Stopped(Exception):
 
 
 def _stop_on_term(_signum: int, _frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM while stopping changes nothing
     raise _Stopped

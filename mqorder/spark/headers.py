@@ -71,19 +71,12 @@ def parse(heads: Sequence[bytes]) -> tuple[pa.Array, pa.Array, pa.Array] | None:
     n = len(heads)
     if not n:
         return None
-    cut = binary_parts(heads)
-    if cut is None:
+    grid = quote_grid(heads, QUOTES)
+    if grid is None:
         return None
-    _, data_buf, offsets, data = cut
-    if data.min() < 0x20 or (data == ord("\\")).any():  # control characters, escapes
-        return None
-    quotes = np.flatnonzero(data == ord('"'))
-    if len(quotes) != QUOTES * n:
-        return None
-    # Quotes in order, 12 a header: row r's are q[r] if its first is its second byte and its
-    # last is before its end (then no quote of r lies in another row).
-    q = quotes.reshape(n, QUOTES)
-    starts, ends = offsets[:-1], offsets[1:]
+    data_buf, data, q, starts, ends = grid
+    # Row r's quotes are q[r] if its first is its second byte and its last is before its end
+    # (then no quote of r lies in another row).
     if (q[:, 0] != starts + 1).any() or (q[:, -1] + 3 >= ends).any():
         return None
     for a, b, gap in _SPACING:
@@ -103,6 +96,26 @@ def parse(heads: Sequence[bytes]) -> tuple[pa.Array, pa.Array, pa.Array] | None:
     except (pa.ArrowInvalid, pa.ArrowTypeError):  # not UTF-8
         return None
     return ids, first_keys, born
+
+
+def quote_grid(values: Sequence[bytes], per_row: int
+               ) -> tuple[pa.Buffer, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """The quotes of a page of flat JSON objects with exactly ``per_row`` quotes each, as an
+    ``(n, per_row)`` array of positions in the page's one buffer: (buffer, its bytes, quotes,
+    row starts, row ends). None for an empty page, a control character or an escape anywhere
+    (then a quote is not always a string's end), or another count of quotes: the caller's JSON
+    reader takes those. The caller checks each row's first and last quote against its bounds."""
+    n = len(values)
+    cut = binary_parts(values) if n else None
+    if cut is None:
+        return None
+    _, buf, offsets, data = cut
+    if data.min() < 0x20 or (data == ord("\\")).any():
+        return None
+    quotes = np.flatnonzero(data == ord('"'))
+    if len(quotes) != per_row * n:
+        return None
+    return buf, data, quotes.reshape(n, per_row), offsets[:-1], offsets[1:]
 
 
 def binary_parts(values: Sequence[bytes]) -> tuple[pa.Array, pa.Buffer, np.ndarray, np.ndarray] | None:

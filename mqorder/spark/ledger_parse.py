@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 
 from mqorder.consumer.ledger import FIELDS
-from mqorder.spark.headers import binary_parts, gather, json_integers
+from mqorder.spark.headers import gather, json_integers, quote_grid
 
 _INTS = ("queue", "offset", "born_ms", "attempt", "epoch")
 _FLOATS = ("start_ms", "end_ms")
@@ -88,17 +88,10 @@ def parse(raws: Sequence[bytes], schema: pa.Schema) -> pa.Table | None:
     """The records as a table of ``schema`` (fields of ``LEDGER_ARROW_SCHEMA``, ``entry`` left
     out), or None for a page that is not all of the engine's shape."""
     n = len(raws)
-    cut = binary_parts(raws) if n else None
-    if cut is None:
+    grid = quote_grid(raws, QUOTES)
+    if grid is None:
         return None
-    _, buf, offsets, data = cut
-    if data.min() < 0x20 or (data == ord("\\")).any():
-        return None
-    quotes = np.flatnonzero(data == ord('"'))
-    if len(quotes) != QUOTES * n:
-        return None
-    q = quotes.reshape(n, QUOTES)
-    starts, ends = offsets[:-1], offsets[1:]
+    buf, data, q, starts, ends = grid
     if (q[:, 0] != starts + 1).any() or (q[:, -1] != ends - 2).any():
         return None
     vs, ve = [], []  # per field: where its value starts and ends in every record

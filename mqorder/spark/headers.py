@@ -20,10 +20,13 @@ this module accepts, Arrow's JSON reader would parse to the same values.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
 import pyarrow as pa
 
+#: A page's values: bytes objects, or an Arrow binary array (``resp_pages`` cuts raw replies into those).
+Binaries: TypeAlias = Sequence[bytes] | pa.BinaryArray
 #: Quotes per header of the common shape: "i" "<id>" "b" "k" "<key>" "h".
 QUOTES = 12
 #: (quote index, byte offset from that quote, byte) that every header of the shape holds; the
@@ -65,7 +68,7 @@ def json_integers(data: np.ndarray, buf: pa.Buffer, starts: np.ndarray, ends: np
         return None
 
 
-def parse(heads: Sequence[bytes]) -> tuple[pa.Array, pa.Array, pa.Array] | None:
+def parse(heads: Binaries) -> tuple[pa.Array, pa.Array, pa.Array] | None:
     """(msg id, first key, born ms as int64) of a page whose headers all have the common shape, or
     None (then parse it with a JSON reader)."""
     n = len(heads)
@@ -98,7 +101,7 @@ def parse(heads: Sequence[bytes]) -> tuple[pa.Array, pa.Array, pa.Array] | None:
     return ids, first_keys, born
 
 
-def quote_grid(values: Sequence[bytes], per_row: int
+def quote_grid(values: Binaries, per_row: int
                ) -> tuple[pa.Buffer, np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
     """The quotes of a page of flat JSON objects with exactly ``per_row`` quotes each, as an
     ``(n, per_row)`` array of positions in the page's one buffer: (buffer, its bytes, quotes,
@@ -118,10 +121,14 @@ def quote_grid(values: Sequence[bytes], per_row: int
     return buf, data, quotes.reshape(n, per_row), offsets[:-1], offsets[1:]
 
 
-def binary_parts(values: Sequence[bytes]) -> tuple[pa.Array, pa.Buffer, np.ndarray, np.ndarray] | None:
-    """``values`` as an Arrow binary array, its data buffer, row offsets (int64) and bytes (numpy
-    views of the buffers); None if all are empty."""
-    arr = pa.array(values, pa.binary())
+def binary_parts(values: Binaries) -> tuple[pa.Array, pa.Buffer, np.ndarray, np.ndarray] | None:
+    """``values`` (bytes, or an Arrow binary array as ``resp_pages`` cuts them) as an Arrow binary
+    array, its data buffer, row offsets (int64) and bytes (numpy views of the buffers); None if all
+    are empty."""
+    if isinstance(values, pa.BinaryArray):
+        arr = values if not values.offset else pa.concat_arrays([values])
+    else:
+        arr = pa.array(values, pa.binary())
     _, off_buf, data_buf = arr.buffers()
     if data_buf is None or not data_buf.size:
         return None
@@ -129,7 +136,7 @@ def binary_parts(values: Sequence[bytes]) -> tuple[pa.Array, pa.Buffer, np.ndarr
     return arr, data_buf, offsets, np.frombuffer(data_buf, dtype=np.uint8, count=int(offsets[-1]))
 
 
-def entry_offsets(ids: Sequence[bytes]) -> pa.Array | None:
+def entry_offsets(ids: Binaries) -> pa.Array | None:
     """The ``<offset>`` part of stream entry ids ``<offset>-<seq>`` as int64 (the digits before each
     id's one dash, cut by ``gather``), or None for ids of another form."""
     cut = binary_parts(ids)
@@ -145,7 +152,7 @@ def entry_offsets(ids: Sequence[bytes]) -> pa.Array | None:
         return None
 
 
-def digit_integers(values: Sequence[bytes]) -> pa.Array | None:
+def digit_integers(values: Binaries) -> pa.Array | None:
     """``values`` as int64 if every one is ASCII digits only (``bytes.isdigit``), else None."""
     cut = binary_parts(values)
     if cut is None:

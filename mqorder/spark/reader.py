@@ -7,14 +7,16 @@ Offsets follow Spark's Kafka source: ``startingOffsets`` / ``endingOffsets`` are
 what is read is fixed at planning, so a retried task reads the same rows.
 
 Rows are built as Arrow record batches straight from the raw ``XRANGE`` replies, a page at a time
-and column by column: the reply is transposed into columns at C speed (``zip``), offsets and store
-times are cut and cast by Arrow compute, headers are parsed by Arrow's JSON reader (C++) and bodies
-are passed through untouched, so no Python code runs per message. A page that holds anything else
-(properties, a damaged header, another field layout) takes the careful path, message by message,
-and gives the same rows. Pages are sized from the stored entries: the first ``XRANGE`` of a range
-fetches ``FIRST_PAGE`` entries, and later ones about ``PAGE_BYTES`` of entries of that size.
+and column by column: the reply's bytes are cut into binary columns with numpy, never becoming
+Python objects (``resp_pages``), offsets and store times are cast by Arrow compute, headers of the
+common shape are cut with numpy (``headers``, else Arrow's JSON reader) and bodies are passed
+through untouched, so no Python code runs per message. A page that holds anything else
+(properties, a damaged header, another field layout) is parsed by hiredis and takes the careful
+path, message by message, and gives the same rows. Pages are sized from the stored entries: the
+first ``XRANGE`` of a range fetches ``FIRST_PAGE`` entries, and later ones about ``PAGE_BYTES`` of
+entries of that size.
 
-Python's cyclic garbage collector is paused while a page is fetched and converted: the reply is
+Python's cyclic garbage collector is paused while a page is fetched and converted: a reply hiredis parses is
 thousands of small lists and strings that only reference counting frees, and a collection walking
 them on every allocation threshold cost more than the parsing itself (2-3x on a 100-byte body).
 """
@@ -29,7 +31,7 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import chain
-from typing import Any
+from typing import Any, TypeAlias
 
 import orjson
 import pyarrow as pa
@@ -43,6 +45,7 @@ from mqorder.model import MessageQueue
 from mqorder.spark import headers
 from mqorder.spark.options import Connection, ReadOptions
 from mqorder.spark.queues import QueueRef
+from mqorder.spark.resp_pages import RawColumns, RawPages
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -224,49 +227,70 @@ def plan_partitions(topic: str, spans: Sequence[QueueRef], start: Mapping[int, i
     return groups
 
 
-def page_rows(entries: list[Any]) -> int:
+#: A page of stream entries: cut into columns from the raw reply (``resp_pages``), or hiredis'
+#: lists ``[[id, [field, value, ...]], ...]`` for a page of another layout.
+Page: TypeAlias = RawColumns | list[Any]
+
+
+def page_rows(entries: Page) -> int:
     """How many entries the next ``XRANGE`` asks for: about ``PAGE_BYTES`` of entries the size of
     these (id and field values counted; the reply's framing is small beside them)."""
-    size = sum(len(i) + sum(len(f) for f in fields) for i, fields in entries[:64]) / min(len(entries), 64)
+    if isinstance(entries, RawColumns):
+        size = sum(a.nbytes for a in (entries.ids, entries.heads, entries.bodies, entries.stores)) / len(entries)
+    else:
+        size = sum(len(i) + sum(len(f) for f in fields) for i, fields in entries[:64]) / min(len(entries), 64)
     return max(MIN_PAGE, min(MAX_PAGE, int(PAGE_BYTES / max(size, 1.0))))
 
 
-def read_pages(conn: Connection, part: QueueRange) -> Iterator[list[Any]]:
+def last_offset(entries: Page) -> int:
+    """The offset of a page's last entry (its id is ``<offset>-<seq>``)."""
+    last = entries.ids[-1].as_py() if isinstance(entries, RawColumns) else entries[-1][0]
+    return int(text(last).split("-", 1)[0])
+
+
+def as_entries(entries: Page) -> list[Any]:
+    """A page as hiredis' lists, for a careful path that reads entry by entry."""
+    return entries.entries() if isinstance(entries, RawColumns) else entries
+
+
+def read_pages(conn: Connection, part: QueueRange) -> Iterator[Page]:
     """The stream entries of ``part`` in offset order, a page per ``XRANGE`` (``FIRST_PAGE``, then
     sized by ``page_rows``), shared by the topic reader and the audit's stored index.
 
     The cyclic collector is off while a page is fetched (see the module docstring), on again while
     the caller holds it: the caller converts it at once, under ``PausedGC`` too."""
-    brokers = conn.registry()
-    try:
-        yield from _pages(brokers, part)
-    finally:
-        brokers.close()
+    for _, entries in group_pages(conn, RangeGroup((part,))):
+        yield entries
 
 
-def group_pages(conn: Connection, group: RangeGroup) -> Iterator[tuple[QueueRange, list[Any]]]:
-    """``read_pages`` of each range of ``group`` in turn, on one connection per broker."""
+def group_pages(conn: Connection, group: RangeGroup) -> Iterator[tuple[QueueRange, Page]]:
+    """``read_pages`` of each range of ``group`` in turn, on one connection per broker (read raw:
+    ``resp_pages``)."""
     brokers = conn.registry()
+    raw: dict[str, RawPages] = {}
     try:
         for part in group.ranges:
-            for entries in _pages(brokers, part):
+            name = part.span.broker
+            if name not in raw:
+                raw[name] = RawPages(brokers.get(name).client)
+            for entries in _pages(raw[name], part):
                 yield part, entries
     finally:
+        for pages in raw.values():
+            pages.close()
         brokers.close()
 
 
-def _pages(brokers: BrokerRegistry, part: QueueRange) -> Iterator[list[Any]]:
-    client = brokers.get(part.span.broker).client
+def _pages(raw: RawPages, part: QueueRange) -> Iterator[Page]:
     log_key = keys.queue_log(_mq(part.topic, part.span).tag)
     nxt, count = part.start, FIRST_PAGE
     while nxt < part.end:
         with PausedGC():
-            entries = client.xrange(log_key, min=f"{nxt}-0", max=f"{part.end - 1}-18446744073709551615",
-                                    count=count)
-        if not entries:
+            entries = raw.xrange(log_key, f"{nxt}-0", f"{part.end - 1}-18446744073709551615", count)
+        if not len(entries):
             break
         yield entries
-        nxt = int(text(entries[-1][0]).split("-", 1)[0]) + 1
+        nxt = last_offset(entries) + 1
         count = page_rows(entries)
 
 
@@ -349,11 +373,14 @@ def _fields(entries: list) -> tuple[list[int], list[bytes], list[bytes], list[in
 _LAYOUT = ({b"h"}, {b"b"}, {b"s"})
 
 
-def columns(entries: list) -> tuple[pa.Array, Sequence[bytes], Sequence[bytes], pa.Array] | None:
+def columns(entries: Page) -> tuple[pa.Array, headers.Binaries, headers.Binaries, pa.Array] | None:
     """(offsets, raw headers, bodies, store times) of a page in the layout ``append_entries``
-    writes (fields h, b, s in that order, store times in digits), flattened with ``chain`` and cut
-    by strided slices, the numbers parsed as whole columns (``headers``): no Python code per entry.
-    None for any other page (then ``_fields``)."""
+    writes (fields h, b, s in that order, store times in digits), the numbers parsed as whole
+    columns (``headers``): no Python code per entry. A raw page (``resp_pages``) is in that layout
+    already; hiredis' lists are flattened with ``chain`` and cut by strided slices. None for any
+    other page (then ``_fields``)."""
+    if isinstance(entries, RawColumns):
+        return _typed(entries.ids, entries.heads, entries.bodies, entries.stores)
     if set(map(len, entries)) != {2}:
         return None
     flat = list(chain.from_iterable(entries))  # [id, fields, id, fields, ...]: strided slices below
@@ -366,6 +393,11 @@ def columns(entries: list) -> tuple[pa.Array, Sequence[bytes], Sequence[bytes], 
         return None
     heads, bodies, stores = values[1::6], values[3::6], values[5::6]
     del values, fields
+    return _typed(ids, heads, bodies, stores)
+
+
+def _typed(ids: headers.Binaries, heads: headers.Binaries, bodies: headers.Binaries, stores: headers.Binaries
+           ) -> tuple[pa.Array, headers.Binaries, headers.Binaries, pa.Array] | None:
     store_ms, offsets = headers.digit_integers(stores), headers.entry_offsets(ids)
     if store_ms is None or offsets is None:
         return None
@@ -387,7 +419,7 @@ def _no_properties(n: int) -> pa.MapArray:
                                    pa.array([], pa.string()))
 
 
-def _headers_arrow(heads: Sequence[bytes]) -> list[pa.Array] | None:
+def _headers_arrow(heads: headers.Binaries) -> list[pa.Array] | None:
     """msg id, first key, tags, properties and born time columns, or None to take the careful path.
     Headers of the common shape are cut with numpy (``headers.parse``), others read by Arrow's
     JSON reader."""
@@ -399,7 +431,7 @@ def _headers_arrow(heads: Sequence[bytes]) -> list[pa.Array] | None:
             return [ids, first_keys, pa.nulls(n, pa.string()), _no_properties(n), born.cast(_TS_MS).cast(_TS)]
         except pa.ArrowInvalid:  # a born time out of Spark's range: the JSON path says so
             pass
-    joined = b"\n".join(heads)
+    joined = b"\n".join(_as_bytes(heads))
     if b'"p"' in joined or joined.count(b"\n") != len(heads) - 1:
         return None
     try:
@@ -418,20 +450,24 @@ def _headers_arrow(heads: Sequence[bytes]) -> list[pa.Array] | None:
             t.column("b").combine_chunks().cast(_TS_MS).cast(_TS)]
 
 
-def _headers_python(heads: Sequence[bytes]) -> list[pa.Array]:
+def _as_bytes(values: headers.Binaries) -> Sequence[bytes]:
+    return values.to_pylist() if isinstance(values, pa.Array) else values
+
+
+def _headers_python(heads: headers.Binaries) -> list[pa.Array]:
     n = len(heads)
-    ids, keys_, tags, props, born = zip(*(_header(h) for h in heads), strict=True) if n else ([], [], [], [], [])
+    ids, keys_, tags, props, born = zip(*(_header(h) for h in _as_bytes(heads)), strict=True) if n else ([], [], [], [], [])
     return [pa.array(ids, pa.string()), pa.array(keys_, pa.string()), pa.array(tags, pa.string()),
             pa.array(props, pa.map_(pa.string(), pa.string())), pa.array(born, _TS_MS).cast(_TS)]
 
 
-def _batch(part: QueueRange, entries: list) -> pa.RecordBatch:
+def _batch(part: QueueRange, entries: Page) -> pa.RecordBatch:
     n = len(entries)
     cols = columns(entries) if n else None
-    heads: Sequence[bytes]
-    bodies: Sequence[bytes]
+    heads: headers.Binaries
+    bodies: headers.Binaries
     if cols is None:
-        offs, heads, bodies, stored = _fields(entries)
+        offs, heads, bodies, stored = _fields(as_entries(entries))
         offsets, store_times = pa.array(offs, pa.int64()), pa.array(stored, _TS_MS).cast(_TS)
     else:
         offsets, heads, bodies, store_times = cols
@@ -444,7 +480,7 @@ def _batch(part: QueueRange, entries: list) -> pa.RecordBatch:
         keys_,
         tags,
         props,
-        pa.array(bodies, pa.binary()),
+        bodies if isinstance(bodies, pa.Array) else pa.array(bodies, pa.binary()),
         born,
         store_times,
     ], schema=ARROW_SCHEMA)

@@ -27,10 +27,13 @@ from mqorder.errors import ConfigError
 from mqorder.names import check_topic
 from mqorder.spark.options import Connection, check_known, connection, lower_options, min_partitions
 from mqorder.spark.reader import (
+    Page,
     PausedGC,
     QueueRange,
     RangeGroup,
+    _as_bytes,
     _headers_arrow,
+    as_entries,
     columns,
     group_pages,
     plan_partitions,
@@ -86,16 +89,16 @@ def read_index(conn: Connection, group: RangeGroup, order_field: str | None) -> 
         yield batch
 
 
-def _batch(part: QueueRange, entries: list, order_field: str | None) -> pa.RecordBatch:
+def _batch(part: QueueRange, entries: Page, order_field: str | None) -> pa.RecordBatch:
     """The page's columns the way the topic reader cuts them (``reader.columns``, headers by Arrow's
     JSON reader), or message by message (``_batch_checked``) for a page they do not fit."""
     n = len(entries)
     cols = columns(entries) if n else None
     headers = _headers_arrow(cols[1]) if cols is not None else None
     if cols is None or headers is None:
-        return _batch_checked(part, entries, order_field)
+        return _batch_checked(part, as_entries(entries), order_field)
     offsets, _, bodies, _ = cols
-    values = (pa.array([_field_text(b, order_field) for b in bodies], pa.string()) if order_field
+    values = (pa.array([_field_text(b, order_field) for b in _as_bytes(bodies)], pa.string()) if order_field
               else pa.nulls(n, pa.string()))
     return pa.RecordBatch.from_arrays([pa.repeat(pa.scalar(part.span.index, pa.int32()), n), offsets, headers[1],
                                        headers[0], values], schema=ARROW_SCHEMA)

@@ -1,0 +1,257 @@
+"""``XRANGE`` pages read as raw RESP bytes and cut into Arrow columns with numpy.
+
+Why: through hiredis a page's reply becomes about nine Python objects per entry (the entry and
+field lists, the id, three field names and three values), which the reader then flattens, slices,
+copies into Arrow arrays and frees again. For a count of 100-byte messages that was most of the
+Python worker's CPU, and the Python worker was the largest CPU cost of the count after the JVM.
+Here the reply stays one buffer and no Python object is made per entry.
+
+How: the ``XRANGE`` and a ``PING`` go out in one write on a connection of the client's own pool
+(its connect, auth, TLS and retries stay redis-py's), and bytes are read into one buffer until it
+ends with the ``PING``'s ``+PONG``. An entry that ``append_entries`` wrote is, in RESP::
+
+    *2 $<a> <id> *6 $1 h $<b> <header> $1 b $<c> <body> $1 s $<d> <store ms>   (each part + CRLF)
+
+Every ``*2\\r\\n$`` in the buffer is a candidate entry start; each candidate is parsed as if it
+were one (its four lengths read, every fixed byte between them checked), all at once with numpy.
+A body may hold such bytes too, so the parse is accepted only if the candidates that parsed form
+one chain: the first right after the reply's ``*<n>`` header, each one starting where the one
+before ends, ``n`` of them, the last ending where the ``+PONG`` starts. Parsing RESP from the
+reply's start gives exactly that chain, so an accepted cut is the reply's one parse; anything else
+(a body with a false start, other fields, an error reply, a reply cut where a value happens to end
+in ``+PONG``) is handed to hiredis, which parses the same bytes (or says to read on).
+
+A client that is not a plain ``redis.Redis`` (a Redis Cluster client) reads with ``xrange``.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+import hiredis
+import numpy as np
+import pyarrow as pa
+import redis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from mqorder.spark import headers
+
+_PONG = b"+PONG\r\n"
+_PING = hiredis.pack_command(("PING",))
+#: The bytes between an entry's parts (see the module docstring), and its start.
+_START = b"*2\r\n$"
+_AFTER_ID = b"\r\n*6\r\n$1\r\nh\r\n$"
+_AFTER_HEADER = b"\r\n$1\r\nb\r\n$"
+_AFTER_BODY = b"\r\n$1\r\ns\r\n$"
+_CRLF = b"\r\n"
+#: Digits of a length: 7 read at most (bodies are at most ``maxMessageSize``, 4 MB by default).
+_LEN_DIGITS = 7
+_FIRST_BUFFER = 64 << 10
+
+
+@dataclass(frozen=True)
+class RawColumns:
+    """A page cut into binary columns (entry ids, raw headers, bodies, raw store times), in
+    offset order; each array has its own buffers (nothing refers to the reply's)."""
+
+    ids: pa.BinaryArray
+    heads: pa.BinaryArray
+    bodies: pa.BinaryArray
+    stores: pa.BinaryArray
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def entries(self) -> list[Any]:
+        """The page as hiredis gives it, ``[[id, [b"h", header, b"b", body, b"s", store]], ...]``,
+        for the careful path of a reader."""
+        return [
+            [i, [b"h", h, b"b", b, b"s", s]]
+            for i, h, b, s in zip(
+                self.ids.to_pylist(),
+                self.heads.to_pylist(),
+                self.bodies.to_pylist(),
+                self.stores.to_pylist(),
+                strict=True,
+            )
+        ]
+
+
+def _u64_at(data: np.ndarray) -> np.ndarray:
+    """A view of ``data`` where item ``i`` is the little-endian 8 bytes at byte ``i``."""
+    return np.ndarray((len(data) - 7,), dtype="<u8", buffer=data, strides=(1,))
+
+
+def _word(lit: bytes) -> int:
+    return int.from_bytes(lit.ljust(8, b"\0"), "little")
+
+
+def _literal(u64: np.ndarray, pos: np.ndarray, lit: bytes) -> np.ndarray:
+    """Whether the bytes at each ``pos`` are ``lit`` (2 to 16 bytes), as one or two 8-byte reads
+    (a position past the buffer reads its last word: false, as it must be)."""
+    top = len(u64) - 1
+    if len(lit) <= 8:
+        mask = (1 << (8 * len(lit))) - 1
+        return (u64[np.minimum(pos, top)] & np.uint64(mask)) == np.uint64(_word(lit))
+    tail = len(lit) - 8
+    return (u64[np.minimum(pos, top)] == np.uint64(_word(lit[:8]))) & (
+        u64[np.minimum(pos + tail, top)] == np.uint64(_word(lit[tail:]))
+    )
+
+
+_ONES, _HIGHS = np.uint64(0x0101010101010101), np.uint64(0x8080808080808080)
+_NIBBLES, _ZEROS, _SIXES = np.uint64(0xF0F0F0F0F0F0F0F0), np.uint64(0x3030303030303030), np.uint64(0x0606060606060606)
+_CRS = np.uint64(0x0D0D0D0D0D0D0D0D)
+
+
+def _lengths(u64: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(value, digits, ok) of a RESP length ``<digits>\\r\\n`` at each ``pos``: ok where 1 to
+    ``_LEN_DIGITS`` ASCII digits are followed by CRLF.
+
+    Each position's 8 bytes are one little-endian word, parsed with word-wide arithmetic (SWAR):
+    the first CR found by the zero-byte test, the digits moved to the word's top and the bytes
+    below them set to ``"0"``, checked as digits and summed pairwise (10, 100, 10,000)."""
+    w = u64[np.minimum(pos, len(u64) - 1)]
+    x = w ^ _CRS
+    zero = (x - _ONES) & ~x & _HIGHS  # the first CR byte's high bit is exact (bits above may be off)
+    found = zero != 0
+    lowest = zero & (~zero + np.uint64(1))
+    nd = np.log2(np.where(found, lowest, np.uint64(1)).astype(np.float64)).astype(np.int64) // 8
+    ok = found & (nd >= 1) & _literal(u64, pos + nd, _CRLF)
+    shift = (np.uint64(8) * (np.uint64(8) - np.clip(nd, 1, 8).astype(np.uint64))) % np.uint64(64)
+    fill = np.where(nd >= 8, np.uint64(0), (np.uint64(1) << shift) - np.uint64(1)) & _ZEROS
+    v = np.where(nd >= 8, w, (w << shift) | fill)
+    ok &= ((v & _NIBBLES) == _ZEROS) & (((v + _SIXES) & _NIBBLES) == _ZEROS)
+    v = v - _ZEROS
+    v = (v * np.uint64(10) + (v >> np.uint64(8))) & np.uint64(0x00FF00FF00FF00FF)
+    v = (v * np.uint64(100) + (v >> np.uint64(16))) & np.uint64(0x0000FFFF0000FFFF)
+    v = (v * np.uint64(10000) + (v >> np.uint64(32))) & np.uint64(0xFFFFFFFF)
+    return v.astype(np.int64), nd, ok
+
+
+def cut(data: np.ndarray, end: int) -> RawColumns | None:
+    """The ``XRANGE`` reply ``data[:end]`` (bytes as uint8) cut into columns, or None if it is not
+    a complete reply of entries in ``append_entries``' layout (then parse it with hiredis).
+    ``data`` must hold at least 8 bytes past ``end`` (the ``+PONG`` read behind it does)."""
+    if end < 4 or len(data) < end + 8 or data[0] != ord("*"):
+        return None
+    head = data[:24].tobytes()
+    head_end = head.find(b"\r\n")
+    if head_end < 0 or not head[1:head_end].isdigit():
+        return None
+    n, first = int(head[1:head_end]), head_end + 2
+    if not n:
+        return None
+    u64 = _u64_at(data)
+    stars = np.flatnonzero(data[first:end] == ord("*")) + first
+    starts = stars[_literal(u64, stars, _START)]
+    if len(starts) < n:
+        return None
+    spans = []  # (start, end) of id, header, body, store
+    pos, ok = starts + len(_START), np.ones(len(starts), dtype=bool)
+    for after in (_AFTER_ID, _AFTER_HEADER, _AFTER_BODY, _CRLF):
+        size, nd, good = _lengths(u64, pos)
+        lo = pos + nd + 2
+        hi = lo + size
+        ok &= good & _literal(u64, hi, after)
+        spans.append((lo, hi))
+        pos = hi + len(after)
+    if int(ok.sum()) != n:
+        return None
+    nxt = pos[ok]
+    starts = starts[ok]
+    if starts[0] != first or nxt[-1] != end or (nxt[:-1] != starts[1:]).any():
+        return None
+    buf = pa.py_buffer(data)
+    return RawColumns(*(headers.gather(buf, lo[ok], hi[ok]) for lo, hi in spans))
+
+
+#: ``RawPages._round_trip``'s answer for an error reply: ask again through redis-py, which raises it.
+_ERROR_REPLY = object()
+
+
+class RawPages:
+    """``XRANGE`` pages of one client, read raw (``cut``) on one connection of its pool, kept
+    until ``close``. A client that is not a plain ``redis.Redis`` reads with ``xrange``."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+        self._raw = type(client) is redis.Redis
+        self._conn: Any = None
+        #: Reply bytes per entry of the last page: the next page's buffer is sized from it.
+        self._entry_bytes = 256.0
+
+    def xrange(self, key: str, lo: str, hi: str, count: int) -> RawColumns | list[Any]:
+        """The entries of ``key`` in ``[lo, hi]``, at most ``count``: columns if the page has the
+        common layout, else hiredis' lists (as ``client.xrange`` on a ``Broker`` gives them)."""
+        if not self._raw:
+            return list(self._client.xrange(key, min=lo, max=hi, count=count))
+        args: tuple[Any, ...] = ("XRANGE", key, lo, hi, "COUNT", count)
+        packed = hiredis.pack_command(args) + _PING
+        size = max(_FIRST_BUFFER, int(count * self._entry_bytes * 1.1))
+        if self._conn is None:
+            self._conn = self._client.connection_pool.get_connection()
+        conn = self._conn
+        try:
+            got = conn.retry.call_with_retry(lambda: self._round_trip(conn, packed, size), lambda _e: conn.disconnect())
+        except BaseException:
+            conn.disconnect()  # whatever is left unread must never reach the pool's next user
+            self.close()
+            raise
+        if got is _ERROR_REPLY:
+            return list(self._client.xrange(key, min=lo, max=hi, count=count))
+        return got
+
+    def _round_trip(self, conn: Any, packed: bytes, size: int) -> Any:
+        """Send ``packed`` (the ``XRANGE`` and the ``PING``) and read until both replies are in:
+        the page (``cut``, else hiredis' lists), or ``_ERROR_REPLY``."""
+        conn.send_packed_command([packed])
+        sock = getattr(conn, "_sock", None)
+        if not isinstance(sock, socket.socket):
+            raise RedisConnectionError("no socket to read the raw reply from")
+        buf = np.empty(size, dtype=np.uint8)  # not zeroed: only what was read is ever looked at
+        filled = 0
+        try:
+            while True:
+                if len(buf) - filled < 4096:
+                    grown = np.empty(2 * len(buf), dtype=np.uint8)
+                    grown[:filled] = buf[:filled]
+                    buf = grown
+                got = sock.recv_into(buf.data[filled:])
+                if not got:
+                    raise RedisConnectionError("Connection closed by server.")
+                filled += got
+                if filled >= 7 and buf[filled - 7 : filled].tobytes() == _PONG:
+                    done = self._parsed(buf, filled)
+                    if done is not None:
+                        return done
+        except TimeoutError as exc:
+            raise RedisTimeoutError(f"Timeout reading from socket: {exc}") from exc
+        except OSError as exc:
+            raise RedisConnectionError(f"Error while reading from socket: {exc}") from exc
+
+    def _parsed(self, buf: np.ndarray, filled: int) -> Any:
+        """The page if ``buf[:filled]`` holds both replies, else None (read on)."""
+        cols = cut(buf, filled - 7)
+        if cols is not None:
+            self._entry_bytes = (filled - 7) / len(cols)
+            return cols
+        reader = hiredis.Reader()
+        reader.feed(buf[:filled].tobytes())
+        first = reader.gets()
+        if first is False or reader.gets() is False:
+            return None
+        if not isinstance(first, list):
+            return _ERROR_REPLY
+        if first:
+            self._entry_bytes = (filled - 7) / len(first)
+        return first
+
+    def close(self) -> None:
+        """Give the connection back to its pool."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._client.connection_pool.release(conn)

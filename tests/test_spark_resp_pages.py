@@ -1,0 +1,172 @@
+"""Raw ``XRANGE`` pages (``mqorder.spark.resp_pages``) against hiredis: a page cut into columns
+holds exactly what hiredis parses from the same bytes, and every reply that is not a complete page
+of ``append_entries``' layout is left to hiredis (``cut`` gives None), whatever its bodies hold."""
+
+from __future__ import annotations
+
+import random
+
+import hiredis
+import numpy as np
+import pytest
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from mqorder.spark import resp_pages
+from mqorder.spark.resp_pages import RawColumns, RawPages, cut
+
+_PONG = b"+PONG\r\n"
+
+
+def _bulk(b: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(b), b)
+
+
+def _reply(entries: list[tuple[bytes, list[bytes]]]) -> bytes:
+    out = [b"*%d\r\n" % len(entries)]
+    for entry_id, fields in entries:
+        out.append(b"*2\r\n" + _bulk(entry_id) + b"*%d\r\n" % len(fields) + b"".join(map(_bulk, fields)))
+    return b"".join(out)
+
+
+def _entry(offset: int, header: bytes, body: bytes, store: bytes = b"1795693411078") -> tuple[bytes, list[bytes]]:
+    return b"%d-0" % offset, [b"h", header, b"b", body, b"s", store]
+
+
+def _cut(raw: bytes) -> RawColumns | None:
+    return cut(np.frombuffer(raw + _PONG + bytes(8), dtype=np.uint8), len(raw))
+
+
+def _hiredis(raw: bytes) -> object:
+    reader = hiredis.Reader()
+    reader.feed(raw)
+    return reader.gets()
+
+
+def _agrees(raw: bytes) -> RawColumns | None:
+    """``cut`` of ``raw``: None, or columns holding what hiredis parses."""
+    got = _cut(raw)
+    if got is not None:
+        assert got.entries() == _hiredis(raw)
+    return got
+
+
+_FAKE = _reply([_entry(9, b"{}", b"x")])[4:]  # a whole entry's bytes, to hide in a body
+
+
+def test_common_pages_cut_as_hiredis_parses() -> None:
+    rng = random.Random(29)
+    for _ in range(200):
+        n = rng.randint(1, 40)
+        entries = [
+            _entry(
+                rng.randint(0, 10**12),
+                b'{"i":"%d","k":["k%d"]}' % (i, i),
+                bytes(rng.randrange(256) for _ in range(rng.choice((0, 1, 9, 10, 99, 100, 1000)))),
+                str(rng.randint(0, 10**13)).encode(),
+            )
+            for i in range(n)
+        ]
+        assert _agrees(_reply(entries)) is not None
+
+
+def test_bodies_that_look_like_entries_never_mislead_the_cut() -> None:
+    for body in (
+        _FAKE,
+        b"*2\r\n$",
+        b"*2\r\n$3\r\n",
+        b"x" + _FAKE,
+        _FAKE + _FAKE,
+        b"\r\n" + _FAKE[:-2],
+        b"*2\r\n$99999999\r\n",
+        _PONG,
+        b"*",
+        b"*2\r\n$1\r\nh\r\n",
+    ):
+        for where in range(3):
+            entries = [_entry(i, b"{}", body if i == where else b"plain") for i in range(3)]
+            _agrees(_reply(entries))  # None (hiredis' turn) or the same entries
+
+
+def test_long_values_cut_and_longer_ones_fall_back() -> None:
+    big = _reply([_entry(1, b"{}", b"a" * 1_234_567), _entry(2, b"{}", b"b")])
+    assert _agrees(big) is not None
+    assert _cut(_reply([_entry(1, b"{}", b"a" * 10_000_000)])) is None  # 8 digits of length
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"*0\r\n",
+        b"-WRONGTYPE Operation against a key holding the wrong kind of value\r\n",
+        _reply([(b"1-0", [b"h", b"{}", b"b", b"x"])]),  # no store time
+        _reply([(b"1-0", [b"h", b"{}", b"b", b"x", b"s", b"1", b"p", b"{}"])]),  # another field
+        _reply([(b"1-0", [b"b", b"x", b"h", b"{}", b"s", b"1"])]),  # another order
+        _reply([_entry(1, b"{}", b"x")])[:-3],  # cut short
+        _reply([_entry(1, b"{}", b"x"), _entry(2, b"{}", b"y")]).replace(b"*2\r\n$", b"*3\r\n$", 1),
+    ],
+)
+def test_other_replies_are_left_to_hiredis(raw: bytes) -> None:
+    assert _cut(raw) is None
+
+
+def test_a_value_ending_in_pong_reads_on() -> None:
+    """A read that stops right after a value ending in ``+PONG`` is not taken for the whole reply."""
+    raw = _reply([_entry(1, b"{}", b"x+PONG"), _entry(2, b"{}", b"y")]) + _PONG
+    stop = raw.index(b"+PONG") + len(_PONG)
+    buf = np.frombuffer(raw + bytes(64), dtype=np.uint8)
+    pages = RawPages(object())
+    assert pages._parsed(buf, stop) is None
+    assert pages._parsed(buf, len(raw)).entries() == _hiredis(raw[: -len(_PONG)])
+
+
+def _stream(r: redis.Redis, key: str, n: int, **extra: bytes) -> None:
+    for i in range(n):
+        r.xadd(key, {b"h": b'{"i":"%d"}' % i, b"b": b"body-%d" % i, b"s": b"%d" % (1000 + i), **extra}, id=f"{i + 1}-0")
+
+
+def test_raw_pages_read_what_xrange_reads(r: redis.Redis, redis_url: str) -> None:
+    _stream(r, "s:common", 5000)
+    _stream(r, "s:other", 10, p=b"{}")
+    client = redis.Redis.from_url(redis_url)
+    client.set_response_callback("XRANGE", lambda resp, **_: resp)
+    pages = RawPages(client)
+    try:
+        common = pages.xrange("s:common", "-", "+", 5000)
+        assert isinstance(common, RawColumns)
+        assert common.entries() == client.xrange("s:common", count=5000)
+        other = pages.xrange("s:other", "2", "5", 100)
+        assert other == client.xrange("s:other", min="2", max="5")
+        assert pages.xrange("s:none", "-", "+", 10) == []
+        r.set("s:string", "x")
+        with pytest.raises(redis.ResponseError, match="WRONGTYPE"):
+            pages.xrange("s:string", "-", "+", 10)
+        assert isinstance(pages.xrange("s:common", "10", "20", 100), RawColumns)  # the connection still aligned
+    finally:
+        pages.close()
+    assert len(client.connection_pool._in_use_connections) == 0
+
+
+def test_a_dropped_connection_is_retried_as_the_client_says(
+    r: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _stream(r, "s:retry", 100)
+    client = redis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 1))
+    pages = RawPages(client)
+    calls = {"n": 0}
+    real = RawPages._round_trip
+
+    def flaky(self: RawPages, conn: object, packed: bytes, size: int) -> object:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            conn.disconnect()  # type: ignore[attr-defined]
+            raise redis.ConnectionError("dropped")
+        return real(self, conn, packed, size)
+
+    monkeypatch.setattr(resp_pages.RawPages, "_round_trip", flaky)
+    try:
+        got = pages.xrange("s:retry", "-", "+", 1000)
+    finally:
+        pages.close()
+    assert isinstance(got, RawColumns) and len(got) == 100 and calls["n"] == 2

@@ -231,6 +231,47 @@ def test_an_async_key_that_keeps_failing_reaches_the_dlq_while_the_others_finish
     assert len(k3_at) == 9 and max(done_at.values()) < k3_at[-1]
 
 
+class _NoHook(ConsumeMessageHook):
+    """A hook that does nothing: its presence takes the hooked call path (``call_listener_async``)."""
+
+
+@pytest.mark.parametrize(("ordering", "hooked"), [("key", False), ("key", True), ("queue", False)])
+def test_a_cancelled_error_of_the_listeners_own_is_a_failure_retried_not_a_stalled_key(env, ordering, hooked) -> None:
+    """A listener that raises ``CancelledError`` itself (it awaited a future someone else
+    cancelled) fails like any exception: its messages are suspended and retried, with a reconsume
+    count. It once counted as the run cancelling the call: its key was released, neither finished
+    nor retried, and waited for the run's 60 s time budget."""
+    p, eng = env
+    sent = send_keys(p, 3, 4)
+    first: set[int] = set()
+    seen: dict[str, list[int]] = defaultdict(list)
+    retried: dict[int, int] = {}
+
+    async def listener(msgs, ctx):
+        m = msgs[0]
+        if m.queue_offset % 5 == 1 and m.queue_offset not in first:
+            first.add(m.queue_offset)
+            ctx.suspend_current_queue_time_millis = 10
+            gone = asyncio.get_running_loop().create_future()
+            gone.cancel()
+            await gone  # raises CancelledError: not the run's cancellation
+        if m.reconsume_times:
+            retried[m.queue_offset] = m.reconsume_times
+        seen[m.body.decode().split(":")[0]].append(m.queue_offset)
+        return S.SUCCESS
+
+    hooks = [_NoHook()] if hooked else []
+    t0 = time.monotonic()
+    drain(eng, ListenerSpec(listener, "t", "g", ordering=ordering, hooks=hooks, key_concurrency=4))
+    took = time.monotonic() - t0
+    assert dict(seen) == dict(sent)  # every message once past its failure, in order per key
+    assert sorted(first) == [1, 6, 11] and retried == {1: 1, 6: 1, 11: 1}
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 12
+    # No run waited out its 60 s time budget with a key neither finished nor retried (the bug
+    # took 60 s here; a retry is due 10 ms after its failure).
+    assert took < 30, took
+
+
 def test_a_run_that_loses_its_lease_cancels_its_async_calls_after_the_grace_and_commits_none(env, settings) -> None:
     """c1 finishes every key but k0, whose call hangs; the queue moves to c2 (new epoch). c1's run
     is refused at its next commit, waits its grace (300 ms), cancels k0's call, and ends fenced;

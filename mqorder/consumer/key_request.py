@@ -70,7 +70,7 @@ from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.key_lanes import KeyLanes, Lanes
 from mqorder.consumer.lane_workers import LaneResult
 from mqorder.consumer.ledger import LedgerOutcome
-from mqorder.consumer.listener_call import ORDERLY, checked_status, listener_raised
+from mqorder.consumer.listener_call import ORDERLY, cancelled_by_run, checked_status, listener_raised
 from mqorder.consumer.nudge import idle_entry
 from mqorder.consumer.offset_map import OffsetTracker, decode_done
 from mqorder.consumer.run_types import (
@@ -221,6 +221,9 @@ class KeyConsumeRequest(ConsumeRequest):
             # this queue, maybe in this process, must not call the same key beside it. Async
             # calls of a run that ends on an exception are cancelled: nothing of them is settled.
             try:
+                # A settle failure not raised yet (the run ends on another exception that came
+                # first) must not cut this wait short: it is the same bug's second report.
+                self._fast_error = None
                 if self.in_flight:
                     calls.cancel_all(f"the run of {self.mq.key} ended on an error")
                 while self.in_flight:
@@ -366,6 +369,10 @@ class KeyConsumeRequest(ConsumeRequest):
                 try:
                     status = await spec.func(msgs, ctx)
                 except Exception as exc:  # noqa: BLE001 - logged with its traceback by listener_raised
+                    status = listener_raised(ORDERLY, spec, mq, msgs, ctx, exc)
+                except asyncio.CancelledError as exc:
+                    if cancelled_by_run():
+                        raise
                     status = listener_raised(ORDERLY, spec, mq, msgs, ctx, exc)
                 rt = (time.perf_counter() - t0) * 1000
                 if type(status) is not ConsumeOrderlyStatus:

@@ -8,6 +8,7 @@ loop), so that rule, the hooks and the timing are written once.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import time
@@ -106,6 +107,10 @@ async def call_listener_async(
         status = await spec.func(msgs, ctx)
     except Exception as exc:  # noqa: BLE001 - logged with its traceback by listener_raised
         status = listener_raised(rule, spec, mq, msgs, ctx, exc)
+    except asyncio.CancelledError as exc:
+        if cancelled_by_run():
+            raise
+        status = listener_raised(rule, spec, mq, msgs, ctx, exc)
     rt = (time.perf_counter() - t0) * 1000
     status = checked_status(rule, spec, mq, status)
     if hook_ctx is not None:
@@ -114,8 +119,19 @@ async def call_listener_async(
     return status, rt, wall0
 
 
+def cancelled_by_run() -> bool:
+    """Whether the ``CancelledError`` an async listener's call ended with is the run's own
+    cancellation of the call's task (it lost its queue: nothing of the call is settled), not one
+    the listener's code raised (it awaited a future someone else cancelled, an ``asyncio.timeout``
+    of its own gone wrong): that is a listener failure like any exception, or its key would wait,
+    neither finished nor retried, until the run's time budget ended. A task cancelled through
+    ``Task.cancel`` counts it in ``cancelling()`` until it is uncancelled."""
+    task = asyncio.current_task()
+    return task is None or task.cancelling() > 0
+
+
 def listener_raised(rule: StatusRule, spec: ListenerSpec, mq: MessageQueue, msgs: list[MessageExt], ctx: Any,
-                    exc: Exception) -> Any:
+                    exc: BaseException) -> Any:
     """What a listener call that raised ``exc`` counts as (``rule.fallback``), the failure kept and
     logged with its traceback. Call it inside the ``except`` block (``log.exception``): a key-mode
     lane calls an async listener without hooks in its own coroutine

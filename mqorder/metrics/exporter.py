@@ -315,7 +315,8 @@ def exporter(
         while True:
             time.sleep(3600)
     except (_Stopped, KeyboardInterrupt):
-        pass
+        # After a Ctrl-C too: a SIGTERM while the server shuts down must not raise out of it.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if server is not None:
         server.shutdown()
         server.server_close()

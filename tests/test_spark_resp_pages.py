@@ -14,7 +14,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from mqorder.spark import resp_pages
-from mqorder.spark.resp_pages import RawColumns, RawPages, cut
+from mqorder.spark.resp_pages import LEDGER, Layout, RawColumns, RawPages, cut
 
 _PONG = b"+PONG\r\n"
 
@@ -34,8 +34,8 @@ def _entry(offset: int, header: bytes, body: bytes, store: bytes = b"17956934110
     return b"%d-0" % offset, [b"h", header, b"b", body, b"s", store]
 
 
-def _cut(raw: bytes) -> RawColumns | None:
-    return cut(np.frombuffer(raw + _PONG + bytes(8), dtype=np.uint8), len(raw))
+def _cut(raw: bytes, layout: Layout = resp_pages.TOPIC) -> RawColumns | None:
+    return cut(np.frombuffer(raw + _PONG + bytes(8), dtype=np.uint8), len(raw), layout)
 
 
 def _hiredis(raw: bytes) -> object:
@@ -44,9 +44,9 @@ def _hiredis(raw: bytes) -> object:
     return reader.gets()
 
 
-def _agrees(raw: bytes) -> RawColumns | None:
+def _agrees(raw: bytes, layout: Layout = resp_pages.TOPIC) -> RawColumns | None:
     """``cut`` of ``raw``: None, or columns holding what hiredis parses."""
-    got = _cut(raw)
+    got = _cut(raw, layout)
     if got is not None:
         assert got.entries() == _hiredis(raw)
     return got
@@ -87,6 +87,16 @@ def test_bodies_that_look_like_entries_never_mislead_the_cut() -> None:
         for where in range(3):
             entries = [_entry(i, b"{}", body if i == where else b"plain") for i in range(3)]
             _agrees(_reply(entries))  # None (hiredis' turn) or the same entries
+
+
+def test_ledger_pages_cut_as_hiredis_parses() -> None:
+    records = [
+        (b"%d-%d" % (1795693410955 + i // 3, i % 3), [b"r", b'{"group":"g","offset":%d}' % i]) for i in range(50)
+    ]
+    got = _agrees(_reply(records), LEDGER)
+    assert got is not None and len(got) == 50
+    assert _cut(_reply(records), resp_pages.TOPIC) is None
+    assert _cut(_reply([(b"1-0", [b"x", b"{}"])]), LEDGER) is None
 
 
 def test_long_values_cut_and_longer_ones_fall_back() -> None:

@@ -121,6 +121,11 @@ def quote_grid(values: Binaries, per_row: int
     return buf, data, quotes.reshape(n, per_row), offsets[:-1], offsets[1:]
 
 
+def as_bytes(values: Binaries) -> Sequence[bytes]:
+    """``values`` as bytes objects, for a careful path that goes value by value."""
+    return values.to_pylist() if isinstance(values, pa.Array) else values
+
+
 def binary_parts(values: Binaries) -> tuple[pa.Array, pa.Buffer, np.ndarray, np.ndarray] | None:
     """``values`` (bytes, or an Arrow binary array as ``resp_pages`` cuts them) as an Arrow binary
     array, its data buffer, row offsets (int64) and bytes (numpy views of the buffers); None if all

@@ -35,8 +35,10 @@ from mqorder.consumer.ledger import FIELDS
 from mqorder.errors import BrokerUnavailableError, ConfigError, MQOrderError
 from mqorder.names import check_name, check_topic
 from mqorder.spark import ledger_parse
+from mqorder.spark.headers import Binaries, as_bytes
 from mqorder.spark.options import Connection, check_known, connection, lower_options, min_partitions
 from mqorder.spark.reader import PausedGC
+from mqorder.spark.resp_pages import LEDGER, RawColumns, RawPages
 from mqorder.store.brokers import BrokerRegistry
 
 #: The schema of a ledger read, as DDL for ``DataSource.schema`` (``FIELDS`` in order, then ``entry``).
@@ -190,31 +192,44 @@ def plan_slices(group: str, streams: Sequence[LedgerStream], max_rows: int, topi
     return out
 
 
-def _records(client: redis.Redis, group: str, start: str, end: str) -> Iterator[tuple[Sequence[bytes], Sequence[bytes]]]:
+def _records(client: redis.Redis, group: str, start: str, end: str) -> Iterator[tuple[Binaries, Binaries]]:
     """Pages of (entry ids, raw records) from ``start`` to ``end``, ``READ_PAGE`` at a time.
 
-    A page of records in the engine's layout (one field ``r``) is transposed with ``zip``, with no
-    Python code per record, and the cyclic collector paused while the reply is parsed and cut
-    (``reader.PausedGC``: it would walk the page's thousands of lists over and over)."""
+    A page of records in the engine's layout (one field ``r``) is cut from the raw reply as two
+    binary columns (``resp_pages``: no Python object per record); any other page is parsed by
+    hiredis and transposed with ``zip``, the cyclic collector paused meanwhile (``reader.PausedGC``:
+    it would walk the page's thousands of lists over and over)."""
     key = keys.ledger(group)
     nxt = start
-    while True:
-        with PausedGC():
-            page = client.execute_command("XRANGE", key, nxt, end, "COUNT", READ_PAGE)
-            if not page:
+    pages = RawPages(client, LEDGER)
+    try:
+        while True:
+            with PausedGC():
+                page = pages.xrange(key, nxt, end, READ_PAGE)
+                if not len(page):
+                    return
+                ids, raws = _ids_and_records(page)
+                del page
+            yield ids, raws
+            if len(ids) < READ_PAGE:
                 return
-            ids, fields = zip(*page, strict=True)
-            names: Sequence[bytes] = ()
-            if set(map(len, fields)) == {2}:
-                names, raws = zip(*fields, strict=True)
-            if set(names) != {b"r"}:
-                raws = tuple(f[1] if len(f) >= 2 and f[0] == b"r" else dict(zip(f[::2], f[1::2], strict=False)).get(b"r", b"")
-                             for f in fields)
-            del page, fields
-        yield ids, raws
-        if len(ids) < READ_PAGE:
-            return
-        nxt = "(" + _text(ids[-1])
+            last = ids[-1]
+            nxt = "(" + _text(last.as_py() if isinstance(last, pa.Scalar) else last)
+    finally:
+        pages.close()
+
+
+def _ids_and_records(page: RawColumns | list[Any]) -> tuple[Binaries, Binaries]:
+    if isinstance(page, RawColumns):
+        return page.ids, page.values[0]
+    ids, fields = zip(*page, strict=True)
+    names: Sequence[bytes] = ()
+    if set(map(len, fields)) == {2}:
+        names, raws = zip(*fields, strict=True)
+    if set(names) != {b"r"}:
+        raws = tuple(f[1] if len(f) >= 2 and f[0] == b"r" else dict(zip(f[::2], f[1::2], strict=False)).get(b"r", b"")
+                     for f in fields)
+    return ids, raws
 
 
 def _columns_of(schema: Any) -> tuple[str, ...]:
@@ -236,15 +251,17 @@ def _json_options(columns: Sequence[str], topic: str | None) -> pj.ParseOptions:
                                                       and f.name != "entry"]), unexpected_field_behavior="ignore")
 
 
-def _page_fast(ids: Sequence[bytes], raws: Sequence[bytes], parse: pj.ParseOptions, entry: bool) -> pa.Table:
+def _page_fast(ids: Binaries, raws: Binaries, parse: pj.ParseOptions, entry: bool) -> pa.Table:
     """A page parsed against the schema: records of the engine's exact shape as whole columns
     (``ledger_parse``), any other page in C++ by ``pyarrow.json``."""
     table = ledger_parse.parse(raws, parse.explicit_schema)
     if table is None:
-        table = pj.read_json(io.BytesIO(b"\n".join(raws)), parse_options=parse, read_options=_JSON_READ)
+        table = pj.read_json(io.BytesIO(b"\n".join(as_bytes(raws))), parse_options=parse, read_options=_JSON_READ)
     if table.num_rows != len(raws):
         raise pa.ArrowInvalid(f"{table.num_rows} rows parsed from {len(raws)} records")
-    return table.append_column("entry", pa.array(ids, pa.string())) if entry else table
+    if not entry:
+        return table
+    return table.append_column("entry", ids.cast(pa.string()) if isinstance(ids, pa.Array) else pa.array(ids, pa.string()))
 
 
 def _row(entry_id: bytes, raw: bytes) -> dict[str, Any]:
@@ -269,9 +286,9 @@ def _row(entry_id: bytes, raw: bytes) -> dict[str, Any]:
     return row
 
 
-def _page_checked(ids: Sequence[bytes], raws: Sequence[bytes]) -> pa.Table:
+def _page_checked(ids: Binaries, raws: Binaries) -> pa.Table:
     """The slow path, record by record, for a page holding something that is not the engine's JSON."""
-    rows = [_row(i, raw) for i, raw in zip(ids, raws, strict=True)]
+    rows = [_row(i, raw) for i, raw in zip(as_bytes(ids), as_bytes(raws), strict=True)]
     return pa.Table.from_batches([pa.RecordBatch.from_arrays(
         [pa.array([r[f.name] for r in rows], f.type) for f in LEDGER_ARROW_SCHEMA], schema=LEDGER_ARROW_SCHEMA)])
 

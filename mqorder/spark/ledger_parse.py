@@ -19,13 +19,11 @@ is read by Arrow's JSON reader; whatever this accepts, that reader parses to the
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 import pyarrow as pa
 
 from mqorder.consumer.ledger import FIELDS
-from mqorder.spark.headers import gather, json_integers, quote_grid
+from mqorder.spark.headers import Binaries, gather, json_integers, quote_grid
 
 _INTS = ("queue", "offset", "born_ms", "attempt", "epoch")
 _FLOATS = ("start_ms", "end_ms")
@@ -84,7 +82,7 @@ def _floats(buf: pa.Buffer, starts: np.ndarray, ends: np.ndarray) -> pa.Array | 
         return None
 
 
-def parse(raws: Sequence[bytes], schema: pa.Schema) -> pa.Table | None:
+def parse(raws: Binaries, schema: pa.Schema) -> pa.Table | None:
     """The records as a table of ``schema`` (fields of ``LEDGER_ARROW_SCHEMA``, ``entry`` left
     out), or None for a page that is not all of the engine's shape."""
     n = len(raws)

@@ -236,7 +236,7 @@ def page_rows(entries: Page) -> int:
     """How many entries the next ``XRANGE`` asks for: about ``PAGE_BYTES`` of entries the size of
     these (id and field values counted; the reply's framing is small beside them)."""
     if isinstance(entries, RawColumns):
-        size = sum(a.nbytes for a in (entries.ids, entries.heads, entries.bodies, entries.stores)) / len(entries)
+        size = sum(a.nbytes for a in (entries.ids, *entries.values)) / len(entries)
     else:
         size = sum(len(i) + sum(len(f) for f in fields) for i, fields in entries[:64]) / min(len(entries), 64)
     return max(MIN_PAGE, min(MAX_PAGE, int(PAGE_BYTES / max(size, 1.0))))
@@ -380,7 +380,8 @@ def columns(entries: Page) -> tuple[pa.Array, headers.Binaries, headers.Binaries
     already; hiredis' lists are flattened with ``chain`` and cut by strided slices. None for any
     other page (then ``_fields``)."""
     if isinstance(entries, RawColumns):
-        return _typed(entries.ids, entries.heads, entries.bodies, entries.stores)
+        heads, bodies, stores = entries.values
+        return _typed(entries.ids, heads, bodies, stores)
     if set(map(len, entries)) != {2}:
         return None
     flat = list(chain.from_iterable(entries))  # [id, fields, id, fields, ...]: strided slices below
@@ -431,7 +432,7 @@ def _headers_arrow(heads: headers.Binaries) -> list[pa.Array] | None:
             return [ids, first_keys, pa.nulls(n, pa.string()), _no_properties(n), born.cast(_TS_MS).cast(_TS)]
         except pa.ArrowInvalid:  # a born time out of Spark's range: the JSON path says so
             pass
-    joined = b"\n".join(_as_bytes(heads))
+    joined = b"\n".join(headers.as_bytes(heads))
     if b'"p"' in joined or joined.count(b"\n") != len(heads) - 1:
         return None
     try:
@@ -450,13 +451,9 @@ def _headers_arrow(heads: headers.Binaries) -> list[pa.Array] | None:
             t.column("b").combine_chunks().cast(_TS_MS).cast(_TS)]
 
 
-def _as_bytes(values: headers.Binaries) -> Sequence[bytes]:
-    return values.to_pylist() if isinstance(values, pa.Array) else values
-
-
 def _headers_python(heads: headers.Binaries) -> list[pa.Array]:
     n = len(heads)
-    ids, keys_, tags, props, born = zip(*(_header(h) for h in _as_bytes(heads)), strict=True) if n else ([], [], [], [], [])
+    ids, keys_, tags, props, born = zip(*(_header(h) for h in headers.as_bytes(heads)), strict=True) if n else ([], [], [], [], [])
     return [pa.array(ids, pa.string()), pa.array(keys_, pa.string()), pa.array(tags, pa.string()),
             pa.array(props, pa.map_(pa.string(), pa.string())), pa.array(born, _TS_MS).cast(_TS)]
 

@@ -1,19 +1,21 @@
 """``XRANGE`` pages read as raw RESP bytes and cut into Arrow columns with numpy.
 
-Why: through hiredis a page's reply becomes about nine Python objects per entry (the entry and
-field lists, the id, three field names and three values), which the reader then flattens, slices,
-copies into Arrow arrays and frees again. For a count of 100-byte messages that was most of the
-Python worker's CPU, and the Python worker was the largest CPU cost of the count after the JVM.
-Here the reply stays one buffer and no Python object is made per entry.
+Why: through hiredis a topic page's reply becomes about nine Python objects per entry (the entry
+and field lists, the id, three field names and three values), which the reader then flattened,
+sliced, copied into Arrow arrays and freed again: most of a count's Python CPU (0.57-0.65 s of
+``read_group`` over 300,000 100-byte messages; 0.22-0.25 s this way). Here the reply stays one
+buffer and no Python object is made per entry.
 
 How: the ``XRANGE`` and a ``PING`` go out in one write on a connection of the client's own pool
 (its connect, auth, TLS and retries stay redis-py's), and bytes are read into one buffer until it
-ends with the ``PING``'s ``+PONG``. An entry that ``append_entries`` wrote is, in RESP::
+ends with the ``PING``'s ``+PONG``. A page is read for a ``Layout``: the one-byte field names its
+entries hold, in order. An entry that ``append_entries`` wrote (``TOPIC``) is, in RESP::
 
     *2 $<a> <id> *6 $1 h $<b> <header> $1 b $<c> <body> $1 s $<d> <store ms>   (each part + CRLF)
 
-Every ``*2\\r\\n$`` in the buffer is a candidate entry start; each candidate is parsed as if it
-were one (its four lengths read, every fixed byte between them checked), all at once with numpy.
+and a ledger record (``LEDGER``) ``*2 $<a> <id> *2 $1 r $<b> <record>``. Every ``*2\\r\\n$`` in
+the buffer is a candidate entry start; each candidate is parsed as if it were one (its lengths
+read, every fixed byte between them checked), all at once with numpy.
 A body may hold such bytes too, so the parse is accepted only if the candidates that parsed form
 one chain: the first right after the reply's ``*<n>`` header, each one starting where the one
 before ends, ``n`` of them, the last ending where the ``+PONG`` starts. Parsing RESP from the
@@ -41,11 +43,8 @@ from mqorder.spark import headers
 
 _PONG = b"+PONG\r\n"
 _PING = hiredis.pack_command(("PING",))
-#: The bytes between an entry's parts (see the module docstring), and its start.
+#: An entry's first bytes (see the module docstring).
 _START = b"*2\r\n$"
-_AFTER_ID = b"\r\n*6\r\n$1\r\nh\r\n$"
-_AFTER_HEADER = b"\r\n$1\r\nb\r\n$"
-_AFTER_BODY = b"\r\n$1\r\ns\r\n$"
 _CRLF = b"\r\n"
 #: Digits of a length: 7 read at most (bodies are at most ``maxMessageSize``, 4 MB by default).
 _LEN_DIGITS = 7
@@ -53,30 +52,46 @@ _FIRST_BUFFER = 64 << 10
 
 
 @dataclass(frozen=True)
-class RawColumns:
-    """A page cut into binary columns (entry ids, raw headers, bodies, raw store times), in
-    offset order; each array has its own buffers (nothing refers to the reply's)."""
+class Layout:
+    """The fields of a page's entries: one-byte names (at most four), in the order stored."""
 
+    fields: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        if not 1 <= len(self.fields) <= 4 or any(len(f) != 1 for f in self.fields):
+            raise ValueError(f"a layout has one to four one-byte field names, not {self.fields!r}")
+
+    def separators(self) -> tuple[bytes, ...]:
+        """The fixed bytes after the id and after each value, up to the next length (or the end)."""
+        first = b"\r\n*%d\r\n$1\r\n%s\r\n$" % (2 * len(self.fields), self.fields[0])
+        return (first, *(b"\r\n$1\r\n%s\r\n$" % f for f in self.fields[1:]), _CRLF)
+
+
+#: A topic's entries (``append_entries``): header, body, store time.
+TOPIC = Layout((b"h", b"b", b"s"))
+#: A consumption ledger's records (``mqorder.consumer.ledger``): one JSON record.
+LEDGER = Layout((b"r",))
+
+
+@dataclass(frozen=True)
+class RawColumns:
+    """A page cut into binary columns, in entry order: the entry ids and one column of values per
+    field of the layout. Each array has its own buffers (nothing refers to the reply's)."""
+
+    layout: Layout
     ids: pa.BinaryArray
-    heads: pa.BinaryArray
-    bodies: pa.BinaryArray
-    stores: pa.BinaryArray
+    values: tuple[pa.BinaryArray, ...]
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def entries(self) -> list[Any]:
-        """The page as hiredis gives it, ``[[id, [b"h", header, b"b", body, b"s", store]], ...]``,
-        for the careful path of a reader."""
+        """The page as hiredis gives it, ``[[id, [field, value, ...]], ...]``, for a careful path."""
+        names = self.layout.fields
+        columns = [c.to_pylist() for c in self.values]
         return [
-            [i, [b"h", h, b"b", b, b"s", s]]
-            for i, h, b, s in zip(
-                self.ids.to_pylist(),
-                self.heads.to_pylist(),
-                self.bodies.to_pylist(),
-                self.stores.to_pylist(),
-                strict=True,
-            )
+            [entry_id, [x for pair in zip(names, row, strict=True) for x in pair]]
+            for entry_id, *row in zip(self.ids.to_pylist(), *columns, strict=True)
         ]
 
 
@@ -132,9 +147,9 @@ def _lengths(u64: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     return v.astype(np.int64), nd, ok
 
 
-def cut(data: np.ndarray, end: int) -> RawColumns | None:
+def cut(data: np.ndarray, end: int, layout: Layout = TOPIC) -> RawColumns | None:
     """The ``XRANGE`` reply ``data[:end]`` (bytes as uint8) cut into columns, or None if it is not
-    a complete reply of entries in ``append_entries``' layout (then parse it with hiredis).
+    a complete reply of entries of ``layout`` (then parse it with hiredis).
     ``data`` must hold at least 8 bytes past ``end`` (the ``+PONG`` read behind it does)."""
     if end < 4 or len(data) < end + 8 or data[0] != ord("*"):
         return None
@@ -150,9 +165,9 @@ def cut(data: np.ndarray, end: int) -> RawColumns | None:
     starts = stars[_literal(u64, stars, _START)]
     if len(starts) < n:
         return None
-    spans = []  # (start, end) of id, header, body, store
+    spans = []  # (start, end) of the id and of each value
     pos, ok = starts + len(_START), np.ones(len(starts), dtype=bool)
-    for after in (_AFTER_ID, _AFTER_HEADER, _AFTER_BODY, _CRLF):
+    for after in layout.separators():
         size, nd, good = _lengths(u64, pos)
         lo = pos + nd + 2
         hi = lo + size
@@ -166,7 +181,8 @@ def cut(data: np.ndarray, end: int) -> RawColumns | None:
     if starts[0] != first or nxt[-1] != end or (nxt[:-1] != starts[1:]).any():
         return None
     buf = pa.py_buffer(data)
-    return RawColumns(*(headers.gather(buf, lo[ok], hi[ok]) for lo, hi in spans))
+    ids, *values = (headers.gather(buf, lo[ok], hi[ok]) for lo, hi in spans)
+    return RawColumns(layout, ids, tuple(values))
 
 
 #: ``RawPages._round_trip``'s answer for an error reply: ask again through redis-py, which raises it.
@@ -174,11 +190,13 @@ _ERROR_REPLY = object()
 
 
 class RawPages:
-    """``XRANGE`` pages of one client, read raw (``cut``) on one connection of its pool, kept
-    until ``close``. A client that is not a plain ``redis.Redis`` reads with ``xrange``."""
+    """``XRANGE`` pages of one client, entries of ``layout``, read raw (``cut``) on one connection
+    of its pool, kept until ``close``. A client that is not a plain ``redis.Redis`` reads with
+    ``xrange``."""
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, layout: Layout = TOPIC) -> None:
         self._client = client
+        self._layout = layout
         self._raw = type(client) is redis.Redis
         self._conn: Any = None
         #: Reply bytes per entry of the last page: the next page's buffer is sized from it.
@@ -235,7 +253,7 @@ class RawPages:
 
     def _parsed(self, buf: np.ndarray, filled: int) -> Any:
         """The page if ``buf[:filled]`` holds both replies, else None (read on)."""
-        cols = cut(buf, filled - 7)
+        cols = cut(buf, filled - 7, self._layout)
         if cols is not None:
             self._entry_bytes = (filled - 7) / len(cols)
             return cols

@@ -25,13 +25,13 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, InputPartition
 
 from mqorder.errors import ConfigError
 from mqorder.names import check_topic
+from mqorder.spark.headers import as_bytes
 from mqorder.spark.options import Connection, check_known, connection, lower_options, min_partitions
 from mqorder.spark.reader import (
     Page,
     PausedGC,
     QueueRange,
     RangeGroup,
-    _as_bytes,
     _headers_arrow,
     as_entries,
     columns,
@@ -98,7 +98,7 @@ def _batch(part: QueueRange, entries: Page, order_field: str | None) -> pa.Recor
     if cols is None or headers is None:
         return _batch_checked(part, as_entries(entries), order_field)
     offsets, _, bodies, _ = cols
-    values = (pa.array([_field_text(b, order_field) for b in _as_bytes(bodies)], pa.string()) if order_field
+    values = (pa.array([_field_text(b, order_field) for b in as_bytes(bodies)], pa.string()) if order_field
               else pa.nulls(n, pa.string()))
     return pa.RecordBatch.from_arrays([pa.repeat(pa.scalar(part.span.index, pa.int32()), n), offsets, headers[1],
                                        headers[0], values], schema=ARROW_SCHEMA)

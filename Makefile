@@ -49,7 +49,8 @@ install: $(STAMP)
 # micro-batches, failovers): -n 2 took 18m19s on a quiet machine (CI), -n 3 9m39s with the machine
 # 76 % busy on average over the run; each worker that runs a local Spark test starts one JVM.
 PYTEST_WORKERS ?= 3
-PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup
+# --durations: the slowest tests in every CI log, to see where the ~10 minutes go.
+PYTEST_PARALLEL := -n $(PYTEST_WORKERS) --dist loadgroup --durations=25
 # The compose stack test's images (tests/test_compose_run.py) build in the background from the
 # start of `make test`, beside lint and the other tests; the test waits on build_images.sh's lock
 # and finds them built (on a machine that has them, the script returns at once).

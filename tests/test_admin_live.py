@@ -48,12 +48,18 @@ def test_status_and_consumers_of_a_live_group_and_a_stuck_queue_found_then_clear
     p.send_orderly_batch("t-order", [(f"k{i % 20}", body(f"k{i % 20}", i // 20 + 1)) for i in range(200)])
     wait_for(lambda: len(ok_entries(r, "g-order")) >= 200, timeout=60, what="200 handled")
 
-    gc = cli_json("consumers", "g-order")
+    def fresh() -> dict[str, Any] | None:
+        """The consumers while every heartbeat is under 3 s old (one every second): a worker
+        starved of CPU for a moment (the suite's load once made it 3.2 s) is asked again."""
+        got = cli_json("consumers", "g-order")
+        return got if all(0 <= c["heartbeat_age_ms"] < 3000 for c in got["consumers"]) else None
+
+    gc = wait_for(fresh, timeout=30, what="heartbeats under 3 s old")
     by_id = {c["client_id"]: c for c in gc["consumers"]}
     assert gc["live"] == 2 and set(by_id) == {w1.hostname, w2.hostname}
     assert (by_id[w1.hostname]["pool"], by_id[w1.hostname]["concurrency"]) == ("prefork", 2)
     assert (by_id[w2.hostname]["pool"], by_id[w2.hostname]["concurrency"]) == ("threads", 3)
-    assert all(0 <= c["heartbeat_age_ms"] < 3000 and c["pid"] for c in gc["consumers"])
+    assert all(c["pid"] for c in gc["consumers"])
     assigned = sorted(q for c in gc["consumers"] for q in c["assigned"])
     assert assigned == [f"t-order:broker-a:{i}" for i in range(4)]
     assert all(len(c["assigned"]) == 2 for c in gc["consumers"])

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.common import RUNS_DIR, Config, load1, log
-from bench.keys import ASYNC_SPECS, SPECS, KeysSpec, measure
+from bench.keys import ASYNC_SPECS, EXTRA_SPECS, SPECS, KeysSpec, measure
 
 
 def parse_spec(text: str) -> tuple[str, str, dict[str, str]]:
@@ -43,7 +43,7 @@ def main() -> int:
     ap.add_argument("--messages", type=int, default=20_000, help="before KeysSpec.scale (x5 in key order)")
     ap.add_argument("--failing", action="store_true", help="also the run with the failing key")
     args = ap.parse_args()
-    by_tag: dict[str, KeysSpec] = {s.tag: s for s in (*SPECS, *ASYNC_SPECS)}
+    by_tag: dict[str, KeysSpec] = {s.tag: s for s in (*SPECS, *ASYNC_SPECS, *EXTRA_SPECS)}
     tags = [t for t in args.tags.split(",") if t]
     unknown = [t for t in tags if t not in by_tag]
     if unknown:

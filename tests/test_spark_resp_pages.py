@@ -5,6 +5,7 @@ of ``append_entries``' layout is left to hiredis (``cut`` gives None), whatever 
 from __future__ import annotations
 
 import random
+import time
 
 import hiredis
 import numpy as np
@@ -180,3 +181,39 @@ def test_a_dropped_connection_is_retried_as_the_client_says(
     finally:
         pages.close()
     assert isinstance(got, RawColumns) and len(got) == 100 and calls["n"] == 2
+
+
+def test_bodies_dense_in_stars_go_to_hiredis_and_a_few_stars_still_cut() -> None:
+    """Each ``*`` of a page costs ``cut`` several 8-byte positions: a page whose bodies are mostly
+    ``*`` (a 100 MB page took 2.2 GB and 7 s) is left to hiredis; bodies with a few are cut."""
+    dense = _reply([_entry(i, b'{"i":"%d"}' % i, b"*" * 20_000) for i in range(20)])
+    assert _cut(dense) is None
+    few = _reply([_entry(i, b'{"i":"%d"}' % i, b"a*b*c") for i in range(2000)])
+    assert _agrees(few) is not None
+
+
+def test_a_user_without_ping_reads_at_once_and_sees_real_errors(r: redis.Redis, redis_url: str) -> None:
+    """The page's end is marked by a PING. An ACL user allowed ``+@read`` only is refused it
+    (NOPERM): the read used to wait for a "+PONG" that never came, then fail on the socket's
+    timeout, hiding the real error. The error line ends the read now; the client reads its
+    later pages without the PING."""
+    _stream(r, "s:acl", 300)
+    r.acl_setuser("pages-reader", enabled=True, passwords=["+pw"], keys=["*"], commands=["+@read"], reset=True)
+    host, port = r.connection_pool.connection_kwargs["host"], r.connection_pool.connection_kwargs["port"]
+    client = redis.Redis(host=host, port=port, username="pages-reader", password="pw", socket_timeout=5)
+    client.set_response_callback("XRANGE", lambda resp, **_: resp)
+    pages = RawPages(client)
+    try:
+        with pytest.raises(redis.ResponseError, match="no permissions to run the 'ping' command"):
+            client.ping()  # the user's rights are as the test means them
+        t0 = time.monotonic()
+        first = pages.xrange("s:acl", "-", "+", 100)
+        later = pages.xrange("s:acl", "101", "+", 1000)
+        took = time.monotonic() - t0
+        assert list(first) == client.xrange("s:acl", count=100)
+        assert list(later) == client.xrange("s:acl", min="101", max="+", count=1000)
+        assert took < 4, took  # not the 5 s socket timeout
+    finally:
+        pages.close()
+        client.close()
+        r.acl_deluser("pages-reader")

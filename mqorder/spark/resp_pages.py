@@ -161,7 +161,13 @@ def cut(data: np.ndarray, end: int, layout: Layout = TOPIC) -> RawColumns | None
     if not n:
         return None
     u64 = _u64_at(data)
-    stars = np.flatnonzero(data[first:end] == ord("*")) + first
+    is_star = data[first:end] == ord("*")
+    if np.count_nonzero(is_star) > _STARS_PER_ENTRY * n + _STARS_SLACK:
+        # Bodies dense in "*": every one would cost several 8-byte positions (a 100 MB page of
+        # "*" took 2.2 GB and 7 s); hiredis parses such a page in its own memory.
+        return None
+    stars = np.flatnonzero(is_star) + first
+    del is_star
     starts = stars[_literal(u64, stars, _START)]
     if len(starts) < n:
         return None
@@ -187,6 +193,23 @@ def cut(data: np.ndarray, end: int, layout: Layout = TOPIC) -> RawColumns | None
 
 #: ``RawPages._round_trip``'s answer for an error reply: ask again through redis-py, which raises it.
 _ERROR_REPLY = object()
+#: ``cut`` gives a page whose ``*`` bytes pass this many per entry (each entry has two of its own,
+#: its id's and its fields' arrays) plus the slack to hiredis: few bodies hold many.
+_STARS_PER_ENTRY, _STARS_SLACK = 4, 4096
+#: The buffer a page starts with at most (it doubles while the reply is longer): one read of large
+#: messages must not make the next range's first page ask for gigabytes up front.
+_MAX_FIRST_BUFFER = 64 << 20
+#: The longest last line looked at for an error reply (``-ERR ...``) ending the bytes read.
+_ERROR_LINE_MAX = 1024
+
+
+def _ends_in_error_line(buf: np.ndarray, filled: int) -> bool:
+    """Whether ``buf[:filled]`` ends with a whole line starting with ``-`` (an error reply)."""
+    if filled < 3 or buf[filled - 2] != ord("\r") or buf[filled - 1] != ord("\n"):
+        return False
+    tail = buf[max(0, filled - _ERROR_LINE_MAX) : filled - 2].tobytes()
+    start = tail.rfind(b"\r\n") + 2 if b"\r\n" in tail else (0 if filled <= _ERROR_LINE_MAX else -1)
+    return start >= 0 and tail[start : start + 1] == b"-"
 
 
 class RawPages:
@@ -209,7 +232,7 @@ class RawPages:
             return list(self._client.xrange(key, min=lo, max=hi, count=count))
         args: tuple[Any, ...] = ("XRANGE", key, lo, hi, "COUNT", count)
         packed = hiredis.pack_command(args) + _PING
-        size = max(_FIRST_BUFFER, int(count * self._entry_bytes * 1.1))
+        size = min(_MAX_FIRST_BUFFER, max(_FIRST_BUFFER, int(count * self._entry_bytes * 1.1)))
         if self._conn is None:
             self._conn = self._client.connection_pool.get_connection()
         conn = self._conn
@@ -246,26 +269,41 @@ class RawPages:
                     done = self._parsed(buf, filled)
                     if done is not None:
                         return done
+                elif _ends_in_error_line(buf, filled):
+                    # The PING refused (an ACL user without it, BUSY, LOADING, MASTERDOWN): no
+                    # "+PONG" will come, and waiting for one ended in the socket's timeout with
+                    # the real error unseen.
+                    done = self._parsed(buf, filled, pong=False)
+                    if done is not None:
+                        return done
         except TimeoutError as exc:
             raise RedisTimeoutError(f"Timeout reading from socket: {exc}") from exc
         except OSError as exc:
             raise RedisConnectionError(f"Error while reading from socket: {exc}") from exc
 
-    def _parsed(self, buf: np.ndarray, filled: int) -> Any:
-        """The page if ``buf[:filled]`` holds both replies, else None (read on)."""
-        cols = cut(buf, filled - 7, self._layout)
-        if cols is not None:
-            self._entry_bytes = (filled - 7) / len(cols)
-            return cols
+    def _parsed(self, buf: np.ndarray, filled: int, pong: bool = True) -> Any:
+        """The page if ``buf[:filled]`` holds both replies, else None (read on). ``pong``: it ends
+        in ``+PONG`` (else in an error line, which may be the PING's answer or a body's bytes)."""
+        if pong:
+            cols = cut(buf, filled - 7, self._layout)
+            if cols is not None:
+                self._entry_bytes = (filled - 7) / len(cols)
+                return cols
         reader = hiredis.Reader()
         reader.feed(buf[:filled].tobytes())
         first = reader.gets()
-        if first is False or reader.gets() is False:
+        if first is False:
             return None
+        second = reader.gets()
+        if second is False:
+            return None
+        if isinstance(second, hiredis.ReplyError):
+            # The PING was refused: read this client's later pages with ``xrange`` (no PING).
+            self._raw = False
         if not isinstance(first, list):
             return _ERROR_REPLY
         if first:
-            self._entry_bytes = (filled - 7) / len(first)
+            self._entry_bytes = filled / len(first)
         return first
 
     def close(self) -> None:

@@ -130,3 +130,16 @@ def test_other_ledger_records_fall_back() -> None:
         for page in ([b], [_record(rng) for _ in range(3)] + [b]):
             assert ledger_parse.parse(page, ledger._json_options(tuple(ledger.LEDGER_ARROW_SCHEMA.names), "t")
                                       .explicit_schema) is None, b
+
+
+def test_pages_of_large_messages_stay_near_page_bytes() -> None:
+    """A page after the first asks for about ``PAGE_BYTES`` of entries the size of the last page's,
+    down to one entry: it once asked for at least 1,000, 4 GB of 4 MB messages (and past 2 GiB a
+    page cannot become an Arrow binary column)."""
+    big = [[b"%d-0" % i, [b"h", b"{}", b"b", b"x" * (4 << 20), b"s", b"1"]] for i in range(2)]
+    assert R.page_rows(big) == 1
+    medium = [[b"%d-0" % i, [b"h", b"{}", b"b", b"x" * (64 << 10), b"s", b"1"]] for i in range(2)]
+    assert 60 <= R.page_rows(medium) <= 64  # 4 MB of 64 KB entries
+    small = [[b"%d-0" % i, [b"h", b"{}", b"b", b"x" * 100, b"s", b"1"]] for i in range(2)]
+    assert R.page_rows(small) == R.MAX_PAGE
+    assert R.FIRST_PAGE * (4 << 20) < 2**31  # the first page of the default largest messages fits

@@ -70,12 +70,16 @@ ARROW_SCHEMA = pa.schema([
     ("born_timestamp", _TS),
     ("store_timestamp", _TS),
 ])
-#: Entries the first ``XRANGE`` of a range fetches (it sizes the next pages).
-FIRST_PAGE = 2000
+#: Entries the first ``XRANGE`` of a range fetches (it sizes the next pages): few, since their size
+#: is not known yet (2,000 messages of 4 MB, the default largest, were an 8 GB reply; a page over
+#: 2 GiB cannot become an Arrow binary column at all). One round trip more per range.
+FIRST_PAGE = 64
 #: Bytes of stream entries a later page aims at, and its bounds in entries: big pages mean fewer
-#: round trips and Arrow batches, but one ``XRANGE`` holds the broker for its whole page.
+#: round trips and Arrow batches, but one ``XRANGE`` holds the broker for its whole page. The
+#: lower bound is one entry: a page of large messages stays near ``PAGE_BYTES`` (it once had to
+#: hold 1,000 of them, 4 GB of 4 MB messages).
 PAGE_BYTES = 4 << 20
-MIN_PAGE, MAX_PAGE = 1000, 20_000
+MIN_PAGE, MAX_PAGE = 1, 20_000
 EARLIEST, LATEST = -2, -1
 
 

@@ -201,15 +201,21 @@ class QueueAppender:
         self._subs[topic] = (now, subs)
         return subs
 
-    def wake_tail(self, mq: MessageQueue, tag: str | None = None) -> tuple[list[str], list[Any]]:
+    def tag_of(self, mq: MessageQueue) -> str:
+        """``mq.tag``, formatted once per queue (a property that formats it anew; a send asks for
+        it every time)."""
+        tag = self._tags.get(mq)
+        if tag is None:
+            tag = self._tags[mq] = mq.tag
+        return tag
+
+    def wake_tail(self, mq: MessageQueue) -> tuple[list[str], list[Any]]:
         """The wake-up part of any script that appends to ``mq`` (``wake_owners`` in Lua): the
-        state key of every subscription of the topic, and per key a fresh (token, payload) pair.
-        ``tag``: ``mq.tag``, when the caller has it already."""
+        state key of every subscription of the topic, and per key a fresh (token, payload) pair."""
         subs = self.subscriptions(mq.topic)
         if not subs:
             return [], []
-        if tag is None:
-            tag = mq.tag
+        tag = self.tag_of(mq)
         state_keys = [keys.sub_state(tag, s) for s in subs]
         args: list[Any] = []
         token = new_token()
@@ -226,15 +232,13 @@ class QueueAppender:
         ``broker``: ``mq``'s, when the caller has it already."""
         if broker is None:
             broker = self.brokers.get(mq.broker_name)
-        return keys.wake_prefix(mq.tag if broker.is_cluster else None)
+        return keys.wake_prefix(self.tag_of(mq) if broker.is_cluster else None)
 
     def send_call(self, req: AppendRequest, broker: Broker | None = None) -> tuple[list[str], list[Any]]:
         """Keys and arguments of ``send.lua`` for one request (``broker``: its queue's, if known)."""
         mq = req.mq
-        tag = self._tags.get(mq)
-        if tag is None:
-            tag = self._tags[mq] = mq.tag  # a property formatting it anew: once per queue here
-        state_keys, wake_args = self.wake_tail(mq, tag)
+        tag = self.tag_of(mq)
+        state_keys, wake_args = self.wake_tail(mq)
         args: list[Any] = [len(req.entries), "0" if req.ids is None else "1"]
         if req.ids is not None and req.dedup_window_ms is not None:
             kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_dedup(tag), keys.queue_dedup_expiry(tag),
@@ -252,9 +256,7 @@ class QueueAppender:
                 args.append(h)
                 args.append(b)
         args.append(self.pending_ttl_ms)
-        if broker is None:
-            broker = self.brokers.get(mq.broker_name)
-        args.append(keys.wake_prefix(tag if broker.is_cluster else None))
+        args.append(self.wake_prefix(mq, broker))
         args.extend(wake_args)
         return kl, args
 

@@ -8,7 +8,9 @@ buffer and no Python object is made per entry.
 
 How: the ``XRANGE`` and a ``PING`` go out in one write on a connection of the client's own pool
 (its connect, auth, TLS and retries stay redis-py's), and bytes are read into one buffer until it
-ends with the ``PING``'s ``+PONG``. A page is read for a ``Layout``: the one-byte field names its
+ends with the ``PING``'s ``+PONG``, or with an error line: a refused ``PING`` (an ACL user without
+it, ``BUSY``, ``LOADING``), whose two replies hiredis then parses; that reader asks later pages
+with ``xrange``. A page is read for a ``Layout``: the one-byte field names its
 entries hold, in order. An entry that ``append_entries`` wrote (``TOPIC``) is, in RESP::
 
     *2 $<a> <id> *6 $1 h $<b> <header> $1 b $<c> <body> $1 s $<d> <store ms>   (each part + CRLF)

@@ -41,15 +41,28 @@ _LITERALS = (
 _SPACING = ((0, 1, 2), (1, 2, 2), (3, 4, 2), (4, 5, 2), (6, 7, 2), (7, 8, 3), (9, 10, 3), (10, 11, 2))
 
 
+#: Positions in a buffer from here on do not fit the int32 offsets of an Arrow ``binary`` array
+#: (``gather`` reads such ranges with int64 offsets). A module constant so a test can lower it.
+INT64_OFFSETS_FROM = 2**31
+
+
 def gather(buf: pa.Buffer, starts: np.ndarray, ends: np.ndarray) -> pa.Array:
     """The byte ranges ``[starts, ends)`` of ``buf`` (in order, not overlapping) as one Arrow binary
     array. The ranges and the bytes between them are a binary array over ``buf`` itself, offsets
-    ``s0, e0, s1, e1, ...`` (no copy); ``take`` of its even elements copies the ranges out in C++."""
+    ``s0, e0, s1, e1, ...`` (no copy); ``take`` of its even elements copies the ranges out in C++.
+
+    Ranges ending at or past ``INT64_OFFSETS_FROM`` (a reply over 2 GiB) would wrap in int32
+    offsets: that view is a ``large_binary`` one, and what ``take`` copies out is cast back to
+    ``binary`` (new offsets, the same values: the ranges themselves must total under 2 GiB, which
+    ``resp_pages.MAX_BATCH_BYTES`` sees to). Ordinary buffers take the int32 path, no extra step."""
     n = len(starts)
-    offsets = np.empty(2 * n, dtype=np.int32)
+    large = n > 0 and int(ends[-1]) >= INT64_OFFSETS_FROM  # in order: the last end is the largest
+    offsets = np.empty(2 * n, dtype=np.int64 if large else np.int32)
     offsets[0::2], offsets[1::2] = starts, ends
-    both = pa.Array.from_buffers(pa.binary(), 2 * n - 1, [None, pa.py_buffer(offsets), buf])
-    return both.take(pa.array(np.arange(0, 2 * n, 2, dtype=np.int32)))
+    kind = pa.large_binary() if large else pa.binary()
+    both = pa.Array.from_buffers(kind, 2 * n - 1, [None, pa.py_buffer(offsets), buf])
+    out = both.take(pa.array(np.arange(0, 2 * n, 2, dtype=np.int32)))
+    return out.cast(pa.binary()) if large else out
 
 
 def json_integers(data: np.ndarray, buf: pa.Buffer, starts: np.ndarray, ends: np.ndarray) -> pa.Array | None:

@@ -38,7 +38,7 @@ from mqorder.spark import ledger_parse
 from mqorder.spark.headers import Binaries, as_bytes
 from mqorder.spark.options import Connection, check_known, connection, lower_options, min_partitions
 from mqorder.spark.reader import PausedGC
-from mqorder.spark.resp_pages import LEDGER, RawColumns, RawPages
+from mqorder.spark.resp_pages import LEDGER, Piece, RawColumns, RawPages, pieces
 from mqorder.store.brokers import BrokerRegistry
 
 #: The schema of a ledger read, as DDL for ``DataSource.schema`` (``FIELDS`` in order, then ``entry``).
@@ -198,7 +198,12 @@ def _records(client: redis.Redis, group: str, start: str, end: str) -> Iterator[
     A page of records in the engine's layout (one field ``r``) is cut from the raw reply as two
     binary columns (``resp_pages``: no Python object per record); any other page is parsed by
     hiredis and transposed with ``zip``, the cyclic collector paused meanwhile (``reader.PausedGC``:
-    it would walk the page's thousands of lists over and over)."""
+    it would walk the page's thousands of lists over and over).
+
+    A page is ``READ_PAGE`` records of about 250 bytes (a key, at most the 64 KB a header may hold,
+    is the only unbounded part), far from 2 GiB; one whose records still pass
+    ``resp_pages.MAX_BATCH_BYTES`` comes in pieces within it (``resp_pages.pieces``), as topic
+    pages do, and each piece is parsed and yielded on its own."""
     key = keys.ledger(group)
     nxt = start
     pages = RawPages(client, LEDGER)
@@ -206,12 +211,12 @@ def _records(client: redis.Redis, group: str, start: str, end: str) -> Iterator[
         while True:
             with PausedGC():
                 page = pages.xrange(key, nxt, end, READ_PAGE)
-                if not len(page):
-                    return
-                ids, raws = _ids_and_records(page)
+                n = len(page)
+                parts = [_ids_and_records(piece) for piece in pieces(page)] if n else []
                 del page
-            yield ids, raws
-            if len(ids) < READ_PAGE:
+            for ids, raws in parts:
+                yield ids, raws
+            if n < READ_PAGE:
                 return
             last = ids[-1]
             nxt = "(" + _text(last.as_py() if isinstance(last, pa.Scalar) else last)
@@ -219,7 +224,7 @@ def _records(client: redis.Redis, group: str, start: str, end: str) -> Iterator[
         pages.close()
 
 
-def _ids_and_records(page: RawColumns | list[Any]) -> tuple[Binaries, Binaries]:
+def _ids_and_records(page: Piece) -> tuple[Binaries, Binaries]:
     if isinstance(page, RawColumns):
         return page.ids, page.values[0]
     ids, fields = zip(*page, strict=True)

@@ -13,8 +13,11 @@ common shape are cut with numpy (``headers``, else Arrow's JSON reader) and bodi
 through untouched, so no Python code runs per message. A page that holds anything else
 (properties, a damaged header, another field layout) is parsed by hiredis and takes the careful
 path, message by message, and gives the same rows. Pages are sized from the stored entries: the
-first ``XRANGE`` of a range fetches ``FIRST_PAGE`` entries, and later ones about ``PAGE_BYTES`` of
-entries of that size.
+first ``XRANGE`` of a range fetches ``FIRST_PAGE`` entries (fewer if ``maxMessageSize`` is over
+4 MB: ``first_page``), and later ones about ``PAGE_BYTES`` of entries of that size. A page makes
+one Arrow batch, or several if its values pass ``resp_pages.MAX_BATCH_BYTES`` (large messages, or
+their size jumping between pages): no batch holds more, so none overflows Arrow's 2 GiB binary
+columns.
 
 Python's cyclic garbage collector is paused while a page is fetched and converted: a reply hiredis parses is
 thousands of small lists and strings that only reference counting frees, and a collection walking
@@ -42,10 +45,10 @@ from pyspark.sql.datasource import DataSourceReader, InputPartition
 from mqorder import keys
 from mqorder.errors import ConfigError
 from mqorder.model import MessageQueue
-from mqorder.spark import headers
+from mqorder.spark import headers, resp_pages
 from mqorder.spark.options import Connection, ReadOptions
 from mqorder.spark.queues import QueueRef
-from mqorder.spark.resp_pages import RawColumns, RawPages
+from mqorder.spark.resp_pages import RawColumns, RawPages, SplitPage, pieces
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -74,6 +77,10 @@ ARROW_SCHEMA = pa.schema([
 #: is not known yet (2,000 messages of 4 MB, the default largest, were an 8 GB reply; a page over
 #: 2 GiB cannot become an Arrow binary column at all). One round trip more per range.
 FIRST_PAGE = 64
+#: Bytes the first page may reach with every message as large as ``maxMessageSize`` allows:
+#: ``FIRST_PAGE`` of the default 4 MB. A larger limit asks for fewer (``first_page``): 64 messages
+#: of 40 MB were a 2.5 GB reply, read whole before any of it is split into batches.
+FIRST_PAGE_BYTES = FIRST_PAGE * (4 << 20)
 #: Bytes of stream entries a later page aims at, and its bounds in entries: big pages mean fewer
 #: round trips and Arrow batches, but one ``XRANGE`` holds the broker for its whole page. The
 #: lower bound is one entry: a page of large messages stays near ``PAGE_BYTES`` (it once had to
@@ -231,15 +238,24 @@ def plan_partitions(topic: str, spans: Sequence[QueueRef], start: Mapping[int, i
     return groups
 
 
-#: A page of stream entries: cut into columns from the raw reply (``resp_pages``), or hiredis'
-#: lists ``[[id, [field, value, ...]], ...]`` for a page of another layout.
-Page: TypeAlias = RawColumns | list[Any]
+#: A page of stream entries, or a piece of one whose values pass ``resp_pages.MAX_BATCH_BYTES``:
+#: cut into columns from the raw reply (``resp_pages``), or hiredis' lists
+#: ``[[id, [field, value, ...]], ...]`` for a page of another layout.
+Page: TypeAlias = resp_pages.Piece
 
 
-def page_rows(entries: Page) -> int:
+def first_page(max_message_size: int) -> int:
+    """Entries the first ``XRANGE`` of a range asks for: ``FIRST_PAGE``, fewer when that many
+    messages of ``max_message_size`` would pass ``FIRST_PAGE_BYTES``; at least one."""
+    return max(MIN_PAGE, min(FIRST_PAGE, FIRST_PAGE_BYTES // max(1, max_message_size)))
+
+
+def page_rows(entries: resp_pages.Page) -> int:
     """How many entries the next ``XRANGE`` asks for: about ``PAGE_BYTES`` of entries the size of
     these (id and field values counted; the reply's framing is small beside them)."""
-    if isinstance(entries, RawColumns):
+    if isinstance(entries, SplitPage):
+        size = entries.nbytes / len(entries)
+    elif isinstance(entries, RawColumns):
         size = sum(a.nbytes for a in (entries.ids, *entries.values)) / len(entries)
     else:
         size = sum(len(i) + sum(len(f) for f in fields) for i, fields in entries[:64]) / min(len(entries), 64)
@@ -258,8 +274,10 @@ def as_entries(entries: Page) -> list[Any]:
 
 
 def read_pages(conn: Connection, part: QueueRange) -> Iterator[Page]:
-    """The stream entries of ``part`` in offset order, a page per ``XRANGE`` (``FIRST_PAGE``, then
-    sized by ``page_rows``), shared by the topic reader and the audit's stored index.
+    """The stream entries of ``part`` in offset order, a page per ``XRANGE`` (``first_page``, then
+    sized by ``page_rows``), shared by the topic reader and the audit's stored index. A page whose
+    values pass ``resp_pages.MAX_BATCH_BYTES`` comes as several pieces (``resp_pages.SplitPage``),
+    in order, each within it (a larger entry alone): one Arrow batch each.
 
     The cyclic collector is off while a page is fetched (see the module docstring), on again while
     the caller holds it: the caller converts it at once, under ``PausedGC`` too."""
@@ -277,7 +295,7 @@ def group_pages(conn: Connection, group: RangeGroup) -> Iterator[tuple[QueueRang
             name = part.span.broker
             if name not in raw:
                 raw[name] = RawPages(brokers.get(name).client)
-            for entries in _pages(raw[name], part):
+            for entries in _pages(raw[name], part, first_page(conn.max_message_size)):
                 yield part, entries
     finally:
         for pages in raw.values():
@@ -285,17 +303,18 @@ def group_pages(conn: Connection, group: RangeGroup) -> Iterator[tuple[QueueRang
         brokers.close()
 
 
-def _pages(raw: RawPages, part: QueueRange) -> Iterator[Page]:
+def _pages(raw: RawPages, part: QueueRange, first: int) -> Iterator[Page]:
     log_key = keys.queue_log(_mq(part.topic, part.span).tag)
-    nxt, count = part.start, FIRST_PAGE
+    nxt, count = part.start, first
     while nxt < part.end:
         with PausedGC():
-            entries = raw.xrange(log_key, f"{nxt}-0", f"{part.end - 1}-18446744073709551615", count)
-        if not len(entries):
+            page = raw.xrange(log_key, f"{nxt}-0", f"{part.end - 1}-18446744073709551615", count)
+        if not len(page):
             break
-        yield entries
-        nxt = last_offset(entries) + 1
-        count = page_rows(entries)
+        parts = pieces(page)
+        yield from parts
+        nxt = last_offset(parts[-1]) + 1
+        count = page_rows(page)
 
 
 class PausedGC:
@@ -313,12 +332,13 @@ class PausedGC:
 
 
 def read_range(conn: Connection, part: QueueRange) -> Iterator[pa.RecordBatch]:
-    """The messages of ``part`` as Arrow batches, one per page."""
+    """The messages of ``part`` as Arrow batches, one per page (or piece of one: ``read_pages``)."""
     return read_group(conn, RangeGroup((part,)))
 
 
 def read_group(conn: Connection, group: RangeGroup) -> Iterator[pa.RecordBatch]:
-    """The messages of every range of ``group`` as Arrow batches, one per page."""
+    """The messages of every range of ``group`` as Arrow batches, one per page (or piece of one:
+    ``read_pages``)."""
     for part, entries in group_pages(conn, group):
         with PausedGC():
             batch = _batch(part, entries)

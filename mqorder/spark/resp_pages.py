@@ -26,13 +26,21 @@ reply's start gives exactly that chain, so an accepted cut is the reply's one pa
 in ``+PONG``) is handed to hiredis, which parses the same bytes (or says to read on).
 
 A client that is not a plain ``redis.Redis`` (a Redis Cluster client) reads with ``xrange``.
+
+A page whose values pass ``MAX_BATCH_BYTES`` (messages of tens of MB, ``maxMessageSize`` goes up to
+512 MB) comes as a ``SplitPage``: its entries in order, in pieces of at most that many bytes of
+values each (an entry larger than that alone), so that no Arrow binary column of a piece nears
+2 GiB (the most one can hold) and no batch handed to Spark's JVM is huge. Positions in a reply
+past 2 GiB are read with int64 offsets (``headers.gather``).
 """
 
 from __future__ import annotations
 
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from itertools import chain, pairwise
+from typing import Any, TypeAlias
 
 import hiredis
 import numpy as np
@@ -51,6 +59,10 @@ _CRLF = b"\r\n"
 #: Digits of a length: 7 read at most (bodies are at most ``maxMessageSize``, 4 MB by default).
 _LEN_DIGITS = 7
 _FIRST_BUFFER = 64 << 10
+#: Bytes of values (ids and field values) a piece of a page holds at most: a page past it is a
+#: ``SplitPage``. Each piece becomes one Arrow record batch; well under 2 GiB, the most an Arrow
+#: ``binary`` column holds, and not so large that Spark's JVM chokes on one batch.
+MAX_BATCH_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -95,6 +107,63 @@ class RawColumns:
             [entry_id, [x for pair in zip(names, row, strict=True) for x in pair]]
             for entry_id, *row in zip(self.ids.to_pylist(), *columns, strict=True)
         ]
+
+
+@dataclass(frozen=True, eq=False)
+class SplitPage:
+    """A page whose values pass ``MAX_BATCH_BYTES``: its entries in order, in ``parts`` of at most
+    that many bytes of values each (an entry larger than that is a part of its own), every part
+    of the kind an ordinary page is (``RawColumns``, or hiredis' lists)."""
+
+    parts: tuple[RawColumns, ...] | tuple[list[Any], ...]
+    #: Bytes of the page's ids and values, for sizing the next page.
+    nbytes: int
+
+    def __len__(self) -> int:
+        return sum(map(len, self.parts))
+
+    def entries(self) -> list[Any]:
+        """The page as hiredis gives it (``RawColumns.entries``), for a careful path."""
+        return [e for part in self.parts for e in (part.entries() if isinstance(part, RawColumns) else part)]
+
+
+#: A page as ``RawPages.xrange`` gives it.
+Page: TypeAlias = RawColumns | SplitPage | list[Any]
+#: A page, or a part of a ``SplitPage``: at most ``MAX_BATCH_BYTES`` of values (or one entry).
+Piece: TypeAlias = RawColumns | list[Any]
+
+
+def pieces(page: Page) -> Sequence[Piece]:
+    """``page`` as pieces in entry order: a ``SplitPage``'s parts, else the page itself."""
+    return page.parts if isinstance(page, SplitPage) else (page,)
+
+
+def split_points(sizes: np.ndarray, limit: int) -> list[int]:
+    """Where pieces of entries of ``sizes`` (bytes, in order) start, plus the end: each piece takes
+    as many entries as fit in ``limit`` bytes, at least one. A step per piece, not per entry."""
+    total = np.cumsum(sizes, dtype=np.int64)
+    points, base = [0], 0
+    while points[-1] < len(sizes):
+        nxt = max(int(np.searchsorted(total, base + limit, side="right")), points[-1] + 1)
+        points.append(nxt)
+        base = int(total[nxt - 1])
+    return points
+
+
+def _entry_bytes(entry: Any) -> int:
+    """Bytes of an entry of hiredis' lists: its id, field names and values."""
+    entry_id, fields = entry
+    return len(entry_id) + sum(map(len, chain.from_iterable(fields.items()) if isinstance(fields, dict) else fields))
+
+
+def split_entries(entries: list[Any]) -> list[Any] | SplitPage:
+    """hiredis' ``XRANGE`` entries, as a ``SplitPage`` if their values pass ``MAX_BATCH_BYTES``
+    (a ``pa.array`` of more than 2 GiB of bodies is not one binary array), else as they are."""
+    sizes = np.fromiter(map(_entry_bytes, entries), dtype=np.int64, count=len(entries))
+    points = split_points(sizes, MAX_BATCH_BYTES)
+    if len(points) <= 2:
+        return entries
+    return SplitPage(tuple(entries[a:b] for a, b in pairwise(points)), int(sizes.sum()))
 
 
 def _u64_at(data: np.ndarray) -> np.ndarray:
@@ -149,9 +218,10 @@ def _lengths(u64: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     return v.astype(np.int64), nd, ok
 
 
-def cut(data: np.ndarray, end: int, layout: Layout = TOPIC) -> RawColumns | None:
+def cut(data: np.ndarray, end: int, layout: Layout = TOPIC) -> RawColumns | SplitPage | None:
     """The ``XRANGE`` reply ``data[:end]`` (bytes as uint8) cut into columns, or None if it is not
-    a complete reply of entries of ``layout`` (then parse it with hiredis).
+    a complete reply of entries of ``layout`` (then parse it with hiredis); a ``SplitPage`` of
+    columns if its values pass ``MAX_BATCH_BYTES``.
     ``data`` must hold at least 8 bytes past ``end`` (the ``+PONG`` read behind it does)."""
     if end < 4 or len(data) < end + 8 or data[0] != ord("*"):
         return None
@@ -188,8 +258,21 @@ def cut(data: np.ndarray, end: int, layout: Layout = TOPIC) -> RawColumns | None
     starts = starts[ok]
     if starts[0] != first or nxt[-1] != end or (nxt[:-1] != starts[1:]).any():
         return None
+    spans = [(lo[ok], hi[ok]) for lo, hi in spans]
     buf = pa.py_buffer(data)
-    ids, *values = (headers.gather(buf, lo[ok], hi[ok]) for lo, hi in spans)
+    if end <= MAX_BATCH_BYTES:  # the values are fewer bytes than the reply: one piece
+        return _gathered(layout, buf, spans)
+    sizes = sum(hi - lo for lo, hi in spans)
+    points = split_points(sizes, MAX_BATCH_BYTES)
+    if len(points) <= 2:
+        return _gathered(layout, buf, spans)
+    parts = tuple(_gathered(layout, buf, [(lo[a:b], hi[a:b]) for lo, hi in spans]) for a, b in pairwise(points))
+    return SplitPage(parts, int(sizes.sum()))
+
+
+def _gathered(layout: Layout, buf: pa.Buffer, spans: list[tuple[np.ndarray, np.ndarray]]) -> RawColumns:
+    """The ranges (id, then each field's value) of some entries of the reply in ``buf`` as columns."""
+    ids, *values = (headers.gather(buf, lo, hi) for lo, hi in spans)
     return RawColumns(layout, ids, tuple(values))
 
 
@@ -227,11 +310,12 @@ class RawPages:
         #: Reply bytes per entry of the last page: the next page's buffer is sized from it.
         self._entry_bytes = 256.0
 
-    def xrange(self, key: str, lo: str, hi: str, count: int) -> RawColumns | list[Any]:
+    def xrange(self, key: str, lo: str, hi: str, count: int) -> Page:
         """The entries of ``key`` in ``[lo, hi]``, at most ``count``: columns if the page has the
-        common layout, else hiredis' lists (as ``client.xrange`` on a ``Broker`` gives them)."""
+        common layout, else hiredis' lists (as ``client.xrange`` on a ``Broker`` gives them); a
+        ``SplitPage`` of either if its values pass ``MAX_BATCH_BYTES``."""
         if not self._raw:
-            return list(self._client.xrange(key, min=lo, max=hi, count=count))
+            return split_entries(list(self._client.xrange(key, min=lo, max=hi, count=count)))
         args: tuple[Any, ...] = ("XRANGE", key, lo, hi, "COUNT", count)
         packed = hiredis.pack_command(args) + _PING
         size = min(_MAX_FIRST_BUFFER, max(_FIRST_BUFFER, int(count * self._entry_bytes * 1.1)))
@@ -245,7 +329,7 @@ class RawPages:
             self.close()
             raise
         if got is _ERROR_REPLY:
-            return list(self._client.xrange(key, min=lo, max=hi, count=count))
+            return split_entries(list(self._client.xrange(key, min=lo, max=hi, count=count)))
         return got
 
     def _round_trip(self, conn: Any, packed: bytes, size: int) -> Any:
@@ -306,7 +390,8 @@ class RawPages:
             return _ERROR_REPLY
         if first:
             self._entry_bytes = filled / len(first)
-        return first
+        # A reply within the limit holds fewer bytes of values: no need to count them entry by entry.
+        return split_entries(first) if filled > MAX_BATCH_BYTES else first
 
     def close(self) -> None:
         """Give the connection back to its pool."""

@@ -82,6 +82,8 @@ def _field_text(body: bytes, name: str) -> str | None:
 
 
 def read_index(conn: Connection, group: RangeGroup, order_field: str | None) -> Iterator[pa.RecordBatch]:
+    """A batch per page of ``group``'s ranges, or per piece of a page whose values pass
+    ``resp_pages.MAX_BATCH_BYTES`` (``reader.group_pages`` cuts those as the topic reader's)."""
     for part, entries in group_pages(conn, group):
         with PausedGC():
             batch = _batch(part, entries, order_field)

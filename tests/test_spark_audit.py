@@ -142,6 +142,34 @@ def test_a_clean_ledger_is_audited_from_the_ledger_alone_counting_the_pending(sp
     assert [(q.stored, q.pending, q.lag) for q in rep.queues] == [(len(m), 1, 1) for m in queues]
 
 
+def test_a_record_without_its_queue_id_is_malformed_not_matched_by_its_broker_name_alone(spark, producer: Producer,
+                                                                                      r: redis.Redis,
+                                                                                      redis_url: str) -> None:
+    """A damaged record whose broker field reads ``<broker>:<queue id>`` and that has no queue id
+    must not be taken for a delivery of that queue (the queue lookup joins the two with ``:``)."""
+    import orjson
+
+    from mqorder.spark import audit
+
+    producer.create_topic(TOPIC, queues=2)
+    _publish(producer, TOPIC, {"a": [1, 2], "b": [1, 2]})
+    w = LedgerWriter(r)
+    queues = _stored(producer, TOPIC)
+    for q, msgs in enumerate(queues):
+        for m in msgs:
+            w.handle(m)
+        r.hset(keys.sub_state(producer.describe_topic(TOPIC).message_queues[q].tag, GROUP), "offset", len(msgs))
+    mq0 = producer.describe_topic(TOPIC).message_queues[0]
+    w.buf.records.append(orjson.dumps({
+        "group": GROUP, "topic": TOPIC, "broker": f"{mq0.broker_name}:{mq0.queue_id}", "offset": 0, "key": "a",
+        "born_ms": 1, "start_ms": w.clock + 10, "end_ms": w.clock + 11, "epoch": 1, "outcome": "SUCCESS"}))
+    w.flush()
+    rep = audit(spark, TOPIC, GROUP, redis_url=redis_url)
+    assert rep.malformed_records == 1
+    assert rep.ok and rep.duplicates_other == 0 and rep.duplicates_epoch_change == 0
+    assert rep.messages_succeeded == sum(len(m) for m in queues)
+
+
 def test_a_ledger_switched_on_late_shows_gaps_from_the_first_stored_message_or_unaudited_from_its_start(
         spark, producer: Producer, r: redis.Redis, redis_url: str) -> None:
     from mqorder.spark import audit

@@ -220,3 +220,14 @@ def _spy_counts(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
     monkeypatch.setattr(resp_pages.RawPages, "xrange", xrange)
     return counts
+
+
+def test_reads_take_max_message_size_as_an_option(redis_url: str) -> None:
+    """The process that plans a read (a Connect server, say) may not have the driver's environment:
+    ``maxMessageSize`` on a read (and the audit's index read) sets what sizes the first page."""
+    from mqorder.spark.options import read_options
+    from mqorder.spark.stored_index import index_options
+
+    opts = read_options({"topic": "big", "redisUrl": redis_url, "maxMessageSize": str(40 * MB)}, streaming=False)
+    assert opts.conn.max_message_size == 40 * MB and R.first_page(opts.conn.max_message_size) == 6
+    assert index_options({"topic": "big", "redisUrl": redis_url, "maxMessageSize": str(40 * MB)}).conn.max_message_size == 40 * MB

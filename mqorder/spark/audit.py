@@ -83,12 +83,18 @@ def _load(spark: SparkSession, settings: Settings, schema: str, fmt: str = "mqor
     return spark.read.format(fmt).schema(schema).options(**conn, **options).load()
 
 
+def _max_size(settings: Settings) -> str:
+    """The driver's ``max_message_size`` for a topic read: it sizes the read's first page, and the
+    process that plans the read (a Connect server, say) may not have the driver's environment."""
+    return str(settings.max_message_size)
+
+
 def _stored(spark: SparkSession, settings: Settings, topic: str, order_field: str | None) -> DataFrame:
     """(qi, offset, key, msg id, order field) of every stored message: the audit's own light read
     (``stored_index``), not the full topic read that would move every body into the JVM."""
     extra = {"orderField": order_field} if order_field else {}
     return _load(register_index(spark), settings, INDEX_SCHEMA, INDEX_FORMAT, topic=topic,
-                 minPartitions=str(default_parallelism(spark)), **extra)
+                 minPartitions=str(default_parallelism(spark)), maxMessageSize=_max_size(settings), **extra)
 
 
 def _dead_letters(spark: SparkSession, settings: Settings, brokers: BrokerRegistry, topic: str, group: str,
@@ -100,7 +106,7 @@ def _dead_letters(spark: SparkSession, settings: Settings, brokers: BrokerRegist
     except TopicNotFoundError:
         return None
     p = F.col("properties")
-    origins = (_load(spark, settings, TOPIC_SCHEMA, topic=dlq_topic)
+    origins = (_load(spark, settings, TOPIC_SCHEMA, topic=dlq_topic, maxMessageSize=_max_size(settings))
                .where(p["ORIGIN_TOPIC"] == topic)
                .select(route.index(p["ORIGIN_BROKER"], p["ORIGIN_QUEUE_ID"].cast("int")).alias("qi"),
                        p["ORIGIN_QUEUE_OFFSET"].cast("long").alias("offset"))

@@ -50,7 +50,8 @@ _SPARK = ("path", "checkpointlocation", "queryname")
 _COMMON = ("topic", "redisurl", "brokers", *_SPARK)
 _WRITE = (*_COMMON, "key", "orderby", "body", "idcolumn", "onnull", "stagingttl", "stagechunk", "jobid",
           "maxmessagesize", "waitreplicas", "waittimeoutms")
-_READ = (*_COMMON, "startingoffsets", "endingoffsets", "maxrowsperpartition", "minpartitions", "maxoffsetspertrigger")
+_READ = (*_COMMON, "startingoffsets", "endingoffsets", "maxrowsperpartition", "minpartitions", "maxoffsetspertrigger",
+         "maxmessagesize")
 _SPELLING = {
     "redisurl": "redisUrl", "orderby": "orderBy", "idcolumn": "idColumn", "onnull": "onNull",
     "stagingttl": "stagingTtl", "stagechunk": "stageChunk", "jobid": "jobId", "maxmessagesize": "maxMessageSize",

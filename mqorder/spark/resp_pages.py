@@ -40,6 +40,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain, pairwise
+from operator import itemgetter
 from typing import Any, TypeAlias
 
 import hiredis
@@ -156,9 +157,17 @@ def _entry_bytes(entry: Any) -> int:
     return len(entry_id) + sum(map(len, chain.from_iterable(fields.items()) if isinstance(fields, dict) else fields))
 
 
+_ID, _FIELDS = itemgetter(0), itemgetter(1)
+
+
 def split_entries(entries: list[Any]) -> list[Any] | SplitPage:
     """hiredis' ``XRANGE`` entries, as a ``SplitPage`` if their values pass ``MAX_BATCH_BYTES``
     (a ``pa.array`` of more than 2 GiB of bodies is not one binary array), else as they are."""
+    if entries and type(entries[0][1]) is list:  # one reply's entries share their shape (RESP2: lists)
+        # The total first, in C loops: per-entry sizes only for a page that must be split.
+        total = sum(map(len, chain.from_iterable(map(_FIELDS, entries)))) + sum(map(len, map(_ID, entries)))
+        if total <= MAX_BATCH_BYTES:
+            return entries
     sizes = np.fromiter(map(_entry_bytes, entries), dtype=np.int64, count=len(entries))
     points = split_points(sizes, MAX_BATCH_BYTES)
     if len(points) <= 2:

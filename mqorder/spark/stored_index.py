@@ -46,7 +46,7 @@ ARROW_SCHEMA = pa.schema([("qi", pa.int32()), ("offset", pa.int64()), ("key", pa
                           ("msg_id", pa.string()), ("field_value", pa.string())])
 #: Offsets per Spark partition (a queue longer than this is read by several tasks).
 MAX_ROWS_PER_PARTITION = 250_000
-_KNOWN = ("topic", "redisurl", "brokers", "orderfield", "minpartitions", "path")
+_KNOWN = ("topic", "redisurl", "brokers", "orderfield", "minpartitions", "maxmessagesize", "path")
 _REGISTERED = "_mqorder_audit_index_registered"
 
 

@@ -55,7 +55,7 @@ from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.store.connect import close, connect
 from mqorder.testing.cluster import ClusterDeployment
-from mqorder.testing.embedded import RedisServer, free_port
+from mqorder.testing.embedded import RedisServer
 
 KINDS = ("single", "cluster1", "cluster")
 MASTERS = 3
@@ -227,9 +227,8 @@ def one_node_cluster(st: contextlib.ExitStack) -> Store:
     spreading the queues over shards costs."""
     workdir = Path(tempfile.mkdtemp(prefix="mqorder-bench-cluster1-"))
     st.callback(shutil.rmtree, workdir, ignore_errors=True)
-    node = RedisServer(workdir=str(workdir), extra_args=[
-        "--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf"),
-        "--cluster-port", str(free_port())])
+    node = RedisServer(workdir=str(workdir), cluster_bus=True, extra_args=[
+        "--cluster-enabled", "yes", "--cluster-config-file", str(workdir / "nodes.conf")])
     node.start()
     st.callback(node.stop)
     c = redis.Redis(host="127.0.0.1", port=node.port, socket_timeout=10)

@@ -54,6 +54,28 @@ def test_a_picked_port_taken_before_the_server_binds_moves_to_another(
     assert _still_has_its_key(foreign)
 
 
+def test_a_cluster_node_whose_bus_port_is_taken_moves_both_ports(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The bus port handed out first is held by another process: the retry must pick a new bus
+    # port too (it used to keep the taken one, and failed all five attempts).
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken = held.getsockname()[1]
+        real_free_port = embedded.free_port
+        handed = iter([real_free_port(), taken])  # the port, then the bus port
+        monkeypatch.setattr(embedded, "free_port", lambda: next(handed, None) or real_free_port())
+        node = RedisServer(workdir=str(tmp_path), cluster_bus=True, extra_args=[
+            "--cluster-enabled", "yes", "--cluster-config-file", str(tmp_path / "nodes.conf")])
+        assert node.bus_port == taken
+        with node:
+            assert node.bus_port != taken and node.owns_port()
+            c = redis.Redis.from_url(node.url)
+            assert c.info("cluster")["cluster_enabled"] == 1
+            c.close()
+
+
 def test_a_chosen_port_held_by_another_server_is_an_error_naming_it(foreign: RedisServer) -> None:
     srv = RedisServer(port=foreign.port)
     with pytest.raises(BrokerUnavailableError, match=rf"port {foreign.port} is taken by another process"):

@@ -25,7 +25,7 @@ from typing import Any
 import redis
 
 from mqorder.errors import BrokerUnavailableError
-from mqorder.testing.embedded import RedisServer, free_port
+from mqorder.testing.embedded import RedisServer
 
 #: ``cluster-node-timeout`` in tests: a master unreachable this long is failed over by its replica.
 DEFAULT_NODE_TIMEOUT_MS = 1000
@@ -54,11 +54,10 @@ class ClusterDeployment:
         for i in range(n):
             d = self.dir / f"node-{i}"
             d.mkdir()
-            self.nodes.append(RedisServer(workdir=str(d), appendonly=appendonly, appendfsync=appendfsync, extra_args=[
+            self.nodes.append(RedisServer(workdir=str(d), appendonly=appendonly, appendfsync=appendfsync,
+                                          cluster_bus=True, extra_args=[
                 "--cluster-enabled", "yes",
                 "--cluster-config-file", str(d / "nodes.conf"),
-                # The bus on a free port of its own (by default port + 10000, which may be taken or > 65535).
-                "--cluster-port", str(free_port()),
                 "--cluster-node-timeout", str(node_timeout_ms),
                 # A master with no replica left keeps its slots served (the rest of the cluster works).
                 "--cluster-require-full-coverage", "no",

@@ -56,10 +56,15 @@ class RedisServer:
         workdir: str | None = None,
         tls: bool = False,
         extra_args: Sequence[str] = (),
+        cluster_bus: bool = False,
     ) -> None:
         self.port = port or free_port()
         #: A port we picked may be replaced if another process takes it before our server binds it.
         self._may_move = port is None
+        #: A cluster node's bus port (``--cluster-port``; Redis's default, port + 10000, may be taken
+        #: or past 65535). Picked like ``port`` and picked again with it: the bus port taken is as
+        #: likely as the port, and retrying with the same one fails every time.
+        self.bus_port: int | None = free_port() if cluster_bus else None
         #: More ``redis-server`` arguments (``--maxmemory-policy allkeys-lru``, ``--rename-command``...).
         self.extra_args = list(extra_args)
         self.appendonly = appendonly
@@ -113,6 +118,8 @@ class RedisServer:
                         + ("choose a free port" if attempts == 1 else f"{attempts} free ports were taken in turn")
                     ) from None
                 self.port = free_port()
+                if self.bus_port is not None:
+                    self.bus_port = free_port()
         raise AssertionError("unreachable")  # pragma: no cover
 
     def _args(self) -> list[str]:
@@ -130,6 +137,8 @@ class RedisServer:
         ]
         if self.password:
             args += ["--requirepass", self.password]
+        if self.bus_port is not None:
+            args += ["--cluster-port", str(self.bus_port)]
         args += self.extra_args
         if self.tls:
             if not (self.dir / "server.crt").exists():

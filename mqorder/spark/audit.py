@@ -108,7 +108,8 @@ def _dead_letters(spark: SparkSession, settings: Settings, brokers: BrokerRegist
     p = F.col("properties")
     origins = (_load(spark, settings, TOPIC_SCHEMA, topic=dlq_topic, maxMessageSize=_max_size(settings))
                .where(p["ORIGIN_TOPIC"] == topic)
-               .select(route.index(p["ORIGIN_BROKER"], p["ORIGIN_QUEUE_ID"].cast("int")).alias("qi"),
+               .select(F.expr(route.index_sql("properties['ORIGIN_BROKER']",
+                                               "CAST(properties['ORIGIN_QUEUE_ID'] AS INT)")).alias("qi"),
                        p["ORIGIN_QUEUE_OFFSET"].cast("long").alias("offset"))
                .where(F.col("qi").isNotNull()).distinct().withColumn("in_dlq", F.lit(True)))
     return F.broadcast(origins)

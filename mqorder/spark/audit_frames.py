@@ -33,7 +33,7 @@ from dataclasses import dataclass, replace
 from functools import reduce
 from typing import Any
 
-from pyspark.sql import Column, DataFrame, Window
+from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
 from mqorder import keys
@@ -86,15 +86,11 @@ class Route:
         return f"map({pairs})" if pairs else "map()"
 
     def index_sql(self, broker: str, queue_id: str) -> str:
-        """``qi`` of a (broker, queue id) pair as SQL over the columns ``broker`` and ``queue_id``,
+        """``qi`` of a (broker, queue id) pair as SQL over the expressions ``broker`` and ``queue_id``,
         null for a queue the topic does not have."""
         # concat, not concat_ws: a null queue id must give a null key (concat_ws would skip it and
         # look the broker name up alone).
         return f"element_at({self._pairs_sql()}, concat({broker}, ':', CAST({queue_id} AS STRING)))"
-
-    def index(self, broker: Column, queue_id: Column) -> Column:
-        """``qi`` of a (broker, queue id) pair, null for a queue the topic does not have."""
-        return F.element_at(F.expr(self._pairs_sql()), F.concat(broker, F.lit(":"), queue_id.cast("string")))
 
     def _by_index(self, values: Sequence[int]) -> str:
         # One SQL expression (one py4j call), not a lit and a cast per queue: offsets are integers.

@@ -258,7 +258,7 @@ def page_rows(entries: resp_pages.Page) -> int:
     elif isinstance(entries, RawColumns):
         size = sum(a.nbytes for a in (entries.ids, *entries.values)) / len(entries)
     else:
-        size = sum(len(i) + sum(len(f) for f in fields) for i, fields in entries[:64]) / min(len(entries), 64)
+        size = sum(map(resp_pages.entry_bytes, entries[:64])) / min(len(entries), 64)
     return max(MIN_PAGE, min(MAX_PAGE, int(PAGE_BYTES / max(size, 1.0))))
 
 
@@ -290,12 +290,13 @@ def group_pages(conn: Connection, group: RangeGroup) -> Iterator[tuple[QueueRang
     ``resp_pages``)."""
     brokers = conn.registry()
     raw: dict[str, RawPages] = {}
+    first = first_page(conn.max_message_size)
     try:
         for part in group.ranges:
             name = part.span.broker
             if name not in raw:
                 raw[name] = RawPages(brokers.get(name).client)
-            for entries in _pages(raw[name], part, first_page(conn.max_message_size)):
+            for entries in _pages(raw[name], part, first):
                 yield part, entries
     finally:
         for pages in raw.values():

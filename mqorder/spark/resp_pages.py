@@ -151,7 +151,7 @@ def split_points(sizes: np.ndarray, limit: int) -> list[int]:
     return points
 
 
-def _entry_bytes(entry: Any) -> int:
+def entry_bytes(entry: Any) -> int:
     """Bytes of an entry of hiredis' lists: its id, field names and values."""
     entry_id, fields = entry
     return len(entry_id) + sum(map(len, chain.from_iterable(fields.items()) if isinstance(fields, dict) else fields))
@@ -168,7 +168,7 @@ def split_entries(entries: list[Any]) -> list[Any] | SplitPage:
         total = sum(map(len, chain.from_iterable(map(_FIELDS, entries)))) + sum(map(len, map(_ID, entries)))
         if total <= MAX_BATCH_BYTES:
             return entries
-    sizes = np.fromiter(map(_entry_bytes, entries), dtype=np.int64, count=len(entries))
+    sizes = np.fromiter(map(entry_bytes, entries), dtype=np.int64, count=len(entries))
     points = split_points(sizes, MAX_BATCH_BYTES)
     if len(points) <= 2:
         return entries

@@ -170,6 +170,32 @@ def test_a_record_without_its_queue_id_is_malformed_not_matched_by_its_broker_na
     assert rep.messages_succeeded == sum(len(m) for m in queues)
 
 
+def test_a_message_in_the_dead_letter_topic_alone_is_dead_lettered_not_a_gap(spark, producer: Producer,
+                                                                            r: redis.Redis, redis_url: str) -> None:
+    """A dead letter the ledger has no record of (its DLQ record lost, say) is found by its
+    ``ORIGIN_*`` properties in ``%DLQ%<group>``, written by the engine's own ``DeadLetterWriter``."""
+    from mqorder.consumer.dlq import DeadLetterWriter
+    from mqorder.spark import audit
+    from mqorder.store.append import QueueAppender
+    from mqorder.store.topics import TopicManager
+
+    producer.create_topic(TOPIC, queues=1)
+    _publish(producer, TOPIC, {"a": [1, 2, 3]})
+    (msgs,) = _stored(producer, TOPIC)
+    w = LedgerWriter(r)
+    for m in (msgs[0], msgs[2]):
+        w.handle(m)
+    w.flush()
+    mq = producer.describe_topic(TOPIC).message_queues[0]
+    r.hset(keys.sub_state(mq.tag, GROUP), "offset", 3)
+    dead = DeadLetterWriter(QueueAppender(producer.brokers, pending_ttl_ms=0, timeout=3.0), TopicManager(producer.brokers),
+                            producer.brokers.default_name, "c1@test")
+    dead.send(GROUP, msgs[1], "poison", epoch=1)
+    rep = audit(spark, TOPIC, GROUP, redis_url=redis_url)
+    assert (rep.gap_count, rep.messages_dead_lettered, rep.messages_succeeded) == (0, 1, 2)
+    assert rep.ok and rep.read_stored
+
+
 def test_a_ledger_switched_on_late_shows_gaps_from_the_first_stored_message_or_unaudited_from_its_start(
         spark, producer: Producer, r: redis.Redis, redis_url: str) -> None:
     from mqorder.spark import audit

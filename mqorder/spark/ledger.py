@@ -39,6 +39,7 @@ from mqorder.spark.headers import Binaries, as_bytes
 from mqorder.spark.options import Connection, check_known, connection, lower_options, min_partitions
 from mqorder.spark.reader import PausedGC
 from mqorder.spark.resp_pages import LEDGER, Piece, RawColumns, RawPages, pieces
+from mqorder.spark.worker_gc import freeze_imports
 from mqorder.store.brokers import BrokerRegistry
 
 #: The schema of a ledger read, as DDL for ``DataSource.schema`` (``FIELDS`` in order, then ``entry``).
@@ -341,6 +342,7 @@ class LedgerReader(DataSourceReader):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, LedgerSlice)
+        freeze_imports()
         yield from read_slice(self.opts.conn, partition, self.columns)
 
 

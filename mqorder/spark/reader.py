@@ -49,6 +49,7 @@ from mqorder.spark import headers, resp_pages
 from mqorder.spark.options import Connection, ReadOptions
 from mqorder.spark.queues import QueueRef
 from mqorder.spark.resp_pages import RawColumns, RawPages, SplitPage, pieces
+from mqorder.spark.worker_gc import freeze_imports
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -523,5 +524,6 @@ class MQOrderReader(DataSourceReader):
         return self.ranges
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        freeze_imports()
         if isinstance(partition, RangeGroup):  # nothing to read gives Spark's placeholder partition
             yield from read_group(self.opts.conn, partition)

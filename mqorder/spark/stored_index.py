@@ -39,6 +39,7 @@ from mqorder.spark.reader import (
     plan_partitions,
     topic_layout,
 )
+from mqorder.spark.worker_gc import freeze_imports
 
 FORMAT = "mqorder_audit_index"
 SCHEMA_DDL = "qi INT, offset BIGINT, key STRING, msg_id STRING, field_value STRING"
@@ -141,6 +142,7 @@ class StoredIndexReader(DataSourceReader):
         return self.ranges
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        freeze_imports()
         if isinstance(partition, RangeGroup):  # an empty topic gives Spark's placeholder partition
             yield from read_index(self.opts.conn, partition, self.opts.order_field)
 

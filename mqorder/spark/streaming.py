@@ -30,6 +30,7 @@ from mqorder.spark.reader import (
     read_group,
     resolve,
 )
+from mqorder.spark.worker_gc import freeze_imports
 
 Offset = dict[str, int]
 
@@ -111,6 +112,7 @@ class MQOrderStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
                                self.opts.max_rows_per_partition, self.opts.min_partitions)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        freeze_imports()
         if isinstance(partition, RangeGroup):  # nothing to read gives Spark's placeholder partition
             yield from read_group(self.opts.conn, partition)
 

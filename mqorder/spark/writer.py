@@ -38,6 +38,7 @@ from mqorder.errors import MessageError, NotEnoughReplicasError, ReplicasBehindE
 from mqorder.spark.encoding import Refusal, encode_partition
 from mqorder.spark.plan import WritePlan
 from mqorder.spark.staging import PublishTotals, StagingArea
+from mqorder.spark.worker_gc import freeze_imports
 
 log = logging.getLogger("mqorder.spark")
 
@@ -84,6 +85,7 @@ class _Staging:
     def _stage_partition(self, batches: Iterator[pa.RecordBatch], job: str, id_prefix: str) -> StagedRuns:
         # A partition allocates millions of small objects that all live until it is staged: the
         # cyclic collector would only walk them over and over (about 10 % of the task).
+        freeze_imports()
         was_enabled = gc.isenabled()
         gc.disable()
         try:

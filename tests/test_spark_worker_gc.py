@@ -1,0 +1,63 @@
+"""The Python workers that ran our tasks freeze their imports, so PySpark's per-task gc.collect()
+stays cheap, and garbage made before and after the freeze is still collected."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from mqorder import Producer
+
+
+def test_freeze_collects_first_freezes_once_and_later_garbage_is_still_collected() -> None:
+    # In a process of its own: gc.freeze is process-wide.
+    code = textwrap.dedent("""
+        import gc, weakref
+        from mqorder.spark import worker_gc
+
+        class Node:
+            pass
+
+        def cycle():
+            a, b = Node(), Node()
+            a.other, b.other = b, a
+            return weakref.ref(a)
+
+        gc.disable()  # only explicit collections from here on
+        before = cycle()  # garbage alive when the freeze comes: collected, not frozen
+        assert before() is not None
+        worker_gc.freeze_imports()
+        assert before() is None, "garbage alive at the freeze was frozen"
+        frozen = gc.get_freeze_count()
+        assert frozen > 1000, frozen  # the imported modules' objects
+        worker_gc.freeze_imports()
+        assert gc.get_freeze_count() == frozen, "the second call froze again"
+        after = cycle()  # garbage of a later task
+        gc.collect()
+        assert after() is None, "garbage made after the freeze was not collected"
+        print("ok", frozen)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok ")
+
+
+@pytest.mark.spark
+@pytest.mark.timeout(300)
+def test_a_worker_that_read_a_topic_has_frozen_its_imports(spark, redis_url: str) -> None:
+    with Producer(redis_url) as p:
+        p.create_topic("gc_freeze", queues=2)
+        p.send_orderly_batch("gc_freeze", [(f"k{i}", b"x") for i in range(40)])
+    assert spark.read.format("mqorder").option("topic", "gc_freeze").load().count() == 40
+
+    # The workers are reused (spark.python.worker.reuse): the next job's Python UDFs run in the
+    # ones that read (the SQL workers' pool; an RDD's lambdas have a pool of their own), and report
+    # their permanent generation.
+    from pyspark.sql.functions import udf
+
+    frozen = udf(lambda _: __import__("gc").get_freeze_count(), "long")
+    counts = [r[0] for r in spark.range(8).repartition(8).select(frozen("id")).collect()]
+    assert max(counts) > 1000, counts

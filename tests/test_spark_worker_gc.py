@@ -3,6 +3,7 @@ stays cheap, and garbage made before and after the freeze is still collected."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -40,9 +41,18 @@ def test_freeze_collects_first_freezes_once_and_later_garbage_is_still_collected
         assert after() is None, "garbage made after the freeze was not collected"
         print("ok", frozen)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    env = {**os.environ, "SPARK_REUSE_WORKER": "1"}  # what Spark sets for the workers it reuses
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok ")
+
+
+def test_outside_a_reused_spark_worker_nothing_is_frozen() -> None:
+    code = "import gc; from mqorder.spark import worker_gc; worker_gc.freeze_imports(); print(gc.get_freeze_count())"
+    env = {k: v for k, v in os.environ.items() if k != "SPARK_REUSE_WORKER"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0"
 
 
 @pytest.mark.spark

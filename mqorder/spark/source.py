@@ -15,6 +15,7 @@ from mqorder.spark.options import read_options, write_options
 from mqorder.spark.plan import WritePlan, build_plan
 from mqorder.spark.reader import SCHEMA_DDL, MQOrderReader, queue_spans
 from mqorder.spark.streaming import MQOrderStreamReader
+from mqorder.spark.worker_gc import freeze_imports
 from mqorder.spark.writer import MQOrderStreamWriter, MQOrderWriter
 
 
@@ -28,11 +29,13 @@ class MQOrderDataSource(DataSource):
         return "mqorder"
 
     def schema(self) -> str:
+        freeze_imports()  # the first call in a planning worker (no-op elsewhere)
         if "ledger" in self.options:
             return LEDGER_SCHEMA_DDL
         return SCHEMA_DDL
 
     def _plan(self, schema: StructType, overwrite: bool) -> WritePlan:
+        freeze_imports()
         opts = write_options(self.options)
         brokers = opts.conn.registry()
         try:
@@ -48,9 +51,11 @@ class MQOrderDataSource(DataSource):
         return self.stream_writer_class(self._plan(schema, overwrite))
 
     def reader(self, schema: StructType) -> DataSourceReader:
+        freeze_imports()
         if "ledger" in self.options:
             return LedgerReader(ledger_options(self.options), schema)
         return MQOrderReader(read_options(self.options, streaming=False))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        freeze_imports()
         return MQOrderStreamReader(read_options(self.options, streaming=True))

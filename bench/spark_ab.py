@@ -18,7 +18,8 @@ What a child measures (``--what``):
 
 The whole interleaved A/B in one command (a ``redis-server`` started, the data built, JSON of the
 rounds on stdout): ``python -m bench.spark_ab ab --what read --rounds 6`` (300,000 messages) or
-``--what audit --rounds 5`` (a 200,000-record ledger, ``bench.spark_audit.build``).
+``--what audit --rounds 5`` (a 200,000-record ledger, ``bench.spark_audit.build``); add
+``--protocol pairs --reps 6`` for an application per measurement (``ab_pairs``).
 """
 
 from __future__ import annotations
@@ -284,9 +285,12 @@ def _median(xs: list[float]) -> float:
     return (s[len(s) // 2] + s[(len(s) - 1) // 2]) / 2
 
 
-def run_ab(what: str, size: int, rounds: int, master: str) -> dict[str, Any]:
+def run_ab(what: str, size: int, rounds: int, master: str, protocol: str = "interleaved", reps: int = 6) -> dict[str, Any]:
     """The whole A/B on a fresh ``redis-server``: the data built (``build_read``, or
-    ``bench.spark_audit.build`` for the audit), then ``interleaved``; load averages before and after."""
+    ``bench.spark_audit.build`` for the audit), then ``interleaved`` or ``ab_pairs`` (``protocol``:
+    an application per measurement, each the best of ``reps``; the one protocol that measures a
+    change to the Python workers' process state, e.g. ``mqorder.spark.worker_gc``, which the
+    baseline's tasks would share in one application); load averages before and after."""
     from mqorder.testing.embedded import RedisServer
 
     def log(msg: str) -> None:
@@ -303,9 +307,16 @@ def run_ab(what: str, size: int, rounds: int, master: str) -> dict[str, Any]:
             topic, group = spark_audit.TOPIC, spark_audit.GROUP
         load0 = os.getloadavg()[0]
         log(f"{what}: {size:,} built, load {load0:.1f}; {rounds} rounds")
-        res = interleaved(what, srv.url, topic, master, rounds, group=group, expect=size, queues=READ_QUEUES, log=log)
+        if protocol == "pairs":
+            res = ab_pairs(what, srv.url, topic, master, rounds, reps=reps, group=group, expect=size,
+                           queues=READ_QUEUES, log=log)
+            res["baseline_seconds"] = [min(c["seconds"]) for c in res.pop("baseline")]
+            res["current_seconds"] = [min(c["seconds"]) for c in res.pop("current")]
+        else:
+            res = interleaved(what, srv.url, topic, master, rounds, group=group, expect=size, queues=READ_QUEUES,
+                              log=log)
     res["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
-    res.update(size=size, master=master, median_ratio=_median(res["ratios"]),
+    res.update(size=size, master=master, protocol=protocol, median_ratio=_median(res["ratios"]),
                median_baseline_s=_median(res["baseline_seconds"]), median_current_s=_median(res["current_seconds"]))
     return res
 
@@ -318,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--size", type=int, default=0, help="messages (read: 300,000) or ledger records (audit: 200,000)")
     a.add_argument("--rounds", type=int, default=6)
     a.add_argument("--master", default="local[2]")
+    a.add_argument("--protocol", choices=("interleaved", "pairs"), default="interleaved",
+                   help="interleaved: both codes in one application; pairs: an application per measurement")
+    a.add_argument("--reps", type=int, default=6, help="pairs: timed runs per application (its best is taken)")
     for name, what in (("child", "one measurement (run by ab_pairs)"),
                        ("interleaved", "baseline and current alternating in one application (run by interleaved)")):
         c = sub.add_parser(name, help=what)
@@ -331,7 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         c.add_argument("--queues", type=int, default=1, help="queues of the topic (the read warm-up reads each)")
     args = ap.parse_args(argv)
     if args.cmd == "ab":
-        res = run_ab(args.what, args.size or (300_000 if args.what == "read" else 200_000), args.rounds, args.master)
+        res = run_ab(args.what, args.size or (300_000 if args.what == "read" else 200_000), args.rounds, args.master,
+                     args.protocol, args.reps)
     else:
         res = _child(args) if args.cmd == "child" else _interleaved(args)
     sys.stdout.write(json.dumps(res) + "\n")

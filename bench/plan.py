@@ -9,9 +9,9 @@ from __future__ import annotations
 from bench.common import Config
 
 SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "celery_broker", "produce", "failover",
-            "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "dedup", "transactions", "keys",
-            "concurrent", "durable_send", "sentinel", "cluster", "trickle_cost", "trickle_floor", "idle", "batching",
-            "exporter_scrape")
+            "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "spark_modes", "dedup",
+            "transactions", "keys", "concurrent", "durable_send", "sentinel", "cluster", "trickle_cost",
+            "trickle_floor", "idle", "batching", "exporter_scrape")
 DEFAULT_CONCURRENCY = 2
 #: Threads-pool worker concurrency of the latency section and of the threads drain row.
 LAT_THREADS_C = 8
@@ -49,6 +49,7 @@ SIZES = {
     "trickle_cost_seconds": (5, 1),  # bench.trickle_cost: per window at 1,000 msg/s, two windows per run
     "trickle_cost_drain": (200_000, 10_000),  # bench.trickle_cost: the drain's backlog, per window
     "trickle_floor_seconds": (5, 1),  # bench.trickle_floor: per run and variant at 1,000 operations/s
+    "spark_modes_rows": (200_000, 5_000),  # bench.spark_modes: rows published and counted per mode and round
     "idle_seconds": (60, 5),  # bench.idle: the measured idle window, per layout
     "idle_slow_seconds": (20, 2),  # bench.idle: the window with the SLOWLOG on (the command table)
     "idle_warmup_seconds": (40, 5),  # bench.idle: after every queue's one message was consumed

@@ -61,7 +61,7 @@ class Report:
                     self.trickle_floor, self.idle, self.latency,
                     self.celery_broker, self.produce, self.batching, self.exporter_scrape, self.dedup, self.durable_send, self.transactions,
                     self.failover, self.sentinel, self.cluster, self.rebalance, self.memory, self.growth, self.retention,
-                    self.spark, self.keys, self.concurrent, self.history, self.notes)
+                    self.spark, self.spark_modes, self.keys, self.concurrent, self.history, self.notes)
         return "\n".join(line for section in sections for line in section())
 
     def header(self) -> list[str]:
@@ -281,6 +281,12 @@ class Report:
         from bench import trickle_cost_report
 
         return trickle_cost_report.markdown(self.res["trickle_cost"]) if "trickle_cost" in self.res else []
+
+    def spark_modes(self) -> list[str]:
+        """``local[2]`` vs a standalone cluster vs Spark Connect (``bench.spark_modes``), when it ran."""
+        from bench import spark_modes
+
+        return spark_modes.report_lines(self.res.get("spark_modes") or {})
 
     def trickle_floor(self) -> list[str]:
         """What one round trip costs at a trickle (``bench.trickle_floor``), when it ran."""

@@ -268,6 +268,14 @@ def sec_trickle_cost(cfg: Config, res: dict[str, Any]) -> None:
     res["trickle_cost"]["measured"] = _measured()
 
 
+def sec_spark_modes(cfg: Config, res: dict[str, Any]) -> None:
+    from bench import spark_modes
+
+    res["spark_modes"] = spark_modes.run(cfg, rows=size(cfg, "spark_modes_rows"), runs=cfg.runs)
+    # Measured on its own (--only spark_modes) and placed in a RESULTS.md of an earlier full run, as sentinel.
+    res["spark_modes"]["measured"] = _measured()
+
+
 def sec_trickle_floor(cfg: Config, res: dict[str, Any]) -> None:
     from bench import trickle_floor
 
@@ -305,7 +313,7 @@ RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "single_lane": sec_single_lane, "latency": sec_latency, "celery_broker": sec_celery_broker,
     "produce": sec_produce, "failover": sec_failover, "rebalance": sec_rebalance, "memory": sec_memory,
     "growth": sec_growth, "retention": sec_retention, "spark": sec_spark,
-    "spark_audit": sec_spark_audit, "dedup": sec_dedup, "transactions": sec_transactions, "keys": sec_keys,
+    "spark_audit": sec_spark_audit, "spark_modes": sec_spark_modes, "dedup": sec_dedup, "transactions": sec_transactions, "keys": sec_keys,
     "concurrent": sec_concurrent, "durable_send": sec_durable_send, "sentinel": sec_sentinel,
     "cluster": sec_cluster, "trickle_cost": sec_trickle_cost,
     "trickle_floor": sec_trickle_floor, "idle": sec_idle, "batching": sec_batching,

@@ -136,3 +136,29 @@ def audit(spark: SparkSession, topic: str, group: str, opts: dict[str, str]) -> 
     import mqorder.spark
 
     return mqorder.spark.audit(spark, topic, group, redis_url=opts.get("redisUrl")).to_json()
+
+
+def timed_publish_and_count(spark: SparkSession, topic: str, n: int, keys: int, body_size: int,
+                            opts: dict[str, str], reads: int = 3) -> dict[str, Any]:
+    """``bench.spark_modes``: publish ``n`` rows that Spark makes itself (the same rows in every
+    mode: ``key-<i mod keys>``, ``ts = i``, a JSON body padded to ``body_size`` bytes) with
+    ``mqorder.spark.publish``, then count the topic ``reads`` times. Seconds of each, and what was
+    stored and counted (the bench checks them)."""
+    import time
+
+    import mqorder.spark
+    from mqorder.spark.session import default_parallelism
+
+    key = F.concat(F.lit("key-"), (F.col("id") % keys).cast("string"))
+    body = F.rpad(F.to_json(F.struct(key.alias("k"), F.col("id").alias("s"))), body_size, " ")
+    df = spark.range(0, n).select(key.alias("k"), F.col("id").alias("ts"), body.alias("body"))
+    t0 = time.perf_counter()
+    report = mqorder.spark.publish(df, topic, key="k", order_by="ts", body="body", redis_url=opts.get("redisUrl"))
+    publish_s = time.perf_counter() - t0
+    read_s, counted = [], []
+    for _ in range(reads):
+        t0 = time.perf_counter()
+        counted.append(spark.read.format("mqorder").options(**opts).option("topic", topic).load().count())
+        read_s.append(time.perf_counter() - t0)
+    return {"publish_s": publish_s, "stored": report.stored, "read_s": read_s, "counted": counted,
+            "parallelism": default_parallelism(spark)}

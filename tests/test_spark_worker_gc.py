@@ -16,8 +16,13 @@ from mqorder import Producer
 def test_freeze_collects_first_freezes_once_and_later_garbage_is_still_collected() -> None:
     # In a process of its own: gc.freeze is process-wide.
     code = textwrap.dedent("""
-        import gc, weakref
+        import gc, importlib.machinery, sys, weakref
         from mqorder.spark import worker_gc
+
+        # What a worker forked by `python -m pyspark.daemon` sees as its __main__ (the Spark test
+        # below covers the real daemon).
+        sys.modules["__main__"].__spec__ = importlib.machinery.ModuleSpec("pyspark.daemon", None)
+        assert worker_gc.in_reused_daemon_worker()
 
         class Node:
             pass
@@ -47,9 +52,14 @@ def test_freeze_collects_first_freezes_once_and_later_garbage_is_still_collected
     assert out.stdout.startswith("ok ")
 
 
-def test_outside_a_reused_spark_worker_nothing_is_frozen() -> None:
+@pytest.mark.parametrize("reuse", [None, "1"], ids=["no reuse", "reuse, not a daemon worker"])
+def test_outside_a_reused_daemon_worker_nothing_is_frozen(reuse: str | None) -> None:
+    # A driver, a one-shot worker (spark.python.use.daemon=false), or a program a UDF starts (it
+    # inherits SPARK_REUSE_WORKER but not the daemon's __main__).
     code = "import gc; from mqorder.spark import worker_gc; worker_gc.freeze_imports(); print(gc.get_freeze_count())"
     env = {k: v for k, v in os.environ.items() if k != "SPARK_REUSE_WORKER"}
+    if reuse:
+        env["SPARK_REUSE_WORKER"] = reuse
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "0"
@@ -69,5 +79,5 @@ def test_a_worker_that_read_a_topic_has_frozen_its_imports(spark, redis_url: str
     from pyspark.sql.functions import udf
 
     frozen = udf(lambda _: __import__("gc").get_freeze_count(), "long")
-    counts = [r[0] for r in spark.range(8).repartition(8).select(frozen("id")).collect()]
+    counts = [r[0] for r in spark.range(0, 8, 1, 8).select(frozen("id")).collect()]  # a task per row
     assert max(counts) > 1000, counts

@@ -29,7 +29,7 @@ class MQOrderDataSource(DataSource):
         return "mqorder"
 
     def schema(self) -> str:
-        freeze_imports()  # the first call in a planning worker (no-op elsewhere)
+        freeze_imports()  # the first call in a reused planning worker (no-op elsewhere)
         if "ledger" in self.options:
             return LEDGER_SCHEMA_DDL
         return SCHEMA_DDL

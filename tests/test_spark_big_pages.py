@@ -16,6 +16,7 @@ import pytest
 import redis
 
 from mqorder import Producer, keys
+from mqorder.errors import MessageError
 from mqorder.spark import headers, resp_pages
 from mqorder.spark import reader as R
 from mqorder.spark.ledger import read_ledger
@@ -231,3 +232,27 @@ def test_reads_take_max_message_size_as_an_option(redis_url: str) -> None:
     opts = read_options({"topic": "big", "redisUrl": redis_url, "maxMessageSize": str(40 * MB)}, streaming=False)
     assert opts.conn.max_message_size == 40 * MB and R.first_page(opts.conn.max_message_size) == 6
     assert index_options({"topic": "big", "redisUrl": redis_url, "maxMessageSize": str(40 * MB)}).conn.max_message_size == 40 * MB
+
+
+def test_a_reply_past_the_limit_is_dropped_and_asked_again_with_fewer_entries(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # After 64 small messages the next page asks for ~19,000 entries: the ~9 MB of large ones that
+    # follow pass the (lowered) 4 MB limit, so that reply is dropped before it is all in memory and
+    # the page asked again with 16 times fewer entries, until it fits.
+    bodies = _topic(redis_url, "big", SIZES)
+    monkeypatch.setattr(resp_pages, "MAX_REPLY_BYTES", 4 * MB)
+    packed: list[tuple[object, ...]] = []
+    _spy(monkeypatch, resp_pages.hiredis, "pack_command", packed)
+    batches = list(R.read_group(Connection(redis_url), _group(redis_url, "big")))
+    _check(batches, bodies, resp_pages.MAX_BATCH_BYTES)
+    counts = [int(args[0][5]) for args in packed if args[0][0] == "XRANGE"]
+    c = counts[1]  # sized from the 64 small messages: thousands
+    assert counts[0] == 64 and c > 10_000, counts
+    assert counts[1:5] == [c, c // 16, c // 256, c // 4096], counts  # dropped thrice, then 4 entries fit
+
+
+def test_one_entry_past_the_reply_limit_is_a_clear_error(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    _topic(redis_url, "big", SIZES)
+    monkeypatch.setattr(resp_pages, "MAX_REPLY_BYTES", 2 * MB)  # below the 3 MB message: never in practice
+    with pytest.raises(MessageError, match="over 2,097,152 bytes"):
+        list(R.read_group(Connection(redis_url), _group(redis_url, "big")))

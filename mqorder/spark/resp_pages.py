@@ -50,6 +50,7 @@ import redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from mqorder.errors import MessageError
 from mqorder.spark import headers
 
 _PONG = b"+PONG\r\n"
@@ -64,6 +65,14 @@ _FIRST_BUFFER = 64 << 10
 #: ``SplitPage``. Each piece becomes one Arrow record batch; well under 2 GiB, the most an Arrow
 #: ``binary`` column holds, and not so large that Spark's JVM chokes on one batch.
 MAX_BATCH_BYTES = 256 << 20
+#: Bytes a raw reply may reach. Pages are sized from the entries of the page before (about 4 MiB,
+#: up to 20,000 entries), so a run of large messages after small ones could make one reply of
+#: gigabytes, all of it in memory before it is cut. Past this many bytes the reply is dropped (the
+#: connection closed) and the page asked again with ``REPLY_SHRINK`` times fewer entries, down to
+#: one message, which is at most ``MQORDER_MAX_MESSAGE_SIZE`` (512 MB at most). A module constant
+#: so a test can lower it.
+MAX_REPLY_BYTES = 1 << 30
+REPLY_SHRINK = 16
 
 
 @dataclass(frozen=True)
@@ -285,6 +294,10 @@ def _gathered(layout: Layout, buf: pa.Buffer, spans: list[tuple[np.ndarray, np.n
     return RawColumns(layout, ids, tuple(values))
 
 
+class _ReplyTooLarge(Exception):
+    """A reply passed ``MAX_REPLY_BYTES`` before it ended: ``RawPages.xrange`` asks for fewer entries."""
+
+
 #: ``RawPages._round_trip``'s answer for an error reply: ask again through redis-py, which raises it.
 _ERROR_REPLY = object()
 #: ``cut`` gives a page whose ``*`` bytes pass this many per entry (each entry has two of its own,
@@ -322,21 +335,36 @@ class RawPages:
     def xrange(self, key: str, lo: str, hi: str, count: int) -> Page:
         """The entries of ``key`` in ``[lo, hi]``, at most ``count``: columns if the page has the
         common layout, else hiredis' lists (as ``client.xrange`` on a ``Broker`` gives them); a
-        ``SplitPage`` of either if its values pass ``MAX_BATCH_BYTES``."""
+        ``SplitPage`` of either if its values pass ``MAX_BATCH_BYTES``. A reply that passes
+        ``MAX_REPLY_BYTES`` is dropped and asked again with fewer entries (the page may hold fewer
+        than ``count`` while entries remain)."""
         if not self._raw:
             return split_entries(list(self._client.xrange(key, min=lo, max=hi, count=count)))
-        args: tuple[Any, ...] = ("XRANGE", key, lo, hi, "COUNT", count)
-        packed = hiredis.pack_command(args) + _PING
-        size = min(_MAX_FIRST_BUFFER, max(_FIRST_BUFFER, int(count * self._entry_bytes * 1.1)))
         if self._conn is None:
             self._conn = self._client.connection_pool.get_connection()
         conn = self._conn
-        try:
-            got = conn.retry.call_with_retry(lambda: self._round_trip(conn, packed, size), lambda _e: conn.disconnect())
-        except BaseException:
-            conn.disconnect()  # whatever is left unread must never reach the pool's next user
-            self.close()
-            raise
+        while True:
+            args: tuple[Any, ...] = ("XRANGE", key, lo, hi, "COUNT", count)
+            packed = hiredis.pack_command(args) + _PING
+            size = min(_MAX_FIRST_BUFFER, max(_FIRST_BUFFER, int(count * self._entry_bytes * 1.1)))
+            try:
+                got = conn.retry.call_with_retry(lambda: self._round_trip(conn, packed, size),  # noqa: B023
+                                                 lambda _e: conn.disconnect())
+            except _ReplyTooLarge:
+                conn.disconnect()  # the rest of the reply is never read; the next send reconnects
+                if count == 1:
+                    self.close()
+                    raise MessageError(
+                        f"one entry of {key} from {lo} is over {MAX_REPLY_BYTES:,} bytes, more than any message may "
+                        "be (MQORDER_MAX_MESSAGE_SIZE is at most 512 MB): the stream holds something mqorder did "
+                        "not store; the read stops here") from None
+                count = max(1, count // REPLY_SHRINK)
+                continue
+            except BaseException:
+                conn.disconnect()  # whatever is left unread must never reach the pool's next user
+                self.close()
+                raise
+            break
         if got is _ERROR_REPLY:
             return split_entries(list(self._client.xrange(key, min=lo, max=hi, count=count)))
         return got
@@ -353,13 +381,15 @@ class RawPages:
         try:
             while True:
                 if len(buf) - filled < 4096:
-                    grown = np.empty(2 * len(buf), dtype=np.uint8)
+                    grown = np.empty(min(2 * len(buf), MAX_REPLY_BYTES + (1 << 16)), dtype=np.uint8)
                     grown[:filled] = buf[:filled]
                     buf = grown
                 got = sock.recv_into(buf.data[filled:])
                 if not got:
                     raise RedisConnectionError("Connection closed by server.")
                 filled += got
+                if filled > MAX_REPLY_BYTES:
+                    raise _ReplyTooLarge(filled)
                 if filled >= 7 and buf[filled - 7 : filled].tobytes() == _PONG:
                     done = self._parsed(buf, filled)
                     if done is not None:

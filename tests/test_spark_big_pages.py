@@ -192,6 +192,28 @@ def test_ledger_pages_split_too(redis_url: str, r: redis.Redis, monkeypatch: pyt
     assert isinstance(cuts[0], resp_pages.SplitPage) and len(cuts[0].parts) > 5
 
 
+def test_ledger_pages_after_a_dropped_reply_read_on_to_the_end(
+        redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A ledger page asks for READ_PAGE (10,000) records; with the reply limit lowered below that
+    # many, each reply is dropped and a shorter page read, which must not end the read.
+    from mqorder.spark import ledger
+
+    pipe = r.pipeline(transaction=False)
+    for i in range(25_000):
+        pipe.xadd(keys.ledger("g"), {b"r": orjson.dumps({
+            "group": "g", "topic": "t", "broker": "broker-a", "queue": 0, "offset": i, "msg_id": "", "key": f"key-{i}",
+            "born_ms": 1_795_685_582_089, "start_ms": 1.5, "end_ms": 2.5, "attempt": 0, "epoch": 1, "client": "c@h",
+            "run": "r-1", "outcome": "SUCCESS"})})
+    pipe.execute()
+    monkeypatch.setattr(resp_pages, "MAX_REPLY_BYTES", MB)
+    packed: list[tuple[object, ...]] = []
+    _spy(monkeypatch, resp_pages.hiredis, "pack_command", packed)
+    rows = read_ledger("g", redis_url=redis_url)
+    assert [row["offset"] for row in rows] == list(range(25_000))
+    counts = [int(args[0][5]) for args in packed if args[0][0] == "XRANGE"]
+    assert ledger.READ_PAGE in counts and min(counts) < ledger.READ_PAGE, counts  # replies were dropped
+
+
 def test_split_points_and_first_page() -> None:
     assert resp_pages.split_points(np.array([5, 5, 5, 20, 1, 1]), 10) == [0, 2, 3, 4, 6]
     assert resp_pages.split_points(np.array([0, 0, 0]), 10) == [0, 3]
@@ -248,7 +270,7 @@ def test_a_reply_past_the_limit_is_dropped_and_asked_again_with_fewer_entries(
     counts = [int(args[0][5]) for args in packed if args[0][0] == "XRANGE"]
     c = counts[1]  # sized from the 64 small messages: thousands
     assert counts[0] == 64 and c > 10_000, counts
-    assert counts[1:5] == [c, c // 16, c // 256, c // 4096], counts  # dropped thrice, then 4 entries fit
+    assert counts[1:5] == [c, c // 16, c // 256, c // 4096], counts  # dropped thrice, then a few entries fit
 
 
 def test_one_entry_past_the_reply_limit_is_a_clear_error(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -217,7 +217,7 @@ def _records(client: redis.Redis, group: str, start: str, end: str) -> Iterator[
                 del page
             for ids, raws in parts:
                 yield ids, raws
-            if n < READ_PAGE:
+            if n < pages.asked:  # fewer than asked for: the range is read (a dropped reply asks for fewer)
                 return
             last = ids[-1]
             nxt = "(" + _text(last.as_py() if isinstance(last, pa.Scalar) else last)

@@ -65,12 +65,14 @@ _FIRST_BUFFER = 64 << 10
 #: ``SplitPage``. Each piece becomes one Arrow record batch; well under 2 GiB, the most an Arrow
 #: ``binary`` column holds, and not so large that Spark's JVM chokes on one batch.
 MAX_BATCH_BYTES = 256 << 20
-#: Bytes a raw reply may reach. Pages are sized from the entries of the page before (about 4 MiB,
-#: up to 20,000 entries), so a run of large messages after small ones could make one reply of
-#: gigabytes, all of it in memory before it is cut. Past this many bytes the reply is dropped (the
-#: connection closed) and the page asked again with ``REPLY_SHRINK`` times fewer entries, down to
-#: one message, which is at most ``MQORDER_MAX_MESSAGE_SIZE`` (512 MB at most). A module constant
-#: so a test can lower it.
+#: Bytes a raw reply may reach in this process. Pages are sized from the entries of the page
+#: before (about 4 MiB, up to 20,000 entries), so a run of large messages after small ones could
+#: make one reply of gigabytes, all of it in memory before it is cut. Past this many bytes the
+#: reply is dropped (the connection closed) and the page asked again with ``REPLY_SHRINK`` times
+#: fewer entries, down to one message, which is at most ``MQORDER_MAX_MESSAGE_SIZE`` (512 MB at
+#: most). The read buffer stops at this size (its last doubling holds the old half beside it: ~1.5x
+#: at the peak). Redis still builds each reply whole in its own memory. A module constant so a
+#: test can lower it.
 MAX_REPLY_BYTES = 1 << 30
 REPLY_SHRINK = 16
 
@@ -331,6 +333,10 @@ class RawPages:
         self._conn: Any = None
         #: Reply bytes per entry of the last page: the next page's buffer is sized from it.
         self._entry_bytes = 256.0
+        #: The ``COUNT`` the last page was read with: less than asked if its replies were dropped
+        #: (``MAX_REPLY_BYTES``). A page shorter than this ends its range; one shorter than the
+        #: count a caller asked for may not.
+        self.asked = 0
 
     def xrange(self, key: str, lo: str, hi: str, count: int) -> Page:
         """The entries of ``key`` in ``[lo, hi]``, at most ``count``: columns if the page has the
@@ -338,6 +344,7 @@ class RawPages:
         ``SplitPage`` of either if its values pass ``MAX_BATCH_BYTES``. A reply that passes
         ``MAX_REPLY_BYTES`` is dropped and asked again with fewer entries (the page may hold fewer
         than ``count`` while entries remain)."""
+        self.asked = count
         if not self._raw:
             return split_entries(list(self._client.xrange(key, min=lo, max=hi, count=count)))
         if self._conn is None:
@@ -346,7 +353,7 @@ class RawPages:
         while True:
             args: tuple[Any, ...] = ("XRANGE", key, lo, hi, "COUNT", count)
             packed = hiredis.pack_command(args) + _PING
-            size = min(_MAX_FIRST_BUFFER, max(_FIRST_BUFFER, int(count * self._entry_bytes * 1.1)))
+            size = min(_MAX_FIRST_BUFFER, MAX_REPLY_BYTES, max(_FIRST_BUFFER, int(count * self._entry_bytes * 1.1)))
             try:
                 got = conn.retry.call_with_retry(lambda: self._round_trip(conn, packed, size),  # noqa: B023
                                                  lambda _e: conn.disconnect())
@@ -358,7 +365,7 @@ class RawPages:
                         f"one entry of {key} from {lo} is over {MAX_REPLY_BYTES:,} bytes, more than any message may "
                         "be (MQORDER_MAX_MESSAGE_SIZE is at most 512 MB): the stream holds something mqorder did "
                         "not store; the read stops here") from None
-                count = max(1, count // REPLY_SHRINK)
+                count = self.asked = max(1, count // REPLY_SHRINK)
                 continue
             except BaseException:
                 conn.disconnect()  # whatever is left unread must never reach the pool's next user
@@ -381,7 +388,9 @@ class RawPages:
         try:
             while True:
                 if len(buf) - filled < 4096:
-                    grown = np.empty(min(2 * len(buf), MAX_REPLY_BYTES + (1 << 16)), dtype=np.uint8)
+                    if len(buf) >= MAX_REPLY_BYTES:  # growing again would only hold more of a dropped reply
+                        raise _ReplyTooLarge(filled)
+                    grown = np.empty(min(2 * len(buf), MAX_REPLY_BYTES), dtype=np.uint8)
                     grown[:filled] = buf[:filled]
                     buf = grown
                 got = sock.recv_into(buf.data[filled:])

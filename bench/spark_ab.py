@@ -344,6 +344,8 @@ def main(argv: list[str] | None = None) -> int:
         c.add_argument("--expect", type=int, default=0)
         c.add_argument("--queues", type=int, default=1, help="queues of the topic (the read warm-up reads each)")
     args = ap.parse_args(argv)
+    if args.cmd == "ab" and (args.rounds < 1 or args.reps < 1):
+        ap.error(f"--rounds {args.rounds} and --reps {args.reps}: give at least 1 of each")
     if args.cmd == "ab":
         res = run_ab(args.what, args.size or (300_000 if args.what == "read" else 200_000), args.rounds, args.master,
                      args.protocol, args.reps)

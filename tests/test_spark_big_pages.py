@@ -178,13 +178,16 @@ def test_a_client_read_through_xrange_splits_too(redis_url: str, r: redis.Redis,
         client.close()
 
 
+def _ledger_record(i: int) -> bytes:
+    """A consumption ledger record of group ``g``, offset ``i`` (as the engine writes one)."""
+    return orjson.dumps({"group": "g", "topic": "t", "broker": "broker-a", "queue": 0, "offset": i, "msg_id": "",
+                         "key": f"key-{i}", "born_ms": 1_795_685_582_089, "start_ms": 1.5, "end_ms": 2.5,
+                         "attempt": 0, "epoch": 1, "client": "c@h", "run": "r-1", "outcome": "SUCCESS"})
+
+
 def test_ledger_pages_split_too(redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> None:
-    records = [orjson.dumps({"group": "g", "topic": "t", "broker": "broker-a", "queue": 0, "offset": i, "msg_id": "",
-                             "key": f"key-{i}", "born_ms": 1_795_685_582_089, "start_ms": 1.5, "end_ms": 2.5,
-                             "attempt": 0, "epoch": 1, "client": "c@h", "run": "r-1", "outcome": "SUCCESS"})
-               for i in range(300)]
-    for rec in records:
-        r.xadd(keys.ledger("g"), {b"r": rec})
+    for i in range(300):
+        r.xadd(keys.ledger("g"), {b"r": _ledger_record(i)})
     monkeypatch.setattr(resp_pages, "MAX_BATCH_BYTES", 4096)
     cuts = _spy(monkeypatch, resp_pages, "cut")
     rows = read_ledger("g", redis_url=redis_url)
@@ -200,10 +203,7 @@ def test_ledger_pages_after_a_dropped_reply_read_on_to_the_end(
 
     pipe = r.pipeline(transaction=False)
     for i in range(25_000):
-        pipe.xadd(keys.ledger("g"), {b"r": orjson.dumps({
-            "group": "g", "topic": "t", "broker": "broker-a", "queue": 0, "offset": i, "msg_id": "", "key": f"key-{i}",
-            "born_ms": 1_795_685_582_089, "start_ms": 1.5, "end_ms": 2.5, "attempt": 0, "epoch": 1, "client": "c@h",
-            "run": "r-1", "outcome": "SUCCESS"})})
+        pipe.xadd(keys.ledger("g"), {b"r": _ledger_record(i)})
     pipe.execute()
     monkeypatch.setattr(resp_pages, "MAX_REPLY_BYTES", MB)
     packed: list[tuple[object, ...]] = []

@@ -87,9 +87,20 @@ def test_a_publisher_of_a_worker_holding_no_request_waits_for_a_poke_and_publish
     try:
         time.sleep(capacity.ACTIVE_WINDOW_S + STALE_AFTER_S + 0.2)  # past the fast window, then stale
         assert not sig.may_linger()  # nothing published for a reader that does not exist
+        # Right after one of the long wait's own publishes, the next is HELD_NONE_INTERVAL_S away:
+        # a poke must publish well before it. (A fixed 50 ms for the thread to wake was too short
+        # on a loaded CI machine; measured from that publish, the check stays exact.)
+        first = sig.read()[0]
+        deadline = time.monotonic() + 3 * capacity.HELD_NONE_INTERVAL_S
+        while sig.read()[0] == first and time.monotonic() < deadline:
+            time.sleep(0.001)
+        published = sig.read()[0]
+        assert published != first, "the long wait publishes now and then"
+        time.sleep(STALE_AFTER_S + 0.05)
+        assert not sig.may_linger()
         held[0] = 1  # a request was received: Celery's task_received pokes the publisher
         pub.poke()
-        deadline = time.monotonic() + 0.05
+        deadline = published + capacity.HELD_NONE_INTERVAL_S / 2
         while not sig.may_linger() and time.monotonic() < deadline:
             time.sleep(0.001)
         assert sig.may_linger()  # published at once, not at the end of the long wait

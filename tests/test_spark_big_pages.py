@@ -106,27 +106,40 @@ def test_a_page_within_the_cap_is_one_batch_as_before(redis_url: str) -> None:
     assert [b.num_rows for b in batches] == [64, len(SIZES) - 64]
 
 
+def _use(cutter: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled cut and gather (``mqorder.spark._resp``), or numpy's and Arrow's (it hidden)."""
+    if cutter == "numpy":
+        monkeypatch.setattr(resp_pages, "_resp", None)
+        monkeypatch.setattr(headers, "_resp", None)
+    else:
+        assert resp_pages._resp is not None, "mqorder.spark._resp is not built: run `make install`"
+
+
+@pytest.mark.parametrize("cutter", ["native", "numpy"])
 @pytest.mark.parametrize("cap", [resp_pages.MAX_BATCH_BYTES, MB])
 def test_positions_past_the_int32_limit_are_gathered_with_int64_offsets(
-    redis_url: str, monkeypatch: pytest.MonkeyPatch, cap: int
+    redis_url: str, monkeypatch: pytest.MonkeyPatch, cap: int, cutter: str
 ) -> None:
     """With the limit lowered to 1 MB the second page's values lie past it: gathered through
-    ``large_binary``, cast back to ``binary``, the same rows."""
-    bodies = _topic(redis_url, "big", SIZES)
+    ``large_binary``, cast back to ``binary`` (the compiled gather reads any position), the same rows."""
+    _use(cutter, monkeypatch)
+    bodies = _topic(redis_url, f"big-{cutter}", SIZES)
     monkeypatch.setattr(headers, "INT64_OFFSETS_FROM", MB)
     monkeypatch.setattr(resp_pages, "MAX_BATCH_BYTES", cap)
     args: list[tuple[object, ...]] = []
     gathered = _spy(monkeypatch, headers, "gather", args)
-    batches = list(R.read_group(Connection(redis_url), _group(redis_url, "big")))
+    batches = list(R.read_group(Connection(redis_url), _group(redis_url, f"big-{cutter}")))
     _check(batches, bodies, cap)
     assert all(isinstance(a, pa.BinaryArray) and a.type == pa.binary() for a in gathered)
     assert any(int(ends[-1]) >= MB for _, _, ends in args)  # type: ignore[index]
     assert len(batches) == (2 if cap > 10 * MB else 8)
 
 
-def test_gather_past_2_gib_uses_int64_offsets() -> None:
+@pytest.mark.parametrize("cutter", ["native", "numpy"])
+def test_gather_past_2_gib_uses_int64_offsets(monkeypatch: pytest.MonkeyPatch, cutter: str) -> None:
     """The real limit, on a buffer of 2 GiB and more that is allocated but never touched (so it
     costs a few pages of memory): int32 offsets there were negative, and Arrow refused them."""
+    _use(cutter, monkeypatch)
     size = 2**31 + 8192
     data = np.empty(size, dtype=np.uint8)
     starts = np.array([10, 2**31 - 4, 2**31 + 100], dtype=np.int64)
@@ -138,18 +151,24 @@ def test_gather_past_2_gib_uses_int64_offsets() -> None:
     assert got.to_pylist() == [bytes([1]) * 3, bytes([2]) * 8, bytes([3]) * 50]
 
 
-def test_hiredis_pages_split_the_same_way(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Bodies of 10 MB and more have 8-digit lengths, which the raw cut leaves to hiredis (as
-    every page of tens of MB): the careful path (``_fields``, ``_headers_python`` for the
-    properties) builds each piece's batch on its own."""
+@pytest.mark.parametrize("cutter", ["native", "numpy"])
+def test_hiredis_pages_split_the_same_way(redis_url: str, monkeypatch: pytest.MonkeyPatch, cutter: str) -> None:
+    """Bodies of 10 MB and more have 8-digit lengths, which numpy's raw cut leaves to hiredis:
+    the careful path (``_fields``, ``_headers_python`` for the properties) builds each piece's
+    batch on its own. The compiled cut (up to 10 digits) cuts the same pages into the same pieces."""
+    _use(cutter, monkeypatch)
     sizes = [10 * MB + 7, 200_000, 300_000, 400_000, 10 * MB + 1, 5]
-    bodies = _topic(redis_url, "huge", sizes, properties=True)
+    bodies = _topic(redis_url, f"huge-{cutter}", sizes, properties=True)
     monkeypatch.setattr(resp_pages, "MAX_BATCH_BYTES", MB)
     cuts = _spy(monkeypatch, resp_pages, "cut")
     splits = _spy(monkeypatch, resp_pages, "split_entries")
-    batches = list(R.read_group(Connection(redis_url), _group(redis_url, "huge")))
+    batches = list(R.read_group(Connection(redis_url), _group(redis_url, f"huge-{cutter}")))
     _check(batches, bodies, MB)
-    assert cuts and all(c is None for c in cuts) and isinstance(splits[0], resp_pages.SplitPage)
+    if cutter == "numpy":
+        assert cuts and all(c is None for c in cuts) and isinstance(splits[0], resp_pages.SplitPage)
+    else:
+        assert cuts and all(c is not None for c in cuts) and not splits
+        assert any(isinstance(c, resp_pages.SplitPage) for c in cuts)
     assert [b.num_rows for b in batches] == [1, 3, 1, 1]
     props = pa.Table.from_batches(batches).column("properties").to_pylist()
     assert props == [[("n", str(i))] for i in range(len(sizes))]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import random
+import re
 
 import orjson
 import pyarrow as pa
@@ -15,6 +16,16 @@ import pytest
 from mqorder.codec import encode_header
 from mqorder.spark import headers, ledger, ledger_parse
 from mqorder.spark import reader as R
+
+
+@pytest.fixture(autouse=True, params=["native", "numpy"])
+def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The compiled header parse and gather (``mqorder.spark._resp``), or numpy's (it hidden)."""
+    if request.param == "native":
+        assert headers._resp is not None, "mqorder.spark._resp is not built: run `make install`"
+    else:
+        monkeypatch.setattr(headers, "_resp", None)
+    return request.param
 
 
 def _json_headers(heads: list[bytes]) -> list[pa.Array] | str:
@@ -73,6 +84,56 @@ def test_other_headers_fall_back_or_agree(bad: bytes) -> None:
         if bad != BAD_HEADERS[-4]:  # a born time past Spark's range: accepted by both, refused by both
             assert headers.parse(page) is None, page
         assert _same(_fast_headers(page), _json_headers(page))
+
+
+#: The common shape, as a regular expression: what ``headers.parse`` may accept, and all of it
+#: (with both numbers within int64 and the strings UTF-8).
+_SHAPE = re.compile(rb'\{"i":"([^"\\\x00-\x1f]*)","b":(-?(?:0|[1-9][0-9]*)),"k":\["([^"\\\x00-\x1f]*)"\],'
+                    rb'"h":(-?(?:0|[1-9][0-9]*))\}')
+
+
+def _shape(h: bytes) -> tuple[str, str, int] | None:
+    m = _SHAPE.fullmatch(h)
+    if m is None or not all(-(2**63) <= int(m[g]) < 2**63 for g in (2, 4)):
+        return None
+    try:
+        return m[1].decode(), m[3].decode(), int(m[2])
+    except UnicodeDecodeError:
+        return None
+
+
+def test_damaged_headers_parse_only_when_of_the_shape() -> None:
+    """Bytes of common headers changed, dropped or doubled at random: a page parses exactly when
+    every header is of the shape (``_SHAPE``), to the values the expression reads from it."""
+    rng = random.Random(37)
+    alphabet = b'{}[]":,-0123456789ikbhx\\\x01\xff '
+    parsed = 0
+    for _ in range(3_000):
+        page = [encode_header(f"id{rng.randint(0, 99)}", keys=[f"k{rng.randint(0, 9)}"],
+                              born_ms=rng.randint(-(2**63), 2**63 - 1), key_hash=rng.randint(-5, 5))
+                for _ in range(rng.randint(1, 3))]
+        i = rng.randrange(len(page))
+        h = bytearray(page[i])
+        for _ in range(rng.randint(0, 2)):
+            at = rng.randrange(len(h))
+            what = rng.randrange(3)
+            if what == 0:
+                h[at] = rng.choice(alphabet)
+            elif what == 1:
+                del h[at]
+            else:
+                h.insert(at, h[at])
+        page[i] = bytes(h)
+        want = [_shape(x) for x in page]
+        got = headers.parse(page)
+        if any(w is None for w in want):
+            assert got is None, page
+        else:
+            assert got is not None, page
+            ids, first_keys, born = got
+            assert list(zip(ids.to_pylist(), first_keys.to_pylist(), born.to_pylist(), strict=True)) == want
+            parsed += 1
+    assert parsed > 500
 
 
 def test_entry_ids_and_store_times() -> None:

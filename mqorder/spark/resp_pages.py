@@ -52,6 +52,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from mqorder.errors import MessageError
 from mqorder.spark import headers
+from mqorder.spark.native import _resp
 
 _PONG = b"+PONG\r\n"
 _PING = hiredis.pack_command(("PING",))
@@ -86,6 +87,11 @@ class Layout:
     def __post_init__(self) -> None:
         if not 1 <= len(self.fields) <= 4 or any(len(f) != 1 for f in self.fields):
             raise ValueError(f"a layout has one to four one-byte field names, not {self.fields!r}")
+
+    @property
+    def names(self) -> bytes:
+        """The field names as one byte string (what ``_resp.cut_spans`` takes)."""
+        return b"".join(self.fields)
 
     def separators(self) -> tuple[bytes, ...]:
         """The fixed bytes after the id and after each value, up to the next length (or the end)."""
@@ -215,7 +221,7 @@ _CRS = np.uint64(0x0D0D0D0D0D0D0D0D)
 
 def _lengths(u64: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(value, digits, ok) of a RESP length ``<digits>\\r\\n`` at each ``pos``: ok where 1 to
-    ``_LEN_DIGITS`` ASCII digits are followed by CRLF.
+    ``_LEN_DIGITS`` ASCII digits, without a leading zero, are followed by CRLF.
 
     Each position's 8 bytes are one little-endian word, parsed with word-wide arithmetic (SWAR):
     the first CR found by the zero-byte test, the digits moved to the word's top and the bytes
@@ -227,6 +233,7 @@ def _lengths(u64: np.ndarray, pos: np.ndarray) -> tuple[np.ndarray, np.ndarray, 
     lowest = zero & (~zero + np.uint64(1))
     nd = np.log2(np.where(found, lowest, np.uint64(1)).astype(np.float64)).astype(np.int64) // 8
     ok = found & (nd >= 1) & _literal(u64, pos + nd, _CRLF)
+    ok &= (nd == 1) | ((w & np.uint64(0xFF)) != np.uint64(ord("0")))  # no leading zero (hiredis refuses one)
     shift = (np.uint64(8) * (np.uint64(8) - np.clip(nd, 1, 8).astype(np.uint64))) % np.uint64(64)
     fill = np.where(nd >= 8, np.uint64(0), (np.uint64(1) << shift) - np.uint64(1)) & _ZEROS
     v = np.where(nd >= 8, w, (w << shift) | fill)
@@ -252,6 +259,45 @@ def cut(data: np.ndarray, end: int, layout: Layout = TOPIC) -> RawColumns | Spli
     n, first = int(head[1:head_end]), head_end + 2
     if not n:
         return None
+    spans = _native_spans(data, first, end, n, layout) if _resp is not None else _numpy_spans(data, first, end, n, layout)
+    if spans is None:
+        return None
+    buf = pa.py_buffer(data)
+    if end <= MAX_BATCH_BYTES:  # the values are fewer bytes than the reply: one piece
+        return _gathered(layout, buf, spans)
+    sizes = sum(hi - lo for lo, hi in spans)
+    points = split_points(sizes, MAX_BATCH_BYTES)
+    if len(points) <= 2:
+        return _gathered(layout, buf, spans)
+    parts = tuple(_gathered(layout, buf, [(lo[a:b], hi[a:b]) for lo, hi in spans]) for a, b in pairwise(points))
+    return SplitPage(parts, int(sizes.sum()))
+
+
+#: Bytes an entry takes at least (``*2 $1 <id> *2 $1 r $0`` and their CRLFs): a reply's entry
+#: count past its bytes over this is not a reply to cut.
+_MIN_ENTRY_BYTES = 24
+
+
+def _native_spans(data: np.ndarray, first: int, end: int, n: int, layout: Layout
+                  ) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """(starts, ends) of the ids and of each field's values of the ``n`` entries in
+    ``data[first:end]``, found by ``_resp.cut_spans`` walking the reply once from its start (the
+    reply's one parse); None if the bytes are not ``n`` entries of ``layout`` ending at ``end``."""
+    if n > (end - first) // _MIN_ENTRY_BYTES:
+        return None
+    width = 1 + len(layout.fields)
+    out = np.empty((2 * width, n), dtype=np.int64)
+    assert _resp is not None
+    if not _resp.cut_spans(data, first, end, n, layout.names, out):
+        return None
+    return [(out[2 * j], out[2 * j + 1]) for j in range(width)]
+
+
+def _numpy_spans(data: np.ndarray, first: int, end: int, n: int, layout: Layout
+                 ) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """``_native_spans`` with numpy, where the extension is not built: every ``*2\r\n$`` a
+    candidate entry, all parsed at once, accepted only as one chain (the module docstring).
+    ``data`` must hold at least 8 bytes past ``end``."""
     u64 = _u64_at(data)
     is_star = data[first:end] == ord("*")
     if np.count_nonzero(is_star) > _STARS_PER_ENTRY * n + _STARS_SLACK:
@@ -278,16 +324,7 @@ def cut(data: np.ndarray, end: int, layout: Layout = TOPIC) -> RawColumns | Spli
     starts = starts[ok]
     if starts[0] != first or nxt[-1] != end or (nxt[:-1] != starts[1:]).any():
         return None
-    spans = [(lo[ok], hi[ok]) for lo, hi in spans]
-    buf = pa.py_buffer(data)
-    if end <= MAX_BATCH_BYTES:  # the values are fewer bytes than the reply: one piece
-        return _gathered(layout, buf, spans)
-    sizes = sum(hi - lo for lo, hi in spans)
-    points = split_points(sizes, MAX_BATCH_BYTES)
-    if len(points) <= 2:
-        return _gathered(layout, buf, spans)
-    parts = tuple(_gathered(layout, buf, [(lo[a:b], hi[a:b]) for lo, hi in spans]) for a, b in pairwise(points))
-    return SplitPage(parts, int(sizes.sum()))
+    return [(lo[ok], hi[ok]) for lo, hi in spans]
 
 
 def _gathered(layout: Layout, buf: pa.Buffer, spans: list[tuple[np.ndarray, np.ndarray]]) -> RawColumns:

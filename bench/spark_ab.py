@@ -89,12 +89,12 @@ def baseline_package(tree: Path) -> Path:
 
 
 def interleaved(what: str, url: str, topic: str, master: str, rounds: int, group: str = "", expect: int = 0,
-                queues: int = 1, log: Any = None) -> dict[str, Any]:
+                queues: int = 1, log: Any = None, baseline: str = BASELINE) -> dict[str, Any]:
     """The A/B inside one Spark application: the baseline (``baseline_package``) and today's code
     alternate ``rounds`` times on the same JVM and Python workers, after a warm-up of each; on a
     shared machine this is the fairer of the two A/Bs (no application start between the halves).
     Ratios are per round: baseline seconds / current seconds."""
-    with baseline_tree() as tree:
+    with baseline_tree(baseline) as tree:
         path = baseline_package(tree)
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(path)])
@@ -106,7 +106,7 @@ def interleaved(what: str, url: str, topic: str, master: str, rounds: int, group
     if proc.returncode != 0:
         raise RuntimeError(f"interleaved A/B ({what}) failed:\n{proc.stderr[-4000:]}")
     res: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
-    res["baseline_commit"] = BASELINE
+    res["baseline_commit"] = baseline
     res["ratios"] = [b / c for b, c in zip(res["baseline_seconds"], res["current_seconds"], strict=True)]
     if log is not None:
         log(f"{what} interleaved A/B: baseline {res['baseline_seconds']}, current {res['current_seconds']}")
@@ -135,11 +135,11 @@ def run_child(what: str, tree: Path | None, url: str, topic: str, master: str, r
 
 
 def ab_pairs(what: str, url: str, topic: str, master: str, runs: int, reps: int = 1, group: str = "",
-             expect: int = 0, queues: int = 1, log: Any = None) -> dict[str, Any]:
+             expect: int = 0, queues: int = 1, log: Any = None, baseline: str = BASELINE) -> dict[str, Any]:
     """``runs`` pairs (baseline child, then current child); per pair the best of ``reps`` timed runs
     of each. Returns {"baseline": [...], "current": [...], "ratios": [...]}, seconds per child."""
-    res: dict[str, Any] = {"baseline_commit": BASELINE, "baseline": [], "current": [], "ratios": []}
-    with baseline_tree() as tree:
+    res: dict[str, Any] = {"baseline_commit": baseline, "baseline": [], "current": [], "ratios": []}
+    with baseline_tree(baseline) as tree:
         for i in range(runs):
             old = run_child(what, tree, url, topic, master, reps, group, expect, queues)
             new = run_child(what, None, url, topic, master, reps, group, expect, queues)
@@ -285,7 +285,8 @@ def _median(xs: list[float]) -> float:
     return (s[len(s) // 2] + s[(len(s) - 1) // 2]) / 2
 
 
-def run_ab(what: str, size: int, rounds: int, master: str, protocol: str = "interleaved", reps: int = 6) -> dict[str, Any]:
+def run_ab(what: str, size: int, rounds: int, master: str, protocol: str = "interleaved", reps: int = 6,
+           baseline: str = BASELINE) -> dict[str, Any]:
     """The whole A/B on a fresh ``redis-server``: the data built (``build_read``, or
     ``bench.spark_audit.build`` for the audit), then ``interleaved`` or ``ab_pairs`` (``protocol``:
     an application per measurement, each the best of ``reps``; the one protocol that measures a
@@ -309,12 +310,12 @@ def run_ab(what: str, size: int, rounds: int, master: str, protocol: str = "inte
         log(f"{what}: {size:,} built, load {load0:.1f}; {rounds} rounds")
         if protocol == "pairs":
             res = ab_pairs(what, srv.url, topic, master, rounds, reps=reps, group=group, expect=size,
-                           queues=READ_QUEUES, log=log)
+                           queues=READ_QUEUES, log=log, baseline=baseline)
             res["baseline_seconds"] = [min(c["seconds"]) for c in res.pop("baseline")]
             res["current_seconds"] = [min(c["seconds"]) for c in res.pop("current")]
         else:
             res = interleaved(what, srv.url, topic, master, rounds, group=group, expect=size, queues=READ_QUEUES,
-                              log=log)
+                              log=log, baseline=baseline)
     res["load"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
     res.update(size=size, master=master, protocol=protocol, median_ratio=_median(res["ratios"]),
                median_baseline_s=_median(res["baseline_seconds"]), median_current_s=_median(res["current_seconds"]))
@@ -332,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--protocol", choices=("interleaved", "pairs"), default="interleaved",
                    help="interleaved: both codes in one application; pairs: an application per measurement")
     a.add_argument("--reps", type=int, default=6, help="pairs: timed runs per application (its best is taken)")
+    a.add_argument("--baseline", default=BASELINE,
+                   help=f"the commit to compare against (default {BASELINE[:7]}, issue 29's baseline)")
     for name, what in (("child", "one measurement (run by ab_pairs)"),
                        ("interleaved", "baseline and current alternating in one application (run by interleaved)")):
         c = sub.add_parser(name, help=what)
@@ -348,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--rounds {args.rounds} and --reps {args.reps}: give at least 1 of each")
     if args.cmd == "ab":
         res = run_ab(args.what, args.size or (300_000 if args.what == "read" else 200_000), args.rounds, args.master,
-                     args.protocol, args.reps)
+                     args.protocol, args.reps, args.baseline)
     else:
         res = _child(args) if args.cmd == "child" else _interleaved(args)
     sys.stdout.write(json.dumps(res) + "\n")

@@ -38,7 +38,8 @@ RUN python3 -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.tom
  && /opt/mqorder/bin/pip install $PIP_OPTS --find-links /wheels -r requirements.txt "setuptools>=68" wheel
 COPY README.md ./
 # Only the package: the checkout's workers/, tasks/ and config/ (the reference app) are not
-# installed; the image runs the package's own stock app, mqorder.app. No build isolation: the
+# installed; the image runs the package's own stock app, mqorder.app. Without setup.py the Spark
+# readers' optional C extension (mqorder.spark._resp) is not built: the image runs no Spark. No build isolation: the
 # build backend is already in the venv, so this step needs no network.
 COPY mqorder ./mqorder
 RUN /opt/mqorder/bin/pip install . --no-deps --no-build-isolation

@@ -88,4 +88,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build mqorder/spark/_resp*.so

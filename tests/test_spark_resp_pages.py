@@ -57,7 +57,9 @@ def _agrees(raw: bytes, layout: Layout = resp_pages.TOPIC) -> RawColumns | None:
 
 @pytest.fixture(autouse=True, params=["native", "numpy"])
 def cutter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which cut ``resp_pages.cut`` uses: the compiled one, or numpy's (the extension hidden)."""
+    """Which cut ``resp_pages.cut`` uses: the compiled one, or numpy's (the extension hidden).
+    The native cases fail, not skip, where the extension is missing: ``make install`` builds it,
+    and a read without it is ~3x costlier in Python, a gap a skip would hide."""
     if request.param == "native":
         assert resp_pages._resp is not None, (
             "mqorder.spark._resp is not built: run `make install` (setup.py compiles it; it needs a C compiler)")
@@ -126,7 +128,9 @@ def test_long_values_cut_and_longer_ones_fall_back(cutter: str) -> None:
 
 def test_lengths_past_ten_digits_or_past_the_reply_are_left_to_hiredis() -> None:
     one = _reply([_entry(1, b"{}", b"x")])
-    assert _cut(one.replace(b"$1\r\nx\r\n", b"$00000000001\r\nx\r\n")) is None  # 11 digits
+    assert _cut(one.replace(b"$1\r\nx\r\n", b"$10000000000\r\nx\r\n")) is None  # 11 digits
+    assert _cut(one.replace(b"$1\r\nx\r\n", b"$1000000000\r\nx\r\n")) is None  # 10, past the end
+    assert _cut(b"*01\r\n" + one[4:]) is None  # a count with a leading zero (hiredis refuses it)
     assert _cut(one.replace(b"$1\r\nx\r\n", b"$9\r\nx\r\n")) is None  # past the end
     assert _cut(one.replace(b"$1\r\nx\r\n", b"$-1\r\nx\r\n")) is None  # a null is no value
     assert _cut(one.replace(b"$1\r\nx\r\n", b"$01\r\nx\r\n")) is None  # a leading zero (hiredis refuses it)
@@ -269,3 +273,22 @@ def test_a_user_without_ping_reads_at_once_and_sees_real_errors(r: redis.Redis, 
         pages.close()
         client.close()
         r.acl_deluser("pages-reader")
+
+
+def test_the_compiled_functions_refuse_buffers_smaller_than_they_are_told() -> None:
+    """Counts that would overflow a size computed by multiplying (and ranges out of the data) are
+    refused with a ValueError, never read or written past a buffer (a review found both)."""
+    from mqorder.spark.native import _resp
+
+    assert _resp is not None, "mqorder.spark._resp is not built: run `make install`"
+    entry = _reply([(b"1-0", [b"r", b"{}"])])[4:]
+    none = np.zeros(0, dtype=np.int64)
+    with pytest.raises(ValueError, match="int64 items"):
+        _resp.cut_spans(entry, 0, len(entry), 2**59, b"r", none)
+    with pytest.raises(ValueError, match="n \\+ 1 int64"):
+        _resp.parse_template(b"{}", np.array([0]), 2**61, (b"{", b"}"), b"i", none, none)
+    with pytest.raises(ValueError, match="not within"):
+        _resp.gather(b"abc", np.array([1], dtype=np.int64), np.array([9], dtype=np.int64))
+    with pytest.raises(OverflowError):
+        big = np.array([0] * 3, dtype=np.int64)
+        _resp.gather(np.empty(2**30, dtype=np.uint8), big, big + 2**30)

@@ -7,8 +7,7 @@
  * nanoseconds a byte and gives the same answer: where each entry's id and field values start and
  * end, or "not a reply of this layout" (then the caller parses it with hiredis).
  *
- * Pure C against the buffer protocol: no numpy headers, nothing kept between calls, the GIL
- * released while it walks. The module is optional: without a compiler, resp_pages keeps its
+ * Pure C against the buffer protocol: no numpy headers, nothing kept between calls. The module is optional: without a compiler, resp_pages keeps its
  * numpy cut.
  */
 #define PY_SSIZE_T_CLEAN
@@ -60,6 +59,9 @@ static int value(const uint8_t **pp, const uint8_t *end, const uint8_t *base, in
     return expect(pp, end, "\r\n", 2);
 }
 
+/* The GIL is released while the reply is walked: every read is checked against ``end``, and each
+ * byte is read once, so a buffer another thread changed meanwhile gives wrong ranges at worst
+ * (then a refused page or a wrong row, never a read or write outside the buffers). */
 static int walk(const uint8_t *base, Py_ssize_t first, Py_ssize_t stop, Py_ssize_t n,
                 const char *fields, Py_ssize_t k, int64_t *out)
 {
@@ -110,7 +112,7 @@ static PyObject *cut_spans(PyObject *self, PyObject *args)
                      first, stop, n, data.len);
         goto done;
     }
-    if (out.len < (Py_ssize_t)sizeof(int64_t) * 2 * (1 + k) * n) {
+    if (n > out.len / (Py_ssize_t)sizeof(int64_t) / (2 * (1 + k))) { /* divided: n may be anything */
         PyErr_Format(PyExc_ValueError, "out must be a writable buffer of at least %zd int64 items",
                      2 * (1 + k) * n);
         goto done;
@@ -132,7 +134,7 @@ PyDoc_STRVAR(gather_doc,
 "The byte ranges [starts[i], ends[i]) of ``data`` (int64 buffers of equal length, each range\n"
 "within ``data``) copied one after the other into ``values`` (bytes), with ``offsets`` (bytes of\n"
 "n + 1 int32, the first 0): the two buffers of an Arrow ``binary`` array. ValueError if a range\n"
-"is out of ``data`` or the values pass 2 GiB - 1 (int32 offsets).");
+"is out of ``data``, OverflowError if the values pass 2 GiB - 1 (int32 offsets).");
 
 static PyObject *gather(PyObject *self, PyObject *args)
 {
@@ -155,10 +157,10 @@ static PyObject *gather(PyObject *self, PyObject *args)
             goto done;
         }
         total += hi[i] - lo[i];
-    }
-    if (total > INT32_MAX) {
-        PyErr_Format(PyExc_ValueError, "%lld bytes of values do not fit int32 offsets", (long long)total);
-        goto done;
+        if (total > INT32_MAX) {
+            PyErr_SetString(PyExc_OverflowError, "the values pass 2 GiB - 1 bytes: no int32 offsets hold them");
+            goto done;
+        }
     }
     offsets = PyBytes_FromStringAndSize(NULL, (n + 1) * (Py_ssize_t)sizeof(int32_t));
     values = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)total);
@@ -167,7 +169,7 @@ static PyObject *gather(PyObject *self, PyObject *args)
     int32_t *off = (int32_t *)PyBytes_AS_STRING(offsets);
     char *out = PyBytes_AS_STRING(values);
     const char *src = (const char *)data.buf;
-    Py_BEGIN_ALLOW_THREADS
+    /* The GIL stays held: the ranges checked above cannot change before they are copied. */
     int32_t at = 0;
     off[0] = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
@@ -176,7 +178,6 @@ static PyObject *gather(PyObject *self, PyObject *args)
         at += len;
         off[i + 1] = at;
     }
-    Py_END_ALLOW_THREADS
     result = PyTuple_Pack(2, offsets, values);
 done:
     Py_XDECREF(offsets);
@@ -188,7 +189,8 @@ done:
 }
 
 /* A JSON string's contents at p, up to its closing quote (not consumed): no control character
- * and no backslash (so the quote ends it: no escapes), as headers.parse asks. */
+ * and no backslash (so the quote ends it: no escapes), as headers.parse asks; then the quote
+ * must begin the template's next segment. */
 static int plain_string(const uint8_t **pp, const uint8_t *end, int64_t *lo, int64_t *hi, const uint8_t *base)
 {
     const uint8_t *p = *pp;
@@ -226,26 +228,82 @@ static int json_integer(const uint8_t **pp, const uint8_t *end, int64_t *value)
     return 1;
 }
 
-PyDoc_STRVAR(parse_headers_doc,
-"parse_headers(data, offsets, n, spans, born) -> bool\n\n"
-"Whether each of the n headers data[offsets[i]:offsets[i + 1]] (offsets: n + 1 int64) has the\n"
-"common shape {\"i\":\"<id>\",\"b\":<born>,\"k\":[\"<key>\"],\"h\":<hash>} exactly, as\n"
-"mqorder.spark.headers.parse accepts it: no other byte, no escape or control character in the\n"
-"strings, both numbers JSON integers within int64. If so, ``spans`` (4 rows of n int64) holds\n"
-"where the id and the key start and end, and ``born`` (n int64) the born times.");
-
-static PyObject *parse_headers(PyObject *self, PyObject *args)
+/* A JSON number -?(0|[1-9][0-9]*)\.[0-9]+ of at most 32 bytes at p (what orjson writes for a
+ * rounded float): its range, p moved past it. Arrow's cast reads its value. */
+static int json_fraction(const uint8_t **pp, const uint8_t *end, int64_t *lo, int64_t *hi, const uint8_t *base)
 {
-    Py_buffer data, offsets, spans, born;
+    const uint8_t *p = *pp, *start = *pp;
+    p += p < end && *p == '-';
+    if (p == end || *p < '0' || *p > '9')
+        return 0;
+    if (*p == '0')
+        p++;
+    else
+        while (p < end && *p >= '0' && *p <= '9')
+            p++;
+    if (p == end || *p != '.')
+        return 0;
+    p++;
+    const uint8_t *digits = p;
+    while (p < end && *p >= '0' && *p <= '9')
+        p++;
+    if (p == digits || p - start > 32)
+        return 0;
+    *lo = start - base;
+    *hi = p - base;
+    *pp = p;
+    return 1;
+}
+
+#define MAX_TEMPLATE_FIELDS 32
+
+PyDoc_STRVAR(parse_template_doc,
+"parse_template(data, offsets, n, segments, kinds, spans, ints) -> bool\n\n"
+"Whether each of the n records data[offsets[i]:offsets[i + 1]] (offsets: n + 1 int64) is exactly\n"
+"segments[0] value_0 segments[1] value_1 ... segments[F] (F = len(kinds), at most 32), value j of\n"
+"kind kinds[j]: 's' a JSON string's contents (no escape, no control character, ended by the\n"
+"next segment's quote), 'i' a JSON integer within int64, 'f' a JSON number with a fraction and\n"
+"no exponent, at most 32 bytes. If so, ``spans`` (2F rows of n int64) holds where each value\n"
+"starts and ends (rows 2j, 2j + 1) and ``ints`` (F rows of n int64) each integer's value.");
+
+static PyObject *parse_template(PyObject *self, PyObject *args)
+{
+    Py_buffer data, offsets, spans, ints;
     Py_ssize_t n;
+    PyObject *segments;
+    const char *kinds;
+    Py_ssize_t nk;
     (void)self;
-    if (!PyArg_ParseTuple(args, "y*y*nw*w*", &data, &offsets, &n, &spans, &born))
+    if (!PyArg_ParseTuple(args, "y*y*nO!y#w*w*", &data, &offsets, &n, &PyTuple_Type, &segments, &kinds, &nk,
+                          &spans, &ints))
         return NULL;
     PyObject *result = NULL;
+    const char *seg[MAX_TEMPLATE_FIELDS + 1];
+    Py_ssize_t seg_len[MAX_TEMPLATE_FIELDS + 1];
     const int64_t *off = (const int64_t *)offsets.buf;
-    if (n < 0 || offsets.len < (n + 1) * (Py_ssize_t)sizeof(int64_t) ||
-        spans.len < 4 * n * (Py_ssize_t)sizeof(int64_t) || born.len < n * (Py_ssize_t)sizeof(int64_t)) {
-        PyErr_SetString(PyExc_ValueError, "offsets must hold n + 1 int64, spans 4 * n and born n");
+    Py_ssize_t w = (Py_ssize_t)sizeof(int64_t);
+    if (nk < 1 || nk > MAX_TEMPLATE_FIELDS || PyTuple_GET_SIZE(segments) != nk + 1) {
+        PyErr_Format(PyExc_ValueError, "1 to %d kinds and one segment more than kinds, got %zd and %zd",
+                     MAX_TEMPLATE_FIELDS, nk, PyTuple_GET_SIZE(segments));
+        goto done;
+    }
+    for (Py_ssize_t j = 0; j < nk; j++) {
+        if (kinds[j] != 's' && kinds[j] != 'i' && kinds[j] != 'f') {
+            PyErr_Format(PyExc_ValueError, "kind %zd is %c: 's', 'i' or 'f'", j, (int)kinds[j]);
+            goto done;
+        }
+    }
+    for (Py_ssize_t j = 0; j <= nk; j++) {
+        PyObject *sj = PyTuple_GET_ITEM(segments, j);
+        if (!PyBytes_Check(sj)) {
+            PyErr_SetString(PyExc_TypeError, "segments must be bytes");
+            goto done;
+        }
+        seg[j] = PyBytes_AS_STRING(sj);
+        seg_len[j] = PyBytes_GET_SIZE(sj);
+    }
+    if (n < 0 || n >= offsets.len / w || n > spans.len / w / (2 * nk) || n > ints.len / w / nk) { /* divided */
+        PyErr_SetString(PyExc_ValueError, "offsets must hold n + 1 int64, spans 2 * F * n and ints F * n");
         goto done;
     }
     for (Py_ssize_t i = 0; i <= n; i++) {
@@ -256,29 +314,36 @@ static PyObject *parse_headers(PyObject *self, PyObject *args)
         }
     }
     int ok = 1;
-    int64_t *sp = (int64_t *)spans.buf, *bt = (int64_t *)born.buf, hash;
+    int64_t *sp = (int64_t *)spans.buf, *iv = (int64_t *)ints.buf;
     const uint8_t *base = (const uint8_t *)data.buf;
-    Py_BEGIN_ALLOW_THREADS
+    /* The GIL stays held: the segments and the offsets checked above cannot change meanwhile. */
     for (Py_ssize_t i = 0; ok && i < n; i++) {
         const uint8_t *p = base + off[i], *end = base + off[i + 1];
-        ok = expect(&p, end, "{\"i\":\"", 6) && plain_string(&p, end, &sp[i], &sp[n + i], base) &&
-             expect(&p, end, "\",\"b\":", 6) && json_integer(&p, end, &bt[i]) &&
-             expect(&p, end, ",\"k\":[\"", 7) && plain_string(&p, end, &sp[2 * n + i], &sp[3 * n + i], base) &&
-             expect(&p, end, "\"],\"h\":", 7) && json_integer(&p, end, &hash) &&
-             expect(&p, end, "}", 1) && p == end;
+        for (Py_ssize_t j = 0; ok && j < nk; j++) {
+            int64_t *lo = &sp[2 * j * n + i], *hi = &sp[(2 * j + 1) * n + i];
+            ok = expect(&p, end, seg[j], (size_t)seg_len[j]);
+            if (ok && kinds[j] == 's')
+                ok = plain_string(&p, end, lo, hi, base);
+            else if (ok && kinds[j] == 'i') {
+                *lo = p - base;
+                ok = json_integer(&p, end, &iv[j * n + i]);
+                *hi = p - base;
+            } else if (ok)
+                ok = json_fraction(&p, end, lo, hi, base);
+        }
+        ok = ok && expect(&p, end, seg[nk], (size_t)seg_len[nk]) && p == end;
     }
-    Py_END_ALLOW_THREADS
     result = PyBool_FromLong(ok);
 done:
     PyBuffer_Release(&data);
     PyBuffer_Release(&offsets);
     PyBuffer_Release(&spans);
-    PyBuffer_Release(&born);
+    PyBuffer_Release(&ints);
     return result;
 }
 
 static PyMethodDef methods[] = {
-    {"parse_headers", parse_headers, METH_VARARGS, parse_headers_doc},
+    {"parse_template", parse_template, METH_VARARGS, parse_template_doc},
     {"cut_spans", cut_spans, METH_VARARGS, cut_spans_doc},
     {"gather", gather, METH_VARARGS, gather_doc},
     {NULL, NULL, 0, NULL},

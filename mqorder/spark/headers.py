@@ -65,7 +65,7 @@ def gather(buf: pa.Buffer, starts: np.ndarray, ends: np.ndarray) -> pa.Array:
         try:
             offsets32, values = _resp.gather(buf, np.ascontiguousarray(starts, dtype=np.int64),
                                              np.ascontiguousarray(ends, dtype=np.int64))
-        except ValueError:  # values past 2 GiB: the path below says so as Arrow does
+        except OverflowError:  # values past 2 GiB: the path below says so as Arrow does
             pass
         else:
             return pa.Array.from_buffers(pa.binary(), n, [None, pa.py_buffer(offsets32), pa.py_buffer(values)])
@@ -129,22 +129,45 @@ def parse(heads: Binaries) -> tuple[pa.Array, pa.Array, pa.Array] | None:
     return ids, first_keys, born
 
 
-def _parse_native(heads: Binaries, n: int) -> tuple[pa.Array, pa.Array, pa.Array] | None:
-    """``parse`` by ``_resp.parse_headers``: each header walked once, checked against the same shape."""
-    cut = binary_parts(heads)
+#: The common shape as ``_resp.parse_template`` reads it: the bytes around the id, born time, key
+#: and key hash, and their kinds (a string, an integer).
+_TEMPLATE = ((b'{"i":"', b'","b":', b',"k":["', b'"],"h":', b"}"), b"sisi")
+
+
+def compiled() -> bool:
+    """Whether ``mqorder.spark._resp`` is there (for the ledger's records too: one switch)."""
+    return _resp is not None
+
+
+def template_values(values: Binaries, segments: tuple[bytes, ...], kinds: bytes
+                    ) -> tuple[pa.Buffer, np.ndarray, np.ndarray] | None:
+    """Records of one template (``_resp.parse_template``: literal ``segments`` around values of
+    ``kinds``) walked once each: (their buffer, value ranges as ``2 * len(kinds)`` rows, integers
+    as ``len(kinds)`` rows), or None if any record is not of the template."""
+    cut = binary_parts(values)
     if cut is None:
         return None
     _, buf, offsets, _ = cut
-    spans, born = np.empty((4, n), dtype=np.int64), np.empty(n, dtype=np.int64)
+    n = len(values)
+    spans, ints = np.empty((2 * len(kinds), n), dtype=np.int64), np.empty((len(kinds), n), dtype=np.int64)
     assert _resp is not None
-    if not _resp.parse_headers(buf, offsets, n, spans, born):
+    if not _resp.parse_template(buf, offsets, n, segments, kinds, spans, ints):
         return None
+    return buf, spans, ints
+
+
+def _parse_native(heads: Binaries, n: int) -> tuple[pa.Array, pa.Array, pa.Array] | None:
+    """``parse`` by ``_resp.parse_template``: each header walked once, checked against the same shape."""
+    parsed = template_values(heads, *_TEMPLATE)
+    if parsed is None:
+        return None
+    buf, spans, ints = parsed
     try:
         ids = gather(buf, spans[0], spans[1]).cast(pa.string())
-        first_keys = gather(buf, spans[2], spans[3]).cast(pa.string())
+        first_keys = gather(buf, spans[4], spans[5]).cast(pa.string())
     except (pa.ArrowInvalid, pa.ArrowTypeError):  # not UTF-8
         return None
-    return ids, first_keys, pa.array(born)
+    return ids, first_keys, pa.array(ints[1])
 
 
 def quote_grid(values: Binaries, per_row: int

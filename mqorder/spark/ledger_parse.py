@@ -23,7 +23,8 @@ import numpy as np
 import pyarrow as pa
 
 from mqorder.consumer.ledger import FIELDS
-from mqorder.spark.headers import Binaries, gather, json_integers, quote_grid
+from mqorder.spark import headers
+from mqorder.spark.headers import Binaries, gather, json_integers, quote_grid, template_values
 
 _INTS = ("queue", "offset", "born_ms", "attempt", "epoch")
 _FLOATS = ("start_ms", "end_ms")
@@ -82,9 +83,16 @@ def _floats(buf: pa.Buffer, starts: np.ndarray, ends: np.ndarray) -> pa.Array | 
         return None
 
 
+#: Each value's kind for ``_resp.parse_template`` (a string's contents, an integer, a fraction), which
+#: reads the records against ``_SEGMENTS`` (they hold the quotes around string values).
+_KINDS = b"".join(b"s" if not number else b"i" if name in _INTS else b"f" for name, _, _, number in _FIELDS)
+
+
 def parse(raws: Binaries, schema: pa.Schema) -> pa.Table | None:
     """The records as a table of ``schema`` (fields of ``LEDGER_ARROW_SCHEMA``, ``entry`` left
     out), or None for a page that is not all of the engine's shape."""
+    if headers.compiled():
+        return _parse_native(raws, schema)
     n = len(raws)
     grid = quote_grid(raws, QUOTES)
     if grid is None:
@@ -118,6 +126,31 @@ def parse(raws: Binaries, schema: pa.Schema) -> pa.Table | None:
                 col = _floats(buf, vs[j], ve[j])
             if col is None:
                 return None
+            columns[name] = col.cast(schema.field(name).type)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):  # not UTF-8, or an int32 column out of range
+        return None
+    return pa.table([columns[f.name] for f in schema], schema=schema)
+
+
+def _parse_native(raws: Binaries, schema: pa.Schema) -> pa.Table | None:
+    """``parse`` by ``_resp.parse_template``: each record walked once against the shape."""
+    if not len(raws):
+        return None
+    parsed = template_values(raws, tuple(_SEGMENTS), _KINDS)
+    if parsed is None:
+        return None
+    buf, spans, ints = parsed
+    columns: dict[str, pa.Array] = {}
+    try:
+        for j, (name, _, _, number) in enumerate(_FIELDS):
+            if name not in schema.names:
+                continue
+            if not number:
+                col = gather(buf, spans[2 * j], spans[2 * j + 1]).cast(pa.string())
+            elif name in _INTS:
+                col = pa.array(ints[j])
+            else:
+                col = gather(buf, spans[2 * j], spans[2 * j + 1]).cast(pa.string()).cast(pa.float64())
             columns[name] = col.cast(schema.field(name).type)
     except (pa.ArrowInvalid, pa.ArrowTypeError):  # not UTF-8, or an int32 column out of range
         return None

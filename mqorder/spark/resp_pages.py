@@ -254,8 +254,8 @@ def cut(data: np.ndarray, end: int, layout: Layout = TOPIC) -> RawColumns | Spli
         return None
     head = data[:24].tobytes()
     head_end = head.find(b"\r\n")
-    if head_end < 0 or not head[1:head_end].isdigit():
-        return None
+    if head_end < 0 or not head[1:head_end].isdigit() or (head_end > 2 and head[1:2] == b"0"):
+        return None  # not a count, or one with a leading zero (hiredis refuses it)
     n, first = int(head[1:head_end]), head_end + 2
     if not n:
         return None

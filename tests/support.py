@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import time
 from pathlib import Path
 
@@ -122,3 +123,19 @@ def grant_floor(client: redis.Redis) -> int:
     (``grant_epoch`` in ``_lock.lua``: epochs are a hybrid clock, the failover fence)."""
     sec, usec = client.time()
     return (sec * 1000 + usec // 1000) * 1000
+
+
+def damaged(rng: random.Random, data: bytes, alphabet: bytes, most: int = 2, least: int = 1) -> bytes:
+    """``data`` with ``least`` to ``most`` random bytes changed (to one of ``alphabet``), dropped or
+    doubled: the damage the parsers' fuzz tests feed them."""
+    out = bytearray(data)
+    for _ in range(rng.randint(least, most)):
+        at = rng.randrange(len(out))
+        what = rng.randrange(3)
+        if what == 0:
+            out[at] = rng.choice(alphabet)
+        elif what == 1:
+            del out[at]
+        else:
+            out.insert(at, out[at])
+    return bytes(out)

@@ -16,6 +16,7 @@ import pytest
 from mqorder.codec import encode_header
 from mqorder.spark import headers, ledger, ledger_parse
 from mqorder.spark import reader as R
+from tests.support import damaged
 
 
 @pytest.fixture(autouse=True, params=["native", "numpy"])
@@ -113,17 +114,7 @@ def test_damaged_headers_parse_only_when_of_the_shape() -> None:
                               born_ms=rng.randint(-(2**63), 2**63 - 1), key_hash=rng.randint(-5, 5))
                 for _ in range(rng.randint(1, 3))]
         i = rng.randrange(len(page))
-        h = bytearray(page[i])
-        for _ in range(rng.randint(0, 2)):
-            at = rng.randrange(len(h))
-            what = rng.randrange(3)
-            if what == 0:
-                h[at] = rng.choice(alphabet)
-            elif what == 1:
-                del h[at]
-            else:
-                h.insert(at, h[at])
-        page[i] = bytes(h)
+        page[i] = damaged(rng, page[i], alphabet, least=0)
         want = [_shape(x) for x in page]
         got = headers.parse(page)
         if any(w is None for w in want):
@@ -203,17 +194,7 @@ def test_damaged_ledger_records_parse_as_json_does_or_fall_back() -> None:
     for _ in range(1_500):
         page = [_record(rng) for _ in range(rng.randint(1, 3))]
         i = rng.randrange(len(page))
-        rec = bytearray(page[i])
-        for _ in range(rng.randint(1, 2)):
-            at = rng.randrange(len(rec))
-            what = rng.randrange(3)
-            if what == 0:
-                rec[at] = rng.choice(alphabet)
-            elif what == 1:
-                del rec[at]
-            else:
-                rec.insert(at, rec[at])
-        page[i] = bytes(rec)
+        page[i] = damaged(rng, page[i], alphabet)
         fast, slow = _both(page)
         if fast is not None:
             assert isinstance(slow, pa.Table) and fast.equals(slow), page

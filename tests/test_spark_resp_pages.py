@@ -18,6 +18,7 @@ from redis.retry import Retry
 
 from mqorder.spark import headers, resp_pages
 from mqorder.spark.resp_pages import LEDGER, Layout, RawColumns, RawPages, cut
+from tests.support import damaged
 
 _PONG = b"+PONG\r\n"
 
@@ -144,17 +145,7 @@ def test_damaged_replies_are_cut_as_hiredis_parses_them_or_left_to_it() -> None:
     cuts = 0
     for _ in range(3_000):
         entries = [_entry(rng.randint(0, 10**6), b'{"i":"%d"}' % i, b"b" * rng.randint(0, 30)) for i in range(3)]
-        raw = bytearray(_reply(entries))
-        for _ in range(rng.randint(1, 2)):
-            at = rng.randrange(len(raw))
-            what = rng.randrange(3)
-            if what == 0:
-                raw[at] = rng.choice(b"0123456789*$\r\n-+hbsx")
-            elif what == 1:
-                del raw[at]
-            else:
-                raw.insert(at, raw[at])
-        cuts += _agrees(bytes(raw)) is not None
+        cuts += _agrees(damaged(rng, _reply(entries), b"0123456789*$\r\n-+hbsx")) is not None
     assert cuts > 100  # some damage leaves a valid page (a digit of an id or a body byte changed)
 
 

@@ -19,6 +19,8 @@ is read by Arrow's JSON reader; whatever this accepts, that reader parses to the
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pyarrow as pa
 
@@ -113,21 +115,28 @@ def parse(raws: Binaries, schema: pa.Schema) -> pa.Table | None:
     literal = gather(buf, seg_s.ravel(), seg_e.ravel()).buffers()[2]
     if literal is None or literal.to_pybytes() != _TEMPLATE * n:
         return None
+
+    def column(j: int, name: str, number: bool) -> pa.Array | None:
+        if not number:
+            return gather(buf, vs[j], ve[j]).cast(pa.string())
+        return json_integers(data, buf, vs[j], ve[j]) if name in _INTS else _floats(buf, vs[j], ve[j])
+
+    return _table(schema, column)
+
+
+def _table(schema: pa.Schema, column: Callable[[int, str, bool], pa.Array | None]) -> pa.Table | None:
+    """The table of ``schema`` from ``column(field index, name, is a number)`` of each field it
+    holds; None if a column is None, not UTF-8, or out of its type's range (an int32 column)."""
     columns: dict[str, pa.Array] = {}
     try:
         for j, (name, _, _, number) in enumerate(_FIELDS):
             if name not in schema.names:
                 continue
-            if not number:
-                col = gather(buf, vs[j], ve[j]).cast(pa.string())
-            elif name in _INTS:
-                col = json_integers(data, buf, vs[j], ve[j])
-            else:
-                col = _floats(buf, vs[j], ve[j])
+            col = column(j, name, number)
             if col is None:
                 return None
             columns[name] = col.cast(schema.field(name).type)
-    except (pa.ArrowInvalid, pa.ArrowTypeError):  # not UTF-8, or an int32 column out of range
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
         return None
     return pa.table([columns[f.name] for f in schema], schema=schema)
 
@@ -140,18 +149,11 @@ def _parse_native(raws: Binaries, schema: pa.Schema) -> pa.Table | None:
     if parsed is None:
         return None
     buf, spans, ints = parsed
-    columns: dict[str, pa.Array] = {}
-    try:
-        for j, (name, _, _, number) in enumerate(_FIELDS):
-            if name not in schema.names:
-                continue
-            if not number:
-                col = gather(buf, spans[2 * j], spans[2 * j + 1]).cast(pa.string())
-            elif name in _INTS:
-                col = pa.array(ints[j])
-            else:
-                col = gather(buf, spans[2 * j], spans[2 * j + 1]).cast(pa.string()).cast(pa.float64())
-            columns[name] = col.cast(schema.field(name).type)
-    except (pa.ArrowInvalid, pa.ArrowTypeError):  # not UTF-8, or an int32 column out of range
-        return None
-    return pa.table([columns[f.name] for f in schema], schema=schema)
+
+    def column(j: int, name: str, number: bool) -> pa.Array | None:
+        if name in _INTS:
+            return pa.array(ints[j])
+        values = gather(buf, spans[2 * j], spans[2 * j + 1]).cast(pa.string())
+        return values.cast(pa.float64()) if number else values
+
+    return _table(schema, column)

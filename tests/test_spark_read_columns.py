@@ -195,7 +195,8 @@ def test_damaged_ledger_records_parse_as_json_does_or_fall_back() -> None:
         page = [_record(rng) for _ in range(rng.randint(1, 3))]
         i = rng.randrange(len(page))
         page[i] = damaged(rng, page[i], alphabet)
-        fast, slow = _both(page)
+        # The whole schema, or a projection: the numbers it leaves out are checked all the same.
+        fast, slow = _both(page) if rng.random() < 0.5 else _both(page, ("broker", "queue", "key", "outcome"))
         if fast is not None:
             assert isinstance(slow, pa.Table) and fast.equals(slow), page
             taken += 1

@@ -278,6 +278,10 @@ def test_the_compiled_functions_refuse_buffers_smaller_than_they_are_told() -> N
         _resp.cut_spans(entry, 0, len(entry), 2**59, b"r", none)
     with pytest.raises(ValueError, match="n \\+ 1 int64"):
         _resp.parse_template(b"{}", np.array([0]), 2**61, (b"{", b"}"), b"i", none, none)
+    with pytest.raises(ValueError, match="byte 0xff"):
+        _resp.parse_template(b"{}", np.array([0, 2]), 1, (b"{", b"}"), b"\xff", none, none)
+    with pytest.raises(ValueError, match="string value 0"):
+        _resp.parse_template(b"{}", np.array([0, 2]), 1, (b"{", b"}"), b"s", none, none)
     with pytest.raises(ValueError, match="not within"):
         _resp.gather(b"abc", np.array([1], dtype=np.int64), np.array([9], dtype=np.int64))
     with pytest.raises(OverflowError):

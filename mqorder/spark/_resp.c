@@ -7,8 +7,8 @@
  * nanoseconds a byte and gives the same answer: where each entry's id and field values start and
  * end, or "not a reply of this layout" (then the caller parses it with hiredis).
  *
- * Pure C against the buffer protocol: no numpy headers, nothing kept between calls. The module is optional: without a compiler, resp_pages keeps its
- * numpy cut.
+ * Pure C against the buffer protocol: no numpy headers, nothing kept between calls. The module
+ * is optional: without a compiler, resp_pages, headers and ledger_parse keep their numpy paths.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -113,8 +113,8 @@ static PyObject *cut_spans(PyObject *self, PyObject *args)
         goto done;
     }
     if (n > out.len / (Py_ssize_t)sizeof(int64_t) / (2 * (1 + k))) { /* divided: n may be anything */
-        PyErr_Format(PyExc_ValueError, "out must be a writable buffer of at least %zd int64 items",
-                     2 * (1 + k) * n);
+        PyErr_Format(PyExc_ValueError, "out must be a writable buffer of 2 * (1 + %zd) rows of %zd int64 items "
+                     "(it has %zd bytes)", k, n, out.len);
         goto done;
     }
     int ok;
@@ -289,7 +289,7 @@ static PyObject *parse_template(PyObject *self, PyObject *args)
     }
     for (Py_ssize_t j = 0; j < nk; j++) {
         if (kinds[j] != 's' && kinds[j] != 'i' && kinds[j] != 'f') {
-            PyErr_Format(PyExc_ValueError, "kind %zd is %c: 's', 'i' or 'f'", j, (int)kinds[j]);
+            PyErr_Format(PyExc_ValueError, "kind %zd is byte 0x%02x: 's', 'i' or 'f'", j, (unsigned int)(unsigned char)kinds[j]);
             goto done;
         }
     }
@@ -301,6 +301,13 @@ static PyObject *parse_template(PyObject *self, PyObject *args)
         }
         seg[j] = PyBytes_AS_STRING(sj);
         seg_len[j] = PyBytes_GET_SIZE(sj);
+    }
+    for (Py_ssize_t j = 0; j < nk; j++) { /* a string's quotes are its segments' last and first bytes */
+        if (kinds[j] == 's' && (seg_len[j] < 1 || seg[j][seg_len[j] - 1] != '"' || seg_len[j + 1] < 1 || seg[j + 1][0] != '"')) {
+            PyErr_Format(PyExc_ValueError, "string value %zd must sit between a segment ending in '\"' and one "
+                         "starting with it", j);
+            goto done;
+        }
     }
     if (n < 0 || n >= offsets.len / w || n > spans.len / w / (2 * nk) || n > ints.len / w / nk) { /* divided */
         PyErr_SetString(PyExc_ValueError, "offsets must hold n + 1 int64, spans 2 * F * n and ints F * n");
@@ -316,9 +323,15 @@ static PyObject *parse_template(PyObject *self, PyObject *args)
     int ok = 1;
     int64_t *sp = (int64_t *)spans.buf, *iv = (int64_t *)ints.buf;
     const uint8_t *base = (const uint8_t *)data.buf;
-    /* The GIL stays held: the segments and the offsets checked above cannot change meanwhile. */
+    /* The GIL stays held, and each record's bounds are read once and checked again here: the
+     * outputs may overlap the offsets (a caller's mistake), and then the walk overwrites them. */
     for (Py_ssize_t i = 0; ok && i < n; i++) {
-        const uint8_t *p = base + off[i], *end = base + off[i + 1];
+        int64_t o0 = off[i], o1 = off[i + 1];
+        if (o0 < 0 || o1 < o0 || o1 > data.len) {
+            ok = 0;
+            break;
+        }
+        const uint8_t *p = base + o0, *end = base + o1;
         for (Py_ssize_t j = 0; ok && j < nk; j++) {
             int64_t *lo = &sp[2 * j * n + i], *hi = &sp[(2 * j + 1) * n + i];
             ok = expect(&p, end, seg[j], (size_t)seg_len[j]);

@@ -8,5 +8,6 @@ def cut_spans(data: Any, first: int, end: int, n: int, fields: bytes, out: Any, 
 def gather(data: Any, starts: Any, ends: Any, /) -> tuple[bytes, bytes]:
     """The ranges of ``data`` as an Arrow binary array's (int32 offsets, values) buffers."""
 
-def parse_headers(data: Any, offsets: Any, n: int, spans: Any, born: Any, /) -> bool:
-    """Whether the ``n`` headers have the common shape; id and key ranges in ``spans``, born times in ``born``."""
+def parse_template(data: Any, offsets: Any, n: int, segments: tuple[bytes, ...], kinds: bytes, spans: Any,
+                   ints: Any, /) -> bool:
+    """Whether the ``n`` records are ``segments`` around values of ``kinds``; ranges in ``spans``, integers in ``ints``."""

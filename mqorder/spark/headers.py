@@ -12,6 +12,9 @@ of that by treating the page's header bytes as one buffer:
 * the born time and the key hash must be JSON integers (``-?(0|[1-9][0-9]*)``) within int64;
 * the id and key are gathered into Arrow string arrays, which checks their UTF-8.
 
+Where the compiled ``mqorder.spark._resp`` is built, ``_resp.parse_template`` checks the same
+shape walking each header once (``_parse_native``), and ``gather`` copies ranges in C.
+
 A page where any header differs in the least (another field, its order, spaces, several keys,
 tags, properties, an escape) gives ``None``, and the caller parses it the general way; whatever
 this module accepts, Arrow's JSON reader would parse to the same values.

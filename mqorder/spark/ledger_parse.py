@@ -15,6 +15,9 @@ Python time; here a page is one buffer:
 
 Any other page (a null, a float in exponent form, another writer's order or spacing) gives None and
 is read by Arrow's JSON reader; whatever this accepts, that reader parses to the same values.
+
+Where the compiled ``mqorder.spark._resp`` is built, ``parse_template`` walks each record once
+against the same segments instead (``_parse_native``), accepting the same records.
 """
 
 from __future__ import annotations
@@ -115,11 +118,18 @@ def parse(raws: Binaries, schema: pa.Schema) -> pa.Table | None:
     literal = gather(buf, seg_s.ravel(), seg_e.ravel()).buffers()[2]
     if literal is None or literal.to_pybytes() != _TEMPLATE * n:
         return None
+    # Every number is checked, those the schema leaves out too: a record holding something else
+    # there is not JSON of the shape (the compiled parse and Arrow's reader refuse it as well).
+    numbers: dict[str, pa.Array] = {}
+    for j, (name, _, _, number) in enumerate(_FIELDS):
+        if number:
+            col = json_integers(data, buf, vs[j], ve[j]) if name in _INTS else _floats(buf, vs[j], ve[j])
+            if col is None:
+                return None
+            numbers[name] = col
 
     def column(j: int, name: str, number: bool) -> pa.Array | None:
-        if not number:
-            return gather(buf, vs[j], ve[j]).cast(pa.string())
-        return json_integers(data, buf, vs[j], ve[j]) if name in _INTS else _floats(buf, vs[j], ve[j])
+        return numbers[name] if number else gather(buf, vs[j], ve[j]).cast(pa.string())
 
     return _table(schema, column)
 

@@ -272,11 +272,14 @@ def test_stack_runs_the_demo_in_order_through_a_killed_worker(images: Images, st
     phase("flower+exporter")
     # The demo, through its compose profile; one worker killed once consumption has begun.
     r = redis.Redis.from_url(stack.url)
+    # The worker containers are listed before the demo starts (a `docker compose ps`, ~1 s): on a
+    # quiet machine the demo's 8,000 events were all handled within that second, before the kill.
+    workers = stack.containers("worker")
     demo = stack.popen("--profile", "demo", "run", "--rm", "demo")
     try:
         wait_for(lambda: counts(r).get("handled", 0) > 0, timeout=180, interval=0.05, what="the demo consumed")
         before = assignees(r, stack.url)
-        victim_id = next(c for c in stack.containers("worker") if f"worker@{c[:12]}" in before.values())
+        victim_id = next(c for c in workers if f"worker@{c[:12]}" in before.values())
         victim, survivor = f"worker@{victim_id[:12]}", (names - {f"worker@{victim_id[:12]}"}).pop()
         moved = {q for q, c in before.items() if c == victim}
         run(["docker", "kill", victim_id], timeout=60)

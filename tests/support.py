@@ -139,3 +139,17 @@ def damaged(rng: random.Random, data: bytes, alphabet: bytes, most: int = 2, lea
         else:
             out.insert(at, out[at])
     return bytes(out)
+
+
+def use_parsers(which: str, monkeypatch) -> None:
+    """The Spark readers' compiled cut and parsers (``which == "native"``: ``mqorder.spark._resp``
+    must be built, which ``make install`` does; a skip would hide a read ~2.6x costlier in Python)
+    or numpy's and Arrow's (``"numpy"``: the extension hidden from every module that uses it)."""
+    from mqorder.spark import headers, resp_pages
+
+    if which == "native":
+        assert headers._resp is not None, (
+            "mqorder.spark._resp is not built: run `make install` (setup.py compiles it; it needs a C compiler)")
+    else:
+        monkeypatch.setattr(resp_pages, "_resp", None)
+        monkeypatch.setattr(headers, "_resp", None)

@@ -22,6 +22,7 @@ from mqorder.spark import reader as R
 from mqorder.spark.ledger import read_ledger
 from mqorder.spark.options import Connection
 from mqorder.spark.stored_index import read_index
+from tests.support import use_parsers
 
 MB = 1 << 20
 
@@ -106,15 +107,6 @@ def test_a_page_within_the_cap_is_one_batch_as_before(redis_url: str) -> None:
     assert [b.num_rows for b in batches] == [64, len(SIZES) - 64]
 
 
-def _use(cutter: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compiled cut and gather (``mqorder.spark._resp``), or numpy's and Arrow's (it hidden)."""
-    if cutter == "numpy":
-        monkeypatch.setattr(resp_pages, "_resp", None)
-        monkeypatch.setattr(headers, "_resp", None)
-    else:
-        assert resp_pages._resp is not None, "mqorder.spark._resp is not built: run `make install`"
-
-
 @pytest.mark.parametrize("cutter", ["native", "numpy"])
 @pytest.mark.parametrize("cap", [resp_pages.MAX_BATCH_BYTES, MB])
 def test_positions_past_the_int32_limit_are_gathered_with_int64_offsets(
@@ -122,7 +114,7 @@ def test_positions_past_the_int32_limit_are_gathered_with_int64_offsets(
 ) -> None:
     """With the limit lowered to 1 MB the second page's values lie past it: gathered through
     ``large_binary``, cast back to ``binary`` (the compiled gather reads any position), the same rows."""
-    _use(cutter, monkeypatch)
+    use_parsers(cutter, monkeypatch)
     bodies = _topic(redis_url, f"big-{cutter}", SIZES)
     monkeypatch.setattr(headers, "INT64_OFFSETS_FROM", MB)
     monkeypatch.setattr(resp_pages, "MAX_BATCH_BYTES", cap)
@@ -139,7 +131,7 @@ def test_positions_past_the_int32_limit_are_gathered_with_int64_offsets(
 def test_gather_past_2_gib_uses_int64_offsets(monkeypatch: pytest.MonkeyPatch, cutter: str) -> None:
     """The real limit, on a buffer of 2 GiB and more that is allocated but never touched (so it
     costs a few pages of memory): int32 offsets there were negative, and Arrow refused them."""
-    _use(cutter, monkeypatch)
+    use_parsers(cutter, monkeypatch)
     size = 2**31 + 8192
     data = np.empty(size, dtype=np.uint8)
     starts = np.array([10, 2**31 - 4, 2**31 + 100], dtype=np.int64)
@@ -156,7 +148,7 @@ def test_hiredis_pages_split_the_same_way(redis_url: str, monkeypatch: pytest.Mo
     """Bodies of 10 MB and more have 8-digit lengths, which numpy's raw cut leaves to hiredis:
     the careful path (``_fields``, ``_headers_python`` for the properties) builds each piece's
     batch on its own. The compiled cut (up to 10 digits) cuts the same pages into the same pieces."""
-    _use(cutter, monkeypatch)
+    use_parsers(cutter, monkeypatch)
     sizes = [10 * MB + 7, 200_000, 300_000, 400_000, 10 * MB + 1, 5]
     bodies = _topic(redis_url, f"huge-{cutter}", sizes, properties=True)
     monkeypatch.setattr(resp_pages, "MAX_BATCH_BYTES", MB)

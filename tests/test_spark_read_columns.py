@@ -16,16 +16,13 @@ import pytest
 from mqorder.codec import encode_header
 from mqorder.spark import headers, ledger, ledger_parse
 from mqorder.spark import reader as R
-from tests.support import damaged
+from tests.support import damaged, use_parsers
 
 
 @pytest.fixture(autouse=True, params=["native", "numpy"])
 def parser(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The compiled header parse and gather (``mqorder.spark._resp``), or numpy's (it hidden)."""
-    if request.param == "native":
-        assert headers._resp is not None, "mqorder.spark._resp is not built: run `make install`"
-    else:
-        monkeypatch.setattr(headers, "_resp", None)
+    """The compiled header parse and gather, or numpy's (``use_parsers``)."""
+    use_parsers(request.param, monkeypatch)
     return request.param
 
 

@@ -16,9 +16,9 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from mqorder.spark import headers, resp_pages
+from mqorder.spark import resp_pages
 from mqorder.spark.resp_pages import LEDGER, Layout, RawColumns, RawPages, cut
-from tests.support import damaged
+from tests.support import damaged, use_parsers
 
 _PONG = b"+PONG\r\n"
 
@@ -58,15 +58,8 @@ def _agrees(raw: bytes, layout: Layout = resp_pages.TOPIC) -> RawColumns | None:
 
 @pytest.fixture(autouse=True, params=["native", "numpy"])
 def cutter(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Which cut ``resp_pages.cut`` uses: the compiled one, or numpy's (the extension hidden).
-    The native cases fail, not skip, where the extension is missing: ``make install`` builds it,
-    and a read without it is ~3x costlier in Python, a gap a skip would hide."""
-    if request.param == "native":
-        assert resp_pages._resp is not None, (
-            "mqorder.spark._resp is not built: run `make install` (setup.py compiles it; it needs a C compiler)")
-    else:
-        monkeypatch.setattr(resp_pages, "_resp", None)
-        monkeypatch.setattr(headers, "_resp", None)
+    """Which cut ``resp_pages.cut`` uses: the compiled one, or numpy's (``use_parsers``)."""
+    use_parsers(request.param, monkeypatch)
     return request.param
 
 

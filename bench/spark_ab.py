@@ -172,14 +172,22 @@ def _tree_cpu() -> float:
     return total
 
 
-def _child(args: argparse.Namespace) -> dict[str, Any]:
-    import mqorder
+def bench_session(app: str, master: str) -> Any:
+    """The Spark session of a measurement: no UI or progress bar, 2 GB for the driver, 8 shuffle
+    partitions, only errors logged (the same for every child and for ``bench.spark_floor``)."""
     from mqorder.spark import session
 
-    spark = session("mqorder-bench-ab", args.master, **{
+    spark = session(app, master, **{
         "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false", "spark.driver.memory": "2g",
         "spark.sql.shuffle.partitions": "8"})
     spark.sparkContext.setLogLevel("ERROR")
+    return spark
+
+
+def _child(args: argparse.Namespace) -> dict[str, Any]:
+    import mqorder
+
+    spark = bench_session("mqorder-bench-ab", args.master)
     executor_file = spark.sparkContext.parallelize([0], 1).map(lambda _: __import__("mqorder").__file__).collect()[0]
     out: dict[str, Any] = {"what": args.what, "driver_mqorder": mqorder.__file__, "executor_mqorder": executor_file,
                            "seconds": []}
@@ -224,10 +232,7 @@ def _interleaved(args: argparse.Namespace) -> dict[str, Any]:
     import mqorder
     import mqorder.spark as new
 
-    spark = new.session("mqorder-bench-ab", args.master, **{
-        "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false", "spark.driver.memory": "2g",
-        "spark.sql.shuffle.partitions": "8"})
-    spark.sparkContext.setLogLevel("ERROR")
+    spark = bench_session("mqorder-bench-ab", args.master)
     old.register(spark)
     files = spark.sparkContext.parallelize([0], 1).map(
         lambda _: (__import__("mqorder").__file__, __import__("mqorder_baseline").__file__)).collect()[0]

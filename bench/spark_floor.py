@@ -26,7 +26,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-from bench.spark_ab import READ_QUEUES, READ_TOPIC, _median, _tree_cpu, build_read
+from bench.spark_ab import READ_QUEUES, READ_TOPIC, _median, _tree_cpu, bench_session, build_read
 
 #: Rows per floor batch: about what one of the reader's pages of 100-byte messages holds.
 FLOOR_BATCH = 16_000
@@ -105,16 +105,12 @@ def run(messages: int, rounds: int, master: str) -> dict[str, Any]:
     """Both counts, ``rounds`` times each after a warm-up of each, in one application."""
     import redis
 
-    from mqorder.spark import session
     from mqorder.testing.embedded import RedisServer
 
     with RedisServer() as srv:
         build_read(srv.url, messages)
         redis_pid = int(redis.Redis.from_url(srv.url).info("server")["process_id"])
-        spark = session("mqorder-bench-floor", master, **{
-            "spark.ui.enabled": "false", "spark.ui.showConsoleProgress": "false", "spark.driver.memory": "2g",
-            "spark.sql.shuffle.partitions": "8"})
-        spark.sparkContext.setLogLevel("ERROR")
+        spark = bench_session("mqorder-bench-floor", master)
         try:
             real = spark.read.format("mqorder").option("topic", READ_TOPIC).option("redisUrl", srv.url).load()
             parts = real.rdd.getNumPartitions()

@@ -58,6 +58,7 @@ def baseline_tree(commit: str = BASELINE) -> Iterator[Path]:
     with tempfile.TemporaryDirectory(prefix="mqorder-baseline-") as tmp:
         with tarfile.open(fileobj=BytesIO(raw)) as tar:
             tar.extractall(tmp, filter="data")
+        _build_native(Path(tmp), "mqorder")
         yield Path(tmp)
 
 
@@ -85,19 +86,21 @@ def baseline_package(tree: Path) -> Path:
                 for old, new in _RENAMED.items():
                     text = text.replace(old, new)
             f.write_text(text)
-        _build_native(dst.parent)
+        _build_native(dst.parent, "mqorder_baseline")
     return dst.parent
 
 
-def _build_native(root: Path) -> None:
-    """Compile the baseline's ``spark/_resp.c`` where it has one, as ``make install`` compiles
-    today's: a baseline left on its numpy fallbacks would make today's code look faster than it
-    is. Where no compiler works the baseline keeps those fallbacks, and the A/B says so on stderr."""
-    src = root / "mqorder_baseline" / "spark" / "_resp.c"
+def _build_native(root: Path, package: str) -> None:
+    """Compile ``root/<package>/spark/_resp.c`` where the baseline has one, as ``make install``
+    compiles today's: a baseline left on its numpy fallbacks would make today's code look faster
+    than it is (both the plain copy the pairs protocol runs and the renamed one of the interleaved
+    protocol). Where no compiler works the baseline keeps those fallbacks, and the A/B says so on
+    stderr."""
+    src = root / package / "spark" / "_resp.c"
     if not src.exists():
         return
     build = ("from setuptools import Extension, setup; "
-             f"setup(ext_modules=[Extension('mqorder_baseline.spark._resp', [{str(src.relative_to(root))!r}])], "
+             f"setup(ext_modules=[Extension('{package}.spark._resp', [{str(src.relative_to(root))!r}])], "
              "script_args=['build_ext', '--inplace', '--quiet'])")
     done = subprocess.run([sys.executable, "-c", build], cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, check=False)

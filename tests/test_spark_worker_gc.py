@@ -52,6 +52,40 @@ def test_freeze_collects_first_freezes_once_and_later_garbage_is_still_collected
     assert out.stdout.startswith("ok ")
 
 
+def test_what_later_tasks_leave_alive_is_frozen_again_a_bounded_number_of_times() -> None:
+    # Modules a first task imports after its freeze (~29,000 objects after a first read) would be
+    # walked by the daemon's collection after every later task: the next task's start freezes
+    # them, and only past REFREEZE_ABOVE objects, MAX_FREEZES times per process at most.
+    code = textwrap.dedent("""
+        import gc, importlib.machinery, sys
+        from mqorder.spark import worker_gc
+
+        sys.modules["__main__"].__spec__ = importlib.machinery.ModuleSpec("pyspark.daemon", None)
+        gc.disable()
+
+        class Node:
+            pass
+
+        worker_gc.freeze_imports()
+        counts = [gc.get_freeze_count()]
+        kept = []
+        for _ in range(worker_gc.MAX_FREEZES + 1):
+            kept.append([Node() for _ in range(worker_gc.REFREEZE_ABOVE + 5000)])  # a lazy import's worth
+            worker_gc.freeze_imports()
+            counts.append(gc.get_freeze_count())
+        grew = [b - a for a, b in zip(counts, counts[1:])]
+        n = worker_gc.REFREEZE_ABOVE + 5000
+        assert all(g >= n for g in grew[: worker_gc.MAX_FREEZES - 1]), grew
+        assert grew[worker_gc.MAX_FREEZES - 1:] == [0, 0], grew  # the bound: no freeze after the last
+        assert len(gc.get_objects()) >= 2 * n  # what came after the last freeze is still walked
+        print("ok", grew)
+    """)
+    env = {**os.environ, "SPARK_REUSE_WORKER": "1"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("ok ")
+
+
 @pytest.mark.parametrize("reuse", [None, "1"], ids=["no reuse", "reuse, not a daemon worker"])
 def test_outside_a_reused_daemon_worker_nothing_is_frozen(reuse: str | None) -> None:
     # A driver, a one-shot worker (spark.python.use.daemon=false), or a program a UDF starts (it

@@ -305,10 +305,6 @@ def settle_unseen(report: AuditReport, infos: Sequence[QueueInfo], counts: dict[
 # -- summary: per queue, latency bins and throughput in one job -----------------------------------
 
 
-def _n(condition: str) -> str:
-    return f"sum(CAST({condition} AS INT))"
-
-
 #: What ``summary`` counts per queue (and latency bin), each a condition on a message row (SQL).
 _CONDITIONS = {
     "stored": "stored", "delivered": "first_start IS NOT NULL", "succeeded": "successes > 0",
@@ -317,23 +313,31 @@ _CONDITIONS = {
     "domain_violations": "domain_violation", "missing_field": "missing_field",
 }
 _COUNTED = tuple(_CONDITIONS)
+_SEEN = "(first_start IS NOT NULL AND stored)"
+#: Every condition ``summary`` counts, as one bit of a row's ``flags``: the counted ones, then the
+#: delivered stored messages below and from the committed offset (``Extent``).
+_FLAGS = (*_CONDITIONS.items(), ("d_below", f"{_SEEN} AND `offset` < committed"),
+          ("d_above", f"{_SEEN} AND `offset` >= committed"))
+_BELOW, _ABOVE = 1 << len(_CONDITIONS), 1 << (len(_CONDITIONS) + 1)
 
 
 def summary(m: DataFrame, infos: Sequence[QueueInfo], report: AuditReport, bucket_ms: int) -> dict[int, Extent]:
     """Per-queue stats and totals, latency percentiles and histogram, throughput: one job.
 
-    Grouping sets: (qi, lat_bin) gives every count per queue and latency bin (summed per queue
-    here), (tp_bucket) the messages per throughput bucket.
+    Each message's conditions are one integer, ``flags`` (a bit per condition of ``_FLAGS``), and
+    the rows are counted per (qi, lat_bin, flags): a few aggregates per row where a sum per
+    condition made ~20, over twice the rows (the grouping sets' ``Expand``): that aggregation was
+    the largest metered part of an audit's main stage (0.87 -> 0.73 s for the whole job over
+    200,000 records, warm, medians of 7). The counts are summed per queue here, by bit.
+    Grouping sets: (qi, lat_bin, flags), and (tp_bucket) for the messages per throughput bucket.
     """
-    seen = "(first_start IS NOT NULL AND stored)"
-    aggs = [f"{_n(c)} AS {n}" for n, c in _CONDITIONS.items()]
-    aggs += ["count(1) AS n", "sum(records) AS records", "max(latency_ms) AS lat_max",
-             f"{_n(f'{seen} AND `offset` < committed')} AS d_below",
-             f"{_n(f'{seen} AND `offset` >= committed')} AS d_above",
-             "min(CASE WHEN first_start IS NOT NULL THEN `offset` END) AS d_min",
-             f"max(CASE WHEN {seen} THEN `offset` END) AS d_max",
-             "grouping(tp_bucket) AS g_tp"]
-    grouped = m.groupingSets([["qi", "lat_bin"], ["tp_bucket"]], "qi", "lat_bin", "tp_bucket")
+    flags = " + ".join(f"(CASE WHEN {cond} THEN {1 << i} ELSE 0 END)" for i, (_, cond) in enumerate(_FLAGS))
+    rows_in = m.selectExpr("qi", "lat_bin", "tp_bucket", f"{flags} AS flags", "records", "latency_ms",
+                           "CASE WHEN first_start IS NOT NULL THEN `offset` END AS delivered_offset",
+                           f"CASE WHEN {_SEEN} THEN `offset` END AS seen_offset")
+    aggs = ["count(1) AS n", "sum(records) AS records", "max(latency_ms) AS lat_max",
+            "min(delivered_offset) AS d_min", "max(seen_offset) AS d_max", "grouping(tp_bucket) AS g_tp"]
+    grouped = rows_in.groupingSets([["qi", "lat_bin", "flags"], ["tp_bucket"]], "qi", "lat_bin", "flags", "tp_bucket")
     # Collected as Arrow and read as dicts: ~8,000 rows (16 queues x latency bins) for a
     # 200,000-record audit, which as pickled Rows cost the driver ~0.3 s on the critical path.
     rows = grouped.agg(*(F.expr(a) for a in aggs)).toArrow().to_pylist()
@@ -341,19 +345,29 @@ def summary(m: DataFrame, infos: Sequence[QueueInfo], report: AuditReport, bucke
     extents: dict[int, Extent] = {}
     bins: dict[int | None, dict[int, int]] = {}
     lat_max: dict[int | None, float] = {}
+    names = [name for name, _ in _FLAGS]
     for r in rows:
         if not r["g_tp"]:
             if r["tp_bucket"] is not None:
                 report.throughput.append((int(r["tp_bucket"]) * bucket_ms, int(r["n"])))
             continue
-        acc = per_queue.setdefault(r["qi"], dict.fromkeys([*_COUNTED, "records"], 0))
-        for name in (*_COUNTED, "records"):
-            acc[name] += int(r[name] or 0)
-        if r["qi"] is not None:
-            extents[r["qi"]] = extents.get(r["qi"], Extent()).add(r)
+        n, qi = int(r["n"]), r["qi"]
+        acc = per_queue.setdefault(qi, dict.fromkeys([*names, "records"], 0))
+        acc["records"] += int(r["records"] or 0)
+        bits = int(r["flags"])
+        while bits:
+            low = bits & -bits
+            acc[names[low.bit_length() - 1]] += n
+            bits ^= low
+        if qi is not None:
+            flag = int(r["flags"])
+            extents[qi] = extents.get(qi, Extent()).add({
+                "d_below": n if flag & _BELOW else 0, "d_above": n if flag & _ABOVE else 0,
+                "d_min": r["d_min"], "d_max": r["d_max"]})
         if r["lat_bin"] is not None:
-            bins.setdefault(r["qi"], {})[r["lat_bin"]] = int(r["n"])
-            lat_max[r["qi"]] = max(lat_max.get(r["qi"], -math.inf), float(r["lat_max"]))
+            queue_bins = bins.setdefault(qi, {})
+            queue_bins[r["lat_bin"]] = queue_bins.get(r["lat_bin"], 0) + n
+            lat_max[qi] = max(lat_max.get(qi, -math.inf), float(r["lat_max"]))
     report.throughput.sort()
     report.throughput_bucket_s = bucket_ms // 1000
     report.malformed_records = per_queue.get(None, {}).get("records", 0)

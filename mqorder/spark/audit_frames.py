@@ -354,13 +354,12 @@ def summary(m: DataFrame, infos: Sequence[QueueInfo], report: AuditReport, bucke
         n, qi = int(r["n"]), r["qi"]
         acc = per_queue.setdefault(qi, dict.fromkeys([*names, "records"], 0))
         acc["records"] += int(r["records"] or 0)
-        bits = int(r["flags"])
+        flag = bits = int(r["flags"])
         while bits:
             low = bits & -bits
             acc[names[low.bit_length() - 1]] += n
             bits ^= low
         if qi is not None:
-            flag = int(r["flags"])
             extents[qi] = extents.get(qi, Extent()).add({
                 "d_below": n if flag & _BELOW else 0, "d_above": n if flag & _ABOVE else 0,
                 "d_min": r["d_min"], "d_max": r["d_max"]})

@@ -5,6 +5,7 @@ and lost consumption progress comes back as redelivery."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -73,3 +74,47 @@ def longest_pause(times: Iterable[float], since: float) -> float:
     """The longest gap between two consecutive handling times from ``since`` on."""
     ts = sorted(t for t in times if t >= since)
     return max((b - a for a, b in zip(ts, ts[1:], strict=False)), default=0.0)
+
+
+class SwitchWatch:
+    """Every ``+switch-master`` the Sentinels publish, with when it was seen (``time.time()``).
+
+    A failover test may see more than the one it caused: on a loaded machine the promoted primary
+    can miss its Sentinels' PINGs for ``down-after-milliseconds`` and be failed over in turn, and
+    the writes it acknowledged meanwhile may be lost with it (replication is asynchronous). What a
+    test may then claim is about the primary that stayed.
+    """
+
+    def __init__(self, sentinels: Iterable[redis.Redis]) -> None:
+        self._subs = []
+        for s in sentinels:
+            ps = s.pubsub(ignore_subscribe_messages=True)
+            ps.subscribe("+switch-master")
+            self._subs.append(ps)
+        self.switches: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="switch-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for ps in self._subs:
+                try:
+                    msg = ps.get_message(timeout=0.02)
+                except redis.RedisError:
+                    continue
+                if msg and msg["type"] == "message":
+                    # "<master> <old ip> <old port> <new ip> <new port>", once per Sentinel
+                    port = int(msg["data"].split()[4])
+                    if not self.switches or self.switches[-1][1] != port:
+                        self.switches.append((time.time(), port))
+
+    def since(self, t: float) -> list[tuple[float, int]]:
+        """The switches seen at or after ``t``."""
+        return [sw for sw in self.switches if sw[0] >= t]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+        for ps in self._subs:
+            ps.close()

@@ -24,6 +24,7 @@ from mqorder.testing.sentinel import SentinelDeployment
 from tests.sentinel_support import (
     GROUP,
     TOPIC,
+    SwitchWatch,
     eventually,
     ledger_entries,
     longest_pause,
@@ -77,6 +78,24 @@ def _start_workers(cluster: Cluster, *names: str) -> None:
                              SENTINEL_TEST_LEDGER_URL=cluster.ledger_url)  # type: ignore[attr-defined]
 
 
+def _queue_states(client: redis.Redis) -> str:
+    """Every queue's state HASH and next counter, by Redis's clock: what a stall left behind."""
+    now_s, now_us = client.time()
+    lines = [f"Redis time {now_s * 1000 + now_us // 1000} ms"]
+    for k in sorted(client.scan_iter("mqorder:*:s:*")):
+        tag = k.decode().split(":s:")[0]
+        lines.append(f"{k.decode()} next={client.get(tag + ':next')!r} {client.hgetall(k)}")
+    return "\n".join(lines)
+
+
+def _sentinel_events(dep: SentinelDeployment) -> str:
+    """What the Sentinels logged of the failover (its '#' events: down, votes, promotion, switch)."""
+    lines = []
+    for log in sorted(dep.dir.glob("sentinel-*.log")):
+        lines += [f"{log.name}: {line}" for line in log.read_text().splitlines() if " # " in line]
+    return "\n".join(lines)
+
+
 def test_two_workers_through_sentinel_keep_every_key_in_order(sentinel_cluster: Cluster, led: redis.Redis) -> None:
     cluster = sentinel_cluster
     p = Producer(cluster.url)
@@ -107,6 +126,13 @@ def test_kill_9_of_the_primary_during_consumption(dep: SentinelDeployment, senti
     progress is redelivered, so the test checks the ORDER of what was handled, that nothing
     acknowledged a second before the kill was lost, that consumption resumed within 10 s of the
     promotion, and that everything sent after it was handled.
+
+    "The promotion" is the one that stayed. On a loaded machine the promoted replica may miss its
+    Sentinels' PINGs for ``down-after-milliseconds`` (1 s here) and be failed over in turn; what it
+    acknowledged before its own replica took over may be lost like any write in the replication
+    window (seen once in CI and once in 32 runs under load: the primary's clients were cut ~15 s
+    after the kill, the registry lost a heartbeat, sends acknowledged after the first promotion
+    were gone). The test then starts its post-failover phase again from that promotion.
     """
     cluster = sentinel_cluster
     p = Producer(cluster.url)
@@ -115,9 +141,9 @@ def test_kill_9_of_the_primary_during_consumption(dep: SentinelDeployment, senti
     acked: list[tuple[str, int, float]] = []
     stop = threading.Event()
     n_keys = 16
+    seq = dict.fromkeys((f"k{i}" for i in range(n_keys)), 0)
 
     def send_loop() -> None:
-        seq = dict.fromkeys((f"k{i}" for i in range(n_keys)), 0)
         i = 0
         while not stop.is_set():
             k = f"k{i % n_keys}"
@@ -136,13 +162,15 @@ def test_kill_9_of_the_primary_during_consumption(dep: SentinelDeployment, senti
 
     sender = threading.Thread(target=send_loop, daemon=True)
     old_port = dep.primary_port()
+    watch = SwitchWatch(s.client() for s in dep.sentinels)
     killed = None
+    promotions = 0
     try:
         sender.start()
         wait_for(lambda: len(handled()) >= 500, timeout=60, what="500 handled before the kill")
         t_kill = time.time()
         killed = dep.kill_primary()
-        dep.wait_failover(old_port, timeout=30)
+        primary = dep.wait_failover(old_port, timeout=30)
         t_failover = time.time()
 
         def first_new() -> float | None:
@@ -150,11 +178,9 @@ def test_kill_9_of_the_primary_during_consumption(dep: SentinelDeployment, senti
             times = [e["start"] for e in handled() if e["sent"] >= t_failover]
             return min(times) if times else None
 
-        assert eventually(lambda: first_new() is not None, timeout=30), "consumption did not resume"
-        time.sleep(3)  # a few more seconds of traffic on the new primary
-        stop.set()
-        sender.join(timeout=10)
-        last = {k: s for k, s, _ in acked}
+        def failed_over_again() -> bool:
+            return any(port != primary for _, port in watch.since(t_failover))
+
         # Eventually, within what the engine guarantees today: a finish.lua the promoted replica
         # missed leaves its queue's run mark behind, and nothing dispatches the queue until that
         # mark lapses (run_lease_ms, 60 s) and the next sweep (sweep_interval_ms) sees it. Seen
@@ -162,11 +188,42 @@ def test_kill_9_of_the_primary_during_consumption(dep: SentinelDeployment, senti
         # writes). The resumption bound is the 10 s check below.
         settle_s = (Settings.model_fields["run_lease_ms"].default + Settings.model_fields["sweep_interval_ms"].default
                     + Settings.model_fields["pending_ttl_ms"].default) / 1000 + 10
-        wait_for(lambda: all(any(e["key"] == k and e["seq"] == s for e in handled()) for k, s in last.items()),
-                 timeout=settle_s, what="the last send of every key handled")
+
+        def settled() -> bool:
+            """The phase after a promotion: consumption resumes, a few seconds of traffic, then every
+            key's last acknowledged send is handled. False if Sentinel failed over again meanwhile."""
+            assert eventually(lambda: first_new() is not None or failed_over_again(), timeout=30), \
+                "consumption did not resume"
+            if failed_over_again():
+                return False
+            time.sleep(3)  # a few more seconds of traffic on the new primary
+            stop.set()
+            sender.join(timeout=10)
+            last = {k: s for k, s, _ in acked}
+            try:
+                wait_for(lambda: failed_over_again() or all(any(e["key"] == k and e["seq"] == s for e in handled())
+                                                            for k, s in last.items()),
+                         timeout=settle_s, what="the last send of every key handled")
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\n{_queue_states(cluster.client)}\n{_sentinel_events(dep)}") from None
+            return not failed_over_again()
+
+        promotions = 1
+        while not settled():
+            # Failed over again: the phase starts over from the primary that is now the only one.
+            promotions += 1
+            assert promotions <= 3, f"the primary kept changing: {watch.switches}"
+            primary = watch.switches[-1][1]
+            dep.wait_sole_primary(primary, timeout=30)
+            t_failover = time.time()
+            if stop.is_set():
+                stop.clear()
+                sender = threading.Thread(target=send_loop, daemon=True)
+                sender.start()
     finally:
         stop.set()
         sender.join(timeout=10)
+        watch.close()
         p.close()
         if killed is not None:
             dep.restart_as_replica(killed)
@@ -186,4 +243,4 @@ def test_kill_9_of_the_primary_during_consumption(dep: SentinelDeployment, senti
     print(f"\ne2e failover: promoted {t_failover - t_kill:.2f} s after the kill; longest pause in consumption "
           f"{pause:.2f} s; first message sent after the promotion handled {resumed - t_failover:.2f} s after it; "
           f"{len(acked)} acked sends, {len(lost)} lost in the replication window, {len(entries)} handled "
-          f"({len(entries) - len(seen)} redeliveries)")
+          f"({len(entries) - len(seen)} redeliveries); {promotions} promotion(s)")

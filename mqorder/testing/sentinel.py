@@ -233,6 +233,31 @@ class SentinelDeployment:
             time.sleep(0.05)
         raise BrokerUnavailableError(f"no failover away from port {old_port} within {timeout:.0f} s")
 
+    def wait_sole_primary(self, port: int, timeout: float = 30.0) -> None:
+        """Wait until ``port`` answers as the primary and no other live node does.
+
+        From then on only ``port`` can acknowledge a write. Until Sentinel reconfigures a demoted
+        primary that is still running (a primary failed over because it missed its PINGs for
+        ``down-after-milliseconds``, not because it died), that node still takes writes, and they
+        are lost when it resyncs from the new one.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            masters = set()
+            for n in self.nodes:
+                if n.proc is None or n.proc.poll() is not None:
+                    continue
+                try:
+                    role = self.direct_client(n).execute_command("ROLE")
+                except redis.RedisError:
+                    continue
+                if role and role[0] in (b"master", "master"):
+                    masters.add(n.port)
+            if masters == {port}:
+                return
+            time.sleep(0.05)
+        raise BrokerUnavailableError(f"port {port} is not the only primary after {timeout:.0f} s")
+
     def wait_replicas_online(self, n: int, timeout: float = 30.0) -> None:
         """Wait until the primary reports ``n`` replicas online and in sync."""
         primary = self.primary() if self.sentinels[0].proc else self.nodes[0]

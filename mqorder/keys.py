@@ -325,6 +325,14 @@ def sub_state(tag: str, sub: str) -> str:
     ``runner``
         Id of the task execution that claimed the run (``begin`` only): the same execution may
         re-enter its live run after a Redis outage, a duplicate delivery of the task gets BUSY.
+    ``node``
+        The replication id of the primary the queue was last swept on (``master_replid``, passed
+        by the sweep's caller): written by ``sweep`` when it differs (the first sweep after a
+        failover, or ever). Read by ``sweep`` and copied by ``begin`` into ``run_node``.
+    ``run_node``
+        ``node`` as it was when the run began (``begin``). A sweep on another node fences a live run
+        mark whose ``run_node`` is not its own: the promoted replica may lack the run's
+        ``finish`` (docs/ARCHITECTURE.md, "A run the promoted replica still thinks is running").
     ``pending``
         Token of the queue's one pending ConsumeRequest, ``''`` for none. Set by ``send``
         (waking the owner), ``sweep``, ``assign`` (DISPATCH), ``finish`` (the next request) and

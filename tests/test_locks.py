@@ -12,6 +12,7 @@ from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager, Redispatch
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.scripts import NAMES, lua_string, source
+from mqorder.testing.embedded import RedisServer, wait_online_replicas
 from tests.support import grant_floor
 
 MQS = [MessageQueue("t", "broker-a", i) for i in range(4)]
@@ -332,3 +333,109 @@ def test_lock_manager_batches_spanning_two_brokers(redis_url: str) -> None:
         assert locks.unlock_batch("g", mqs, "c1") == set(mqs)
     finally:
         two.close()
+
+
+# -- a run mark the promoted replica kept (sweep.lua's node identity) ------------------------------------
+
+
+def _sweep_on(brokers: BrokerRegistry, mq: MessageQueue, node: str, token: str) -> list:
+    """sweep.lua for c1's lane "g" as a sweep on the node identified by ``node`` sends it."""
+    return brokers.default.scripts.sweep(
+        keys=[keys.sub_state(mq.tag, "g"), keys.queue_next(mq.tag)], args=["c1", 30_000, node, token])
+
+
+def _run_started(brokers: BrokerRegistry, locks: RebalanceLockManager, mq: MessageQueue) -> int:
+    """c1 holds ``mq`` with a backlog and a run that has begun (run mark live for 60 s): its epoch."""
+    brokers.default.client.set(keys.queue_next(mq.tag), 5)
+    locks.assign("g", [(mq, "c1", "tok")])
+    assert begin(brokers, "g", mq, "c1", "tok")[0] == b"OK"
+    return locks.lock_entry("g", mq).epoch
+
+
+def test_a_run_mark_begun_after_a_sweep_on_another_node_is_fenced_and_redispatched_at_once(
+    brokers: BrokerRegistry, locks: RebalanceLockManager
+) -> None:
+    mq = MQS[0]
+    c = brokers.default.client
+    c.set(keys.queue_next(mq.tag), 5)
+    locks.assign("g", [(mq, "c1", "tok")])
+    assert _sweep_on(brokers, mq, "node-a", "s0") == []  # the request is pending: records node-a
+    epoch = _run_started(brokers, locks, mq)
+    assert c.hget(keys.sub_state(mq.tag, "g"), "run_node") == b"node-a"
+    assert _sweep_on(brokers, mq, "node-a", "s1") == []  # the run is live on its own node: untouched
+    # node-b is a promoted replica: the run mark came from node-a, whose run ended there (finish.lua
+    # lost in the failover) or begins again here. Without the identity it would wait out 60 s.
+    assert _sweep_on(brokers, mq, "node-b", "s2") == [1, b"c1", b"s2"]
+    assert locks.lock_entry("g", mq).epoch > epoch  # fenced: the old run's commits are refused
+    assert commit(brokers, "g", mq, "c1", epoch, 3)[0] == b"FENCED"
+    assert _sweep_on(brokers, mq, "node-b", "s3") == []  # s2 pending: one request, not a storm
+
+
+def test_a_run_begun_on_this_node_and_a_queue_never_swept_are_judged_by_leases_alone(
+    brokers: BrokerRegistry, locks: RebalanceLockManager
+) -> None:
+    mq, fresh = MQS[0], MQS[1]
+    c = brokers.default.client
+    c.set(keys.queue_next(mq.tag), 5)
+    locks.assign("g", [(mq, "c1", "tok")])
+    assert _sweep_on(brokers, mq, "node-a", "s0") == []
+    assert _sweep_on(brokers, mq, "node-b", "s1") == []  # nothing ran: the node recorded, nothing fenced
+    epoch = _run_started(brokers, locks, mq)
+    assert c.hget(keys.sub_state(mq.tag, "g"), "run_node") == b"node-b"
+    assert _sweep_on(brokers, mq, "node-b", "s2") == []
+    assert locks.lock_entry("g", mq).epoch == epoch
+    # A queue no sweep recorded yet (a new deployment, or one from before the identity): a live
+    # run there is left alone, whatever node sweeps first.
+    fresh_epoch = _run_started(brokers, locks, fresh)
+    assert _sweep_on(brokers, fresh, "node-c", "s3") == []
+    assert locks.lock_entry("g", fresh).epoch == fresh_epoch
+    assert c.hget(keys.sub_state(fresh.tag, "g"), "node") == b"node-c"
+    assert _sweep_on(brokers, fresh, "", "s4") == []  # '' = identity unknown: leases only
+
+
+def test_a_replica_promoted_without_the_runs_finish_is_swept_at_once(redis_server: RedisServer) -> None:
+    """Real replication: the run begins on the primary, the replica is promoted (REPLICAOF NO ONE,
+    a new replication id) before the run's finish.lua reaches it, and the sweep on the promoted
+    node dispatches the queue at once instead of after the 60 s run lease."""
+    redis_server.flushall()
+    mq = MQS[2]
+    with RedisServer(extra_args=["--replicaof", "127.0.0.1", str(redis_server.port)]) as replica:
+        wait_online_replicas(redis_server, 1)
+        old, new = BrokerRegistry(redis_server.url), BrokerRegistry(replica.url)
+        try:
+            locks_old, locks_new = RebalanceLockManager(old), RebalanceLockManager(new)
+            old.default.client.set(keys.queue_next(mq.tag), 5)
+            locks_old.assign("g", [(mq, "c1", "tok")])
+            assert locks_old.sweep("g", [(mq, "s0")], "c1") == []  # records the primary's identity
+            assert begin(old, "g", mq, "c1", "tok")[0] == b"OK"
+            assert old.default.client.wait(1, 5000) == 1  # the run mark is on the replica
+            replica_client = new.default.client
+            replica_client.execute_command("REPLICAOF", "NO", "ONE")
+            assert finish(old, "g", mq, "c1", "tok")[0] == b"REQUEUE"  # on the old primary only
+            state = replica_client.hgetall(keys.sub_state(mq.tag, "g"))
+            assert int(state[b"run"]) > time.time() * 1000 + 50_000  # the promoted node's run mark is live
+            assert locks_new.sweep("g", [(mq, "s1")], "c1") == [Redispatch(mq, "c1", "s1")]
+            assert locks_old.sweep("g", [(mq, "s2")], "c1") == []  # the old primary: next-tok pending
+        finally:
+            old.close()
+            new.close()
+
+
+def test_a_user_refused_info_is_swept_by_leases_alone(redis_server: RedisServer, brokers: BrokerRegistry) -> None:
+    """An ACL user without INFO (a locked-down managed Redis) gets no node identity: its sweeps go on
+    as before the identity existed, rather than failing every sweep interval."""
+    admin = brokers.default.client
+    admin.execute_command("ACL", "SETUSER", "noinfo", "on", ">pw", "~*", "&*", "+@all", "-info")
+    limited = BrokerRegistry(f"redis://noinfo:pw@127.0.0.1:{redis_server.port}/0")
+    try:
+        mq = MQS[3]
+        assert limited.default.node_identity(mq.tag) == ""
+        assert brokers.default.node_identity(mq.tag) != ""
+        locks = RebalanceLockManager(limited)
+        admin.set(keys.queue_next(mq.tag), 2)
+        locks.assign("g", [(mq, "c1", "tok")], pending_ttl_ms=100)
+        time.sleep(0.2)  # "tok" presumed lost
+        assert locks.sweep("g", [(mq, "again")], "c1") == [Redispatch(mq, "c1", "again")]
+    finally:
+        limited.close()
+        admin.execute_command("ACL", "DELUSER", "noinfo")

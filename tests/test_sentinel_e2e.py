@@ -181,17 +181,19 @@ def test_kill_9_of_the_primary_during_consumption(dep: SentinelDeployment, senti
         def failed_over_again() -> bool:
             return any(port != primary for _, port in watch.since(t_failover))
 
-        # Eventually, within what the engine guarantees today: a finish.lua the promoted replica
-        # missed leaves its queue's run mark behind, and nothing dispatches the queue until that
-        # mark lapses (run_lease_ms, 60 s) and the next sweep (sweep_interval_ms) sees it. Seen
-        # once in a loaded `make test` (issue 25's closing note: stalls after a failover that lost
-        # writes). The resumption bound is the 10 s check below.
-        settle_s = (Settings.model_fields["run_lease_ms"].default + Settings.model_fields["sweep_interval_ms"].default
-                    + Settings.model_fields["pending_ttl_ms"].default) / 1000 + 10
+        # Eventually: a finish.lua the promoted replica missed leaves its queue's run mark behind;
+        # the first sweep on the new primary tells it from its own and dispatches the queue
+        # (sweep.lua's node identity; before it, nothing did until the mark lapsed, run_lease_ms,
+        # 60 s). A request lost with the old primary's Celery queues lapses in pending_ttl_ms. The
+        # resumption bound is the 10 s check below.
+        settle_s = (Settings.model_fields["sweep_interval_ms"].default
+                    + Settings.model_fields["pending_ttl_ms"].default) / 1000 + 30
+        settle_took = 0.0
 
         def settled() -> bool:
             """The phase after a promotion: consumption resumes, a few seconds of traffic, then every
             key's last acknowledged send is handled. False if Sentinel failed over again meanwhile."""
+            nonlocal settle_took
             assert eventually(lambda: first_new() is not None or failed_over_again(), timeout=30), \
                 "consumption did not resume"
             if failed_over_again():
@@ -200,12 +202,14 @@ def test_kill_9_of_the_primary_during_consumption(dep: SentinelDeployment, senti
             stop.set()
             sender.join(timeout=10)
             last = {k: s for k, s, _ in acked}
+            t0 = time.monotonic()
             try:
                 wait_for(lambda: failed_over_again() or all(any(e["key"] == k and e["seq"] == s for e in handled())
                                                             for k, s in last.items()),
                          timeout=settle_s, what="the last send of every key handled")
             except AssertionError as exc:
                 raise AssertionError(f"{exc}\n{_queue_states(cluster.client)}\n{_sentinel_events(dep)}") from None
+            settle_took = time.monotonic() - t0
             return not failed_over_again()
 
         promotions = 1
@@ -243,4 +247,5 @@ def test_kill_9_of_the_primary_during_consumption(dep: SentinelDeployment, senti
     print(f"\ne2e failover: promoted {t_failover - t_kill:.2f} s after the kill; longest pause in consumption "
           f"{pause:.2f} s; first message sent after the promotion handled {resumed - t_failover:.2f} s after it; "
           f"{len(acked)} acked sends, {len(lost)} lost in the replication window, {len(entries)} handled "
-          f"({len(entries) - len(seen)} redeliveries); {promotions} promotion(s)")
+          f"({len(entries) - len(seen)} redeliveries); {promotions} promotion(s); the last sends handled "
+          f"{settle_took:.2f} s after the sender stopped")

@@ -257,6 +257,15 @@ class RebalanceLockManager:
         """
         return self.sweep_lanes([(sub, candidates)], client_id, pending_ttl_ms)[0]
 
+    @staticmethod
+    def _node_identity(broker: Broker, tag: str, seen: dict[str, str]) -> str:
+        """``Broker.node_identity`` of ``tag``'s node, read once per node within one sweep."""
+        client: Any = broker.client
+        node = client.primary_for(tag).name if broker.is_cluster else ""
+        if node not in seen:
+            seen[node] = broker.node_identity(tag)
+        return seen[node]
+
     def sweep_lanes(
         self,
         lanes: Sequence[tuple[str, Sequence[tuple[MessageQueue, str]]]],
@@ -271,13 +280,15 @@ class RebalanceLockManager:
         flat = [(li, mq, tok) for li, (_, cands) in enumerate(lanes) for mq, tok in cands]
         for broker, batches in self._lane_batches(flat):
             calls = []
+            nodes: dict[str, str] = {}  # one INFO per node and sweep (every batch on a plain Redis)
             for li, items in batches:
                 sub = lanes[li][0]
                 kl: list[str] = []
                 for _, mq, _ in items:
                     tag = mq.tag
                     kl += [keys.sub_state(tag, sub), keys.queue_next(tag)]
-                calls.append((kl, [client_id, pending_ttl_ms, *(tok for _, _, tok in items)]))
+                node = self._node_identity(broker, items[0][1].tag, nodes)
+                calls.append((kl, [client_id, pending_ttl_ms, node, *(tok for _, _, tok in items)]))
             for (li, items), res in zip(batches, broker.scripts.run_pipelined("sweep", calls), strict=True):
                 for i in range(0, len(res), 3):
                     mq = items[int(res[i]) - 1][1]

@@ -11,6 +11,7 @@ Celery's broker (``check_celery_broker_url`` says why and what to use instead).
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 import time
@@ -37,6 +38,8 @@ from mqorder.store.connect import SentinelAuthError, connect
 from mqorder.store.connect import close as close_client
 from mqorder.store.scripts import Scripts
 from mqorder.store.urls import SENTINEL_SCHEMES, URL_FORM, is_sentinel_url, parse_sentinel_url, redact_sentinel_url
+
+log = logging.getLogger(__name__)
 
 DEFAULT_BROKER_NAME = "broker-a"
 #: How long ``Broker.replicas_of`` trusts a shard's replica count.
@@ -255,6 +258,8 @@ class Broker:
         # Known once: an isinstance check against redis-py's RedisCluster goes through its ABC's
         # __instancecheck__, a few µs on every send that asks.
         self._is_cluster = isinstance(self.client, ClusterClient)
+        #: ``node_identity`` was refused once (logged once, not every sweep).
+        self._identity_refused = False
 
     @property
     def is_cluster(self) -> bool:
@@ -291,6 +296,26 @@ class Broker:
         n = sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")
         self._replicas[node.name] = (now, n)
         return n
+
+    def node_identity(self, tag: str) -> str:
+        """The replication id (``master_replid``) of the primary that holds ``tag``'s keys now:
+        what ``sweep.lua`` tells one node's run marks from another's by (a promoted replica gets a
+        new one). Read on every call, one ``INFO replication`` per sweep and node; ``''`` when the
+        server does not say, or refuses ``INFO`` (renamed away, or an ACL user without it): the
+        sweep then judges by leases alone, as before it had the identity, rather than not at all."""
+        client: Any = self.client
+        if isinstance(client, ClusterClient):
+            client = client.node_client(client.primary_for(tag))
+        try:
+            info = client.info("replication")
+        except redis.ResponseError as exc:
+            if not self._identity_refused:
+                log.warning("broker %s refuses INFO (%s): a run mark a failover left behind lapses only with "
+                            "its run lease (MQORDER_RUN_LEASE_MS); allow INFO to have it swept at once",
+                            self.name, exc)
+                self._identity_refused = True
+            return ""
+        return str(info.get("master_replid", ""))
 
     @property
     def safe_url(self) -> str:

@@ -16,7 +16,7 @@
 --- @include "_now"
 --- @include "_lock"
 local st = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'epoch', 'assignee', 'offset', 'pending', 'run', 'runner',
-  'done')
+  'done', 'node')
 if st[6] ~= ARGV[2] then return {'STALE'} end
 if ahead(st[7]) and st[8] ~= ARGV[6] then return {'BUSY'} end
 local client = ARGV[1]
@@ -35,8 +35,10 @@ if owner ~= client or not ahead(st[2]) then
 end
 if assignee ~= '' and assignee ~= client then return {'REVOKED', assignee} end
 local run_until = now + tonumber(ARGV[3])
+-- run_node: the node the sweep last recorded for this queue, which a sweep on another node (after
+-- a failover) tells from its own (sweep.lua).
 redis.call('HSET', KEYS[1], 'owner', client, 'lease', now + lock_ttl, 'run', run_until, 'pend_until', run_until,
-  'runner', ARGV[6])
+  'runner', ARGV[6], 'run_node', st[10] or '')
 local offset = tonumber(st[5] or 0)
 local nxt = tonumber(redis.call('GET', KEYS[3]) or 0)
 local entries = {}

@@ -2,8 +2,25 @@
 -- from the Celery broker, a pool process killed mid-run): invariant 5, "no stall".
 --
 -- KEYS        pairs (state HASH, next counter), one pair per queue
--- ARGV[1]     client ('' = any owner)   ARGV[2] pending_ttl_ms   ARGV[3..] one token per queue
+-- ARGV[1]     client ('' = any owner)   ARGV[2] pending_ttl_ms
+-- ARGV[3]     the node's identity: the replication id of the primary these keys are on (INFO
+--             replication's master_replid, read by the caller); '' = unknown, judge by leases only
+-- ARGV[4..]   one token per queue
 -- Returns     flat list of (queue index (1-based), owner, token) for each queue to dispatch
+--
+-- A run mark written on another node (invariant 9's failover, docs/ARCHITECTURE.md "A run the
+-- promoted replica still thinks is running"). Replication is asynchronous: a promoted replica may
+-- lack a run's finish.lua, and keep its run mark and pending token until run_lease_ms (60 s)
+-- lapses, while nothing dispatches the queue. So the sweep records, in the state's `node`
+-- field, the identity of the node it swept the queue on, and begin.lua copies that field into
+-- `run_node` when a run starts. When the recorded node is not this one, this is the first sweep
+-- of the queue since a failover (or a restart that changed the replication id): a live run mark
+-- whose `run_node` is not this node was written before it, by a run that has either died with the
+-- old primary or will begin again here (a run interrupted by the failover retries begin.lua). It
+-- is judged as lapsed: fenced with a new epoch and dispatched at once, as the sweep does for any
+-- lapsed run. Safe whichever it was, since a run that does go on is refused at its next commit
+-- (FENCED); what it read is redelivered. A queue never swept before has no `node`: recorded, not
+-- judged, so a new deployment fences nothing. Sweeps on a steady primary only read the two fields.
 -- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead, request_pending: _lock.lua.
 --- @include "_now"
 --- @include "_lock"
@@ -14,23 +31,38 @@
 -- two plain reads per owned queue, not a six-field HMGET turned into a Lua table and judged
 -- (about 2.5x less Redis time per idle queue, issue 27). Every read is in this one script, so the
 -- order of the tests changes nothing in what it decides.
+local node = ARGV[3]
 local out = {}
 for i = 1, #KEYS, 2 do
   local q = (i + 1) / 2
   local nxt = tonumber(redis.call('GET', KEYS[i + 1]) or 0)
   if nxt > tonumber(redis.call('HGET', KEYS[i], 'offset') or 0) then
-    local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'pending', 'pend_until', 'run')
+    local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'pending', 'pend_until', 'run', 'node', 'run_node')
     local owner = st[1] or ''
-    if lock_live(owner, st[2]) and (ARGV[1] == '' or owner == ARGV[1])
-        and not ahead(st[5]) and not request_pending(st[3], st[4]) then
-      if tonumber(st[5] or 0) > 0 then
+    local run_live = ahead(st[5])
+    local pend_live = request_pending(st[3], st[4])
+    local swept_on, fenced = st[6] or '', false
+    if node ~= '' and swept_on ~= node then
+      redis.call('HSET', KEYS[i], 'node', node)
+      if swept_on ~= '' and run_live and (st[7] or '') ~= node then
+        -- Written on another node: lapsed (see above), fenced and cleared now, whether or not this
+        -- sweep dispatches the queue (with no live lock, the next grant's request must not find
+        -- it BUSY). Its pending token is the run's own (begin.lua sets pend_until to the run's
+        -- deadline), so it goes with it.
+        grant_epoch(KEYS[i])
+        redis.call('HSET', KEYS[i], 'run', 0, 'pending', '', 'pend_until', 0)
+        run_live, pend_live, fenced = false, false, true
+      end
+    end
+    if lock_live(owner, st[2]) and (ARGV[1] == '' or owner == ARGV[1]) and not run_live and not pend_live then
+      if not fenced and tonumber(st[5] or 0) > 0 then
         -- The previous run's lease lapsed mid-run: fence it with a new epoch (same owner).
         grant_epoch(KEYS[i])
       end
-      redis.call('HSET', KEYS[i], 'pending', ARGV[2 + q], 'pend_until', now + tonumber(ARGV[2]), 'run', 0)
+      redis.call('HSET', KEYS[i], 'pending', ARGV[3 + q], 'pend_until', now + tonumber(ARGV[2]), 'run', 0)
       out[#out + 1] = q
       out[#out + 1] = owner
-      out[#out + 1] = ARGV[2 + q]
+      out[#out + 1] = ARGV[3 + q]
     end
   end
 end

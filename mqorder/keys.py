@@ -330,8 +330,11 @@ def sub_state(tag: str, sub: str) -> str:
         by the sweep's caller): written by ``sweep`` when it differs (the first sweep after a
         failover, or ever). Read by ``sweep`` and copied by ``begin`` into ``run_node``.
     ``run_node``
-        ``node`` as it was when the run began (``begin``). A sweep on another node fences a live run
-        mark whose ``run_node`` is not its own: the promoted replica may lack the run's
+        ``node`` as it was when the run began (``begin``).
+    ``suspect``
+        The deadline (``run``) of a live run mark whose ``run_node`` was not this node at the first
+        sweep here (``sweep``); ``''`` otherwise. If the next sweep finds the same deadline, the
+        mark was not renewed and is fenced: the promoted replica may lack the run's
         ``finish`` (docs/ARCHITECTURE.md, "A run the promoted replica still thinks is running").
     ``pending``
         Token of the queue's one pending ConsumeRequest, ``''`` for none. Set by ``send``

@@ -352,7 +352,7 @@ def _run_started(brokers: BrokerRegistry, locks: RebalanceLockManager, mq: Messa
     return locks.lock_entry("g", mq).epoch
 
 
-def test_a_run_mark_begun_after_a_sweep_on_another_node_is_fenced_and_redispatched_at_once(
+def test_a_run_mark_from_another_node_not_renewed_by_the_next_sweep_is_fenced_and_redispatched(
     brokers: BrokerRegistry, locks: RebalanceLockManager
 ) -> None:
     mq = MQS[0]
@@ -363,12 +363,36 @@ def test_a_run_mark_begun_after_a_sweep_on_another_node_is_fenced_and_redispatch
     epoch = _run_started(brokers, locks, mq)
     assert c.hget(keys.sub_state(mq.tag, "g"), "run_node") == b"node-a"
     assert _sweep_on(brokers, mq, "node-a", "s1") == []  # the run is live on its own node: untouched
+    assert _sweep_on(brokers, mq, "node-a", "s1") == []
     # node-b is a promoted replica: the run mark came from node-a, whose run ended there (finish.lua
-    # lost in the failover) or begins again here. Without the identity it would wait out 60 s.
-    assert _sweep_on(brokers, mq, "node-b", "s2") == [1, b"c1", b"s2"]
+    # lost in the failover) or goes on here. The first sweep notes the mark; the next one finds it
+    # not renewed. Without the identity the queue would wait out the 60 s run lease.
+    assert _sweep_on(brokers, mq, "node-b", "s2") == []
+    assert locks.lock_entry("g", mq).epoch == epoch
+    assert _sweep_on(brokers, mq, "node-b", "s3") == [1, b"c1", b"s3"]
     assert locks.lock_entry("g", mq).epoch > epoch  # fenced: the old run's commits are refused
     assert commit(brokers, "g", mq, "c1", epoch, 3)[0] == b"FENCED"
-    assert _sweep_on(brokers, mq, "node-b", "s3") == []  # s2 pending: one request, not a storm
+    assert _sweep_on(brokers, mq, "node-b", "s4") == []  # s3 pending: one request, not a storm
+
+
+def test_a_run_from_another_node_that_renews_its_mark_goes_on(
+    brokers: BrokerRegistry, locks: RebalanceLockManager
+) -> None:
+    """A run that began on the new primary before its first sweep copied the old node, but it
+    commits: its mark moves between the two sweeps, and it is not fenced (no needless redelivery)."""
+    mq = MQS[1]
+    c = brokers.default.client
+    c.set(keys.queue_next(mq.tag), 5)
+    locks.assign("g", [(mq, "c1", "tok")])
+    assert _sweep_on(brokers, mq, "node-a", "s0") == []
+    epoch = _run_started(brokers, locks, mq)
+    assert _sweep_on(brokers, mq, "node-b", "s1") == []  # noted
+    time.sleep(0.01)
+    assert commit(brokers, "g", mq, "c1", epoch, 2)[0] == b"OK"  # renews the run mark
+    assert _sweep_on(brokers, mq, "node-b", "s2") == []
+    assert _sweep_on(brokers, mq, "node-b", "s3") == []
+    assert locks.lock_entry("g", mq).epoch == epoch
+    assert c.hget(keys.sub_state(mq.tag, "g"), "suspect") == b""
 
 
 def test_a_run_begun_on_this_node_and_a_queue_never_swept_are_judged_by_leases_alone(
@@ -393,10 +417,10 @@ def test_a_run_begun_on_this_node_and_a_queue_never_swept_are_judged_by_leases_a
     assert _sweep_on(brokers, fresh, "", "s4") == []  # '' = identity unknown: leases only
 
 
-def test_a_replica_promoted_without_the_runs_finish_is_swept_at_once(redis_server: RedisServer) -> None:
+def test_a_replica_promoted_without_the_runs_finish_is_swept_without_the_run_lease(redis_server: RedisServer) -> None:
     """Real replication: the run begins on the primary, the replica is promoted (REPLICAOF NO ONE,
-    a new replication id) before the run's finish.lua reaches it, and the sweep on the promoted
-    node dispatches the queue at once instead of after the 60 s run lease."""
+    a new replication id) before the run's finish.lua reaches it, and the second sweep on the
+    promoted node dispatches the queue instead of waiting out the 60 s run lease."""
     redis_server.flushall()
     mq = MQS[2]
     with RedisServer(extra_args=["--replicaof", "127.0.0.1", str(redis_server.port)]) as replica:
@@ -414,7 +438,8 @@ def test_a_replica_promoted_without_the_runs_finish_is_swept_at_once(redis_serve
             assert finish(old, "g", mq, "c1", "tok")[0] == b"REQUEUE"  # on the old primary only
             state = replica_client.hgetall(keys.sub_state(mq.tag, "g"))
             assert int(state[b"run"]) > time.time() * 1000 + 50_000  # the promoted node's run mark is live
-            assert locks_new.sweep("g", [(mq, "s1")], "c1") == [Redispatch(mq, "c1", "s1")]
+            assert locks_new.sweep("g", [(mq, "s1")], "c1") == []  # noted
+            assert locks_new.sweep("g", [(mq, "s1")], "c1") == [Redispatch(mq, "c1", "s1")]  # not renewed
             assert locks_old.sweep("g", [(mq, "s2")], "c1") == []  # the old primary: next-tok pending
         finally:
             old.close()

@@ -11,17 +11,19 @@
 -- A run mark written on another node (invariant 9's failover, docs/ARCHITECTURE.md "A run the
 -- promoted replica still thinks is running"). Replication is asynchronous: a promoted replica may
 -- lack a run's finish.lua, and keep its run mark and pending token until run_lease_ms (60 s)
--- lapses, while nothing dispatches the queue. So the sweep records, in the state's `node`
--- field, the identity of the node it swept the queue on, and begin.lua copies that field into
--- `run_node` when a run starts. When the recorded node is not this one, this is the first sweep
--- of the queue since a failover (or a restart that changed the replication id): a live run mark
--- whose `run_node` is not this node was written before it, by a run that has either died with the
--- old primary or will begin again here (a run interrupted by the failover retries begin.lua). It
--- is judged as lapsed: fenced with a new epoch and dispatched at once, as the sweep does for any
--- lapsed run. Safe whichever it was, since a run that does go on is refused at its next commit
--- (FENCED); what it read is redelivered. A queue never swept before has no `node`: recorded, not
--- judged, so a new deployment fences nothing. Sweeps on a steady primary only read the two fields.
--- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead, request_pending: _lock.lua.
+-- lapses, while nothing dispatches the queue. So the sweep records, in the state's `node` field,
+-- the identity of the node it swept the queue on, and begin.lua copies that field into `run_node`
+-- when a run starts. When the recorded node is not this one, this is the first sweep of the queue
+-- since a failover (or a restart that changed the replication id). A live run mark whose
+-- `run_node` is not this node was written before it, by a run that either died with the old
+-- primary or goes on here (a run cut by the failover retries begin.lua; one that began here before
+-- this first sweep copied the old `node`). The sweep tells them apart by the mark itself: it notes
+-- the mark's deadline (`suspect`), and a live run renews its mark (every commit, touch and begin
+-- moves `run`). At the next sweep on this node a mark with the same deadline is judged lapsed:
+-- fenced with a new epoch and dispatched, as the sweep does for any lapsed run; one that moved is
+-- left alone. Safe either way, since a run that does go on is refused at its next commit (FENCED)
+-- and what it read is redelivered. A queue never swept before has no `node`: recorded, not
+-- judged, so a new deployment fences nothing. On a steady primary the sweep only reads the fields.
 --- @include "_now"
 --- @include "_lock"
 --
@@ -37,21 +39,29 @@ for i = 1, #KEYS, 2 do
   local q = (i + 1) / 2
   local nxt = tonumber(redis.call('GET', KEYS[i + 1]) or 0)
   if nxt > tonumber(redis.call('HGET', KEYS[i], 'offset') or 0) then
-    local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'pending', 'pend_until', 'run', 'node', 'run_node')
+    local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'pending', 'pend_until', 'run', 'node', 'run_node',
+      'suspect')
     local owner = st[1] or ''
     local run_live = ahead(st[5])
     local pend_live = request_pending(st[3], st[4])
     local swept_on, fenced = st[6] or '', false
     if node ~= '' and swept_on ~= node then
-      redis.call('HSET', KEYS[i], 'node', node)
       if swept_on ~= '' and run_live and (st[7] or '') ~= node then
-        -- Written on another node: lapsed (see above), fenced and cleared now, whether or not this
-        -- sweep dispatches the queue (with no live lock, the next grant's request must not find
-        -- it BUSY). Its pending token is the run's own (begin.lua sets pend_until to the run's
-        -- deadline), so it goes with it.
+        redis.call('HSET', KEYS[i], 'node', node, 'suspect', st[5])
+      else
+        redis.call('HSET', KEYS[i], 'node', node, 'suspect', '')
+      end
+    elseif node ~= '' and (st[8] or '') ~= '' then
+      if run_live and st[8] == st[5] then
+        -- Written on another node and not renewed since the first sweep here: lapsed (see above),
+        -- fenced and cleared now, whether or not this sweep dispatches the queue (with no live
+        -- lock, the next grant's request must not find it BUSY). Its pending token is the run's
+        -- own (begin.lua sets pend_until to the run's deadline), so it goes with it.
         grant_epoch(KEYS[i])
-        redis.call('HSET', KEYS[i], 'run', 0, 'pending', '', 'pend_until', 0)
+        redis.call('HSET', KEYS[i], 'run', 0, 'pending', '', 'pend_until', 0, 'suspect', '')
         run_live, pend_live, fenced = false, false, true
+      else
+        redis.call('HSET', KEYS[i], 'suspect', '')  -- renewed or ended: a live run, or none
       end
     end
     if lock_live(owner, st[2]) and (ARGV[1] == '' or owner == ARGV[1]) and not run_live and not pend_live then

@@ -395,6 +395,27 @@ def test_a_run_from_another_node_that_renews_its_mark_goes_on(
     assert c.hget(keys.sub_state(mq.tag, "g"), "suspect") == b""
 
 
+def test_a_queue_without_a_backlog_at_the_sweeps_is_recorded_and_its_stale_mark_noted(
+    brokers: BrokerRegistry, locks: RebalanceLockManager
+) -> None:
+    """A trickle rarely has a backlog at the instant of a sweep: the node is recorded and a stale
+    run mark noted all the same, and the first sweep that finds a backlog fences it."""
+    mq = MQS[2]
+    c = brokers.default.client
+    locks.assign("g", [(mq, "c1", "tok")])
+    assert _sweep_on(brokers, mq, "node-a", "s0") == []  # no backlog: recorded all the same
+    assert c.hget(keys.sub_state(mq.tag, "g"), "node") == b"node-a"
+    c.hset(keys.sub_state(mq.tag, "g"), "pending", "tok")  # a request woken by a send, drained since
+    assert begin(brokers, "g", mq, "c1", "tok")[0] == b"OK"
+    epoch = locks.lock_entry("g", mq).epoch
+    assert _sweep_on(brokers, mq, "node-b", "s1") == []  # the failover: noted, nothing to dispatch
+    assert c.hget(keys.sub_state(mq.tag, "g"), "suspect") == c.hget(keys.sub_state(mq.tag, "g"), "run")
+    assert _sweep_on(brokers, mq, "node-b", "s2") == []  # still no backlog: nothing to do
+    c.set(keys.queue_next(mq.tag), 3)  # a send; its wake-up found the dead run's token pending
+    assert _sweep_on(brokers, mq, "node-b", "s3") == [1, b"c1", b"s3"]
+    assert locks.lock_entry("g", mq).epoch > epoch
+
+
 def test_a_run_begun_on_this_node_and_a_queue_never_swept_are_judged_by_leases_alone(
     brokers: BrokerRegistry, locks: RebalanceLockManager
 ) -> None:

@@ -28,17 +28,22 @@
 --- @include "_lock"
 --
 -- Only a queue with a backlog (next > offset) can need a request, so that is tested first, with
--- the two cheapest reads there are (a GET and a one-field HGET); the lock and request fields are
--- read only for a queue that has one. An idle deployment's queues have none: its sweep then costs
--- two plain reads per owned queue, not a six-field HMGET turned into a Lua table and judged
--- (about 2.5x less Redis time per idle queue, issue 27). Every read is in this one script, so the
--- order of the tests changes nothing in what it decides.
+-- the two cheapest reads there are (a GET and a two-field HMGET of the offset and the recorded
+-- node); the lock and request fields are read only for a queue that has one, or whose recorded
+-- node is not this one (once per queue and failover). An idle deployment's queues have neither:
+-- its sweep then costs two plain reads per owned queue, not an eight-field HMGET turned into a Lua
+-- table and judged (about 2.5x less Redis time per idle queue, issue 27). The node is recorded and
+-- a stale run mark noted on an idle queue too: a queue that rarely has a backlog at the instant
+-- of a sweep (a trickle) must still have its node on record before a failover, and its mark
+-- noted after one. Every read is in this one script, so the order of the tests changes nothing.
 local node = ARGV[3]
 local out = {}
 for i = 1, #KEYS, 2 do
   local q = (i + 1) / 2
   local nxt = tonumber(redis.call('GET', KEYS[i + 1]) or 0)
-  if nxt > tonumber(redis.call('HGET', KEYS[i], 'offset') or 0) then
+  local o = redis.call('HMGET', KEYS[i], 'offset', 'node')
+  local backlog = nxt > tonumber(o[1] or 0)
+  if backlog or (node ~= '' and (o[2] or '') ~= node) then
     local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'pending', 'pend_until', 'run', 'node', 'run_node',
       'suspect')
     local owner = st[1] or ''
@@ -64,7 +69,8 @@ for i = 1, #KEYS, 2 do
         redis.call('HSET', KEYS[i], 'suspect', '')  -- renewed or ended: a live run, or none
       end
     end
-    if lock_live(owner, st[2]) and (ARGV[1] == '' or owner == ARGV[1]) and not run_live and not pend_live then
+    if backlog and lock_live(owner, st[2]) and (ARGV[1] == '' or owner == ARGV[1]) and not run_live
+        and not pend_live then
       if not fenced and tonumber(st[5] or 0) > 0 then
         -- The previous run's lease lapsed mid-run: fence it with a new epoch (same owner).
         grant_epoch(KEYS[i])

@@ -369,7 +369,7 @@ def test_a_run_mark_from_another_node_not_renewed_by_the_next_sweep_is_fenced_an
     # not renewed. Without the identity the queue would wait out the 60 s run lease.
     assert _sweep_on(brokers, mq, "node-b", "s2") == []
     assert locks.lock_entry("g", mq).epoch == epoch
-    assert _sweep_on(brokers, mq, "node-b", "s3") == [1, b"c1", b"s3"]
+    assert _sweep_on(brokers, mq, "", "s3") == [1, b"c1", b"s3"]  # recorded already: passed no more
     assert locks.lock_entry("g", mq).epoch > epoch  # fenced: the old run's commits are refused
     assert commit(brokers, "g", mq, "c1", epoch, 3)[0] == b"FENCED"
     assert _sweep_on(brokers, mq, "node-b", "s4") == []  # s3 pending: one request, not a storm
@@ -410,9 +410,9 @@ def test_a_queue_without_a_backlog_at_the_sweeps_is_recorded_and_its_stale_mark_
     epoch = locks.lock_entry("g", mq).epoch
     assert _sweep_on(brokers, mq, "node-b", "s1") == []  # the failover: noted, nothing to dispatch
     assert c.hget(keys.sub_state(mq.tag, "g"), "suspect") == c.hget(keys.sub_state(mq.tag, "g"), "run")
-    assert _sweep_on(brokers, mq, "node-b", "s2") == []  # still no backlog: nothing to do
+    assert _sweep_on(brokers, mq, "", "s2") == []  # recorded: the idle path, nothing to do
     c.set(keys.queue_next(mq.tag), 3)  # a send; its wake-up found the dead run's token pending
-    assert _sweep_on(brokers, mq, "node-b", "s3") == [1, b"c1", b"s3"]
+    assert _sweep_on(brokers, mq, "", "s3") == [1, b"c1", b"s3"]
     assert locks.lock_entry("g", mq).epoch > epoch
 
 
@@ -485,3 +485,21 @@ def test_a_user_refused_info_is_swept_by_leases_alone(redis_server: RedisServer,
     finally:
         limited.close()
         admin.execute_command("ACL", "DELUSER", "noinfo")
+
+
+def test_the_sweep_records_a_nodes_identity_on_a_queue_once(brokers: BrokerRegistry,
+                                                              locks: RebalanceLockManager) -> None:
+    """The identity goes to sweep.lua once per queue and identity (its idle path stays two plain
+    reads): a record changed behind the manager's back stays as it is until the identity changes."""
+    mq = MQS[0]
+    c = brokers.default.client
+    locks.assign("g", [(mq, "c1", "tok")])
+    state = keys.sub_state(mq.tag, "g")
+    assert locks.sweep("g", [(mq, "s0")], "c1") == []
+    assert c.hget(state, "node") == brokers.default.node_identity(mq.tag).encode()
+    c.hset(state, "node", "elsewhere")
+    assert locks.sweep("g", [(mq, "s1")], "c1") == []
+    assert c.hget(state, "node") == b"elsewhere"
+    fresh = RebalanceLockManager(brokers)  # a restarted worker records again
+    assert fresh.sweep("g", [(mq, "s2")], "c1") == []
+    assert c.hget(state, "node") == brokers.default.node_identity(mq.tag).encode()

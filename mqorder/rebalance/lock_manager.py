@@ -19,6 +19,8 @@ Leases are judged by Redis ``TIME`` inside the scripts, never by a worker's cloc
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +39,9 @@ from mqorder.store.replication import ReplicaWait
 #: the settings' defaults so they cannot drift; the engine always passes its own settings' values.
 DEFAULT_LOCK_MAX_LIVE_TIME_MS: int = Settings.model_fields["lock_max_live_time_ms"].default
 DEFAULT_PENDING_TTL_MS: int = Settings.model_fields["pending_ttl_ms"].default
+#: How long a sweep trusts that it recorded a node's identity on a queue before recording it again
+#: (a topic deleted and made again drops the record with its state).
+RECORD_AGAIN_S = 300.0
 
 
 def _tag(mq: MessageQueue) -> str:
@@ -72,6 +77,10 @@ class RebalanceLockManager:
         self.replica_wait = replica_wait
         #: (sub, queue) -> the newest epoch the replicas were seen to hold.
         self._replicated: dict[tuple[str, MessageQueue], int] = {}
+        #: (broker, cluster node) -> (its identity, since when, the (sub, queue key) pairs whose
+        #: state this manager's sweeps recorded it on): ``sweep_lanes``.
+        self._recorded: dict[tuple[str, str], tuple[str, float, set[tuple[str, str]]]] = {}
+        self._recorded_lock = threading.Lock()
 
     def try_lock_batch(self, sub: str, mqs: Iterable[MessageQueue], client_id: str) -> dict[MessageQueue, int]:
         """Lock what can be locked; return the locked queues with their epochs.
@@ -258,13 +267,23 @@ class RebalanceLockManager:
         return self.sweep_lanes([(sub, candidates)], client_id, pending_ttl_ms)[0]
 
     @staticmethod
-    def _node_identity(broker: Broker, tag: str, seen: dict[str, str]) -> str:
-        """``Broker.node_identity`` of ``tag``'s node, read once per node within one sweep."""
+    def _node_identity(broker: Broker, tag: str, seen: dict[str, str]) -> tuple[str, str]:
+        """(node name, ``Broker.node_identity``) of ``tag``'s node, read once per node in a sweep."""
         client: Any = broker.client
         node = client.primary_for(tag).name if broker.is_cluster else ""
         if node not in seen:
             seen[node] = broker.node_identity(tag)
-        return seen[node]
+        return node, seen[node]
+
+    def _recorded_on(self, where: tuple[str, str], identity: str) -> set[tuple[str, str]]:
+        """The (sub, queue key) pairs this manager's sweeps recorded on node ``where`` under
+        ``identity``: emptied when the identity changes (a failover) and every ``RECORD_AGAIN_S``."""
+        now = time.monotonic()
+        with self._recorded_lock:
+            got = self._recorded.get(where)
+            if got is None or got[0] != identity or now - got[1] > RECORD_AGAIN_S:
+                got = self._recorded[where] = (identity, now, set())
+            return got[2]
 
     def sweep_lanes(
         self,
@@ -280,17 +299,31 @@ class RebalanceLockManager:
         flat = [(li, mq, tok) for li, (_, cands) in enumerate(lanes) for mq, tok in cands]
         for broker, batches in self._lane_batches(flat):
             calls = []
+            parts: list[tuple[int, list[tuple[int, MessageQueue, str]], set[tuple[str, str]] | None]] = []
             nodes: dict[str, str] = {}  # one INFO per node and sweep (every batch on a plain Redis)
             for li, items in batches:
                 sub = lanes[li][0]
-                kl: list[str] = []
-                for _, mq, _ in items:
-                    tag = mq.tag
-                    kl += [keys.sub_state(tag, sub), keys.queue_next(tag)]
-                node = self._node_identity(broker, items[0][1].tag, nodes)
-                calls.append((kl, [client_id, pending_ttl_ms, node, *(tok for _, _, tok in items)]))
-            for (li, items), res in zip(batches, broker.scripts.run_pipelined("sweep", calls), strict=True):
+                # sweep.lua records the node's identity on a queue, and notes a run mark written on
+                # another node, when it is passed: once per queue and identity, in a call of its own
+                # beside the queues already recorded (whose idle path stays two plain reads).
+                node, identity = self._node_identity(broker, items[0][1].tag, nodes)
+                recorded = self._recorded_on((broker.name, node), identity) if identity else None
+                fresh = [it for it in items if (sub, it[1].key) not in recorded] if recorded is not None else []
+                rest = [it for it in items if recorded is not None and (sub, it[1].key) in recorded] if fresh else items
+                for part, ident in ((fresh, identity), (rest, "")):
+                    if not part:
+                        continue
+                    kl: list[str] = []
+                    for _, mq, _ in part:
+                        tag = mq.tag
+                        kl += [keys.sub_state(tag, sub), keys.queue_next(tag)]
+                    calls.append((kl, [client_id, pending_ttl_ms, ident, *(tok for _, _, tok in part)]))
+                    parts.append((li, part, recorded if ident else None))
+            for (li, part, recorded), res in zip(parts, broker.scripts.run_pipelined("sweep", calls), strict=True):
+                if recorded is not None:
+                    with self._recorded_lock:
+                        recorded.update((lanes[li][0], mq.key) for _, mq, _ in part)
                 for i in range(0, len(res), 3):
-                    mq = items[int(res[i]) - 1][1]
+                    mq = part[int(res[i]) - 1][1]
                     out[li].append(Redispatch(mq, res[i + 1].decode(), res[i + 2].decode()))
         return out

@@ -4,7 +4,8 @@
 -- KEYS        pairs (state HASH, next counter), one pair per queue
 -- ARGV[1]     client ('' = any owner)   ARGV[2] pending_ttl_ms
 -- ARGV[3]     the node's identity: the replication id of the primary these keys are on (INFO
---             replication's master_replid, read by the caller); '' = unknown, judge by leases only
+--             replication's master_replid, read by the caller), passed to record it (below); ''
+--             for queues the caller already recorded under it, or when it is unknown
 -- ARGV[4..]   one token per queue
 -- Returns     flat list of (queue index (1-based), owner, token) for each queue to dispatch
 --
@@ -28,22 +29,20 @@
 --- @include "_lock"
 --
 -- Only a queue with a backlog (next > offset) can need a request, so that is tested first, with
--- the two cheapest reads there are (a GET and a two-field HMGET of the offset and the recorded
--- node); the lock and request fields are read only for a queue that has one, or whose recorded
--- node is not this one (once per queue and failover). An idle deployment's queues have neither:
--- its sweep then costs two plain reads per owned queue, not an eight-field HMGET turned into a Lua
--- table and judged (about 2.5x less Redis time per idle queue, issue 27). The node is recorded and
--- a stale run mark noted on an idle queue too: a queue that rarely has a backlog at the instant
--- of a sweep (a trickle) must still have its node on record before a failover, and its mark
--- noted after one. Every read is in this one script, so the order of the tests changes nothing.
+-- the two cheapest reads there are (a GET and a one-field HGET); the lock and request fields are
+-- read only for a queue that has one, or that is to be recorded (an identity passed: a caller
+-- records each queue once per identity, RebalanceLockManager.sweep_lanes, backlog or not, since a
+-- trickle rarely has a backlog at the instant of a sweep). An idle deployment's queues have
+-- neither: its sweep then costs two plain reads per owned queue, not an eight-field HMGET turned
+-- into a Lua table and judged (about 2.5x less Redis time per idle queue, issue 27). Every read is
+-- in this one script, so the order of the tests changes nothing in what it decides.
 local node = ARGV[3]
 local out = {}
 for i = 1, #KEYS, 2 do
   local q = (i + 1) / 2
   local nxt = tonumber(redis.call('GET', KEYS[i + 1]) or 0)
-  local o = redis.call('HMGET', KEYS[i], 'offset', 'node')
-  local backlog = nxt > tonumber(o[1] or 0)
-  if backlog or (node ~= '' and (o[2] or '') ~= node) then
+  local backlog = nxt > tonumber(redis.call('HGET', KEYS[i], 'offset') or 0)
+  if backlog or node ~= '' then
     local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'pending', 'pend_until', 'run', 'node', 'run_node',
       'suspect')
     local owner = st[1] or ''
@@ -56,7 +55,7 @@ for i = 1, #KEYS, 2 do
       else
         redis.call('HSET', KEYS[i], 'node', node, 'suspect', '')
       end
-    elseif node ~= '' and (st[8] or '') ~= '' then
+    elseif (st[8] or '') ~= '' then
       if run_live and st[8] == st[5] then
         -- Written on another node and not renewed since the first sweep here: lapsed (see above),
         -- fenced and cleared now, whether or not this sweep dispatches the queue (with no live

@@ -333,9 +333,10 @@ def sub_state(tag: str, sub: str) -> str:
         ``node`` as it was when the run began (``begin``).
     ``suspect``
         The deadline (``run``) of a live run mark whose ``run_node`` was not this node at the first
-        sweep here (``sweep``); ``''`` otherwise. If the next sweep finds the same deadline, the
-        mark was not renewed and is fenced: the promoted replica may lack the run's
-        ``finish`` (docs/ARCHITECTURE.md, "A run the promoted replica still thinks is running").
+        sweep here (``sweep``), and ``suspect_at`` when; ``''`` otherwise. If a sweep 5 s later
+        finds the same deadline, the mark was not renewed and is fenced: the promoted replica may
+        lack the run's ``finish`` (docs/ARCHITECTURE.md, "A run the promoted replica still thinks
+        is running").
     ``pending``
         Token of the queue's one pending ConsumeRequest, ``''`` for none. Set by ``send``
         (waking the owner), ``sweep``, ``assign`` (DISPATCH), ``finish`` (the next request) and

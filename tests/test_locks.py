@@ -344,6 +344,11 @@ def _sweep_on(brokers: BrokerRegistry, mq: MessageQueue, node: str, token: str) 
         keys=[keys.sub_state(mq.tag, "g"), keys.queue_next(mq.tag)], args=["c1", 30_000, node, token])
 
 
+def _grace_passed(client: redis.Redis, mq: MessageQueue) -> None:
+    """As if sweep.lua's SUSPECT_GRACE_MS (5 s) had passed since it noted ``mq``'s run mark."""
+    client.hincrby(keys.sub_state(mq.tag, "g"), "suspect_at", -5_001)
+
+
 def _run_started(brokers: BrokerRegistry, locks: RebalanceLockManager, mq: MessageQueue) -> int:
     """c1 holds ``mq`` with a backlog and a run that has begun (run mark live for 60 s): its epoch."""
     brokers.default.client.set(keys.queue_next(mq.tag), 5)
@@ -368,7 +373,9 @@ def test_a_run_mark_from_another_node_not_renewed_by_the_next_sweep_is_fenced_an
     # lost in the failover) or goes on here. The first sweep notes the mark; the next one finds it
     # not renewed. Without the identity the queue would wait out the 60 s run lease.
     assert _sweep_on(brokers, mq, "node-b", "s2") == []
+    assert _sweep_on(brokers, mq, "", "s2") == []  # within the grace: a cut run may still be retrying
     assert locks.lock_entry("g", mq).epoch == epoch
+    _grace_passed(c, mq)
     assert _sweep_on(brokers, mq, "", "s3") == [1, b"c1", b"s3"]  # recorded already: passed no more
     assert locks.lock_entry("g", mq).epoch > epoch  # fenced: the old run's commits are refused
     assert commit(brokers, "g", mq, "c1", epoch, 3)[0] == b"FENCED"
@@ -389,6 +396,7 @@ def test_a_run_from_another_node_that_renews_its_mark_goes_on(
     assert _sweep_on(brokers, mq, "node-b", "s1") == []  # noted
     time.sleep(0.01)
     assert commit(brokers, "g", mq, "c1", epoch, 2)[0] == b"OK"  # renews the run mark
+    _grace_passed(c, mq)
     assert _sweep_on(brokers, mq, "node-b", "s2") == []
     assert _sweep_on(brokers, mq, "node-b", "s3") == []
     assert locks.lock_entry("g", mq).epoch == epoch
@@ -412,6 +420,7 @@ def test_a_queue_without_a_backlog_at_the_sweeps_is_recorded_and_its_stale_mark_
     assert c.hget(keys.sub_state(mq.tag, "g"), "suspect") == c.hget(keys.sub_state(mq.tag, "g"), "run")
     assert _sweep_on(brokers, mq, "", "s2") == []  # recorded: the idle path, nothing to do
     c.set(keys.queue_next(mq.tag), 3)  # a send; its wake-up found the dead run's token pending
+    _grace_passed(c, mq)
     assert _sweep_on(brokers, mq, "", "s3") == [1, b"c1", b"s3"]
     assert locks.lock_entry("g", mq).epoch > epoch
 
@@ -460,6 +469,8 @@ def test_a_replica_promoted_without_the_runs_finish_is_swept_without_the_run_lea
             state = replica_client.hgetall(keys.sub_state(mq.tag, "g"))
             assert int(state[b"run"]) > time.time() * 1000 + 50_000  # the promoted node's run mark is live
             assert locks_new.sweep("g", [(mq, "s1")], "c1") == []  # noted
+            assert locks_new.sweep("g", [(mq, "s1")], "c1") == []  # within the grace
+            replica_client.hincrby(keys.sub_state(mq.tag, "g"), "suspect_at", -5_001)  # 5 s later
             assert locks_new.sweep("g", [(mq, "s1")], "c1") == [Redispatch(mq, "c1", "s1")]  # not renewed
             assert locks_old.sweep("g", [(mq, "s2")], "c1") == []  # the old primary: next-tok pending
         finally:

@@ -20,7 +20,8 @@
 -- primary or goes on here (a run cut by the failover retries begin.lua; one that began here before
 -- this first sweep copied the old `node`). The sweep tells them apart by the mark itself: it notes
 -- the mark's deadline (`suspect`), and a live run renews its mark (every commit, touch and begin
--- moves `run`). At the next sweep on this node a mark with the same deadline is judged lapsed:
+-- moves `run`). At the first sweep on this node SUSPECT_GRACE_MS after that, a mark with the same
+-- deadline is judged lapsed:
 -- fenced with a new epoch and dispatched, as the sweep does for any lapsed run; one that moved is
 -- left alone. Safe either way, since a run that does go on is refused at its next commit (FENCED)
 -- and what it read is redelivered. A queue never swept before has no `node`: recorded, not
@@ -37,6 +38,12 @@
 -- into a Lua table and judged (about 2.5x less Redis time per idle queue, issue 27). Every read is
 -- in this one script, so the order of the tests changes nothing in what it decides.
 local node = ARGV[3]
+-- How long a noted mark may stay unrenewed before it is judged: a run cut by the failover retries
+-- begin.lua on a doubling backoff (0.25 s, then 0.5, 1, 2, 4: mqorder.consumer.engine), so the
+-- retry that finds the new primary (promoted ~3 s after a kill) comes within about 4 s of it;
+-- and a lingering run renews nothing for its linger (1 s by default). Fencing a live run would
+-- redeliver what it holds; waiting longer delays a dead one. Well under the 60 s run lease.
+local SUSPECT_GRACE_MS = 5000
 local out = {}
 for i = 1, #KEYS, 2 do
   local q = (i + 1) / 2
@@ -44,19 +51,22 @@ for i = 1, #KEYS, 2 do
   local backlog = nxt > tonumber(redis.call('HGET', KEYS[i], 'offset') or 0)
   if backlog or node ~= '' then
     local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'pending', 'pend_until', 'run', 'node', 'run_node',
-      'suspect')
+      'suspect', 'suspect_at')
     local owner = st[1] or ''
     local run_live = ahead(st[5])
     local pend_live = request_pending(st[3], st[4])
     local swept_on, fenced = st[6] or '', false
     if node ~= '' and swept_on ~= node then
       if swept_on ~= '' and run_live and (st[7] or '') ~= node then
-        redis.call('HSET', KEYS[i], 'node', node, 'suspect', st[5])
+        redis.call('HSET', KEYS[i], 'node', node, 'suspect', st[5], 'suspect_at', now)
       else
         redis.call('HSET', KEYS[i], 'node', node, 'suspect', '')
       end
     elseif (st[8] or '') ~= '' then
-      if run_live and st[8] == st[5] then
+      if run_live and st[8] == st[5] and now - tonumber(st[9] or 0) < SUSPECT_GRACE_MS then
+        -- Not renewed yet, but a run cut by the failover may still be retrying, or lingering:
+        -- judged at a later sweep.
+      elseif run_live and st[8] == st[5] then
         -- Written on another node and not renewed since the first sweep here: lapsed (see above),
         -- fenced and cleared now, whether or not this sweep dispatches the queue (with no live
         -- lock, the next grant's request must not find it BUSY). Its pending token is the run's

@@ -77,18 +77,25 @@ def test_publisher_stops_and_clears_and_a_failing_probe_clears_too() -> None:
     bad.stop()
 
 
+def _counted_signal() -> tuple[CapacitySignal, list[float]]:
+    """The real signal, and the times of its publishes (counted, so a loaded machine's scheduling
+    hiccup cannot decide a test the way sampling the stamp's age can)."""
+    sig = CapacitySignal()
+    times: list[float] = []
+    publish = sig.publish
+
+    def counted(waiting: int, spare: bool = True) -> None:
+        times.append(time.monotonic())
+        publish(waiting, spare)
+
+    sig.publish = counted  # type: ignore[method-assign]
+    return sig, times
+
+
 def test_a_publisher_of_a_worker_holding_no_request_waits_for_a_poke_and_publishes_at_once() -> None:
     """Holding no request, no child reads the stamp: the publisher stops refreshing it (issue 27's
     idle cost) until a received request pokes it, which publishes before the child can look."""
-    sig = CapacitySignal()
-    publishes: list[float] = []
-    publish = sig.publish
-
-    def counted(waiting: int, spare: bool) -> None:
-        publishes.append(time.monotonic())
-        publish(waiting, spare)
-
-    sig.publish = counted  # type: ignore[method-assign]  # the real signal, its publishes counted
+    sig, publishes = _counted_signal()
     held = [0]
     pub = CapacityPublisher(lambda: 0, sig, interval=0.005, held=lambda: held[0])
     pub.start()
@@ -136,15 +143,7 @@ def test_a_request_received_with_a_countdown_keeps_the_stamp_fresh_until_after_i
 
     from mqorder.celery import runtime
 
-    sig = CapacitySignal()
-    published: list[float] = []
-    publish = sig.publish
-
-    def counted(waiting: int, spare: bool) -> None:
-        published.append(time.monotonic())
-        publish(waiting, spare)
-
-    sig.publish = counted  # type: ignore[method-assign]  # the real signal, its publishes counted
+    sig, published = _counted_signal()
     pub = CapacityPublisher(lambda: 0, sig, interval=0.005, held=lambda: 0)  # held by the timer only
     pub.start()
     runtime._publisher, before = pub, runtime._publisher

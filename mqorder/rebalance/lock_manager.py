@@ -308,8 +308,10 @@ class RebalanceLockManager:
                 # beside the queues already recorded (whose idle path stays two plain reads).
                 node, identity = self._node_identity(broker, items[0][1].tag, nodes)
                 recorded = self._recorded_on((broker.name, node), identity) if identity else None
-                fresh = [it for it in items if (sub, it[1].key) not in recorded] if recorded is not None else []
-                rest = [it for it in items if recorded is not None and (sub, it[1].key) in recorded] if fresh else items
+                fresh: list[tuple[int, MessageQueue, str]] = []
+                rest: list[tuple[int, MessageQueue, str]] = []
+                for it in items:
+                    (fresh if recorded is not None and (sub, it[1].key) not in recorded else rest).append(it)
                 for part, ident in ((fresh, identity), (rest, "")):
                     if not part:
                         continue

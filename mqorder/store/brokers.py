@@ -291,11 +291,17 @@ class Broker:
         cached = self._replicas.get(node.name)
         if cached is not None and now - cached[0] < REPLICA_COUNT_TTL_S:
             return cached[1]
-        info = self.client.node_client(node).info("replication")
+        info = self._primary_client(tag).info("replication")
         # Online replicas only: one still in its initial sync acknowledges no WAIT yet.
         n = sum(1 for k, v in info.items() if k.startswith("slave") and isinstance(v, dict) and v.get("state") == "online")
         self._replicas[node.name] = (now, n)
         return n
+
+    def _primary_client(self, tag: str) -> Any:
+        """A client of the primary holding ``tag``'s keys: its node's on a cluster, else ours."""
+        if isinstance(self.client, ClusterClient):
+            return self.client.node_client(self.client.primary_for(tag))
+        return self.client
 
     def node_identity(self, tag: str) -> str:
         """The replication id (``master_replid``) of the primary that holds ``tag``'s keys now:
@@ -303,11 +309,8 @@ class Broker:
         new one). Read on every call, one ``INFO replication`` per sweep and node; ``''`` when the
         server does not say, or refuses ``INFO`` (renamed away, or an ACL user without it): the
         sweep then judges by leases alone, as before it had the identity, rather than not at all."""
-        client: Any = self.client
-        if isinstance(client, ClusterClient):
-            client = client.node_client(client.primary_for(tag))
         try:
-            info = client.info("replication")
+            info = self._primary_client(tag).info("replication")
         except redis.ResponseError as exc:
             if not self._identity_refused:
                 log.warning("broker %s refuses INFO (%s): a run mark a failover left behind lapses only with "

@@ -223,13 +223,8 @@ class SentinelDeployment:
                 port = self.primary_port()
             except BrokerUnavailableError:
                 port = old_port
-            if port != old_port:
-                try:
-                    role = self.direct_client(self.node(port)).execute_command("ROLE")
-                    if role and role[0] in (b"master", "master"):
-                        return port
-                except redis.RedisError:
-                    pass
+            if port != old_port and self._answers_as_primary(self.node(port)):
+                return port
             time.sleep(0.05)
         raise BrokerUnavailableError(f"no failover away from port {old_port} within {timeout:.0f} s")
 
@@ -243,20 +238,22 @@ class SentinelDeployment:
         """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            masters = set()
-            for n in self.nodes:
-                if n.proc is None or n.proc.poll() is not None:
-                    continue
-                try:
-                    role = self.direct_client(n).execute_command("ROLE")
-                except redis.RedisError:
-                    continue
-                if role and role[0] in (b"master", "master"):
-                    masters.add(n.port)
-            if masters == {port}:
+            live = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+            if {n.port for n in live if self._answers_as_primary(n)} == {port}:
                 return
             time.sleep(0.05)
         raise BrokerUnavailableError(f"port {port} is not the only primary after {timeout:.0f} s")
+
+    def _answers_as_primary(self, node: RedisServer) -> bool:
+        """Whether ``node``'s ``ROLE`` says master (False if it does not answer)."""
+        client = self.direct_client(node)
+        try:
+            role = client.execute_command("ROLE")
+        except redis.RedisError:
+            return False
+        finally:
+            client.close()
+        return bool(role) and role[0] in (b"master", "master")
 
     def wait_replicas_online(self, n: int, timeout: float = 30.0) -> None:
         """Wait until the primary reports ``n`` replicas online and in sync."""

@@ -21,9 +21,8 @@
 -- this first sweep copied the old `node`). The sweep tells them apart by the mark itself: it notes
 -- the mark's deadline (`suspect`), and a live run renews its mark (every commit, touch and begin
 -- moves `run`). At the first sweep on this node SUSPECT_GRACE_MS after that, a mark with the same
--- deadline is judged lapsed:
--- fenced with a new epoch and dispatched, as the sweep does for any lapsed run; one that moved is
--- left alone. Safe either way, since a run that does go on is refused at its next commit (FENCED)
+-- deadline is judged lapsed: fenced with a new epoch and dispatched, as the sweep does for any
+-- lapsed run; one that moved is left alone. Safe either way, since a run that does go on is refused at its next commit (FENCED)
 -- and what it read is redelivered. A queue never swept before has no `node`: recorded, not
 -- judged, so a new deployment fences nothing. On a steady primary the sweep only reads the fields.
 --- @include "_now"
@@ -63,10 +62,9 @@ for i = 1, #KEYS, 2 do
         redis.call('HSET', KEYS[i], 'node', node, 'suspect', '')
       end
     elseif (st[8] or '') ~= '' then
-      if run_live and st[8] == st[5] and now - tonumber(st[9] or 0) < SUSPECT_GRACE_MS then
-        -- Not renewed yet, but a run cut by the failover may still be retrying, or lingering:
-        -- judged at a later sweep.
-      elseif run_live and st[8] == st[5] then
+      if not (run_live and st[8] == st[5]) then
+        redis.call('HSET', KEYS[i], 'suspect', '')  -- renewed or ended: a live run, or none
+      elseif now - tonumber(st[9] or 0) >= SUSPECT_GRACE_MS then
         -- Written on another node and not renewed since the first sweep here: lapsed (see above),
         -- fenced and cleared now, whether or not this sweep dispatches the queue (with no live
         -- lock, the next grant's request must not find it BUSY). Its pending token is the run's
@@ -74,9 +72,9 @@ for i = 1, #KEYS, 2 do
         grant_epoch(KEYS[i])
         redis.call('HSET', KEYS[i], 'run', 0, 'pending', '', 'pend_until', 0, 'suspect', '')
         run_live, pend_live, fenced = false, false, true
-      else
-        redis.call('HSET', KEYS[i], 'suspect', '')  -- renewed or ended: a live run, or none
       end
+      -- Otherwise not renewed yet, but a run cut by the failover may still be retrying, or
+      -- lingering: judged at a later sweep.
     end
     if backlog and lock_live(owner, st[2]) and (ARGV[1] == '' or owner == ARGV[1]) and not run_live
         and not pend_live then

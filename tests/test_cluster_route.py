@@ -177,6 +177,26 @@ def test_slot_batches_split_by_slot_on_a_cluster_only(cdep: ClusterDeployment) -
         broker.close()
 
 
+def test_the_sweep_records_each_shard_primarys_own_identity(cdep: ClusterDeployment) -> None:
+    """On a cluster each queue's state gets the replication id of the primary of its own shard
+    (sweep.lua's node identity: a shard's failover changes only its own)."""
+    brokers = BrokerRegistry(cdep.url())
+    try:
+        broker = brokers.default
+        mqs = [MessageQueue("t", "broker-a", i) for i in range(8)]
+        locks = RebalanceLockManager(brokers)
+        locks.assign("g", [(mq, "c1", f"t{i}") for i, mq in enumerate(mqs)])
+        assert locks.sweep("g", [(mq, f"s{i}") for i, mq in enumerate(mqs)], "c1") == []  # nothing to consume
+        recorded = {mq: broker.client.hget(keys.sub_state(mq.tag, "g"), "node") for mq in mqs}
+        for mq in mqs:
+            primary = broker.client.primary_for(mq.tag)
+            own = broker.client.node_client(primary).info("replication")["master_replid"]
+            assert recorded[mq] == own.encode()
+        assert len(set(recorded.values())) == 3  # the three masters, each its own
+    finally:
+        brokers.close()
+
+
 def test_a_plain_url_to_a_cluster_node_is_refused_with_the_cluster_url(cdep: ClusterDeployment) -> None:
     node = cdep.nodes[0]
     broker = Broker("broker-a", f"redis://127.0.0.1:{node.port}/0")

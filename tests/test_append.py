@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from mqorder import keys
 from mqorder.codec import encode_header
 from mqorder.model import MessageModel, MessageQueue
-from mqorder.store.append import AppendRequest, QueueAppender
+from mqorder.store.append import AppendRequest, QueueAppender, QueueSendKeys
 from mqorder.store.log import MessageLog
 from mqorder.store.topics import TopicManager
 from mqorder.store.wake import WakeUp
@@ -91,6 +91,22 @@ def test_bad_append_requests_are_refused_before_anything_is_written(appender: Qu
 @given(st.text(), st.text(), st.text())
 def test_wake_payload_round_trips_any_strings(sub: str, mq_key: str, token: str) -> None:
     assert WakeUp.decode(WakeUp(sub, mq_key, token).encode()) == WakeUp(sub, mq_key, token)
+
+
+@given(st.lists(st.text(), max_size=3), st.text(min_size=1), st.integers(0, 999))
+def test_a_queues_preformatted_wake_tail_is_what_encoding_each_wake_up_gives(subs: list[str], topic: str, qid: int) -> None:
+    """``QueueSendKeys`` encodes each subscription's payload once and appends the send's token: the
+    bytes must be ``WakeUp.encode()``'s own for any names (quotes, backslashes, non-ASCII), and a
+    new subscription list (``SUBS_TTL``) must give its own keys and payloads."""
+    mq = MessageQueue(topic, "broker-a", qid)
+    qk = QueueSendKeys(mq, on_cluster=False)
+    for token, subs_now in (("ab12", subs), ("cd34", [*subs, "later"])):
+        state_keys, args = qk.wake_tail(list(subs_now), token)
+        assert state_keys == [keys.sub_state(mq.tag, s) for s in subs_now]
+        expected: list[object] = []
+        for i, s in enumerate(subs_now):
+            expected += [f"{token}.{i}", WakeUp(s, mq.key, f"{token}.{i}").encode()]
+        assert args == expected
 
 
 @pytest.mark.parametrize("junk", [b"", b"a\x1fb\x1fc", b"[1,2,3]", b'["a","b"]', b"\xff"])

@@ -180,3 +180,42 @@ def test_scripts_call_on_a_lease_loads_a_flushed_script_and_runs_it_once(appende
         scripts.call("send", send_keys, ["not-a-count"], lease)
     assert [m.body for m in MessageLog(appender.brokers).read(MQ0, 0, 10)] == [b"0"]
     lease.release()
+
+
+def test_a_lean_round_trip_times_out_as_redis_py_would_and_drops_the_connection(redis_url: str) -> None:
+    """A reply slower than the socket timeout: ``redis.TimeoutError`` (what redis-py's reads raise,
+    which its ``Retry`` and the engine's translation know), the half-read connection dropped, and
+    the next round trip of the lease on a new connection in step."""
+    r = redis.Redis.from_url(redis_url, socket_timeout=0.2, health_check_interval=30)
+    lease = ConnectionLease(r)
+    (first,) = lease.round_trip([("CLIENT", "ID")])
+    with pytest.raises(redis.TimeoutError):
+        lease.round_trip([("BLPOP", "nothing-here", 1)])
+    assert lease._conn is None  # given up, not handed back with a reply still to come
+    (again,) = lease.round_trip([("CLIENT", "ID")])
+    assert again != first
+    assert lease.round_trip([("ECHO", "in step")]) == [b"in step"]
+    lease.release()
+    r.close()
+
+
+def test_a_round_trip_with_a_health_check_due_pings_first_and_one_not_due_does_not(redis_url: str, r: redis.Redis) -> None:
+    """The lean write skips redis-py's ``send_packed_command`` only while no health check is due:
+    a connection idle past ``health_check_interval`` is PINGed before the command, as redis-py
+    does, so a dead one is found before a send is written to it."""
+    client = redis.Redis.from_url(redis_url, health_check_interval=30)
+    lease = ConnectionLease(client)
+    lease.round_trip([("CLIENT", "ID")])
+
+    def pings() -> int:
+        return int(r.info("commandstats").get("cmdstat_ping", {}).get("calls", 0))
+
+    before = pings()
+    for _ in range(3):
+        lease.round_trip([("GET", "k")])
+    assert pings() == before
+    lease._conn.next_health_check = 0.0
+    lease.round_trip([("GET", "k")])
+    assert pings() == before + 1
+    lease.release()
+    client.close()

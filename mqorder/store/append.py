@@ -98,8 +98,8 @@ class QueueAppender:
         #: Each sending thread's connection per broker, kept across sends (``ThreadLeases``).
         self.leases = ThreadLeases()
         self._subs: dict[str, tuple[float, list[str]]] = {}
-        #: Each queue's hash tag, formatted once (a send asks for it every time).
-        self._tags: dict[MessageQueue, str] = {}
+        #: Each queue's keys, formatted once (a send asks for them every time).
+        self._queue_keys: dict[MessageQueue, QueueSendKeys] = {}
 
     def append(
         self, mq: MessageQueue, entries: Sequence[Entry], *, ids: Sequence[str] | None = None,
@@ -201,13 +201,19 @@ class QueueAppender:
         self._subs[topic] = (now, subs)
         return subs
 
+    def queue_keys(self, mq: MessageQueue) -> QueueSendKeys:
+        """``mq``'s keys for its append scripts, formatted once per queue: a trickle of sends asks
+        for them with every message, and formatting them (the tag, four keys, the wake prefix, a
+        state key and a wake-up payload per subscription) was a fifth of a send's Python."""
+        qk = self._queue_keys.get(mq)
+        if qk is None:
+            broker = self.brokers.get(mq.broker_name)
+            qk = self._queue_keys[mq] = QueueSendKeys(mq, broker.is_cluster)
+        return qk
+
     def tag_of(self, mq: MessageQueue) -> str:
-        """``mq.tag``, formatted once per queue (a property that formats it anew; a send asks for
-        it every time)."""
-        tag = self._tags.get(mq)
-        if tag is None:
-            tag = self._tags[mq] = mq.tag
-        return tag
+        """``mq.tag``, formatted once per queue."""
+        return self.queue_keys(mq).tag
 
     def wake_tail(self, mq: MessageQueue) -> tuple[list[str], list[Any]]:
         """The wake-up part of any script that appends to ``mq`` (``wake_owners`` in Lua): the
@@ -215,37 +221,26 @@ class QueueAppender:
         subs = self.subscriptions(mq.topic)
         if not subs:
             return [], []
-        tag = self.tag_of(mq)
-        state_keys = [keys.sub_state(tag, s) for s in subs]
-        args: list[Any] = []
-        token = new_token()
-        mq_key = mq.key
-        for i, s in enumerate(subs):
-            t = f"{token}.{i}"
-            args.append(t)
-            args.append(WakeUp(s, mq_key, t).encode())
-        return state_keys, args
+        return self.queue_keys(mq).wake_tail(subs, new_token())
 
     def wake_prefix(self, mq: MessageQueue, broker: Broker | None = None) -> str:
         """The wake channel prefix for ``mq``'s append scripts: a shard channel of the queue's slot
         on a Redis Cluster, the per-client channel elsewhere (``mqorder.keys.wake_prefix``).
-        ``broker``: ``mq``'s, when the caller has it already."""
-        if broker is None:
-            broker = self.brokers.get(mq.broker_name)
-        return keys.wake_prefix(self.tag_of(mq) if broker.is_cluster else None)
+        ``broker``: unused, the prefix is formatted once per queue (kept for the callers' spelling)."""
+        return self.queue_keys(mq).wake_prefix
 
     def send_call(self, req: AppendRequest, broker: Broker | None = None) -> tuple[list[str], list[Any]]:
-        """Keys and arguments of ``send.lua`` for one request (``broker``: its queue's, if known)."""
-        mq = req.mq
-        tag = self.tag_of(mq)
-        state_keys, wake_args = self.wake_tail(mq)
-        args: list[Any] = [len(req.entries), "0" if req.ids is None else "1"]
+        """Keys and arguments of ``send.lua`` for one request (``broker``: unused, kept for the
+        callers' spelling: the queue's keys are formatted once per queue)."""
+        qk = self.queue_keys(req.mq)
+        subs = self.subscriptions(req.mq.topic)
+        state_keys, wake_args = qk.wake_tail(subs, new_token()) if subs else ([], [])
         if req.ids is not None and req.dedup_window_ms is not None:
-            kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_dedup(tag), keys.queue_dedup_expiry(tag),
-                  *state_keys]
-            args = [len(req.entries), "2", req.dedup_window_ms]
+            kl = [qk.log, qk.next, qk.dedup, qk.dedup_expiry, *state_keys]
+            args: list[Any] = [len(req.entries), "2", req.dedup_window_ms]
         else:
-            kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag), *state_keys]
+            kl = [qk.log, qk.next, qk.ids, *state_keys]
+            args = [len(req.entries), "0" if req.ids is None else "1"]
         if req.ids is None:
             for h, b in req.entries:
                 args.append(h)
@@ -256,9 +251,50 @@ class QueueAppender:
                 args.append(h)
                 args.append(b)
         args.append(self.pending_ttl_ms)
-        args.append(self.wake_prefix(mq, broker))
+        args.append(qk.wake_prefix)
         args.extend(wake_args)
         return kl, args
+
+
+class QueueSendKeys:
+    """One queue's keys and wake-up payload prefixes for its append scripts, formatted once.
+
+    The wake-up payload of a subscription is ``WakeUp(sub, mq_key, token).encode()``; only the
+    token changes from send to send, so the JSON before it is encoded once per subscription list
+    (a topic's subscriptions are re-read every ``SUBS_TTL``) and the token appended: a token is
+    hex digits and a dot, which JSON never escapes, so the bytes are ``encode()``'s own.
+    """
+
+    __slots__ = ("tag", "mq_key", "log", "next", "ids", "dedup", "dedup_expiry", "wake_prefix", "_wake")
+
+    def __init__(self, mq: MessageQueue, on_cluster: bool) -> None:
+        tag = self.tag = mq.tag
+        self.mq_key = mq.key
+        self.log = keys.queue_log(tag)
+        self.next = keys.queue_next(tag)
+        self.ids = keys.queue_ids(tag)
+        self.dedup = keys.queue_dedup(tag)
+        self.dedup_expiry = keys.queue_dedup_expiry(tag)
+        self.wake_prefix = keys.wake_prefix(tag if on_cluster else None)
+        #: (subscriptions, their state keys, their payloads up to the token): swapped whole, so a
+        #: thread never pairs one list's keys with another's payloads.
+        self._wake: tuple[list[str], list[str], list[bytes]] = ([], [], [])
+
+    def wake_tail(self, subs: list[str], token: str) -> tuple[list[str], list[Any]]:
+        """The state key of each of ``subs`` and per key a (token, payload) pair: token
+        ``<token>.<i>``, payload ``WakeUp(sub, mq_key, that token).encode()``. The state key list
+        is shared from send to send: callers copy it into their key lists, never change it."""
+        wake = self._wake
+        if wake[0] is not subs and wake[0] != subs:
+            # ``encode()`` with an empty token ends in ``""]``: keep up to its opening quote.
+            wake = self._wake = (subs, [keys.sub_state(self.tag, s) for s in subs],
+                                 [WakeUp(s, self.mq_key, "").encode()[:-2] for s in subs])
+        args: list[Any] = []
+        for i, head in enumerate(wake[2]):
+            t = f"{token}.{i}"
+            args.append(t)
+            args.append(head + t.encode() + b'"]')
+        return wake[1], args
 
 
 def _check_request(req: AppendRequest) -> None:

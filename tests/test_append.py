@@ -80,6 +80,31 @@ def test_append_wakes_an_idle_owner_once_and_not_for_duplicates(appender: QueueA
     ps.close()
 
 
+def test_a_single_plain_append_takes_the_next_offset_and_wakes_like_any_append(appender: QueueAppender,
+                                                                               r: redis.Redis) -> None:
+    """``append_one`` (a trickle's ``send_orderly``): the same script, offsets and wake-up as
+    ``append``, its reply read without the reply object."""
+    TopicManager(appender.brokers).subscribe("g", "t", MessageModel.CLUSTERING)
+    sec, _ = r.time()
+    r.hset(keys.sub_state(MQ.tag, "g"), mapping={"owner": "w1", "lease": (sec + 60) * 1000})
+    ps = r.pubsub(ignore_subscribe_messages=True)
+    ps.subscribe(keys.wake_channel("w1"))
+    ps.get_message(timeout=1)
+    assert appender.append(MQ, entries("a", "b")).offsets == [0, 1]
+    wake = WakeUp.decode(ps.get_message(timeout=2)["data"])
+    r.hset(keys.sub_state(MQ.tag, "g"), mapping={"pending": "", "pend_until": 0})  # that request ended
+    header, = (h for h, _ in entries("c"))
+    offset, store_ms = appender.append_one(MQ, header, b"c")
+    assert offset == 2 and abs(store_ms - r.time()[0] * 1000) < 5_000
+    again = WakeUp.decode(ps.get_message(timeout=2)["data"])
+    assert (again.sub, again.mq_key) == ("g", MQ.key) and again.token != wake.token
+    assert r.hget(keys.sub_state(MQ.tag, "g"), "pending").decode() == again.token
+    assert appender.append_one(MQ, header, b"d")[0] == 3  # a request is pending now: nobody woken
+    assert ps.get_message(timeout=0.3) is None
+    assert stored_bodies(appender) == [b"a", b"b", b"c", b"d"]
+    ps.close()
+
+
 def test_bad_append_requests_are_refused_before_anything_is_written(appender: QueueAppender) -> None:
     with pytest.raises(ValueError, match="ids for"):
         appender.append(MQ, entries("a", "b"), ids=["x"])

@@ -225,7 +225,7 @@ class Producer:
         for _ in range(attempts):
             mq = self._select_round_robin(queues, avoid=last_broker)
             try:
-                return _result(mq, msg_id, self.appender.append(mq, [(header, body)], wait=wait))
+                return self._append_single(mq, header, body, msg_id, wait)
             except ReplicasBehindError:
                 raise
             except BrokerUnavailableError as exc:
@@ -283,7 +283,7 @@ class Producer:
         key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body)
         if key is not None:
             return self._send_keyed(mq, header, body, msg_id, key, wait)
-        return _result(mq, msg_id, self.appender.append(mq, [(header, body)], wait=wait))
+        return self._append_single(mq, header, body, msg_id, wait)
 
     def send_orderly_batch(
         self,
@@ -497,6 +497,15 @@ class Producer:
                 "Nothing was sent"
             )
         return SendWait(n, timeout_ms)
+
+    def _append_single(self, mq: MessageQueue, header: bytes, body: bytes, msg_id: str,
+                       wait: SendWait | None) -> SendResult:
+        """One message without a dedup key: ``append_one`` (no request or reply objects: a
+        trickle's path), or with a durable ``wait`` the full ``append``."""
+        if wait is None:
+            offset, store_ms = self.appender.append_one(mq, header, body)
+            return SendResult(SendStatus.SEND_OK, msg_id, mq, offset, store_ms)
+        return _result(mq, msg_id, self.appender.append(mq, [(header, body)], wait=wait))
 
     def _wait_delayed(self, mq: MessageQueue, wait: SendWait) -> None:
         """A delayed message waits beside its queue (``delay_schedule.lua``), not through the

@@ -64,13 +64,19 @@ def test_plain_and_idempotent_appends_share_one_offset_sequence(appender: QueueA
     assert appender.append(MQ, entries("b"), ids=["y"]).offsets == [1]
 
 
-def test_append_wakes_an_idle_owner_once_and_not_for_duplicates(appender: QueueAppender, r: redis.Redis) -> None:
+def _owner_listening(appender: QueueAppender, r: redis.Redis) -> redis.client.PubSub:
+    """Group "g" subscribes to "t" and w1 holds ``MQ``'s live lock: w1's wake channel, listened to."""
     TopicManager(appender.brokers).subscribe("g", "t", MessageModel.CLUSTERING)
     sec, _ = r.time()
     r.hset(keys.sub_state(MQ.tag, "g"), mapping={"owner": "w1", "lease": (sec + 60) * 1000})
     ps = r.pubsub(ignore_subscribe_messages=True)
     ps.subscribe(keys.wake_channel("w1"))
     ps.get_message(timeout=1)
+    return ps
+
+
+def test_append_wakes_an_idle_owner_once_and_not_for_duplicates(appender: QueueAppender, r: redis.Redis) -> None:
+    ps = _owner_listening(appender, r)
     assert appender.append(MQ, entries("a"), ids=["x"]).woken == ["w1"]
     wake = WakeUp.decode(ps.get_message(timeout=2)["data"])
     assert (wake.sub, wake.mq_key) == ("g", MQ.key)
@@ -84,12 +90,7 @@ def test_a_single_plain_append_takes_the_next_offset_and_wakes_like_any_append(a
                                                                                r: redis.Redis) -> None:
     """``append_one`` (a trickle's ``send_orderly``): the same script, offsets and wake-up as
     ``append``, its reply read without the reply object."""
-    TopicManager(appender.brokers).subscribe("g", "t", MessageModel.CLUSTERING)
-    sec, _ = r.time()
-    r.hset(keys.sub_state(MQ.tag, "g"), mapping={"owner": "w1", "lease": (sec + 60) * 1000})
-    ps = r.pubsub(ignore_subscribe_messages=True)
-    ps.subscribe(keys.wake_channel("w1"))
-    ps.get_message(timeout=1)
+    ps = _owner_listening(appender, r)
     assert appender.append(MQ, entries("a", "b")).offsets == [0, 1]
     wake = WakeUp.decode(ps.get_message(timeout=2)["data"])
     r.hset(keys.sub_state(MQ.tag, "g"), mapping={"pending": "", "pend_until": 0})  # that request ended

@@ -120,10 +120,10 @@ class QueueAppender:
     def append_one(self, mq: MessageQueue, header: bytes, body: bytes) -> tuple[int, int]:
         """One message, appended plainly (no id, no durable wait): (its offset, its store ms).
 
-        ``append`` of one entry without its request and reply objects: ``send_orderly`` at a
-        trickle comes through here one message at a time, and building an ``AppendRequest`` and
-        an ``AppendReply`` (offsets list, woken owners decoded) cost about 3.5 µs of the ~16 µs of
-        a send's Python, several times that at a trickle, where each send runs on cold caches."""
+        ``append`` of one entry without its request and reply objects: a single ``send_orderly``
+        comes through here, and building an ``AppendRequest`` and an ``AppendReply`` (offsets
+        list, woken owners decoded) cost about 3.5 µs of a send's Python (a busy producer's CPU
+        per send 0.92x without them)."""
         broker = self.brokers.get(mq.broker_name)
         reply = self._send(broker, mq, ((header, body),), None, None)
         return int(reply[0]), int(reply[1])
@@ -216,9 +216,10 @@ class QueueAppender:
         return subs
 
     def queue_keys(self, mq: MessageQueue) -> QueueSendKeys:
-        """``mq``'s keys for its append scripts, formatted once per queue: a trickle of sends asks
-        for them with every message, and formatting them (the tag, four keys, the wake prefix, a
-        state key and a wake-up payload per subscription) was a fifth of a send's Python."""
+        """``mq``'s keys for its append scripts, formatted once per queue: every send asks for
+        them, and formatting them each time (the tag, four keys, the wake prefix, a state key and
+        a wake-up payload per subscription) was most of the 10-15 µs this cache took off a
+        send's 25-34 µs of Python here."""
         qk = self._queue_keys.get(mq)
         if qk is None:
             broker = self.brokers.get(mq.broker_name)

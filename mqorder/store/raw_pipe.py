@@ -209,13 +209,16 @@ def _round_trip(conn: Any, packed: bytes, n: int, lean: bool) -> list[Any]:
     straight to the socket and the replies straight from hiredis's reader, redis-py's
     ``send_packed_command`` and ``read_from_socket`` layers skipped (their checks are the ones
     made here: the socket, the health check; their errors the ones raised here). A trickling send
-    is one such round trip, and those layers were about a tenth of its client CPU."""
+    and a lingering run's commit are one such round trip each."""
     sock = conn._sock
     if lean and sock is not None and (not conn.health_check_interval or time.monotonic() <= conn.next_health_check):
         try:
             sock.sendall(packed)
         except BaseException as exc:
-            raise _write_failed(conn, exc) from exc
+            err = _write_failed(conn, exc)
+            if err is exc:
+                raise
+            raise err from exc
         return _read_lean(conn, n, sock)
     conn.send_packed_command([packed])  # connects, checks health; a list: bytes would be iterated
     if lean:
@@ -230,8 +233,8 @@ def _round_trip(conn: Any, packed: bytes, n: int, lean: bool) -> list[Any]:
 
 
 def _write_failed(conn: Any, exc: BaseException) -> BaseException:
-    """What redis-py's ``send_packed_command`` raises for a failed write, the connection dropped:
-    nothing unsent may stay on it."""
+    """What redis-py's ``send_packed_command`` raises for a failed write (``exc`` itself when it
+    is not a socket error), the connection dropped: nothing unsent may stay on it."""
     conn.disconnect()
     if isinstance(exc, TimeoutError):
         return redis.TimeoutError("Timeout writing to socket")

@@ -226,10 +226,6 @@ class QueueAppender:
             qk = self._queue_keys[mq] = QueueSendKeys(mq, broker.is_cluster)
         return qk
 
-    def tag_of(self, mq: MessageQueue) -> str:
-        """``mq.tag``, formatted once per queue."""
-        return self.queue_keys(mq).tag
-
     def wake_tail(self, mq: MessageQueue) -> tuple[list[str], list[Any]]:
         """The wake-up part of any script that appends to ``mq`` (``wake_owners`` in Lua): the
         state key of every subscription of the topic, and per key a fresh (token, payload) pair."""
@@ -238,23 +234,20 @@ class QueueAppender:
             return [], []
         return self.queue_keys(mq).wake_tail(subs, new_token())
 
-    def wake_prefix(self, mq: MessageQueue, broker: Broker | None = None) -> str:
+    def wake_prefix(self, mq: MessageQueue) -> str:
         """The wake channel prefix for ``mq``'s append scripts: a shard channel of the queue's slot
-        on a Redis Cluster, the per-client channel elsewhere (``mqorder.keys.wake_prefix``).
-        ``broker``: unused, the prefix is formatted once per queue (kept for the callers' spelling)."""
+        on a Redis Cluster, the per-client channel elsewhere (``mqorder.keys.wake_prefix``)."""
         return self.queue_keys(mq).wake_prefix
 
-    def send_call(self, req: AppendRequest, broker: Broker | None = None) -> tuple[list[str], list[Any]]:
-        """Keys and arguments of ``send.lua`` for one request (``broker``: unused, kept for the
-        callers' spelling: the queue's keys are formatted once per queue)."""
+    def send_call(self, req: AppendRequest) -> tuple[list[str], list[Any]]:
+        """Keys and arguments of ``send.lua`` for one request."""
         return self._send_args(req.mq, req.entries, req.ids, req.dedup_window_ms)
 
     def _send_args(self, mq: MessageQueue, entries: Sequence[Entry], ids: Sequence[str] | None,
                    dedup_window_ms: int | None) -> tuple[list[str], list[Any]]:
         """``send_call`` of a request's parts (``append_one`` has no request object)."""
         qk = self.queue_keys(mq)
-        subs = self.subscriptions(mq.topic)
-        state_keys, wake_args = qk.wake_tail(subs, new_token()) if subs else ([], [])
+        state_keys, wake_args = self.wake_tail(mq)
         if ids is not None and dedup_window_ms is not None:
             kl = [qk.log, qk.next, qk.dedup, qk.dedup_expiry, *state_keys]
             args: list[Any] = [len(entries), "2", dedup_window_ms]

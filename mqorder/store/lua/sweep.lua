@@ -22,8 +22,8 @@
 -- the mark's deadline (`suspect`), and a live run renews its mark (every commit, touch and begin
 -- moves `run`). At the first sweep on this node SUSPECT_GRACE_MS after that, a mark with the same
 -- deadline is judged lapsed: fenced with a new epoch and dispatched, as the sweep does for any
--- lapsed run; one that moved is left alone. Safe either way, since a run that does go on is refused at its next commit (FENCED)
--- and what it read is redelivered. A queue never swept before has no `node`: recorded, not
+-- lapsed run; one that moved is left alone. Safe either way, since a run that does go on is
+-- refused at its next commit (FENCED) and what it read is redelivered. A queue never swept before has no `node`: recorded, not
 -- judged, so a new deployment fences nothing. On a steady primary the sweep only reads the fields.
 --- @include "_now"
 --- @include "_lock"

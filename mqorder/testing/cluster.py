@@ -77,7 +77,31 @@ class ClusterDeployment:
         if out.returncode != 0:
             raise BrokerUnavailableError(f"redis-cli --cluster create failed:\n{out.stdout[-2000:]}{out.stderr[-2000:]}")
         self.wait_ok(timeout)
+        self._wait_replicas_attached(timeout)
         return self
+
+    def _wait_replicas_attached(self, timeout: float) -> None:
+        """Every replica ``start`` asked for is one, its link to its master up. ``wait_ok`` alone
+        can pass before: a node ``redis-cli`` has not made a replica yet is a master without
+        slots, with no link to judge (seen in CI under load: a doctor then found 6 primaries)."""
+        want = self.masters * self.replicas_per_master
+        deadline = time.monotonic() + timeout
+        up = 0
+        while time.monotonic() < deadline:
+            up = 0
+            for n in self._alive():
+                c = self.client(n)
+                try:
+                    info = c.info("replication")
+                except redis.RedisError:
+                    continue
+                finally:
+                    c.close()
+                up += info.get("role") == "slave" and info.get("master_link_status") == "up"
+            if up >= want:
+                return
+            time.sleep(0.1)
+        raise BrokerUnavailableError(f"{up} of {want} cluster replicas attached within {timeout:.0f} s")
 
     def stop(self) -> None:
         for n in self.nodes:

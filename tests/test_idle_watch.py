@@ -395,3 +395,93 @@ def test_a_long_chain_of_switches_keeps_no_finished_run_alive(settings, r) -> No
         assert alive <= 3, f"{alive} runs of the chain are still alive"
     p.close()
     eng.brokers.close()
+
+
+def test_a_switch_to_an_adopted_queue_rides_on_the_lingering_read_that_sees_its_message(
+    settings, r, monkeypatch,
+) -> None:
+    """``switch.lua`` goes behind every lingering read that watches adopted queues of the run's
+    listener: when the read returns for a message on one of them, Redis has already ended the run
+    (its queue handed to the watch) and begun that queue's, so the switch sends no ``finish.lua`` +
+    ``begin.lua`` round trip of its own. Messages to ever another queue are still handled in
+    order, each once, and every run ends committed."""
+    from mqorder.store.scripts import Scripts
+
+    p, eng = owned_idle_queues(settings, r)
+    switches_sent: list[list[str]] = []
+    run_many = Scripts.run_many
+
+    def counting_run_many(self, calls, via=None):
+        switches_sent.append([c[0] for c in calls])
+        return run_many(self, calls, via)
+
+    monkeypatch.setattr(Scripts, "run_many", counting_run_many)
+    seen: list[tuple[int, int]] = []
+
+    def listener(msgs, ctx):
+        seen.extend((m.queue_id, int(m.body)) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    sent: list[tuple[int, int]] = []
+    with wakes_of_the_client(r) as wakes, lingering_run(eng, ListenerSpec(listener, TOPIC, SUB), r) as run:
+        time.sleep(0.5)  # the run drained queue 0 and lingers, watching queues 1-3
+        for seq in range(24):
+            qid = seq % 4  # never the queue the run is on: every message is a switch
+            p.send_orderly(TOPIC, str(seq).encode(), sharding_key=key_for(qid))
+            sent.append((qid, seq))
+            deadline = time.monotonic() + 5
+            while len(seen) < len(sent) and time.monotonic() < deadline:
+                time.sleep(0.005)
+        assert seen == sent
+        assert wakes.get_message(timeout=0.2) is None, "a send woke the client: the queue was not watched"
+    (out,) = run.result
+    assert out.consumed == 24 and out.follow_ups == ()
+    assert [c for c in switches_sent if c == ["finish", "begin"]] == [], "a switch took a round trip of its own"
+    assert_every_run_ended_and_committed(r)
+    p.close()
+    eng.brokers.close()
+
+
+def test_switch_lua_switches_only_while_the_run_holds_its_queue_read_to_its_end(settings, r) -> None:
+    """``switch.lua`` against a real redis-server: with the run's own queue not read to its end, at
+    another epoch, or under another pending token, it changes nothing and answers 0; otherwise it
+    ends the run (``ADOPTED``: the queue goes to the watch) and begins the adopted queue with a
+    backlog (``OK`` with its first batch, run mark and lock renewed), as the two scripts would."""
+    from mqorder.consumer.idle_watch import ADOPT_TTL_MS
+    from mqorder.store.scripts import Scripts
+
+    p, eng = owned_idle_queues(settings, r)
+    scripts = Scripts(r)
+    own, adopted = QUEUES[0], QUEUES[2]
+    k_own = keys.sub_state(own.tag, SUB)
+    epoch = int(r.hget(k_own, "epoch"))
+    r.hset(k_own, mapping={"pending": "run-tok", "pend_until": 2**62})
+    r.hset(keys.sub_state(adopted.tag, SUB), mapping={"pending": "watch-tok", "pend_until": 2**62})
+    p.send_orderly(TOPIC, b"m", sharding_key=key_for(2))
+    ks = [k_own, keys.queue_next(own.tag), keys.sub_state(QUEUES[1].tag, SUB), keys.queue_log(QUEUES[1].tag),
+          keys.queue_next(QUEUES[1].tag), keys.sub_retries(QUEUES[1].tag, SUB),
+          keys.sub_state(adopted.tag, SUB), keys.queue_log(adopted.tag), keys.queue_next(adopted.tag),
+          keys.sub_retries(adopted.tag, SUB)]
+
+    def switch(run_epoch: int, token: str, pulled_to: int) -> list:
+        return scripts.switch(keys=ks, args=[ME, token, run_epoch, pulled_to, "new-tok", 1000, 60_000, "watch-tok",
+                                             ADOPT_TTL_MS, 60_000, 32, "runner-1"])
+
+    before = {k: r.hgetall(k) for k in ks if k.endswith(f":s:{SUB}")}
+    assert switch(epoch + 1, "run-tok", 0) == [0]  # fenced: another epoch
+    assert switch(epoch, "other-tok", 0) == [0]  # not the run's pending token
+    assert switch(epoch, "run-tok", 1) == [0]  # its queue ends below what it pulled (a failover)
+    p.send_orderly(TOPIC, b"own", sharding_key=key_for(0))
+    assert switch(epoch, "run-tok", 0) == [0]  # its own queue has something new
+    assert {k: r.hgetall(k) for k in before} == before  # none of them wrote anything
+    assert r.hget(k_own, "pending") == b"run-tok" and r.hget(keys.sub_state(adopted.tag, SUB), "run") in (None, b"0")
+    res = switch(epoch, "run-tok", 1)
+    assert res[0] == 2  # the second candidate: the first one has no backlog
+    assert res[1][0] == b"ADOPTED"
+    assert res[2][0] == b"OK" and len(res[2][4]) == 1  # begin.lua's reply: its first batch
+    own_state = r.hgetall(k_own)
+    assert own_state[b"pending"] == b"watch-tok" and own_state[b"run"] == b"0"
+    st = r.hgetall(keys.sub_state(adopted.tag, SUB))
+    assert st[b"pending"] == b"watch-tok" and int(st[b"run"]) > 0 and st[b"runner"] == b"runner-1"
+    p.close()
+    eng.brokers.close()

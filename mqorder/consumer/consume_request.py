@@ -125,6 +125,9 @@ class ConsumeRequest(LingeringReads):
         #: ``begin.lua`` (``Verb.SWITCHED``), and its stop.
         self.prior = prior
         self.deferred_end: LoopEnd | None = None
+        self.pre_switched: tuple[Any, Any] | None = None
+        self._offered: list[MessageQueue] = []
+        self._offer_keys: tuple[object, list[str]] | None = None
         #: This task execution lingers already (a chain of switches carries its watch): it goes
         #: on while ``may_linger``; a request that has not lingered yet asks ``may_start_linger`` too.
         self.lingering = watch is not None
@@ -175,8 +178,9 @@ class ConsumeRequest(LingeringReads):
             self._flush_ledger()
             self._flush_stats()
             return Outcome(Verb.FENCED if end.stop is Stop.FENCED else Verb.IDLE, consumed=self.consumed)
-        if end.stop is Stop.SWITCH and not self._needs_last_commit():
-            # Its finish.lua rides on the next run's begin.lua (one round trip for the switch).
+        if end.stop is Stop.SWITCH and (self.pre_switched is not None or not self._needs_last_commit()):
+            # Its finish.lua rides on the next run's begin.lua (one round trip for the switch), or
+            # ran already, with that begin.lua, behind the lingering read (``switch.lua``).
             self.deferred_end = end
             return Outcome(Verb.SWITCHED, consumed=self.consumed)
         return self._finish(end)
@@ -195,8 +199,11 @@ class ConsumeRequest(LingeringReads):
             res = self.scripts.call(*begin, via=self.lease)
         else:
             assert prior.deferred_end is not None
-            done, res = self.scripts.run_many([("finish", *prior._finish_call(prior.deferred_end)), begin],
-                                              self.lease)
+            if prior.pre_switched is not None:
+                done, res = prior.pre_switched  # switch.lua ran both behind the prior's last read
+            else:
+                done, res = self.scripts.run_many([("finish", *prior._finish_call(prior.deferred_end)), begin],
+                                                  self.lease)
             self._after_prior(prior, prior._ended(done, prior.deferred_end))
             # Ended: let it go (a chain of switches must not keep every run it ever made alive).
             self.prior = None

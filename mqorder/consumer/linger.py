@@ -13,15 +13,18 @@ import logging
 import time
 from typing import Any
 
+from redis.exceptions import NoScriptError, ResponseError
+
 from mqorder import keys
 from mqorder.consumer.consumer_state import ConsumerState
-from mqorder.consumer.idle_watch import IdleQueueWatch
+from mqorder.consumer.idle_watch import ADOPT_TTL_MS, IdleQueueWatch
 from mqorder.consumer.nudge import idle_queues
 from mqorder.consumer.run_types import LOST, NOTHING, SWITCH, WAIT, Pull, PullKind, Slice
 from mqorder.model import MessageQueue
 from mqorder.process_queue import ProcessQueue
 from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 from mqorder.store.replies import text
+from mqorder.tokens import new_token
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +56,19 @@ class LingeringReads:
     lingering: bool
     watch: IdleQueueWatch | None
     switch_to: MessageQueue | None
+    scripts: Any
+    k_next: str
+    runner: str
+    run_lease_ms: int
+    lock_ms: int
+    pending_ttl_ms: int
+    #: ``switch.lua``'s replies (finish.lua's, begin.lua's) when a lingering read switched this run
+    #: to ``switch_to`` in its own round trip: the next run takes them instead of sending both.
+    pre_switched: tuple[Any, Any] | None
+    #: The adopted queues the last lingering read offered ``switch.lua``, in its order, and the
+    #: keys it was given (kept while the watch's stream list stays the same object).
+    _offered: list[MessageQueue]
+    _offer_keys: tuple[object, list[str]] | None
 
     def _put(self, entries: list[Any], raw_retries: list[Any] | None) -> None:
         raise NotImplementedError  # ConsumeRequest's: messages read go into the run
@@ -86,8 +102,8 @@ class LingeringReads:
             pipe = RawPipeline(self.lease)
             if not self._queue_slice(pipe, until):
                 return NOTHING
-            reply, state = self._slice_replies(pipe.execute())
-            pulled = self._slice_result(reply, state)
+            reply, state, switched = self._slice_replies(pipe.execute(raise_on_error=False))
+            pulled = self._slice_result(reply, state, switched)
             if pulled.kind is not PullKind.WAIT:
                 return pulled
 
@@ -121,6 +137,7 @@ class LingeringReads:
         if self.watch is None:
             self.watch = self.engine.idle_watch(self.sub, self.mq)
         names, ids = [self.k_log, keys.linger_nudge(self.client_id)], [last_id, self.engine.nudge_seen]
+        more: list[str] = []
         if self.watch is not None:
             self.watch.refresh(self.mq, self.lease)  # its own round trip, at most every ADOPT_REFRESH_S
             more, more_ids = self.watch.streams(self.mq)
@@ -128,28 +145,81 @@ class LingeringReads:
             ids += more_ids
         pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", *names, *ids)
         pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
+        if more:
+            self._offer_switch(pipe, more)
         return True
 
-    def _slice_replies(self, replies: list[Any]) -> tuple[Any, Any]:
-        """(stream read, queue state) of a lingering read's replies (``_queue_slice``). On a Redis
-        Cluster the nudge stream came in a read of its own, merged here into the stream read."""
+    def _offer_switch(self, pipe: Any, adopted_streams: list[str]) -> None:
+        """Queue ``switch.lua`` behind the read: if an adopted queue of this run's listener has a
+        backlog when the read returns (and this run has nothing new), Redis ends this run and
+        begins that queue's in the same round trip (``_slice_result`` takes the replies). A
+        trickling message on another queue of the worker then costs one round trip, not two."""
+        watch = self.watch
+        if watch is None:
+            return
+        cached = self._offer_keys
+        if cached is not None and cached[0] is adopted_streams:
+            ks = cached[1]
+        else:
+            offered = [mq for mq in (watch.queue_of(k) for k in adopted_streams) if mq is not None]
+            # A queue of another topic of the subscription runs with its own listener and settings.
+            self._offered = [mq for mq in offered if mq.topic == self.mq.topic]
+            ks = [self.k_state, self.k_next]
+            for mq in self._offered:
+                tag = mq.tag
+                ks += [keys.sub_state(tag, self.sub), keys.queue_log(tag), keys.queue_next(tag),
+                       keys.sub_retries(tag, self.sub)]
+            self._offer_keys = (adopted_streams, ks)
+        if not self._offered:
+            return
+        self.scripts.queue_in(pipe, "switch", ks, [
+            self.client_id, self.token, self.epoch, self.pulled_to, new_token(), self.pending_ttl_ms, self.lock_ms,
+            watch.token, ADOPT_TTL_MS, self.run_lease_ms, self.pull_n, self.runner,
+        ])
+
+    def _slice_replies(self, replies: list[Any]) -> tuple[Any, Any, Any]:
+        """(stream read, queue state, ``switch.lua``'s reply or None) of a lingering read's replies
+        (``_queue_slice``). On a Redis Cluster the nudge stream came in a read of its own, merged
+        here into the stream read (and no switch is offered there: no queue is adopted).
+
+        ``switch.lua`` unknown to Redis (first use, a restart) ran nothing: it is loaded for the
+        next read, and this one decides as if it had not been offered. Any other error raises."""
+        switched = None
+        if not self.lease.on_cluster and len(replies) > 2:
+            switched = replies[2]
+            if isinstance(switched, NoScriptError):
+                self.scripts.load("switch")
+                switched = None
+            replies = replies[:2]
+        for r in (*replies, switched):
+            if isinstance(r, ResponseError):
+                raise r
         if not self.lease.on_cluster:
-            return replies[0], replies[1]
+            return replies[0], replies[1], switched
         read, state, nudges = replies[0], replies[1], replies[2]
         if not nudges:
-            return read, state
+            return read, state, None
         if isinstance(read, dict) or isinstance(nudges, dict):
             merged = dict(read.items()) if isinstance(read, dict) else {k: v for k, v in read or []}
             merged.update(nudges.items() if isinstance(nudges, dict) else {k: v for k, v in nudges})
-            return merged, state
-        return [*(read or []), *nudges], state
+            return merged, state, None
+        return [*(read or []), *nudges], state, None
 
-    def _slice_result(self, reply: Any, state: list[Any]) -> Pull:
+    def _slice_result(self, reply: Any, state: list[Any], switched: Any = None) -> Pull:
         """What one lingering read (``_queue_slice``) brought: messages of this queue, a switch to
         an adopted queue that got some, ``WAIT`` (nothing yet), ``NOTHING`` (reassigned: ending
-        the run now hands the queue over, finish.lua) or ``LOST``."""
-        owner, cur_epoch, pending, assignee = state
+        the run now hands the queue over, finish.lua) or ``LOST``.
+
+        ``switched``: ``switch.lua``'s reply. When it switched, this run has ended in Redis and the
+        queue it began runs next, whatever else the read says (its own queue had nothing new,
+        and was still its own, when the script ran)."""
         me = self.client_id
+        if switched is not None and int(switched[0]):
+            self.switch_to = self._offered[int(switched[0]) - 1]
+            self.pre_switched = (switched[1], switched[2])
+            self._take_nudges(reply)
+            return SWITCH
+        owner, cur_epoch, pending, assignee = state
         if text(owner or b"") != me or int(cur_epoch or 0) != self.epoch or text(pending or b"") != self.token:
             log.warning("lingering request on %s for %s lost the queue (owner %r, epoch %s); stopping",
                         self.mq.key, self.sub, text(owner or b""), text(cur_epoch or b"0"))
@@ -161,16 +231,7 @@ class LingeringReads:
             return NOTHING
         if not reply:
             return WAIT
-        # RESP2 gives [[stream, entries], ...]; RESP3 gives {stream: entries}.
-        by_stream = dict(reply.items()) if isinstance(reply, dict) else {k: v for k, v in reply}
-        nudges = by_stream.pop(keys.linger_nudge(me).encode(), None)
-        if nudges:
-            # A request waits for a slot (or an old nudge, seen once): may_linger() decides. Or a
-            # queue of this client went idle: watch it from the next read on.
-            self.engine.nudge_seen = text(nudges[-1][0])
-            went_idle = idle_queues(nudges)
-            if went_idle and self.watch is not None:
-                self.watch.adopt_soon(went_idle)
+        by_stream = self._take_nudges(reply)
         entries = by_stream.pop(self.k_log.encode(), None)
         if entries:
             self._put(entries, None)
@@ -184,11 +245,27 @@ class LingeringReads:
                 return SWITCH
         return WAIT
 
+    def _take_nudges(self, reply: Any) -> dict[bytes, Any]:
+        """A lingering read's streams by key, this client's nudge stream taken out and heeded."""
+        if not reply:
+            return {}
+        # RESP2 gives [[stream, entries], ...]; RESP3 gives {stream: entries}.
+        by_stream = dict(reply.items()) if isinstance(reply, dict) else {k: v for k, v in reply}
+        nudges = by_stream.pop(keys.linger_nudge(self.client_id).encode(), None)
+        if nudges:
+            # A request waits for a slot (or an old nudge, seen once): may_linger() decides. Or a
+            # queue of this client went idle: watch it from the next read on.
+            self.engine.nudge_seen = text(nudges[-1][0])
+            went_idle = idle_queues(nudges)
+            if went_idle and self.watch is not None:
+                self.watch.adopt_soon(went_idle)
+        return by_stream
+
     def _slice_pulled(self, read: Slice, nxt: int) -> Pull:
         """What the lingering read behind a commit brought (``_slice_result``). If it brought
         nothing of this queue although the commit saw its next offset (``nxt``) past what the run
         pulled, retention trimmed those messages (as for an empty ``XRANGE``)."""
-        pulled = self._slice_result(read.reply, read.state)
+        pulled = self._slice_result(read.reply, read.state, read.switched)
         if not pulled.count and pulled.kind is not PullKind.LOST:
             self._check_trimmed_tail(nxt)
         return pulled

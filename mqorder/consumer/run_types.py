@@ -142,7 +142,9 @@ class Outcome:
 
 @dataclass(frozen=True, slots=True)
 class Slice:
-    """The replies of a lingering read that rode on a commit (``XREAD``, then the queue's state)."""
+    """The replies of a lingering read that rode on a commit (``XREAD``, then the queue's state,
+    then ``switch.lua``'s reply when the read offered a switch, else None)."""
 
     reply: Any
     state: list[Any]
+    switched: Any = None

@@ -53,6 +53,7 @@ NAMES = (
     "delay_move",  # mqorder.store.delay: the mover appends due delayed messages, in order
     "key_commit",  # mqorder.consumer.key_request: a key-ordered run's fenced commit + offset map
     "ledger",  # mqorder.consumer.ledger: the consumption ledger records of a pulled batch
+    "switch",  # mqorder.consumer.linger: a lingering run switches queues within its read's round trip
 )
 
 

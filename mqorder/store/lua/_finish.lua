@@ -1,0 +1,50 @@
+-- Prelude: the body of finish.lua (see there for its KEYS, ARGV and reply) as a function of its
+-- keys and arguments, so that switch.lua can end a run in the same step that begins another one.
+--- @include "_constants"
+--- @include "_now"
+--- @include "_lock"
+local function finish_run(K, A)
+  local st = redis.call('HMGET', K[1], 'owner', 'lease', 'pending', 'offset', 'assignee')
+  if st[3] ~= A[2] then return {'STALE'} end
+  local client = A[1]
+  local owner, assignee = st[1] or '', st[5] or ''
+  local ttl = tonumber(A[5])
+  local nxt = tonumber(redis.call('GET', K[2]) or 0)
+  local backlog = nxt > tonumber(st[4] or 0)
+  local function pend(target, verb)
+    redis.call('HSET', K[1], 'run', 0, 'pending', A[4], 'pend_until', now + ttl)
+    return {verb, target, A[4]}
+  end
+  local function idle()
+    redis.call('HSET', K[1], 'run', 0, 'pending', '', 'pend_until', 0)
+    return {'IDLE'}
+  end
+  if owner == client and ahead(st[2]) then
+    if assignee == NOBODY then
+      -- No client consumes this lane any more (the last worker left): release the lock, and the
+      -- pending token, which is this very run's.
+      release_lock(K[1], false)
+      return {'IDLE'}
+    end
+    if assignee ~= '' and assignee ~= client then
+      -- removeUnnecessaryMessageQueue: consumption has stopped, so the lock may move now.
+      redis.call('HSET', K[1], 'owner', assignee, 'lease', now + tonumber(A[6]))
+      grant_epoch(K[1])
+      if backlog then return pend(assignee, 'HANDOVER') end
+      return idle()
+    end
+    if A[3] == 'adopt' then
+      redis.call('HSET', K[1], 'run', 0, 'pending', A[7], 'pend_until', now + tonumber(A[8]))
+      return {'ADOPTED', tonumber(st[4] or 0)}
+    end
+    if A[3] == 'requeue' or backlog then return pend(client, 'REQUEUE') end
+    return idle()
+  end
+  -- The caller does not hold a live lock.
+  if lock_live(owner, st[2]) then
+    if backlog then return pend(owner, 'DISPATCH') end
+    return idle()
+  end
+  if assignee ~= '' and assignee ~= NOBODY and backlog then return pend(assignee, 'DISPATCH') end
+  return idle()
+end

@@ -485,3 +485,43 @@ def test_switch_lua_switches_only_while_the_run_holds_its_queue_read_to_its_end(
     assert st[b"pending"] == b"watch-tok" and int(st[b"run"]) > 0 and st[b"runner"] == b"runner-1"
     p.close()
     eng.brokers.close()
+
+
+def test_a_run_begun_by_switch_lua_that_is_retried_reads_its_queue_again(settings, r) -> None:
+    """The replies of a switch done behind a lingering read are taken once: a retry of the run
+    switched to (after a Redis error, ``ConsumerEngine._run_one``, with the same prior) sends
+    ``finish.lua`` and ``begin.lua`` again and starts from the queue's committed offset as it is
+    then, not from the offset of the switch (once a bug: a Sentinel failover made such a retry
+    handle again what its run had committed, and commit backward)."""
+    from mqorder.consumer.idle_watch import ADOPT_TTL_MS
+    from mqorder.consumer.run_types import LoopEnd, Stop
+    from mqorder.store.scripts import Scripts
+
+    p, eng = owned_idle_queues(settings, r)
+    spec = ListenerSpec(lambda msgs, ctx: ConsumeOrderlyStatus.SUCCESS, TOPIC, SUB)
+    own, to = QUEUES[0], QUEUES[1]
+    watch = eng.idle_watch(SUB, own)
+    assert watch is not None
+    k_own, k_to = keys.sub_state(own.tag, SUB), keys.sub_state(to.tag, SUB)
+    epoch = int(r.hget(k_own, "epoch"))
+    r.hset(k_own, mapping={"pending": "run-tok", "pend_until": 2**62})
+    r.hset(k_to, mapping={"pending": watch.token, "pend_until": 2**62})
+    for i in range(3):
+        p.send_orderly(TOPIC, str(i).encode(), sharding_key=key_for(1))
+    switched = Scripts(r).switch(
+        keys=[k_own, keys.queue_next(own.tag), k_to, keys.queue_log(to.tag), keys.queue_next(to.tag),
+              keys.sub_retries(to.tag, SUB)],
+        args=[ME, "run-tok", epoch, 0, "new-tok", 1000, 60_000, watch.token, ADOPT_TTL_MS, 60_000, 32, "runner-1"])
+    assert switched[0] == 1
+    prior = ConsumeRequest(eng, spec, SUB, own, "run-tok", runner="runner-1", watch=watch)
+    prior.deferred_end = LoopEnd(Stop.SWITCH)
+    prior.pre_switched = (switched[1], switched[2])
+
+    first = ConsumeRequest(eng, spec, SUB, to, watch.token, runner="runner-1", watch=watch, prior=prior)
+    assert first._check() is None and first.committed == 0 and first.pulled_to == 3
+    r.hset(k_to, "offset", 2)  # what the first try committed before Redis failed
+    retry = ConsumeRequest(eng, spec, SUB, to, watch.token, runner="runner-1", watch=watch, prior=prior)
+    assert retry._check() is None
+    assert retry.committed == 2, "the retry took the switch's stale begin.lua reply"
+    p.close()
+    eng.brokers.close()

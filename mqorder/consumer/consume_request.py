@@ -200,7 +200,11 @@ class ConsumeRequest(LingeringReads):
         else:
             assert prior.deferred_end is not None
             if prior.pre_switched is not None:
-                done, res = prior.pre_switched  # switch.lua ran both behind the prior's last read
+                # switch.lua ran both behind the prior's last read. Taken once: a retry of this
+                # run after a Redis error sends them again (finish then answers STALE, and
+                # begin.lua reads the queue as it is now, not as it was at the switch).
+                done, res = prior.pre_switched
+                prior.pre_switched = None
             else:
                 done, res = self.scripts.run_many([("finish", *prior._finish_call(prior.deferred_end)), begin],
                                                   self.lease)

@@ -87,8 +87,12 @@ def assert_every_run_ended_and_committed(r: redis.Redis) -> None:
 @contextlib.contextmanager
 def wakes_of_the_client(r: redis.Redis) -> Iterator[redis.client.PubSub]:
     """A subscription to c1's wake channel: a message there means a send woke the client."""
-    wakes = r.pubsub(ignore_subscribe_messages=True)
+    wakes = r.pubsub()
     wakes.subscribe(keys.wake_channel(ME))
+    # Read the confirmation now: left unread, it would be the one message a later check reads.
+    confirmed = wakes.get_message(timeout=5)
+    assert confirmed is not None and confirmed["type"] == "subscribe"
+    wakes.ignore_subscribe_messages = True
     try:
         yield wakes
     finally:
@@ -352,7 +356,7 @@ def test_a_queue_a_run_leaves_idle_is_watched_by_the_lingering_request_at_once(s
         with wakes_of_the_client(r) as wakes, lingering_run(eng, spec, r):
             time.sleep(0.5)  # lingering, watching queues 1 and 2 (3 had a request pending)
             p.send_orderly(TOPIC, b"1", sharding_key=key_for(3))
-            assert wakes.get_message(timeout=1.0) is None  # pending already: nobody woken
+            assert wakes.get_message(timeout=0.2) is None  # pending already: nobody woken
             out = other.run(spec, SUB, QUEUES[3], "t3")
             assert out.verb == "IDLE" and out.consumed == 1
             deadline = time.monotonic() + 2
@@ -416,6 +420,14 @@ def test_a_switch_to_an_adopted_queue_rides_on_the_lingering_read_that_sees_its_
         return run_many(self, calls, via)
 
     monkeypatch.setattr(Scripts, "run_many", counting_run_many)
+    pre_switched = []
+    check = ConsumeRequest._check
+
+    def noting_check(self):
+        pre_switched.append(self.prior is not None and self.prior.pre_switched is not None)
+        return check(self)
+
+    monkeypatch.setattr(ConsumeRequest, "_check", noting_check)
     seen: list[tuple[int, int]] = []
 
     def listener(msgs, ctx):
@@ -426,7 +438,7 @@ def test_a_switch_to_an_adopted_queue_rides_on_the_lingering_read_that_sees_its_
     with wakes_of_the_client(r) as wakes, lingering_run(eng, ListenerSpec(listener, TOPIC, SUB), r) as run:
         time.sleep(0.5)  # the run drained queue 0 and lingers, watching queues 1-3
         for seq in range(24):
-            qid = seq % 4  # never the queue the run is on: every message is a switch
+            qid = 1 + seq % 3  # never the queue the run is on (0, then the last one): each a switch
             p.send_orderly(TOPIC, str(seq).encode(), sharding_key=key_for(qid))
             sent.append((qid, seq))
             deadline = time.monotonic() + 5
@@ -437,6 +449,7 @@ def test_a_switch_to_an_adopted_queue_rides_on_the_lingering_read_that_sees_its_
     (out,) = run.result
     assert out.consumed == 24 and out.follow_ups == ()
     assert [c for c in switches_sent if c == ["finish", "begin"]] == [], "a switch took a round trip of its own"
+    assert pre_switched == [False] + [True] * 24, "not every switch was switch.lua's"
     assert_every_run_ended_and_committed(r)
     p.close()
     eng.brokers.close()
@@ -463,14 +476,24 @@ def test_switch_lua_switches_only_while_the_run_holds_its_queue_read_to_its_end(
           keys.sub_state(adopted.tag, SUB), keys.queue_log(adopted.tag), keys.queue_next(adopted.tag),
           keys.sub_retries(adopted.tag, SUB)]
 
-    def switch(run_epoch: int, token: str, pulled_to: int) -> list:
+    def switch(run_epoch: int, token: str, pulled_to: int, committed: int = 0) -> list:
         return scripts.switch(keys=ks, args=[ME, token, run_epoch, pulled_to, "new-tok", 1000, 60_000, "watch-tok",
-                                             ADOPT_TTL_MS, 60_000, 32, "runner-1"])
+                                             ADOPT_TTL_MS, 60_000, 32, "runner-1", committed])
 
+    k_to = keys.sub_state(adopted.tag, SUB)
     before = {k: r.hgetall(k) for k in ks if k.endswith(f":s:{SUB}")}
     assert switch(epoch + 1, "run-tok", 0) == [0]  # fenced: another epoch
     assert switch(epoch, "other-tok", 0) == [0]  # not the run's pending token
     assert switch(epoch, "run-tok", 1) == [0]  # its queue ends below what it pulled (a failover)
+    assert switch(epoch, "run-tok", 0, committed=1) == [0]  # the commit before the read did not land
+    # The adopted queue with the backlog is not this watch's, or not free: never begun.
+    r.hset(k_to, "pending", "someone-else")
+    assert switch(epoch, "run-tok", 0) == [0]
+    r.hset(k_to, mapping={"pending": "watch-tok", "run": 2**62})
+    assert switch(epoch, "run-tok", 0) == [0]  # a live run mark
+    r.hset(k_to, mapping={"run": 0, "lease": 1})
+    assert switch(epoch, "run-tok", 0) == [0]  # the caller's lock lapsed
+    r.hset(k_to, mapping=before[k_to])
     p.send_orderly(TOPIC, b"own", sharding_key=key_for(0))
     assert switch(epoch, "run-tok", 0) == [0]  # its own queue has something new
     assert {k: r.hgetall(k) for k in before} == before  # none of them wrote anything
@@ -483,6 +506,7 @@ def test_switch_lua_switches_only_while_the_run_holds_its_queue_read_to_its_end(
     assert own_state[b"pending"] == b"watch-tok" and own_state[b"run"] == b"0"
     st = r.hgetall(keys.sub_state(adopted.tag, SUB))
     assert st[b"pending"] == b"watch-tok" and int(st[b"run"]) > 0 and st[b"runner"] == b"runner-1"
+    assert int(st[b"lease"]) > int(before[k_to][b"lease"])  # the lock renewed by begin.lua
     p.close()
     eng.brokers.close()
 
@@ -491,8 +515,8 @@ def test_a_run_begun_by_switch_lua_that_is_retried_reads_its_queue_again(setting
     """The replies of a switch done behind a lingering read are taken once: a retry of the run
     switched to (after a Redis error, ``ConsumerEngine._run_one``, with the same prior) sends
     ``finish.lua`` and ``begin.lua`` again and starts from the queue's committed offset as it is
-    then, not from the offset of the switch (once a bug: a Sentinel failover made such a retry
-    handle again what its run had committed, and commit backward)."""
+    then, not from the offset of the switch (once a bug: after a Sentinel failover such a retry
+    handled again what its run had committed)."""
     from mqorder.consumer.idle_watch import ADOPT_TTL_MS
     from mqorder.consumer.run_types import LoopEnd, Stop
     from mqorder.store.scripts import Scripts
@@ -511,7 +535,8 @@ def test_a_run_begun_by_switch_lua_that_is_retried_reads_its_queue_again(setting
     switched = Scripts(r).switch(
         keys=[k_own, keys.queue_next(own.tag), k_to, keys.queue_log(to.tag), keys.queue_next(to.tag),
               keys.sub_retries(to.tag, SUB)],
-        args=[ME, "run-tok", epoch, 0, "new-tok", 1000, 60_000, watch.token, ADOPT_TTL_MS, 60_000, 32, "runner-1"])
+        args=[ME, "run-tok", epoch, 0, "new-tok", 1000, 60_000, watch.token, ADOPT_TTL_MS, 60_000, 32, "runner-1",
+              0])
     assert switched[0] == 1
     prior = ConsumeRequest(eng, spec, SUB, own, "run-tok", runner="runner-1", watch=watch)
     prior.deferred_end = LoopEnd(Stop.SWITCH)
@@ -523,5 +548,40 @@ def test_a_run_begun_by_switch_lua_that_is_retried_reads_its_queue_again(setting
     retry = ConsumeRequest(eng, spec, SUB, to, watch.token, runner="runner-1", watch=watch, prior=prior)
     assert retry._check() is None
     assert retry.committed == 2, "the retry took the switch's stale begin.lua reply"
+    p.close()
+    eng.brokers.close()
+
+
+def test_a_switch_behind_a_refused_commit_leaves_both_queues_to_the_watch_release(settings, r) -> None:
+    """If the commit sent before a lingering read is refused while the read's ``switch.lua`` still
+    switched (``_switch_refused``), the run does not go on to the queue begun, and neither queue is
+    left holding the watch's token to lapse: ``release`` ends both, the one with a backlog gets a
+    request, the other goes idle."""
+    from mqorder.consumer.idle_watch import ADOPT_TTL_MS
+    from mqorder.consumer.run_types import Slice
+    from mqorder.store.scripts import Scripts
+
+    p, eng = owned_idle_queues(settings, r)
+    spec = ListenerSpec(lambda msgs, ctx: ConsumeOrderlyStatus.SUCCESS, TOPIC, SUB)
+    own, to = QUEUES[0], QUEUES[1]
+    watch = eng.idle_watch(SUB, own)
+    assert watch is not None
+    watch.adopted[keys.queue_log(to.tag)] = (to, 0)  # as adopt.lua left it
+    k_own, k_to = keys.sub_state(own.tag, SUB), keys.sub_state(to.tag, SUB)
+    r.hset(k_own, mapping={"pending": "run-tok", "pend_until": 2**62})
+    r.hset(k_to, mapping={"pending": watch.token, "pend_until": 2**62})
+    p.send_orderly(TOPIC, b"x", sharding_key=key_for(1))
+    switched = Scripts(r).switch(
+        keys=[k_own, keys.queue_next(own.tag), k_to, keys.queue_log(to.tag), keys.queue_next(to.tag),
+              keys.sub_retries(to.tag, SUB)],
+        args=[ME, "run-tok", int(r.hget(k_own, "epoch")), 0, "new-tok", 1000, 60_000, watch.token, ADOPT_TTL_MS,
+              60_000, 32, "runner-1", 0])
+    assert switched[0] == 1 and r.hget(k_own, "pending") == watch.token.encode()
+    req = ConsumeRequest(eng, spec, SUB, own, "run-tok", runner="runner-1", watch=watch)
+    req._offered = [to]
+    req._switch_refused(Slice(None, [], switched))
+    follow_ups = watch.release()
+    assert [(f.mq, f.target) for f in follow_ups] == [(to, ME)]  # its message needs a request
+    assert r.hget(k_own, "pending") == b"" and r.hget(k_to, "run") == b"0"
     p.close()
     eng.brokers.close()

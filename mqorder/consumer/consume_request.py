@@ -599,12 +599,16 @@ class ConsumeRequest(LingeringReads):
             self.failure = ""
             return ENDED
         if verb != "OK":
+            self._switch_refused(entries)
             self._on_refused(verb, res)
             return LOST
         self.retry_updates.clear()
         self.failure = ""
         self.committed = self.commit_point
         return self._took(res, entries, pull)
+
+    def _commit_target(self) -> int:
+        return self.commit_point
 
     def _took(self, res: list[Any], entries: Any, pull: bool) -> Pull:
         """After an accepted commit (``commit.lua`` or ``key_commit.lua``, same reply head): the
@@ -614,6 +618,7 @@ class ConsumeRequest(LingeringReads):
         self.pq.mark_locked()
         if text(res[2]):
             self.pq.dropped = True  # revoked: the rebalance gave the queue to someone else
+            self._switch_refused(entries)
             return NOTHING
         if isinstance(entries, Slice):
             return self._slice_pulled(entries, int(res[1]))

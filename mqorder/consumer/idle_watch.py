@@ -158,6 +158,13 @@ class IdleQueueWatch:
             self.adopted[keys.queue_log(left.tag)] = (left, adopted_at)
         self._changed()
 
+    def took_back(self, mq: MessageQueue, adopted_at: int) -> None:
+        """``mq`` was handed to this watch at ``adopted_at`` (``switch.lua`` ended its run) although
+        the caller does not go on to the queue that switch began, which stays adopted too: both
+        are ended by ``release``."""
+        self.adopted[keys.queue_log(mq.tag)] = (mq, adopted_at)
+        self._changed()
+
     def release(self, via: ConnectionLease | None = None) -> list[FollowUp]:
         """End every adoption (``finish.lua``, action done): an idle queue gets its pending slot
         back; one that got messages meanwhile gets a new request, returned for the caller to send."""

@@ -577,6 +577,7 @@ class KeyConsumeRequest(ConsumeRequest):
             if verb == "BADMAP":
                 log.error("offset map of %s for %s refused: %s", self.mq.key, self.sub, text(res[1]))
             self.fenced = True
+            self._switch_refused(entries)
             self._on_refused(verb, res)
             return LOST
         self.retry_updates.clear()
@@ -588,3 +589,6 @@ class KeyConsumeRequest(ConsumeRequest):
 
     def _needs_last_commit(self) -> bool:
         return bool(self.epoch) and not self.fenced and bool(self.dirty or self.retry_updates)
+
+    def _commit_target(self) -> int:
+        return self.tracker.base

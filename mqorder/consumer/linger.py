@@ -174,8 +174,27 @@ class LingeringReads:
             return
         self.scripts.queue_in(pipe, "switch", ks, [
             self.client_id, self.token, self.epoch, self.pulled_to, new_token(), self.pending_ttl_ms, self.lock_ms,
-            watch.token, ADOPT_TTL_MS, self.run_lease_ms, self.pull_n, self.runner,
+            watch.token, ADOPT_TTL_MS, self.run_lease_ms, self.pull_n, self.runner, self._commit_target(),
         ])
+
+    def _commit_target(self) -> int:
+        """The offset this run has committed once the commit it sends with its read (if any) is
+        accepted: ``switch.lua`` switches only if the queue's state says so."""
+        raise NotImplementedError  # ConsumeRequest's (and KeyConsumeRequest's)
+
+    def _switch_refused(self, read: Any) -> None:
+        """The commit sent before a lingering read was refused, or found the queue revoked, yet the
+        read's ``switch.lua`` switched (it judges the state after the commit: appends during the
+        read can make a queue refused as AHEAD look read to its end again). This run ends without
+        taking the switch: its queue, now adopted by the watch, and the queue begun are both the
+        watch's, whose ``release`` ends them with its token (``finish.lua``: a request for
+        either if it has a backlog), not left to lapse."""
+        switched = read.switched if isinstance(read, Slice) else None
+        if switched is None or not int(switched[0]) or self.watch is None:
+            return
+        log.warning("the commit of %s for %s was refused but the lingering read had switched to %s; "
+                    "both queues go back to the watch", self.mq.key, self.sub, self._offered[int(switched[0]) - 1].key)
+        self.watch.took_back(self.mq, int(switched[1][1]))
 
     def _slice_replies(self, replies: list[Any]) -> tuple[Any, Any, Any]:
         """(stream read, queue state, ``switch.lua``'s reply or None) of a lingering read's replies

@@ -12,7 +12,8 @@
 -- It switches only when the outcome is certain: the caller's run still holds its queue (owner,
 -- live lock, epoch, pending token, not reassigned) and has read it to its end (its next offset is
 -- exactly one past what the run pulled: nothing new, and no failover took appends it read, which
--- the commit before the read refuses as AHEAD), and an adopted
+-- the commit before the read refuses as AHEAD), whose committed offset is the one the run
+-- committed (the commit sent before the read, if any, was accepted), and an adopted
 -- queue of the same listener has a backlog while it is still adopted by this watch (its owner's
 -- live lock, assigned to the caller, no run). Then finish.lua and begin.lua run exactly as the
 -- caller would have sent them, one after the other, and their replies are returned for the
@@ -24,7 +25,8 @@
 -- ARGV[1] client  ARGV[2] the run's token  ARGV[3] its epoch  ARGV[4] one past what it pulled
 -- ARGV[5] finish.lua's new token  ARGV[6] pending_ttl_ms  ARGV[7] lock_lease_ms
 -- ARGV[8] the watch's token  ARGV[9] adopt ttl_ms  ARGV[10] run_lease_ms  ARGV[11] pull_n
--- ARGV[12] runner id
+-- ARGV[12] runner id  ARGV[13] the offset the run has committed once the commit sent before the
+--         read (if any) is accepted: a refused or unsent commit leaves another offset, and no switch
 -- Returns {0} (no switch) or {i, finish.lua's reply, begin.lua's reply}: candidate i (1-based)
 --         runs next, the caller's run has ended.
 --- @include "_now"
@@ -34,9 +36,10 @@ local client, watch_token = ARGV[1], ARGV[8]
 local function held_by_caller(owner, lease, assignee)
   return owner == client and ahead(lease) and (assignee == '' or assignee == client)
 end
-local own = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'epoch', 'pending', 'assignee')
+local own = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'epoch', 'pending', 'assignee', 'offset')
 if not held_by_caller(own[1] or '', own[2], own[5] or '') or tonumber(own[3] or 0) ~= tonumber(ARGV[3])
-    or own[4] ~= ARGV[2] or tonumber(redis.call('GET', KEYS[2]) or 0) ~= tonumber(ARGV[4]) then
+    or own[4] ~= ARGV[2] or tonumber(own[6] or 0) ~= tonumber(ARGV[13])
+    or tonumber(redis.call('GET', KEYS[2]) or 0) ~= tonumber(ARGV[4]) then
   return {0}
 end
 -- A backlog first, with the two cheapest reads there are (as sweep.lua does): most candidates

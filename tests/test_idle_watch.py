@@ -76,6 +76,13 @@ def lingering_run(eng: ConsumerEngine, spec: ListenerSpec, r: redis.Redis, token
         thread.join(timeout=10)
 
 
+def switch_args(run_token: str, watch_token: str, adopt_ttl_ms: int) -> list:
+    """``switch.lua``'s arguments after its first three: ``finish.lua``'s for the run (action
+    'adopt'), then ``begin.lua``'s for a candidate (run lease, lock lease, pull_n, runner)."""
+    return [ME, run_token, "adopt", "new-tok", 1000, 60_000, watch_token, adopt_ttl_ms,
+            ME, watch_token, 60_000, 60_000, 32, "runner-1"]
+
+
 def assert_every_run_ended_and_committed(r: redis.Redis) -> None:
     """Every run and adoption of the four queues ended: nothing pending, everything committed."""
     for mq in QUEUES:
@@ -477,8 +484,8 @@ def test_switch_lua_switches_only_while_the_run_holds_its_queue_read_to_its_end(
           keys.sub_retries(adopted.tag, SUB)]
 
     def switch(run_epoch: int, token: str, pulled_to: int, committed: int = 0) -> list:
-        return scripts.switch(keys=ks, args=[ME, token, run_epoch, pulled_to, "new-tok", 1000, 60_000, "watch-tok",
-                                             ADOPT_TTL_MS, 60_000, 32, "runner-1", committed])
+        return scripts.switch(keys=ks, args=[run_epoch, pulled_to, committed,
+                                             *switch_args(token, "watch-tok", ADOPT_TTL_MS)])
 
     k_to = keys.sub_state(adopted.tag, SUB)
     before = {k: r.hgetall(k) for k in ks if k.endswith(f":s:{SUB}")}
@@ -535,8 +542,7 @@ def test_a_run_begun_by_switch_lua_that_is_retried_reads_its_queue_again(setting
     switched = Scripts(r).switch(
         keys=[k_own, keys.queue_next(own.tag), k_to, keys.queue_log(to.tag), keys.queue_next(to.tag),
               keys.sub_retries(to.tag, SUB)],
-        args=[ME, "run-tok", epoch, 0, "new-tok", 1000, 60_000, watch.token, ADOPT_TTL_MS, 60_000, 32, "runner-1",
-              0])
+        args=[epoch, 0, 0, *switch_args("run-tok", watch.token, ADOPT_TTL_MS)])
     assert switched[0] == 1
     prior = ConsumeRequest(eng, spec, SUB, own, "run-tok", runner="runner-1", watch=watch)
     prior.deferred_end = LoopEnd(Stop.SWITCH)
@@ -574,8 +580,7 @@ def test_a_switch_behind_a_refused_commit_leaves_both_queues_to_the_watch_releas
     switched = Scripts(r).switch(
         keys=[k_own, keys.queue_next(own.tag), k_to, keys.queue_log(to.tag), keys.queue_next(to.tag),
               keys.sub_retries(to.tag, SUB)],
-        args=[ME, "run-tok", int(r.hget(k_own, "epoch")), 0, "new-tok", 1000, 60_000, watch.token, ADOPT_TTL_MS,
-              60_000, 32, "runner-1", 0])
+        args=[int(r.hget(k_own, "epoch")), 0, 0, *switch_args("run-tok", watch.token, ADOPT_TTL_MS)])
     assert switched[0] == 1 and r.hget(k_own, "pending") == watch.token.encode()
     req = ConsumeRequest(eng, spec, SUB, own, "run-tok", runner="runner-1", watch=watch)
     req._offered = [to]

@@ -192,8 +192,7 @@ class ConsumeRequest(LingeringReads):
 
         After a switch, the finish of the run left (``prior``) goes in the same round trip: the
         two scripts touch two different queues, and neither depends on the other's reply."""
-        begin = ("begin", [self.k_state, self.k_log, self.k_next, self.k_retries],
-                 [self.client_id, self.token, self.run_lease_ms, self.lock_ms, self.pull_n, self.runner])
+        begin = ("begin", [self.k_state, self.k_log, self.k_next, self.k_retries], self._begin_args(self.token))
         prior = self.prior
         if prior is None:
             res = self.scripts.call(*begin, via=self.lease)
@@ -226,6 +225,11 @@ class ConsumeRequest(LingeringReads):
             return self._finish(LoopEnd(Stop.REQUEUE, REPLICA_WAIT_REQUEUE_S))
         self._begun(res)
         return None
+
+    def _begin_args(self, token: str) -> list[Any]:
+        """``begin.lua``'s arguments for a run of this task execution with ``token`` (this run's,
+        or the watch's for a queue ``switch.lua`` begins behind a lingering read)."""
+        return [self.client_id, token, self.run_lease_ms, self.lock_ms, self.pull_n, self.runner]
 
     def _epoch_replicated(self) -> bool:
         """Whether this run's epoch is on ``lock_wait_replicas`` replicas (``WAIT``, once per new

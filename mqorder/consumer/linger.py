@@ -17,14 +17,13 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from mqorder import keys
 from mqorder.consumer.consumer_state import ConsumerState
-from mqorder.consumer.idle_watch import ADOPT_TTL_MS, IdleQueueWatch
+from mqorder.consumer.idle_watch import IdleQueueWatch
 from mqorder.consumer.nudge import idle_queues
-from mqorder.consumer.run_types import LOST, NOTHING, SWITCH, WAIT, Pull, PullKind, Slice
+from mqorder.consumer.run_types import LOST, NOTHING, SWITCH, WAIT, LoopEnd, Pull, PullKind, Slice, Stop
 from mqorder.model import MessageQueue
 from mqorder.process_queue import ProcessQueue
 from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 from mqorder.store.replies import text
-from mqorder.tokens import new_token
 
 log = logging.getLogger(__name__)
 
@@ -58,10 +57,6 @@ class LingeringReads:
     switch_to: MessageQueue | None
     scripts: Any
     k_next: str
-    runner: str
-    run_lease_ms: int
-    lock_ms: int
-    pending_ttl_ms: int
     #: ``switch.lua``'s replies (finish.lua's, begin.lua's) when a lingering read switched this run
     #: to ``switch_to`` in its own round trip: the next run takes them instead of sending both.
     pre_switched: tuple[Any, Any] | None
@@ -173,9 +168,15 @@ class LingeringReads:
         if not self._offered:
             return
         self.scripts.queue_in(pipe, "switch", ks, [
-            self.client_id, self.token, self.epoch, self.pulled_to, new_token(), self.pending_ttl_ms, self.lock_ms,
-            watch.token, ADOPT_TTL_MS, self.run_lease_ms, self.pull_n, self.runner, self._commit_target(),
+            self.epoch, self.pulled_to, self._commit_target(),
+            *self._finish_call(LoopEnd(Stop.SWITCH))[1], *self._begin_args(watch.token),
         ])
+
+    def _finish_call(self, end: LoopEnd) -> tuple[list[str], list[Any]]:
+        raise NotImplementedError  # ConsumeRequest's: finish.lua's keys and arguments
+
+    def _begin_args(self, token: str) -> list[Any]:
+        raise NotImplementedError  # ConsumeRequest's: begin.lua's arguments
 
     def _commit_target(self) -> int:
         """The offset this run has committed once the commit it sends with its read (if any) is

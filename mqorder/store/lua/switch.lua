@@ -22,24 +22,26 @@
 --
 -- KEYS[1] state HASH, KEYS[2] next counter of the caller's queue; then per adopted candidate, in
 --         the caller's order: state HASH, log STREAM, next counter, retries HASH (begin.lua's)
--- ARGV[1] client  ARGV[2] the run's token  ARGV[3] its epoch  ARGV[4] one past what it pulled
--- ARGV[5] finish.lua's new token  ARGV[6] pending_ttl_ms  ARGV[7] lock_lease_ms
--- ARGV[8] the watch's token  ARGV[9] adopt ttl_ms  ARGV[10] run_lease_ms  ARGV[11] pull_n
--- ARGV[12] runner id  ARGV[13] the offset the run has committed once the commit sent before the
---         read (if any) is accepted: a refused or unsent commit leaves another offset, and no switch
+-- ARGV[1] the run's epoch  ARGV[2] one past what it pulled  ARGV[3] the offset the run has committed
+--         once the commit sent before the read (if any) is accepted: a refused or unsent commit
+--         leaves another offset, and no switch
+-- ARGV[4..11] finish.lua's ARGV for the run (action 'adopt': client, the run's token, 'adopt', new
+--         token, pending_ttl_ms, lock_lease_ms, the watch's token, adopt ttl_ms)
+-- ARGV[12..17] begin.lua's ARGV for a candidate (client, the watch's token, run_lease_ms,
+--         lock_lease_ms, pull_n, runner id)
 -- Returns {0} (no switch) or {i, finish.lua's reply, begin.lua's reply}: candidate i (1-based)
 --         runs next, the caller's run has ended.
 --- @include "_now"
 --- @include "_finish"
 --- @include "_begin"
-local client, watch_token = ARGV[1], ARGV[8]
+local client, watch_token = ARGV[4], ARGV[10]
 local function held_by_caller(owner, lease, assignee)
   return owner == client and ahead(lease) and (assignee == '' or assignee == client)
 end
 local own = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'epoch', 'pending', 'assignee', 'offset')
-if not held_by_caller(own[1] or '', own[2], own[5] or '') or tonumber(own[3] or 0) ~= tonumber(ARGV[3])
-    or own[4] ~= ARGV[2] or tonumber(own[6] or 0) ~= tonumber(ARGV[13])
-    or tonumber(redis.call('GET', KEYS[2]) or 0) ~= tonumber(ARGV[4]) then
+if not held_by_caller(own[1] or '', own[2], own[5] or '') or tonumber(own[3] or 0) ~= tonumber(ARGV[1])
+    or own[4] ~= ARGV[5] or tonumber(own[6] or 0) ~= tonumber(ARGV[3])
+    or tonumber(redis.call('GET', KEYS[2]) or 0) ~= tonumber(ARGV[2]) then
   return {0}
 end
 -- A backlog first, with the two cheapest reads there are (as sweep.lua does): most candidates
@@ -48,10 +50,8 @@ for i = 3, #KEYS, 4 do
   if tonumber(redis.call('GET', KEYS[i + 2]) or 0) > tonumber(redis.call('HGET', KEYS[i], 'offset') or 0) then
     local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'assignee', 'run', 'pending')
     if st[5] == watch_token and not ahead(st[4]) and held_by_caller(st[1] or '', st[2], st[3] or '') then
-      local done = finish_run({KEYS[1], KEYS[2]},
-        {client, ARGV[2], 'adopt', ARGV[5], ARGV[6], ARGV[7], watch_token, ARGV[9]})
-      local begun = begin_run({KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3]},
-        {client, watch_token, ARGV[10], ARGV[7], ARGV[11], ARGV[12]})
+      local done = finish_run({KEYS[1], KEYS[2]}, {unpack(ARGV, 4, 11)})
+      local begun = begin_run({KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3]}, {unpack(ARGV, 12, 17)})
       return {(i + 1) / 4, done, begun}
     end
   end

@@ -483,9 +483,9 @@ def test_switch_lua_switches_only_while_the_run_holds_its_queue_read_to_its_end(
           keys.sub_state(adopted.tag, SUB), keys.queue_log(adopted.tag), keys.queue_next(adopted.tag),
           keys.sub_retries(adopted.tag, SUB)]
 
-    def switch(run_epoch: int, token: str, pulled_to: int, committed: int = 0) -> list:
+    def switch(run_epoch: int, token: str, pulled_to: int, committed: int = 0, seen: tuple = (0, 0)) -> list:
         return scripts.switch(keys=ks, args=[run_epoch, pulled_to, committed,
-                                             *switch_args(token, "watch-tok", ADOPT_TTL_MS)])
+                                             *switch_args(token, "watch-tok", ADOPT_TTL_MS), *seen])
 
     k_to = keys.sub_state(adopted.tag, SUB)
     before = {k: r.hgetall(k) for k in ks if k.endswith(f":s:{SUB}")}
@@ -501,6 +501,14 @@ def test_switch_lua_switches_only_while_the_run_holds_its_queue_read_to_its_end(
     r.hset(k_to, mapping={"run": 0, "lease": 1})
     assert switch(epoch, "run-tok", 0) == [0]  # the caller's lock lapsed
     r.hset(k_to, mapping=before[k_to])
+    # No backlog where the watch saw the queue at its end (the MGET of the next counters says so),
+    # nor where it was committed since (what the watch saw is only a lower bound).
+    assert switch(epoch, "run-tok", 0, seen=(0, 1)) == [0]
+    r.hset(k_to, "offset", 1)
+    assert switch(epoch, "run-tok", 0) == [0]
+    r.hset(k_to, mapping=before[k_to])
+    if b"offset" not in before[k_to]:
+        r.hdel(k_to, "offset")
     p.send_orderly(TOPIC, b"own", sharding_key=key_for(0))
     assert switch(epoch, "run-tok", 0) == [0]  # its own queue has something new
     assert {k: r.hgetall(k) for k in before} == before  # none of them wrote anything

@@ -127,7 +127,7 @@ class ConsumeRequest(LingeringReads):
         self.deferred_end: LoopEnd | None = None
         self.pre_switched: tuple[Any, Any] | None = None
         self._offered: list[MessageQueue] = []
-        self._offer_keys: tuple[object, list[str]] | None = None
+        self._offer_keys: tuple[object, list[str], list[int]] | None = None
         #: This task execution lingers already (a chain of switches carries its watch): it goes
         #: on while ``may_linger``; a request that has not lingered yet asks ``may_start_linger`` too.
         self.lingering = watch is not None

@@ -61,9 +61,10 @@ class LingeringReads:
     #: to ``switch_to`` in its own round trip: the next run takes them instead of sending both.
     pre_switched: tuple[Any, Any] | None
     #: The adopted queues the last lingering read offered ``switch.lua``, in its order, and the
-    #: keys it was given (kept while the watch's stream list stays the same object).
+    #: keys and adopted offsets it was given (kept while the watch's stream list stays the same
+    #: object).
     _offered: list[MessageQueue]
-    _offer_keys: tuple[object, list[str]] | None
+    _offer_keys: tuple[object, list[str], list[int]] | None
 
     def _put(self, entries: list[Any], raw_retries: list[Any] | None) -> None:
         raise NotImplementedError  # ConsumeRequest's: messages read go into the run
@@ -154,22 +155,23 @@ class LingeringReads:
             return
         cached = self._offer_keys
         if cached is not None and cached[0] is adopted_streams:
-            ks = cached[1]
+            ks, seen = cached[1], cached[2]
         else:
             offered = [mq for mq in (watch.queue_of(k) for k in adopted_streams) if mq is not None]
             # A queue of another topic of the subscription runs with its own listener and settings.
             self._offered = [mq for mq in offered if mq.topic == self.mq.topic]
-            ks = [self.k_state, self.k_next]
+            ks, seen = [self.k_state, self.k_next], []
             for mq in self._offered:
                 tag = mq.tag
                 ks += [keys.sub_state(tag, self.sub), keys.queue_log(tag), keys.queue_next(tag),
                        keys.sub_retries(tag, self.sub)]
-            self._offer_keys = (adopted_streams, ks)
+                seen.append(watch.adopted_at(mq))
+            self._offer_keys = (adopted_streams, ks, seen)
         if not self._offered:
             return
         self.scripts.queue_in(pipe, "switch", ks, [
             self.epoch, self.pulled_to, self._commit_target(),
-            *self._finish_call(LoopEnd(Stop.SWITCH))[1], *self._begin_args(watch.token),
+            *self._finish_call(LoopEnd(Stop.SWITCH))[1], *self._begin_args(watch.token), *seen,
         ])
 
     def _finish_call(self, end: LoopEnd) -> tuple[list[str], list[Any]]:

@@ -29,6 +29,9 @@
 --         token, pending_ttl_ms, lock_lease_ms, the watch's token, adopt ttl_ms)
 -- ARGV[12..17] begin.lua's ARGV for a candidate (client, the watch's token, run_lease_ms,
 --         lock_lease_ms, pull_n, runner id)
+-- ARGV[18..] per candidate, in the same order: its committed offset as the watch last saw it (when
+--         it adopted the queue). Offsets only grow, so a candidate whose next counter is not past
+--         it has no backlog, and one MGET of every next counter rules out most candidates.
 -- Returns {0} (no switch) or {i, finish.lua's reply, begin.lua's reply}: candidate i (1-based)
 --         runs next, the caller's run has ended.
 --- @include "_now"
@@ -40,19 +43,28 @@ local function held_by_caller(owner, lease, assignee)
 end
 local own = redis.call('HMGET', KEYS[1], 'owner', 'lease', 'epoch', 'pending', 'assignee', 'offset')
 if not held_by_caller(own[1] or '', own[2], own[5] or '') or tonumber(own[3] or 0) ~= tonumber(ARGV[1])
-    or own[4] ~= ARGV[5] or tonumber(own[6] or 0) ~= tonumber(ARGV[3])
-    or tonumber(redis.call('GET', KEYS[2]) or 0) ~= tonumber(ARGV[2]) then
+    or own[4] ~= ARGV[5] or tonumber(own[6] or 0) ~= tonumber(ARGV[3]) then
   return {0}
 end
--- A backlog first, with the two cheapest reads there are (as sweep.lua does): most candidates
--- have none, and the read returned for one that has.
+-- Every next counter in one call, the run's own first: most candidates have no backlog, and the
+-- read returned for one that has.
+local counters = {KEYS[2]}
 for i = 3, #KEYS, 4 do
-  if tonumber(redis.call('GET', KEYS[i + 2]) or 0) > tonumber(redis.call('HGET', KEYS[i], 'offset') or 0) then
-    local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'assignee', 'run', 'pending')
-    if st[5] == watch_token and not ahead(st[4]) and held_by_caller(st[1] or '', st[2], st[3] or '') then
+  counters[#counters + 1] = KEYS[i + 2]
+end
+local nexts = redis.call('MGET', unpack(counters))
+if tonumber(nexts[1] or 0) ~= tonumber(ARGV[2]) then
+  return {0}
+end
+for j = 2, #nexts do
+  local i, last = 4 * j - 5, tonumber(nexts[j] or 0)
+  if last > tonumber(ARGV[16 + j] or 0) then
+    local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'assignee', 'run', 'pending', 'offset')
+    if last > tonumber(st[6] or 0) and st[5] == watch_token and not ahead(st[4])
+        and held_by_caller(st[1] or '', st[2], st[3] or '') then
       local done = finish_run({KEYS[1], KEYS[2]}, {unpack(ARGV, 4, 11)})
       local begun = begin_run({KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3]}, {unpack(ARGV, 12, 17)})
-      return {(i + 1) / 4, done, begun}
+      return {j - 1, done, begun}
     end
   end
 end

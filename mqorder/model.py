@@ -6,7 +6,7 @@ Bodies are always ``bytes``: mqorder never guesses an encoding and never pickles
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from mqorder import keys
 
@@ -22,16 +22,25 @@ class MessageQueue:
     topic: str
     broker_name: str
     queue_id: int
+    #: ``key`` and ``tag``, spelled once per queue object: every key of a queue is built from its
+    #: tag, and a worker's sweep and lease renewal spell those of all its queues every interval
+    #: (an idle worker's main cost, issue 27). Not compared, hashed or passed to the constructor.
+    _key: str = field(init=False, repr=False, compare=False, hash=False)
+    _tag: str = field(init=False, repr=False, compare=False, hash=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_key", keys.queue_key(self.topic, self.broker_name, self.queue_id))
+        object.__setattr__(self, "_tag", keys.queue_tag(self.topic, self.broker_name, self.queue_id))
 
     @property
     def tag(self) -> str:
         """The Redis Cluster hash tag of every key of this queue."""
-        return keys.queue_tag(self.topic, self.broker_name, self.queue_id)
+        return self._tag
 
     @property
     def key(self) -> str:
         """``topic:broker:qid``, the queue's spelling in task arguments, assignment hashes and stats."""
-        return keys.queue_key(self.topic, self.broker_name, self.queue_id)
+        return self._key
 
     @classmethod
     def from_key(cls, key: str) -> MessageQueue:

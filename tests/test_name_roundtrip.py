@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import random
+import time
 from collections import Counter
 from collections.abc import Callable
 
@@ -200,6 +201,27 @@ def test_the_membership_fingerprint_tells_apart_ids_holding_commas(r: redis.Redi
         for cid in members:
             registry.unregister(cid)
     assert fingerprints[0] != fingerprints[1]
+
+
+def test_a_heartbeat_and_watch_heartbeats_and_reads_what_the_separate_reads_would(r: redis.Redis) -> None:
+    """The idle worker's one-pipeline heartbeat (issue 27) pushes the deadline forward as
+    ``heartbeat`` does, and gives the fingerprint and the watched keys' values that their own reads
+    give (a lapsed client is not live; an unset key is ``None``)."""
+    registry = ClientRegistry(r, heartbeat_timeout_ms=60_000)
+    registry.register("c,1", [])
+    r.zadd(keys.clients(), {"lapsed": 1})
+    r.set("mqorder-test:watched", "v1")
+    try:
+        before = r.zscore(keys.clients(), "c,1")
+        time.sleep(0.01)
+        beat = registry.heartbeat_and_watch("c,1", ("mqorder-test:watched", "mqorder-test:unset"))
+        assert r.zscore(keys.clients(), "c,1") == beat.now_ms + 60_000 > before
+        assert beat.fingerprint == registry.membership_fingerprint() == json.dumps(["c,1"])
+        assert beat.watched == [b"v1", None]
+    finally:
+        registry.unregister("c,1")
+        r.delete("mqorder-test:watched")
+        r.zrem(keys.clients(), "lapsed")
 
 
 def test_a_registration_written_by_an_older_version_gives_no_queues_and_stops_nothing(r: redis.Redis) -> None:

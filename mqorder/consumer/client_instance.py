@@ -40,7 +40,7 @@ from mqorder.errors import ConfigError
 from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.names import check_client_id
-from mqorder.rebalance.membership import ClientDetails, Subscription, redis_now_ms
+from mqorder.rebalance.membership import ClientDetails, Subscription
 from mqorder.rebalance.service import REBALANCE_MUTEX_WAIT_S, Dispatch, RebalanceService
 from mqorder.retention.trimmer import RetentionTrimmer
 from mqorder.settings import Settings
@@ -225,7 +225,7 @@ class ClientInstance:
 
     def _owned_queues(self) -> list[MessageQueue]:
         """Every queue the last rebalance assigned to this client, over all its lanes."""
-        return [mq for sub in self.lanes for mq in self.service.assigned_queues(sub, self.client_id)]
+        return [mq for mqs in self.service.assigned_queues_of(self.lanes, self.client_id) for mq in mqs]
 
     def _rebalance_now(self, wait_s: float = REBALANCE_MUTEX_WAIT_S) -> bool:
         """Rebalance now; False when it was skipped (the mutex stayed held for ``wait_s``)."""
@@ -259,8 +259,7 @@ class ClientInstance:
                     self._register()
                 if now >= next_hb:
                     next_hb = now + s.heartbeat_interval_ms / 1000
-                    self.service.registry.heartbeat(self.client_id)
-                    self._watch_membership()
+                    self._watch_membership()  # heartbeats too
                 if now >= next_lock:
                     next_lock = now + s.lock_interval_ms / 1000
                     worker_metrics.locks_held(self.service.lock_all(self.client_id, self.lanes))
@@ -290,10 +289,13 @@ class ClientInstance:
         return f"{self.service.registry.membership_fingerprint()}\ntopology {topology}"
 
     def _watch_membership(self) -> None:
-        fp = self._fingerprint_now()
+        """Heartbeat, and rebalance if who is live, the topology or the last rebalance's age says
+        so; what it reads comes back with the heartbeat (``heartbeat_and_watch``)."""
+        beat = self.service.registry.heartbeat_and_watch(self.client_id, (keys.topology_version(), keys.rebalance_last()))
+        topology, last = beat.watched
+        fp = f"{beat.fingerprint}\ntopology {text(topology)}"  # as _fingerprint_now spells it
         stale = False
-        last = self.brokers.meta.get(keys.rebalance_last())
-        now = redis_now_ms(self.brokers.meta)  # Redis's clock on both sides: no skew between hosts
+        now = beat.now_ms  # Redis's clock on both sides: no skew between hosts
         if last is None or now - int(last) > REBALANCE_STALE_FACTOR * self.settings.rebalance_interval_ms:
             stale = True
         if fp != self._fingerprint or stale or self._rebalance_owed:

@@ -309,17 +309,16 @@ class RebalanceLockManager:
                 node, identity = self._node_identity(broker, items[0][1].tag, nodes)
                 recorded = self._recorded_on((broker.name, node), identity) if identity else None
                 fresh: list[tuple[int, MessageQueue, str]] = []
-                rest: list[tuple[int, MessageQueue, str]] = []
-                for it in items:
-                    (fresh if recorded is not None and (sub, it[1].key) not in recorded else rest).append(it)
+                rest: list[tuple[int, MessageQueue, str]] = items
+                if recorded is not None:
+                    rest = []
+                    for it in items:
+                        (fresh if (sub, it[1].key) not in recorded else rest).append(it)
                 for part, ident in ((fresh, identity), (rest, "")):
                     if not part:
                         continue
-                    kl: list[str] = []
-                    for _, mq, _ in part:
-                        tag = mq.tag
-                        kl += [keys.sub_state(tag, sub), keys.queue_next(tag)]
-                    calls.append((kl, [client_id, pending_ttl_ms, ident, *(tok for _, _, tok in part)]))
+                    kl = [k for _, mq, _ in part for k in (keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag))]
+                    calls.append((kl, [client_id, pending_ttl_ms, ident, *[tok for _, _, tok in part]]))
                     parts.append((li, part, recorded if ident else None))
             for (li, part, recorded), res in zip(parts, broker.scripts.run_pipelined("sweep", calls), strict=True):
                 if recorded is not None:

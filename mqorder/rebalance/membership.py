@@ -17,7 +17,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -131,6 +131,21 @@ def redis_now_ms(client: redis.Redis) -> int:
     return sec * 1000 + usec // 1000
 
 
+@dataclass(frozen=True)
+class Heartbeat:
+    """What ``ClientRegistry.heartbeat_and_watch`` read: Redis's clock (ms) when it heartbeated,
+    the membership fingerprint right after, and the watched keys' values (``None``: unset)."""
+
+    now_ms: int
+    fingerprint: str
+    watched: list[Any]
+
+
+def _fingerprint(live: Iterable[bytes | str]) -> str:
+    """``membership_fingerprint`` of the live client ids ``live``."""
+    return json.dumps(sorted(text(c) for c in live))
+
+
 class ClientRegistry:
     """The live clients and their heartbeats in the meta Redis.
 
@@ -166,6 +181,23 @@ class ClientRegistry:
         now = redis_now_ms(self.meta)
         self.meta.zadd(keys.clients(), {client_id: now + self.heartbeat_timeout_ms})
 
+    def heartbeat_and_watch(self, client_id: str, watched: Sequence[str] = ()) -> Heartbeat:
+        """``heartbeat``, with what a client watches at each heartbeat read in the same round trip:
+        the live clients (``membership_fingerprint``) and the values of the ``watched`` keys.
+
+        Two round trips (Redis's clock, then the deadline's ``ZADD``, the live clients and the
+        ``GET``s in one pipeline), where a heartbeat and its checks took one each: seven a second
+        per idle worker (issue 27's idle cost). A pipeline, not a script: the keys may sit in
+        several slots of a Redis Cluster."""
+        now = redis_now_ms(self.meta)
+        pipe = self.meta.pipeline(transaction=False)
+        pipe.zadd(keys.clients(), {client_id: now + self.heartbeat_timeout_ms})
+        pipe.zrangebyscore(keys.clients(), now + 1, "+inf")
+        for k in watched:
+            pipe.get(k)
+        res = pipe.execute()
+        return Heartbeat(now, _fingerprint(res[1]), list(res[2:]))
+
     def unregister(self, client_id: str) -> None:
         pipe = self.meta.pipeline(transaction=False)
         pipe.zrem(keys.clients(), client_id)
@@ -200,8 +232,7 @@ class ClientRegistry:
         must not look like ``a`` + ``b,c``.
         """
         now = redis_now_ms(self.meta)
-        live = cast(list[bytes], self.meta.zrangebyscore(keys.clients(), now + 1, "+inf"))
-        return json.dumps(sorted(text(c) for c in live))
+        return _fingerprint(cast(list[bytes], self.meta.zrangebyscore(keys.clients(), now + 1, "+inf")))
 
     def forget_dead(self, dead: list[str], older_than_ms: int) -> None:
         """Drop heartbeats that lapsed long ago (after rebalance has taken their queues)."""

@@ -16,6 +16,7 @@ import time
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 from redis.exceptions import LockError
@@ -27,6 +28,7 @@ from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.rebalance.membership import PULL_POOL, ClientInfo, ClientRegistry, redis_now_ms
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.raw_pipe import RawPipeline
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
 from mqorder.tokens import new_token
@@ -111,7 +113,8 @@ class RebalanceService:
         #: at every sweep and lock renewal, but changes only at a rebalance: an unchanged one is
         #: not parsed again (parsing 1,024 queue keys every sweep was most of an idle worker's
         #: sweep, issue 27). The read itself stays: the hash, not this copy, is what counts.
-        self._assigned: dict[tuple[str, str | None], tuple[dict[bytes | str, bytes | str], list[MessageQueue]]] = {}
+        #: (sub, client) -> (the assignment hash's last raw HGETALL reply, its queues).
+        self._assigned: dict[tuple[str, str | None], tuple[Any, list[MessageQueue]]] = {}
 
     def rebalance(self, wait_s: float = REBALANCE_MUTEX_WAIT_S) -> RebalanceReport:
         """Recompute and apply the assignment of every subscribed topic, under a mutex.
@@ -198,22 +201,29 @@ class RebalanceService:
 
     def assigned_queues(self, sub: str, client_id: str | None = None) -> list[MessageQueue]:
         """``assigned_queues`` of this service's meta broker, parsed once per change of the hash."""
-        return self._parsed(sub, client_id, self.brokers.meta.hgetall(keys.assignment(sub)))
+        return self.assigned_queues_of([sub], client_id)[0]
 
     def assigned_queues_of(self, subs: Sequence[str], client_id: str | None = None) -> list[list[MessageQueue]]:
-        """``assigned_queues`` of each of ``subs``, their hashes read in one round trip."""
-        if len(subs) < 2:
-            return [self.assigned_queues(sub, client_id) for sub in subs]
-        pipe = self.brokers.meta.pipeline(transaction=False)
+        """``assigned_queues`` of each of ``subs``, their hashes read in one round trip.
+
+        Read raw (``RawPipeline``: no reply callbacks, no dict built) and compared with the reply
+        last parsed: a worker reads every lane's assignment on every sweep (each 2 s), and it
+        changes only with a rebalance."""
+        if not subs:
+            return []
+        pipe = RawPipeline(self.brokers.meta)
         for sub in subs:
-            pipe.hgetall(keys.assignment(sub))
+            pipe.execute_command("HGETALL", keys.assignment(sub))
         return [self._parsed(sub, client_id, raw) for sub, raw in zip(subs, pipe.execute(), strict=True)]
 
-    def _parsed(self, sub: str, client_id: str | None, raw: dict[bytes | str, bytes | str]) -> list[MessageQueue]:
+    def _parsed(self, sub: str, client_id: str | None, raw: list[Any] | dict[Any, Any]) -> list[MessageQueue]:
+        """The queues of ``HGETALL``'s raw reply (a flat list, or a map on RESP3), parsed only when
+        it differs from the last one seen for ``(sub, client_id)``."""
         seen = self._assigned.get((sub, client_id))
         if seen is not None and seen[0] == raw:
             return list(seen[1])
-        mqs = parse_assignment(raw, client_id)
+        pairs = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
+        mqs = parse_assignment(pairs, client_id)
         self._assigned[(sub, client_id)] = (raw, mqs)
         return list(mqs)
 

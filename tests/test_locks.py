@@ -309,6 +309,20 @@ def test_try_lock_lanes_answers_per_lane_as_try_lock_batch_does(brokers: BrokerR
     assert locks.try_lock_batch("g", [mq, other], "c1") == got[0]
 
 
+def test_a_sweep_over_more_queues_than_one_mget_reads_finds_each_backlog(locks: RebalanceLockManager,
+                                                                         brokers: BrokerRegistry) -> None:
+    """sweep.lua reads the next counters a few hundred per MGET (issue 27's idle cost): a backlog
+    in the first chunk, in a later one and at the very end is found, and nothing else."""
+    mqs = [MessageQueue("wide", "broker-a", i) for i in range(1203)]
+    locks.assign("g", [(mq, "c1", f"t{i}") for i, mq in enumerate(mqs)])
+    locks.try_lock_batch("g", mqs, "c1")
+    client = brokers.default.client
+    for i in (3, 777, 1202):
+        client.set(keys.queue_next(mqs[i].tag), 2)
+    got = locks.sweep("g", [(mq, f"s{i}") for i, mq in enumerate(mqs)], "c1")
+    assert got == [Redispatch(mqs[i], "c1", f"s{i}") for i in (3, 777, 1202)]
+
+
 # -- grouping by broker ------------------------------------------------------------------------------------
 
 

@@ -491,3 +491,29 @@ def test_a_changed_rule_or_cap_is_checked_at_once_despite_the_skip(settings, r) 
     assert (report.trimmed, report.quiet_skipped) == (3, 0)
     assert offsets_stored(r) == list(range(18, 23))
     p.close()
+
+
+def test_describe_topics_parses_a_route_again_only_when_it_changed(redis_url: str) -> None:
+    """A pass over every topic (the trimmer's, every 5 s) parses each route once per change of its
+    stored fields (issue 27's idle cost): an unchanged route is the one parsed before, a changed
+    permission or retention is seen at once, and a deleted topic is left out."""
+    from mqorder.store.brokers import BrokerRegistry
+
+    brokers = BrokerRegistry(redis_url)
+    try:
+        topics = TopicManager(brokers)
+        topics.create_topic("routes-a", 3)
+        topics.create_topic("routes-b", 2)
+        first = topics.describe_topics(["routes-a", "routes-b"])
+        again = topics.describe_topics(["routes-a", "routes-b"])
+        assert again["routes-a"] is first["routes-a"] and again["routes-b"] is first["routes-b"]
+        assert [mq.queue_id for mq in again["routes-a"].message_queues] == [0, 1, 2]
+        topics.update_perm("routes-a", "r")
+        topics.update_retention("routes-b", TopicRetention(retention_ms=60_000))
+        changed = topics.describe_topics(["routes-a", "routes-b"])
+        assert changed["routes-a"].perm == "r" and changed["routes-b"].retention.retention_ms == 60_000
+        r = brokers.meta
+        r.delete(keys.topic_route("routes-b"))
+        assert list(topics.describe_topics(["routes-a", "routes-b"])) == ["routes-a"]
+    finally:
+        brokers.close()

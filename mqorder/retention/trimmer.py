@@ -205,8 +205,12 @@ class RetentionTrimmer:
                 # lookup per queue, not its keys, arguments and signature (issue 27's idle cost).
                 now = time.monotonic()
                 todo: list[tuple[tuple[MessageQueue, RetentionRule, list[str]], str, tuple[Any, ...]]] = []
+                sigs: dict[tuple[int, int], tuple[Any, ...]] = {}  # a topic's queues share rule and holders
                 for item in pending:
-                    key, sig = item[0].key, _signature(item[1], item[2], chunk)
+                    sig = sigs.get((id(item[1]), id(item[2])))
+                    if sig is None:
+                        sig = sigs[(id(item[1]), id(item[2]))] = _signature(item[1], item[2], chunk)
+                    key = item[0].key
                     if not self._skips(key, sig, now):
                         todo.append((item, key, sig))
                 calls = [_call(mq, rule, holders, chunk) for (mq, rule, holders), _, _ in todo]

@@ -6,6 +6,7 @@ its ``MessageQueue`` list is sorted by (broker, queue id) so every process sees 
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections.abc import Sequence
@@ -48,15 +49,19 @@ class TopicRoute:
 
     @property
     def message_queues(self) -> list[MessageQueue]:
-        return [
-            MessageQueue(self.topic, broker, qid)
-            for broker in sorted(self.queues_per_broker)
-            for qid in range(self.queues_per_broker[broker])
-        ]
+        return list(_queues_of(self.topic, tuple(sorted(self.queues_per_broker.items()))))
 
     @property
     def queue_count(self) -> int:
         return sum(self.queues_per_broker.values())
+
+
+@functools.lru_cache(maxsize=4096)
+def _queues_of(topic: str, layout: tuple[tuple[str, int], ...]) -> tuple[MessageQueue, ...]:
+    """The queues of ``topic`` laid out as ``layout`` ((broker, queue count), by broker name), built
+    once per layout: workers and the retention pass read every topic's route every few seconds, and
+    a queue spells its keys when built (``MessageQueue``)."""
+    return tuple(MessageQueue(topic, broker, qid) for broker, n in layout for qid in range(n))
 
 
 def _check_perm(perm: object) -> str:
@@ -90,6 +95,9 @@ class TopicManager:
         self.brokers = brokers
         #: What a topic's retention falls back to, for checking a topic's own choices.
         self.retention_defaults = retention_defaults or DEFAULT_RETENTION
+        #: topic -> (its route fields as ``describe_topics`` last read them, the route parsed from
+        #: them): a pass over every topic parses only the routes that changed.
+        self._parsed_routes: dict[str, tuple[list[Any], TopicRoute | None]] = {}
 
     def create_topic(
         self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, allow_dlq: bool = False,
@@ -145,7 +153,9 @@ class TopicManager:
             pipe.hmget(keys.topic_route(topic), *_ROUTE_FIELDS, *field_names())
         out: dict[str, TopicRoute] = {}
         for topic, raw in zip(topics, pipe.execute() if topics else [], strict=True):
-            route = _route(topic, raw)
+            seen = self._parsed_routes.get(topic)
+            route = seen[1] if seen is not None and seen[0] == raw else _route(topic, raw)
+            self._parsed_routes[topic] = (raw, route)
             if route is not None:
                 out[topic] = route
         return out

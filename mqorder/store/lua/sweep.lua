@@ -29,13 +29,14 @@
 --- @include "_lock"
 --
 -- Only a queue with a backlog (next > offset) can need a request, so that is tested first, with
--- the two cheapest reads there are (a GET and a one-field HGET); the lock and request fields are
--- read only for a queue that has one, or that is to be recorded (an identity passed: a caller
--- records each queue once per identity, RebalanceLockManager.sweep_lanes, backlog or not, since a
--- trickle rarely has a backlog at the instant of a sweep). An idle deployment's queues have
--- neither: its sweep then costs two plain reads per owned queue, not an eight-field HMGET turned
--- into a Lua table and judged (about 2.5x less Redis time per idle queue, issue 27). Every read is
--- in this one script, so the order of the tests changes nothing in what it decides.
+-- the cheapest reads there are (its next counter, read for every queue in one MGET, and a
+-- one-field HGET); the lock and request fields are read only for a queue that has one, or that is
+-- to be recorded (an identity passed: a caller records each queue once per identity,
+-- RebalanceLockManager.sweep_lanes, backlog or not, since a trickle rarely has a backlog at the
+-- instant of a sweep). An idle deployment's queues have neither: its sweep then costs an HGET
+-- per owned queue and one MGET, not an eight-field HMGET turned into a Lua table and judged
+-- (issue 27's idle cost). Every read is in this one script, so the order of the tests changes
+-- nothing in what it decides.
 local node = ARGV[3]
 -- How long a noted mark may stay unrenewed before it is judged: a run cut by the failover retries
 -- begin.lua on a doubling backoff (0.25 s, then 0.5, 1, 2, 4: mqorder.consumer.engine), so the
@@ -44,9 +45,23 @@ local node = ARGV[3]
 -- redeliver what it holds; waiting longer delays a dead one. Well under the 60 s run lease.
 local SUSPECT_GRACE_MS = 5000
 local out = {}
+-- Every next counter first, a few hundred per MGET (unpack's stack stays small): one call where
+-- a GET per queue was, so an idle queue costs Redis one MGET slot and one HGET.
+local MGET_CHUNK = 500
+local nexts = {}
+for c = 2, #KEYS, 2 * MGET_CHUNK do
+  local chunk = {}
+  for i = c, math.min(#KEYS, c + 2 * MGET_CHUNK - 2), 2 do
+    chunk[#chunk + 1] = KEYS[i]
+  end
+  local got = redis.call('MGET', unpack(chunk))
+  for j = 1, #got do
+    nexts[#nexts + 1] = got[j]
+  end
+end
 for i = 1, #KEYS, 2 do
   local q = (i + 1) / 2
-  local nxt = tonumber(redis.call('GET', KEYS[i + 1]) or 0)
+  local nxt = tonumber(nexts[q] or 0)
   local backlog = nxt > tonumber(redis.call('HGET', KEYS[i], 'offset') or 0)
   if backlog or node ~= '' then
     local st = redis.call('HMGET', KEYS[i], 'owner', 'lease', 'pending', 'pend_until', 'run', 'node', 'run_node',

@@ -295,6 +295,46 @@ def test_sweep_lanes_sweeps_each_lane_in_one_round_trip_and_answers_per_lane(
     assert locks.sweep_lanes([("g", [(mq, "x")]), ("h", [(other, "y")])], "c1") == [[], []]
 
 
+@pytest.mark.parametrize("per_call", [1024, 3])
+def test_the_lanes_of_a_plain_redis_share_sweep_calls_and_answers_stay_per_lane(
+    brokers: BrokerRegistry, locks: RebalanceLockManager, monkeypatch: pytest.MonkeyPatch, per_call: int
+) -> None:
+    """On a plain Redis the lanes' queues go to ``sweep.lua`` in as few calls as its slices allow
+    (64 groups of 16 queues cost 64 calls per sweep before, issue 27), and each redispatch still
+    comes back in its own lane, with its own token."""
+    import mqorder.rebalance.lock_manager as lm
+
+    monkeypatch.setattr(lm, "SWEEP_CALL_QUEUES", per_call)
+    lanes = {sub: MQS[:4] for sub in ("g", "h", "i")}
+    for sub, mqs in lanes.items():
+        locks.try_lock_batch(sub, mqs, "c1")
+    c = brokers.default.client
+    for mq in MQS[:4]:
+        c.set(keys.queue_next(mq.tag), 1)
+    c.hset(keys.sub_state(MQS[1].tag, "g"), "offset", 1)  # g consumed queue 1
+    c.hset(keys.sub_state(MQS[2].tag, "h"), "offset", 1)  # h consumed queue 2
+    for mq in MQS[:4]:  # i consumed everything
+        c.hset(keys.sub_state(mq.tag, "i"), "offset", 1)
+    calls: list[int] = []
+    real = brokers.default.scripts.run_pipelined
+
+    def counted(name: str, batch: list, via: object = None) -> list:
+        if name == "sweep":
+            calls.append(len(batch))
+        return real(name, batch, via)
+
+    monkeypatch.setattr(brokers.default.scripts, "run_pipelined", counted)
+    locks._recorded.clear()
+    first = locks.sweep_lanes([(sub, [(mq, f"{sub}{mq.queue_id}") for mq in mqs]) for sub, mqs in lanes.items()], "c1")
+    assert first == [
+        [Redispatch(MQS[i], "c1", f"g{MQS[i].queue_id}") for i in (0, 2, 3)],
+        [Redispatch(MQS[i], "c1", f"h{MQS[i].queue_id}") for i in (0, 1, 3)],
+        [],
+    ]
+    assert c.hget(keys.sub_state(MQS[1].tag, "h"), "pending") == f"h{MQS[1].queue_id}".encode()
+    assert calls == [(12 + per_call - 1) // per_call]  # one round trip; the queues sliced per call
+
+
 def test_try_lock_lanes_answers_per_lane_as_try_lock_batch_does(brokers: BrokerRegistry, locks: RebalanceLockManager) -> None:
     """Leases of several subscriptions renewed in one round trip (issue 27): per lane, the same
     epochs try_lock_batch gives, and a queue locked by another client is refused in its own lane only."""

@@ -66,6 +66,27 @@ class Redispatch:
     token: str
 
 
+#: Queues per ``sweep.lua`` call when the lanes of a plain Redis share calls (``_merged``): a call
+#: holds Redis for its whole length, so a worker owning many queues still sweeps them in slices.
+SWEEP_CALL_QUEUES = 1024
+
+_Item = tuple[int, MessageQueue, str]
+
+
+def _merged(groups: list[tuple[str, list[_Item], set[tuple[str, str]] | None]],
+            limit: int) -> list[tuple[str, list[_Item], set[tuple[str, str]] | None]]:
+    """``groups`` that pass the same identity and join the same recorded set, concatenated in
+    order, then cut into slices of at most ``limit`` items."""
+    joined: dict[tuple[str, int], tuple[str, list[_Item], set[tuple[str, str]] | None]] = {}
+    for ident, part, recorded in groups:
+        key = (ident, id(recorded) if recorded is not None else 0)
+        if key not in joined:
+            joined[key] = (ident, [], recorded)
+        joined[key][1].extend(part)
+    return [(ident, part[i:i + limit], recorded) for ident, part, recorded in joined.values()
+            for i in range(0, len(part), limit)]
+
+
 class RebalanceLockManager:
     def __init__(self, brokers: BrokerRegistry, lock_max_live_time_ms: int = DEFAULT_LOCK_MAX_LIVE_TIME_MS,
                  replica_wait: ReplicaWait | None = None) -> None:
@@ -298,8 +319,8 @@ class RebalanceLockManager:
         out: list[list[Redispatch]] = [[] for _ in lanes]
         flat = [(li, mq, tok) for li, (_, cands) in enumerate(lanes) for mq, tok in cands]
         for broker, batches in self._lane_batches(flat):
-            calls = []
-            parts: list[tuple[int, list[tuple[int, MessageQueue, str]], set[tuple[str, str]] | None]] = []
+            # (identity passed, its items, the recorded set they join): one per lane batch and kind.
+            groups: list[tuple[str, list[tuple[int, MessageQueue, str]], set[tuple[str, str]] | None]] = []
             nodes: dict[str, str] = {}  # one INFO per node and sweep (every batch on a plain Redis)
             for li, items in batches:
                 sub = lanes[li][0]
@@ -314,17 +335,23 @@ class RebalanceLockManager:
                     rest = []
                     for it in items:
                         (fresh if (sub, it[1].key) not in recorded else rest).append(it)
-                for part, ident in ((fresh, identity), (rest, "")):
-                    if not part:
-                        continue
-                    kl = [k for _, mq, _ in part for k in (keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag))]
-                    calls.append((kl, [client_id, pending_ttl_ms, ident, *[tok for _, _, tok in part]]))
-                    parts.append((li, part, recorded if ident else None))
-            for (li, part, recorded), res in zip(parts, broker.scripts.run_pipelined("sweep", calls), strict=True):
+                if fresh:
+                    groups.append((identity, fresh, recorded))
+                if rest:
+                    groups.append(("", rest, None))
+            if not broker.is_cluster:
+                # Any keys may share a call on a plain Redis: the lanes' queues go in a few calls
+                # rather than one per lane (sweep.lua's keys name their subscription; its other
+                # arguments are the same for all). 64 groups of 16 queues cost 64 calls per sweep
+                # interval, each mostly the call's fixed cost (issue 27's idle cost).
+                groups = _merged(groups, SWEEP_CALL_QUEUES)
+            calls = [([k for li, mq, _ in part for k in (keys.sub_state(mq.tag, lanes[li][0]), keys.queue_next(mq.tag))],
+                      [client_id, pending_ttl_ms, ident, *[tok for _, _, tok in part]]) for ident, part, _ in groups]
+            for (_, part, recorded), res in zip(groups, broker.scripts.run_pipelined("sweep", calls), strict=True):
                 if recorded is not None:
                     with self._recorded_lock:
-                        recorded.update((lanes[li][0], mq.key) for _, mq, _ in part)
+                        recorded.update((lanes[li][0], mq.key) for li, mq, _ in part)
                 for i in range(0, len(res), 3):
-                    mq = part[int(res[i]) - 1][1]
+                    li, mq, _ = part[int(res[i]) - 1]
                     out[li].append(Redispatch(mq, res[i + 1].decode(), res[i + 2].decode()))
         return out

@@ -363,6 +363,34 @@ def test_a_sweep_over_more_queues_than_one_mget_reads_finds_each_backlog(locks: 
     assert got == [Redispatch(mqs[i], "c1", f"s{i}") for i in (3, 777, 1202)]
 
 
+@pytest.mark.parametrize("per_call", [1024, 3])
+def test_the_lanes_of_a_plain_redis_share_lease_renewal_calls(
+    brokers: BrokerRegistry, locks: RebalanceLockManager, monkeypatch: pytest.MonkeyPatch, per_call: int
+) -> None:
+    """``try_lock_lanes`` on a plain Redis: the lanes' queues in as few ``lock_batch.lua`` calls as
+    its slices allow (a worker of 64 groups made 64 per renewal, issue 27), the same answers per
+    lane, a queue another client holds refused in its own lane only."""
+    import mqorder.rebalance.lock_manager as lm
+
+    monkeypatch.setattr(lm, "LOCK_CALL_QUEUES", per_call)
+    assert locks.try_lock_batch("h", [MQS[2]], "c2") == {MQS[2]: locks.lock_entry("h", MQS[2]).epoch}
+    calls: list[int] = []
+    real = brokers.default.scripts.run_pipelined
+
+    def counted(name: str, batch: list, via: object = None) -> list:
+        if name == "lock_batch":
+            calls.append(len(batch))
+        return real(name, batch, via)
+
+    monkeypatch.setattr(brokers.default.scripts, "run_pipelined", counted)
+    got = locks.try_lock_lanes([("g", MQS[:4]), ("h", MQS[:4]), ("i", MQS[:2])], "c1")
+    assert got == [{mq: locks.lock_entry("g", mq).epoch for mq in MQS[:4]},
+                   {mq: locks.lock_entry("h", mq).epoch for mq in MQS[:4] if mq != MQS[2]},
+                   {mq: locks.lock_entry("i", mq).epoch for mq in MQS[:2]}]
+    assert all(e > 0 for lane in got for e in lane.values())
+    assert calls == [(10 + per_call - 1) // per_call]
+
+
 # -- grouping by broker ------------------------------------------------------------------------------------
 
 

@@ -70,7 +70,15 @@ class Redispatch:
 #: holds Redis for its whole length, so a worker owning many queues still sweeps them in slices.
 SWEEP_CALL_QUEUES = 1024
 
+#: Queues per ``lock_batch.lua`` call when the lanes of a plain Redis share calls (``try_lock_lanes``).
+LOCK_CALL_QUEUES = 1024
+
 _Item = tuple[int, MessageQueue, str]
+
+
+def _slices(items: list[_Item], limit: int) -> list[list[_Item]]:
+    """``items`` in order, cut into lists of at most ``limit``."""
+    return [items[i:i + limit] for i in range(0, len(items), limit)]
 
 
 def _merged(groups: list[tuple[str, list[_Item], set[tuple[str, str]] | None]],
@@ -148,14 +156,17 @@ class RebalanceLockManager:
         out: list[dict[MessageQueue, int]] = [{} for _ in lanes]
         flat = [(li, mq, "") for li, (_, mqs) in enumerate(lanes) for mq in mqs]
         for broker, batches in self._lane_batches(flat):
-            calls = [([keys.sub_state(mq.tag, lanes[li][0]) for _, mq, _ in b], [client_id, self.lock_max_live_time_ms])
-                     for li, b in batches]
-            for (li, b), epochs in zip(batches, broker.scripts.run_pipelined("lock_batch", calls), strict=True):
-                sub = lanes[li][0]
-                for (_, mq, _), epoch in zip(b, epochs, strict=True):
+            # On a plain Redis the lanes share calls (lock_batch.lua's keys name their subscription),
+            # in slices: a worker of 64 groups renewed its leases in 64 calls (issue 27's idle cost).
+            parts = [b for _, b in batches] if broker.is_cluster else _slices(
+                [it for _, b in batches for it in b], LOCK_CALL_QUEUES)
+            calls = [([keys.sub_state(mq.tag, lanes[li][0]) for li, mq, _ in part], [client_id, self.lock_max_live_time_ms])
+                     for part in parts]
+            for part, epochs in zip(parts, broker.scripts.run_pipelined("lock_batch", calls), strict=True):
+                for (li, mq, _), epoch in zip(part, epochs, strict=True):
                     epoch = int(epoch)
                     if epoch:
-                        self._replicated[(sub, mq)] = epoch  # as try_lock_batch with nothing to wait for
+                        self._replicated[(lanes[li][0], mq)] = epoch  # as try_lock_batch with nothing to wait for
                         out[li][mq] = epoch
         return out
 

@@ -337,7 +337,8 @@ class RebalanceLockManager:
                 sub = lanes[li][0]
                 # sweep.lua records the node's identity on a queue, and notes a run mark written on
                 # another node, when it is passed: once per queue and identity, in a call of its own
-                # beside the queues already recorded (whose idle path stays two plain reads).
+                # beside the queues already recorded (whose idle path stays two plain reads: a slot
+                # of an MGET and an HGET).
                 node, identity = self._node_identity(broker, items[0][1].tag, nodes)
                 recorded = self._recorded_on((broker.name, node), identity) if identity else None
                 fresh: list[tuple[int, MessageQueue, str]] = []

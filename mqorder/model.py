@@ -6,12 +6,12 @@ Bodies are always ``bytes``: mqorder never guesses an encoding and never pickles
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from mqorder import keys
 
 
-@dataclass(frozen=True, order=True, slots=True)
+@dataclass(frozen=True, order=True)
 class MessageQueue:
     """One ordered queue of a topic on a named broker (RocketMQ's ``MessageQueue``).
 
@@ -19,28 +19,34 @@ class MessageQueue:
     allocation strategies, exactly like the Java class with its ``compareTo``.
     """
 
+    #: ``_key`` and ``_tag``: the queue's spellings, made once per queue object (every key of a
+    #: queue is built from its tag, and a worker's sweep and lease renewal spell those of all its
+    #: queues every interval: an idle worker's main cost, issue 27). Slots, not dataclass fields:
+    #: not compared, hashed, passed to the constructor, or shown by ``dataclasses.asdict``.
+    __slots__ = ("topic", "broker_name", "queue_id", "_key", "_tag")
+
     topic: str
     broker_name: str
     queue_id: int
-    #: ``key`` and ``tag``, spelled once per queue object: every key of a queue is built from its
-    #: tag, and a worker's sweep and lease renewal spell those of all its queues every interval
-    #: (an idle worker's main cost, issue 27). Not compared, hashed or passed to the constructor.
-    _key: str = field(init=False, repr=False, compare=False, hash=False)
-    _tag: str = field(init=False, repr=False, compare=False, hash=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_key", keys.queue_key(self.topic, self.broker_name, self.queue_id))
         object.__setattr__(self, "_tag", keys.queue_tag(self.topic, self.broker_name, self.queue_id))
 
+    def __reduce__(self) -> tuple[type[MessageQueue], tuple[str, str, int]]:
+        """Pickled as its three fields (its spellings are made again): the same bytes whatever
+        this class caches, so a pickle outlives a change of its slots."""
+        return (MessageQueue, (self.topic, self.broker_name, self.queue_id))
+
     @property
     def tag(self) -> str:
         """The Redis Cluster hash tag of every key of this queue."""
-        return self._tag
+        return self._tag  # type: ignore[attr-defined]  # a slot set in __post_init__
 
     @property
     def key(self) -> str:
         """``topic:broker:qid``, the queue's spelling in task arguments, assignment hashes and stats."""
-        return self._key
+        return self._key  # type: ignore[attr-defined]  # a slot set in __post_init__
 
     @classmethod
     def from_key(cls, key: str) -> MessageQueue:

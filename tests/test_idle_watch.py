@@ -513,6 +513,19 @@ def test_switch_lua_switches_only_while_the_run_holds_its_queue_read_to_its_end(
     assert switch(epoch, "run-tok", 0) == [0]  # its own queue has something new
     assert {k: r.hgetall(k) for k in before} == before  # none of them wrote anything
     assert r.hget(k_own, "pending") == b"run-tok" and r.hget(keys.sub_state(adopted.tag, SUB), "run") in (None, b"0")
+    # More candidates than one MGET reads (their counters in chunks of 500): the one with a backlog
+    # is found behind 600 without any, its committed offset as the watch saw it passed in order.
+    idle = [MessageQueue(TOPIC, "broker-a", 1000 + i) for i in range(600)]
+    wide = ks[:2] + [k for mq in idle for k in (keys.sub_state(mq.tag, SUB), keys.queue_log(mq.tag),
+                                                 keys.queue_next(mq.tag), keys.sub_retries(mq.tag, SUB))] + ks[2:]
+    far = scripts.switch(keys=wide, args=[epoch, 1, 0, *switch_args("run-tok", "watch-tok", ADOPT_TTL_MS),
+                                          *[0] * 600, 0, 0])
+    assert far[0] == 602 and far[1][0] == b"ADOPTED"  # 600 idle ones, the first queue, then this one
+    r.hset(k_own, mapping={"pending": "run-tok", "run": before[k_own].get(b"run", b"0"), "offset": 0})
+    r.hset(k_to, mapping=before[k_to])
+    for k in (b"run", b"runner", b"offset"):
+        if k not in before[k_to]:
+            r.hdel(k_to, k)
     res = switch(epoch, "run-tok", 1)
     assert res[0] == 2  # the second candidate: the first one has no backlog
     assert res[1][0] == b"ADOPTED"

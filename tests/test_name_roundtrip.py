@@ -203,6 +203,23 @@ def test_the_membership_fingerprint_tells_apart_ids_holding_commas(r: redis.Redi
     assert fingerprints[0] != fingerprints[1]
 
 
+def test_a_message_queue_pickles_as_its_three_fields_and_spells_itself_after() -> None:
+    """``MessageQueue`` keeps its key and tag in slots (issue 27's idle cost), yet pickles, copies
+    and shows itself as its three fields only: a pickle does not depend on what it caches."""
+    import copy
+    import dataclasses
+    import pickle
+
+    mq = MessageQueue("orders", "broker-a", 7)
+    assert pickle.loads(pickle.dumps(mq)) == mq and pickle.loads(pickle.dumps(mq)).tag == "{orders:broker-a:7}"
+    assert b"_tag" not in pickle.dumps(mq) and b"_key" not in pickle.dumps(mq)
+    assert copy.deepcopy(mq).key == "orders:broker-a:7" == dataclasses.replace(mq, queue_id=8).key[:-1] + "7"
+    assert dataclasses.asdict(mq) == {"topic": "orders", "broker_name": "broker-a", "queue_id": 7}
+    assert [f.name for f in dataclasses.fields(mq)] == ["topic", "broker_name", "queue_id"]
+    assert sorted([MessageQueue("t", "b", 2), MessageQueue("t", "b", 10)])[1].queue_id == 10
+    assert len({MessageQueue("t", "b", 1), MessageQueue("t", "b", 1)}) == 1
+
+
 def test_a_heartbeat_and_watch_heartbeats_and_reads_what_the_separate_reads_would(r: redis.Redis) -> None:
     """The idle worker's one-pipeline heartbeat (issue 27) pushes the deadline forward as
     ``heartbeat`` does, and gives the fingerprint and the watched keys' values that their own reads

@@ -32,6 +32,24 @@ def test_replies_and_error_replies_come_back_in_order_and_the_connection_stays_i
     assert RawPipeline(r).execute() == []
 
 
+def test_an_error_a_route_put_in_a_replys_place_is_raised_not_returned(r: redis.Redis) -> None:
+    """A cluster route puts a ``ConnectionError`` in a reply's place when its redirects run out
+    (``ClusterRoute``): ``execute()`` raises it as it raises an error reply, so a caller's
+    ``except RedisError`` backs off instead of parsing an exception as data (once a TypeError in
+    the assignment reads)."""
+
+    class RouteGaveUp(ConnectionLease):
+        def round_trip(self, commands: list) -> list:
+            return [b"OK", redis.ConnectionError("no node answered after 16 redirects")]
+
+    pipe = RawPipeline(RouteGaveUp(r)).execute_command("SET", "a", 1).execute_command("GET", "a")
+    with pytest.raises(redis.ConnectionError, match="16 redirects"):
+        pipe.execute()
+    pipe = RawPipeline(RouteGaveUp(r)).execute_command("SET", "a", 1).execute_command("GET", "a")
+    ok, err = pipe.execute(raise_on_error=False)
+    assert ok == b"OK" and isinstance(err, redis.ConnectionError)
+
+
 def test_a_lease_keeps_one_connection_and_replaces_it_after_it_was_dropped(r: redis.Redis) -> None:
     lease = ConnectionLease(r)
     ids = [RawPipeline(lease).execute_command("CLIENT", "ID").execute()[0] for _ in range(3)]

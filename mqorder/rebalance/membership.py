@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import redis
+from redis.exceptions import RedisClusterException
 
 from mqorder import keys
 from mqorder.model import MessageModel
@@ -195,7 +196,12 @@ class ClientRegistry:
         pipe.zrangebyscore(keys.clients(), now + 1, "+inf")
         for k in watched:
             pipe.get(k)
-        res = pipe.execute()
+        try:
+            res = pipe.execute()
+        except RedisClusterException as exc:
+            # A cluster pipeline's "no node answers" is not a RedisError; the duty loop backs off
+            # on a ConnectionError, as for any other unreachable Redis.
+            raise redis.ConnectionError(f"Redis Cluster unreachable: {exc}") from exc
         return Heartbeat(now, _fingerprint(res[1]), list(res[2:]))
 
     def unregister(self, client_id: str) -> None:

@@ -197,7 +197,9 @@ class RawPipeline:
                 lease.release()
         if raise_on_error:
             for r in replies:
-                if isinstance(r, ResponseError):
+                # An error reply, or an error a cluster route put in a reply's place (a connection
+                # error after its redirects ran out): either is raised, never handed on as a reply.
+                if isinstance(r, Exception):
                     raise r
         return replies
 

@@ -155,6 +155,8 @@ class TopicManager:
         for topic, raw in zip(topics, pipe.execute() if topics else [], strict=True):
             seen = self._parsed_routes.get(topic)
             route = seen[1] if seen is not None and seen[0] == raw else _route(topic, raw)
+            if len(self._parsed_routes) >= PARSED_ROUTES_KEPT and topic not in self._parsed_routes:
+                self._parsed_routes.clear()  # topics come and go: never more than this many kept
             self._parsed_routes[topic] = (raw, route)
             if route is not None:
                 out[topic] = route
@@ -237,6 +239,9 @@ class TopicManager:
             out[text(g)] = {t: MessageModel(m) for t, m in json.loads(raw).items()}
         return out
 
+
+#: Routes ``describe_topics`` keeps parsed (``TopicManager._parsed_routes``).
+PARSED_ROUTES_KEPT = 4096
 
 #: The route fields ``describe_topic`` reads before the retention fields (``field_names``).
 _ROUTE_FIELDS = ("layout", "created_ms", "perm")

@@ -295,6 +295,21 @@ def test_sweep_lanes_sweeps_each_lane_in_one_round_trip_and_answers_per_lane(
     assert locks.sweep_lanes([("g", [(mq, "x")]), ("h", [(other, "y")])], "c1") == [[], []]
 
 
+def script_calls(monkeypatch: pytest.MonkeyPatch, brokers: BrokerRegistry, script: str) -> list[int]:
+    """The number of ``script`` calls in each pipelined round trip the default broker sends from
+    now on (the real calls still run)."""
+    calls: list[int] = []
+    real = brokers.default.scripts.run_pipelined
+
+    def counted(name: str, batch: list, via: object = None) -> list:
+        if name == script:
+            calls.append(len(batch))
+        return real(name, batch, via)
+
+    monkeypatch.setattr(brokers.default.scripts, "run_pipelined", counted)
+    return calls
+
+
 @pytest.mark.parametrize("per_call", [1024, 3])
 def test_the_lanes_of_a_plain_redis_share_sweep_calls_and_answers_stay_per_lane(
     brokers: BrokerRegistry, locks: RebalanceLockManager, monkeypatch: pytest.MonkeyPatch, per_call: int
@@ -315,15 +330,7 @@ def test_the_lanes_of_a_plain_redis_share_sweep_calls_and_answers_stay_per_lane(
     c.hset(keys.sub_state(MQS[2].tag, "h"), "offset", 1)  # h consumed queue 2
     for mq in MQS[:4]:  # i consumed everything
         c.hset(keys.sub_state(mq.tag, "i"), "offset", 1)
-    calls: list[int] = []
-    real = brokers.default.scripts.run_pipelined
-
-    def counted(name: str, batch: list, via: object = None) -> list:
-        if name == "sweep":
-            calls.append(len(batch))
-        return real(name, batch, via)
-
-    monkeypatch.setattr(brokers.default.scripts, "run_pipelined", counted)
+    calls = script_calls(monkeypatch, brokers, "sweep")
     locks._recorded.clear()
     first = locks.sweep_lanes([(sub, [(mq, f"{sub}{mq.queue_id}") for mq in mqs]) for sub, mqs in lanes.items()], "c1")
     assert first == [
@@ -374,15 +381,7 @@ def test_the_lanes_of_a_plain_redis_share_lease_renewal_calls(
 
     monkeypatch.setattr(lm, "LOCK_CALL_QUEUES", per_call)
     assert locks.try_lock_batch("h", [MQS[2]], "c2") == {MQS[2]: locks.lock_entry("h", MQS[2]).epoch}
-    calls: list[int] = []
-    real = brokers.default.scripts.run_pipelined
-
-    def counted(name: str, batch: list, via: object = None) -> list:
-        if name == "lock_batch":
-            calls.append(len(batch))
-        return real(name, batch, via)
-
-    monkeypatch.setattr(brokers.default.scripts, "run_pipelined", counted)
+    calls = script_calls(monkeypatch, brokers, "lock_batch")
     got = locks.try_lock_lanes([("g", MQS[:4]), ("h", MQS[:4]), ("i", MQS[:2])], "c1")
     assert got == [{mq: locks.lock_entry("g", mq).epoch for mq in MQS[:4]},
                    {mq: locks.lock_entry("h", mq).epoch for mq in MQS[:4] if mq != MQS[2]},

@@ -79,6 +79,12 @@ THREAD_JOIN_S = 5.0
 Dispatcher = Callable[[str, str, str, str], bool]
 
 
+def _fingerprint(membership: str, topology: bytes | str | None) -> str:
+    """What a change of means rebalance now: who is live (``membership_fingerprint``) and the
+    topology version (topics and subscriptions)."""
+    return f"{membership}\ntopology {text(topology)}"
+
+
 class ClientInstance:
     def __init__(
         self, client_id: str, settings: Settings, dispatch: Dispatcher, details: ClientDetails | None = None
@@ -285,15 +291,14 @@ class ClientInstance:
 
     def _fingerprint_now(self) -> str:
         """Who is live and which topics and subscriptions exist: a change means rebalance now."""
-        topology = text(self.brokers.meta.get(keys.topology_version()))
-        return f"{self.service.registry.membership_fingerprint()}\ntopology {topology}"
+        return _fingerprint(self.service.registry.membership_fingerprint(), self.brokers.meta.get(keys.topology_version()))
 
     def _watch_membership(self) -> None:
         """Heartbeat, and rebalance if who is live, the topology or the last rebalance's age says
         so; what it reads comes back with the heartbeat (``heartbeat_and_watch``)."""
         beat = self.service.registry.heartbeat_and_watch(self.client_id, (keys.topology_version(), keys.rebalance_last()))
         topology, last = beat.watched
-        fp = f"{beat.fingerprint}\ntopology {text(topology)}"  # as _fingerprint_now spells it
+        fp = _fingerprint(beat.fingerprint, topology)
         stale = False
         now = beat.now_ms  # Redis's clock on both sides: no skew between hosts
         if last is None or now - int(last) > REBALANCE_STALE_FACTOR * self.settings.rebalance_interval_ms:

@@ -91,8 +91,7 @@ def _merged(groups: list[tuple[str, list[_Item], set[tuple[str, str]] | None]],
         if key not in joined:
             joined[key] = (ident, [], recorded)
         joined[key][1].extend(part)
-    return [(ident, part[i:i + limit], recorded) for ident, part, recorded in joined.values()
-            for i in range(0, len(part), limit)]
+    return [(ident, piece, recorded) for ident, part, recorded in joined.values() for piece in _slices(part, limit)]
 
 
 class RebalanceLockManager:

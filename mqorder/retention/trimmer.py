@@ -207,9 +207,10 @@ class RetentionTrimmer:
                 todo: list[tuple[tuple[MessageQueue, RetentionRule, list[str]], str, tuple[Any, ...]]] = []
                 sigs: dict[tuple[int, int], tuple[Any, ...]] = {}  # a topic's queues share rule and holders
                 for item in pending:
-                    sig = sigs.get((id(item[1]), id(item[2])))
+                    shared = (id(item[1]), id(item[2]))
+                    sig = sigs.get(shared)
                     if sig is None:
-                        sig = sigs[(id(item[1]), id(item[2]))] = _signature(item[1], item[2], chunk)
+                        sig = sigs[shared] = _signature(item[1], item[2], chunk)
                     key = item[0].key
                     if not self._skips(key, sig, now):
                         todo.append((item, key, sig))

@@ -27,6 +27,7 @@
 -- judged, so a new deployment fences nothing. On a steady primary the sweep only reads the fields.
 --- @include "_now"
 --- @include "_lock"
+--- @include "_mget"
 --
 -- Only a queue with a backlog (next > offset) can need a request, so that is tested first, with
 -- the cheapest reads there are (its next counter, read for every queue in one MGET, and a
@@ -45,20 +46,13 @@ local node = ARGV[3]
 -- redeliver what it holds; waiting longer delays a dead one. Well under the 60 s run lease.
 local SUSPECT_GRACE_MS = 5000
 local out = {}
--- Every next counter first, a few hundred per MGET (unpack's stack stays small): one call where
--- a GET per queue was, so an idle queue costs Redis one MGET slot and one HGET.
-local MGET_CHUNK = 500
-local nexts = {}
-for c = 2, #KEYS, 2 * MGET_CHUNK do
-  local chunk = {}
-  for i = c, math.min(#KEYS, c + 2 * MGET_CHUNK - 2), 2 do
-    chunk[#chunk + 1] = KEYS[i]
-  end
-  local got = redis.call('MGET', unpack(chunk))
-  for j = 1, #got do
-    nexts[#nexts + 1] = got[j]
-  end
+-- Every next counter first (mget_all): an MGET where a GET per queue was, so an idle queue costs
+-- Redis one MGET slot and one HGET.
+local counters = {}
+for i = 2, #KEYS, 2 do
+  counters[#counters + 1] = KEYS[i]
 end
+local nexts = mget_all(counters)
 for i = 1, #KEYS, 2 do
   local q = (i + 1) / 2
   local nxt = tonumber(nexts[q] or 0)

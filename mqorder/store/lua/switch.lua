@@ -37,6 +37,7 @@
 --- @include "_now"
 --- @include "_finish"
 --- @include "_begin"
+--- @include "_mget"
 local client, watch_token = ARGV[4], ARGV[10]
 local function held_by_caller(owner, lease, assignee)
   return owner == client and ahead(lease) and (assignee == '' or assignee == client)
@@ -52,13 +53,7 @@ local counters = {KEYS[2]}
 for i = 3, #KEYS, 4 do
   counters[#counters + 1] = KEYS[i + 2]
 end
-local nexts, MGET_CHUNK = {}, 500  -- a few hundred per MGET: unpack's stack stays small
-for c = 1, #counters, MGET_CHUNK do
-  local got = redis.call('MGET', unpack(counters, c, math.min(#counters, c + MGET_CHUNK - 1)))
-  for j = 1, #got do
-    nexts[#nexts + 1] = got[j]
-  end
-end
+local nexts = mget_all(counters)
 if tonumber(nexts[1] or 0) ~= tonumber(ARGV[2]) then
   return {0}
 end

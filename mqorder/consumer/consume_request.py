@@ -127,7 +127,6 @@ class ConsumeRequest(LingeringReads):
         self.deferred_end: LoopEnd | None = None
         self.pre_switched: tuple[Any, Any] | None = None
         self._offered: list[MessageQueue] = []
-        self._offer_keys: tuple[object, list[str], list[int]] | None = None
         #: This task execution lingers already (a chain of switches carries its watch): it goes
         #: on while ``may_linger``; a request that has not lingered yet asks ``may_start_linger`` too.
         self.lingering = watch is not None
@@ -656,7 +655,7 @@ class ConsumeRequest(LingeringReads):
 
         def queue_reads(pipe: RawPipeline) -> None:
             nonlocal sliced
-            sliced = pull and linger_until is not None and self._queue_slice(pipe, linger_until)
+            sliced = pull and linger_until is not None and self._queue_slice(pipe, linger_until, checked=True)
             if pull and not sliced:
                 pipe.execute_command("XRANGE", self.k_log, start, "+", "COUNT", self.pull_n)
             if then is not None:

@@ -53,6 +53,21 @@ class FollowUp:
     countdown: float = 0.0
 
 
+@dataclass(frozen=True, slots=True)
+class ReadPlan:
+    """The adopted queues a lingering read of the run on ``exclude`` names (``IdleQueueWatch.plan``)."""
+
+    exclude: MessageQueue
+    #: Stream keys and ``XREAD`` ids of every adopted queue but ``exclude``.
+    names: list[str]
+    ids: list[str]
+    #: The adopted queues of ``exclude``'s topic, in the order ``switch.lua`` is given them, their
+    #: four keys each (``_switch_keys``) and the committed offsets they were adopted at.
+    offered: list[MessageQueue]
+    keys: list[str]
+    seen: list[int]
+
+
 class IdleQueueWatch:
     """The adopted idle queues of one task execution (one pool slot), on one broker."""
 
@@ -73,29 +88,57 @@ class IdleQueueWatch:
         #: Adopted queues: log stream key -> (queue, committed offset when adopted).
         self.adopted: dict[str, tuple[MessageQueue, int]] = {}
         self._refreshed = 0.0
-        #: ``streams``' last answer, (exclude, names, ids): read on every lingering read, it changes
-        #: only with the adopted queues (``_changed`` forgets it).
-        self._streams: tuple[MessageQueue, list[str], list[str]] | None = None
+        #: ``plan``'s last answer: read on every lingering read, it changes only with the adopted
+        #: queues (``_changed`` forgets it).
+        self._plan: ReadPlan | None = None
+        #: ``switch.lua``'s keys of each queue this watch adopted, by log stream key.
+        self._keys: dict[str, tuple[str, str, str, str]] = {}
         #: Queues this client's other runs said went idle (``nudge.idle_entry``): adopted at the
         #: next read, without waiting for the next full refresh.
         self._soon: list[MessageQueue] = []
 
     def _changed(self) -> None:
-        self._streams = None
+        self._plan = None
 
-    def streams(self, exclude: MessageQueue) -> tuple[list[str], list[str]]:
-        """Stream keys and XREAD ids of the adopted queues (``exclude``: the caller's own)."""
-        cached = self._streams
-        if cached is not None and cached[0] is exclude:
-            return cached[1], cached[2]
-        names, ids = [], []
+    def plan(self, exclude: MessageQueue) -> ReadPlan:
+        """What the lingering read of the run on ``exclude`` names from this watch: every adopted
+        queue but ``exclude`` (its stream and ``XREAD`` id), and those of ``exclude``'s topic that
+        ``switch.lua`` may switch to, with their keys and adopted offsets.
+
+        Made in one pass over the adopted queues, with each queue's keys spelled once per watch:
+        at a trickle nearly every message switches the run to another queue, which changes the
+        adopted queues, so the plan is remade once per message (``_changed``) and its cost is
+        paid per message."""
+        cached = self._plan
+        if cached is not None and cached.exclude is exclude:
+            return cached
+        names: list[str] = []
+        ids: list[str] = []
+        offered: list[MessageQueue] = []
+        ks: list[str] = []
+        seen: list[int] = []
+        topic, own = exclude.topic, keys.queue_log(exclude.tag)
         for k, (mq, offset) in self.adopted.items():
-            if mq == exclude:
+            if k == own:
                 continue
             names.append(k)
             ids.append(f"{offset - 1}-1" if offset > 0 else "0-0")
-        self._streams = (exclude, names, ids)
-        return names, ids
+            # A queue of another topic of the subscription runs with its own listener and settings.
+            if mq.topic == topic:
+                offered.append(mq)
+                ks += self._switch_keys(k, mq)
+                seen.append(offset)
+        plan = self._plan = ReadPlan(exclude, names, ids, offered, ks, seen)
+        return plan
+
+    def _switch_keys(self, stream_key: str, mq: MessageQueue) -> tuple[str, str, str, str]:
+        """``switch.lua``'s four keys of an adopted queue (state, log, next, retries), spelled once."""
+        ks = self._keys.get(stream_key)
+        if ks is None:
+            tag = mq.tag
+            ks = self._keys[stream_key] = (keys.sub_state(tag, self.sub), stream_key, keys.queue_next(tag),
+                                           keys.sub_retries(tag, self.sub))
+        return ks
 
     def queue_of(self, stream_key: str) -> MessageQueue | None:
         hit = self.adopted.get(stream_key)

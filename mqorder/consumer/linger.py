@@ -17,7 +17,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from mqorder import keys
 from mqorder.consumer.consumer_state import ConsumerState
-from mqorder.consumer.idle_watch import IdleQueueWatch
+from mqorder.consumer.idle_watch import IdleQueueWatch, ReadPlan
 from mqorder.consumer.nudge import idle_queues
 from mqorder.consumer.run_types import LOST, NOTHING, SWITCH, WAIT, LoopEnd, Pull, PullKind, Slice, Stop
 from mqorder.model import MessageQueue
@@ -60,11 +60,8 @@ class LingeringReads:
     #: ``switch.lua``'s replies (finish.lua's, begin.lua's) when a lingering read switched this run
     #: to ``switch_to`` in its own round trip: the next run takes them instead of sending both.
     pre_switched: tuple[Any, Any] | None
-    #: The adopted queues the last lingering read offered ``switch.lua``, in its order, and the
-    #: keys and adopted offsets it was given (kept while the watch's stream list stays the same
-    #: object).
+    #: The adopted queues the last lingering read offered ``switch.lua``, in its order.
     _offered: list[MessageQueue]
-    _offer_keys: tuple[object, list[str], list[int]] | None
 
     def _put(self, entries: list[Any], raw_retries: list[Any] | None) -> None:
         raise NotImplementedError  # ConsumeRequest's: messages read go into the run
@@ -103,7 +100,7 @@ class LingeringReads:
             if pulled.kind is not PullKind.WAIT:
                 return pulled
 
-    def _queue_slice(self, pipe: Any, until: float) -> bool:
+    def _queue_slice(self, pipe: Any, until: float, checked: bool = False) -> bool:
         """Queue one lingering read on ``pipe``: a blocking ``XREAD`` over this queue, this client's
         nudge stream and the idle queues its watch adopted, then this queue's state. False, with
         nothing queued, when the linger is over: ``until`` passed or a request waits for a slot.
@@ -113,9 +110,12 @@ class LingeringReads:
         order): ``_slice_result`` uses the batch only if this run still held the lock at the epoch
         it began with (and its pending token) when it was read, what a commit checks right before
         its pipelined pull.
+
+        ``checked``: the caller asked ``_may_linger`` a moment ago (the first read, behind the
+        commit of a drained run): not asked again.
         """
         left = until - time.monotonic()
-        if left <= 0 or not self.engine.may_linger():
+        if left <= 0 or not (checked or self.engine.may_linger()):
             return False
         self.engine.note_lingering(True)
         last_id = f"{self.pulled_to - 1}-1" if self.pulled_to > 0 else "0-0"
@@ -133,45 +133,30 @@ class LingeringReads:
         if self.watch is None:
             self.watch = self.engine.idle_watch(self.sub, self.mq)
         names, ids = [self.k_log, keys.linger_nudge(self.client_id)], [last_id, self.engine.nudge_seen]
-        more: list[str] = []
+        plan = None
         if self.watch is not None:
             self.watch.refresh(self.mq, self.lease)  # its own round trip, at most every ADOPT_REFRESH_S
-            more, more_ids = self.watch.streams(self.mq)
-            names += more
-            ids += more_ids
+            plan = self.watch.plan(self.mq)
+            names += plan.names
+            ids += plan.ids
         pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", *names, *ids)
         pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
-        if more:
-            self._offer_switch(pipe, more)
+        if plan is not None and plan.names:
+            self._offer_switch(pipe, plan)
         return True
 
-    def _offer_switch(self, pipe: Any, adopted_streams: list[str]) -> None:
+    def _offer_switch(self, pipe: Any, plan: ReadPlan) -> None:
         """Queue ``switch.lua`` behind the read: if an adopted queue of this run's listener has a
         backlog when the read returns (and this run has nothing new), Redis ends this run and
         begins that queue's in the same round trip (``_slice_result`` takes the replies). A
         trickling message on another queue of the worker then costs one round trip, not two."""
         watch = self.watch
-        if watch is None:
+        self._offered = plan.offered
+        if watch is None or not plan.offered:
             return
-        cached = self._offer_keys
-        if cached is not None and cached[0] is adopted_streams:
-            ks, seen = cached[1], cached[2]
-        else:
-            offered = [mq for mq in (watch.queue_of(k) for k in adopted_streams) if mq is not None]
-            # A queue of another topic of the subscription runs with its own listener and settings.
-            self._offered = [mq for mq in offered if mq.topic == self.mq.topic]
-            ks, seen = [self.k_state, self.k_next], []
-            for mq in self._offered:
-                tag = mq.tag
-                ks += [keys.sub_state(tag, self.sub), keys.queue_log(tag), keys.queue_next(tag),
-                       keys.sub_retries(tag, self.sub)]
-                seen.append(watch.adopted_at(mq))
-            self._offer_keys = (adopted_streams, ks, seen)
-        if not self._offered:
-            return
-        self.scripts.queue_in(pipe, "switch", ks, [
+        self.scripts.queue_in(pipe, "switch", [self.k_state, self.k_next, *plan.keys], [
             self.epoch, self.pulled_to, self._commit_target(),
-            *self._finish_call(LoopEnd(Stop.SWITCH))[1], *self._begin_args(watch.token), *seen,
+            *self._finish_call(LoopEnd(Stop.SWITCH))[1], *self._begin_args(watch.token), *plan.seen,
         ])
 
     def _finish_call(self, end: LoopEnd) -> tuple[list[str], list[Any]]:

@@ -5,6 +5,9 @@ running twice the calls that did run (appends stored once after ``SCRIPT FLUSH``
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
 import pytest
 import redis
 
@@ -237,3 +240,24 @@ def test_a_round_trip_with_a_health_check_due_pings_first_and_one_not_due_does_n
     assert pings() == before + 1
     lease.release()
     client.close()
+
+
+def test_lean_reads_on_resp3_hand_push_messages_to_the_parser_and_keep_maps(redis_url: str) -> None:
+    """On a RESP3 connection (``protocol=3``) a push message can arrive between replies: the lean
+    read hands it to the parser's push handler and returns only the replies; a map reply (a dict)
+    and a nil come back as redis-py returns them."""
+    r = redis.Redis.from_url(redis_url, protocol=3)
+    other = redis.Redis.from_url(redis_url)
+    r.hset("h3", mapping={"a": "1"})
+    lease = ConnectionLease(r)
+    pushed: list[Any] = []
+    assert lease.round_trip([("CLIENT", "TRACKING", "on"), ("GET", "tracked3")]) == [b"OK", None]
+    lease._conn._parser.set_invalidation_push_handler(pushed.append)
+    other.set("tracked3", "x")  # invalidates the key this connection read: a push to it
+    time.sleep(0.05)
+    got = lease.round_trip([("PING",), ("HGETALL", "h3"), ("GET", "nope3")])
+    assert got == [b"PONG", {b"a": b"1"}, None]
+    assert pushed and pushed[0][0] == b"invalidate"
+    lease.release()
+    r.close()
+    other.close()

@@ -277,13 +277,18 @@ def _read_lean(conn: Any, n: int, sock: Any) -> list[Any]:
                     raise redis.ConnectionError("Connection closed by server.")
                 reader.feed(buf, 0, got)
                 reply = reader.gets()
-            if push_type is not None and isinstance(reply, push_type):
-                parser.handle_push_response(reply)
-                continue
-            if isinstance(reply, redis.ConnectionError):
-                raise reply
-            if isinstance(reply, list) and reply and isinstance(reply[0], redis.ConnectionError):
-                raise reply[0]
+            kind = type(reply)
+            if kind is list:
+                if reply and isinstance(reply[0], redis.ConnectionError):
+                    raise reply[0]
+            elif kind is not bytes and kind is not int:
+                # Only here: a push message, a connection error or a RESP3 map (a push message's
+                # type is a subclass of list, never list itself).
+                if push_type is not None and isinstance(reply, push_type):
+                    parser.handle_push_response(reply)
+                    continue
+                if isinstance(reply, redis.ConnectionError):
+                    raise reply
             out.append(reply)
     except TimeoutError as exc:  # the socket's timeout (socket.timeout)
         conn.disconnect()

@@ -408,6 +408,31 @@ def test_commit_recovers_when_redis_lost_its_scripts(env) -> None:
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 100
 
 
+def test_a_commit_sent_again_after_noscript_asks_again_whether_to_linger(env) -> None:
+    """The first lingering read rides on a drained run's commit, right after ``_may_linger``
+    said yes. If the commit comes back NOSCRIPT, the pipeline is sent again after a blocking read
+    and a script load: by then a request may wait for the slot, so the resent read asks
+    ``may_linger`` again and, told no, is a plain read (one blocking XREAD in all, not two)."""
+    p, eng = env
+    r = eng.brokers.default.client
+    answers = iter([True])
+    eng.may_linger = lambda: next(answers, False)  # yes once, then a request waits for the slot
+    p.send_orderly("t", b"0", sharding_key="k")
+    flushed: list[bool] = []
+
+    def listener(msgs, ctx):
+        if not flushed:
+            r.script_flush()  # the commit after this call gets NOSCRIPT
+            flushed.append(True)
+        return S.SUCCESS
+
+    before = r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0)
+    drain(eng, ListenerSpec(listener, "t", "g"))
+    assert flushed
+    assert r.info("commandstats").get("cmdstat_xread", {}).get("calls", 0) - before == 1
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 1
+
+
 def test_request_does_not_linger_by_default(env) -> None:
     p, eng = env
     p.send_orderly("t", b"0", sharding_key="k")

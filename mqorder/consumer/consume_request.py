@@ -652,10 +652,14 @@ class ConsumeRequest(LingeringReads):
         if start is None:
             start = max(self.commit_point, self.pulled_to)
         sliced = False
+        # _drained asked _may_linger a moment ago for the first read; a read sent again (after
+        # NOSCRIPT, a blocking read later) asks again.
+        first = True
 
         def queue_reads(pipe: RawPipeline) -> None:
-            nonlocal sliced
-            sliced = pull and linger_until is not None and self._queue_slice(pipe, linger_until, checked=True)
+            nonlocal sliced, first
+            sliced = pull and linger_until is not None and self._queue_slice(pipe, linger_until, checked=first)
+            first = False
             if pull and not sliced:
                 pipe.execute_command("XRANGE", self.k_log, start, "+", "COUNT", self.pull_n)
             if then is not None:

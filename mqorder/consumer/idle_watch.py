@@ -144,13 +144,6 @@ class IdleQueueWatch:
         hit = self.adopted.get(stream_key)
         return hit[0] if hit else None
 
-    def adopted_at(self, mq: MessageQueue) -> int:
-        """The committed offset ``mq`` had when this watch last adopted it (0 if it is not adopted):
-        a lower bound of its committed offset, since offsets only grow (``switch.lua``'s cheap
-        test for a backlog)."""
-        hit = self.adopted.get(keys.queue_log(mq.tag))
-        return hit[1] if hit else 0
-
     def refresh(self, running: MessageQueue, via: ConnectionLease | None = None) -> None:
         """Adopt the idle owned queues not adopted yet and renew the others (at most every
         ``ADOPT_REFRESH_S``). ``running``: the caller's own queue, never adopted; ``via``: the

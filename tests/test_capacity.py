@@ -249,3 +249,60 @@ def test_a_lingerer_note_lapses(monkeypatch) -> None:
     time.sleep(0.1)  # 101 was killed without a word
     sig.publish(0, spare=False)
     assert sig.lingerer() == 0 and sig.may_start_linger(pid=202)
+
+
+class _Req:
+    """A received request (only its identity matters to ``WaitingRequests``)."""
+
+
+def test_a_request_counts_as_waiting_only_once_it_has_waited_for_a_slot_a_while() -> None:
+    """Stock prefork -c 2 after an idle spell once locked itself into a task per message: every
+    drained run saw the next short request waiting (about to get the other slot), so none lingered.
+    A request counts only once it has waited ``after``; never more than exceed the pool's slots."""
+    w = capacity.WaitingRequests(2, after=0.05)
+    a, b, c, d = _Req(), _Req(), _Req(), _Req()
+    assert w.count({a, b}, {a, b}) == 0 and not w.young  # the pool is full, nobody waits
+    assert w.count({a, b, c}, {a, b}) == 0 and w.young  # c waits, not for long yet
+    time.sleep(0.06)
+    assert w.count({a, b, c}, {a, b}) == 1 and not w.young
+    assert w.count({a, b, c, d}, {a, b}) == 1 and w.young  # d just came: c still counts, d not yet
+    time.sleep(0.06)
+    assert w.count({a, b, c, d}, {a, b}) == 2
+    # One of them on its way to a child that just freed up: at most what exceeds the slots counts.
+    assert w.count({a, c, d}, {a}) == 1
+    # The pool has room again: every wait forgotten, so a request waiting later starts afresh.
+    assert w.count({a}, {a}) == 0 and not w.young
+    assert w.count({a, b, c}, {a, b}) == 0 and w.young
+
+
+class _Held(capacity.WaitingRequests):
+    """``WaitingRequests`` over given sets instead of Celery's worker state."""
+
+    def __init__(self, held: set, active: set, after: float) -> None:
+        super().__init__(2, after=after)
+        self.held, self.active = held, active
+
+    def __call__(self) -> int:
+        return self.count(self.held, self.active)
+
+
+def test_a_publisher_publishes_a_waiting_request_once_it_has_waited_not_before() -> None:
+    """Lingering children give their slot up ``after`` a request came to a full pool: not at once
+    (that was the task-per-message lock), and not never (the publisher looks again while it waits)."""
+    sig = CapacitySignal()
+    full = {_Req(), _Req()}
+    waiting = _Held(set(full), set(full), after=0.1)
+    pub = CapacityPublisher(waiting, sig, interval=0.005)
+    pub.start()
+    try:
+        time.sleep(capacity.ACTIVE_WINDOW_S + 0.1)  # past the fast window: the idle interval
+        assert sig.read()[1] == 0
+        came = time.monotonic()
+        waiting.held.add(_Req())  # a third request: it waits for a slot
+        while sig.read()[1] == 0 and time.monotonic() - came < 3.0:
+            time.sleep(0.002)
+        waited = time.monotonic() - came
+        assert sig.read()[1] == 1, "the waiting request was never published"
+        assert waited >= 0.1, f"published after {waited:.3f} s, before it had waited 0.1 s"
+    finally:
+        pub.stop()

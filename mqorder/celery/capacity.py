@@ -36,7 +36,7 @@ import mmap
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container, Iterable
 
 log = logging.getLogger(__name__)
 
@@ -133,20 +133,64 @@ class CapacitySignal:
 SIGNAL = CapacitySignal()
 
 
-def celery_waiting(slots: int) -> int:
-    """Requests this worker received that no pool slot can take unless a running one ends.
+#: How long a request received while every pool slot is busy must have waited before a lingering
+#: request gives its slot up for it. Without any patience a worker could lock itself into a task per
+#: message: at 1,000 msg/s after an idle spell (stock prefork -c 2, 16 queues), every run that
+#: drained saw one short request waiting (the next wake-up's, about to get the other slot), so
+#: none lingered, so every message on a queue no watch had adopted woke another request: ~150
+#: tasks a second, 2.7-2.9 round trips and 1,100-1,500 µs of worker CPU per message, p99 145 ms,
+#: for seconds at a time (``bench.trickle_cost`` windows after an idle spell, 2026-11-27).
+YIELD_AFTER_S = 0.025
+
+
+class WaitingRequests:
+    """Requests this worker received that no pool slot can take unless a running one ends, counting
+    only those that have waited ``after``.
 
     ``reserved_requests`` holds every request received and not finished (running ones included),
-    so ``reserved - slots`` is what exceeds the pool. Counting only those, rather than every
-    request not yet started, matters in prefork: a request on its way to a free child is briefly
-    "not started", and making every lingering child give up its queue for it would send each of
-    those queues back through a wake-up and a new task.
-    """
-    from celery.worker import state
+    so ``reserved - slots`` is what exceeds the pool, and no more are counted. Counting only those,
+    rather than every request not yet started, matters in prefork: a request on its way to a free
+    child is briefly "not started", and making every lingering child give up its queue for it
+    would send each of those queues back through a wake-up and a new task.
 
-    if state.should_stop is not None or state.should_terminate is not None:
-        return 1 << 30  # shutting down: nobody should linger
-    return max(0, len(state.reserved_requests) - slots)
+    With patience (``YIELD_AFTER_S``): a short run on another slot usually ends well within it,
+    and its slot takes the request; the lingering request keeps its slot and its watch, which
+    adopts the worker's idle queues, and the wake-ups stop.
+
+    Each request not started yet is remembered from the first call that saw it waiting. ``young``
+    says that some wait and have not waited ``after`` yet: the publisher then keeps its fast
+    interval, so the count turns as soon as they have. The slot is given back ``after`` later than
+    without patience: a lingering read is nudged then."""
+
+    def __init__(self, slots: int, after: float = YIELD_AFTER_S) -> None:
+        self.slots = slots
+        self.after = after
+        self._first_seen: dict[int, float] = {}
+        self.young = False
+
+    def __call__(self) -> int:
+        from celery.worker import state
+
+        if state.should_stop is not None or state.should_terminate is not None:
+            self._first_seen, self.young = {}, False
+            return 1 << 30  # shutting down: nobody should linger
+        return self.count(state.reserved_requests, state.active_requests)
+
+    def count(self, reserved: Iterable[object], active: Container[object]) -> int:
+        """Of ``reserved`` (received, not finished), those not ``active`` (not started) that have
+        waited ``after``, at most as many as exceed the pool's slots."""
+        held = list(reserved)  # one copy: the worker's main thread changes the set meanwhile
+        over = len(held) - self.slots
+        if over <= 0:
+            self._first_seen, self.young = {}, False
+            return 0
+        now = time.monotonic()
+        before = self._first_seen
+        seen = {id(r): before.get(id(r), now) for r in held if r not in active}
+        self._first_seen = seen
+        aged = sum(1 for t in seen.values() if now - t >= self.after)
+        self.young = aged < len(seen)
+        return min(over, aged)
 
 
 def celery_held() -> int:
@@ -238,7 +282,10 @@ class CapacityPublisher:
             now = time.monotonic()
             if (waiting, spare) != last:
                 last, changed_at = (waiting, spare), now
-            if waiting or now - changed_at < ACTIVE_WINDOW_S:
+            # Requests that wait but not for long enough yet (``WaitingRequests.young``): look
+            # again at the fast interval, so the count turns as soon as they have.
+            young = bool(getattr(self.waiting, "young", False))
+            if waiting or young or now - changed_at < ACTIVE_WINDOW_S:
                 wait = self.interval
             elif self.held is not None and self.held() == 0 and now >= self._hold_until:
                 wait = max(self.idle_interval, HELD_NONE_INTERVAL_S)  # no reader until a poke

@@ -16,9 +16,9 @@ from mqorder.celery.capacity import (
     ACTIVE_WINDOW_S,
     SIGNAL,
     CapacityPublisher,
+    WaitingRequests,
     celery_held,
     celery_spare,
-    celery_waiting,
 )
 from mqorder.consumer.engine import ConsumerEngine
 from mqorder.settings import get_settings
@@ -30,6 +30,8 @@ _engines: dict[tuple[int, str], ConsumerEngine] = {}
 _linger_pid: int | None = None
 #: The pool size of this (threads pool) worker.
 _slots = 1
+#: Requests waiting for a slot of this worker, with patience (``capacity.WaitingRequests``).
+_waiting = WaitingRequests(1)
 
 
 def enable_linger(
@@ -59,7 +61,9 @@ def enable_linger(
         return None
     threads = module.endswith(".thread")
     n = max(1, slots)
-    publisher = CapacityPublisher(lambda: celery_waiting(n), None if threads else SIGNAL, nudge=nudge,
+    global _waiting
+    _waiting = WaitingRequests(n)
+    publisher = CapacityPublisher(_waiting, None if threads else SIGNAL, nudge=nudge,
                                   spare=lambda: celery_spare(n), held=celery_held)
     publisher.start()
     # A received request may be one a lingering request must give its slot back for: publish at
@@ -97,7 +101,7 @@ def may_linger() -> bool:
         # children that both linger (one began while the other's note had lapsed, in a long run)
         # settle on one: the child that is not the noted one stops.
         return SIGNAL.may_linger() and SIGNAL.lingerer() in (0, os.getpid())
-    return celery_waiting(_slots) == 0
+    return _waiting() == 0
 
 
 def may_start_linger() -> bool:
@@ -106,7 +110,7 @@ def may_start_linger() -> bool:
     while no other child of the worker lingers."""
     if _linger_pid != os.getpid():
         return SIGNAL.may_start_linger(os.getpid())
-    return celery_waiting(_slots) == 0 and celery_spare(_slots)
+    return _waiting() == 0 and celery_spare(_slots)
 
 
 def note_lingering(lingering: bool) -> None:

@@ -185,7 +185,8 @@ class Settings(BaseSettings):
     max_reconsume_times: int = Field(16, ge=-1)
     #: How long a drained ConsumeRequest waits for more messages before ending its run, while its
     #: worker has idle pool slots (threads and prefork pools; never solo). It gives the slot back
-    #: within about 10 ms once another request waits for one, or the queue is reassigned.
+    #: once another request has waited for one ``capacity.YIELD_AFTER_S`` (25 ms: its lingering
+    #: read is nudged then), or when the queue is reassigned (within a 100 ms read slice).
     consume_linger_ms: int = Field(1000, ge=0, le=10_000)
     #: While it lingers, a drained request also watches every other idle queue of its subscription
     #: that its client owns (one blocking read over all of them) and runs whichever gets a message

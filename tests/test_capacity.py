@@ -293,16 +293,52 @@ def test_a_publisher_publishes_a_waiting_request_once_it_has_waited_not_before()
     full = {_Req(), _Req()}
     waiting = _Held(set(full), set(full), after=0.1)
     pub = CapacityPublisher(waiting, sig, interval=0.005)
+    # A slow idle interval: only the publisher's look at ``young`` brings it back within 0.6 s.
+    pub.idle_interval = 1.0
     pub.start()
     try:
         time.sleep(capacity.ACTIVE_WINDOW_S + 0.1)  # past the fast window: the idle interval
         assert sig.read()[1] == 0
         came = time.monotonic()
         waiting.held.add(_Req())  # a third request: it waits for a slot
+        pub.poke()  # Celery's task_received
         while sig.read()[1] == 0 and time.monotonic() - came < 3.0:
             time.sleep(0.002)
         waited = time.monotonic() - came
         assert sig.read()[1] == 1, "the waiting request was never published"
         assert waited >= 0.1, f"published after {waited:.3f} s, before it had waited 0.1 s"
+        assert waited < 0.6, f"published after {waited:.3f} s: the publisher did not look again while it waited"
     finally:
         pub.stop()
+
+
+def test_a_copy_of_celerys_request_set_survives_other_threads_changing_it() -> None:
+    """Celery's request sets are WeakSets: iterating one while another thread adds and removes
+    raised "Set changed size during iteration" (a review found it: in prefork the publisher would
+    have stopped for good, in the threads pool the run would have failed before its commit)."""
+    import threading
+    import weakref
+
+    ws: weakref.WeakSet[_Req] = weakref.WeakSet()
+    keep = [_Req() for _ in range(64)]
+    for r in keep[:32]:
+        ws.add(r)
+    stop = threading.Event()
+
+    def churn() -> None:
+        i = 0
+        while not stop.is_set():
+            ws.add(keep[32 + i % 32])
+            ws.discard(keep[32 + (i + 7) % 32])
+            i += 1
+
+    t = threading.Thread(target=churn)
+    t.start()
+    w = capacity.WaitingRequests(1, after=0.0)
+    try:
+        for _ in range(50_000):
+            assert w.count(ws, ()) >= 0
+    finally:
+        stop.set()
+        t.join()
+    assert set(capacity._snapshot(ws)) == set(ws)

@@ -10,8 +10,9 @@ bookkeeping lives in the worker's main process. So the main process publishes it
   bootsteps -> runtime -> here), so every child, including ones forked later to replace others,
   maps the same page;
 * ``CapacityPublisher``, a thread of the main process started by the worker bootstep, writes
-  ``(now, waiting)`` every ``PUBLISH_INTERVAL_S``, and while requests wait it nudges the lingering
-  reads (``mqorder.consumer.nudge``) so they end at once rather than at their slice end;
+  ``(now, waiting)`` every ``PUBLISH_INTERVAL_S``, and while requests wait (for a slot, and for
+  ``YIELD_AFTER_S`` already: ``WaitingRequests``) it nudges the lingering reads
+  (``mqorder.consumer.nudge``) so they end then rather than at their slice end;
 * a child lingers only while the stamp is fresh and ``waiting`` is 0. A missing, stopped or stuck
   publisher leaves a stale stamp, which reads as "do not linger": failure falls back to the
   no-linger behaviour, never to a slot kept from a waiting request;
@@ -36,6 +37,7 @@ import mmap
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Container, Iterable
 
 log = logging.getLogger(__name__)
@@ -165,7 +167,7 @@ class WaitingRequests:
     def __init__(self, slots: int, after: float = YIELD_AFTER_S) -> None:
         self.slots = slots
         self.after = after
-        self._first_seen: dict[int, float] = {}
+        self._first_seen: dict[object, float] = {}
         self.young = False
 
     def __call__(self) -> int:
@@ -179,18 +181,34 @@ class WaitingRequests:
     def count(self, reserved: Iterable[object], active: Container[object]) -> int:
         """Of ``reserved`` (received, not finished), those not ``active`` (not started) that have
         waited ``after``, at most as many as exceed the pool's slots."""
-        held = list(reserved)  # one copy: the worker's main thread changes the set meanwhile
+        held = _snapshot(reserved)
         over = len(held) - self.slots
         if over <= 0:
             self._first_seen, self.young = {}, False
             return 0
         now = time.monotonic()
         before = self._first_seen
-        seen = {id(r): before.get(id(r), now) for r in held if r not in active}
+        seen: dict[object, float] = {}
+        for r in held:
+            if r not in active:
+                # The task id, not the object's address: a finished request's address is reused.
+                key = getattr(r, "id", None) or id(r)
+                seen[key] = before.get(key, now)
         self._first_seen = seen
         aged = sum(1 for t in seen.values() if now - t >= self.after)
         self.young = aged < len(seen)
         return min(over, aged)
+
+
+def _snapshot(items: Iterable[object]) -> list[object]:
+    """A copy of ``items`` taken while other threads change it. Celery's request sets are
+    ``WeakSet``s, whose iteration is Python code another thread can run in the middle of ("Set
+    changed size during iteration": the main thread reserves and finishes requests, and in the
+    threads pool the pool's threads accept them): their references are copied in one C-level step
+    instead, and those still alive are kept."""
+    if isinstance(items, weakref.WeakSet):
+        return [r for r in (ref() for ref in list(items.data)) if r is not None]  # type: ignore[attr-defined]
+    return list(items)
 
 
 def celery_held() -> int:

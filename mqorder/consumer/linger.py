@@ -82,10 +82,10 @@ class LingeringReads:
         A drained queue that gets a message a few milliseconds later would otherwise cost a
         wake-up and a whole Celery task; waiting here (``consume_linger_ms``, like a RocketMQ
         long-polling pull held at the broker) keeps a steady trickle on one running request, with
-        its pending token still held so producers do not wake anyone. It stops as soon as the
-        worker has requests waiting for a slot, and as soon as a rebalance assigned the queue to
-        another client, so a lingering request never delays another queue or a handover by more
-        than one slice.
+        its pending token still held so producers do not wake anyone. It stops once a request of
+        the worker has waited ``capacity.YIELD_AFTER_S`` (25 ms) for a slot, and as soon as a
+        rebalance assigned the queue to another client, so a lingering request never delays
+        another queue by much more than that, nor a handover by more than one slice.
 
         Each slice is one round trip (``_queue_slice``, ``_slice_result``); the first one usually
         rode on the commit before it (``_persist(linger_until=...)``). Returns what a slice read

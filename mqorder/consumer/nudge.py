@@ -1,7 +1,8 @@
 """``LingerNudge``: wakes this client's lingering ConsumeRequests when a request waits for a slot.
 
 A drained request lingers in a blocking ``XREAD`` over its queues (``ConsumeRequest._linger``) and
-gives its pool slot back as soon as another request of its worker waits for one. It used to find
+gives its pool slot back once another request of its worker has waited for one a little while
+(``capacity.YIELD_AFTER_S``). It used to find
 out by waking every 10 ms to ask, which on a worker with a slot per queue meant a hundred round
 trips per second per idle slot: most of a worker's CPU at a steady trickle, and on 2 cores the CPU
 the messages themselves then waited for. Instead each lingering read also watches this client's

@@ -67,9 +67,14 @@ class LatencyRecorder:
     The latency is taken when the listener is called; only its recording waits. Until 2026-11-24
     the listener pushed them itself, one RPUSH round trip per call: a quarter of a stock prefork
     child's CPU at 1,000 msg/s (cProfile), spent by the measuring apparatus on a 2-core machine
-    where the latency being measured is CPU queueing."""
+    where the latency being measured is CPU queueing. Until 2026-11-27 it flushed every 10 ms:
+    100 wake-ups a second of this thread, each an ``RPUSH`` through redis-py, cost ~50-75 µs per
+    message of the stock workers' CPU at 1,000 msg/s (11 % of it by per-thread CPU from ``/proc``),
+    counted in the trickle's worker figure as if mqorder spent it. The drivers wait for every
+    latency before they read them (``bench.latency._wait_len``, ``bench.trickle_cost``): a longer
+    flush delays the end of a window by at most itself, never a value."""
 
-    FLUSH_S = 0.01
+    FLUSH_S = 0.1
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

@@ -28,9 +28,8 @@ _lock = threading.Lock()
 _engines: dict[tuple[int, str], ConsumerEngine] = {}
 #: Set by the worker bootstep when tasks run in the worker's own process (threads pool).
 _linger_pid: int | None = None
-#: The pool size of this (threads pool) worker.
-_slots = 1
-#: Requests waiting for a slot of this worker, with patience (``capacity.WaitingRequests``).
+#: Requests waiting for a slot of this worker, with patience (``capacity.WaitingRequests``; its
+#: ``slots`` is the pool size).
 _waiting = WaitingRequests(1)
 
 
@@ -50,18 +49,17 @@ def enable_linger(
     fetching once every slot is busy, so requests waiting for a slot stay in the broker, where
     this worker cannot count them.
     """
-    global _linger_pid, _slots
+    global _linger_pid, _waiting
     if prefetch_disabled:
         log.info("mqorder: worker_disable_prefetch is set; ConsumeRequests will not linger")
         return None
     module = type(pool).__module__
     if module.endswith(".thread"):
-        _linger_pid, _slots = os.getpid(), max(1, slots)
+        _linger_pid = os.getpid()
     elif not module.endswith(".prefork"):
         return None
     threads = module.endswith(".thread")
     n = max(1, slots)
-    global _waiting
     _waiting = WaitingRequests(n)
     publisher = CapacityPublisher(_waiting, None if threads else SIGNAL, nudge=nudge,
                                   spare=lambda: celery_spare(n), held=celery_held)
@@ -110,7 +108,7 @@ def may_start_linger() -> bool:
     while no other child of the worker lingers."""
     if _linger_pid != os.getpid():
         return SIGNAL.may_start_linger(os.getpid())
-    return _waiting() == 0 and celery_spare(_slots)
+    return _waiting() == 0 and celery_spare(_waiting.slots)
 
 
 def note_lingering(lingering: bool) -> None:

@@ -577,7 +577,8 @@ def test_after_a_kill_9_of_the_primary_the_same_client_objects_carry_on(dep: Sen
         sender.join(timeout=10)
         # Everything acknowledged after the failover gets handled (the tail drains).
         last_acked = {k: s for k, s, _ in acked}
-        assert eventually(lambda: _highest(handled) == last_acked, timeout=30), (_highest(handled), last_acked)
+        assert eventually(lambda: _highest(handled) == last_acked, timeout=30), _tail_report(
+            dep, new_port, topic, group, handled, last_acked, worker)
         # The same ClientInstance subscribed to its wake-up channel again, on the promoted replica.
         new = dep.direct_client(dep.node(new_port))
         assert new.pubsub_numsub(keys.wake_channel(worker.client_id))[0][1] == 1
@@ -631,6 +632,30 @@ def _first_new(handled: list[Handled], since: float) -> float | None:
     """When the first message whose send began after ``since`` was handled (None: not yet)."""
     times = [h.at for h in list(handled) if h.sent >= since]
     return min(times) if times else None
+
+
+def _tail_report(dep: SentinelDeployment, new_port: int, topic: str, group: str, handled: list[Handled],
+                 last_acked: dict[str, int], worker: LocalWorker) -> str:
+    """What a failed tail drain looked like: the keys behind, their queues' state on the primary the
+    Sentinels name now (and whether it is still the one promoted at the kill), the worker's errors.
+    A rare CI failure gave only two truncated dicts; this says which queue stalled and why."""
+    highest = _highest(handled)
+    behind = {k: (highest.get(k, 0), s) for k, s in last_acked.items() if highest.get(k, 0) != s}
+    queues = {h.key: h.queue for h in handled}
+    lines = [f"keys behind (handled, acked): {behind}", f"key -> queue: {queues}"]
+    try:
+        now_port = dep.primary_port()
+        lines.append(f"primary promoted at the kill: {new_port}; named now: {now_port}")
+        r = dep.direct_client(dep.node(now_port))
+        lines.append(f"redis TIME: {r.time()}")
+        for qid in sorted(set(queues.values())):
+            tag = keys.queue_tag(topic, "broker-a", qid)
+            state = {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(tag, group)).items()}
+            lines.append(f"queue {qid}: next {r.get(keys.queue_next(tag))}, state {state}")
+    except Exception as exc:  # noqa: BLE001 - a report, not the test
+        lines.append(f"(could not read the primary: {exc!r})")
+    lines.append(f"worker errors: {worker.errors!r}; requests waiting for a runner: {worker._todo.qsize()}")
+    return "\n".join(lines)
 
 
 def _highest(handled: list[Handled]) -> dict[str, int]:

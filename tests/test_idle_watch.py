@@ -382,6 +382,32 @@ def test_a_queue_a_run_leaves_idle_is_watched_by_the_lingering_request_at_once(s
     eng.brokers.close()
 
 
+def test_a_run_that_switched_and_must_be_dispatched_again_names_the_queue_it_ended_on(settings, r) -> None:
+    """A request that found nothing on its own queue lingers and switches to an adopted queue, whose
+    listener suspends: the outcome asks for a new request, and it must say for which queue (the
+    caller sends it there). Once a bug: with no follow-ups and nothing consumed before the switch,
+    the outcome came back without its queue, so the caller sent the suspended queue's token to the
+    task's own queue, where it was stale, and the suspended queue waited out pending_ttl_ms (10 s)
+    and a sweep instead of the suspend's 1 s."""
+    p, eng = owned_idle_queues(settings, r)
+
+    def listener(msgs, ctx):
+        return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+
+    with lingering_run(eng, ListenerSpec(listener, TOPIC, SUB), r) as run:
+        time.sleep(0.5)  # the run found queue 0 empty and lingers, watching queues 1-3
+        p.send_orderly(TOPIC, b"x", sharding_key=key_for(1))
+        run.thread.join(timeout=10)
+        assert not run.thread.is_alive(), "the run did not end after the suspend"
+    (out,) = run.result
+    assert out is not None and out.needs_dispatch and out.consumed == 0
+    assert out.queue == QUEUES[1], f"the request for queue 1 would go to {out.queue or QUEUES[0]}"
+    state = {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(QUEUES[1].tag, SUB)).items()}
+    assert state["pending"] == out.token  # the token the caller sends is queue 1's
+    p.close()
+    eng.brokers.close()
+
+
 def test_a_long_chain_of_switches_keeps_no_finished_run_alive(settings, r) -> None:
     """Each run of a chain ends in the next one's first round trip; once ended it must be let go,
     or a lingering request that switched queues for hours would hold every run it made (and

@@ -76,6 +76,7 @@ class ConsumerEngine(ConsumerState):
     def _run_chain(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str,
                    lease: ConnectionLease) -> Outcome | None:
         runner = new_token()
+        first = mq
         watch: IdleQueueWatch | None = None
         follow_ups: list[FollowUp] = []
         consumed = 0
@@ -117,8 +118,11 @@ class ConsumerEngine(ConsumerState):
             except (redis.RedisError, BrokerUnavailableError) as exc:
                 log.warning("could not end the adoptions of %s (%s); they lapse within %d ms",
                             sub, exc, ADOPT_TTL_MS)
-        if watch is None or (not follow_ups and consumed == outcome.consumed):
-            return outcome
+        if watch is None or (mq is first and not follow_ups and consumed == outcome.consumed):
+            return outcome  # nothing to add: the run stayed on the task's own queue
+        # The outcome is about the last queue run (a REQUEUE's token is that queue's): it always
+        # names it once the run switched, even if nothing was consumed before (once a bug: the
+        # caller sent a suspended queue's token to the task's own queue, where it was stale).
         return replace(outcome, consumed=consumed, follow_ups=tuple(follow_ups), queue=mq)
 
     def _run_one(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str,

@@ -12,6 +12,8 @@ from typing import Any
 
 import redis
 
+from mqorder.testing.sentinel import SentinelDeployment
+
 #: The topic and group of ``tests/sentinel_listeners.py`` (here, so a test module need not import
 #: the listener module: importing it registers the listener in the pytest process too).
 TOPIC, GROUP = "t-sentinel", "g-sentinel"
@@ -118,3 +120,11 @@ class SwitchWatch:
         self._thread.join(timeout=2)
         for ps in self._subs:
             ps.close()
+
+
+def sentinel_events(dep: SentinelDeployment) -> str:
+    """What the Sentinels logged of the failover (its '#' events: down, votes, promotion, switch)."""
+    lines = []
+    for log in sorted(dep.dir.glob("sentinel-*.log")):
+        lines += [f"{log.name}: {line}" for line in log.read_text().splitlines() if " # " in line]
+    return "\n".join(lines)

@@ -29,6 +29,7 @@ from tests.sentinel_support import (
     ledger_entries,
     longest_pause,
     order_violations,
+    sentinel_events,
     stamped_body,
 )
 from tests.support import Cluster, body, check_order, wait_for
@@ -85,14 +86,6 @@ def _queue_states(client: redis.Redis) -> str:
     for k in sorted(client.scan_iter("mqorder:*:s:*")):
         tag = k.decode().split(":s:")[0]
         lines.append(f"{k.decode()} next={client.get(tag + ':next')!r} {client.hgetall(k)}")
-    return "\n".join(lines)
-
-
-def _sentinel_events(dep: SentinelDeployment) -> str:
-    """What the Sentinels logged of the failover (its '#' events: down, votes, promotion, switch)."""
-    lines = []
-    for log in sorted(dep.dir.glob("sentinel-*.log")):
-        lines += [f"{log.name}: {line}" for line in log.read_text().splitlines() if " # " in line]
     return "\n".join(lines)
 
 
@@ -208,7 +201,7 @@ def test_kill_9_of_the_primary_during_consumption(dep: SentinelDeployment, senti
                                                             for k, s in last.items()),
                          timeout=settle_s, what="the last send of every key handled")
             except AssertionError as exc:
-                raise AssertionError(f"{exc}\n{_queue_states(cluster.client)}\n{_sentinel_events(dep)}") from None
+                raise AssertionError(f"{exc}\n{_queue_states(cluster.client)}\n{sentinel_events(dep)}") from None
             settle_took = time.monotonic() - t0
             return not failed_over_again()
 

@@ -389,13 +389,21 @@ def test_a_run_that_switched_and_must_be_dispatched_again_names_the_queue_it_end
     the outcome came back without its queue, so the caller sent the suspended queue's token to the
     task's own queue, where it was stale, and the suspended queue waited out pending_ttl_ms (10 s)
     and a sweep instead of the suspend's 1 s."""
+    settings = settings.model_copy(update={"consume_linger_ms": 10_000})  # lingers all along
     p, eng = owned_idle_queues(settings, r)
 
     def listener(msgs, ctx):
         return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
 
+    def adopted() -> bool:
+        return r.hget(keys.sub_state(QUEUES[1].tag, SUB), "pending") not in (None, b"")
+
     with lingering_run(eng, ListenerSpec(listener, TOPIC, SUB), r) as run:
-        time.sleep(0.5)  # the run found queue 0 empty and lingers, watching queues 1-3
+        # The run found queue 0 empty and lingers, watching queues 1-3 once it adopted them.
+        deadline = time.monotonic() + 10
+        while not adopted() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert adopted(), "the lingering run did not adopt queue 1"
         p.send_orderly(TOPIC, b"x", sharding_key=key_for(1))
         run.thread.join(timeout=10)
         assert not run.thread.is_alive(), "the run did not end after the suspend"

@@ -50,7 +50,8 @@ def consume_request(self, sub: str, mq_key: str, token: str) -> dict:
     engine = engine_for(client_id)
     worker_metrics.before_run(engine)
     outcome = engine.run(spec, sub, mq, token)
-    worker_metrics.after_run(sub, mq, outcome)
+    # The queue the run ended on (a lingering run may have switched): its keys and labels.
+    worker_metrics.after_run(sub, outcome.queue or mq if outcome is not None else mq, outcome)
     if outcome is None:
         return {"verb": "REDIS_DOWN"}
     if outcome.needs_dispatch:

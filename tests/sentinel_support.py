@@ -128,3 +128,20 @@ def sentinel_events(dep: SentinelDeployment) -> str:
     for log in sorted(dep.dir.glob("sentinel-*.log")):
         lines += [f"{log.name}: {line}" for line in log.read_text().splitlines() if " # " in line]
     return "\n".join(lines)
+
+
+def settle_on_the_primary_that_stays(dep: SentinelDeployment, switches: SwitchWatch, settled: Callable[[], bool],
+                                     restarted: Callable[[int], None], most: int = 3) -> int:
+    """Run ``settled`` (a test's phase after a promotion: False when Sentinel failed over again
+    meanwhile, see ``SwitchWatch``) until a phase ends on the primary that stayed. Before each new
+    phase, wait until the newest primary is the only live one (``wait_sole_primary``: no demoted
+    node still takes writes) and call ``restarted`` with its port. Returns the promotions seen: 1
+    when only the failover the test caused happened, at most ``most``."""
+    promotions = 1
+    while not settled():
+        promotions += 1
+        assert promotions <= most, f"the primary kept changing: {switches.switches}"
+        port = switches.switches[-1][1]
+        dep.wait_sole_primary(port, timeout=30)
+        restarted(port)
+    return promotions

@@ -192,10 +192,13 @@ def test_a_refused_commit_is_counted_after_a_forced_takeover(cluster: Cluster, r
     assert locks.assign("g-excl", [(mq, "intruder", "tok")], dead_clients=[host])[mq] in ("MOVED", "DISPATCH")
 
     def refused() -> Samples | None:
+        # The refusal is counted at the refused commit, the run's end a moment later (after_run):
+        # a scrape between the two saw the one without the other (a CI failure).
         m = scrape(port)
-        return m if total(m, "mqorder_commits_refused_total") else None
+        ended = total(m, "mqorder_consume_request_runs_total", group="g-excl", verb="FENCED")
+        return m if total(m, "mqorder_commits_refused_total") and ended else None
 
-    m = wait_for(refused, timeout=30, what="the refused commit")
+    m = wait_for(refused, timeout=30, what="the refused commit and the run it ended")
     # Said on a failure (one unexplained failure once, its output lost): every run and refusal the
     # worker counted, and the queue's state.
     counted = {ls: v for (n, ls), v in m.items() if n in ("mqorder_commits_refused_total",

@@ -98,10 +98,28 @@ class ClusterDeployment:
                 finally:
                     c.close()
                 up += info.get("role") == "slave" and info.get("master_link_status") == "up"
-            if up >= want:
+            if up >= want and self._every_node_sees_replicas(want):
                 return
             time.sleep(0.1)
         raise BrokerUnavailableError(f"{up} of {want} cluster replicas attached within {timeout:.0f} s")
+
+    def _every_node_sees_replicas(self, want: int) -> bool:
+        """Every live node's ``CLUSTER NODES`` names ``want`` replicas: the roles have gone round
+        the cluster bus, which lags a replica's own ``INFO`` (seen in CI under load: a doctor that
+        read ``CLUSTER NODES`` right after ``start`` found 5 primaries and 1 replica)."""
+        for n in self._alive():
+            c = self.client(n)
+            try:
+                raw = c.execute_command("CLUSTER", "NODES")
+            except redis.RedisError:
+                return False
+            finally:
+                c.close()
+            text = raw.decode() if isinstance(raw, bytes) else str(raw)
+            flags = [line.split()[2].split(",") for line in text.strip().splitlines() if len(line.split()) > 2]
+            if sum("slave" in f for f in flags) < want:
+                return False
+        return True
 
     def stop(self) -> None:
         for n in self.nodes:

@@ -17,7 +17,7 @@ import redis
 from mqorder import ConsumeOrderlyStatus, Producer, keys
 from mqorder.consumer.consume_request import ConsumeRequest
 from mqorder.consumer.engine import ConsumerEngine
-from mqorder.consumer.idle_watch import IdleQueueWatch
+from mqorder.consumer.idle_watch import FollowUp, IdleQueueWatch
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
@@ -416,6 +416,80 @@ def test_a_run_that_switched_and_must_be_dispatched_again_names_the_queue_it_end
     eng.brokers.close()
 
 
+def test_a_switched_run_retried_after_a_redis_error_still_sends_the_request_the_queue_left_needs(
+    settings, r, monkeypatch,
+) -> None:
+    """A switch the usual way (no ``switch.lua``): the run on queue 1 ends the run it left on queue
+    0 in its first round trip, and queue 0, reassigned to c2 meanwhile with a backlog, is handed
+    over (``finish.lua``: HANDOVER), a request the chain must send at once. Then the connection of
+    the run on queue 1 is killed (its listener declines the message it was handed then) and
+    ``ConsumerEngine._run_one`` retries it. The retry must not end queue 0's run again, and the
+    chain's outcome must still carry queue 0's request. Once a bug: the retry sent the same
+    ``finish.lua`` again (STALE) and lost the follow-up, so queue 0 waited out ``pending_ttl_ms``
+    (10 s) and a sweep."""
+    from mqorder.consumer.linger import LingeringReads
+    from mqorder.store.scripts import Scripts
+
+    p, eng = owned_idle_queues(settings, r)
+    left, to = QUEUES[0], QUEUES[1]
+    k_left = keys.sub_state(left.tag, SUB)
+    # No switch.lua behind the lingering reads: the run switches the usual way (finish + begin).
+    monkeypatch.setattr(LingeringReads, "_offer_switch", lambda self, pipe, plan: setattr(self, "_offered", []))
+    switches_sent: list[list[str]] = []
+    lease_ids: list[int] = []
+    run_many = Scripts.run_many
+
+    def reassigning_run_many(self, calls, via=None):
+        names = [c[0] for c in calls]
+        if names == ["finish", "begin"]:
+            switches_sent.append(names)
+            if len(switches_sent) == 1:
+                # Right before the switch ends the run on queue 0: a rebalance gives queue 0 to c2
+                # (its run still holds it: BUSY, handed over when it ends), and it gets a message.
+                r.hset(keys.assignment(SUB), left.key, "c2")
+                assert RebalanceLockManager(eng.brokers).assign(SUB, [(left, "c2", "tok-c2")]) == {left: "BUSY"}
+                p.send_orderly(TOPIC, b"left", sharding_key=key_for(0))
+                assert via is not None
+                lease_ids.append(via.round_trip([("CLIENT", "ID")])[0])
+        return run_many(self, calls, via)
+
+    monkeypatch.setattr(Scripts, "run_many", reassigning_run_many)
+    delivered: list[tuple[int, int]] = []
+    handled: list[tuple[int, int]] = []
+
+    def listener(msgs, ctx):
+        delivered.extend((m.queue_id, int(m.body)) for m in msgs)
+        if len(delivered) == 1:
+            # Redis drops the run's connection while the listener runs; the listener declines
+            # the message (a suspend), so it is handled once, by the retry.
+            assert lease_ids and r.client_kill_filter(_id=lease_ids[0]) == 1
+            return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
+        handled.extend((m.queue_id, int(m.body)) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    def adopted() -> bool:
+        return r.hget(keys.sub_state(to.tag, SUB), "pending") not in (None, b"")
+
+    with lingering_run(eng, ListenerSpec(listener, TOPIC, SUB), r) as run:
+        deadline = time.monotonic() + 10
+        while not adopted() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert adopted(), "the lingering run did not adopt queue 1"
+        p.send_orderly(TOPIC, b"0", sharding_key=key_for(1))
+        deadline = time.monotonic() + 10
+        while not handled and time.monotonic() < deadline:
+            time.sleep(0.01)
+    (out,) = run.result
+    assert delivered == [(1, 0), (1, 0)] and handled == [(1, 0)]  # never queue 0's message: c2's now
+    state = {k.decode(): v.decode() for k, v in r.hgetall(k_left).items()}
+    assert state["owner"] == "c2" and state["pending"] not in ("", "t0")
+    assert out is not None and out.queue == to and out.consumed == 1
+    assert out.follow_ups == (FollowUp(left, "c2", state["pending"]),), "queue 0's handover was lost in the retry"
+    assert switches_sent == [["finish", "begin"]], "the retry ended the run on queue 0 again"
+    p.close()
+    eng.brokers.close()
+
+
 def test_a_long_chain_of_switches_keeps_no_finished_run_alive(settings, r) -> None:
     """Each run of a chain ends in the next one's first round trip; once ended it must be let go,
     or a lingering request that switched queues for hours would hold every run it made (and
@@ -575,10 +649,11 @@ def test_switch_lua_switches_only_while_the_run_holds_its_queue_read_to_its_end(
 
 def test_a_run_begun_by_switch_lua_that_is_retried_reads_its_queue_again(settings, r) -> None:
     """The replies of a switch done behind a lingering read are taken once: a retry of the run
-    switched to (after a Redis error, ``ConsumerEngine._run_one``, with the same prior) sends
-    ``finish.lua`` and ``begin.lua`` again and starts from the queue's committed offset as it is
-    then, not from the offset of the switch (once a bug: after a Sentinel failover such a retry
-    handled again what its run had committed)."""
+    switched to that still names the same prior (``ConsumerEngine._run_one`` after a Redis error
+    passes it again unless the failed attempt had ended it) sends ``finish.lua`` and ``begin.lua``
+    again and starts from the queue's committed offset as it is then, not from the offset of the
+    switch (once a bug: after a Sentinel failover such a retry handled again what its run had
+    committed)."""
     from mqorder.consumer.idle_watch import ADOPT_TTL_MS
     from mqorder.consumer.run_types import LoopEnd, Stop
     from mqorder.store.scripts import Scripts

@@ -128,14 +128,33 @@ class ConsumerEngine(ConsumerState):
     def _run_one(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str,
                  watch: IdleQueueWatch | None, prior: ConsumeRequest | None = None,
                  lease: ConnectionLease | None = None) -> tuple[ConsumeRequest, Outcome | None]:
+        """Run one request on ``mq``, and again after a Redis error (the same ``runner``), with
+        backoff, for up to ``REDIS_RETRY_BUDGET_S``; (the last request made, its outcome or None).
+
+        ``prior``: the run this chain switched from, which the request ends in its first round
+        trip (``ConsumeRequest._check``). Once an attempt has ended it (``req.prior`` is None: its
+        ``finish.lua`` ran, with the attempt's ``begin.lua`` or in ``switch.lua`` behind the
+        lingering read), a retry must not end it again: the finish would answer STALE, and the
+        request the queue left needs (``prior_follow_up``: reassigned meanwhile, HANDOVER or
+        DISPATCH) would be lost with the failed attempt, so the queue would wait out
+        ``pending_ttl_ms`` and a sweep. Retries then run without the prior and carry the follow-up
+        (``_carry_prior_follow_up``), which ``_run_chain`` sends as the first attempt would have.
+        """
         backoff = Backoff(first=REDIS_RETRY_FIRST_S, cap=REDIS_RETRY_CAP_S)
         waited = 0.0
         cls = request_class(spec)
+        carried: FollowUp | None = None
         while True:
             req = cls(self, spec, sub, mq, token, runner=runner, watch=watch, prior=prior, lease=lease)
+            if carried is not None:
+                self._carry_prior_follow_up(req, carried)
             try:
                 return req, req.run()
             except (redis.RedisError, BrokerUnavailableError) as exc:
+                if prior is not None and req.prior is None:
+                    # This attempt ended the prior run (and registered the switch with the watch):
+                    # the next one begins its own queue only, and keeps what the end asked for.
+                    prior, carried = None, req.prior_follow_up
                 if waited >= REDIS_RETRY_BUDGET_S:
                     log.error("ConsumeRequest %s %s: Redis unreachable for %.0fs (%s); the sweep will "
                               "re-dispatch when it is back", sub, mq.key, waited, exc)
@@ -144,6 +163,15 @@ class ConsumerEngine(ConsumerState):
                 log.warning("ConsumeRequest %s %s: Redis error (%s); retrying in %.2fs", sub, mq.key, exc, delay)
                 time.sleep(delay)
                 waited += delay
+
+    @staticmethod
+    def _carry_prior_follow_up(req: ConsumeRequest, follow_up: FollowUp) -> None:
+        """A retry of a request whose failed attempt ended the prior run: the request that run's
+        queue needs is this one's to return, as ``ConsumeRequest._after_prior`` set it on the
+        attempt, and, as there, the request does not linger (the caller sends the follow-up
+        once the run returns, so it must not wait for a linger to end)."""
+        req.prior_follow_up = follow_up
+        req.linger_s = 0.0
 
     @staticmethod
     def _listener_of(spec: ListenerSpec, mq: MessageQueue) -> ListenerSpec:

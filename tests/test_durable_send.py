@@ -355,3 +355,26 @@ def test_the_spark_commit_waits_for_replicas_and_says_when_they_fall_short(spark
     with pytest.raises(Exception, match=r"waitReplicas='-1' must be a whole number of replicas"):
         (df.write.format("mqorder").mode("append").option("topic", "t").option("key", "k")
          .option("orderBy", "ts").option("redisUrl", dep.primary.url).option("waitReplicas", "-1").save())
+
+
+def test_async_sends_of_several_chunks_per_queue_wait_for_replicas_and_keep_order(dep: Replicated) -> None:
+    """``send_orderly_async`` with ``send_wait_replicas``: sends with and without a dedup key go in
+    separate chunks, so a batch holds several chunks of each queue, sent one per queue per round
+    trip (``queue_rounds``) and then each shard's ``WAIT``; every future resolves once both
+    replicas have the batch, and each replica holds each key's messages in call order."""
+    p = Producer(linger_ms=200, send_wait_replicas=2)
+    p.create_topic("t", queues=4)
+    futures = []
+    for n in range(10):
+        for key in ("ka", "kb"):
+            futures.append(p.send_orderly_async("t", f"{key}:{n}".encode(), sharding_key=key,
+                                                dedup_key=f"{key}-{n}" if n % 2 else None))
+    p.flush()
+    results = [f.result(timeout=10) for f in futures]
+    assert len({(r.message_queue, r.queue_offset) for r in results}) == 20
+    for srv in [dep.primary, *dep.replicas]:
+        for key in ("ka", "kb"):
+            mq = results[0 if key == "ka" else 1].message_queue
+            mine = [b.decode() for b in _bodies(dep.client(srv), mq) if b.startswith(key.encode())]
+            assert mine == [f"{key}:{n}" for n in range(10)], (srv.port, key, mine)
+    p.close()

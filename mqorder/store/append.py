@@ -173,29 +173,34 @@ class QueueAppender:
                 # Inside: the call reads the topic's subscriptions (cached a moment), a Redis read
                 # that fails like the write would during a failover (it leaked redis.ConnectionError
                 # to send_orderly's callers in the chaos sentinel-async run).
-                calls = [("send", *self.send_call(requests[i])) for i in idxs]
+                call_of = {i: ("send", *self.send_call(requests[i])) for i in idxs}
                 self.check_capacity(broker)
-                # Lean EVALSHAs (Scripts.run_many: no redis-py Pipeline, whose registered scripts
-                # cost a SCRIPT EXISTS round trip first); a NOSCRIPT call stored nothing and is
-                # sent again once the script is loaded.
                 lease = self.leases.get(broker.client)
-                if wait is None:
-                    raw = broker.scripts.run_many(calls, lease)
-                else:
-                    # An idempotent append may store nothing (every id a duplicate), and a WAIT
-                    # after no write waits for nothing: the fence write (mqorder.store.durable).
-                    fence = next((keys.queue_next(requests[i].mq.tag) for i in idxs if requests[i].ids is not None),
-                                 None)
-                    # On a Redis Cluster, one fence and WAIT per shard, after that shard's last
-                    # append (Scripts.run_many_then): each shard replicates on its own.
-                    shard_fence = _shard_fence(wait, [requests[i].mq.tag for i in idxs])
-                    raw, tail = broker.scripts.run_many_then(calls, wait.commands(fence), lease, then_for=shard_fence)
-                    acked = int(tail[-1])
-                    if acked < wait.replicas:
-                        messages = sum(len(requests[i].entries) for i in idxs)
-                        behind.append(self.replicas.behind(broker, wait, acked, messages, self.action))
-            for i, reply in zip(idxs, raw, strict=True):
-                replies[i] = parse_reply(reply, len(requests[i].entries))
+                rounds = queue_rounds(idxs, lambda i: requests[i].mq)
+                for n, rnd in enumerate(rounds):
+                    calls = [call_of[i] for i in rnd]
+                    if wait is None or n + 1 < len(rounds):
+                        # Lean EVALSHAs (Scripts.run_many: no redis-py Pipeline, whose registered
+                        # scripts cost a SCRIPT EXISTS round trip first); a NOSCRIPT call stored
+                        # nothing and is sent again once the script is loaded.
+                        raw = broker.scripts.run_many(calls, lease)
+                    else:
+                        # An idempotent append may store nothing (every id a duplicate), and a WAIT
+                        # after no write waits for nothing: the fence write (mqorder.store.durable).
+                        # The last round holds every queue's last call, so on a Redis Cluster each
+                        # shard written gets its fence and WAIT after its last append
+                        # (Scripts.run_many_then): each shard replicates on its own.
+                        fence = next((keys.queue_next(requests[i].mq.tag) for i in idxs if requests[i].ids is not None),
+                                     None)
+                        shard_fence = _shard_fence(wait, [requests[i].mq.tag for i in rnd])
+                        raw, tail = broker.scripts.run_many_then(calls, wait.commands(fence), lease,
+                                                                 then_for=shard_fence)
+                        acked = int(tail[-1])
+                        if acked < wait.replicas:
+                            messages = sum(len(requests[i].entries) for i in idxs)
+                            behind.append(self.replicas.behind(broker, wait, acked, messages, self.action))
+                    for i, reply in zip(rnd, raw, strict=True):
+                        replies[i] = parse_reply(reply, len(requests[i].entries))
         if behind:
             raise behind_error(behind)
         return [r for r in replies if r is not None]
@@ -315,6 +320,36 @@ def _check_request(req: AppendRequest) -> None:
         raise ValueError(f"at most {MAX_PER_CALL} messages per append call, got {len(req.entries)}")
     if req.ids is not None and len(req.ids) != len(req.entries):
         raise ValueError(f"{len(req.ids)} ids for {len(req.entries)} messages")
+
+
+def queue_rounds(idxs: Sequence[int], queue_of: Callable[[int], Any]) -> list[list[int]]:
+    """``idxs`` (calls in send order) in rounds that hold at most one call of each queue, each
+    round one round trip after the other; the last round holds every queue's last call.
+
+    Why: the calls of one round trip are not atomic together. If two calls of one queue went in
+    the same round trip, Redis could refuse the first and store the second: ``NOSCRIPT`` when its
+    script cache was lost (a restart, a failover to a replica) and another client loads the
+    script while Redis is still reading this round trip, or ``OOM`` when memory is freed in
+    between. The first would then be sent again behind the second, or fail: the queue's order
+    broken. One call per queue per round trip leaves only calls of *other* queues beside a
+    refused one, and the next call of its queue is not sent before it is stored. Most batches
+    hold one call per queue: one round, as before.
+    """
+    if len(idxs) < 2:
+        return [list(idxs)]
+    after: dict[Any, int] = {}  # per queue, its calls met so far scanning from the last
+    rank: dict[int, int] = {}
+    for i in reversed(idxs):
+        q = queue_of(i)
+        rank[i] = after.get(q, 0)
+        after[q] = rank[i] + 1
+    depth = max(after.values())
+    if depth == 1:
+        return [list(idxs)]
+    rounds: list[list[int]] = [[] for _ in range(depth)]
+    for i in idxs:
+        rounds[depth - 1 - rank[i]].append(i)
+    return rounds
 
 
 def _shard_fence(wait: SendWait, tags: list[str]) -> Callable[[int], list[tuple[Any, ...]]]:

@@ -39,11 +39,12 @@ import redis
 
 from mqorder import keys
 from mqorder.errors import MQOrderError
-from mqorder.store.append import AppendReply, AppendRequest, QueueAppender, parse_reply
+from mqorder.model import MessageQueue
+from mqorder.store.append import AppendReply, AppendRequest, QueueAppender, parse_reply, queue_rounds
 from mqorder.store.brokers import Broker
 from mqorder.store.cluster_route import shard_groups
 from mqorder.store.durable import SendWait, behind_error
-from mqorder.store.failures import refused, translated
+from mqorder.store.failures import refused, translated, translation
 from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 
 #: What became of one request: stored (its reply), or the error that says why not / not known.
@@ -74,10 +75,87 @@ def append_each(appender: QueueAppender, broker_name: str, requests: Sequence[Ap
 def _round_trip(appender: QueueAppender, broker: Broker, requests: Sequence[AppendRequest],
                 calls: list[tuple[list[str], list[Any]]], wait: SendWait | None,
                 via: ConnectionLease) -> list[Outcome]:
-    """The ``EVALSHA``\\s (and each shard's ``WAIT``) in one write; after ``NOSCRIPT`` (a
-    restarted Redis: the call ran nothing) the script is loaded and only those calls sent again."""
+    """Every request in one write, with each shard's ``WAIT`` behind its last call; or, when a
+    queue has several requests here, in rounds of one call per queue (``queue_rounds``: two calls
+    of one queue in one round trip could be stored out of order), then the ``WAIT``\\s in a round
+    trip of their own. A request whose queue had an earlier request refused in this batch is not
+    sent: it fails as that one did (nothing of it stored), so its queue keeps its order. A broker
+    that stops answering fails the requests not known stored with ``BrokerUnavailableError``;
+    those stored in earlier rounds stay stored, short of their ``WAIT`` if one was asked."""
     out: list[Outcome | None] = [None] * len(requests)
-    todo = list(range(len(requests)))
+    rounds = queue_rounds(range(len(requests)), lambda i: requests[i].mq)
+    if len(rounds) == 1:
+        _one_round(appender, broker, requests, calls, wait, via, rounds[0], out)
+        return [o if o is not None else RuntimeError("no reply") for o in out]
+    failed: dict[MessageQueue, Exception] = {}  # per queue, the error of its request refused
+    for rnd in rounds:
+        todo = []
+        for i in rnd:
+            err = failed.get(requests[i].mq)
+            if err is None:
+                todo.append(i)
+            else:
+                out[i] = err
+        try:
+            _one_round(appender, broker, requests, calls, None, via, todo, out)
+        except Exception as exc:
+            err = translation(exc, broker.name, broker.safe_url, appender.timeout, appender.action)
+            if err is None:
+                raise
+            _unknown(appender, broker, wait, requests, out, err)
+            return [o if o is not None else err for o in out]
+        for i in todo:
+            o = out[i]
+            if isinstance(o, Exception):
+                failed.setdefault(requests[i].mq, o)
+    stored = [i for i, o in enumerate(out) if isinstance(o, AppendReply)]
+    if wait is not None and stored:
+        try:
+            _wait_round(appender, broker, wait, requests, stored, via, out)
+        except Exception as exc:
+            err = translation(exc, broker.name, broker.safe_url, appender.timeout, appender.action)
+            if err is None:
+                raise
+            _unknown(appender, broker, wait, requests, out, err)
+    return [o if o is not None else RuntimeError("no reply") for o in out]
+
+
+def _wait_round(appender: QueueAppender, broker: Broker, wait: SendWait, requests: Sequence[AppendRequest],
+                stored: list[int], via: ConnectionLease, out: list[Outcome | None]) -> None:
+    """After rounds: each shard's fence write and ``WAIT`` in one round trip, judged for the
+    requests stored on that shard (``WAIT`` counts every write of this connection before it)."""
+    pipe = RawPipeline(via)
+    layout: list[tuple[list[int], int]] = []
+    for idxs in shard_groups(broker.client, stored, lambda i: keys.queue_log(requests[i].mq.tag)):
+        tail = wait.commands(keys.queue_next(requests[idxs[-1]].mq.tag))
+        for cmd in tail:
+            pipe.execute_command(*cmd)
+        layout.append((idxs, len(tail)))
+    replies = pipe.execute(raise_on_error=False)
+    pos = 0
+    for idxs, n_tail in layout:
+        _judge_wait(appender, broker, wait, requests, idxs, replies[pos:pos + n_tail], out)
+        pos += n_tail
+
+
+def _unknown(appender: QueueAppender, broker: Broker, wait: SendWait | None, requests: Sequence[AppendRequest],
+             out: list[Outcome | None], err: Exception) -> None:
+    """The broker stopped answering after some rounds: what is not known stored fails with
+    ``err``; what is stored, if a ``WAIT`` was asked, is stored and not known replicated."""
+    stored = [i for i, o in enumerate(out) if isinstance(o, AppendReply)]
+    if wait is not None and stored:
+        _judge_wait(appender, broker, wait, requests, stored, [], out)
+    for i, o in enumerate(out):
+        if o is None:
+            out[i] = err
+
+
+def _one_round(appender: QueueAppender, broker: Broker, requests: Sequence[AppendRequest],
+               calls: list[tuple[list[str], list[Any]]], wait: SendWait | None,
+               via: ConnectionLease, todo: Sequence[int], out: list[Outcome | None]) -> None:
+    """The ``EVALSHA``\\s of ``todo`` (and each shard's ``WAIT``) in one write; after ``NOSCRIPT``
+    (a restarted Redis: the call ran nothing) the script is loaded and only those calls sent
+    again (at most one per queue in a round: none of their queues had a later call stored)."""
     for attempt in (0, 1):
         sha = broker.scripts.send.sha
         pipe = RawPipeline(via)
@@ -92,6 +170,8 @@ def _round_trip(appender: QueueAppender, broker: Broker, requests: Sequence[Appe
             for cmd in tail:
                 pipe.execute_command(*cmd)
             layout.append((idxs, len(tail)))
+        if not layout:
+            return
         replies = pipe.execute(raise_on_error=False)
         missing: list[int] = []
         pos = 0
@@ -112,10 +192,9 @@ def _round_trip(appender: QueueAppender, broker: Broker, requests: Sequence[Appe
             if wait is not None and stored:
                 _judge_wait(appender, broker, wait, requests, stored, tail_replies, out)
         if not missing:
-            break
+            return
         broker.scripts.load("send")
         todo = missing
-    return [o if o is not None else RuntimeError("no reply") for o in out]
 
 
 def _judge_wait(appender: QueueAppender, broker: Broker, wait: SendWait, requests: Sequence[AppendRequest],

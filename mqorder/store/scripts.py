@@ -177,19 +177,33 @@ class Scripts:
                       via: ConnectionLease | None = None) -> list[Any]:
         """``EVALSHA`` of script ``name`` once per ``(keys, args)`` call, in one round trip.
 
-        After ``NOSCRIPT`` (first use on this Redis, or a restart) the script is loaded and the
-        pipeline sent again: every call in it was refused alike, so none of them changed anything.
+        After ``NOSCRIPT`` (first use on this Redis, a restart, a failover to a replica) the
+        script is loaded and only the calls refused with it are sent again: the others ran. A
+        round trip is not refused as a whole: on a Redis Cluster its calls go to several shards,
+        one of them a promoted replica without the script, and on any Redis another client can
+        load the script while Redis is still reading the round trip (once a bug: every call was
+        sent again, and a rebalance's ``assign.lua`` that had run answered KEPT the second time,
+        so the request it had asked for was never sent). Any other error of a call is raised.
         """
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
         for attempt in (0, 1):
             pipe = RawPipeline(via or self._client)
-            for k, a in calls:
+            for i in todo:
+                k, a = calls[i]
                 self.queue_in(pipe, name, k, a)
-            try:
-                return list(pipe.execute())
-            except redis.exceptions.NoScriptError:
-                if attempt:
-                    raise
-                self.load(name)
+            missing = []
+            for i, res in zip(todo, pipe.execute(raise_on_error=False), strict=True):
+                if isinstance(res, redis.exceptions.NoScriptError) and not attempt:
+                    missing.append(i)
+                elif isinstance(res, Exception):
+                    raise res
+                else:
+                    replies[i] = res
+            if not missing:
+                return replies
+            self.load(name)
+            todo = missing
         raise AssertionError("unreachable")  # pragma: no cover
 
     def call(self, name: str, keys: Sequence[Any], args: Sequence[Any], via: ConnectionLease | None = None) -> Any:

@@ -490,6 +490,63 @@ def test_a_switched_run_retried_after_a_redis_error_still_sends_the_request_the_
     eng.brokers.close()
 
 
+def test_a_lost_reply_of_a_switch_leaves_no_queue_begun_and_unconsumed(settings, r, monkeypatch) -> None:
+    """``switch.lua`` runs behind a lingering read: it hands queue 0 to the watch and begins queue
+    1, which got a message. Then the reply is lost (the connection drops on its way back), so the
+    run never learns it switched; ``ConsumerEngine._run_one`` retries queue 0's request, which is
+    STALE now. The chain's watch, made by the failed attempt, must still end its adoptions: queue
+    1's run mark is cleared and a request for it returned. Once a bug: the retry dropped the
+    watch, and queue 1 stayed begun, its message unconsumed and out of the sweep's reach, for the
+    whole run lease (60 s)."""
+    from mqorder.store.raw_pipe import ConnectionLease
+
+    p, eng = owned_idle_queues(settings, r)
+    q1 = keys.sub_state(QUEUES[1].tag, SUB)
+    scripts = eng.brokers.get(QUEUES[0].broker_name).scripts
+    scripts.load("switch")  # known to Redis: the first lingering read that sees m1 offers it
+    switch_sha = scripts.switch.sha
+    original = ConnectionLease.round_trip
+    lost: list[int] = []
+
+    def round_trip(self, commands):
+        replies = original(self, commands)
+        switched = [rep for c, rep in zip(commands, replies, strict=True) if c[0] == "EVALSHA" and c[1] == switch_sha]
+        if not lost and switched and not isinstance(switched[0], Exception) and int(switched[0][0]):
+            lost.append(int(switched[0][0]))
+            self.release()
+            raise redis.ConnectionError("the reply was lost on its way back (test)")
+        return replies
+
+    monkeypatch.setattr(ConnectionLease, "round_trip", round_trip)
+    handled: list[tuple[int, bytes]] = []
+    spec = ListenerSpec(lambda msgs, ctx: handled.extend((m.queue_id, m.body) for m in msgs)
+                        or ConsumeOrderlyStatus.SUCCESS, TOPIC, SUB)
+
+    def adopted() -> bool:
+        return r.hget(q1, "pending") not in (None, b"")
+
+    with lingering_run(eng, spec, r) as run:
+        deadline = time.monotonic() + 10
+        while not adopted() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert adopted(), "the lingering run did not adopt queue 1"
+        p.send_orderly(TOPIC, b"m1", sharding_key=key_for(1))
+        deadline = time.monotonic() + 10
+        while not lost and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert lost, "no switch.lua reply switched: the lost reply was not tried"
+        run.thread.join(timeout=10)
+        assert not run.thread.is_alive(), "the retried run did not end"
+    (out,) = run.result
+    assert out is not None and out.verb == "STALE"  # queue 0 is the watch's now
+    state = {k.decode(): v.decode() for k, v in r.hgetall(q1).items()}
+    assert state["run"] == "0", f"queue 1 is still begun (run mark {state['run']})"
+    assert [(f.mq, f.token) for f in out.follow_ups] == [(QUEUES[1], state["pending"])], out.follow_ups
+    assert handled == []  # queue 1's message waits for the request returned, nothing was lost
+    p.close()
+    eng.brokers.close()
+
+
 def test_a_long_chain_of_switches_keeps_no_finished_run_alive(settings, r) -> None:
     """Each run of a chain ends in the next one's first round trip; once ended it must be let go,
     or a lingering request that switched queues for hours would hold every run it made (and

@@ -139,6 +139,7 @@ class ConsumerEngine(ConsumerState):
         DISPATCH) would be lost with the failed attempt, so the queue would wait out
         ``pending_ttl_ms`` and a sweep. Retries then run without the prior and carry the follow-up
         (``_carry_prior_follow_up``), which ``_run_chain`` sends as the first attempt would have.
+        A watch the failed attempt made (``watch`` None) is kept for the retries too.
         """
         backoff = Backoff(first=REDIS_RETRY_FIRST_S, cap=REDIS_RETRY_CAP_S)
         waited = 0.0
@@ -155,6 +156,14 @@ class ConsumerEngine(ConsumerState):
                     # This attempt ended the prior run (and registered the switch with the watch):
                     # the next one begins its own queue only, and keeps what the end asked for.
                     prior, carried = None, req.prior_follow_up
+                if watch is None and req.watch is not None:
+                    # The attempt made the chain's watch, whose adoptions are in Redis: the retry
+                    # keeps it, so the chain's end releases them (finish.lua with its token). Once
+                    # a bug: a lingering read's switch.lua ran (this queue handed to the watch, an
+                    # adopted one begun) and its reply was lost; the retry of this queue was STALE,
+                    # the watch was dropped, and the queue begun kept its run mark, unconsumed and
+                    # out of the sweep's reach, for the whole run lease (60 s).
+                    watch = req.watch
                 if waited >= REDIS_RETRY_BUDGET_S:
                     log.error("ConsumeRequest %s %s: Redis unreachable for %.0fs (%s); the sweep will "
                               "re-dispatch when it is back", sub, mq.key, waited, exc)

@@ -4,7 +4,10 @@ only their own futures, flush and close, a full buffer, a fork, interpreter exit
 
 from __future__ import annotations
 
+import ctypes
 import os
+import random
+import re
 import subprocess
 import sys
 import threading
@@ -286,4 +289,162 @@ def test_pending_sends_are_flushed_at_interpreter_exit(redis_url: str) -> None:
     subprocess.run([sys.executable, "-c", script], cwd=ROOT, check=True, timeout=30)
     p = Producer(redis_url)
     assert [v[1] for _, v in sorted(_log(p, "t").items())] == [b"0", b"1", b"2"]
+    p.close()
+
+
+def _sender_threads() -> set[threading.Thread]:
+    return {t for t in threading.enumerate() if t.name == "mqorder-sender" and t.is_alive()}
+
+
+def test_close_racing_the_first_async_send_leaves_no_sender_thread_and_refuses_later_sends(settings) -> None:
+    """``close()`` while another thread's first ``send_orderly_async`` starts the sender: that send
+    either is refused or is sent by ``close()``; no sender thread outlives ``close()`` and no send
+    after it is accepted. (``close()`` once set ``_closed`` without the sender lock, so a send past
+    its check installed a sender after ``close()`` had looked: a leaked thread, sends accepted.)"""
+    setup = Producer(settings=settings)
+    setup.create_topic("t", queues=2)
+    before = _sender_threads()
+    rng = random.Random(7)
+    accepted: list[Future[SendResult]] = []
+    for _ in range(150):
+        p = Producer(settings=settings, brokers=setup.brokers, linger_ms=0)
+        p.describe_topic("t")  # routed: the send goes straight to the sender
+        go = threading.Barrier(2)
+        out: dict[str, object] = {}
+
+        def send(p: Producer = p, go: threading.Barrier = go, out: dict[str, object] = out) -> None:
+            go.wait()
+            try:
+                out["future"] = p.send_orderly_async("t", b"x", sharding_key="k")
+            except ProducerClosedError as exc:
+                out["refused"] = exc
+
+        th = threading.Thread(target=send)
+        th.start()
+        go.wait()
+        time.sleep(rng.uniform(0, 0.0004))  # around the send's way into the sender
+        p.close()
+        th.join()
+        leaked = _sender_threads() - before
+        assert not leaked, "close() returned with the producer's sender thread still running"
+        if "future" in out:
+            fut = out["future"]
+            assert isinstance(fut, Future) and fut.done()  # sent (or failed) by close(), not left pending
+            accepted.append(fut)
+        with pytest.raises(ProducerClosedError, match="closed"):
+            p.send_orderly_async("t", b"after close", sharding_key="k")
+    assert len(_log(setup, "t")) == sum(1 for f in accepted if f.exception(0) is None)
+    setup.close()
+
+
+@pytest.mark.parametrize("kwargs", [{"linger_ms": float("inf")}, {"linger_ms": 1e20}, {"linger_ms": float("nan")},
+                                    {"max_block_ms": float("inf")}, {"max_block_ms": 1e20}])
+def test_waits_longer_than_a_thread_can_wait_are_refused_when_the_producer_is_built(settings, kwargs) -> None:
+    """An infinite or huge ``linger_ms`` once killed the sender's thread (``Condition.wait`` raised
+    ``OverflowError``) with its sends unresolved; ``max_block_ms`` raised it in the caller."""
+    (name, value), = kwargs.items()
+    longest = threading.TIMEOUT_MAX * 1000  # 9,223,372,036,000 on Linux
+    expected = f"{name}={value!r}: must be a number >= 0 and <= {longest:,.0f}, the longest wait Python's threads"
+    with pytest.raises(ConfigError, match=f"^{re.escape(expected)}"):
+        Producer(settings=settings, **kwargs)
+    p = Producer(settings=settings, linger_ms=longest, max_block_ms=longest)  # the longest wait is fine
+    p.create_topic("t", queues=1)
+    f = p.send_orderly_async("t", b"x", sharding_key="k")
+    time.sleep(0.05)
+    assert p._sender is not None and p._sender.alive and not f.done()
+    p.flush(5)
+    assert f.result(0).queue_offset == 0
+    p.close()
+
+
+def test_a_done_callback_raising_system_exit_neither_stops_the_sender_nor_strands_its_batch(settings) -> None:
+    """Callbacks run in the sender's thread; ``Future`` lets a ``BaseException`` out of them, which
+    once ended the thread with the rest of the batch unresolved and later sends queued forever."""
+    p = Producer(settings=settings, linger_ms=50)
+    p.create_topic("t", queues=1)
+    first = p.send_orderly_async("t", b"a", sharding_key="k")
+    first.add_done_callback(lambda f: sys.exit(3))
+    same_batch = p.send_orderly_async("t", b"b", sharding_key="k")
+    assert [first.result(2).queue_offset, same_batch.result(2).queue_offset] == [0, 1]
+    assert p._sender is not None and p._sender.alive
+    assert p.send_orderly_async("t", b"c", sharding_key="k").result(2).queue_offset == 2
+    p.close()
+
+
+def test_a_sender_thread_that_stops_fails_every_send_it_held_and_later_sends_raise(settings) -> None:
+    """Whatever stops the sender's thread (here an exception raised into it from outside, as a
+    debugger or a thread-killing library does), nothing waits on it forever: its sends fail with
+    ``ProducerClosedError`` saying why, later sends raise it, ``close()`` returns at once."""
+
+    class Killed(BaseException):
+        pass
+
+    p = Producer(settings=settings, linger_ms=60_000, batch_size=2)
+    p.create_topic("t", queues=1)
+    first = p.send_orderly_async("t", b"a", sharding_key="k")
+    time.sleep(0.1)  # the sender lingers for a second send
+    assert p._sender is not None
+    thread = p._sender._thread
+    assert thread.ident is not None
+    assert ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(Killed)) == 1
+    second = p.send_orderly_async("t", b"b", sharding_key="k")  # the batch is full: it wakes, and stops
+    thread.join(2)
+    assert not thread.is_alive()
+    for f in (first, second):
+        with pytest.raises(ProducerClosedError, match=r"sender thread stopped on an unexpected error \(Killed\): "
+                                                      "this send was not sent. Close this Producer"):
+            f.result(2)
+    with pytest.raises(ProducerClosedError, match=r"\(Killed\): send_orderly_async refused, nothing was sent"):
+        p.send_orderly_async("t", b"c", sharding_key="k")
+    t0 = time.monotonic()
+    p.close()
+    assert time.monotonic() - t0 < 1
+    assert _log(p, "t") == {}
+
+
+def test_a_done_callback_may_send_on_a_full_buffer_without_waiting_for_itself(settings) -> None:
+    """A callback sending its key's next message (it runs in the sender's thread) once waited
+    ``max_block_ms`` for room only that thread frees, stalling every send, then dropped the
+    message with a ``BufferExhaustedError`` blaming Redis. It is admitted at once now, within the
+    room the batch in flight frees; past that room it is refused at once, saying why."""
+    p = Producer(settings=settings, linger_ms=60_000, batch_size=4, buffer_memory=20_000, max_block_ms=1000)
+    p.create_topic("t", queues=1)
+    body = b"x" * 4000
+    chained: list[Future[SendResult]] = []
+    refused: list[BufferExhaustedError] = []
+
+    def next_steps(_: Future[SendResult]) -> None:
+        try:
+            for _ in range(6):  # the batch in flight frees room for 4 of them
+                chained.append(p.send_orderly_async("t", body, sharding_key="k"))
+        except BufferExhaustedError as exc:
+            refused.append(exc)
+
+    first = p.send_orderly_async("t", body, sharding_key="k")
+    first.add_done_callback(next_steps)
+    t0 = time.monotonic()
+    sent = [first] + [p.send_orderly_async("t", body, sharding_key="k") for _ in range(3)]  # a batch: ~16 KB
+    other = p.send_orderly_async("t", b"other", sharding_key="other")
+    sent[-1].result(2)  # the callback has run
+    p.flush(2)
+    assert time.monotonic() - t0 < 0.5  # nothing waited max_block_ms
+    assert other.done() and all(f.done() for f in chained)
+    offsets = [f.result(0).queue_offset for f in sent + chained]  # the key's, in call order
+    assert offsets == sorted(offsets) and len(chained) == 4
+    assert len(_log(p, "t")) == 4 + 1 + 4
+    assert len(refused) == 1
+    assert "from a future's done-callback found the producer's buffer full" in str(refused[0])
+    assert "send it from another thread" in str(refused[0])
+    p.close()
+
+
+def test_a_topic_that_is_not_a_str_raises_as_send_orderly_does(settings) -> None:
+    p = Producer(settings=settings, linger_ms=5)
+    p.create_topic("t", queues=1)
+    for topic in (["t"], None, b"t"):
+        with pytest.raises(InvalidNameError, match="topic name must be a str"):
+            p.send_orderly(topic, b"x", sharding_key="k")  # type: ignore[arg-type]
+        with pytest.raises(InvalidNameError, match="topic name must be a str"):
+            p.send_orderly_async(topic, b"x", sharding_key="k")  # type: ignore[arg-type]
+    assert p._sender is None
     p.close()

@@ -29,32 +29,39 @@ chunks whose records all carry dedup keys: those are sent again, up to
 resend store nothing twice. A chunk is never resent after a later chunk of its queue was stored
 (the resend would land behind it). The pauses between resends hold up the batches behind, as
 a resend must go before them to keep their order. Done-callbacks run in the sender's thread:
-keep them short. A failed record leaves a gap in its key, as a failed
-``send_orderly`` whose caller goes on does; a caller that needs no gaps resolves each future
-before sending the key's next message, or sends with dedup keys.
+keep them short. A callback may send (a key's next message once the last one is acked): its send
+never waits for buffer room (see ``RecordAccumulator.append``). What a callback raises, even a
+``SystemExit``, is logged and the sender goes on. A failed record leaves a gap in its key, as a
+failed ``send_orderly`` whose caller goes on does; a caller that needs no gaps resolves each
+future before sending the key's next message, or sends with dedup keys.
 
 Memory. ``buffer_memory`` bounds the bytes (header + body) of records not yet resolved. A send
 that finds it full blocks up to ``max_block_ms``, then raises ``BufferExhaustedError`` (Kafka's
 ``buffer.memory`` / ``max.block.ms``); a message bigger than the whole buffer is refused at once.
+A done-callback's send is the exception: it never blocks (``RecordAccumulator.append``).
+``linger_ms`` and ``max_block_ms`` are waits, so at most ``threading.TIMEOUT_MAX`` (in ms).
 
 Lifetime. ``flush()`` waits for every record appended before it; ``close()`` sends everything
 pending and stops the thread; at interpreter exit every live sender of the process is closed
-(``atexit``). A forked child (Celery's prefork pool forks its workers) inherits the parent's
-sender object but not its thread: the producer sees the pid change and starts a sender of its
-own, with an empty accumulator; what the parent had pending is the parent's to send, once.
+(``atexit``). Should the sender's thread ever stop on an error of its own, every send it held fails
+with ``ProducerClosedError`` and later sends raise it. A forked child (Celery's prefork pool forks
+its workers) inherits the parent's sender object but not its thread: the producer sees the pid
+change and starts a sender of its own, with an empty accumulator; what the parent had pending is
+the parent's to send, once.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import math
 import os
 import threading
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass
 
@@ -91,6 +98,9 @@ CHUNK = 256
 RETRY_PAUSE = (0.05, 0.2, 0.5, 1.0)
 #: How long interpreter exit waits for the pending sends of each producer.
 EXIT_FLUSH_TIMEOUT_S = 30.0
+#: The longest ``linger_ms`` / ``max_block_ms``: a thread cannot wait longer (``threading.TIMEOUT_MAX``,
+#: about 292 years on Linux); an infinite or NaN wait would raise in the thread that waits.
+MAX_WAIT_MS = threading.TIMEOUT_MAX * 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,23 +118,28 @@ class BatchingConfig:
         """The given values over the defaults; ``ConfigError`` naming the argument if one is wrong."""
         d = cls()
         return cls(
-            linger_ms=_number("linger_ms", linger_ms, d.linger_ms, minimum=0, hint="0 sends at once, 2-5 batches"),
+            linger_ms=_number("linger_ms", linger_ms, d.linger_ms, minimum=0, maximum=MAX_WAIT_MS,
+                              hint="0 sends at once, 2-5 batches"),
             batch_size=int(_number("batch_size", batch_size, d.batch_size, minimum=1, integer=True,
                                    hint="records pending that end the linger early")),
             buffer_memory=int(_number("buffer_memory", buffer_memory, d.buffer_memory, minimum=1, integer=True,
                                       hint="bytes of pending messages, e.g. 32 * 1024 * 1024")),
-            max_block_ms=_number("max_block_ms", max_block_ms, d.max_block_ms, minimum=0,
+            max_block_ms=_number("max_block_ms", max_block_ms, d.max_block_ms, minimum=0, maximum=MAX_WAIT_MS,
                                  hint="0 raises at once when the buffer is full"),
         )
 
 
-def _number(name: str, value: object, default: float, *, minimum: float, hint: str, integer: bool = False) -> float:
+def _number(name: str, value: object, default: float, *, minimum: float, hint: str, integer: bool = False,
+            maximum: float = math.inf) -> float:
+    """``value`` as a float, or ``default`` for ``None``; ``ConfigError`` unless ``minimum <= value <=
+    maximum`` (so never NaN, nor infinite with a finite ``maximum``)."""
     if value is None:
         return default
     ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-    if isinstance(value, bool) or not ok or value < minimum:  # type: ignore[operator]
+    if isinstance(value, bool) or not ok or not minimum <= value <= maximum:  # type: ignore[operator]
         kind = "a whole number" if integer else "a number"
-        raise ConfigError(f"{name}={value!r}: must be {kind} >= {minimum:g} ({hint})")
+        limit = "" if maximum == math.inf else f" and <= {maximum:,.0f}, the longest wait Python's threads allow"
+        raise ConfigError(f"{name}={value!r}: must be {kind} >= {minimum:g}{limit} ({hint})")
     return float(value)  # type: ignore[arg-type]
 
 
@@ -165,17 +180,38 @@ class RecordAccumulator:
         #: Bytes of records appended and not yet resolved (pending or in flight).
         self._used = 0
         self._in_flight: list[ProducerRecord] = []
+        #: Bytes of ``_in_flight``: freed as soon as its callbacks have run.
+        self._in_flight_bytes = 0
         self._flushing = 0
         self._blocked = 0
         self._closed = False
+        #: Why the sender's thread stopped, if it stopped on an error (``abort``): appends refused.
+        self._dead: BaseException | None = None
+        #: The thread that drains this accumulator (``Sender`` sets it), whose appends never wait.
+        self.sender_thread: threading.Thread | None = None
 
     def append(self, record: ProducerRecord) -> None:
-        """Queue ``record``; block while the buffer is full, up to ``max_block_ms``."""
+        """Queue ``record``; block while the buffer is full, up to ``max_block_ms``.
+
+        Except in the sender's own thread (a future's done-callback that sends, e.g. a key's next
+        message once the last one is acked): that thread cannot wait for room, as it alone frees
+        room, once the callbacks of the batch in flight have run. Such a send is admitted at once
+        if the buffer has room for it counting the batch in flight as freed already, which it is
+        as soon as the callback returns: the buffer then holds at most ``buffer_memory`` bytes
+        again, and at most the batch in flight more meanwhile. Without that room (the buffer full
+        of sends not yet in flight) it raises ``BufferExhaustedError`` at once, saying so, rather
+        than stall every send for ``max_block_ms`` and blame Redis.
+        """
         with self._lock:
+            if self._dead is not None:
+                raise _stopped(self._dead, "send_orderly_async refused, nothing was sent")
             if self._closed:
                 raise ProducerClosedError("this producer is closed: send_orderly_async refused; build a new Producer")
             if self._used + record.size > self.config.buffer_memory:
-                self._wait_for_room(record.size)
+                if threading.current_thread() is self.sender_thread:
+                    self._admit_from_sender(record.size)
+                else:
+                    self._wait_for_room(record.size)
             self._used += record.size
             records = self._records
             records.append(record)
@@ -185,15 +221,33 @@ class RecordAccumulator:
             elif len(records) == self.config.batch_size:
                 self._ready.notify()
 
+    def _admit_from_sender(self, size: int) -> None:
+        """``append`` in the sender's thread with the buffer full: see ``append``."""
+        if self._used - self._in_flight_bytes + size <= self.config.buffer_memory:
+            return
+        raise BufferExhaustedError(
+            f"send_orderly_async from a future's done-callback found the producer's buffer full "
+            f"(buffer_memory={self.config.buffer_memory:,} bytes, {self._used - self._in_flight_bytes:,} held by "
+            f"{len(self._records):,} sends not yet sent): callbacks run in the sender's thread, which cannot wait "
+            "for room while it runs them. The message was not sent; send it from another thread (hand it to a "
+            "queue or an executor), or raise buffer_memory"
+        )
+
     def _wait_for_room(self, size: int) -> None:
         deadline = time.monotonic() + self.config.max_block_ms / 1000
         self._blocked += 1
         try:
             self._ready.notify()  # a full buffer sends now, whatever the linger
-            while self._used + size > self.config.buffer_memory:
-                left = deadline - time.monotonic()
+            while True:
+                # Closed or stopped first: room freed by the last batch is no reason to queue a
+                # record the sender may never drain.
+                if self._dead is not None:
+                    raise _stopped(self._dead, "send_orderly_async refused, nothing was sent")
                 if self._closed:
                     raise ProducerClosedError("the producer was closed while this send waited for buffer room")
+                if self._used + size <= self.config.buffer_memory:
+                    return
+                left = deadline - time.monotonic()
                 if left <= 0:
                     raise BufferExhaustedError(
                         f"send_orderly_async waited max_block_ms={self.config.max_block_ms:g} for room in the "
@@ -202,7 +256,7 @@ class RecordAccumulator:
                         "Redis takes the sends slower than they come, or does not answer. The message was not "
                         "sent; retry later, or raise buffer_memory / max_block_ms"
                     )
-                self._room.wait(left)
+                self._room.wait(min(left, threading.TIMEOUT_MAX))
         finally:
             self._blocked -= 1
 
@@ -220,7 +274,7 @@ class RecordAccumulator:
                     left = self._first_at + linger - time.monotonic()
                     if left <= 0:
                         break
-                    self._ready.wait(left)
+                    self._ready.wait(min(left, threading.TIMEOUT_MAX))
                 elif self._closed:
                     return None
                 else:
@@ -231,15 +285,36 @@ class RecordAccumulator:
             else:  # what is left is older than the linger already: it goes next, at once
                 batch = [records.popleft() for _ in range(config.batch_size)]
             self._in_flight = batch
+            self._in_flight_bytes = sum(r.size for r in batch)
             return batch
 
     def complete(self, batch: Sequence[ProducerRecord]) -> None:
-        """``batch`` is resolved: its bytes are free for blocked appenders."""
-        freed = sum(r.size for r in batch)
+        """``batch`` (the one in flight) is resolved: its bytes are free for blocked appenders."""
         with self._lock:
-            self._used -= freed
+            self._used -= self._in_flight_bytes
             self._in_flight = []
+            self._in_flight_bytes = 0
             self._room.notify_all()
+
+    def abort(self, cause: BaseException) -> int:
+        """The sender's thread stopped on ``cause`` (or ``close()`` found it stopped with records
+        left): fail every record pending or in flight with ``ProducerClosedError``, free their
+        bytes and refuse later appends. The number of records failed."""
+        with self._lock:
+            if self._dead is None:
+                self._dead = cause
+            pending, in_flight = list(self._records), self._in_flight
+            self._records.clear()
+            self._in_flight = []
+            self._in_flight_bytes = 0
+            self._used -= sum(r.size for r in pending) + sum(r.size for r in in_flight)
+            self._ready.notify_all()
+            self._room.notify_all()
+            cause = self._dead
+        # Outside the lock: a callback may send (and be refused).
+        _fail(in_flight, _stopped(cause, "this send was in flight, so stored or not: unknown"))
+        _fail(pending, _stopped(cause, "this send was not sent"))
+        return len(pending) + len(in_flight)
 
     def unresolved(self) -> list[Future[SendResult]]:
         """The futures of every record pending or in flight now."""
@@ -307,6 +382,7 @@ class Sender:
         self._attempts = max(1, attempts)
         self._wait = wait
         self._thread = threading.Thread(target=self._run, name="mqorder-sender", daemon=True)
+        self.accumulator.sender_thread = self._thread
         self._thread.start()
         _LIVE.add(self)
 
@@ -328,10 +404,13 @@ class Sender:
         self.accumulator.flush(timeout)
 
     def close(self, timeout: float | None = None) -> None:
-        """Send everything pending, then stop the thread (``timeout``: for the thread to end)."""
+        """Send everything pending, then stop the thread (``timeout``: for the thread to end).
+        What the thread left unresolved when it ended (it stopped on an error) fails."""
         self.accumulator.close()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
+            if not self._thread.is_alive() and self.accumulator.unresolved():  # it stopped on an error
+                self.accumulator.abort(RuntimeError("it ended with sends unresolved"))
         _LIVE.discard(self)
 
     @property
@@ -341,15 +420,22 @@ class Sender:
     # -- the sender's thread -------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while (batch := self.accumulator.drain()) is not None:
-            try:
-                self.send(batch)
-            except Exception as exc:
-                # A bug must fail its own batch, not kill the thread every later send waits on.
-                log.exception("mqorder sender: a batch failed unexpectedly")
-                _fail(batch, exc)
-            finally:
-                self.accumulator.complete(batch)
+        accumulator = self.accumulator
+        try:
+            while (batch := accumulator.drain()) is not None:
+                try:
+                    self.send(batch)
+                except BaseException as exc:  # whatever it is, the thread goes on
+                    # A bug (or an exception raised into this thread) must fail its own batch, not
+                    # kill the thread every later send waits on. Done-callbacks cannot get here.
+                    log.exception("mqorder sender: a batch failed unexpectedly")
+                    _fail(batch, exc)
+                finally:
+                    accumulator.complete(batch)
+        except BaseException as exc:  # the thread ends: nothing may wait on it
+            log.exception("mqorder sender: the sender's thread stopped on an unexpected error")
+            failed = accumulator.abort(exc)
+            log.error("mqorder sender: %d unresolved sends failed; send_orderly_async now refuses", failed)
 
     def send(self, batch: list[ProducerRecord]) -> None:
         """Route, chunk and write one batch; resolve or fail each record's future."""
@@ -430,7 +516,7 @@ class Sender:
         store_ms = reply.store_ms
         if reply.stored == len(chunk.records):
             for r, off in zip(chunk.records, reply.offsets, strict=True):
-                r.future.set_result(SendResult(SendStatus.SEND_OK, r.msg_id, mq, off, store_ms))
+                _settle(r.future, SendResult(SendStatus.SEND_OK, r.msg_id, mq, off, store_ms))
             return
         # Dedup keys seen before: a duplicate's result is its first send's (send_orderly_batch's rule).
         by_offset: dict[int, SendResult] = {}
@@ -442,7 +528,7 @@ class Sender:
                 else:
                     res = SendResult(SendStatus.SEND_OK, r.msg_id, mq, off, store_ms)
                 by_offset[off] = res
-            r.future.set_result(res)
+            _settle(r.future, res)
 
     def _first_result(self, mq: MessageQueue, offset: int) -> SendResult:
         try:
@@ -454,7 +540,35 @@ class Sender:
 def _fail(records: Iterable[ProducerRecord], exc: BaseException) -> None:
     for r in records:
         if not r.future.done():
-            r.future.set_exception(exc)
+            _settle(r.future, error=exc)
+
+
+def _settle(future: Future[SendResult], result: SendResult | None = None, error: BaseException | None = None) -> None:
+    """Resolve ``future`` with ``result``, or fail it with ``error``. Its done-callbacks run here,
+    in the sender's thread: ``Future`` logs what they raise as an ``Exception`` but lets anything
+    else (``SystemExit``, ``KeyboardInterrupt``, ``GeneratorExit``...) out, which would leave the
+    batch's other futures unresolved and could end the thread. The future is resolved by then: log
+    it and go on (its later callbacks are skipped, as ``Future`` skips them)."""
+    try:
+        if error is None:
+            future.set_result(result)  # type: ignore[arg-type]
+        else:
+            future.set_exception(error)
+    except InvalidStateError:  # resolved already: a bug of ours, not a callback's
+        raise
+    except BaseException:  # a callback's, see above
+        if not future.done():
+            raise
+        log.exception("mqorder sender: a future's done-callback raised; the sender goes on")
+
+
+def _stopped(cause: BaseException, outcome: str) -> ProducerClosedError:
+    """The error of a send once the sender's thread stopped on ``cause`` (``RecordAccumulator.abort``)."""
+    what = f"{type(cause).__name__}: {cause}" if str(cause) else type(cause).__name__
+    return ProducerClosedError(
+        f"the producer's sender thread stopped on an unexpected error ({what}): {outcome}. "
+        "Close this Producer and build a new one (the error's traceback is logged by mqorder.client.batching)"
+    )
 
 
 @atexit.register

@@ -59,6 +59,19 @@ BATCH_CHUNK = 256
 #: broker that refuses connections outright is not hammered.
 KEYED_RETRY_PAUSE = (0.05, 0.2, 0.5, 1.0)
 
+#: Guards the replacement of a producer's ``_sender_lock`` in a forked child; itself new in each
+#: child (a thread of the parent may have held it at the fork).
+_FORK_LOCK = threading.Lock()
+
+
+def _new_fork_lock() -> None:
+    global _FORK_LOCK
+    _FORK_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_fork_lock)
+
 
 class Producer:
     """Sends messages to topics; ``send_orderly`` keeps all messages of one sharding key in order.
@@ -390,7 +403,9 @@ class Producer:
         """
         if sharding_key is None:
             raise MessageError("send_orderly_async needs a sharding_key (e.g. the order id)")
-        if topic not in self._routes:  # a routed topic's name was checked when it was routed
+        # A routed topic's name was checked when it was routed; anything else (a list, unhashable,
+        # included) is checked before it is looked up.
+        if not isinstance(topic, str) or topic not in self._routes:
             check_topic(topic, allow_dlq=True, allow_retry=True)
         hash_ = zlib.crc32(key_bytes(sharding_key))  # the default selector's: queues[hash_ % n]
         header, msg_id, body_b = self._prepare(body, keys, tags, properties, hash_)
@@ -407,8 +422,12 @@ class Producer:
     def close(self) -> None:
         """Send what ``send_orderly_async`` still holds and stop its sender, then give back the
         connections."""
-        self._closed = True
-        sender, self._sender = self._sender, None
+        # Under the sender lock: a first send_orderly_async either starts its sender before this
+        # (and it is closed here) or finds the producer closed, never installs one after. The lock
+        # is not held while the sender finishes: its callbacks may send (and are refused).
+        with self._process_sender_lock():
+            self._closed = True
+            sender, self._sender = self._sender, None
         if sender is not None and sender.pid == os.getpid():
             sender.close()
         self.appender.leases.close()  # each sending thread's kept connection, back to its pool
@@ -429,9 +448,7 @@ class Producer:
         sender, pid = self._sender, os.getpid()
         if sender is not None and sender.pid == pid:
             return sender
-        if self._sender_lock_pid != pid:  # forked: the parent's lock may have been held at the fork
-            self._sender_lock, self._sender_lock_pid = threading.Lock(), pid
-        with self._sender_lock:
+        with self._process_sender_lock():
             if self._closed:
                 raise ProducerClosedError("this producer is closed: send_orderly_async refused; build a new Producer")
             sender = self._sender
@@ -442,6 +459,15 @@ class Producer:
                     attempts=1 + self.settings.retry_times_when_send_failed, wait=self._wait(None),
                 )
         return sender
+
+    def _process_sender_lock(self) -> threading.Lock:
+        """``_sender_lock``, new in a forked child: the parent's may have been held at the fork."""
+        pid = os.getpid()
+        if self._sender_lock_pid != pid:
+            with _FORK_LOCK:  # two threads of a child replace it once, not each its own
+                if self._sender_lock_pid != pid:
+                    self._sender_lock, self._sender_lock_pid = threading.Lock(), pid
+        return self._sender_lock
 
     def _delay_ms(self, level: object) -> int:
         levels = self.settings.delay_levels_ms

@@ -20,7 +20,9 @@ from typing import Any, Literal, TypeVar, cast, overload
 from urllib.parse import urlsplit, urlunsplit
 
 import redis
+from redis.connection import parse_url
 from redis.crc import key_slot
+from redis.sentinel import MasterNotFoundError
 
 from mqorder.errors import BrokerUnavailableError, ConfigError
 from mqorder.model import MessageQueue
@@ -34,8 +36,8 @@ from mqorder.store.cluster_urls import (
     parse_cluster_url,
     redact_cluster_url,
 )
-from mqorder.store.connect import SentinelAuthError, connect
 from mqorder.store.connect import close as close_client
+from mqorder.store.connect import connect
 from mqorder.store.scripts import Scripts
 from mqorder.store.urls import SENTINEL_SCHEMES, URL_FORM, is_sentinel_url, parse_sentinel_url, redact_sentinel_url
 
@@ -80,12 +82,13 @@ def _redact_one(url: str) -> str:
     except ValueError:
         return "<unparseable url>"
     if parts.password is None:
-        return url
+        # No password where urlsplit looks; but one holding an unquoted '/', '?' or '#' ends the
+        # netloc early and lands in the path, query or fragment: hide it the Sentinel way.
+        return redact_sentinel_url(url) if "@" in url else url
     user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port:
-        host = f"{host}:{parts.port}"
-    netloc = f"{user}:***@{host}"
+    # The host and port as written (``parts.port`` would raise on a bad port: the URL an error
+    # about that port must show).
+    netloc = f"{user}:***@{parts.netloc.rpartition('@')[2]}"
     return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
 
 
@@ -102,14 +105,57 @@ def check_redis_url(url: object, what: str = "MQORDER_REDIS_URL") -> str:
         except ConfigError as exc:
             raise ConfigError(f"{what}: {exc}") from None
         return url
-    scheme = urlsplit(url).scheme
+    scheme = _scheme(url, what)
     if scheme not in _SCHEMES:
         raise ConfigError(
             f"{what}={redact_url(url)!r} has scheme {scheme!r}; use redis://host:port/db, "
             f"rediss:// for TLS, unix:///path/to/socket, a Sentinel deployment: {URL_FORM}, "
             f"or a Redis Cluster: {CLUSTER_URL_FORM}"
         )
+    if scheme != "unix":  # a socket's URL has a path, not a host and port
+        _check_port(url, what, "redis://host:6379/0 (6379 is Redis's default)")
+    try:
+        parse_url(url)  # what redis.Redis.from_url will do with it: its errors, here and clear
+    except ValueError as exc:
+        raise ConfigError(
+            f"{what}={redact_url(url)!r} is not a valid Redis URL: {str(exc).rstrip('.')}. The form is "
+            "redis://[[user]:password@]host:port/db[?socket_timeout=...], rediss:// for TLS, "
+            "unix:///path/to/socket[?db=...]"
+        ) from None
     return url
+
+
+def _scheme(url: str, what: str) -> str:
+    """The scheme of a URL urlsplit can take apart (``ConfigError`` if it cannot: an unclosed
+    ``[`` of an IPv6 host, say)."""
+    try:
+        return urlsplit(url).scheme
+    except ValueError as exc:
+        raise ConfigError(f"{what}={redact_url(url)!r} is not a URL ({exc})") from None
+
+
+def _check_port(url: str, what: str, example: str) -> None:
+    """``ConfigError`` naming the URL (its password hidden) if its port is not 1-65535: redis-py
+    would fail on it with a bare ``ValueError: Port out of range``, kombu later still, and a port 0
+    would quietly be Redis's default port. No port at all is fine (the default)."""
+    netloc = urlsplit(url).netloc
+    host = netloc.rpartition("@")[2]
+    if host.startswith("["):  # [IPv6]:port
+        after = host.partition("]")[2]
+        port = after[1:] if after.startswith(":") else ""
+    else:
+        port = host.partition(":")[2]
+    if not port or (port.isdigit() and 1 <= int(port) <= 65535):
+        return
+    if "@" not in netloc and "@" in url.partition("://")[2]:
+        # "redis://:pa/ss@host/0": the "port" is a piece of the password, and so may be anything
+        # before the last '@': none of it is shown.
+        shown = f"{url.partition('://')[0]}://***@{url.rpartition('@')[2]}"
+        raise ConfigError(f"{what}={shown!r} cannot be read: a '/', '?' or '#' ends its host:port "
+                          "before the '@' of its credentials; percent-encode those characters in a user name "
+                          "or password (%2F, %3F, %23)")
+    raise ConfigError(f"{what}={redact_url(url)!r} has port {port!r}; a port is a number from 1 to 65535, "
+                      f"as in {example}")
 
 
 def celery_transport(url: str) -> Literal["redis", "amqp"]:
@@ -160,13 +206,17 @@ def check_celery_broker_url(url: object, what: str = "MQORDER_CELERY_BROKER_URL"
     for one in _FAILOVER_SEP.split(url):
         if is_cluster_url(one):
             raise cluster_celery_broker_error(url, what)
-        scheme = urlsplit(one).scheme
+        scheme = _scheme(one, what)
         if scheme in AMQP_SCHEMES:
             kinds.add("RabbitMQ")
+            _check_port(one, what, "amqp://user:password@host:5672/vhost (5672 is RabbitMQ's default)")
         elif scheme in _SCHEMES:
             kinds.add("Redis")
+            if scheme != "unix":
+                _check_port(one, what, "redis://host:6379/0 (6379 is Redis's default)")
         elif scheme == KOMBU_SENTINEL_SCHEME:
             kinds.add("Redis Sentinel")
+            _check_port(one, what, "sentinel://host:26379 (26379 is Sentinel's default)")
         else:
             raise ConfigError(
                 f"{what}={redact_url(url)!r} has scheme {scheme!r}; Celery's broker must be Redis "
@@ -240,14 +290,18 @@ class Broker:
         self.name = check_name("broker", name)
         self.url = check_redis_url(url, f"broker {name!r} URL")
         # A Sentinel URL gives a client whose pool asks the Sentinels for the primary on every new
-        # connection: the same client, its Scripts and leases carry on after a failover.
-        self.client: redis.Redis = connect(
-            url,
-            socket_timeout=socket_timeout,
-            socket_connect_timeout=socket_timeout,
-            health_check_interval=HEALTH_CHECK_INTERVAL_S,
-            max_connections=MAX_CONNECTIONS,
-        )
+        # connection: the same client, its Scripts and leases carry on after a failover. A cluster
+        # URL's client reads the slot map here, so an unreachable cluster fails here, not at ping.
+        try:
+            self.client: redis.Redis = connect(
+                url,
+                socket_timeout=socket_timeout,
+                socket_connect_timeout=socket_timeout,
+                health_check_interval=HEALTH_CHECK_INTERVAL_S,
+                max_connections=MAX_CONNECTIONS,
+            )
+        except (BrokerUnavailableError, ConfigError) as exc:
+            raise type(exc)(f"broker {self.name!r}: {exc}") from exc
         # Stream reads are decoded by mqorder.codec from the raw reply; redis-py's per-entry
         # dict conversion would only cost time on the hot path.
         self.client.set_response_callback("XRANGE", _raw_reply)
@@ -332,8 +386,8 @@ class Broker:
         try:
             self.client.ping()
         except redis.RedisError as exc:
-            if isinstance(exc, SentinelAuthError):
-                hint = ""  # the error says what to set
+            if isinstance(exc, MasterNotFoundError):
+                hint = ""  # the error says what to check (SentinelAuthError: what to set)
             elif isinstance(exc, redis.AuthenticationError):
                 hint = ". Fix the password (user:password@) in the URL"
             else:
@@ -373,10 +427,14 @@ class BrokerRegistry:
         self._brokers: dict[str, Broker] = {
             default_name: Broker(default_name, default_url, socket_timeout=socket_timeout)
         }
-        for name, url in (extra or {}).items():
-            if name in self._brokers:
-                continue
-            self._brokers[name] = Broker(name, url, socket_timeout=socket_timeout)
+        try:
+            for name, url in (extra or {}).items():
+                if name in self._brokers:
+                    continue
+                self._brokers[name] = Broker(name, url, socket_timeout=socket_timeout)
+        except Exception:
+            self.close()  # a cluster broker connects when made: leave no client open behind the error
+            raise
 
     @property
     def default(self) -> Broker:

@@ -28,12 +28,14 @@ from typing import Any, cast
 import redis
 from redis.backoff import NoBackoff
 from redis.cluster import ClusterNode
+from redis.exceptions import RedisClusterException
 from redis.retry import Retry
 from redis.sentinel import MasterNotFoundError, Sentinel, SentinelManagedConnection, SentinelManagedSSLConnection
 
+from mqorder.errors import BrokerUnavailableError, ConfigError
 from mqorder.store.cluster_route import ClusterClient
-from mqorder.store.cluster_urls import ClusterURL, is_cluster_url, parse_cluster_url
-from mqorder.store.urls import SentinelURL, is_sentinel_url, parse_sentinel_url
+from mqorder.store.cluster_urls import ClusterURL, is_cluster_url, parse_cluster_url, redact_cluster_url
+from mqorder.store.urls import SentinelURL, host_port, is_sentinel_url, parse_sentinel_url
 
 #: Upper bound of the socket (and connect) timeout of a connection to a Sentinel, in seconds.
 SENTINEL_TIMEOUT_S = 1.0
@@ -89,8 +91,9 @@ class DemotionAwareSSLConnection(DemotionAware, SentinelManagedSSLConnection):
 
 
 class MqorderSentinel(Sentinel):
-    """redis-py's ``Sentinel``, whose failure to find a primary says *why* when the reason is a
-    refused Sentinel password (redis-py reports "No master found", listing the errors)."""
+    """redis-py's ``Sentinel``, whose failure to find a primary says *why*: which Sentinels were
+    asked and what each answered (redis-py says "No master found", with the repr of a client per
+    Sentinel that did not answer), and what to do about it."""
 
     def __init__(self, parsed: SentinelURL, sentinels: list[tuple[str, int]], **kwargs: Any) -> None:
         super().__init__(sentinels, **kwargs)
@@ -100,29 +103,67 @@ class MqorderSentinel(Sentinel):
         try:
             return super().discover_master(service_name)
         except MasterNotFoundError as exc:
-            refused = self._refused_auth()
-            if refused:
-                has = "a password that they refuse" if self.parsed.sentinel_password else "no password"
-                raise SentinelAuthError(
-                    f"the Sentinels of {service_name!r} refused mqorder's login ({'; '.join(refused)}): "
-                    f"it gave them {has}. Sentinel's password is separate from the data nodes' (the "
-                    "URL's user:password@): set sentinel_password=... in the URL's query, or "
-                    "MQORDER_SENTINEL_PASSWORD"
-                ) from exc
-            raise
+            raise self._not_found(service_name) from exc
 
-    def _refused_auth(self) -> list[str]:
-        """``host:port: error`` of each Sentinel that refuses our credentials."""
-        out = []
+    def _not_found(self, service_name: str) -> MasterNotFoundError:
+        """Why no Sentinel named a primary for ``service_name``: each is asked again (one ``SENTINEL
+        MASTERS``, with the Sentinels' short timeout), only after a failure, where redis-py's error
+        has lost the details. ``SentinelAuthError`` if any refused our credentials (the fix is the
+        same whatever the others said), else a ``MasterNotFoundError`` (a ``ConnectionError``:
+        every retry loop treats it as before) naming every Sentinel and what to check."""
+        refused: list[str] = []
+        asked: list[str] = []
+        seen: set[str] = set()
         for s in self.sentinels:
+            kw = s.connection_pool.connection_kwargs
+            addr = host_port(str(kw.get("host")), int(kw.get("port") or 0))
             try:
-                s.ping()
+                raw = s.sentinel_masters()
             except redis.AuthenticationError as exc:
-                kw = s.connection_pool.connection_kwargs
-                out.append(f"{kw.get('host')}:{kw.get('port')}: {exc}")
-            except redis.RedisError:
+                refused.append(f"{addr}: {exc}")
                 continue
-        return out
+            except redis.RedisError as exc:
+                asked.append(f"{addr} (no answer: {str(exc).rstrip('.')})")
+                seen.add("down")
+                continue
+            # By name (redis-py's RESP2 parsing); a list of states in its newer reply shape.
+            masters = raw if isinstance(raw, dict) else {str(m.get("name")): m for m in raw}
+            state = masters.get(service_name)
+            if state is None:
+                names = ", ".join(repr(str(n)) for n in sorted(masters)) or "no name at all"
+                asked.append(f"{addr} (does not monitor {service_name!r}; it monitors {names})")
+                seen.add("name")
+            elif self.check_master_state(state, service_name):
+                # It had none a moment ago (or its answer was lost): say what it says now.
+                asked.append(f"{addr} (now names {host_port(str(state['ip']), int(state['port']))})")
+            else:
+                primary = host_port(str(state.get("ip")), int(state.get("port") or 0))
+                asked.append(f"{addr} (sees the primary {primary} as down: flags {state.get('flags')})")
+                seen.add("primary")
+        if refused:
+            has = "a password that they refuse" if self.parsed.sentinel_password else "no password"
+            return SentinelAuthError(
+                f"the Sentinels of {service_name!r} refused mqorder's login ({'; '.join(refused)}): "
+                f"it gave them {has}. Sentinel's password is separate from the data nodes' (the "
+                "URL's user:password@): set sentinel_password=... in the URL's query, or "
+                "MQORDER_SENTINEL_PASSWORD"
+            )
+        todo = []
+        if "down" in seen:
+            todo.append("start the Sentinels that did not answer, or fix their host:port in the URL")
+        if "name" in seen:
+            todo.append(f"check the master name: the URL's /{service_name} must be the <name> of the "
+                        "Sentinels' 'sentinel monitor <name> <ip> <port> <quorum>'")
+        if "primary" in seen:
+            todo.append("start the primary, or let the Sentinels promote a replica (that takes a quorum "
+                        "of Sentinels and a healthy replica)")
+        if not todo:
+            todo.append("try again: a failover may have been under way")
+        hint = "; ".join(todo)
+        return MasterNotFoundError(
+            f"no Sentinel named a primary for service {service_name!r}; asked {', '.join(asked)}. "
+            f"{hint[0].upper()}{hint[1:]}"
+        )
 
 
 def sentinel_credentials(password: str | None, username: str | None,
@@ -184,11 +225,50 @@ def connect_cluster(url: str, **client_kwargs: Any) -> ClusterClient:
     """A ``ClusterClient`` for a ``redis+cluster://`` URL: the listed nodes are only where the
     slot map is first read; every node of the cluster is then reached as the map says, and a
     failover or a migration is followed (``mqorder.store.cluster_route``). A partial cluster
-    (``require_full_coverage`` off) still serves the slots whose primaries are up."""
+    (``require_full_coverage`` off) still serves the slots whose primaries are up.
+
+    Unlike a plain client, this one connects here: redis-py reads the slot map in the constructor.
+    So its failure is said here, as ``Broker.ping`` says a plain Redis's (``cluster_connect_error``):
+    ``BrokerUnavailableError`` when no listed node answers or lets us in, ``ConfigError`` when
+    the URL names a Redis that is not a cluster node."""
     parsed = parse_cluster_url(url)
     kw = _url_keywords(parsed, client_kwargs)
     nodes = [ClusterNode(h, p) for h, p in parsed.startup_nodes]
-    return ClusterClient(startup_nodes=nodes, require_full_coverage=False, **kw)
+    try:
+        return ClusterClient(startup_nodes=nodes, require_full_coverage=False, **kw)
+    except (RedisClusterException, redis.RedisError) as exc:
+        raise cluster_connect_error(url, parsed, exc) from exc
+
+
+def cluster_connect_error(url: str, parsed: ClusterURL, exc: Exception) -> BrokerUnavailableError | ConfigError:
+    """What a failure to read the slot map means, and what to do. redis-py raises one
+    ``RedisClusterException`` ("cannot be connected") whatever happened, caused by the last
+    listed node's error, which tells the cases apart."""
+    where = f"the Redis Cluster at {redact_cluster_url(url)}"
+    listed = ", ".join(host_port(h, p) for h, p in parsed.startup_nodes)
+    cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
+    reply = cause.__context__ if isinstance(cause, RedisClusterException) else None
+    if isinstance(reply, redis.ResponseError):
+        # A node answered CLUSTER SLOTS with an error (redis-py says "Cluster mode is not enabled").
+        if "cluster support disabled" in str(reply):
+            return ConfigError(
+                f"{redact_cluster_url(url)} names no Redis Cluster: a listed node ({listed}) is a Redis with "
+                f"cluster mode off (CLUSTER SLOTS: {reply}). For a single Redis use redis://host:port/db; for "
+                "a cluster, list nodes of it (cluster-enabled yes)"
+            )
+        return ConfigError(
+            f"{where}: a listed node ({listed}) refused CLUSTER SLOTS ({reply}), which a cluster client "
+            "needs to find the slots; allow it for the URL's user (ACL), or check that the node is a cluster node"
+        )
+    if isinstance(cause, redis.AuthenticationError):
+        return BrokerUnavailableError(
+            f"cannot log in to {where} (listed nodes: {listed}): {str(cause).rstrip('.')}. Fix the "
+            "password (user:password@) in the URL"
+        )
+    return BrokerUnavailableError(
+        f"cannot reach {where}: none of its listed nodes ({listed}) gave the slot map (last error: "
+        f"{str(cause).rstrip('.')}). Start the cluster's nodes, or list nodes of a running cluster in the URL"
+    )
 
 
 def connect(url: str, *, sentinel_password: str | None = None, **client_kwargs: Any) -> redis.Redis:
@@ -196,10 +276,12 @@ def connect(url: str, *, sentinel_password: str | None = None, **client_kwargs: 
 
     A Sentinel URL gives a client of the current primary that follows failovers by itself (see the
     module docstring); ``sentinel_password`` is the Sentinels' password when the URL's query names
-    none (``mqorder.store.urls.parse_sentinel_url``). No connection is made here: the first
-    command connects, so a down Redis is an error of the first command, as with ``from_url``.
-    ``ConfigError`` if ``url`` is a malformed Sentinel URL. A Redis Cluster URL
-    (``redis+cluster://``) gives a ``ClusterClient`` (``connect_cluster``).
+    none (``mqorder.store.urls.parse_sentinel_url``). For a plain or a Sentinel URL no connection
+    is made here: the first command connects, so a down Redis is an error of the first command, as
+    with ``from_url``. ``ConfigError`` if ``url`` is a malformed Sentinel URL. A Redis Cluster URL
+    (``redis+cluster://``) gives a ``ClusterClient`` (``connect_cluster``), which reads the slot map
+    here: an unreachable cluster is a ``BrokerUnavailableError`` here, a URL naming a Redis that is
+    not a cluster node a ``ConfigError``.
     """
     if is_cluster_url(url):
         return cast(redis.Redis, connect_cluster(url, **client_kwargs))

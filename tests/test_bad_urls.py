@@ -1,0 +1,178 @@
+"""Store URLs that cannot work get a clear error naming what is wrong and what to do, never a raw
+redis-py exception or a traceback: an unreachable Redis Cluster, a port out of range, a Sentinel
+deployment that names no primary. Each against real processes (a dead port, a redis-server, a
+Sentinel), in the library and through the CLI."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import redis
+from typer.testing import CliRunner, Result
+
+from mqorder.cli import EXIT_BAD, app
+from mqorder.errors import BrokerUnavailableError, ConfigError
+from mqorder.settings import load_settings
+from mqorder.store.brokers import Broker, check_celery_broker_url, check_redis_url, redact_url
+from mqorder.store.connect import close as close_client
+from mqorder.store.connect import connect
+from mqorder.testing.embedded import RedisServer, free_port
+from mqorder.testing.sentinel import SentinelProcess
+from tests.sentinel_support import eventually
+
+#: Nothing listens on port 1: a connection there is refused at once.
+DEAD = "127.0.0.1:1"
+
+
+def cli(*args: str) -> Result:
+    return CliRunner().invoke(app, list(args), catch_exceptions=False)
+
+
+def one_line_error(res: Result) -> str:
+    """The CLI's error: exit 2, nothing on stdout, one ``error:`` line on stderr (no traceback)."""
+    assert res.exit_code == EXIT_BAD, (res.exit_code, res.output)
+    assert res.stdout == ""
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), res.stderr
+    assert "Traceback" not in res.stderr
+    return lines[0]
+
+
+# -- an unreachable Redis Cluster ----------------------------------------------------------------
+
+
+def test_an_unreachable_or_non_cluster_redis_cluster_url_is_a_clear_error(redis_url: str,
+                                                                           redis_server: RedisServer) -> None:
+    url = f"redis+cluster://:secret@{DEAD},127.0.0.1:2/"
+    with pytest.raises(BrokerUnavailableError) as exc:
+        connect(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    msg = str(exc.value)
+    assert "cannot reach the Redis Cluster at redis+cluster://:***@127.0.0.1:1,127.0.0.1:2/" in msg
+    assert "127.0.0.1:1, 127.0.0.1:2" in msg and "Connection refused" in msg
+    assert "Start the cluster's nodes" in msg and "secret" not in msg
+
+    with pytest.raises(BrokerUnavailableError, match="^broker 'broker-b': cannot reach the Redis Cluster"):
+        Broker("broker-b", url, socket_timeout=1.0)
+
+    # A plain Redis named by a cluster URL: a wrong URL, not an outage.
+    plain = f"redis+cluster://127.0.0.1:{redis_server.port}/"
+    with pytest.raises(ConfigError, match="names no Redis Cluster: .* cluster mode off .* use redis://host:port/db"):
+        Broker("broker-a", plain, socket_timeout=1.0)
+
+    line = one_line_error(cli("--redis-url", url, "topic", "list"))
+    assert "broker 'broker-a': cannot reach the Redis Cluster at redis+cluster://:***@" in line
+    assert "secret" not in line
+    assert "names no Redis Cluster" in one_line_error(cli("--redis-url", plain, "topic", "list"))
+
+
+# -- a port out of range ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("url, port", [
+    ("redis://127.0.0.1:99999/0", "99999"),
+    ("redis://:secret@127.0.0.1:65536/0", "65536"),
+    ("redis://user:secret@127.0.0.1:0/0", "0"),  # redis-py would quietly use 6379
+    ("rediss://127.0.0.1:-1/0", "-1"),
+    ("redis://127.0.0.1:63 79/0", "63 79"),
+    ("redis://[::1]:70000/0", "70000"),
+])
+def test_a_port_out_of_range_is_a_config_error_naming_the_url_and_the_range(url: str, port: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        check_redis_url(url)
+    msg = str(exc.value)
+    assert f"MQORDER_REDIS_URL={redact_url(url)!r} has port {port!r}" in msg
+    assert "a port is a number from 1 to 65535" in msg and "secret" not in msg
+    with pytest.raises(ConfigError, match="MQORDER_REDIS_URL"):
+        load_settings(redis_url=url)
+    with pytest.raises(ConfigError, match=f"broker 'broker-b' URL=.* has port '{port}'"):
+        Broker("broker-b", url)
+    with pytest.raises(ConfigError, match="MQORDER_CELERY_BROKER_URL=.* has port"):
+        check_celery_broker_url(f"redis://127.0.0.1:6379/0;{url}")
+
+    line = one_line_error(cli("--redis-url", url, "topic", "list"))
+    assert f"--redis-url={redact_url(url)!r} has port {port!r}" in line
+
+
+@pytest.mark.parametrize("url", [
+    "redis://127.0.0.1:6379/0", "redis://127.0.0.1/0", "redis://:pw@localhost:65535/3",
+    "rediss://127.0.0.1:6380/0?ssl_cert_reqs=none", "redis://[::1]:6379/0", "unix:///tmp/redis.sock?db=2",
+    "unix://:pw@/tmp/redis.sock", "redis+sentinel://127.0.0.1:26379/mymaster", "redis+cluster://127.0.0.1:7000/",
+])
+def test_good_urls_of_every_kind_still_pass(url: str) -> None:
+    assert check_redis_url(url) == url
+
+
+@pytest.mark.parametrize("url", ["redis+sentinel://127.0.0.1:99999/m", "redis+cluster://127.0.0.1:99999/",
+                                 "amqp://guest:pw@127.0.0.1:99999//", "sentinel://127.0.0.1:99999"])
+def test_other_url_kinds_refuse_a_port_out_of_range_too(url: str) -> None:
+    check = check_celery_broker_url if url.startswith(("amqp", "sentinel:")) else check_redis_url
+    with pytest.raises(ConfigError, match="99999"):
+        check(url)
+
+
+@pytest.mark.parametrize("url", ["redis://:se#cret@127.0.0.1:6379/0", "redis://:se?cret@127.0.0.1:6379/0",
+                                 "redis://:se/cret@127.0.0.1:6379/0"])
+def test_a_password_that_cuts_the_host_short_is_not_shown_as_a_bad_port(url: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        check_redis_url(url)
+    msg = str(exc.value)
+    assert "percent-encode" in msg and "redis://***@127.0.0.1:6379/0" in msg
+    assert "cret" not in msg and "has port" not in msg
+
+
+def test_a_bad_redis_url_query_value_is_a_config_error_not_a_bare_value_error() -> None:
+    with pytest.raises(ConfigError, match="is not a valid Redis URL: Invalid value for 'socket_timeout'"):
+        check_redis_url("redis://127.0.0.1:6379/0?socket_timeout=soon")
+
+
+# -- a Sentinel deployment that names no primary ----------------------------------------------------
+
+
+def test_sentinels_that_name_no_primary_say_which_service_and_sentinels_and_what_to_check(tmp_path: Path) -> None:
+    sentinel = SentinelProcess(tmp_path)
+    # It monitors "mqorder" on a port where no primary runs, so it soon sees that primary down.
+    sentinel.start("mqorder", free_port(), quorum=1, down_after_ms=100, failover_timeout_ms=1000, auth_pass=None)
+    try:
+        probe = sentinel.client()
+        assert eventually(lambda: _answers(probe))
+        # A master name the Sentinels do not monitor, and a Sentinel that is not running.
+        url = f"redis+sentinel://127.0.0.1:{sentinel.port},{DEAD}/orders"
+        b = Broker("broker-a", url, socket_timeout=1.0)
+        try:
+            with pytest.raises(BrokerUnavailableError) as exc:
+                b.ping()
+        finally:
+            b.close()
+        msg = str(exc.value)
+        assert "<redis.client" not in msg and "ConnectionPool" not in msg
+        assert "no Sentinel named a primary for service 'orders'" in msg
+        assert f"127.0.0.1:{sentinel.port} (does not monitor 'orders'; it monitors 'mqorder')" in msg
+        assert "127.0.0.1:1 (no answer: Error 111 connecting to 127.0.0.1:1. Connection refused)" in msg
+        assert "fix their host:port in the URL" in msg and "check the master name" in msg
+        assert isinstance(exc.value.__cause__, redis.ConnectionError)  # retry loops see what they saw before
+
+        # The name it monitors, once it sees that primary down.
+        assert eventually(lambda: "s_down" in str(probe.sentinel_master("mqorder").get("flags")))
+        watched = connect(f"redis+sentinel://127.0.0.1:{sentinel.port}/mqorder", socket_timeout=1.0)
+        try:
+            with pytest.raises(redis.ConnectionError) as down:
+                watched.ping()
+        finally:
+            close_client(watched)
+        assert f"127.0.0.1:{sentinel.port} (sees the primary 127.0.0.1:" in str(down.value)
+        assert "Start the primary, or let the Sentinels promote a replica" in str(down.value)
+
+        line = one_line_error(cli("--redis-url", url, "topic", "list"))
+        assert "cannot reach Redis broker 'broker-a'" in line and "does not monitor 'orders'" in line
+        assert "<redis.client" not in line
+        probe.close()
+    finally:
+        sentinel.stop()
+
+
+def _answers(client: redis.Redis) -> bool:
+    try:
+        return bool(client.ping())
+    except redis.ConnectionError:
+        return False

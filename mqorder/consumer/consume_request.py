@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import queue
+import threading
 import time
 from typing import Any
 
@@ -94,6 +95,8 @@ class ConsumeRequest(LingeringReads):
         #: The connection of this run's round trips on the consume path: the task execution's
         #: (``ConsumerEngine.run``), or this run's own, released when ``run`` returns.
         self._own_lease = lease is None
+        #: The thread that runs this request (``run``): only it may use ``lease``.
+        self._thread = threading.get_ident()
         self.lease = lease if lease is not None else ConnectionLease(self.redis)
         tag = mq.tag
         self.k_state = keys.sub_state(tag, sub)
@@ -161,6 +164,7 @@ class ConsumeRequest(LingeringReads):
     # -- the run ---------------------------------------------------------------------------------
 
     def run(self) -> Outcome:
+        self._thread = threading.get_ident()
         try:
             return self._run()
         finally:
@@ -593,7 +597,7 @@ class ConsumeRequest(LingeringReads):
             # ledger records of the batch just handled, when the ledger is on).
             res, entries = self._commit_pipelined(keys_, args, pull, linger_until=linger_until, then=then)
         else:
-            res, entries = self.scripts.commit(keys=keys_, args=args), []
+            res, entries = self.scripts.call("commit", keys_, args, via=self._fenced_via()), []
         verb = text(res[0])
         if skipped and verb in ("OK", "IDLE"):
             self._skips_counted(self.commit_point, skipped)
@@ -705,9 +709,22 @@ class ConsumeRequest(LingeringReads):
         else:
             log.warning("commit refused on %s for %s: %s", self.mq.key, self.sub, verb)
 
+    def _fenced_via(self) -> ConnectionLease | None:
+        """The connection for a fenced call: the run's own (its reads') on the run's thread, else
+        None (a pool connection: a lease belongs to one thread).
+
+        Why the run's own: after a failover a pool connection reaches the promoted replica, which
+        may lack messages this run read on the old primary. ``AHEAD`` compares offsets only, so
+        once new messages fill those offsets a commit there is accepted and skips them. On the
+        connection that read, the primary's death is a Redis error instead: the run starts over
+        from the committed offset on the new primary (once a bug: a SUSPEND's commit went through
+        the pool and committed past two messages nobody had handled)."""
+        return self.lease if threading.get_ident() == self._thread else None
+
     def _touch(self) -> bool:
-        res = self.scripts.touch(
-            keys=[self.k_state], args=[self.client_id, self.epoch, self.token, self.run_lease_ms, self.lock_ms]
+        res = self.scripts.call(
+            "touch", [self.k_state], [self.client_id, self.epoch, self.token, self.run_lease_ms, self.lock_ms],
+            via=self._fenced_via(),
         )
         if int(res[0]):
             self.pq.mark_locked()

@@ -96,3 +96,22 @@ def test_fixed_values_are_enum_choices_listed_in_help_and_refused_by_name(redis_
     assert created.exit_code == EXIT_OK, created.stderr
     info = json.loads(created.stdout)
     assert (info["perm"], info["retention"]["policy"]) == ("r", "consumed")
+
+
+def test_every_command_prints_its_help() -> None:
+    """``--help`` of the program and of every command and group renders (rich markup in a help
+    text, such as a URL's optional ``[/<db>]``, once made ``mqorder --help`` itself crash)."""
+    import typer.main
+
+    def walk(cmd, path: list[str]):
+        yield path
+        for name, sub in getattr(cmd, "commands", {}).items():
+            yield from walk(sub, [*path, name])
+
+    paths = list(walk(typer.main.get_command(app), []))
+    assert len(paths) > 10
+    for path in paths:
+        res = cli(*path, "--help")
+        assert res.exit_code == EXIT_OK, (path, res.stdout, res.stderr, res.exception)
+        assert "Usage" in res.stdout, path
+    assert "redis+sentinel://[:password@]" in plain(cli("--help").stdout).replace("\n", "")

@@ -76,8 +76,8 @@ def root(
     redis_url: str = typer.Option(
         None, "--redis-url", envvar=REDIS_URL_ENV, show_envvar=True,
         help="the Redis that stores the messages (redis://host:port/db, rediss://, unix://, under "
-             "Sentinel redis+sentinel://[:password@]host:port,host:port/<master-name>[/<db>], or a Redis Cluster "
-             "redis+cluster://[[user]:password@]host:port,host:port/); given here, it replaces MQORDER_REDIS_URL for "
+             "Sentinel redis+sentinel://\\[:password@]host:port,host:port/<master-name>\\[/<db>], or a Redis Cluster "
+             "redis+cluster://\\[\\[user]:password@]host:port,host:port/); given here, it replaces MQORDER_REDIS_URL for "
              "this command",
     ),
     version: bool = typer.Option(False, "--version", is_eager=True, expose_value=False, callback=_print_version,

@@ -153,3 +153,20 @@ def use_parsers(which: str, monkeypatch) -> None:
     else:
         monkeypatch.setattr(resp_pages, "_resp", None)
         monkeypatch.setattr(headers, "_resp", None)
+
+
+def ping_refused(url: str, timeout: float = 1.0) -> BaseException:
+    """The ``BrokerUnavailableError`` a ``Broker`` of ``url`` raises on its first ``ping`` (it
+    must raise one), the broker closed either way: how a bad or unreachable store URL reads."""
+    import pytest
+
+    from mqorder.errors import BrokerUnavailableError
+    from mqorder.store.brokers import Broker
+
+    b = Broker("broker-a", url, socket_timeout=timeout)
+    try:
+        with pytest.raises(BrokerUnavailableError) as exc:
+            b.ping()
+    finally:
+        b.close()
+    return exc.value

@@ -49,6 +49,20 @@ def owned_idle_queues(settings, r: redis.Redis) -> tuple[Producer, ConsumerEngin
     return p, eng
 
 
+def wait_until(cond, timeout: float = 10.0) -> bool:
+    """Poll ``cond`` every 10 ms until it holds or ``timeout`` passes; its last answer."""
+    deadline = time.monotonic() + timeout
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(cond())
+
+
+def wait_adopted(r: redis.Redis, mq: MessageQueue) -> None:
+    """Until the lingering run's watch has adopted ``mq`` (its pending slot is the watch's)."""
+    assert wait_until(lambda: r.hget(keys.sub_state(mq.tag, SUB), "pending") not in (None, b"")), \
+        f"the lingering run did not adopt queue {mq.queue_id}"
+
+
 @dataclass
 class LingeringRun:
     """A request running in a thread, allowed to linger while ``linger`` is set."""
@@ -395,15 +409,9 @@ def test_a_run_that_switched_and_must_be_dispatched_again_names_the_queue_it_end
     def listener(msgs, ctx):
         return ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT
 
-    def adopted() -> bool:
-        return r.hget(keys.sub_state(QUEUES[1].tag, SUB), "pending") not in (None, b"")
-
     with lingering_run(eng, ListenerSpec(listener, TOPIC, SUB), r) as run:
         # The run found queue 0 empty and lingers, watching queues 1-3 once it adopted them.
-        deadline = time.monotonic() + 10
-        while not adopted() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert adopted(), "the lingering run did not adopt queue 1"
+        wait_adopted(r, QUEUES[1])
         p.send_orderly(TOPIC, b"x", sharding_key=key_for(1))
         run.thread.join(timeout=10)
         assert not run.thread.is_alive(), "the run did not end after the suspend"
@@ -467,18 +475,10 @@ def test_a_switched_run_retried_after_a_redis_error_still_sends_the_request_the_
         handled.extend((m.queue_id, int(m.body)) for m in msgs)
         return ConsumeOrderlyStatus.SUCCESS
 
-    def adopted() -> bool:
-        return r.hget(keys.sub_state(to.tag, SUB), "pending") not in (None, b"")
-
     with lingering_run(eng, ListenerSpec(listener, TOPIC, SUB), r) as run:
-        deadline = time.monotonic() + 10
-        while not adopted() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert adopted(), "the lingering run did not adopt queue 1"
+        wait_adopted(r, QUEUES[1])
         p.send_orderly(TOPIC, b"0", sharding_key=key_for(1))
-        deadline = time.monotonic() + 10
-        while not handled and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: handled)
     (out,) = run.result
     assert delivered == [(1, 0), (1, 0)] and handled == [(1, 0)]  # never queue 0's message: c2's now
     state = {k.decode(): v.decode() for k, v in r.hgetall(k_left).items()}
@@ -522,19 +522,10 @@ def test_a_lost_reply_of_a_switch_leaves_no_queue_begun_and_unconsumed(settings,
     spec = ListenerSpec(lambda msgs, ctx: handled.extend((m.queue_id, m.body) for m in msgs)
                         or ConsumeOrderlyStatus.SUCCESS, TOPIC, SUB)
 
-    def adopted() -> bool:
-        return r.hget(q1, "pending") not in (None, b"")
-
     with lingering_run(eng, spec, r) as run:
-        deadline = time.monotonic() + 10
-        while not adopted() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert adopted(), "the lingering run did not adopt queue 1"
+        wait_adopted(r, QUEUES[1])
         p.send_orderly(TOPIC, b"m1", sharding_key=key_for(1))
-        deadline = time.monotonic() + 10
-        while not lost and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert lost, "no switch.lua reply switched: the lost reply was not tried"
+        assert wait_until(lambda: lost), "no switch.lua reply switched: the lost reply was not tried"
         run.thread.join(timeout=10)
         assert not run.thread.is_alive(), "the retried run did not end"
     (out,) = run.result

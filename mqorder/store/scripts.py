@@ -185,26 +185,7 @@ class Scripts:
         sent again, and a rebalance's ``assign.lua`` that had run answered KEPT the second time,
         so the request it had asked for was never sent). Any other error of a call is raised.
         """
-        replies: list[Any] = [None] * len(calls)
-        todo = list(range(len(calls)))
-        for attempt in (0, 1):
-            pipe = RawPipeline(via or self._client)
-            for i in todo:
-                k, a = calls[i]
-                self.queue_in(pipe, name, k, a)
-            missing = []
-            for i, res in zip(todo, pipe.execute(raise_on_error=False), strict=True):
-                if isinstance(res, redis.exceptions.NoScriptError) and not attempt:
-                    missing.append(i)
-                elif isinstance(res, Exception):
-                    raise res
-                else:
-                    replies[i] = res
-            if not missing:
-                return replies
-            self.load(name)
-            todo = missing
-        raise AssertionError("unreachable")  # pragma: no cover
+        return self.run_many([(name, k, a) for k, a in calls], via)
 
     def call(self, name: str, keys: Sequence[Any], args: Sequence[Any], via: ConnectionLease | None = None) -> Any:
         """One ``EVALSHA`` of script ``name`` in one round trip: the consume path's and a send's.

@@ -39,7 +39,8 @@ Memory. ``buffer_memory`` bounds the bytes (header + body) of records not yet re
 that finds it full blocks up to ``max_block_ms``, then raises ``BufferExhaustedError`` (Kafka's
 ``buffer.memory`` / ``max.block.ms``); a message bigger than the whole buffer is refused at once.
 A done-callback's send is the exception: it never blocks (``RecordAccumulator.append``).
-``linger_ms`` and ``max_block_ms`` are waits, so at most ``threading.TIMEOUT_MAX`` (in ms).
+``linger_ms`` and ``max_block_ms`` are waits, so at most ``threading.TIMEOUT_MAX`` (in ms): a
+thread's ``wait`` takes no longer one.
 
 Lifetime. ``flush()`` waits for every record appended before it; ``close()`` sends everything
 pending and stops the thread; at interpreter exit every live sender of the process is closed
@@ -256,7 +257,7 @@ class RecordAccumulator:
                         "Redis takes the sends slower than they come, or does not answer. The message was not "
                         "sent; retry later, or raise buffer_memory / max_block_ms"
                     )
-                self._room.wait(min(left, threading.TIMEOUT_MAX))
+                self._room.wait(left)
         finally:
             self._blocked -= 1
 
@@ -274,7 +275,7 @@ class RecordAccumulator:
                     left = self._first_at + linger - time.monotonic()
                     if left <= 0:
                         break
-                    self._ready.wait(min(left, threading.TIMEOUT_MAX))
+                    self._ready.wait(left)
                 elif self._closed:
                     return None
                 else:
@@ -304,10 +305,10 @@ class RecordAccumulator:
             if self._dead is None:
                 self._dead = cause
             pending, in_flight = list(self._records), self._in_flight
+            self._used -= sum(r.size for r in pending) + self._in_flight_bytes
             self._records.clear()
             self._in_flight = []
             self._in_flight_bytes = 0
-            self._used -= sum(r.size for r in pending) + sum(r.size for r in in_flight)
             self._ready.notify_all()
             self._room.notify_all()
             cause = self._dead

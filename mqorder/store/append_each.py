@@ -88,35 +88,28 @@ def _round_trip(appender: QueueAppender, broker: Broker, requests: Sequence[Appe
         _one_round(appender, broker, requests, calls, wait, via, rounds[0], out)
         return [o if o is not None else RuntimeError("no reply") for o in out]
     failed: dict[MessageQueue, Exception] = {}  # per queue, the error of its request refused
-    for rnd in rounds:
-        todo = []
-        for i in rnd:
-            err = failed.get(requests[i].mq)
-            if err is None:
-                todo.append(i)
-            else:
-                out[i] = err
-        try:
+    try:
+        for rnd in rounds:
+            todo = []
+            for i in rnd:
+                err = failed.get(requests[i].mq)
+                if err is None:
+                    todo.append(i)
+                else:
+                    out[i] = err
             _one_round(appender, broker, requests, calls, None, via, todo, out)
-        except Exception as exc:
-            err = translation(exc, broker.name, broker.safe_url, appender.timeout, appender.action)
-            if err is None:
-                raise
-            _unknown(appender, broker, wait, requests, out, err)
-            return [o if o is not None else err for o in out]
-        for i in todo:
-            o = out[i]
-            if isinstance(o, Exception):
-                failed.setdefault(requests[i].mq, o)
-    stored = [i for i, o in enumerate(out) if isinstance(o, AppendReply)]
-    if wait is not None and stored:
-        try:
+            for i in todo:
+                o = out[i]
+                if isinstance(o, Exception):
+                    failed.setdefault(requests[i].mq, o)
+        stored = [i for i, o in enumerate(out) if isinstance(o, AppendReply)]
+        if wait is not None and stored:
             _wait_round(appender, broker, wait, requests, stored, via, out)
-        except Exception as exc:
-            err = translation(exc, broker.name, broker.safe_url, appender.timeout, appender.action)
-            if err is None:
-                raise
-            _unknown(appender, broker, wait, requests, out, err)
+    except Exception as exc:
+        err = translation(exc, broker.name, broker.safe_url, appender.timeout, appender.action)
+        if err is None:
+            raise
+        _unknown(appender, broker, wait, requests, out, err)
     return [o if o is not None else RuntimeError("no reply") for o in out]
 
 

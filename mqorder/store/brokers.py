@@ -112,8 +112,7 @@ def check_redis_url(url: object, what: str = "MQORDER_REDIS_URL") -> str:
             f"rediss:// for TLS, unix:///path/to/socket, a Sentinel deployment: {URL_FORM}, "
             f"or a Redis Cluster: {CLUSTER_URL_FORM}"
         )
-    if scheme != "unix":  # a socket's URL has a path, not a host and port
-        _check_port(url, what, "redis://host:6379/0 (6379 is Redis's default)")
+    _check_redis_port(url, scheme, what)
     try:
         parse_url(url)  # what redis.Redis.from_url will do with it: its errors, here and clear
     except ValueError as exc:
@@ -132,6 +131,12 @@ def _scheme(url: str, what: str) -> str:
         return urlsplit(url).scheme
     except ValueError as exc:
         raise ConfigError(f"{what}={redact_url(url)!r} is not a URL ({exc})") from None
+
+
+def _check_redis_port(url: str, scheme: str, what: str) -> None:
+    """``_check_port`` of a Redis URL (a socket's, ``unix://``, has a path, not a host and port)."""
+    if scheme != "unix":
+        _check_port(url, what, "redis://host:6379/0 (6379 is Redis's default)")
 
 
 def _check_port(url: str, what: str, example: str) -> None:
@@ -212,8 +217,7 @@ def check_celery_broker_url(url: object, what: str = "MQORDER_CELERY_BROKER_URL"
             _check_port(one, what, "amqp://user:password@host:5672/vhost (5672 is RabbitMQ's default)")
         elif scheme in _SCHEMES:
             kinds.add("Redis")
-            if scheme != "unix":
-                _check_port(one, what, "redis://host:6379/0 (6379 is Redis's default)")
+            _check_redis_port(one, scheme, what)
         elif scheme == KOMBU_SENTINEL_SCHEME:
             kinds.add("Redis Sentinel")
             _check_port(one, what, "sentinel://host:26379 (26379 is Sentinel's default)")

@@ -97,7 +97,7 @@ class ConsumeRequest(LingeringReads):
         self._own_lease = lease is None
         #: The thread that runs this request (``run``): only it may use ``lease``.
         self._thread = threading.get_ident()
-        self.lease = lease if lease is not None else ConnectionLease(self.redis)
+        self.lease = lease if lease is not None else ConnectionLease(self.redis, pinned=True)
         tag = mq.tag
         self.k_state = keys.sub_state(tag, sub)
         self.k_log = keys.queue_log(tag)

@@ -65,8 +65,9 @@ class ConsumerEngine(ConsumerState):
         ``follow_ups`` lists the requests to send for the others.
         """
         # One connection for every round trip of this execution (its chain of switches stays on
-        # one broker: an IdleQueueWatch watches one broker's queues).
-        lease = ConnectionLease(self.brokers.get(mq.broker_name).client)
+        # one broker: an IdleQueueWatch watches one broker's queues), pinned on a cluster: a
+        # queue's slot stays on one node, a failover is a Redis error (``ClusterRoute``).
+        lease = ConnectionLease(self.brokers.get(mq.broker_name).client, pinned=True)
         try:
             return self._run_chain(spec, sub, mq, token, lease)
         finally:

@@ -23,6 +23,14 @@ response callbacks; ``mqorder.store.raw_pipe``), so this module gives that path 
   cluster (at most every ``REFRESH_MIN_S``) and a ``ConnectionError`` raised, which every retry
   loop of mqorder already treats as "Redis is away for a moment": after a cluster failover the
   next attempt finds the promoted replica.
+* **pinned** (a consume run's lease, ``ConnectionLease(pinned=True)``): each slot stays on the node
+  the slot map named at the lease's first command of that slot. A slot the map (or a ``MOVED``)
+  now puts on another node is a ``SlotMovedError`` (a ``ConnectionError``) *before* anything is
+  sent there: after a failover the promoted replica may lack messages the run read on the old
+  primary, and the commit's ``AHEAD`` check compares offsets only, so once producers refilled
+  those offsets a commit there would be accepted and skip them. The run starts over from the
+  committed offset instead, as it does when the old primary dies under it (``ASK`` is followed:
+  a migration moves keys, it never loses them).
 
 Only single-slot commands are routed: a multi-key command over keys of several slots is a
 ``CROSSSLOT`` error on a cluster whatever the client does, so callers split multi-queue work per
@@ -152,13 +160,21 @@ class ClusterClient(RedisCluster):
         return self.nodes_manager.get_node_from_slot(key_slot(_as_bytes(key)))
 
 
+class SlotMovedError(redis.ConnectionError):
+    """A pinned route's slot is served by another node now than when the lease first used it
+    (a failover, or a migration's end): nothing was sent; the caller starts over."""
+
+
 class ClusterRoute:
     """The per-node connections of one ``ConnectionLease`` on a cluster, and its routing."""
 
-    __slots__ = ("cluster", "_conns", "_last")
+    __slots__ = ("cluster", "_conns", "_last", "_pins")
 
-    def __init__(self, cluster: ClusterClient) -> None:
+    def __init__(self, cluster: ClusterClient, pinned: bool = False) -> None:
         self.cluster = cluster
+        #: slot -> name of the node the slot map named at this lease's first command of the slot;
+        #: None: not pinned (a producer's lease follows the slot map wherever it goes).
+        self._pins: dict[int, str] | None = {} if pinned else None
         #: node name -> (pool, connection) held by this lease.
         self._conns: dict[str, tuple[Any, Any]] = {}
         #: The node of the last keyed command sent: where a round trip of keyless commands alone
@@ -183,6 +199,8 @@ class ClusterRoute:
             pool.release(conn)
         self._conns.clear()
         self._last = None
+        if self._pins is not None:
+            self._pins.clear()
 
     def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Every command on its slot's primary, all nodes written before any is read; the
@@ -194,8 +212,18 @@ class ClusterRoute:
         except (RedisClusterException, KeyError) as exc:
             # No node answered the slot map's refresh, a slot no node serves (a master down under
             # a partial cluster), a redirection to a slot the map lacks: the cluster is settling.
+            self._unpin()
             self.cluster.refresh_slots()
             raise redis.ConnectionError(f"Redis Cluster not usable right now: {exc}") from exc
+        except BaseException:
+            # The caller starts over (a run from its committed offset): its next round trips pin
+            # the slots wherever the map puts them then.
+            self._unpin()
+            raise
+
+    def _unpin(self) -> None:
+        if self._pins is not None:
+            self._pins.clear()
 
     def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         n = len(commands)
@@ -290,7 +318,10 @@ class ClusterRoute:
                         continue
                     node = prev
                 else:
-                    node = manager.get_node_from_slot(key_slot(key))
+                    slot = key_slot(key)
+                    node = manager.get_node_from_slot(slot)
+                    if self._pins is not None:
+                        self._pin(slot, node)
             if pending_keyless:
                 batches.setdefault(node.name, (node, []))[1].extend(pending_keyless)
                 for j in pending_keyless:
@@ -305,6 +336,15 @@ class ClusterRoute:
             for j in pending_keyless:
                 node_of[j] = node
         return batches
+
+    def _pin(self, slot: int, node: ClusterNode) -> None:
+        """Pin ``slot`` to ``node``, or refuse ``node`` if the slot was pinned to another."""
+        assert self._pins is not None
+        pinned = self._pins.setdefault(slot, node.name)
+        if pinned != node.name:
+            raise SlotMovedError(
+                f"slot {slot} moved from {pinned} to {node.name} during this run (a failover or a "
+                "migration): the run starts over from its committed offset")
 
     def _exchange(self, commands: list[tuple[Any, ...]], batches: dict[str, tuple[ClusterNode, list[int]]],
                   asking: dict[int, tuple[str, int]]) -> dict[int, Any]:

@@ -49,19 +49,22 @@ class ConnectionLease:
     """One connection of ``client``'s pool, taken at the first round trip and kept until ``release``.
 
     On a Redis Cluster (``ClusterClient``) it holds one connection per node instead, and routes
-    each command to its slot's primary (``mqorder.store.cluster_route.ClusterRoute``).
+    each command to its slot's primary (``mqorder.store.cluster_route.ClusterRoute``). A
+    ``pinned`` lease (a consume run's) keeps each slot on the node it first went to: one
+    connection to one primary per queue, as off a cluster, so a run never reads on one node and
+    commits on another.
     """
 
     __slots__ = ("_pool", "_conn", "_lean", "_route", "_pid")
 
-    def __init__(self, client: redis.Redis | ClusterClient) -> None:
+    def __init__(self, client: redis.Redis | ClusterClient, pinned: bool = False) -> None:
         self._conn: Any = None
         #: Whether the held connection's replies are read straight from hiredis (``_lean_reads``).
         self._lean = False
         self._pid = os.getpid()
         if isinstance(client, ClusterClient):
             self._pool: Any = None
-            self._route: ClusterRoute | None = ClusterRoute(client)
+            self._route: ClusterRoute | None = ClusterRoute(client, pinned)
         else:
             self._pool = client.connection_pool
             self._route = None

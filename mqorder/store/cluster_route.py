@@ -24,7 +24,7 @@ response callbacks; ``mqorder.store.raw_pipe``), so this module gives that path 
   loop of mqorder already treats as "Redis is away for a moment": after a cluster failover the
   next attempt finds the promoted replica.
 * **pinned** (a consume run's lease, ``ConnectionLease(pinned=True)``): each slot stays on the node
-  the slot map named at the lease's first command of that slot. A slot the map (or a ``MOVED``)
+  that first served a command of it for the lease. A slot the map (or a ``MOVED``)
   now puts on another node is a ``SlotMovedError`` (a ``ConnectionError``) *before* anything is
   sent there: after a failover the promoted replica may lack messages the run read on the old
   primary, and the commit's ``AHEAD`` check compares offsets only, so once producers refilled
@@ -172,7 +172,7 @@ class ClusterRoute:
 
     def __init__(self, cluster: ClusterClient, pinned: bool = False) -> None:
         self.cluster = cluster
-        #: slot -> name of the node the slot map named at this lease's first command of the slot;
+        #: slot -> name of the node that first served a command of the slot for this lease;
         #: None: not pinned (a producer's lease follows the slot map wherever it goes).
         self._pins: dict[int, str] | None = {} if pinned else None
         #: node name -> (pool, connection) held by this lease.
@@ -236,7 +236,9 @@ class ClusterRoute:
             replies = self._exchange(commands, batches, asking)
             again: list[int] = []
             pause = False
+            asked = set(asking)
             asking = {}
+            served: list[int] = []
             for i in todo:
                 r = replies[i]
                 if isinstance(r, (MovedError, AskError, TryAgainError, ClusterDownError)):
@@ -256,6 +258,9 @@ class ClusterRoute:
                     again.append(i)
                 else:
                     out[i] = r
+                    served.append(i)
+            if self._pins is not None:
+                self._pin_served(commands, served, node_of, asked)
             if not again:
                 # Where a later lone WAIT goes: the node of the last keyed command, in the caller's order.
                 for i in reversed(range(n)):
@@ -321,7 +326,7 @@ class ClusterRoute:
                     slot = key_slot(key)
                     node = manager.get_node_from_slot(slot)
                     if self._pins is not None:
-                        self._pin(slot, node)
+                        self._check_pin(slot, node)
             if pending_keyless:
                 batches.setdefault(node.name, (node, []))[1].extend(pending_keyless)
                 for j in pending_keyless:
@@ -337,14 +342,27 @@ class ClusterRoute:
                 node_of[j] = node
         return batches
 
-    def _pin(self, slot: int, node: ClusterNode) -> None:
-        """Pin ``slot`` to ``node``, or refuse ``node`` if the slot was pinned to another."""
+    def _check_pin(self, slot: int, node: ClusterNode) -> None:
+        """Refuse ``node`` for ``slot`` if the slot is pinned to another node."""
         assert self._pins is not None
-        pinned = self._pins.setdefault(slot, node.name)
-        if pinned != node.name:
+        pinned = self._pins.get(slot)
+        if pinned is not None and pinned != node.name:
             raise SlotMovedError(
                 f"slot {slot} moved from {pinned} to {node.name} during this run (a failover or a "
                 "migration): the run starts over from its committed offset")
+
+    def _pin_served(self, commands: list[tuple[Any, ...]], served: list[int], node_of: dict[int, ClusterNode],
+                    asked: set[int]) -> None:
+        """Pin each slot to the node that *served* a command of it (not one the slot map named
+        but that answered ``MOVED``: a stale map after a failover is not where the run read;
+        not an ``ASK`` target: the map still names the source, where the next round trip goes)."""
+        assert self._pins is not None
+        for i in served:
+            if i in asked:
+                continue
+            key = command_key(commands[i])
+            if key is not None:
+                self._pins.setdefault(key_slot(key), node_of[i].name)
 
     def _exchange(self, commands: list[tuple[Any, ...]], batches: dict[str, tuple[ClusterNode, list[int]]],
                   asking: dict[int, tuple[str, int]]) -> dict[int, Any]:

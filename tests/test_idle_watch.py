@@ -11,6 +11,7 @@ import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 
@@ -486,6 +487,58 @@ def test_a_switched_run_retried_after_a_redis_error_still_sends_the_request_the_
     assert out is not None and out.queue == to and out.consumed == 1
     assert out.follow_ups == (FollowUp(left, "c2", state["pending"]),), "queue 0's handover was lost in the retry"
     assert switches_sent == [["finish", "begin"]], "the retry ended the run on queue 0 again"
+    p.close()
+    eng.brokers.close()
+
+
+def test_a_lost_reply_of_the_switchs_finish_still_sends_the_request_the_queue_left_needs(
+    settings, r, monkeypatch,
+) -> None:
+    """As above, but the reply of the switch's round trip itself (``finish.lua`` of the run left,
+    ``begin.lua`` of the next) is lost after both ran. The retry sends the same finish again
+    (the run's one new token) and must learn the handover it decided on. Once a bug: each send
+    of the prior's finish drew a new token, the second was STALE, and queue 0's request was
+    lost (it waited out ``pending_ttl_ms`` and a sweep)."""
+    from mqorder.consumer.linger import LingeringReads
+    from mqorder.store.scripts import Scripts
+
+    p, eng = owned_idle_queues(settings, r)
+    left, to = QUEUES[0], QUEUES[1]
+    k_left = keys.sub_state(left.tag, SUB)
+    monkeypatch.setattr(LingeringReads, "_offer_switch", lambda self, pipe, plan: setattr(self, "_offered", []))
+    switches_sent: list[list[Any]] = []
+    run_many = Scripts.run_many
+
+    def losing_run_many(self, calls, via=None):
+        names = [c[0] for c in calls]
+        if names != ["finish", "begin"]:
+            return run_many(self, calls, via)
+        switches_sent.append(list(calls[0][2]))
+        if len(switches_sent) > 1:
+            return run_many(self, calls, via)
+        r.hset(keys.assignment(SUB), left.key, "c2")
+        assert RebalanceLockManager(eng.brokers).assign(SUB, [(left, "c2", "tok-c2")]) == {left: "BUSY"}
+        p.send_orderly(TOPIC, b"left", sharding_key=key_for(0))
+        run_many(self, calls, via)  # both ran; the reply is lost on its way back
+        assert via is not None
+        via.release()
+        raise redis.ConnectionError("the reply was lost on its way back (test)")
+
+    monkeypatch.setattr(Scripts, "run_many", losing_run_many)
+    handled: list[tuple[int, int]] = []
+    spec = ListenerSpec(lambda msgs, ctx: handled.extend((m.queue_id, int(m.body)) for m in msgs)
+                        or ConsumeOrderlyStatus.SUCCESS, TOPIC, SUB)
+    with lingering_run(eng, spec, r) as run:
+        wait_adopted(r, QUEUES[1])
+        p.send_orderly(TOPIC, b"0", sharding_key=key_for(1))
+        wait_until(lambda: handled)
+    (out,) = run.result
+    assert handled == [(1, 0)]
+    state = {k.decode(): v.decode() for k, v in r.hgetall(k_left).items()}
+    assert len(switches_sent) == 2 and switches_sent[0] == switches_sent[1], "the retry sent another finish"
+    assert state["owner"] == "c2" and state["pending"] == switches_sent[0][3]
+    assert out is not None and out.queue == to
+    assert out.follow_ups == (FollowUp(left, "c2", state["pending"]),), "queue 0's handover was lost in the retry"
     p.close()
     eng.brokers.close()
 

@@ -135,6 +135,10 @@ class ConsumeRequest(LingeringReads):
         self.lingering = watch is not None
         #: The request the prior run's queue needs when its finish did not hand it to the watch.
         self.prior_follow_up: FollowUp | None = None
+        #: The token of the request this run's end asks for (finish.lua's new token), one per run.
+        self.end_token = new_token()
+        #: The end whose ``finish.lua`` was sent and not answered yet (``finish_again``).
+        self.finishing: LoopEnd | None = None
         self.epoch = 0
         self.committed = 0  # offset persisted in Redis
         self.commit_point = 0  # offset the ProcessQueue says may be persisted
@@ -753,11 +757,34 @@ class ConsumeRequest(LingeringReads):
         """``finish.lua``: end the run and learn who consumes this queue next."""
         if self._needs_last_commit() and self._persist(pull=False).kind is PullKind.LOST:
             return Outcome(Verb.FENCED, consumed=self.consumed)
-        return self._ended(self.scripts.call("finish", *self._finish_call(end), via=self.lease), end)
+        self.finishing = end
+        res = self.scripts.call("finish", *self._finish_call(end), via=self.lease)
+        self.finishing = None
+        return self._ended(res, end)
+
+    def finish_again(self) -> Outcome:
+        """The retry of a run whose ``finish.lua`` got a Redis error instead of its reply: the same
+        call again (the same new token), which answers as the first did if that one ran
+        (``finished_already`` in ``_finish.lua``). Beginning the run again instead read STALE
+        (the first finish had replaced the token), and the request the queue needed (REQUEUE,
+        HANDOVER, DISPATCH) was never sent: the queue waited out ``pending_ttl_ms`` and a sweep.
+        On this request, whose ledger records and counters are the run's."""
+        end = self.finishing
+        assert end is not None
+        self._thread = threading.get_ident()
+        try:
+            res = self.scripts.call("finish", *self._finish_call(end), via=self.lease)
+            self.finishing = None
+            return self._ended(res, end)
+        finally:
+            if self._own_lease:
+                self.lease.release()
 
     def _finish_call(self, end: LoopEnd) -> tuple[list[str], list[Any]]:
-        """Keys and arguments of this run's ``finish.lua`` (a switch hands the queue to the watch)."""
-        args: list[Any] = [self.client_id, self.token, end.stop.value, new_token(),
+        """Keys and arguments of this run's ``finish.lua`` (a switch hands the queue to the watch).
+        The new token is the run's one (``end_token``): a finish sent again after a lost reply
+        must be recognised as the same call."""
+        args: list[Any] = [self.client_id, self.token, end.stop.value, self.end_token,
                            self.pending_ttl_ms + int(end.countdown * 1000), self.lock_ms]
         if end.stop is Stop.SWITCH:
             assert self.watch is not None

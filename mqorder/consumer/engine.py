@@ -22,6 +22,7 @@ from mqorder.consumer.listener import ListenerSpec, Ordering, get_listener
 from mqorder.consumer.run_types import Outcome, Verb
 from mqorder.errors import BrokerUnavailableError
 from mqorder.model import MessageQueue
+from mqorder.store.cluster_route import SlotMovedError
 from mqorder.store.raw_pipe import ConnectionLease
 from mqorder.tokens import new_token
 
@@ -140,19 +141,29 @@ class ConsumerEngine(ConsumerState):
         DISPATCH) would be lost with the failed attempt, so the queue would wait out
         ``pending_ttl_ms`` and a sweep. Retries then run without the prior and carry the follow-up
         (``_carry_prior_follow_up``), which ``_run_chain`` sends as the first attempt would have.
-        A watch the failed attempt made (``watch`` None) is kept for the retries too.
+        A watch the failed attempt made (``watch`` None) is kept for the retries too. An attempt
+        that failed in its ``finish.lua`` is retried by sending that call again
+        (``ConsumeRequest.finish_again``), not by beginning a new run.
         """
         backoff = Backoff(first=REDIS_RETRY_FIRST_S, cap=REDIS_RETRY_CAP_S)
         waited = 0.0
         cls = request_class(spec)
         carried: FollowUp | None = None
+        ending: ConsumeRequest | None = None
+        moves = 0
         while True:
-            req = cls(self, spec, sub, mq, token, runner=runner, watch=watch, prior=prior, lease=lease)
-            if carried is not None:
-                self._carry_prior_follow_up(req, carried)
+            if ending is None:
+                req = cls(self, spec, sub, mq, token, runner=runner, watch=watch, prior=prior, lease=lease)
+                if carried is not None:
+                    self._carry_prior_follow_up(req, carried)
             try:
+                if ending is not None:
+                    return ending, ending.finish_again()
                 return req, req.run()
             except (redis.RedisError, BrokerUnavailableError) as exc:
+                if ending is None and req.finishing is not None:
+                    # Its finish.lua may have run: only the same call again learns what it decided.
+                    ending = req
                 if prior is not None and req.prior is None:
                     # This attempt ended the prior run (and registered the switch with the watch):
                     # the next one begins its own queue only, and keeps what the end asked for.
@@ -169,7 +180,10 @@ class ConsumerEngine(ConsumerState):
                     log.error("ConsumeRequest %s %s: Redis unreachable for %.0fs (%s); the sweep will "
                               "re-dispatch when it is back", sub, mq.key, waited, exc)
                     return req, None
-                delay = backoff.next()
+                # A slot that moved is served already (a failover done): start over at once, a
+                # few times (a map that keeps moving backs off like any other error).
+                moves += isinstance(exc, SlotMovedError)
+                delay = 0.0 if isinstance(exc, SlotMovedError) and moves <= 3 else backoff.next()
                 log.warning("ConsumeRequest %s %s: Redis error (%s); retrying in %.2fs", sub, mq.key, exc, delay)
                 time.sleep(delay)
                 waited += delay

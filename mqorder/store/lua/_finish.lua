@@ -3,9 +3,30 @@
 --- @include "_constants"
 --- @include "_now"
 --- @include "_lock"
+-- finished_already(K, A, st): the reply to a finish.lua sent again after its reply was lost (a Redis
+-- error after the script ran: the caller cannot tell, so it sends the same call, with the same new
+-- token). The pending token is the one this call sets (or, action 'adopt', the watch's): the first
+-- call ran, and the request it asked for, which only its caller sends, is still owed. The same
+-- answer again: 'ADOPTED', or the request for the new token to whoever consumes the queue now
+-- ('REQUEUE' to the caller; 'DISPATCH' otherwise: a first 'HANDOVER' moved the lock already).
+-- Nil: not a repeat (STALE). Without it the retry read STALE and dropped the request: the queue,
+-- backlog and all, waited out pending_ttl_ms and a sweep.
+local function finished_already(K, A, st)
+  if A[3] == 'adopt' and (A[7] or '') ~= '' and st[3] == A[7] then return {'ADOPTED', tonumber(st[4] or 0)} end
+  if (A[4] or '') == '' or st[3] ~= A[4] then return nil end
+  local target = st[5] or ''
+  if lock_live(st[1], st[2]) then target = st[1] end
+  if target == '' or target == NOBODY then
+    redis.call('HSET', K[1], 'pending', '', 'pend_until', 0)
+    return {'IDLE'}
+  end
+  if target == A[1] then return {'REQUEUE', target, A[4]} end
+  return {'DISPATCH', target, A[4]}
+end
+
 local function finish_run(K, A)
   local st = redis.call('HMGET', K[1], 'owner', 'lease', 'pending', 'offset', 'assignee')
-  if st[3] ~= A[2] then return {'STALE'} end
+  if st[3] ~= A[2] then return finished_already(K, A, st) or {'STALE'} end
   local client = A[1]
   local owner, assignee = st[1] or '', st[5] or ''
   local ttl = tonumber(A[5])

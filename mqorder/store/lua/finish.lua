@@ -10,6 +10,8 @@
 -- State HASH fields: see mqorder.keys.sub_state; lock_live, release_lock: _lock.lua.
 -- Returns {'IDLE'}, {'STALE'}, {'ADOPTED', offset}, or {verb, target client, token} with verb one of
 --   'REQUEUE' (to the caller), 'HANDOVER' (lock moved to the assignee), 'DISPATCH' (to the owner)
+-- The same call sent again (its reply lost) gets the same answer while its request is still owed
+-- (finished_already in _finish.lua): the caller keeps ARGV[4] for the run's end.
 --
 -- Action 'adopt': the run ends because its lingering read found messages on another queue its
 -- IdleQueueWatch adopted (mqorder.consumer.idle_watch), which the same task runs next. While the

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import redis
 
 from mqorder import ConsumeOrderlyStatus, Producer, keys
@@ -92,3 +93,58 @@ def test_a_suspend_after_the_primary_died_does_not_commit_on_the_promoted_replic
             except Exception:  # noqa: BLE001 - a was stopped by the test already
                 pass
 
+
+
+def test_a_pull_consumers_commit_after_a_failover_names_the_message_it_pulled() -> None:
+    """The pull consumer's reads and commits go through the pool: after a failover its
+    ``update_offset`` reaches the promoted replica, where the offset alone was accepted once
+    producers had refilled the offsets it pulled on the old primary. It now names the message it
+    pulled at ``offset - 1`` (``update_offset.lua``: CHANGED), and a commit of the same message
+    stored again by a producer's retry is still accepted."""
+    from mqorder.client.pull_consumer import PullConsumer
+    from mqorder.errors import OffsetFencedError
+
+    a = RedisServer().start()
+    b = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(a.port)]).start()
+    try:
+        wait_online_replicas(a, 1)
+        settings = load_settings(redis_url=a.url, heartbeat_interval_ms=200)
+        p = Producer(settings=settings)
+        p.create_topic(TOPIC, queues=1)
+        c = PullConsumer(SUB, settings=settings, client_id="pa")
+        (mq,) = c.fetch_message_queues_in_balance(TOPIC)
+        for n in range(3):
+            p.send_orderly(TOPIC, f"m{n}".encode(), sharding_key="k")
+        assert redis.Redis(port=a.port).wait(1, 5000) == 1
+        rb = redis.Redis(port=b.port)
+        rb.replicaof("no", "one")  # promoted: it misses what comes next
+        for n in range(3, 6):
+            p.send_orderly(TOPIC, f"m{n}".encode(), sharding_key="k")
+        res = c.pull(mq, 0, 32)
+        assert [m.body for m in res.msg_found_list] == [f"m{n}".encode() for n in range(6)]
+        a.stop()
+        pb = Producer(settings=load_settings(redis_url=b.url))
+        for n in range(3, 7):
+            pb.send_orderly(TOPIC, f"n{n}".encode(), sharding_key="k")
+        pool = c.brokers.get(mq.broker_name).client.connection_pool
+        pool.connection_kwargs["port"] = b.port  # as a Sentinel client's pool after the failover
+        pool.reset()
+        with pytest.raises(OffsetFencedError, match=r"offset 5 is .*, not .*nothing was committed"):
+            c.update_offset(mq, res.next_begin_offset)
+        assert int(rb.hget(keys.sub_state(mq.tag, SUB), "offset") or 0) == 0
+        # What the promoted node holds, pulled there, commits; so does m2, pulled on the old
+        # primary and replicated before the failover (the same message at its offset).
+        c.update_offset(mq, 3)
+        again = c.pull(mq, 3, 32)
+        assert [m.body for m in again.msg_found_list] == [b"n3", b"n4", b"n5", b"n6"]
+        c.update_offset(mq, again.next_begin_offset)
+        assert int(rb.hget(keys.sub_state(mq.tag, SUB), "offset")) == 7
+        c.shutdown()
+        p.close()
+        pb.close()
+    finally:
+        for srv in (b, a):
+            try:
+                srv.stop()
+            except Exception:  # noqa: BLE001 - a was stopped by the test already
+                pass

@@ -60,6 +60,9 @@ log = logging.getLogger(__name__)
 
 #: RocketMQ's pull batch limit is 32 by default; a pull of more than this is refused.
 MAX_PULL_NUMS = 1024
+#: Msg ids remembered per queue for ``update_offset``'s identity check: a few full pulls' worth
+#: (a commit of an offset whose message was pulled longer ago is checked by offset alone).
+PULLED_IDS_KEPT = 4 * MAX_PULL_NUMS
 #: How long a rebalance waits for another one holding the mutex.
 REBALANCE_WAIT_S = 5.0
 #: Lease of the rebalance mutex a pull consumer takes: far longer than its rebalance lasts, and it
@@ -143,6 +146,10 @@ class PullConsumer:
         self._topics: list[str] = []
         #: Queue -> the epoch it was granted by ``fetch_message_queues_in_balance``.
         self._epochs: dict[MessageQueue, int] = {}
+        #: queue -> {offset: msg id} of what this consumer pulled lately: ``update_offset`` sends
+        #: the id below the offset it commits, which the store must still hold there (after a
+        #: failover the offset alone would accept skipping messages appended on the new primary).
+        self._pulled: dict[MessageQueue, dict[int, str]] = {}
         self._fingerprint = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -211,10 +218,26 @@ class PullConsumer:
             streams = list(got.values()) if isinstance(got, dict) else [e for _, e in got or []]
             raw = streams[0] if streams else []
         msgs = decode_entries(mq, raw, max_message_size=self.settings.max_message_size)
+        self._pulled_ids(mq, msgs)
         if not msgs:
             return PullResult(PullStatus.NO_NEW_MSG, offset, min_off, max_off)
         return PullResult(PullStatus.FOUND, msgs[-1].queue_offset + 1, min_off, max(max_off, msgs[-1].queue_offset + 1),
                           msgs)
+
+    def _pulled_ids(self, mq: MessageQueue, msgs: list[Any]) -> None:
+        """Remember the msg id pulled at each offset (the last ``PULLED_IDS_KEPT`` per queue):
+        ``update_offset`` names the one below the offset it commits."""
+        if not msgs:
+            return
+        with self._lock:
+            seen = self._pulled.setdefault(mq, {})
+            for m in msgs:
+                # An id JSON escapes (a quote, a backslash, a control character) is not looked
+                # for in the stored header: left unchecked rather than refused by mistake.
+                if m.msg_id and m.msg_id.isprintable() and '"' not in m.msg_id and "\\" not in m.msg_id:
+                    seen[m.queue_offset] = m.msg_id
+            while len(seen) > PULLED_IDS_KEPT:
+                del seen[next(iter(seen))]
 
     def update_offset(self, mq: MessageQueue, offset: int) -> None:
         """Commit ``offset`` (the next message to consume) for the group on ``mq``, fenced.
@@ -236,13 +259,25 @@ class PullConsumer:
                 f"fetch_message_queues_in_balance({mq.topic!r}) and commit only the queues it returns"
             )
         broker = self.brokers.get(mq.broker_name)
+        with self._lock:
+            pulled = self._pulled.get(mq, {}).get(offset - 1, "")
         reply = broker.scripts.update_offset(
-            keys=[keys.sub_state(mq.tag, self.group), keys.queue_next(mq.tag)],
-            args=[self.client_id, epoch, offset, self.settings.lock_max_live_time_ms],
+            keys=[keys.sub_state(mq.tag, self.group), keys.queue_next(mq.tag), keys.queue_log(mq.tag)],
+            args=[self.client_id, epoch, offset, self.settings.lock_max_live_time_ms, pulled],
         )
         verdict = text(reply[0])
         if verdict == "OK":
             return
+        if verdict == "CHANGED":
+            with self._lock:
+                self._pulled.pop(mq, None)
+            raise OffsetFencedError(
+                f"update_offset({mq}, {offset}) refused: the message stored at offset {offset - 1} is "
+                f"{text(reply[1]) or 'another one'}, not {pulled}, which this consumer pulled there (the "
+                "store failed over to a replica that had not received it, and other messages took its "
+                "offsets); nothing was committed. Resume from fetch_consume_offset: what you handled "
+                "since then may be delivered again, nothing is skipped"
+            )
         if verdict == "FENCED":
             with self._lock:
                 self._epochs.pop(mq, None)

@@ -7,10 +7,20 @@
 -- no dispatch token (the application drives its own loop), and an offset past the end of the log
 -- is refused: nothing can be acknowledged before it was stored. Success renews the lease.
 --
+-- An offset moving forward can also name the message the consumer pulled at new - 1 (ARGV[5], its
+-- msg id): the entry stored there must be that message, or the commit is refused (CHANGED). The
+-- offset check alone (ILLEGAL) holds only while the store has fewer messages than the consumer
+-- read: after a failover to a replica that missed appends the consumer had pulled, producers
+-- refill those offsets with other messages, and committing past them would skip them. A message
+-- stored again under its own id (a producer's retry) is the same message: accepted.
+--
 -- KEYS[1] state HASH of the group on the queue   KEYS[2] the queue's next-offset counter
+-- KEYS[3] the queue's log (read only when ARGV[5] is given)
 -- ARGV[1] client id   ARGV[2] epoch   ARGV[3] new offset   ARGV[4] lock_lease_ms
+-- ARGV[5] msg id of the message at new - 1 as the consumer pulled it ('' or absent: not checked)
 -- Returns {'OK', previous offset}, {'FENCED', current epoch, current owner},
---         {'BACKWARD', committed offset} or {'ILLEGAL', next offset}
+--         {'BACKWARD', committed offset}, {'ILLEGAL', next offset} or {'CHANGED', msg id stored
+--         at new - 1} (an entry trimmed since it was pulled is not checked)
 -- State HASH fields: see mqorder.keys.sub_state.
 --- @include "_now"
 local st = redis.call('HMGET', KEYS[1], 'owner', 'epoch', 'offset', 'commit_ms', 'lease')
@@ -23,6 +33,21 @@ local new = tonumber(ARGV[3])
 if new < cur then return {'BACKWARD', cur} end
 local nxt = tonumber(redis.call('GET', KEYS[2]) or 0)
 if new > nxt then return {'ILLEGAL', nxt} end
+local want = ARGV[5] or ''
+if want ~= '' and new > cur then
+  -- Absent: trimmed by retention since it was pulled (below next, offsets have no holes), no
+  -- evidence either way: accepted as before.
+  local e = redis.call('XRANGE', KEYS[3], new - 1, new - 1)
+  if e[1] then
+    local f, hdr = e[1][2], ''
+    for i = 1, #f, 2 do
+      if f[i] == 'h' then hdr = f[i + 1] end
+    end
+    if not string.find(hdr, '"i":"' .. want .. '"', 1, true) then
+      return {'CHANGED', string.match(hdr, '"i":"([^"]*)"') or ''}
+    end
+  end
+end
 local moved_ms = st[4] or 0
 if new > cur then moved_ms = now end
 redis.call('HSET', KEYS[1], 'offset', new, 'commit_ms', moved_ms, 'lease', now + tonumber(ARGV[4]))

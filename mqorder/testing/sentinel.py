@@ -40,7 +40,42 @@ class SentinelProcess:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, master_name: str, primary_port: int, *, quorum: int, down_after_ms: int,
-              failover_timeout_ms: int, auth_pass: str | None) -> None:
+              failover_timeout_ms: int, auth_pass: str | None, timeout: float = 10.0) -> None:
+        """Start the Sentinel and wait until it is *this* process that answers on its port.
+
+        Between ``free_port`` and the bind another process (another test worker's server) may
+        take the port: the Sentinel then exits, and a deployment that talked to whatever answers
+        there waited 30 s for Sentinels to find each other (seen under a parallel test run). A
+        taken port is replaced by another free one, as ``RedisServer.start`` does."""
+        for _ in range(5):
+            self._spawn(master_name, primary_port, quorum=quorum, down_after_ms=down_after_ms,
+                        failover_timeout_ms=failover_timeout_ms, auth_pass=auth_pass)
+            if self._answers_itself(timeout):
+                return
+            self.stop()
+            self.port = free_port()
+        raise BrokerUnavailableError(f"a Sentinel could not start on a free port (see {self.dir})")
+
+    def _answers_itself(self, timeout: float) -> bool:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                return False  # it could not bind: the port was taken
+            client = self.client()
+            try:
+                info = client.info("server")
+                if int(info.get("process_id", -1)) == self.proc.pid:
+                    return True
+            except redis.RedisError:
+                pass
+            finally:
+                client.close()
+            time.sleep(0.05)
+        return False
+
+    def _spawn(self, master_name: str, primary_port: int, *, quorum: int, down_after_ms: int,
+               failover_timeout_ms: int, auth_pass: str | None) -> None:
         conf = self.dir / f"sentinel-{self.port}.conf"
         lines = [
             f"port {self.port}",

@@ -22,6 +22,9 @@ log = logging.getLogger(__name__)
 
 #: A reason longer than this is cut: it is for a human, and the header has a size limit.
 MAX_REASON = 1000
+#: How long a dead letter's id is remembered (``send``): longer than a run retries through a
+#: Redis outage (``REDIS_RETRY_BUDGET_S``), the one way the same holder sends it twice.
+DLQ_DEDUP_WINDOW_MS = 15 * 60 * 1000
 
 
 class DeadLetterWriter:
@@ -39,7 +42,14 @@ class DeadLetterWriter:
             self._ready.add(topic)
         mq = MessageQueue(topic, self.broker_name, 0)
         body = msg.body if isinstance(msg.body, bytes) else b""
-        self.appender.append(mq, [(self._header(msg, reason, epoch), body)])
+        # One dead letter per original message and holder epoch: the caller commits the
+        # original's offset only after this returns, so a run that retries after a Redis error
+        # (the append's reply lost, or the commit after it) sends it again under the same epoch,
+        # and that copy is dropped here. A new holder (a new epoch) that redelivers the message
+        # and dead-letters it again adds a second one, as at-least-once allows.
+        dedup = f"dlq|{msg.message_queue.key}|{msg.queue_offset}|{epoch}"
+        self.appender.append(mq, [(self._header(msg, reason, epoch), body)], ids=[dedup],
+                             dedup_window_ms=DLQ_DEDUP_WINDOW_MS)
         log.warning(
             "message %s of %s offset %d sent to %s after %d reconsume(s): %s",
             msg.msg_id, msg.message_queue.key, msg.queue_offset, topic, msg.reconsume_times, reason,

@@ -172,3 +172,19 @@ def _answers(client: redis.Redis) -> bool:
         return bool(client.ping())
     except redis.ConnectionError:
         return False
+
+
+@pytest.mark.parametrize(("url", "db"), [
+    ("redis://127.0.0.1:6379/orders", "orders"), ("redis://127.0.0.1:6379/-1", "-1"),
+    ("rediss://127.0.0.1:6380/0/1", "0/1"), ("unix:///tmp/redis.sock?db=two", "two"),
+    ("redis://:secret@127.0.0.1:6379/1?db=x", "x"),
+])
+def test_a_database_that_is_not_a_number_is_a_config_error(url: str, db: str) -> None:
+    """redis-py reads ``/orders`` as no database at all: db 0, quietly (another application's
+    keys, maybe); ``?db=two`` as a bare ValueError; ``/-1`` fails only at the first SELECT."""
+    with pytest.raises(ConfigError) as exc:
+        check_redis_url(url)
+    msg = str(exc.value)
+    assert f"names database {db!r}: a Redis database is a number" in msg and "secret" not in msg
+    line = one_line_error(cli("--redis-url", url, "topic", "list"))
+    assert f"names database {db!r}" in line

@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Literal, TypeVar, cast, overload
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 import redis
 from redis.connection import parse_url
@@ -113,6 +113,7 @@ def check_redis_url(url: object, what: str = "MQORDER_REDIS_URL") -> str:
             f"or a Redis Cluster: {CLUSTER_URL_FORM}"
         )
     _check_redis_port(url, scheme, what)
+    _check_db(url, scheme, what)
     try:
         parse_url(url)  # what redis.Redis.from_url will do with it: its errors, here and clear
     except ValueError as exc:
@@ -137,6 +138,20 @@ def _check_redis_port(url: str, scheme: str, what: str) -> None:
     """``_check_port`` of a Redis URL (a socket's, ``unix://``, has a path, not a host and port)."""
     if scheme != "unix":
         _check_port(url, what, "redis://host:6379/0 (6379 is Redis's default)")
+
+
+def _check_db(url: str, scheme: str, what: str) -> None:
+    """``ConfigError`` if the URL's database is not a number: redis-py reads a path of
+    ``redis://host:6379/orders`` as no database at all (db 0, quietly: another application's
+    keys, maybe), and a ``?db=`` that is not a number as a bare ``ValueError``."""
+    parts = urlsplit(url)
+    dbs = [v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k == "db"]
+    path = "" if scheme == "unix" else parts.path.strip("/")
+    for db in ([path] if path else []) + dbs:
+        if not db.isdigit():
+            raise ConfigError(
+                f"{what}={redact_url(url)!r} names database {db!r}: a Redis database is a number "
+                "(redis://host:6379/0 is database 0; unix:///path/to/socket?db=0)")
 
 
 def _check_port(url: str, what: str, example: str) -> None:

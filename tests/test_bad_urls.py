@@ -5,6 +5,7 @@ Sentinel), in the library and through the CLI."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,20 @@ def test_an_unreachable_or_non_cluster_redis_cluster_url_is_a_clear_error(redis_
     assert "broker 'broker-a': cannot reach the Redis Cluster at redis+cluster://:***@" in line
     assert "secret" not in line
     assert "names no Redis Cluster" in one_line_error(cli("--redis-url", plain, "topic", "list"))
+
+
+def test_doctor_reports_an_unreachable_redis_cluster_as_a_fail_finding(monkeypatch: pytest.MonkeyPatch) -> None:
+    """As for a plain Redis that does not answer: one FAIL (exit 1), Celery still checked; not a
+    bare error (exit 2) with nothing checked, which it was while the cluster client, which reads
+    the slot map when made, failed before the first check."""
+    monkeypatch.setenv("MQORDER_CELERY_BROKER_URL", "redis://127.0.0.1:6379/9")
+    res = cli("--redis-url", f"redis+cluster://:secret@{DEAD}/", "doctor", "--json")
+    assert res.exit_code == 1, (res.exit_code, res.output)
+    report = json.loads(res.stdout)
+    (fail,) = [f for f in report["findings"] if f["verdict"] == "FAIL"]
+    assert fail["check"] == "reachable" and "cannot reach the Redis Cluster" in fail["detail"]
+    assert "secret" not in res.stdout
+    assert any(f["check"].startswith("celery") and f["verdict"] == "OK" for f in report["findings"])
 
 
 # -- a port out of range ---------------------------------------------------------------------------

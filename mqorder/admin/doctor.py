@@ -89,12 +89,29 @@ def diagnose(settings: Settings, brokers: BrokerRegistry, celery_conf: Mapping[s
         report.findings.extend(worker_clocks(brokers, settings))
     except redis.RedisError:
         pass  # already reported as unreachable
-    if celery_conf is not None:
-        report.findings.extend(celery_findings(settings, celery_conf))
-    elif celery_error:
-        report.findings.append(Finding("celery", Verdict.WARN, f"Celery configuration not checked: {celery_error}",
-                                       "pass --app with your Celery app (module:attribute)"))
+    report.findings.extend(_celery_part(settings, celery_conf, celery_error))
     return report
+
+
+def diagnose_unreachable(settings: Settings, error: Exception, celery_conf: Mapping[str, Any] | None = None,
+                         celery_error: str = "") -> DoctorReport:
+    """The report when the brokers could not even be set up (a Redis Cluster whose listed nodes
+    all refuse: its client reads the slot map when made): that one FAIL, and Celery's checks, as
+    for a plain Redis that does not answer, rather than a bare error and nothing checked."""
+    report = DoctorReport([Finding(
+        "reachable", Verdict.FAIL, str(error),
+        "start the cluster's nodes (or the redis-server), or fix MQORDER_REDIS_URL / MQORDER_BROKERS")])
+    report.findings.extend(_celery_part(settings, celery_conf, celery_error))
+    return report
+
+
+def _celery_part(settings: Settings, celery_conf: Mapping[str, Any] | None, celery_error: str) -> list[Finding]:
+    if celery_conf is not None:
+        return celery_findings(settings, celery_conf)
+    if celery_error:
+        return [Finding("celery", Verdict.WARN, f"Celery configuration not checked: {celery_error}",
+                        "pass --app with your Celery app (module:attribute)")]
+    return []
 
 
 def _broker_findings(settings: Settings, broker: Broker) -> list[Finding]:

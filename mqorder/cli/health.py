@@ -13,11 +13,12 @@ import typer
 from mqorder.admin import render, transactions
 from mqorder.admin.common import Admin
 from mqorder.admin.consumers import group_consumers
-from mqorder.admin.doctor import diagnose
+from mqorder.admin.doctor import diagnose, diagnose_unreachable
 from mqorder.admin.key_status import DEFAULT_SCAN, key_status
 from mqorder.admin.key_status import render as render_key
 from mqorder.admin.status import group_status
 from mqorder.cli.common import EXIT_CHECK, JSON_OPT, emit
+from mqorder.errors import BrokerUnavailableError
 from mqorder.settings import get_settings
 from mqorder.store.brokers import BrokerRegistry
 
@@ -87,11 +88,15 @@ def doctor(
     conf, conf_error = _celery_conf(celery_app)
     settings = get_settings()
     # Not Admin.open(): a broker that does not answer is one FAIL finding, not the end of the run.
-    brokers = BrokerRegistry(settings.redis_url, settings.brokers, socket_timeout=2.0)
     try:
-        report = diagnose(settings, brokers, conf, conf_error)
-    finally:
-        brokers.close()
+        brokers = BrokerRegistry(settings.redis_url, settings.brokers, socket_timeout=2.0)
+    except BrokerUnavailableError as exc:  # a Redis Cluster none of whose listed nodes answers
+        report = diagnose_unreachable(settings, exc, conf, conf_error)
+    else:
+        try:
+            report = diagnose(settings, brokers, conf, conf_error)
+        finally:
+            brokers.close()
     emit(report, as_json, render.doctor)
     if report.failed(strict):
         raise typer.Exit(EXIT_CHECK)

@@ -448,3 +448,32 @@ def test_a_topic_that_is_not_a_str_raises_as_send_orderly_does(settings) -> None
             p.send_orderly_async(topic, b"x", sharding_key="k")  # type: ignore[arg-type]
     assert p._sender is None
     p.close()
+
+
+def test_close_with_a_timeout_fails_what_is_unsent_and_leaves_the_batch_in_flight(settings, r: redis.Redis) -> None:
+    """Kafka's ``close(timeout)``: a close that cannot finish in time (Redis hangs the batch being
+    written) returns then; what was never sent fails at once (nothing of it stored), the batch in
+    flight resolves when its round trip ends. Without the timeout close waits as long as the
+    sender retries every batch still held."""
+    p = Producer(settings=settings, linger_ms=0, batch_size=1)
+    p.create_topic("t", queues=1)
+    p.send_orderly_async("t", b"warm", sharding_key="k").result(5)
+    for bad in (-1, float("nan"), "soon", True):
+        with pytest.raises(ConfigError, match="timeout="):
+            p.close(timeout=bad)  # type: ignore[arg-type]
+    r.execute_command("CLIENT", "PAUSE", 1500, "WRITE")  # the sender's next round trip hangs
+    try:
+        in_flight = p.send_orderly_async("t", b"a", sharding_key="k")
+        time.sleep(0.1)  # the sender took it: it is being written
+        unsent = [p.send_orderly_async("t", b"b%d" % i, sharding_key="k") for i in range(5)]
+        t0 = time.monotonic()
+        p.close(timeout=0.3)
+        assert time.monotonic() - t0 < 1.0
+        for f in unsent:
+            with pytest.raises(ProducerClosedError, match=r"close\(timeout=0.3\) gave up before this send was sent"):
+                f.result(0)
+        assert not in_flight.done()
+    finally:
+        r.execute_command("CLIENT", "UNPAUSE")
+    assert in_flight.result(5).queue_offset == 1
+    assert [body for _, body in _log(p, "t").values()] == [b"warm", b"a"]

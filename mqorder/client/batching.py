@@ -119,18 +119,18 @@ class BatchingConfig:
         """The given values over the defaults; ``ConfigError`` naming the argument if one is wrong."""
         d = cls()
         return cls(
-            linger_ms=_number("linger_ms", linger_ms, d.linger_ms, minimum=0, maximum=MAX_WAIT_MS,
+            linger_ms=number_arg("linger_ms", linger_ms, d.linger_ms, minimum=0, maximum=MAX_WAIT_MS,
                               hint="0 sends at once, 2-5 batches"),
-            batch_size=int(_number("batch_size", batch_size, d.batch_size, minimum=1, integer=True,
+            batch_size=int(number_arg("batch_size", batch_size, d.batch_size, minimum=1, integer=True,
                                    hint="records pending that end the linger early")),
-            buffer_memory=int(_number("buffer_memory", buffer_memory, d.buffer_memory, minimum=1, integer=True,
+            buffer_memory=int(number_arg("buffer_memory", buffer_memory, d.buffer_memory, minimum=1, integer=True,
                                       hint="bytes of pending messages, e.g. 32 * 1024 * 1024")),
-            max_block_ms=_number("max_block_ms", max_block_ms, d.max_block_ms, minimum=0, maximum=MAX_WAIT_MS,
+            max_block_ms=number_arg("max_block_ms", max_block_ms, d.max_block_ms, minimum=0, maximum=MAX_WAIT_MS,
                                  hint="0 raises at once when the buffer is full"),
         )
 
 
-def _number(name: str, value: object, default: float, *, minimum: float, hint: str, integer: bool = False,
+def number_arg(name: str, value: object, default: float, *, minimum: float, hint: str, integer: bool = False,
             maximum: float = math.inf) -> float:
     """``value`` as a float, or ``default`` for ``None``; ``ConfigError`` unless ``minimum <= value <=
     maximum`` (so never NaN, nor infinite with a finite ``maximum``)."""
@@ -317,6 +317,18 @@ class RecordAccumulator:
         _fail(pending, _stopped(cause, "this send was not sent"))
         return len(pending) + len(in_flight)
 
+    def drop_pending(self, cause: str) -> int:
+        """Fail every record not sent yet with ``ProducerClosedError(cause)`` (``close(timeout)``
+        gave up waiting); the batch in flight is the sender's to resolve. The number failed."""
+        with self._lock:
+            pending = list(self._records)
+            self._records.clear()
+            self._used -= sum(r.size for r in pending)
+            self._ready.notify_all()
+            self._room.notify_all()
+        _fail(pending, ProducerClosedError(cause))  # outside the lock: a callback may send (refused)
+        return len(pending)
+
     def unresolved(self) -> list[Future[SendResult]]:
         """The futures of every record pending or in flight now."""
         with self._lock:
@@ -382,6 +394,11 @@ class Sender:
         self._window_ms = dedup_window_ms
         self._attempts = max(1, attempts)
         self._wait = wait
+        #: What ``close`` left to run when the thread ends (it timed out while a batch was in
+        #: flight), and whether it has ended; under ``_end_lock``, so it runs exactly once.
+        self._end_lock = threading.Lock()
+        self._after: Callable[[], None] | None = None
+        self._ended = False
         self._thread = threading.Thread(target=self._run, name="mqorder-sender", daemon=True)
         self.accumulator.sender_thread = self._thread
         self._thread.start()
@@ -404,15 +421,43 @@ class Sender:
                                "callback: flush from another thread, or let the callback only record the result")
         self.accumulator.flush(timeout)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Send everything pending, then stop the thread (``timeout``: for the thread to end).
-        What the thread left unresolved when it ended (it stopped on an error) fails."""
+    def close(self, timeout: float | None = None, then: Callable[[], None] | None = None) -> None:
+        """Send everything pending, then stop the thread, then run ``then`` (give back the
+        connections). What the thread left unresolved when it ended (it stopped on an error)
+        fails. With ``timeout`` (seconds), what is still unsent then fails
+        (``ProducerClosedError``, nothing of it stored) and the batch in flight is left to the
+        thread, which resolves it and runs ``then`` as it ends (Kafka's ``close(timeout)``; the
+        connections are not pulled from under a write whose outcome would become unknown)."""
         self.accumulator.close()
         if threading.current_thread() is not self._thread:
             self._thread.join(timeout)
-            if not self._thread.is_alive() and self.accumulator.unresolved():  # it stopped on an error
+            if self._thread.is_alive():
+                dropped = self.accumulator.drop_pending(
+                    f"Producer.close(timeout={timeout:g}) gave up before this send was sent (nothing of it "
+                    "was stored); send it again with a new Producer")
+                log.warning("mqorder sender: close() timed out after %g s: %d unsent sends failed, the batch "
+                            "in flight is left to the sender's thread", timeout, dropped)
+            elif self.accumulator.unresolved():  # it stopped on an error
                 self.accumulator.abort(RuntimeError("it ended with sends unresolved"))
         _LIVE.discard(self)
+        if then is not None:
+            with self._end_lock:
+                ended = self._ended
+                if not ended:
+                    self._after = then
+            if ended:
+                then()
+
+    def _end(self) -> None:
+        """The thread's last step: what ``close`` left it to run."""
+        with self._end_lock:
+            self._ended = True
+            after, self._after = self._after, None
+        if after is not None:
+            try:
+                after()
+            except Exception:  # giving back connections: nothing waits on it, the thread ends
+                log.warning("mqorder sender: giving back the producer's connections failed", exc_info=True)
 
     @property
     def alive(self) -> bool:
@@ -437,6 +482,8 @@ class Sender:
             log.exception("mqorder sender: the sender's thread stopped on an unexpected error")
             failed = accumulator.abort(exc)
             log.error("mqorder sender: %d unresolved sends failed; send_orderly_async now refuses", failed)
+        finally:
+            self._end()
 
     def send(self, batch: list[ProducerRecord]) -> None:
         """Route, chunk and write one batch; resolve or fail each record's future."""

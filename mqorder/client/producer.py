@@ -25,7 +25,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from mqorder.client.batching import BatchingConfig, ProducerRecord, Sender
+from mqorder.client.batching import MAX_WAIT_MS, BatchingConfig, ProducerRecord, Sender, number_arg
 from mqorder.client.dedup import DedupDerive, dedup_key_of, first_send_result
 from mqorder.client.selector import Selector, key_bytes, key_hash, resolve, select_by_hash
 from mqorder.codec import MsgIdGenerator, check_body, encode_header
@@ -419,9 +419,18 @@ class Producer:
         if sender is not None and sender.pid == os.getpid():
             sender.flush(timeout)
 
-    def close(self) -> None:
+    def close(self, timeout: float | None = None) -> None:
         """Send what ``send_orderly_async`` still holds and stop its sender, then give back the
-        connections."""
+        connections.
+
+        ``timeout`` (seconds; None: as long as it takes): how long to wait for those sends. What
+        is still unsent then fails with ``ProducerClosedError`` (nothing of it was stored) and the
+        batch being written is left to the sender's thread, which resolves its futures and ends
+        (Kafka's ``close(timeout)``). With Redis away the sender retries each batch, so a close
+        without a timeout can take that long for every batch still held."""
+        if timeout is not None:
+            timeout = number_arg("timeout", timeout, 0.0, minimum=0, maximum=MAX_WAIT_MS / 1000,
+                              hint="seconds to wait for pending sends; None waits as long as it takes")
         # Under the sender lock: a first send_orderly_async either starts its sender before this
         # (and it is closed here) or finds the producer closed, never installs one after. The lock
         # is not held while the sender finishes: its callbacks may send (and are refused).
@@ -429,8 +438,15 @@ class Producer:
             self._closed = True
             sender, self._sender = self._sender, None
         if sender is not None and sender.pid == os.getpid():
-            sender.close()
-        self.appender.leases.close()  # each sending thread's kept connection, back to its pool
+            # The connections go back once the sender's thread ended (at once, or after the
+            # batch it still writes when the timeout ran out).
+            sender.close(timeout, then=self._release)
+        else:
+            self._release()
+
+    def _release(self) -> None:
+        """Each sending thread's kept connection back to its pool; our own brokers closed."""
+        self.appender.leases.close()
         if self._own_brokers:
             self.brokers.close()
 

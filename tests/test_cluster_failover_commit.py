@@ -5,7 +5,7 @@ and ``MOVED``. After a failover to a replica that missed the last appends, the d
 answers ``MOVED`` (or another thread's refresh already points the map at the promoted node), and
 a commit that followed it was accepted there: ``AHEAD`` compares offsets only, so once producers
 appended past the run's ``read_to`` on the new primary, the commit skipped the new messages at the
-offsets the run had read on the old one. A run's lease is pinned now: its queue's slot stays on
+offsets the run had read on the old one. A run pins its queue on its lease now: the queue's slot stays on
 the node it first went to, a move is a ``SlotMovedError`` and the run starts over from the
 committed offset on the promoted node.
 
@@ -58,7 +58,8 @@ def test_a_pinned_lease_refuses_a_slot_the_map_moved_and_a_plain_one_follows() -
             slot = key_slot(k.encode())
             home = cc.primary_for(k)
             other = next(n for n in cc.get_primaries() if n.name != home.name)
-            pinned, plain = ConnectionLease(cc, pinned=True), ConnectionLease(cc)
+            pinned, plain = ConnectionLease(cc), ConnectionLease(cc)
+            pinned.pin(k)
             try:
                 assert pinned.round_trip([("SET", k, "1")]) == [b"OK"]
                 assert plain.round_trip([("GET", k)]) == [b"1"]
@@ -69,6 +70,14 @@ def test_a_pinned_lease_refuses_a_slot_the_map_moved_and_a_plain_one_follows() -
                 assert plain.round_trip([("GET", k)]) == [b"1"]
                 # The refusal unpinned the lease: its next round trip (the run's retry) pins anew.
                 assert pinned.round_trip([("GET", k)]) == [b"1"]
+                # A slot the lease was not asked to pin (a run's ledger, its wake-up stream)
+                # follows the map as before: its move loses nothing.
+                k2 = next(f"other-{i}" for i in range(1000) if key_slot(f"other-{i}".encode()) != slot)
+                slot2 = key_slot(k2.encode())
+                assert pinned.round_trip([("SET", k2, "2")]) == [b"OK"]
+                away = next(n for n in cc.get_primaries() if n.name != cc.primary_for(k2).name)
+                cc.nodes_manager.slots_cache[slot2] = [away]
+                assert pinned.round_trip([("GET", k2), ("GET", k)]) == [b"2", b"1"]
             finally:
                 pinned.release()
                 plain.release()

@@ -200,3 +200,37 @@ def test_an_unreachable_redis_is_one_clear_error(fast) -> None:
     with pytest.raises(BrokerUnavailableError, match="fetch_consume_offset"):
         c.fetch_consume_offset(MessageQueue("orders", "broker-a", 0))
     c.shutdown()
+
+
+def test_commits_over_entries_other_writers_stored_are_checked_by_their_decoded_id(fast, r: redis.Redis) -> None:
+    """``update_offset`` names the msg id it pulled at ``offset - 1`` (after a failover the store
+    may hold another message there). Entries some other writer stored: a poison header whose id
+    is not a string is pulled as a poison message (once a bug: ``pull`` raised AttributeError on
+    it, and the queue could not be read past it) and committed unchecked; a header in another
+    JSON spacing is compared by its decoded id, not refused for its bytes."""
+    p = Producer(settings=fast)
+    p.create_topic("raw", queues=1)
+    c = PullConsumer("audit", settings=fast, client_id="pr")
+    (mq,) = c.fetch_message_queues_in_balance("raw")
+    log = keys.queue_log(mq.tag)
+    r.xadd(log, {"h": json.dumps({"i": 7, "b": 1}), "b": b"poison", "s": 1}, id="0-1")
+    r.xadd(log, {"h": '{ "i" : "X2", "b" : 1 }', "b": b"spaced", "s": 1}, id="1-1")
+    r.set(keys.queue_next(mq.tag), 2)
+    res = c.pull(mq, 0, 32)
+    assert [m.body for m in res.msg_found_list] == [b"poison", b"spaced"]
+    assert res.msg_found_list[0].decode_error
+    c.update_offset(mq, 1)  # over the poison entry: unchecked
+    c.update_offset(mq, 2)  # X2 is X2, whatever the spacing
+    assert c.fetch_consume_offset(mq) == 2
+    # Another message at offset 1 than the one pulled there: refused, nothing committed.
+    r.xadd(log, {"h": '{"i":"X3","b":1}', "b": b"next", "s": 1}, id="2-1")
+    r.set(keys.queue_next(mq.tag), 3)
+    assert [m.msg_id for m in c.pull(mq, 2, 32).msg_found_list] == ["X3"]
+    r.delete(log)
+    for off, mid in ((0, "a"), (1, "b"), (2, "Y3")):
+        r.xadd(log, {"h": json.dumps({"i": mid, "b": 1}), "b": b"x", "s": 1}, id=f"{off}-1")
+    with pytest.raises(OffsetFencedError, match="offset 2 is Y3, not X3"):
+        c.update_offset(mq, 3)
+    assert c.fetch_consume_offset(mq) == 2
+    c.shutdown()
+    p.close()

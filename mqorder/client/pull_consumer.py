@@ -62,7 +62,7 @@ log = logging.getLogger(__name__)
 MAX_PULL_NUMS = 1024
 #: Msg ids remembered per queue for ``update_offset``'s identity check: a few full pulls' worth
 #: (a commit of an offset whose message was pulled longer ago is checked by offset alone).
-PULLED_IDS_KEPT = 4 * MAX_PULL_NUMS
+PULLED_IDS_KEPT = 2 * MAX_PULL_NUMS
 #: How long a rebalance waits for another one holding the mutex.
 REBALANCE_WAIT_S = 5.0
 #: Lease of the rebalance mutex a pull consumer takes: far longer than its rebalance lasts, and it
@@ -150,6 +150,9 @@ class PullConsumer:
         #: the id below the offset it commits, which the store must still hold there (after a
         #: failover the offset alone would accept skipping messages appended on the new primary).
         self._pulled: dict[MessageQueue, dict[int, str]] = {}
+        #: Its own lock: ``pull`` must not wait for the duties thread, which holds ``_lock``
+        #: through Redis calls (a rebalance waits up to seconds for the group's mutex).
+        self._pulled_lock = threading.Lock()
         self._fingerprint = ""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -181,6 +184,8 @@ class PullConsumer:
             for mq in [m for m in self._epochs if m.topic == topic]:
                 del self._epochs[mq]
             self._epochs.update(held)
+            for mq in [m for m in self._pulled if m not in self._epochs]:
+                self._forget_pulled(mq)  # a queue that left the balance: its ids are of no use now
             return sorted(held)
 
     def pull(self, mq: MessageQueue, offset: int, max_nums: int | None = None, *, block_ms: int = 0) -> PullResult:
@@ -229,15 +234,20 @@ class PullConsumer:
         ``update_offset`` names the one below the offset it commits."""
         if not msgs:
             return
-        with self._lock:
+        with self._pulled_lock:
             seen = self._pulled.setdefault(mq, {})
             for m in msgs:
-                # An id JSON escapes (a quote, a backslash, a control character) is not looked
-                # for in the stored header: left unchecked rather than refused by mistake.
-                if m.msg_id and m.msg_id.isprintable() and '"' not in m.msg_id and "\\" not in m.msg_id:
+                # A poison entry's id may be anything (decode_entries passes it on, flagged):
+                # such an offset is committed unchecked.
+                if type(m.msg_id) is str and m.msg_id:
                     seen[m.queue_offset] = m.msg_id
-            while len(seen) > PULLED_IDS_KEPT:
-                del seen[next(iter(seen))]
+            if len(seen) > PULLED_IDS_KEPT:  # keep the newer half: one rebuild per KEPT/2 pulled
+                floor = max(seen) - PULLED_IDS_KEPT // 2
+                self._pulled[mq] = {o: i for o, i in seen.items() if o > floor}
+
+    def _forget_pulled(self, mq: MessageQueue) -> None:
+        with self._pulled_lock:
+            self._pulled.pop(mq, None)
 
     def update_offset(self, mq: MessageQueue, offset: int) -> None:
         """Commit ``offset`` (the next message to consume) for the group on ``mq``, fenced.
@@ -259,7 +269,7 @@ class PullConsumer:
                 f"fetch_message_queues_in_balance({mq.topic!r}) and commit only the queues it returns"
             )
         broker = self.brokers.get(mq.broker_name)
-        with self._lock:
+        with self._pulled_lock:
             pulled = self._pulled.get(mq, {}).get(offset - 1, "")
         reply = broker.scripts.update_offset(
             keys=[keys.sub_state(mq.tag, self.group), keys.queue_next(mq.tag), keys.queue_log(mq.tag)],
@@ -269,8 +279,7 @@ class PullConsumer:
         if verdict == "OK":
             return
         if verdict == "CHANGED":
-            with self._lock:
-                self._pulled.pop(mq, None)
+            self._forget_pulled(mq)
             raise OffsetFencedError(
                 f"update_offset({mq}, {offset}) refused: the message stored at offset {offset - 1} is "
                 f"{text(reply[1]) or 'another one'}, not {pulled}, which this consumer pulled there (the "
@@ -318,6 +327,8 @@ class PullConsumer:
             log.warning("pull consumer %s could not leave cleanly (%s); its leases will lapse", self.client_id, exc)
         finally:
             self._epochs.clear()
+            with self._pulled_lock:
+                self._pulled.clear()
             if self._own_brokers:
                 self.brokers.close()
 

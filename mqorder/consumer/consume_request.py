@@ -97,9 +97,12 @@ class ConsumeRequest(LingeringReads):
         self._own_lease = lease is None
         #: The thread that runs this request (``run``): only it may use ``lease``.
         self._thread = threading.get_ident()
-        self.lease = lease if lease is not None else ConnectionLease(self.redis, pinned=True)
+        self.lease = lease if lease is not None else ConnectionLease(self.redis)
         tag = mq.tag
         self.k_state = keys.sub_state(tag, sub)
+        # On a Redis Cluster the queue's slot stays on the node the run reads it from: after a
+        # failover, its commit must not reach a promoted replica that lacks what it read.
+        self.lease.pin(self.k_state)
         self.k_log = keys.queue_log(tag)
         self.k_next = keys.queue_next(tag)
         self.k_retries = keys.sub_retries(tag, sub)

@@ -66,9 +66,9 @@ class ConsumerEngine(ConsumerState):
         ``follow_ups`` lists the requests to send for the others.
         """
         # One connection for every round trip of this execution (its chain of switches stays on
-        # one broker: an IdleQueueWatch watches one broker's queues), pinned on a cluster: a
-        # queue's slot stays on one node, a failover is a Redis error (``ClusterRoute``).
-        lease = ConnectionLease(self.brokers.get(mq.broker_name).client, pinned=True)
+        # one broker: an IdleQueueWatch watches one broker's queues); each run pins its queue on
+        # it (on a cluster its slot stays on one node, a failover is a Redis error).
+        lease = ConnectionLease(self.brokers.get(mq.broker_name).client)
         try:
             return self._run_chain(spec, sub, mq, token, lease)
         finally:

@@ -23,8 +23,8 @@ response callbacks; ``mqorder.store.raw_pipe``), so this module gives that path 
   cluster (at most every ``REFRESH_MIN_S``) and a ``ConnectionError`` raised, which every retry
   loop of mqorder already treats as "Redis is away for a moment": after a cluster failover the
   next attempt finds the promoted replica.
-* **pinned** (a consume run's lease, ``ConnectionLease(pinned=True)``): each slot stays on the node
-  that first served a command of it for the lease. A slot the map (or a ``MOVED``)
+* **pinned** (a consume run's queue, ``ConnectionLease.pin``): the queue's slot stays on the node
+  that first served a command of it for the lease. A pinned slot the map (or a ``MOVED``)
   now puts on another node is a ``SlotMovedError`` (a ``ConnectionError``) *before* anything is
   sent there: after a failover the promoted replica may lack messages the run read on the old
   primary, and the commit's ``AHEAD`` check compares offsets only, so once producers refilled
@@ -168,18 +168,26 @@ class SlotMovedError(redis.ConnectionError):
 class ClusterRoute:
     """The per-node connections of one ``ConnectionLease`` on a cluster, and its routing."""
 
-    __slots__ = ("cluster", "_conns", "_last", "_pins")
+    __slots__ = ("cluster", "_conns", "_last", "_pinned", "_pins")
 
-    def __init__(self, cluster: ClusterClient, pinned: bool = False) -> None:
+    def __init__(self, cluster: ClusterClient) -> None:
         self.cluster = cluster
-        #: slot -> name of the node that first served a command of the slot for this lease;
-        #: None: not pinned (a producer's lease follows the slot map wherever it goes).
-        self._pins: dict[int, str] | None = {} if pinned else None
+        #: The slots ``pin`` named (a run's queues): only they are pinned. Not every slot a run
+        #: touches: its ledger records and a worker's wake-up stream live in slots of their own,
+        #: whose move loses nothing (once pinned too: a reshard of the ledger's slot restarted
+        #: every run of the group mid-commit, losing the audit records taken for it).
+        self._pinned: set[int] = set()
+        #: pinned slot -> name of the node that first served a command of it for this lease.
+        self._pins: dict[int, str] = {}
         #: node name -> (pool, connection) held by this lease.
         self._conns: dict[str, tuple[Any, Any]] = {}
         #: The node of the last keyed command sent: where a round trip of keyless commands alone
         #: goes (a run's ``WAIT`` after its ``begin``, for the replicas of *that* node).
         self._last: ClusterNode | None = None
+
+    def pin(self, key: bytes | str) -> None:
+        """Keep ``key``'s slot on the node that serves it first, until ``release``."""
+        self._pinned.add(key_slot(_as_bytes(key)))
 
     def _conn(self, node: ClusterNode) -> Any:
         held = self._conns.get(node.name)
@@ -199,8 +207,8 @@ class ClusterRoute:
             pool.release(conn)
         self._conns.clear()
         self._last = None
-        if self._pins is not None:
-            self._pins.clear()
+        self._pinned.clear()
+        self._pins.clear()
 
     def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Every command on its slot's primary, all nodes written before any is read; the
@@ -222,8 +230,7 @@ class ClusterRoute:
             raise
 
     def _unpin(self) -> None:
-        if self._pins is not None:
-            self._pins.clear()
+        self._pins.clear()
 
     def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         n = len(commands)
@@ -259,7 +266,7 @@ class ClusterRoute:
                 else:
                     out[i] = r
                     served.append(i)
-            if self._pins is not None:
+            if self._pinned:
                 self._pin_served(commands, served, node_of, asked)
             if not again:
                 # Where a later lone WAIT goes: the node of the last keyed command, in the caller's order.
@@ -325,7 +332,7 @@ class ClusterRoute:
                 else:
                     slot = key_slot(key)
                     node = manager.get_node_from_slot(slot)
-                    if self._pins is not None:
+                    if self._pins:
                         self._check_pin(slot, node)
             if pending_keyless:
                 batches.setdefault(node.name, (node, []))[1].extend(pending_keyless)
@@ -344,7 +351,6 @@ class ClusterRoute:
 
     def _check_pin(self, slot: int, node: ClusterNode) -> None:
         """Refuse ``node`` for ``slot`` if the slot is pinned to another node."""
-        assert self._pins is not None
         pinned = self._pins.get(slot)
         if pinned is not None and pinned != node.name:
             raise SlotMovedError(
@@ -356,13 +362,12 @@ class ClusterRoute:
         """Pin each slot to the node that *served* a command of it (not one the slot map named
         but that answered ``MOVED``: a stale map after a failover is not where the run read;
         not an ``ASK`` target: the map still names the source, where the next round trip goes)."""
-        assert self._pins is not None
         for i in served:
             if i in asked:
                 continue
             key = command_key(commands[i])
-            if key is not None:
-                self._pins.setdefault(key_slot(key), node_of[i].name)
+            if key is not None and (slot := key_slot(key)) in self._pinned:
+                self._pins.setdefault(slot, node_of[i].name)
 
     def _exchange(self, commands: list[tuple[Any, ...]], batches: dict[str, tuple[ClusterNode, list[int]]],
                   asking: dict[int, tuple[str, int]]) -> dict[int, Any]:

@@ -50,21 +50,20 @@ class ConnectionLease:
 
     On a Redis Cluster (``ClusterClient``) it holds one connection per node instead, and routes
     each command to its slot's primary (``mqorder.store.cluster_route.ClusterRoute``). A
-    ``pinned`` lease (a consume run's) keeps each slot on the node it first went to: one
-    connection to one primary per queue, as off a cluster, so a run never reads on one node and
-    commits on another.
+    run pins its queue (``pin``): the queue's slot stays on the node it first went to, one connection to
+    one primary per queue as off a cluster, so a run never reads on one node and commits on another.
     """
 
     __slots__ = ("_pool", "_conn", "_lean", "_route", "_pid")
 
-    def __init__(self, client: redis.Redis | ClusterClient, pinned: bool = False) -> None:
+    def __init__(self, client: redis.Redis | ClusterClient) -> None:
         self._conn: Any = None
         #: Whether the held connection's replies are read straight from hiredis (``_lean_reads``).
         self._lean = False
         self._pid = os.getpid()
         if isinstance(client, ClusterClient):
             self._pool: Any = None
-            self._route: ClusterRoute | None = ClusterRoute(client, pinned)
+            self._route: ClusterRoute | None = ClusterRoute(client)
         else:
             self._pool = client.connection_pool
             self._route = None
@@ -73,6 +72,13 @@ class ConnectionLease:
     def on_cluster(self) -> bool:
         """Whether this lease routes over a Redis Cluster (one slot per multi-key command)."""
         return self._route is not None
+
+    def pin(self, key: bytes | str) -> None:
+        """On a cluster, keep ``key``'s slot (a run's queue) on the node that serves it first: a
+        move (a failover) is a ``SlotMovedError`` before anything is sent there. Off a cluster the
+        lease's one connection is pinned already."""
+        if self._route is not None:
+            self._route.pin(key)
 
     def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Send ``commands`` in one write and read every reply (error replies as exceptions, in place)."""

@@ -37,14 +37,17 @@ local want = ARGV[5] or ''
 if want ~= '' and new > cur then
   -- Absent: trimmed by retention since it was pulled (below next, offsets have no holes), no
   -- evidence either way: accepted as before.
+  -- The header is decoded (any JSON writer's spacing and escapes); one that does not decode, or
+  -- has no string id, cannot tell either: accepted.
   local e = redis.call('XRANGE', KEYS[3], new - 1, new - 1)
   if e[1] then
-    local f, hdr = e[1][2], ''
+    local f, hdr = e[1][2], nil
     for i = 1, #f, 2 do
       if f[i] == 'h' then hdr = f[i + 1] end
     end
-    if not string.find(hdr, '"i":"' .. want .. '"', 1, true) then
-      return {'CHANGED', string.match(hdr, '"i":"([^"]*)"') or ''}
+    local ok, h = pcall(cjson.decode, hdr or '')
+    if ok and type(h) == 'table' and type(h.i) == 'string' and h.i ~= want then
+      return {'CHANGED', h.i}
     end
   end
 end

@@ -30,3 +30,18 @@ def drain(eng: ConsumerEngine, spec: ListenerSpec, mq: MessageQueue = MQ, client
         time.sleep(out.countdown)
         token = out.token
     return outcomes
+
+
+def run_in_thread(eng: ConsumerEngine, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str,
+                  timeout: float) -> Outcome | None:
+    """``eng.run`` on a thread of its own (a listener may stop servers under it), joined within
+    ``timeout``; its outcome."""
+    import threading
+
+    out: list[Outcome | None] = []
+    t = threading.Thread(target=lambda: out.append(eng.run(spec, sub, mq, token)))
+    t.start()
+    t.join(timeout)
+    assert not t.is_alive(), f"the run did not end within {timeout:.0f} s"
+    assert out, "the run raised (see the thread's traceback above)"
+    return out[0]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import signal
 import socket
-import threading
 
 import pytest
 from redis.crc import key_slot
@@ -35,6 +34,7 @@ from mqorder.store.connect import close, connect
 from mqorder.store.raw_pipe import ConnectionLease
 from mqorder.testing.cluster import ClusterDeployment
 from mqorder.testing.embedded import RedisServer
+from tests.engine_support import run_in_thread
 from tests.support import wait_for
 
 TOPIC, SUB, ME = "tcf", "g", "c1"
@@ -132,11 +132,7 @@ def test_a_suspend_after_a_cluster_failover_does_not_commit_on_the_promoted_repl
                 return ConsumeOrderlyStatus.SUCCESS
 
             spec = ListenerSpec(listener, TOPIC, SUB)
-            out: list = []
-            t = threading.Thread(target=lambda: out.append(eng.run(spec, SUB, mq, "t0")))
-            t.start()
-            t.join(90)
-            assert not t.is_alive()
+            out = [run_in_thread(eng, spec, SUB, mq, "t0", 90)]
             assert seen[:6] == [f"m{n}" for n in range(6)], seen
             rb = cdep.client(b)
             log = [f[b"b"].decode() for _, f in rb.xrange(keys.queue_log(mq.tag))]

@@ -14,7 +14,8 @@ the client's pool pointed at it as Sentinel's would be).
 
 from __future__ import annotations
 
-import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 import redis
@@ -26,15 +27,29 @@ from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.settings import load_settings
 from mqorder.testing.embedded import RedisServer, wait_online_replicas
+from tests.engine_support import run_in_thread
 
 TOPIC, SUB, ME = "tf", "g", "c1"
 
 
-def test_a_suspend_after_the_primary_died_does_not_commit_on_the_promoted_replica_past_new_messages() -> None:
+@contextmanager
+def primary_and_replica() -> Iterator[tuple[RedisServer, RedisServer]]:
+    """A primary and its replica, in sync; both stopped after (the test may stop the primary)."""
     a = RedisServer().start()
     b = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(a.port)]).start()
     try:
         wait_online_replicas(a, 1)
+        yield a, b
+    finally:
+        for srv in (b, a):
+            try:
+                srv.stop()
+            except Exception:  # noqa: BLE001 - a was stopped by the test already
+                pass
+
+
+def test_a_suspend_after_the_primary_died_does_not_commit_on_the_promoted_replica_past_new_messages() -> None:
+    with primary_and_replica() as (a, b):
         settings = load_settings(redis_url=a.url, consume_linger_ms=0)
         p = Producer(settings=settings)
         p.create_topic(TOPIC, queues=1)
@@ -69,11 +84,7 @@ def test_a_suspend_after_the_primary_died_does_not_commit_on_the_promoted_replic
             return ConsumeOrderlyStatus.SUCCESS
 
         spec = ListenerSpec(listener, TOPIC, SUB)
-        out: list = []
-        t = threading.Thread(target=lambda: out.append(eng.run(spec, SUB, mq, "t0")))
-        t.start()
-        t.join(60)
-        assert not t.is_alive()
+        out = [run_in_thread(eng, spec, SUB, mq, "t0", 60)]
         assert out and out[0] is not None and out[0].verb == "IDLE", out
         assert seen[:6] == [f"m{n}" for n in range(6)], seen
         state = {k.decode(): v.decode() for k, v in rb.hgetall(keys.sub_state(mq.tag, SUB)).items()}
@@ -86,12 +97,6 @@ def test_a_suspend_after_the_primary_died_does_not_commit_on_the_promoted_replic
         p.close()
         pb.close()
         eng.brokers.close()
-    finally:
-        for srv in (b, a):
-            try:
-                srv.stop()
-            except Exception:  # noqa: BLE001 - a was stopped by the test already
-                pass
 
 
 
@@ -104,10 +109,7 @@ def test_a_pull_consumers_commit_after_a_failover_names_the_message_it_pulled() 
     from mqorder.client.pull_consumer import PullConsumer
     from mqorder.errors import OffsetFencedError
 
-    a = RedisServer().start()
-    b = RedisServer(extra_args=["--replicaof", "127.0.0.1", str(a.port)]).start()
-    try:
-        wait_online_replicas(a, 1)
+    with primary_and_replica() as (a, b):
         settings = load_settings(redis_url=a.url, heartbeat_interval_ms=200)
         p = Producer(settings=settings)
         p.create_topic(TOPIC, queues=1)
@@ -142,9 +144,3 @@ def test_a_pull_consumers_commit_after_a_failover_names_the_message_it_pulled() 
         c.shutdown()
         p.close()
         pb.close()
-    finally:
-        for srv in (b, a):
-            try:
-                srv.stop()
-            except Exception:  # noqa: BLE001 - a was stopped by the test already
-                pass

@@ -95,3 +95,61 @@ def test_a_finish_sent_again_after_the_token_moved_on_is_stale(env, r) -> None:
     assert [x.decode() if isinstance(x, bytes) else x for x in again] == ["REQUEUE", "c1", "tok1"]
     r.hset(k[0], "pending", "tok2")  # the sweep sent another request
     assert [x.decode() for x in scripts.call("finish", k, call)] == ["STALE"]
+
+
+def test_a_run_whose_finish_was_retried_ends_even_if_its_idle_nudge_fails(settings, monkeypatch) -> None:
+    """A review's repro: the first finish.lua fails before it is sent, the retry's finish answers
+    IDLE, and the idle nudge written after it hits a second Redis error. Once a bug: the engine
+    sent finish.lua a third time on a run whose end it had already read, an AssertionError that
+    failed the task (its follow-ups and the watch's release lost). The nudge is a hint now."""
+    from mqorder import Producer
+    from mqorder.consumer.engine import ConsumerEngine
+
+    s = settings.model_copy(update={"consume_linger_ms": 100})
+    p = Producer(settings=s)
+    p.create_topic("t", queues=1)
+    eng = ConsumerEngine(s, "c1")
+    eng.may_linger = lambda: True
+    assert eng.nudges_idle
+    p.send_orderly("t", b"0", sharding_key="k")
+    assert RebalanceLockManager(eng.brokers).assign(SUB, [(MQ, "c1", "tok0")])[MQ] == "DISPATCH"
+    scripts = eng.brokers.get(MQ.broker_name).scripts
+    scripts.load("finish")
+    original = ConnectionLease.round_trip
+    fails = {"finish": 0, "nudge": 0}
+
+    def round_trip(self, commands):
+        if not fails["finish"] and any(c[0] == "EVALSHA" and c[1] == scripts.finish.sha for c in commands):
+            fails["finish"] += 1
+            self.release()
+            raise redis.ConnectionError("refused before the finish was sent (test)")
+        if not fails["nudge"] and any(c[0] == "XADD" for c in commands):
+            fails["nudge"] += 1
+            self.release()
+            raise redis.ConnectionError("the idle nudge failed (test)")
+        return original(self, commands)
+
+    monkeypatch.setattr(ConnectionLease, "round_trip", round_trip)
+    out = eng.run(ListenerSpec(lambda msgs, ctx: ConsumeOrderlyStatus.SUCCESS, "t", SUB), SUB, MQ, "tok0")
+    assert fails == {"finish": 1, "nudge": 1}
+    assert out is not None and out.verb == "IDLE" and out.consumed == 1
+    p.close()
+    eng.brokers.close()
+
+
+def test_a_repeated_finish_renews_the_requests_pending_deadline(env, r) -> None:
+    """The request a repeated finish hands out is sent only now: its ``pend_until`` counts from
+    now. Once a bug: after an outage longer than ``pending_ttl_ms`` the repeat handed out a token
+    already lapsed, and the sweep dispatched a second request beside it."""
+    p, eng = env
+    p.send_orderly("t", b"0", sharding_key="k")
+    assert RebalanceLockManager(eng.brokers).assign(SUB, [(MQ, "c1", "tok0")])[MQ] == "DISPATCH"
+    scripts = eng.brokers.get(MQ.broker_name).scripts
+    k = [keys.sub_state(MQ.tag, SUB), keys.queue_next(MQ.tag)]
+    r.hset(k[0], mapping={"owner": "c1", "lease": 2**62, "run": 0})
+    call = ["c1", "tok0", "requeue", "tok1", 10_000, 60_000]
+    scripts.call("finish", k, call)
+    r.hset(k[0], "pend_until", 1)  # the outage outlasted it
+    assert [x.decode() if isinstance(x, bytes) else x for x in scripts.call("finish", k, call)] == ["REQUEUE", "c1", "tok1"]
+    now_ms = int(r.time()[0]) * 1000
+    assert int(r.hget(k[0], "pend_until")) >= now_ms + 9_000

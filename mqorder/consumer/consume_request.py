@@ -20,6 +20,8 @@ import threading
 import time
 from typing import Any
 
+import redis
+
 from mqorder import keys
 from mqorder.codec import decode_entries
 from mqorder.consumer import native
@@ -801,7 +803,13 @@ class ConsumeRequest(LingeringReads):
         self._flush_stats()
         verb = Verb(text(res[0]))
         if verb is Verb.IDLE and self.engine.nudges_idle and not self.lease.on_cluster:
-            RawPipeline(self.lease).execute_command(*idle_entry(self.client_id, [self.mq.key])).execute()
+            # A hint, best-effort: the run has ended (finish.lua answered), so a Redis error here
+            # must not fail it (once it made the engine send finish.lua a third time, on a run
+            # whose end it had already read, and fail the task). A send wakes the queue anyway.
+            try:
+                RawPipeline(self.lease).execute_command(*idle_entry(self.client_id, [self.mq.key])).execute()
+            except redis.RedisError as exc:
+                log.debug("idle nudge of %s not written (%s)", self.mq.key, exc)
         if verb is Verb.ADOPTED:
             self.adopted_at = int(res[1])
             return Outcome(verb, consumed=self.consumed)

@@ -20,12 +20,16 @@ local function finished_already(K, A, st)
     redis.call('HSET', K[1], 'pending', '', 'pend_until', 0)
     return {'IDLE'}
   end
+  -- The request is sent only now: its pend_until counts from now (a retry after a long outage
+  -- found it lapsed, and the sweep dispatched a second request beside it).
+  local pend_until = math.max(tonumber(st[6] or 0), now + tonumber(A[5]))
+  redis.call('HSET', K[1], 'pend_until', pend_until)
   if target == A[1] then return {'REQUEUE', target, A[4]} end
   return {'DISPATCH', target, A[4]}
 end
 
 local function finish_run(K, A)
-  local st = redis.call('HMGET', K[1], 'owner', 'lease', 'pending', 'offset', 'assignee')
+  local st = redis.call('HMGET', K[1], 'owner', 'lease', 'pending', 'offset', 'assignee', 'pend_until')
   if st[3] ~= A[2] then return finished_already(K, A, st) or {'STALE'} end
   local client = A[1]
   local owner, assignee = st[1] or '', st[5] or ''

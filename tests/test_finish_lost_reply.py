@@ -79,16 +79,21 @@ def test_a_lost_reply_of_finish_still_sends_the_request_it_decided_on(env, r, mo
     assert (int(state["offset"]), seen) == ((0, [0]) if suspend else (3, [0, 1, 2]))
 
 
-def test_a_finish_sent_again_after_the_token_moved_on_is_stale(env, r) -> None:
-    """``finished_already`` answers only the call that set the pending token: once another
-    request replaced it (the sweep re-dispatched), the old call is STALE again."""
+def _a_run_to_finish(env, r):
+    """A queue with a backlog held by c1's run ``tok0``: finish.lua's scripts, keys and the call
+    that ends the run with a REQUEUE for ``tok1``."""
     p, eng = env
     p.send_orderly("t", b"0", sharding_key="k")
     assert RebalanceLockManager(eng.brokers).assign(SUB, [(MQ, "c1", "tok0")])[MQ] == "DISPATCH"
-    scripts = eng.brokers.get(MQ.broker_name).scripts
     k = [keys.sub_state(MQ.tag, SUB), keys.queue_next(MQ.tag)]
     r.hset(k[0], mapping={"owner": "c1", "lease": 2**62, "run": 0})
-    call = ["c1", "tok0", "requeue", "tok1", 10_000, 60_000]
+    return eng.brokers.get(MQ.broker_name).scripts, k, ["c1", "tok0", "requeue", "tok1", 10_000, 60_000]
+
+
+def test_a_finish_sent_again_after_the_token_moved_on_is_stale(env, r) -> None:
+    """``finished_already`` answers only the call that set the pending token: once another
+    request replaced it (the sweep re-dispatched), the old call is STALE again."""
+    scripts, k, call = _a_run_to_finish(env, r)
     first = scripts.call("finish", k, call)
     assert [x.decode() if isinstance(x, bytes) else x for x in first] == ["REQUEUE", "c1", "tok1"]
     again = scripts.call("finish", k, call)
@@ -141,13 +146,7 @@ def test_a_repeated_finish_renews_the_requests_pending_deadline(env, r) -> None:
     """The request a repeated finish hands out is sent only now: its ``pend_until`` counts from
     now. Once a bug: after an outage longer than ``pending_ttl_ms`` the repeat handed out a token
     already lapsed, and the sweep dispatched a second request beside it."""
-    p, eng = env
-    p.send_orderly("t", b"0", sharding_key="k")
-    assert RebalanceLockManager(eng.brokers).assign(SUB, [(MQ, "c1", "tok0")])[MQ] == "DISPATCH"
-    scripts = eng.brokers.get(MQ.broker_name).scripts
-    k = [keys.sub_state(MQ.tag, SUB), keys.queue_next(MQ.tag)]
-    r.hset(k[0], mapping={"owner": "c1", "lease": 2**62, "run": 0})
-    call = ["c1", "tok0", "requeue", "tok1", 10_000, 60_000]
+    scripts, k, call = _a_run_to_finish(env, r)
     scripts.call("finish", k, call)
     r.hset(k[0], "pend_until", 1)  # the outage outlasted it
     assert [x.decode() if isinstance(x, bytes) else x for x in scripts.call("finish", k, call)] == ["REQUEUE", "c1", "tok1"]

@@ -40,7 +40,7 @@ that finds it full blocks up to ``max_block_ms``, then raises ``BufferExhaustedE
 ``buffer.memory`` / ``max.block.ms``); a message bigger than the whole buffer is refused at once.
 A done-callback's send is the exception: it never blocks (``RecordAccumulator.append``).
 ``linger_ms`` and ``max_block_ms`` are waits, so at most ``threading.TIMEOUT_MAX`` (in ms): a
-thread's ``wait`` takes no longer one.
+thread's ``wait`` takes none longer.
 
 Lifetime. ``flush()`` waits for every record appended before it; ``close()`` sends everything
 pending and stops the thread; at interpreter exit every live sender of the process is closed
@@ -120,18 +120,18 @@ class BatchingConfig:
         d = cls()
         return cls(
             linger_ms=number_arg("linger_ms", linger_ms, d.linger_ms, minimum=0, maximum=MAX_WAIT_MS,
-                              hint="0 sends at once, 2-5 batches"),
+                                 hint="0 sends at once, 2-5 batches"),
             batch_size=int(number_arg("batch_size", batch_size, d.batch_size, minimum=1, integer=True,
-                                   hint="records pending that end the linger early")),
+                                      hint="records pending that end the linger early")),
             buffer_memory=int(number_arg("buffer_memory", buffer_memory, d.buffer_memory, minimum=1, integer=True,
-                                      hint="bytes of pending messages, e.g. 32 * 1024 * 1024")),
+                                         hint="bytes of pending messages, e.g. 32 * 1024 * 1024")),
             max_block_ms=number_arg("max_block_ms", max_block_ms, d.max_block_ms, minimum=0, maximum=MAX_WAIT_MS,
-                                 hint="0 raises at once when the buffer is full"),
+                                    hint="0 raises at once when the buffer is full"),
         )
 
 
 def number_arg(name: str, value: object, default: float, *, minimum: float, hint: str, integer: bool = False,
-            maximum: float = math.inf) -> float:
+               maximum: float = math.inf) -> float:
     """``value`` as a float, or ``default`` for ``None``; ``ConfigError`` unless ``minimum <= value <=
     maximum`` (so never NaN, nor infinite with a finite ``maximum``)."""
     if value is None:

@@ -430,7 +430,7 @@ class Producer:
         without a timeout can take that long for every batch still held."""
         if timeout is not None:
             timeout = number_arg("timeout", timeout, 0.0, minimum=0, maximum=MAX_WAIT_MS / 1000,
-                              hint="seconds to wait for pending sends; None waits as long as it takes")
+                                 hint="seconds to wait for pending sends; None waits as long as it takes")
         # Under the sender lock: a first send_orderly_async either starts its sender before this
         # (and it is closed here) or finds the producer closed, never installs one after. The lock
         # is not held while the sender finishes: its callbacks may send (and are refused).

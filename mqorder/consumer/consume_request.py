@@ -763,6 +763,13 @@ class ConsumeRequest(LingeringReads):
         if self._needs_last_commit() and self._persist(pull=False).kind is PullKind.LOST:
             return Outcome(Verb.FENCED, consumed=self.consumed)
         self.finishing = end
+        return self._send_finish()
+
+    def _send_finish(self) -> Outcome:
+        """``finish.lua`` for ``self.finishing``; cleared once answered (a Redis error leaves it
+        set: the engine's retry sends the same call, ``finish_again``)."""
+        end = self.finishing
+        assert end is not None
         res = self.scripts.call("finish", *self._finish_call(end), via=self.lease)
         self.finishing = None
         return self._ended(res, end)
@@ -774,13 +781,9 @@ class ConsumeRequest(LingeringReads):
         (the first finish had replaced the token), and the request the queue needed (REQUEUE,
         HANDOVER, DISPATCH) was never sent: the queue waited out ``pending_ttl_ms`` and a sweep.
         On this request, whose ledger records and counters are the run's."""
-        end = self.finishing
-        assert end is not None
         self._thread = threading.get_ident()
         try:
-            res = self.scripts.call("finish", *self._finish_call(end), via=self.lease)
-            self.finishing = None
-            return self._ended(res, end)
+            return self._send_finish()
         finally:
             if self._own_lease:
                 self.lease.release()

@@ -182,8 +182,9 @@ class ConsumerEngine(ConsumerState):
                     return req, None
                 # A slot that moved is served already (a failover done): start over at once, a
                 # few times (a map that keeps moving backs off like any other error).
-                moves += isinstance(exc, SlotMovedError)
-                delay = 0.0 if isinstance(exc, SlotMovedError) and moves <= 3 else backoff.next()
+                moved = isinstance(exc, SlotMovedError)
+                moves += moved
+                delay = 0.0 if moved and moves <= 3 else backoff.next()
                 log.warning("ConsumeRequest %s %s: Redis error (%s); retrying in %.2fs", sub, mq.key, exc, delay)
                 time.sleep(delay)
                 waited += delay

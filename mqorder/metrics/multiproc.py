@@ -15,7 +15,12 @@ sums at scrape time. Its rules, and how each is kept here:
   slots) stay in the sum forever. Nothing tells the main process reliably when a child died (a
   ``kill -9`` runs no hook in the child), so ``reap_dead()`` runs before every scrape and marks
   every pid with gauge files that is no longer a running process. Counters and histograms of dead
-  children are kept, as they must be: they are totals.
+  children are kept, as they must be: they are totals;
+* a process creates its file and sizes it a moment later (``MmapedDict.__init__``): a scrape that
+  reads it at 0 bytes fails whole (``struct.error``, prometheus/client_python#1199: an HTTP 500,
+  seen once in CI right after a pool child's first refused commit), and a child killed in that
+  moment leaves the empty file for good. ``metric_files()`` leaves out files too short to hold the
+  header: nothing is recorded in them yet.
 """
 
 from __future__ import annotations
@@ -55,6 +60,22 @@ def prepare() -> str:
         values.ValueClass = values.get_value_class()
     atexit.register(_remove, path, os.getpid())
     return path
+
+
+#: The header of a metrics file: 4 bytes of used length, 4 of padding.
+_HEADER = 8
+
+
+def metric_files(path: str) -> list[str]:
+    """The ``.db`` files of ``path`` a scrape can read: those a process has sized (see above)."""
+    files = []
+    for f in glob.glob(os.path.join(path, "*.db")):
+        try:
+            if os.path.getsize(f) >= _HEADER:
+                files.append(f)
+        except FileNotFoundError:
+            continue  # a live gauge's file, marked dead since the glob
+    return files
 
 
 def _remove(path: str, owner_pid: int) -> None:

@@ -172,11 +172,13 @@ class _WorkerCollector:
         from prometheus_client.multiprocess import MultiProcessCollector
 
         self.metrics = metrics
-        self.files = MultiProcessCollector(None, metrics.path)
+        self.merge = MultiProcessCollector.merge
 
     def collect(self) -> Iterator[Metric]:
-        multiproc.reap_dead(self.metrics.path)
-        yield from self.files.collect()
+        path = self.metrics.path
+        multiproc.reap_dead(path)
+        # MultiProcessCollector.collect() minus the files not sized yet (multiproc.metric_files).
+        yield from self.merge(multiproc.metric_files(path), accumulate=True)
         yield from self.metrics.collect_main()
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import redis
 
 from mqorder import ConsumeOrderlyStatus, Producer, keys
@@ -167,6 +168,47 @@ def test_ending_the_watch_hands_a_queue_that_got_messages_to_a_new_request(setti
     assert (follow.mq, follow.target) == (QUEUES[2], ME)
     assert r.hget(state, "pending").decode() == follow.token  # a new request, to be dispatched
     for mq in (QUEUES[1], QUEUES[3]):  # idle ones just get their pending slot back
+        assert r.hget(keys.sub_state(mq.tag, SUB), "pending") == b""
+    p.close()
+    eng.brokers.close()
+
+
+@pytest.mark.parametrize("ran", [True, False], ids=["reply-lost", "not-sent"])
+def test_ending_the_watch_after_a_connection_error_still_returns_the_request_a_queue_needs(
+    settings, r, monkeypatch, ran: bool,
+) -> None:
+    """``release``'s ``finish.lua`` calls meet a connection error, after they ran (the reply is
+    lost) or before. The same calls are sent again: queue 2, which got a message while adopted,
+    gets its request. Once a bug: the error went up, the first send had already made the new
+    token queue 2's pending one, nobody sent that request, and queue 2 waited out
+    ``pending_ttl_ms`` and a sweep with its message."""
+    from mqorder.store.scripts import Scripts
+
+    p, eng = owned_idle_queues(settings, r)
+    broker = eng.brokers.get("broker-a")
+    watch = IdleQueueWatch(ME, SUB, "broker-a", broker.scripts, broker.client, lambda: eng.owned_queues(SUB),
+                           10_000, 60_000)
+    watch.refresh(QUEUES[0])
+    p.send_orderly(TOPIC, b"x", sharding_key=key_for(2))
+    sent: list[list[Any]] = []
+    run_many = Scripts.run_many
+
+    def failing_once(self, calls, via=None):
+        if calls[0][0] == "finish":
+            sent.append([list(c[2]) for c in calls])
+            if len(sent) == 1:
+                if ran:
+                    run_many(self, calls, via)
+                raise redis.ConnectionError("the connection dropped (test)")
+        return run_many(self, calls, via)
+
+    monkeypatch.setattr(Scripts, "run_many", failing_once)
+    (follow,) = watch.release()
+    state = keys.sub_state(QUEUES[2].tag, SUB)
+    assert len(sent) == 2 and sent[0] == sent[1], "the retry did not send the same calls"
+    assert (follow.mq, follow.target) == (QUEUES[2], ME)
+    assert r.hget(state, "pending").decode() == follow.token, "queue 2's request was lost"
+    for mq in (QUEUES[1], QUEUES[3]):
         assert r.hget(keys.sub_state(mq.tag, SUB), "pending") == b""
     p.close()
     eng.brokers.close()

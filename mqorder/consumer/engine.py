@@ -118,8 +118,12 @@ class ConsumerEngine(ConsumerState):
             try:
                 follow_ups.extend(watch.release(lease))
             except (redis.RedisError, BrokerUnavailableError) as exc:
-                log.warning("could not end the adoptions of %s (%s); they lapse within %d ms",
-                            sub, exc, ADOPT_TTL_MS)
+                # Not ended, or ended with their replies lost: an adoption lapses within
+                # ADOPT_TTL_MS, a request the lost reply asked for within pending_ttl_ms; then the
+                # sweep dispatches whatever has a backlog.
+                log.warning("could not end the adoptions of %s (%s); their queues wait for the sweep "
+                            "(within %d ms of lapsing)", sub, exc,
+                            max(ADOPT_TTL_MS, watch.pending_ttl_ms))
         if watch is None or (mq is first and not follow_ups and consumed == outcome.consumed):
             return outcome  # nothing to add: the run stayed on the task's own queue
         # The outcome is about the last queue run (a REQUEUE's token is that queue's): it always

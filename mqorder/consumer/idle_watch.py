@@ -27,8 +27,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from mqorder import keys
 from mqorder.consumer.nudge import idle_entry
+from mqorder.errors import BrokerUnavailableError
 from mqorder.model import MessageQueue
 from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
 from mqorder.store.replies import text
@@ -41,6 +44,11 @@ ADOPT_REFRESH_S = 0.2
 #: pend_until of an adoption, renewed every refresh: what a crash while adopting can cost a queue
 #: before the send path or the sweep dispatch it normally.
 ADOPT_TTL_MS = 2000
+#: Pauses before ``release`` sends its ``finish.lua`` calls again after a connection error: the
+#: same calls, so a first send that ran (its reply lost) answers the same (``finished_already``).
+RELEASE_RETRY_PAUSES_S = (0.05, 0.25)
+#: The errors after which ``release`` tries again: the calls may or may not have run.
+_RETRIED = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, BrokerUnavailableError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,17 +218,32 @@ class IdleQueueWatch:
 
     def release(self, via: ConnectionLease | None = None) -> list[FollowUp]:
         """End every adoption (``finish.lua``, action done): an idle queue gets its pending slot
-        back; one that got messages meanwhile gets a new request, returned for the caller to send."""
+        back; one that got messages meanwhile gets a new request, returned for the caller to send.
+
+        Each call's new token is drawn once, and after a connection error the same calls are sent
+        again (``RELEASE_RETRY_PAUSES_S``): a call that ran before its reply was lost answers the
+        same request again (``finished_already``). Once a bug: the first send's tokens were the
+        queues' pending ones, nobody sent their requests, and a queue that got messages while
+        adopted waited out ``pending_ttl_ms`` and a sweep. Raises the last error if every try
+        failed (the caller logs it: those queues wait for the sweep)."""
         if not self.adopted:
             return []
         items = list(self.adopted.values())
         self.adopted = {}
         self._changed()
-        replies = self.scripts.run_pipelined("finish", [
-            ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)],
-             [self.client_id, self.token, "done", new_token(), self.pending_ttl_ms, self.lock_ms])
-            for mq, _ in items
-        ], via)
+        calls = [([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)],
+                  [self.client_id, self.token, "done", new_token(), self.pending_ttl_ms, self.lock_ms])
+                 for mq, _ in items]
+        for pause in (*RELEASE_RETRY_PAUSES_S, None):
+            try:
+                replies = self.scripts.run_pipelined("finish", calls, via)
+                break
+            except _RETRIED as exc:
+                if pause is None:
+                    raise
+                log.info("ending the adoptions of %s: %s; sending the same calls again in %.2f s",
+                         self.sub, exc, pause)
+                time.sleep(pause)
         out, went_idle = [], []
         for (mq, _), res in zip(items, replies, strict=True):
             verb = text(res[0])
@@ -229,6 +252,10 @@ class IdleQueueWatch:
             elif verb == "IDLE":
                 went_idle.append(mq.key)
         if went_idle:
-            # Another lingering request of this client may watch them now (nudge.idle_entry).
-            RawPipeline(via or self.redis).execute_command(*idle_entry(self.client_id, went_idle)).execute()
+            # Another lingering request of this client may watch them now (nudge.idle_entry). Only
+            # a hint: its error must not lose the follow-ups above (the next refresh finds them).
+            try:
+                RawPipeline(via or self.redis).execute_command(*idle_entry(self.client_id, went_idle)).execute()
+            except _RETRIED as exc:
+                log.debug("no idle nudge for %s: %s", went_idle, exc)
         return out

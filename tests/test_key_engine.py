@@ -281,8 +281,33 @@ def test_a_wrong_ordering_or_key_setting_is_refused_with_what_is_allowed() -> No
 
     with pytest.raises(ListenerError, match="ordering must be 'queue'.*or 'key'"):
         orderly_listener(topic="t", group="g", ordering="keys")
-    with pytest.raises(ListenerError, match="key_concurrency must be an int >= 1"):
+    with pytest.raises(ListenerError, match="key_concurrency must be an int from 1 to 1024, got 0"):
         orderly_listener(topic="t", group="g", ordering="key", key_concurrency=0)
+    # Over the worker-wide bound: a span of 300,000 made offset maps key_commit.lua refuses (over
+    # MAX_MAP_BYTES), every commit of the queue was refused and it redelivered its work forever.
+    with pytest.raises(ListenerError, match="consume_concurrently_max_span must be an int from 1 to 100000"):
+        orderly_listener(topic="t", group="g", ordering="key", consume_concurrently_max_span=300_000)
+
+
+def test_a_listeners_bounds_are_the_worker_settings_bounds() -> None:
+    from mqorder.consumer.listener import MAXIMA
+    from mqorder.settings import Settings
+
+    for name, most in MAXIMA.items():
+        les = [m.le for m in Settings.model_fields[name].metadata if getattr(m, "le", None) is not None]
+        assert les == [most], f"{name}: the listener allows up to {most}, the settings {les}"
+
+
+def test_the_widest_span_encodes_within_what_key_commit_stores() -> None:
+    """The worst map of the widest span a listener may ask for (every other offset finished: the
+    bitset, a quarter of the span in hex digits) fits ``MAX_MAP_BYTES``."""
+    from mqorder.consumer.key_request import MAX_MAP_BYTES
+    from mqorder.consumer.listener import MAXIMA
+    from mqorder.consumer.offset_map import encode_done
+
+    span = MAXIMA["consume_concurrently_max_span"]
+    base = 10**12
+    assert len(encode_done(base, range(base + 2, base + span, 2))) < MAX_MAP_BYTES
 
 
 def test_a_key_ordered_batch_holds_consecutive_messages_of_one_key_only(env) -> None:

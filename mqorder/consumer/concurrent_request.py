@@ -42,6 +42,7 @@ from typing import Any
 from mqorder import keys
 from mqorder.consumer.concurrent_lanes import ConcurrentLanes
 from mqorder.consumer.context import ConsumeConcurrentlyContext
+from mqorder.consumer.escapes import cancelled_by_run, counts_as_failure
 from mqorder.consumer.hooks import global_hooks
 from mqorder.consumer.key_request import KeyConsumeRequest
 from mqorder.consumer.lane_workers import LaneResult
@@ -110,7 +111,9 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         handled = Handled(SUSPEND)
         try:
             handled = self._consume_concurrently(msgs, ctx)
-        except Exception:
+        except BaseException as exc:
+            if not counts_as_failure(exc):  # never on a lane thread (mqorder.consumer.escapes)
+                raise
             log.exception("concurrent call of %s on %s failed outside the listener (a hook?); retrying its "
                           "messages", self.spec.name, self.mq.key)
         finally:
@@ -130,9 +133,14 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
             self._art_n += 1
             handled = self._concurrent_handled(status, ctx, wall0, rt)
         except asyncio.CancelledError:
-            cancelled = True
-            raise
-        except Exception:
+            if cancelled_by_run():
+                cancelled = True
+                raise
+            log.exception("concurrent call of %s on %s was cancelled, not by its run; retrying its messages",
+                          self.spec.name, self.mq.key)
+        except BaseException as exc:
+            if not counts_as_failure(exc):
+                raise
             log.exception("concurrent call of %s on %s failed outside the listener (a hook?); retrying its "
                           "messages", self.spec.name, self.mq.key)
         finally:

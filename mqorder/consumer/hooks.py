@@ -7,6 +7,7 @@ change the consume result.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mqorder.consumer.async_loop import process_loop
+from mqorder.consumer.escapes import cancelled_by_run, counts_as_failure
 from mqorder.model import MessageExt, MessageQueue
 
 log = logging.getLogger(__name__)
@@ -114,7 +116,11 @@ def _run(hooks: list[ConsumeMessageHook], method: str, ctx: object, when: str) -
             res = getattr(h, method)(ctx)
             if inspect.isawaitable(res):
                 process_loop().run_blocking(_awaited(res))
-        except Exception:
+        except BaseException as exc:
+            # An async hook's CancelledError is its own (nothing cancels a hook of a plain
+            # listener): once it escaped and ended the key-mode lane thread the call ran on.
+            if not (isinstance(exc, asyncio.CancelledError) or counts_as_failure(exc)):
+                raise
             log.exception("consume hook %s failed %s", h.hook_name(), when)
 
 
@@ -128,7 +134,16 @@ async def _run_async(hooks: list[ConsumeMessageHook], method: str, ctx: object, 
             res = getattr(h, method)(ctx)
             if inspect.isawaitable(res):
                 await res
-        except Exception:
+        except asyncio.CancelledError:
+            # The run's cancel of the call goes on up; a hook's own (it awaited a future someone
+            # else cancelled) is a failing hook: it once ended the call as if the run had
+            # cancelled it, and a key's next message ran before the one it left unfinished.
+            if cancelled_by_run():
+                raise
+            log.exception("consume hook %s failed %s", h.hook_name(), when)
+        except BaseException as exc:
+            if not counts_as_failure(exc):
+                raise
             log.exception("consume hook %s failed %s", h.hook_name(), when)
 
 

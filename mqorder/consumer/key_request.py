@@ -67,10 +67,11 @@ from mqorder.codec import decode_entries
 from mqorder.consumer.call_executor import LaneCalls
 from mqorder.consumer.consume_request import HELD_CHECK_S, ConsumeRequest
 from mqorder.consumer.context import ConsumeOrderlyContext
+from mqorder.consumer.escapes import cancelled_by_run, counts_as_failure
 from mqorder.consumer.key_lanes import KeyLanes, Lanes
 from mqorder.consumer.lane_workers import LaneResult
 from mqorder.consumer.ledger import LedgerOutcome
-from mqorder.consumer.listener_call import ORDERLY, cancelled_by_run, checked_status, listener_raised
+from mqorder.consumer.listener_call import ORDERLY, checked_status, listener_raised
 from mqorder.consumer.nudge import idle_entry
 from mqorder.consumer.offset_map import OffsetTracker, decode_done
 from mqorder.consumer.run_types import (
@@ -343,7 +344,9 @@ class KeyConsumeRequest(ConsumeRequest):
         handled = Handled(SUSPEND)
         try:
             handled = self._consume(msgs, ctx)
-        except Exception:
+        except BaseException as exc:
+            if not counts_as_failure(exc):  # never on a lane thread (see escapes)
+                raise
             log.exception("lane call of %s on %s failed outside the listener (a hook?); suspending its key",
                           self.spec.name, self.mq.key)
         finally:
@@ -374,6 +377,10 @@ class KeyConsumeRequest(ConsumeRequest):
                     if cancelled_by_run():
                         raise
                     status = listener_raised(ORDERLY, spec, mq, msgs, ctx, exc)
+                except BaseException as exc:
+                    if not counts_as_failure(exc):
+                        raise
+                    status = listener_raised(ORDERLY, spec, mq, msgs, ctx, exc)
                 rt = (time.perf_counter() - t0) * 1000
                 if type(status) is not ConsumeOrderlyStatus:
                     status = checked_status(ORDERLY, spec, mq, status)
@@ -381,9 +388,17 @@ class KeyConsumeRequest(ConsumeRequest):
                 self._art_n += 1
                 handled = Handled(status) if wall0 == 0.0 else Handled(status, wall0 * 1000, wall0 * 1000 + rt)
         except asyncio.CancelledError:
-            cancelled = True
-            raise
-        except Exception:
+            # Only the run's own cancel leaves the call unsettled. Any other (a hook's, once: it
+            # escaped ``_run_async``) settled the call as cancelled while the run went on, and the
+            # key's next message ran before the one left unfinished: a failure instead.
+            if cancelled_by_run():
+                cancelled = True
+                raise
+            log.exception("lane call of %s on %s was cancelled, not by its run; suspending its key",
+                          self.spec.name, self.mq.key)
+        except BaseException as exc:
+            if not counts_as_failure(exc):
+                raise
             log.exception("lane call of %s on %s failed outside the listener (a hook?); suspending its key",
                           self.spec.name, self.mq.key)
         finally:

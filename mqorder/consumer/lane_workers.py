@@ -57,7 +57,9 @@ class LaneWorkers:
             fn, args = job
             try:
                 fn(*args)
-            except Exception:
+            except BaseException:
+                # A SystemExit or gevent.Timeout that got here once ended this thread for good;
+                # with every lane gone, a run waited forever for calls nobody ran.
                 log.exception("lane worker: a call escaped its own error handling")
 
 

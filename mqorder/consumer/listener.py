@@ -98,11 +98,25 @@ class ListenerSpec:
 _REGISTRY: dict[tuple[str, str], ListenerSpec] = {}
 
 
+#: The largest value a listener may give each setting: the same bounds as the worker-wide settings
+#: (``mqorder.settings.Settings``; a test keeps the two equal). Above the span's, key mode's offset
+#: map could outgrow what ``key_commit.lua`` stores, and every commit of the queue was refused.
+MAXIMA = {
+    "pull_batch_size": 1024,
+    "consume_message_batch_max_size": 1024,
+    "key_concurrency": 1024,
+    "consume_concurrency": 1024,
+    "consume_concurrently_max_span": 100_000,
+}
+
+
 def _positive(name: str, v: object, minimum: int = 1) -> None:
     if v is None:
         return
-    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
-        raise ListenerError(f"{name} must be an int >= {minimum}, got {v!r}")
+    most = MAXIMA.get(name)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (most is not None and v > most):
+        bounds = f">= {minimum}" if most is None else f"from {minimum} to {most}"
+        raise ListenerError(f"{name} must be an int {bounds}, got {v!r}")
 
 
 def orderly_listener(

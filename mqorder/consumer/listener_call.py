@@ -17,6 +17,7 @@ from enum import Enum
 from typing import Any
 
 from mqorder.consumer.async_loop import process_loop
+from mqorder.consumer.escapes import cancelled_by_run, counts_as_failure
 from mqorder.consumer.hooks import (
     ConsumeMessageContext,
     ConsumeMessageHook,
@@ -73,7 +74,9 @@ def call_listener(
     status: Any
     try:
         status = spec.func(msgs, ctx)
-    except Exception as exc:
+    except BaseException as exc:
+        if not counts_as_failure(exc):
+            raise
         note_failure(ctx, exc)
         log.exception("listener %s raised on %s offsets %d..%d; %s",
                       spec.name, mq.key, msgs[0].queue_offset, msgs[-1].queue_offset, rule.on_raise)
@@ -111,23 +114,16 @@ async def call_listener_async(
         if cancelled_by_run():
             raise
         status = listener_raised(rule, spec, mq, msgs, ctx, exc)
+    except BaseException as exc:
+        if not counts_as_failure(exc):
+            raise
+        status = listener_raised(rule, spec, mq, msgs, ctx, exc)
     rt = (time.perf_counter() - t0) * 1000
     status = checked_status(rule, spec, mq, status)
     if hook_ctx is not None:
         _hook_result(rule, hook_ctx, status, rt)
         await run_after_async(hooks, hook_ctx)
     return status, rt, wall0
-
-
-def cancelled_by_run() -> bool:
-    """Whether the ``CancelledError`` an async listener's call ended with is the run's own
-    cancellation of the call's task (it lost its queue: nothing of the call is settled), not one
-    the listener's code raised (it awaited a future someone else cancelled, an ``asyncio.timeout``
-    of its own gone wrong): that is a listener failure like any exception, or its key would wait,
-    neither finished nor retried, until the run's time budget ended. A task cancelled through
-    ``Task.cancel`` counts it in ``cancelling()`` until it is uncancelled."""
-    task = asyncio.current_task()
-    return task is None or task.cancelling() > 0
 
 
 def listener_raised(rule: StatusRule, spec: ListenerSpec, mq: MessageQueue, msgs: list[MessageExt], ctx: Any,
@@ -151,7 +147,10 @@ def _awaited_on_loop(rule: StatusRule, spec: ListenerSpec, mq: MessageQueue, msg
 
     try:
         return process_loop().run_blocking(wait())
-    except Exception as exc:
+    except BaseException as exc:
+        # A CancelledError here is the awaitable's own (the run cancels no call of a plain listener).
+        if not (isinstance(exc, asyncio.CancelledError) or counts_as_failure(exc)):
+            raise
         note_failure(ctx, exc)
         log.exception("listener %s raised on %s offsets %d..%d; %s",
                       spec.name, mq.key, msgs[0].queue_offset, msgs[-1].queue_offset, rule.on_raise)

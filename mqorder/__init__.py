@@ -41,6 +41,7 @@ from mqorder.errors import (
     ReplicasBehindError,
     TopicNotFoundError,
     TopicNotWritableError,
+    TransactionEndedError,
 )
 from mqorder.model import (
     ConsumeConcurrentlyStatus,
@@ -88,6 +89,7 @@ __all__ = [
     "SendStatus",
     "TopicNotFoundError",
     "TopicNotWritableError",
+    "TransactionEndedError",
     "TransactionProducer",
     "TransactionSendResult",
     "concurrent_listener",

@@ -88,3 +88,12 @@ class BufferExhaustedError(MQOrderError):
 
 class ProducerClosedError(MQOrderError, RuntimeError):
     """``send_orderly_async`` after ``Producer.close()``: the background sender has stopped."""
+
+
+class TransactionEndedError(MQOrderError):
+    """A transaction's end (COMMIT or ROLLBACK) found it already ended the other way, by the
+    check-back or an earlier end: nothing was changed. ``outcome`` says how it did end."""
+
+    def __init__(self, message: str, outcome: str) -> None:
+        super().__init__(message)
+        self.outcome = outcome

@@ -100,6 +100,67 @@ def test_bad_dedup_settings_and_keys_are_refused_clearly(settings, producer: Pro
         producer.send_orderly("orders", b"x", sharding_key="k", dedup_key="")
     with pytest.raises(MessageError, match="over 128"):
         producer.send_orderly("orders", b"x", sharding_key="k", dedup_key="x" * 129)
+    with pytest.raises(MessageError, match="dedup_key is not valid UTF-8"):
+        producer.send_orderly("orders", b"x", sharding_key="k", dedup_key="evt-\ud800")
+
+
+def test_a_bad_dedup_key_fails_at_the_call_not_the_batch_it_would_have_joined(settings) -> None:
+    """Once a lone surrogate passed the check and failed only when the batching sender packed the
+    round trip: every other send of the batch (other keys, other queues) failed with it."""
+    p = Producer(settings=settings, linger_ms=200)
+    p.create_topic("t", queues=4)
+    good = [p.send_orderly_async("t", b"m%d" % i, sharding_key=f"k{i}") for i in range(6)]
+    with pytest.raises(MessageError, match="not valid UTF-8"):
+        p.send_orderly_async("t", b"bad", sharding_key="x", dedup_key="evt-\ud800")
+    assert all(f.result(timeout=10).queue_offset >= 0 for f in good)
+    p.close()
+
+
+def test_a_batch_mixing_dedup_keys_and_none_dedups_only_the_keyed_items(producer: Producer) -> None:
+    """Once the first item decided for the batch: after a key, every None became the dedup id
+    'None' (items dropped as duplicates of each other, SEND_OK with another's result); after a
+    None, the keys given were ignored (their resends stored twice)."""
+    res = producer.send_orderly_batch("orders", [("k", b"one"), ("k", b"two"), ("k", b"three")],
+                                      dedup_keys=["a", None, None])
+    producer.send_orderly_batch("orders", [("k", b"four"), ("k", b"five")], dedup_keys=["b", None])
+    producer.send_orderly_batch("orders", [("k", b"six"), ("k", b"seven")], dedup_keys=[None, "c"])
+    again = producer.send_orderly_batch("orders", [("k", b"seven"), ("k", b"one")], dedup_keys=["c", "a"])
+    mq = res[0].message_queue
+    assert bodies(producer, mq) == [b"one", b"two", b"three", b"four", b"five", b"six", b"seven"]
+    assert [r.queue_offset for r in res] == [0, 1, 2]
+    assert [r.queue_offset for r in again] == [6, 0]  # the first sends' results
+
+
+def test_an_id_past_its_window_is_new_even_before_the_window_is_trimmed(settings) -> None:
+    """The expired backlog is trimmed 2n + 16 ids per keyed send; after a burst, an id past its
+    window still waited there and a send reusing it was dropped as a duplicate."""
+    p = Producer(settings=settings, dedup_window_ms=300)
+    p.create_topic("t", queues=1)
+    for b in range(3):  # a burst of 600 keyed sends
+        p.send_orderly_batch("t", [("k", b"burst")] * 200, dedup_keys=[f"evt-{b * 200 + i}" for i in range(200)])
+    time.sleep(0.4)  # every burst id's window ended; 2 trickling sends trim 36 of them
+    for i in range(2):
+        p.send_orderly("t", b"trickle", sharding_key="k", dedup_key=f"trickle-{i}")
+    res = p.send_orderly("t", b"evt-599 again", sharding_key="k", dedup_key="evt-599")
+    assert res.queue_offset == 602
+    assert bodies(p, res.message_queue)[-1] == b"evt-599 again"
+    p.close()
+
+
+def test_a_shorter_window_of_another_producer_does_not_cut_a_longer_one(settings) -> None:
+    """Each keyed send set the whole dedup HASH's expiry to its own window: a producer with a
+    200 ms window made another's 300 s window forget its ids (a resend 0.5 s later stored twice)."""
+    long_p = Producer(settings=settings, dedup_window_ms=300_000)
+    short_p = Producer(settings=settings, dedup_window_ms=200)
+    long_p.create_topic("t", queues=1)
+    first = long_p.send_orderly("t", b"paid", sharding_key="42", dedup_key="evt-9")
+    short_p.send_orderly("t", b"other", sharding_key="42", dedup_key="evt-other")
+    time.sleep(0.5)
+    again = long_p.send_orderly("t", b"paid", sharding_key="42", dedup_key="evt-9")
+    assert again.queue_offset == first.queue_offset
+    assert bodies(long_p, first.message_queue) == [b"paid", b"other"]
+    long_p.close()
+    short_p.close()
 
 
 @pytest.fixture

@@ -16,7 +16,7 @@ import redis
 from mqorder import Producer, keys
 from mqorder.client.transaction import LocalTransactionState, TransactionProducer
 from mqorder.client.transaction_check import TransactionCheckService, _checkers, transaction_checker
-from mqorder.errors import MessageError
+from mqorder.errors import MessageError, TransactionEndedError
 from mqorder.model import MessageExt
 from mqorder.settings import load_settings
 from mqorder.store.log import MessageLog
@@ -105,10 +105,66 @@ def test_still_unknown_after_check_max_is_rolled_back_with_the_reason(tx: Transa
 def test_producer_and_check_back_end_a_transaction_once(tx: TransactionProducer) -> None:
     res = tx.send_in_transaction("tx", b"txn", sharding_key="k", executor=lambda m, a: UNKNOWN)
     first = tx.end_transaction(res.message_queue, res.transaction_id, COMMIT, by="check-back")
-    again = tx.end_transaction(res.message_queue, res.transaction_id, ROLLBACK, by="producer")
-    assert first.queue_offset == 0 and again.queue_offset == -1
+    again = tx.end_transaction(res.message_queue, res.transaction_id, COMMIT, by="producer")
+    assert first.queue_offset == 0 and again.queue_offset == 0  # the same end: its offset
+    with pytest.raises(TransactionEndedError, match="already ended as COMMIT by check-back.*offset 0") as e:
+        tx.end_transaction(res.message_queue, res.transaction_id, ROLLBACK, by="producer")
+    assert e.value.outcome == "COMMIT"
     assert bodies(tx, res.message_queue) == [b"txn"]
     assert [o.outcome for o in tx.half_store.outcomes(res.message_queue)] == ["COMMIT"]
+
+
+def test_a_commit_after_the_check_back_rolled_back_is_an_error_not_a_commit(redis_url: str) -> None:
+    """The executor ran past ``transaction_timeout_ms``; the checker answered ROLLBACK (its database
+    had not committed yet), then the executor committed. Once reported as a COMMIT (offset -1, no
+    error): the database committed, the message gone, and nobody told."""
+    from mqorder.client.transaction_check import TransactionCheckService
+
+    s = load_settings(redis_url=redis_url, transaction_timeout_ms=50)
+    p = TransactionProducer(settings=s)
+    p.create_topic("late", queues=1)
+    db: set[str] = set()
+    _checkers["late"] = lambda msg: COMMIT if msg.msg_id in db else ROLLBACK
+
+    def slow_executor(msg: MessageExt, arg: object) -> LocalTransactionState:
+        time.sleep(0.2)  # longer than transaction_timeout_ms
+        TransactionCheckService(p.brokers, s).check_once()  # a worker's beat runs meanwhile
+        db.add(msg.msg_id)
+        return COMMIT
+
+    try:
+        with pytest.raises(TransactionEndedError, match="already ended as ROLLBACK by check-back.*not stored"):
+            p.send_in_transaction("late", b"paid", sharding_key="42", executor=slow_executor)
+        assert bodies(p, p.describe_topic("late").message_queues[0]) == []
+    finally:
+        p.close()
+        _checkers.pop("late", None)
+
+
+def test_a_transactional_message_keeps_its_keys_order_for_key_ordered_listeners(tx: TransactionProducer) -> None:
+    """Once sent without its sharding key's hash: a key-ordered listener put it in no key's lane,
+    and the key's next message could run beside it."""
+    from mqorder.client.selector import key_hash
+    from mqorder.consumer.key_lanes import KeyLanes
+
+    res = tx.send_in_transaction("tx", b"paid", sharding_key="42", executor=lambda m, a: COMMIT)
+    tx.send_orderly("tx", b"shipped", sharding_key="42")
+    msgs = MessageLog(tx.brokers).read(res.message_queue, 0, 10)
+    assert [m.body for m in msgs] == [b"paid", b"shipped"]
+    assert [m.key_hash for m in msgs] == [key_hash("42")] * 2
+    lanes = KeyLanes()
+    for m in msgs:
+        lanes.put(m)
+    assert lanes.take(10) is not None
+    assert lanes.take(10) is None  # "shipped" waits while "paid" runs
+
+
+def test_an_end_with_a_state_that_is_not_a_state_is_refused(tx: TransactionProducer) -> None:
+    """Once the str 'COMMIT' ended the transaction as a ROLLBACK and was reported as committed."""
+    res = tx.send_in_transaction("tx", b"paid", sharding_key="42", executor=lambda m, a: UNKNOWN)
+    with pytest.raises(MessageError, match="state must be a LocalTransactionState.*'COMMIT'.*nothing was ended"):
+        tx.end_transaction(res.message_queue, res.transaction_id, "COMMIT", by="app")  # type: ignore[arg-type]
+    assert tx.half_store.pending(res.message_queue) == [res.transaction_id]
 
 
 def test_phase_one_survives_a_script_flush(tx: TransactionProducer, r: redis.Redis) -> None:

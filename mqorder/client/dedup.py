@@ -28,6 +28,11 @@ MAX_DEDUP_KEY_LEN = 128
 def check_dedup_key(key: object) -> str:
     if not isinstance(key, str) or not key:
         raise MessageError(f"dedup_key must be a non-empty str (e.g. the order event's id), got {key!r}"[:200])
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        # Found only when the round trip was packed: a batch's every other send failed with it.
+        raise MessageError(f"dedup_key is not valid UTF-8 text ({exc.reason} at {exc.start}): {key!r}"[:200]) from None
     if len(key) > MAX_DEDUP_KEY_LEN:
         raise MessageError(
             f"dedup_key is {len(key)} characters, over {MAX_DEDUP_KEY_LEN}; use a hash of it (e.g. its SHA-256 hex)"

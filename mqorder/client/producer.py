@@ -341,18 +341,32 @@ class Producer:
             except MessageError as exc:
                 raise MessageError(f"item {i}: {exc}; nothing of this batch was sent") from None
             prepared.append((mq, header, body, msg_id, dkey))
-        keyed = bool(prepared) and prepared[0][4] is not None
-        window_ms = self.settings.dedup_window_ms if keyed else None
         by_queue: dict[MessageQueue, list[int]] = defaultdict(list)
         for i, p in enumerate(prepared):
             by_queue[p[0]].append(i)
-        chunks = [idxs[c : c + BATCH_CHUNK] for idxs in by_queue.values() for c in range(0, len(idxs), BATCH_CHUNK)]
-        requests = [
-            AppendRequest(prepared[idxs[0]][0], [(prepared[i][1], prepared[i][2]) for i in idxs],
-                          [str(prepared[i][4]) for i in idxs] if keyed else None, window_ms)
-            for idxs in chunks
-        ]
-        attempts = 1 + self.settings.retry_times_when_send_failed if keyed else 1
+        # Each queue's items in call order, cut into runs alike in having a dedup key or not (as
+        # the batching sender does): once the first item decided for the whole batch, and a None
+        # beside given keys became the dedup id 'None' (items dropped as duplicates of each other).
+        chunks: list[list[int]] = []
+        for idxs in by_queue.values():
+            start = 0
+            while start < len(idxs):
+                keyed = prepared[idxs[start]][4] is not None
+                end = start + 1
+                while end < len(idxs) and end - start < BATCH_CHUNK and (prepared[idxs[end]][4] is not None) is keyed:
+                    end += 1
+                chunks.append(idxs[start:end])
+                start = end
+        window_ms = self.settings.dedup_window_ms
+        requests = []
+        for idxs in chunks:
+            keyed = prepared[idxs[0]][4] is not None
+            requests.append(AppendRequest(prepared[idxs[0]][0], [(prepared[i][1], prepared[i][2]) for i in idxs],
+                                          [str(prepared[i][4]) for i in idxs] if keyed else None,
+                                          window_ms if keyed else None))
+        # Sent again after an unknown outcome only if every item is deduplicated (nothing twice).
+        every_keyed = bool(prepared) and all(p[4] is not None for p in prepared)
+        attempts = 1 + self.settings.retry_times_when_send_failed if every_keyed else 1
         for attempt in range(attempts):
             try:
                 replies = self.appender.append_many(requests, wait=wait)

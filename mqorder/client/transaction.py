@@ -36,9 +36,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from mqorder.client.producer import Producer
-from mqorder.client.selector import Selector
+from mqorder.client.selector import Selector, key_hash
 from mqorder.codec import decode_entries
-from mqorder.errors import MessageError
+from mqorder.errors import MessageError, TransactionEndedError
 from mqorder.model import MessageExt, MessageQueue
 from mqorder.store.durable import SendWait
 from mqorder.store.transactions import HalfStore, TxnEnd
@@ -134,7 +134,10 @@ class TransactionProducer(Producer):
         props = dict(properties or {})
         props[PROPERTY_TRANSACTION_PREPARED] = "true"
         props[PROPERTY_PRODUCER_GROUP] = self.producer_group
-        header, msg_id, body = self._prepare(body, keys, tags, props)
+        # The key's hash is stored as for send_orderly: without it a key-ordered listener put the
+        # committed message in no key's lane, beside the key's later messages (order broken).
+        hash_ = None if sharding_key is None else key_hash(sharding_key)
+        header, msg_id, body = self._prepare(body, keys, tags, props, hash_)
         if sharding_key is None:
             mq = self._select_round_robin(queues, None)
         else:
@@ -158,10 +161,17 @@ class TransactionProducer(Producer):
         """Phase two for ``state`` (UNKNOWN: nothing now; the check-back will ask).
 
         ``wait_replicas`` (default ``MQORDER_SEND_WAIT_REPLICAS``): a COMMIT returns once that many
-        replicas have it, as in ``send_in_transaction``; a transaction already ended is ``GONE``
-        (offset -1), and with a wait that end is waited for too: calling this again after a
-        ``ReplicasBehindError`` of a commit is safe.
+        replicas have it, as in ``send_in_transaction``. A transaction already ended the same way
+        changes nothing and returns that end's offset (-1 if it is no longer in the outcome log),
+        and with a wait that end is waited for too: calling this again after a
+        ``ReplicasBehindError`` of a commit is safe. One already ended the other way (the
+        check-back's answer) raises ``TransactionEndedError`` saying how. ``state`` must be a
+        ``LocalTransactionState`` (``MessageError`` otherwise, nothing ended).
         """
+        if not isinstance(state, LocalTransactionState):
+            # Once 'COMMIT' (a str) ended as a ROLLBACK and was reported as committed.
+            raise MessageError(f"state must be a LocalTransactionState (COMMIT, ROLLBACK or UNKNOWN), got {state!r}; "
+                               "nothing was ended")
         return self._end(mq, txid, state, by, reason, self._wait(wait_replicas))
 
     def _end(self, mq: MessageQueue, txid: str, state: LocalTransactionState, by: str, reason: str,
@@ -171,4 +181,20 @@ class TransactionProducer(Producer):
         verdict = TxnEnd.COMMIT if state is LocalTransactionState.COMMIT else TxnEnd.ROLLBACK
         reply = self.half_store.end(mq, txid, verdict, reason or f"local transaction answered {state.value}", by,
                                     wait=wait)
+        if reply.verdict is TxnEnd.GONE:
+            # Ended already: by the check-back (an executor that ran past transaction_timeout_ms
+            # while the checker answered), or by an earlier end. The same way: its offset. The
+            # other way: an error, or a COMMIT of a rolled-back message was reported as committed.
+            ended = self.half_store.outcome_of(mq, txid)
+            if ended is not None and ended.outcome != verdict.value:
+                raise TransactionEndedError(
+                    f"transaction {txid} on {mq.key} was already ended as {ended.outcome} by {ended.by} "
+                    f"({ended.reason}); this {verdict.value} changed nothing: "
+                    + ("the message was not stored" if ended.outcome != "COMMIT" else
+                       f"the message is stored at offset {ended.offset}")
+                    + ". Make the checker agree with the local transaction (answer UNKNOWN while it runs), "
+                      "or raise transaction_timeout_ms past the executor's longest run", ended.outcome,
+                )
+            if ended is not None:
+                return TransactionSendResult(txid, txid, mq, state, ended.offset, reply.store_ms)
         return TransactionSendResult(txid, txid, mq, state, reply.offset, reply.store_ms)

@@ -281,5 +281,21 @@ class HalfStore:
             out.append(Outcome(f["txid"], f["outcome"], f["reason"], f["by"], int(f["checks"]), int(f["offset"])))
         return out
 
+    def outcome_of(self, mq: MessageQueue, txid: str, page: int = 500) -> Outcome | None:
+        """How ``txid`` ended, from ``mq``'s outcome log read newest first (None: not in the
+        capped log, or never ended). Read only after an end was ``GONE``: who ended it first."""
+        client = self.brokers.get(mq.broker_name).client
+        top: Any = "+"
+        while True:
+            raw: Any = client.xrevrange(keys.txn_log(mq.tag), max=top, min="-", count=page)
+            for entry_id, fields in raw:
+                pairs = fields.items() if isinstance(fields, dict) else zip(fields[::2], fields[1::2], strict=False)
+                f = {text(k): text(v) for k, v in pairs}
+                if f.get("txid") == txid:
+                    return Outcome(f["txid"], f["outcome"], f["reason"], f["by"], int(f["checks"]), int(f["offset"]))
+                top = "(" + text(entry_id)
+            if len(raw) < page:
+                return None
+
     def topics(self) -> list[str]:
         return sorted(text(t) for t in self.brokers.meta.smembers(keys.txn_topics()))

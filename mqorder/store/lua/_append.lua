@@ -28,7 +28,8 @@ end
 --   window (optional, idempotent only): {k_exp = ZSET id -> expiry ms, ms = window length}. The
 --   ids then form a *dedup window* (the producer's dedup keys, SQS FIFO's 5 minutes): k_ids holds
 --   only windowed ids, each new one is remembered until now + ms, expired ones are forgotten
---   first (forget_expired), and both keys expire ms after the last write, so the window stays
+--   first (forget_expired), an id found past its expiry is new again, and both keys expire at
+--   least ms after the last write (the longest window of the writers), so the window stays
 --   bounded and an idle queue keeps nothing. Without it ids are remembered for good (Spark).
 --   Returns first offset, number stored, and a flat list {index (0-based), offset} per duplicate.
 local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src, window)
@@ -43,7 +44,11 @@ local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src, wi
     for i = 1, n do ids[i] = src[base + stride * (i - 1) + 1] end
     local stored = redis.call('HMGET', k_ids, unpack(ids))
     for i = 1, n do
-      if stored[i] then known[ids[i]] = tonumber(stored[i]) end
+      -- A windowed id whose window ended is new again, even if forget_expired has not reached it
+      -- yet (after a burst it lags behind): once such a send was dropped as a duplicate.
+      if stored[i] and (not window or tonumber(redis.call('ZSCORE', window.k_exp, ids[i]) or 0) > now) then
+        known[ids[i]] = tonumber(stored[i])
+      end
     end
   end
   local dups = {}
@@ -70,8 +75,10 @@ local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src, wi
   if off > first then
     redis.call('SET', k_next, off)
     if window then
-      redis.call('PEXPIRE', k_ids, window.ms)
-      redis.call('PEXPIRE', window.k_exp, window.ms)
+      -- Only ever lengthened: producers may use different windows, and a shorter one once cut
+      -- every other producer's ids short (a resend within its own window was stored twice).
+      if redis.call('PTTL', k_ids) < window.ms then redis.call('PEXPIRE', k_ids, window.ms) end
+      if redis.call('PTTL', window.k_exp) < window.ms then redis.call('PEXPIRE', window.k_exp, window.ms) end
     end
   end
   return first, off - first, dups

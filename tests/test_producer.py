@@ -163,6 +163,34 @@ def test_a_redis_that_refuses_writes_gives_a_clear_error_and_stores_nothing() ->
             p.close()
 
 
+def test_a_batch_refused_on_one_queue_after_others_were_stored_says_part_may_be_stored(
+    settings, r: redis.Redis, redis_server,
+) -> None:
+    """Redis judges each call of a round trip on arrival: queues 0-2 of a batch stored, queue 3's
+    call refused (NOPERM here; OOM near maxmemory alike). The error said "nothing was stored", and
+    the resend it invited stored queues 0-2 twice."""
+    from mqorder.client.selector import queue_index
+    from mqorder.settings import load_settings
+
+    admin = Producer(settings=settings)
+    admin.create_topic("t", queues=4)
+    admin.send_orderly("t", b"warm", sharding_key="warm")  # send.lua loaded, as on any running Redis
+    r.acl_setuser("limited", enabled=True, passwords=["+pw"], commands=["+@all"],
+                  keys=["mqorder:[^{]*", "mqorder:{t:broker-a:[012]}*"])
+    p = Producer(settings=load_settings(redis_url=f"redis://limited:pw@127.0.0.1:{redis_server.port}/0"))
+    try:
+        ks = [next(f"k{i}" for i in range(1000) if queue_index(f"k{i}", 4) == q) for q in range(4)]
+        with pytest.raises(BrokerRefusedError, match="refused a write of this batch: NOPERM.*Part of the batch may "
+                                                     "be stored.*3 other call.*unless its sends have dedup keys"):
+            p.send_orderly_batch("t", [(k, b"m-" + k.encode()) for k in ks])
+        with pytest.raises(BrokerRefusedError, match="refused the write, so nothing was stored: NOPERM"):
+            p.send_orderly("t", b"alone", sharding_key=ks[3])  # one call: nothing stored, as said
+    finally:
+        p.close()
+        r.acl_deluser("limited")
+        admin.close()
+
+
 def test_password_never_appears_in_errors(redis_server) -> None:
     from mqorder.testing.embedded import free_port
 

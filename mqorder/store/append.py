@@ -21,12 +21,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import redis
+
 from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
 from mqorder.store.capacity import CapacityGuard
 from mqorder.store.durable import ReplicaGate, SendWait, behind_error
-from mqorder.store.failures import translated, translation
+from mqorder.store.failures import partly_refused, translated, translation
 from mqorder.store.raw_pipe import ThreadLeases
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicManager
@@ -179,31 +181,43 @@ class QueueAppender:
                 rounds = queue_rounds(idxs, lambda i: requests[i].mq)
                 for n, rnd in enumerate(rounds):
                     calls = [call_of[i] for i in rnd]
-                    if wait is None or n + 1 < len(rounds):
-                        # Lean EVALSHAs (Scripts.run_many: no redis-py Pipeline, whose registered
-                        # scripts cost a SCRIPT EXISTS round trip first); a NOSCRIPT call stored
-                        # nothing and is sent again once the script is loaded.
-                        raw = broker.scripts.run_many(calls, lease)
-                    else:
-                        # An idempotent append may store nothing (every id a duplicate), and a WAIT
-                        # after no write waits for nothing: the fence write (mqorder.store.durable).
-                        # The last round holds every queue's last call, so on a Redis Cluster each
-                        # shard written gets its fence and WAIT after its last append
-                        # (Scripts.run_many_then): each shard replicates on its own.
-                        fence = next((keys.queue_next(requests[i].mq.tag) for i in idxs if requests[i].ids is not None),
-                                     None)
-                        shard_fence = _shard_fence(wait, [requests[i].mq.tag for i in rnd])
-                        raw, tail = broker.scripts.run_many_then(calls, wait.commands(fence), lease,
-                                                                 then_for=shard_fence)
-                        acked = int(tail[-1])
-                        if acked < wait.replicas:
-                            messages = sum(len(requests[i].entries) for i in idxs)
-                            behind.append(self.replicas.behind(broker, wait, acked, messages, self.action))
+                    try:
+                        raw = self._round(broker, requests, idxs, rnd, calls, lease, wait if n + 1 == len(rounds) else None,
+                                          behind)
+                    except redis.ResponseError as exc:
+                        stored = sum(len(requests[i].entries) for i, r in enumerate(replies) if r is not None)
+                        err = (partly_refused(broker_name, broker.safe_url, exc, stored, len(calls) - 1, self.action)
+                               if stored or len(calls) > 1 else None)
+                        if err is None:
+                            raise
+                        raise err from exc
                     for i, reply in zip(rnd, raw, strict=True):
                         replies[i] = parse_reply(reply, len(requests[i].entries))
         if behind:
             raise behind_error(behind)
         return [r for r in replies if r is not None]
+
+    def _round(self, broker: Broker, requests: Sequence[AppendRequest], idxs: list[int], rnd: list[int],
+               calls: list[tuple[Any, ...]], lease: Any, wait: SendWait | None, behind: list[str]) -> list[Any]:
+        """One round of ``append_many`` on ``broker``: ``calls`` (one per queue of ``rnd``) in one
+        round trip; the last round of a durable send ends with the fence and ``WAIT``."""
+        if wait is None:
+            # Lean EVALSHAs (Scripts.run_many: no redis-py Pipeline, whose registered scripts cost
+            # a SCRIPT EXISTS round trip first); a NOSCRIPT call stored nothing and is sent again
+            # once the script is loaded.
+            return broker.scripts.run_many(calls, lease)
+        # An idempotent append may store nothing (every id a duplicate), and a WAIT after no write
+        # waits for nothing: the fence write (mqorder.store.durable). The last round holds every
+        # queue's last call, so on a Redis Cluster each shard written gets its fence and WAIT after
+        # its last append (Scripts.run_many_then): each shard replicates on its own.
+        fence = next((keys.queue_next(requests[i].mq.tag) for i in idxs if requests[i].ids is not None), None)
+        shard_fence = _shard_fence(wait, [requests[i].mq.tag for i in rnd])
+        raw, tail = broker.scripts.run_many_then(calls, wait.commands(fence), lease, then_for=shard_fence)
+        acked = int(tail[-1])
+        if acked < wait.replicas:
+            messages = sum(len(requests[i].entries) for i in idxs)
+            behind.append(self.replicas.behind(broker, wait, acked, messages, self.action))
+        return raw
 
     def check_capacity(self, broker: Broker, action: str | None = None) -> None:
         """The guard's ``EvictionPolicyError`` / ``BrokerFullError`` before anything is written

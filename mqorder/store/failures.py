@@ -56,6 +56,25 @@ def refused(broker_name: str, safe_url: str, exc: redis.ResponseError, action: s
     )
 
 
+def partly_refused(broker_name: str, safe_url: str, exc: redis.ResponseError, stored: int, sent_with: int,
+                   action: str = "send") -> BrokerRefusedError | None:
+    """``refused`` for a refusal among several calls: Redis judges each call of a round trip on
+    arrival, so calls before the refused one (``stored`` messages known stored, ``sent_with`` other
+    calls in the same round trip) may be stored. Said so: "nothing was stored" invited a resend of
+    the whole batch, which stored those twice. None: not a refusal."""
+    if refused(broker_name, safe_url, exc, action) is None:
+        return None
+    text = str(exc)
+    if isinstance(exc, _REFUSAL_CLASSES):
+        text = f"{getattr(exc, 'status_code', None) or type(exc).__name__} {text}"
+    return BrokerRefusedError(
+        f"{action} failed: Redis broker {broker_name!r} at {safe_url} refused a write of this batch: {text[:300]}. "
+        f"Part of the batch may be stored: {stored} message(s) before it were, and {sent_with} other call(s) in "
+        "the same round trip may have been. Resending the whole batch stores those again unless its sends "
+        "have dedup keys (dedup_keys=, or MQORDER_DEDUP_DERIVE=msg_id); fix that Redis (its log says why)"
+    )
+
+
 def translation(exc: BaseException, broker_name: str, safe_url: str, timeout: float,
                 action: str = "send") -> Exception | None:
     """What ``translated`` raises instead of ``exc`` (None: ``exc`` itself is raised).

@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping
 from enum import StrEnum
 from functools import lru_cache
-from typing import Any
+from typing import Any, get_args
 
 from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -103,6 +103,12 @@ def _choice(enum: type[StrEnum], value: object, what: str) -> object:
 #: A DNS host name (RFC 1123 labels), for ``metrics_addr`` when it is not an IP address.
 _LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
 _HOSTNAME_RE = re.compile(rf"(?=.{{1,253}}$){_LABEL}(?:\.{_LABEL})*")
+
+
+def _numeric(annotation: object) -> bool:
+    """Whether a field holds a number (``int``, ``float``, or either or None), not a bool."""
+    return annotation in (int, float) or (bool not in get_args(annotation)
+                                          and any(a in (int, float) for a in get_args(annotation)))
 
 
 class Settings(BaseSettings):
@@ -312,6 +318,18 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_is_unset(cls, v: str | None) -> str | None:
         return v or None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, data: Any) -> Any:
+        """A bool given for a number (``retry_times_when_send_failed=True``) is refused, not read
+        as 1: it is almost always a setting confused with another."""
+        if isinstance(data, Mapping):
+            for name, value in data.items():
+                field = cls.model_fields.get(name)
+                if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+                    raise ValueError(f"{name} (MQORDER_{name.upper()}) must be a number, got {value!r}")
+        return data
 
     @model_validator(mode="after")
     def _sentinel(self) -> Settings:

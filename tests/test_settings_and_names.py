@@ -47,6 +47,9 @@ def test_defaults_are_rocketmqs() -> None:
         ("dedup_derive", "sha1", "choose one of none, msg_id, content"),
         ("retention_policy", "forever", "choose one of time, consumed"),
         ("brokers", {"b": "ftp://x"}, "MQORDER_BROKERS"),
+        # A bool is not a number (it was read as 1 or 0).
+        ("retry_times_when_send_failed", True, r"MQORDER_RETRY_TIMES_WHEN_SEND_FAILED\) must be a number, got True"),
+        ("metrics_port", False, r"MQORDER_METRICS_PORT\) must be a number, got False"),
     ],
 )
 def test_bad_settings_name_the_variable_and_the_rule(field: str, value: object, message: str) -> None:

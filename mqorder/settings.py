@@ -325,9 +325,11 @@ class Settings(BaseSettings):
         """A bool given for a number (``retry_times_when_send_failed=True``) is refused, not read
         as 1: it is almost always a setting confused with another."""
         if isinstance(data, Mapping):
+            # Fields with a validator of their own say it in their own words.
+            own = {f for v in cls.__pydantic_decorators__.field_validators.values() for f in v.info.fields}
             for name, value in data.items():
                 field = cls.model_fields.get(name)
-                if isinstance(value, bool) and field is not None and _numeric(field.annotation):
+                if isinstance(value, bool) and field is not None and name not in own and _numeric(field.annotation):
                     raise ValueError(f"{name} (MQORDER_{name.upper()}) must be a number, got {value!r}")
         return data
 

@@ -420,6 +420,30 @@ def test_a_queue_on_another_broker_waits_for_the_check_back_index_too(dep: Deplo
     assert tx.half_store.pending(res.message_queue) == [] and _log(dep.b_primary, res.message_queue) == [b"b-ok"]
 
 
+def test_a_delayed_send_on_another_broker_waits_for_the_delay_index_too(dep: Deployment,
+                                                                        tx: TransactionProducer) -> None:
+    """The delay mover finds delayed messages through ``mqorder:delay:queues`` on the default
+    broker: a delayed send on broker-b whose index entry a failover of broker-a lost would never be
+    delivered. Once only broker-b's replicas were waited for (found by a review, by reading)."""
+    tx.create_topic("delb", queues=1, brokers=["broker-b"])
+    res = tx.send("delb", b"later", delay_time_level=3, wait_replicas=1)
+    assert res.message_queue.broker_name == "broker-b"
+    for srv in dep.replicas:
+        assert _sismember(srv, keys.delay_queues(), res.message_queue.key)
+    for srv in dep.replicas:
+        SentinelDeployment.pause(srv)
+    try:
+        with pytest.raises(ReplicasBehindError) as err:
+            tx.send("delb", b"later-2", delay_time_level=3, wait_replicas=1)
+    finally:
+        for srv in dep.replicas:
+            SentinelDeployment.resume(srv)
+    text = str(err.value)
+    assert f"the delay mover's index entry of queue {res.message_queue.key} IS stored on the primary of broker " \
+           "'broker-a'" in text
+    assert "the message IS stored" not in text  # broker-b's replica answered
+
+
 # -- a failover ---------------------------------------------------------------------------------------
 
 

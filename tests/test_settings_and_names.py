@@ -49,7 +49,8 @@ def test_defaults_are_rocketmqs() -> None:
         ("brokers", {"b": "ftp://x"}, "MQORDER_BROKERS"),
         # A bool is not a number (it was read as 1 or 0).
         ("retry_times_when_send_failed", True, r"MQORDER_RETRY_TIMES_WHEN_SEND_FAILED\) must be a number, got True"),
-        ("metrics_port", False, r"MQORDER_METRICS_PORT\) must be a number, got False"),
+        ("pull_batch_size", False, r"MQORDER_PULL_BATCH_SIZE\) must be a number, got False"),
+        ("metrics_port", True, "MQORDER_METRICS_PORT"),  # its own validator's words
     ],
 )
 def test_bad_settings_name_the_variable_and_the_rule(field: str, value: object, message: str) -> None:

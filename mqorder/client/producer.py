@@ -37,7 +37,7 @@ from mqorder.errors import (
     ReplicasBehindError,
     TopicNotWritableError,
 )
-from mqorder.keys import delay_seq
+from mqorder.keys import delay_seq, topology_version
 from mqorder.model import MessageQueue, SendResult, SendStatus
 from mqorder.names import check_topic
 from mqorder.retention.policy import TopicRetention
@@ -568,8 +568,18 @@ class Producer:
         append path: ``WAIT`` in a round trip of its own, behind the fence write that makes it
         cover the schedule entry whichever connection wrote it (``mqorder.store.durable``)."""
         broker = self.brokers.get(mq.broker_name)
-        wait_after(self.appender.replicas, wait, [(broker, delay_seq(mq.tag), 1)],
-                   timeout=self.settings.send_msg_timeout_ms / 1000, action="delayed send")
+        targets = [(broker, delay_seq(mq.tag), 1)]
+        index = self.brokers.default
+        if index is not broker:
+            # The mover finds delayed messages through its index on the default broker
+            # (mqorder.store.indexed): a failover there that lost the entry would leave this one
+            # undelivered for good. Waited for behind a fence on the topology counter, as a
+            # transaction's prepare waits for its check-back index (mqorder.store.transactions).
+            targets.insert(0, (index, topology_version(), 1))
+        wait_after(self.appender.replicas, wait, targets, timeout=self.settings.send_msg_timeout_ms / 1000,
+                   action="delayed send",
+                   what={index.name: f"the delay mover's index entry of queue {mq.key} IS stored"} if index is not broker
+                   else None)
 
     def _prepare(
         self, body: object, keys_: object, tags: object, properties: object, hash_: int | None = None

@@ -165,7 +165,7 @@ def behind_error(parts: list[str], resend: str = RESEND) -> ReplicasBehindError:
 
 
 def wait_after(gate: ReplicaGate, wait: SendWait, targets: Sequence[tuple[Broker, str, int]], *, timeout: float,
-               action: str = "send", resend: str = RESEND) -> None:
+               action: str = "send", resend: str = RESEND, what: dict[str, str] | None = None) -> None:
     """``WAIT`` for every write made so far on each broker of ``targets`` (``(broker, fence key,
     messages written there)``), on any connection: the fence write then ``WAIT``, a round trip of
     its own per broker. ``ReplicasBehindError`` naming each broker that fell short, once all were
@@ -173,6 +173,7 @@ def wait_after(gate: ReplicaGate, wait: SendWait, targets: Sequence[tuple[Broker
 
     For writes that are many round trips (a Spark commit) or not the append path (a delayed
     send's schedule); a send through ``QueueAppender`` waits in its own round trip instead.
+    ``what``: by broker name, what IS stored there when it is not messages (``behind``'s ``what``).
     """
     behind = []
     for broker, fence_key, messages in targets:
@@ -182,6 +183,6 @@ def wait_after(gate: ReplicaGate, wait: SendWait, targets: Sequence[tuple[Broker
         with translated(broker.name, broker.safe_url, timeout, action):
             acked = int(pipe.execute()[-1])
         if acked < wait.replicas:
-            behind.append(gate.behind(broker, wait, acked, messages, action))
+            behind.append(gate.behind(broker, wait, acked, messages, action, what=(what or {}).get(broker.name)))
     if behind:
         raise behind_error(behind, resend)

@@ -367,6 +367,13 @@ def sub_state(tag: str, sub: str) -> str:
         with the offset, fenced like ``commit``; deleted by ``reset_offset``. Read by ``begin``
         (returned to the run, which skips those offsets), and void whenever its base is not the
         current ``offset`` (anything else that moved the offset).
+    ``held``
+        Key-ordered consumption only: the suspended keys of the last commit, as
+        ``<head offset>:<until ms>,...`` (until: the writer's wall clock). Written by
+        ``key_commit`` (its ``'u'`` pair), read by ``begin``: the next run keeps each such key
+        suspended until then (a run that ends while keys are suspended once let the next run
+        retry them at once, and keys reached the DLQ in a fraction of their suspend times).
+        Entries below ``offset`` or past their time mean nothing.
     ``commit_ms``
         When ``offset`` last moved: written by ``commit`` in its existing HSET (kept when a commit
         does not move the offset) and by ``reset_offset``. Read only by ``mqorder status``, which

@@ -117,6 +117,32 @@ def test_a_suspended_key_holds_back_only_itself_and_reaches_the_dlq(env) -> None
     assert max(done_at.values()) - t0 < 0.3
 
 
+def test_a_keys_suspend_holds_across_runs_that_end_at_another_keys_earlier_time(env, r) -> None:
+    """A run with no spare slot (``may_linger`` False: a busy worker, and the engine tests) ends
+    with REQUEUE at the *earliest* suspended key's time. Once the next run retried every key at
+    once: a key suspended for 600 ms was retried every 30 ms (another key's suspend), and reached
+    the DLQ in a fraction of its suspend times. The commit keeps each suspended key's time
+    (``held``) and the next run holds the key back until then."""
+    p, eng = env
+    p.send_orderly("t", b"slow", sharding_key="slow")
+    p.send_orderly("t", b"fast", sharding_key="fast")
+    tries: dict[str, list[float]] = defaultdict(list)
+
+    def listener(msgs, ctx):
+        k = msgs[0].body.decode()
+        tries[k].append(time.monotonic())
+        ctx.suspend_current_queue_time_millis = 600 if k == "slow" else 30
+        return S.SUSPEND_CURRENT_QUEUE_A_MOMENT
+
+    outs = drain(eng, key_spec(listener, key_concurrency=4, max_reconsume_times=2), max_runs=100)
+    assert len(outs) > 3  # runs ended and began again while "slow" was suspended
+    gaps = [b - a for a, b in zip(tries["slow"], tries["slow"][1:], strict=False)]
+    assert len(tries["slow"]) == 3 and min(gaps) >= 0.58, f"key 'slow' retried after {gaps} s, not 0.6 s"
+    dlq = MessageQueue(keys.dlq_topic("g"), "broker-a", 0)
+    assert sorted(m.body for m in MessageLog(eng.brokers).read(dlq, 0, 10)) == [b"fast", b"slow"]
+    assert r.hget(keys.sub_state(MQ.tag, "g"), "held") in (None, b"")  # nothing held once both left
+
+
 def test_failover_mid_flight_redelivers_only_unfinished_offsets(env, settings) -> None:
     """c1 finishes every key but k0, whose first call hangs; c2 takes over (new epoch): c2 gets k0's
     messages and nothing that c1 finished, and c1's late commit is refused."""

@@ -150,6 +150,12 @@ class KeyLanes:
             heapq.heappop(q)
         return q[0][0] if q else None
 
+    def held_heads(self) -> list[tuple[int, float]]:
+        """(head offset, until) of every blocked lane with messages: what a commit keeps for the
+        next run (``KeyConsumeRequest._held``)."""
+        lanes = self.lanes
+        return [(lane[0].queue_offset, until) for key, until in self.blocked.items() if (lane := lanes.get(key))]
+
     def ready_count(self) -> int:
         """Lanes that could be handed out now (messages waiting, neither busy nor blocked): what
         decides whether to pull more. Counting messages instead would let one blocked key with a

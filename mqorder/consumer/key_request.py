@@ -68,7 +68,7 @@ from mqorder.consumer.call_executor import LaneCalls
 from mqorder.consumer.consume_request import HELD_CHECK_S, ConsumeRequest
 from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.escapes import cancelled_by_run, counts_as_failure
-from mqorder.consumer.key_lanes import KeyLanes, Lanes
+from mqorder.consumer.key_lanes import KeyLanes, Lanes, lane_key
 from mqorder.consumer.lane_workers import LaneResult
 from mqorder.consumer.ledger import LedgerOutcome
 from mqorder.consumer.listener_call import ORDERLY, checked_status, listener_raised
@@ -100,6 +100,28 @@ COMMIT_INTERVAL_S = 0.1
 EMPTY_PULL_BACKOFF_S = 0.05
 #: ``key_commit.lua`` refuses a larger map (a bitset of a 100,000-offset span is 25,000 hex digits).
 MAX_MAP_BYTES = 64 * 1024
+#: Suspended keys a commit keeps for the next run (the state's ``held``): the earliest heads first.
+HELD_MAX = 256
+#: The longest a key is held back by a previous run's suspend (a guard against clock skew between
+#: workers: the times are wall clock).
+HELD_MAX_S = 300.0
+
+
+def parse_held(value: str, committed: int, wall_offset: float) -> dict[int, float]:
+    """The state's ``held`` (``<head offset>:<until wall ms>,...``) as head offset -> until in
+    monotonic seconds (``wall_offset``: wall minus monotonic clock); entries below ``committed``,
+    past their time or unreadable are left out."""
+    out: dict[int, float] = {}
+    now = time.monotonic()
+    for part in value.split(","):
+        off_s, _, ms_s = part.partition(":")
+        try:
+            off, until = int(off_s), int(ms_s) / 1000.0 - wall_offset
+        except ValueError:
+            continue
+        if off >= committed and until > now:
+            out[off] = min(until, now + HELD_MAX_S)
+    return out
 
 
 def uncommitted_bound(pull_n: int, key_concurrency: int, batch_max: int = 1) -> int:
@@ -127,6 +149,14 @@ class KeyConsumeRequest(ConsumeRequest):
         self.results: queue.SimpleQueue[LaneResult | list[LaneResult]] = queue.SimpleQueue()
         self.in_flight = 0
         self.poison: list[MessageExt] = []
+        #: Keys a previous run left suspended (begin.lua's ``held``): head offset -> until
+        #: (monotonic s), held back again when pulled (``_hold_inherited``).
+        self._held_in: dict[int, float] = {}
+        #: The state's ``held`` as this run last read or wrote it (a commit sends it when it changed).
+        self._held_sent = ""
+        #: Wall clock minus monotonic clock, once per run: ``held`` times are wall clock, and a
+        #: value computed from one offset encodes the same way at every commit.
+        self._wall_offset = time.time() - time.monotonic()
         #: Progress not committed yet (finished offsets, skipped ones), and how many messages
         #: finished since the last commit (``uncommitted_bound``).
         self.dirty = False
@@ -153,6 +183,10 @@ class KeyConsumeRequest(ConsumeRequest):
     def _begun(self, res: list[Any]) -> None:
         raw_map = res[6] if len(res) > 6 else None
         self.tracker = OffsetTracker(self.committed, decode_done(raw_map, self.committed))
+        raw_held = res[7] if len(res) > 7 else None
+        self._held_sent = text(raw_held) if raw_held else ""
+        if self._held_sent and isinstance(self.lanes, KeyLanes):
+            self._held_in = parse_held(self._held_sent, self.committed, self._wall_offset)
         self._put(res[4], res[5])
         if not res[4]:
             self._check_trimmed_tail(int(res[3]))
@@ -205,7 +239,29 @@ class KeyConsumeRequest(ConsumeRequest):
                     self.poison.append(m)
                 else:
                     put(m)
+        if self._held_in:
+            self._hold_inherited(msgs)
         self.pulled_to = t.pulled_to
+
+    def _hold_inherited(self, msgs: list[MessageExt]) -> None:
+        """Keys a previous run of this queue left suspended stay suspended until their time: that
+        run ended (no spare slot, its time budget) at the *earliest* key's time, and this one
+        retried every key at once (a 2 s suspend retried after 50 ms; under a downstream outage
+        keys reached the DLQ in a fraction of suspend x max_reconsume_times)."""
+        held, now = self._held_in, time.monotonic()
+        for m in msgs:
+            until = held.pop(m.queue_offset, None)
+            if until is not None and until > now and m.decode_error is None:
+                self.lanes.retry(lane_key(m), [], until)
+
+    def _held(self) -> str:
+        """The state's ``held`` for this commit: each suspended key's head offset and its time."""
+        lanes = self.lanes
+        if not lanes.blocked or not isinstance(lanes, KeyLanes):
+            return ""
+        now, wall = time.monotonic(), self._wall_offset
+        heads = sorted((off, until) for off, until in lanes.held_heads() if until > now)[:HELD_MAX]
+        return ",".join(f"{off}:{int((until + wall) * 1000)}" for off, until in heads)
 
     def _decode(self, entries: list[Any]) -> list[MessageExt]:
         return decode_entries(self.mq, entries, self.retries, self.max_size)
@@ -576,12 +632,17 @@ class KeyConsumeRequest(ConsumeRequest):
             args.append(n)
         if self.failure:
             args += ("e", self.failure)  # key_commit.lua: the state's 'error' field
+        held = self._held() if (self.lanes.blocked or self._held_sent) else ""
+        if held != self._held_sent:
+            args += ("u", held)  # key_commit.lua: the state's 'held' field
         res, entries = self._commit_pipelined([self.k_state, self.k_next, self.k_retries], args, pull, "key_commit",
                                               self.tracker.pulled_to, linger_until, then)
         verb = text(res[0])
         self.last_persist = time.monotonic()
         if skipped and verb in ("OK", "IDLE"):
             self._skips_counted(offset, skipped)
+        if verb in ("OK", "IDLE"):
+            self._held_sent = held
         if verb == "IDLE":
             self.committed = self.commit_point = offset
             self.failure = ""

@@ -4,7 +4,7 @@
 --- @include "_lock"
 local function begin_run(K, A)
   local st = redis.call('HMGET', K[1], 'owner', 'lease', 'epoch', 'assignee', 'offset', 'pending', 'run', 'runner',
-    'done', 'node')
+    'done', 'node', 'held')
   if st[6] ~= A[2] then return {'STALE'} end
   if ahead(st[7]) and st[8] ~= A[6] then return {'BUSY'} end
   local client = A[1]
@@ -36,5 +36,5 @@ local function begin_run(K, A)
   end
   local rc = {}
   if redis.call('EXISTS', K[4]) == 1 then rc = redis.call('HGETALL', K[4]) end
-  return {'OK', epoch, offset, nxt, entries, rc, st[9] or ''}
+  return {'OK', epoch, offset, nxt, entries, rc, st[9] or '', st[11] or ''}
 end

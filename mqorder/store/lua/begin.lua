@@ -8,8 +8,9 @@
 -- ARGV[1] client id   ARGV[2] token   ARGV[3] run_lease_ms   ARGV[4] lock_lease_ms   ARGV[5] pull_n
 -- ARGV[6] runner id: unique per task execution; the same execution may re-enter its own live run
 --         (after a Redis outage interrupted it), a duplicate delivery of the task may not
--- Returns {'OK', epoch, offset, next, entries, retries, done} (done: the offset map a key-ordered
---         run committed with the offset, key_commit.lua; '' if none)
+-- Returns {'OK', epoch, offset, next, entries, retries, done, held} (done: the offset map a
+--         key-ordered run committed with the offset, key_commit.lua; held: the suspended keys'
+--         head offsets and until when, key_commit.lua's 'u' pair; '' if none)
 --      or {'STALE'} (token superseded), {'BUSY'} (this token already running),
 --         {'NOT_LOCKED', owner, assignee}, {'REVOKED', assignee}
 -- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead: _lock.lua.

@@ -21,7 +21,11 @@
 -- ARGV[11] read_to: one past the highest offset the run has read (AHEAD if above the queue's next;
 --          the map never covers an offset the run did not read)
 -- ARGV[12..] pairs (offset, reconsume times) to record; times 0 deletes the offset's count; a pair
---          ('e', '<offset>|<ms>|<text>') is the run's last listener exception, as in commit.lua
+--          ('e', '<offset>|<ms>|<text>') is the run's last listener exception, as in commit.lua;
+--          a pair ('u', '<offset>:<until ms>,...') the suspended keys' head offsets and the wall
+--          clock time each key may run again, kept as the state's 'held' field for the next run
+--          (begin.lua returns it): a run that ends while keys are suspended must not let the next
+--          run retry them early
 -- Returns {'OK', next, revoked_to}, {'IDLE'}
 --      or {'FENCED', current_epoch, current_owner}, {'SUPERSEDED'}, {'BACKWARD', offset},
 --         {'AHEAD', next}, {'BADMAP', reason}
@@ -48,6 +52,8 @@ drop_retries_below(KEYS[3], new, cur)
 for i = 12, #ARGV, 2 do
   if ARGV[i] == 'e' then
     redis.call('HSET', KEYS[1], 'error', ARGV[i + 1])
+  elseif ARGV[i] == 'u' then
+    redis.call('HSET', KEYS[1], 'held', ARGV[i + 1])
   elseif ARGV[i + 1] == '0' then
     redis.call('HDEL', KEYS[3], ARGV[i])
   else

@@ -138,11 +138,13 @@ def test_an_id_past_its_window_is_new_even_before_the_window_is_trimmed(settings
     p.create_topic("t", queues=1)
     for b in range(3):  # a burst of 600 keyed sends
         p.send_orderly_batch("t", [("k", b"burst")] * 200, dedup_keys=[f"evt-{b * 200 + i}" for i in range(200)])
-    time.sleep(0.4)  # every burst id's window ended; 2 trickling sends trim 36 of them
-    for i in range(2):
+    # A trickle of keyed sends keeps the window's keys alive (each trims 18 expired ids) until
+    # every burst id's window ended; then an old id is sent again.
+    for i in range(5):
+        time.sleep(0.1)
         p.send_orderly("t", b"trickle", sharding_key="k", dedup_key=f"trickle-{i}")
     res = p.send_orderly("t", b"evt-599 again", sharding_key="k", dedup_key="evt-599")
-    assert res.queue_offset == 602
+    assert res.queue_offset == 605
     assert bodies(p, res.message_queue)[-1] == b"evt-599 again"
     p.close()
 

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import subprocess
+import sys
+import textwrap
 import threading
 from collections.abc import Callable
 
@@ -30,6 +33,7 @@ from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.store.log import MessageLog
 from tests.engine_support import MQ, drain, run_in_thread
+from tests.support import ROOT
 
 S = ConsumeOrderlyStatus
 
@@ -177,20 +181,69 @@ def test_a_queue_mode_listener_exiting_on_a_bad_body_is_a_failure_on_the_main_th
     assert dead_offsets(eng) == [0]
 
 
-def test_a_subclass_of_system_exit_on_the_main_thread_still_propagates() -> None:
-    """Celery's ``WorkerShutdown``/``WorkerTerminate`` (``SystemExit`` subclasses) and a Ctrl-C
-    on the main thread are the worker's, not the listener's."""
-    from mqorder.consumer.escapes import counts_as_failure
+def test_what_counts_as_a_calls_failure_and_what_goes_on_up() -> None:
+    """A plain ``SystemExit`` is the listener's (argparse), unless billiard's SIGTERM handler raised
+    it: a prefork child terminating (``revoke(terminate=True)``, a cold shutdown). Any other
+    non-``Exception`` counts only on mqorder's own threads: elsewhere it is the pool's (Celery's
+    ``WorkerShutdown``, a Ctrl-C, the gevent pool's hard time limit and its ``GreenletExit``)."""
+    import billiard.common
+
+    from mqorder.consumer.escapes import counts_as_failure, mark_own_thread
 
     class WorkerTerminate(SystemExit):
         pass
 
-    assert counts_as_failure(SystemExit(2)) and counts_as_failure(ValueError())
-    assert not counts_as_failure(WorkerTerminate(1)) and not counts_as_failure(KeyboardInterrupt())
-    assert not counts_as_failure(GeneratorExit())
-    off_main: list[bool] = []
-    t = threading.Thread(target=lambda: off_main.extend(
-        [counts_as_failure(WorkerTerminate(1)), counts_as_failure(KeyboardInterrupt()), counts_as_failure(GeneratorExit())]))
-    t.start()
-    t.join()
-    assert off_main == [True, True, False]
+    class Timeout(BaseException):  # as gevent.Timeout
+        pass
+
+    class GreenletExit(BaseException):  # as greenlet's
+        pass
+
+    assert counts_as_failure(ValueError()) and counts_as_failure(SystemExit(2)) and counts_as_failure(SystemExit())
+    assert not counts_as_failure(SystemExit(-241))  # sys.exit(-(256 - SIGTERM)) by billiard's handler
+    fired = billiard.common._should_have_exited  # a one-item list, set by the handler
+    fired[0] = True
+    try:
+        assert not counts_as_failure(SystemExit(2))
+    finally:
+        fired[0] = False
+    others = [WorkerTerminate(1), KeyboardInterrupt(), Timeout(), GreenletExit(), GeneratorExit()]
+    assert [counts_as_failure(e) for e in others] == [False] * 5
+
+    def judged(own: bool) -> list[bool]:
+        out: list[bool] = []
+
+        def run() -> None:
+            if own:
+                mark_own_thread()
+            out.extend(counts_as_failure(e) for e in others)
+
+        t = threading.Thread(target=run)
+        t.start()
+        t.join()
+        return out
+
+    assert judged(own=False) == [False] * 5  # a threads-pool task's thread, a gevent task's greenlet
+    assert judged(own=True) == [True, True, True, False, False]  # a lane worker, the loop's thread
+
+
+def test_a_prefork_childs_sigterm_during_a_listener_call_still_ends_it() -> None:
+    """billiard's SIGTERM handler, installed in every prefork child, raises ``SystemExit(-241)``
+    in the child's main thread, in the middle of a listener call: the child must exit, not count
+    a reconsume and go on (a review found the first version of the rule did)."""
+    code = textwrap.dedent("""
+        import os, signal, sys, threading, time, types
+        from billiard.common import reset_signals
+        from mqorder.consumer.listener_call import ORDERLY, call_listener
+        from mqorder.model import MessageQueue
+
+        reset_signals(full=False)  # what billiard's Worker.after_fork does in each child
+        spec = types.SimpleNamespace(func=lambda msgs, ctx: time.sleep(5), name="l", group="g")
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
+        call_listener(ORDERLY, spec, [], MessageQueue("t", "b", 0), [types.SimpleNamespace(queue_offset=7)],
+                      types.SimpleNamespace(failure=""), 1, "c", "r", False)
+        print("the call returned: SIGTERM swallowed")
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == -241 % 256 or out.returncode == -241, (out.returncode, out.stdout, out.stderr[-500:])
+    assert "swallowed" not in out.stdout

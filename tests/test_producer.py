@@ -163,7 +163,7 @@ def test_a_redis_that_refuses_writes_gives_a_clear_error_and_stores_nothing() ->
             p.close()
 
 
-def test_a_batch_refused_on_one_queue_after_others_were_stored_says_part_may_be_stored(
+def test_a_batch_refused_on_one_queue_after_others_were_stored_says_what_was_stored(
     settings, r: redis.Redis, redis_server,
 ) -> None:
     """Redis judges each call of a round trip on arrival: queues 0-2 of a batch stored, queue 3's
@@ -180,9 +180,17 @@ def test_a_batch_refused_on_one_queue_after_others_were_stored_says_part_may_be_
     p = Producer(settings=load_settings(redis_url=f"redis://limited:pw@127.0.0.1:{redis_server.port}/0"))
     try:
         ks = [next(f"k{i}" for i in range(1000) if queue_index(f"k{i}", 4) == q) for q in range(4)]
-        with pytest.raises(BrokerRefusedError, match="refused a write of this batch: NOPERM.*Part of the batch may "
-                                                     "be stored.*3 other call.*unless its sends have dedup keys"):
+        with pytest.raises(BrokerRefusedError, match="refused a write of this batch: NOPERM.*Part of the batch is "
+                                                     "stored: 3 message.s. of the batch ARE stored. Resending the "
+                                                     "whole batch stores those again unless its sends have dedup keys"):
             p.send_orderly_batch("t", [(k, b"m-" + k.encode()) for k in ks])
+        # Refused whole (every call): nothing of it stored, and the error says that.
+        r.config_set("min-replicas-to-write", 1)
+        try:
+            with pytest.raises(BrokerRefusedError, match="refused the write, so nothing was stored: NOREPLICAS"):
+                admin.send_orderly_batch("t", [(k, b"never") for k in ks])
+        finally:
+            r.config_set("min-replicas-to-write", 0)
         with pytest.raises(BrokerRefusedError, match="refused the write, so nothing was stored: NOPERM"):
             p.send_orderly("t", b"alone", sharding_key=ks[3])  # one call: nothing stored, as said
     finally:

@@ -305,7 +305,7 @@ class Producer:
         *,
         selector: Selector | None = None,
         tags: str | None = None,
-        dedup_keys: Sequence[str] | None = None,
+        dedup_keys: Sequence[str | None] | None = None,
         wait_replicas: int | None = None,
     ) -> list[SendResult]:
         """Send many ``(sharding_key, body)`` pairs; per-key order is the order of ``items``.

@@ -42,6 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from mqorder.consumer import native
+from mqorder.consumer.escapes import mark_own_thread
 from mqorder.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -233,6 +234,7 @@ class ProcessLoop:
             native.sleep(0.001)
 
     def _run(self) -> None:
+        mark_own_thread()
         self.thread_id = threading.get_ident()
         asyncio.set_event_loop(self.loop)
         while True:

@@ -7,15 +7,19 @@ whatever ran the call. On a key-mode lane thread that thread was gone for good, 
 event loop thread ``asyncio`` re-raises ``SystemExit`` out of the loop, which stopped every
 ``async def`` listener of the process; in a prefork child the child exited, the queue's run
 mark held it until the sweep, and the next child met the same message: a poison message that
-never reached the DLQ.
+never reached the DLQ. But the pools raise some of them on purpose, in the task's own thread or
+greenlet, and those must go on up:
 
-* A plain ``SystemExit`` (``sys.exit``, argparse) is always the call's failure: Celery never
-  raises one inside a task (its signal handlers set flags; its own ``WorkerShutdown`` and
-  ``WorkerTerminate`` are subclasses, and propagate).
-* Any other non-``Exception`` is the call's failure off the main thread, where nothing else
-  raises them (signal handlers run in the main thread), and propagates on the main thread: a
-  ``KeyboardInterrupt`` there is the user's Ctrl-C.
-* ``GeneratorExit`` never is: it closes a coroutine.
+* A plain ``SystemExit`` is the call's failure (``sys.exit``, argparse), unless the process is
+  terminating: billiard's SIGTERM handler in a prefork child raises ``SystemExit(-(256 -
+  signum))`` in the child's main thread (``revoke(terminate=True)``, a cold shutdown, systemd
+  stopping the group), and ``terminate_handler_fired()`` then says so. Celery's own
+  ``WorkerShutdown`` and ``WorkerTerminate`` are subclasses, and propagate.
+* Any other non-``Exception`` is the call's failure only on mqorder's own threads (key-mode lane
+  workers, the process's event loop thread: ``mark_own_thread``), where nobody else raises them.
+  Anywhere else it propagates: a Ctrl-C on the main thread, the gevent pool's hard time limit
+  (``gevent.Timeout`` in the task's greenlet) and its terminate (``GreenletExit``).
+* ``GeneratorExit`` (a coroutine closed) and ``GreenletExit`` (a greenlet killed) never are.
 
 A failure is counted and retried like an exception, and ends in the DLQ after
 ``max_reconsume_times``.
@@ -24,14 +28,43 @@ A failure is counted and retried like an exception, and ends in the DLQ after
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
+
+#: Set on mqorder's own threads (``mark_own_thread``): greenlet-local under gevent's patching.
+_OWN = threading.local()
+
+
+def mark_own_thread() -> None:
+    """The calling thread is one of mqorder's own (a lane worker, the event loop's thread): a
+    non-``Exception`` a call raises on it is that call's failure (see above)."""
+    _OWN.mqorder = True
+
+
+def _terminating(exc: SystemExit) -> bool:
+    """Whether this ``SystemExit`` is the process terminating (billiard's signal handler), not
+    the listener's own: read without importing billiard (the core imports nothing of Celery's)."""
+    if isinstance(exc.code, int) and exc.code < 0:
+        return True  # sys.exit(-(256 - signum)): no listener exits with a negative status
+    common = sys.modules.get("billiard.common")
+    if common is None:
+        return False
+    fired = getattr(common, "terminate_handler_fired", None)
+    if fired is not None:
+        return bool(fired())
+    flag = getattr(common, "_should_have_exited", None)
+    return bool(flag and flag[0])
 
 
 def counts_as_failure(exc: BaseException) -> bool:
     """Whether ``exc``, raised by a listener or a hook, is that call's failure here (see above)."""
-    if isinstance(exc, Exception) or type(exc) is SystemExit:
+    if isinstance(exc, Exception):
         return True
-    return not isinstance(exc, GeneratorExit) and threading.current_thread() is not threading.main_thread()
+    if type(exc) is SystemExit:
+        return not _terminating(exc)
+    if isinstance(exc, GeneratorExit) or type(exc).__name__ == "GreenletExit":
+        return False
+    return bool(getattr(_OWN, "mqorder", False))
 
 
 def cancelled_by_run() -> bool:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mqorder.consumer.context import CallContext
+from mqorder.consumer.escapes import mark_own_thread
 from mqorder.consumer.run_types import Handled
 from mqorder.model import MessageExt
 
@@ -50,6 +51,7 @@ class LaneWorkers:
         self._jobs.put((fn, args))
 
     def _work(self) -> None:
+        mark_own_thread()
         while True:
             job = self._jobs.get()
             if job is None:

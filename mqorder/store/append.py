@@ -185,11 +185,17 @@ class QueueAppender:
                         raw = self._round(broker, requests, idxs, rnd, calls, lease, wait if n + 1 == len(rounds) else None,
                                           behind)
                     except redis.ResponseError as exc:
-                        stored = sum(len(requests[i].entries) for i, r in enumerate(replies) if r is not None)
-                        err = (partly_refused(broker_name, broker.safe_url, exc, stored, len(calls) - 1, self.action)
-                               if stored or len(calls) > 1 else None)
+                        stored = sum(r.stored for r in replies if r is not None)
+                        ran: dict[int, Any] | None = getattr(exc, "mqorder_ran", None)
+                        unknown = 0
+                        if ran is not None:  # each call's reply: what ran is known
+                            stored += sum(parse_reply(r, len(requests[rnd[j]].entries)).stored for j, r in ran.items())
+                        else:  # per shard (a durable send on a cluster): the others may have run
+                            unknown = len(calls) - 1
+                        err = (partly_refused(broker_name, broker.safe_url, exc, stored, unknown, self.action)
+                               if stored or unknown else None)
                         if err is None:
-                            raise
+                            raise  # nothing of the batch stored: the refusal says so
                         raise err from exc
                     for i, reply in zip(rnd, raw, strict=True):
                         replies[i] = parse_reply(reply, len(requests[i].entries))

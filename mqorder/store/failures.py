@@ -56,21 +56,22 @@ def refused(broker_name: str, safe_url: str, exc: redis.ResponseError, action: s
     )
 
 
-def partly_refused(broker_name: str, safe_url: str, exc: redis.ResponseError, stored: int, sent_with: int,
+def partly_refused(broker_name: str, safe_url: str, exc: redis.ResponseError, stored: int, unknown: int,
                    action: str = "send") -> BrokerRefusedError | None:
     """``refused`` for a refusal among several calls: Redis judges each call of a round trip on
-    arrival, so calls before the refused one (``stored`` messages known stored, ``sent_with`` other
-    calls in the same round trip) may be stored. Said so: "nothing was stored" invited a resend of
-    the whole batch, which stored those twice. None: not a refusal."""
+    arrival, so other calls of the batch were stored (``stored`` messages) or may have been
+    (``unknown`` calls whose replies are not known). Said so: "nothing was stored" invited a
+    resend of the whole batch, which stored those twice. None: not a refusal."""
     if refused(broker_name, safe_url, exc, action) is None:
         return None
     text = str(exc)
     if isinstance(exc, _REFUSAL_CLASSES):
         text = f"{getattr(exc, 'status_code', None) or type(exc).__name__} {text}"
+    part = f"{stored} message(s) of the batch ARE stored" + (
+        f", and {unknown} other call(s) in the same round trip may have been" if unknown else "")
     return BrokerRefusedError(
         f"{action} failed: Redis broker {broker_name!r} at {safe_url} refused a write of this batch: {text[:300]}. "
-        f"Part of the batch may be stored: {stored} message(s) before it were, and {sent_with} other call(s) in "
-        "the same round trip may have been. Resending the whole batch stores those again unless its sends "
+        f"Part of the batch is stored: {part}. Resending the whole batch stores those again unless its sends "
         "have dedup keys (dedup_keys=, or MQORDER_DEDUP_DERIVE=msg_id); fix that Redis (its log says why)"
     )
 

@@ -252,6 +252,11 @@ class Scripts:
                 if isinstance(res, redis.exceptions.NoScriptError) and not attempt:
                     missing.append(i)
                 elif isinstance(res, Exception):
+                    # Which calls ran (Redis judges each on arrival): a caller that must say what
+                    # was stored reads them here (QueueAppender.append_many), by call index.
+                    ran = {j: r for j, r in zip(todo, out, strict=True) if not isinstance(r, Exception)}
+                    ran.update((j, r) for j, r in enumerate(replies) if r is not None)
+                    res.mqorder_ran = ran  # type: ignore[attr-defined]
                     raise res
                 else:
                     replies[i] = res

@@ -45,6 +45,18 @@ def parse(body: bytes) -> int:
     return pr.parse_args(body.decode().split()).count
 
 
+def parsing_listener(handled: list[int]) -> Callable:
+    """A plain listener of command lines: ``SystemExit(2)`` on a bad body; the offsets it handled."""
+
+    def listener(msgs, ctx):
+        for m in msgs:
+            parse(m.body)
+            handled.append(m.queue_offset)
+        return S.SUCCESS
+
+    return listener
+
+
 def drain_off_main(eng: ConsumerEngine, spec: ListenerSpec, runs: int = 30) -> list[Outcome]:
     """``drain`` with each run on a thread of its own that must end within 20 s (a hung run
     fails the test instead of hanging it)."""
@@ -79,12 +91,7 @@ def test_a_plain_key_mode_listener_exiting_on_a_bad_body_dead_letters_it_and_the
     p, eng = env
     send_bad_then_good(p, 20)
     handled: list[int] = []
-
-    def listener(msgs, ctx):
-        for m in msgs:
-            parse(m.body)
-            handled.append(m.queue_offset)
-        return S.SUCCESS
+    listener = parsing_listener(handled)
 
     # Three tries of the bad message, each ending a lane thread before the fix (2 lanes).
     drain_off_main(eng, key_spec(listener, key_concurrency=2))
@@ -164,16 +171,12 @@ def test_an_async_key_mode_listener_exiting_on_a_bad_body_dead_letters_it(env) -
 def test_a_queue_mode_listener_exiting_on_a_bad_body_is_a_failure_on_the_main_thread_too(env) -> None:
     """A prefork child runs a queue-mode listener on its main thread: the ``SystemExit`` ended the
     child, and the next child met the same message (never dead-lettered). A plain ``SystemExit``
-    is never Celery's own (its ``WorkerShutdown`` is a subclass, and propagates)."""
+    is Celery's only when billiard's SIGTERM handler raised it (tested below); its
+    ``WorkerShutdown`` is a subclass, and propagates."""
     p, eng = env
     send_bad_then_good(p, 3)
     handled: list[int] = []
-
-    def listener(msgs, ctx):
-        for m in msgs:
-            parse(m.body)
-            handled.append(m.queue_offset)
-        return S.SUCCESS
+    listener = parsing_listener(handled)
 
     assert threading.current_thread() is threading.main_thread()
     drain(eng, ListenerSpec(listener, "t", "g", max_reconsume_times=2, suspend_current_queue_time_millis=10))

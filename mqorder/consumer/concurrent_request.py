@@ -42,7 +42,7 @@ from typing import Any
 from mqorder import keys
 from mqorder.consumer.concurrent_lanes import ConcurrentLanes
 from mqorder.consumer.context import ConsumeConcurrentlyContext
-from mqorder.consumer.escapes import cancelled_by_run, counts_as_failure
+from mqorder.consumer.escapes import counts_as_failure, goes_on_up
 from mqorder.consumer.hooks import global_hooks
 from mqorder.consumer.key_request import KeyConsumeRequest
 from mqorder.consumer.lane_workers import LaneResult
@@ -112,7 +112,7 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         try:
             handled = self._consume_concurrently(msgs, ctx)
         except BaseException as exc:
-            if not counts_as_failure(exc):  # never on a lane thread (mqorder.consumer.escapes)
+            if not counts_as_failure(exc):  # only a process or greenlet ending (escapes)
                 raise
             log.exception("concurrent call of %s on %s failed outside the listener (a hook?); retrying its "
                           "messages", self.spec.name, self.mq.key)
@@ -132,14 +132,9 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
             self._art_sum += rt
             self._art_n += 1
             handled = self._concurrent_handled(status, ctx, wall0, rt)
-        except asyncio.CancelledError:
-            if cancelled_by_run():
-                cancelled = True
-                raise
-            log.exception("concurrent call of %s on %s was cancelled, not by its run; retrying its messages",
-                          self.spec.name, self.mq.key)
         except BaseException as exc:
-            if not counts_as_failure(exc):
+            if goes_on_up(exc):
+                cancelled = isinstance(exc, asyncio.CancelledError)
                 raise
             log.exception("concurrent call of %s on %s failed outside the listener (a hook?); retrying its "
                           "messages", self.spec.name, self.mq.key)

@@ -13,7 +13,6 @@ The run returns an ``Outcome``; the Celery task turns it into ``apply_async`` to
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
@@ -29,7 +28,7 @@ from mqorder.consumer.async_loop import ProcessLoop
 from mqorder.consumer.commit_pipeline import commit_pipelined
 from mqorder.consumer.consumer_state import ConsumerState
 from mqorder.consumer.context import CallContext, ConsumeOrderlyContext
-from mqorder.consumer.escapes import cancelled_by_run, counts_as_failure
+from mqorder.consumer.escapes import goes_on_up
 from mqorder.consumer.hooks import RefusedContext, global_hooks, run_refused
 from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
@@ -433,13 +432,8 @@ class ConsumeRequest(LingeringReads):
             handled = Handled(SUSPEND)
             try:
                 handled = await self._consume_async(msgs, ctx)
-            except asyncio.CancelledError:
-                if cancelled_by_run():
-                    raise
-                log.exception("call of %s on %s was cancelled, not by its run; suspending the queue",
-                              self.spec.name, self.mq.key)
             except BaseException as exc:
-                if not counts_as_failure(exc):
+                if goes_on_up(exc):
                     raise
                 log.exception("call of %s on %s failed outside the listener (a hook?); suspending the queue",
                               self.spec.name, self.mq.key)

@@ -76,3 +76,13 @@ def cancelled_by_run() -> bool:
     ``Task.cancel`` counts it in ``cancelling()`` until it is uncancelled."""
     task = asyncio.current_task()
     return task is None or task.cancelling() > 0
+
+
+def goes_on_up(exc: BaseException) -> bool:
+    """For the wrapper of an async call (which must report a result whatever happens): whether
+    ``exc`` is re-raised (the run's own cancel, or what ``counts_as_failure`` lets through) rather
+    than settled as the call's failure. A ``CancelledError`` the run did not cause is a failure:
+    once it settled the call as cancelled while the run went on (a key's next message ran first)."""
+    if isinstance(exc, asyncio.CancelledError):
+        return cancelled_by_run()
+    return not counts_as_failure(exc)

@@ -67,7 +67,7 @@ from mqorder.codec import decode_entries
 from mqorder.consumer.call_executor import LaneCalls
 from mqorder.consumer.consume_request import HELD_CHECK_S, ConsumeRequest
 from mqorder.consumer.context import ConsumeOrderlyContext
-from mqorder.consumer.escapes import cancelled_by_run, counts_as_failure
+from mqorder.consumer.escapes import cancelled_by_run, counts_as_failure, goes_on_up
 from mqorder.consumer.key_lanes import KeyLanes, Lanes, lane_key
 from mqorder.consumer.lane_workers import LaneResult
 from mqorder.consumer.ledger import LedgerOutcome
@@ -401,7 +401,7 @@ class KeyConsumeRequest(ConsumeRequest):
         try:
             handled = self._consume(msgs, ctx)
         except BaseException as exc:
-            if not counts_as_failure(exc):  # never on a lane thread (see escapes)
+            if not counts_as_failure(exc):  # only a process or greenlet ending (escapes)
                 raise
             log.exception("lane call of %s on %s failed outside the listener (a hook?); suspending its key",
                           self.spec.name, self.mq.key)
@@ -443,17 +443,10 @@ class KeyConsumeRequest(ConsumeRequest):
                 self._art_sum += rt
                 self._art_n += 1
                 handled = Handled(status) if wall0 == 0.0 else Handled(status, wall0 * 1000, wall0 * 1000 + rt)
-        except asyncio.CancelledError:
-            # Only the run's own cancel leaves the call unsettled. Any other (a hook's, once: it
-            # escaped ``_run_async``) settled the call as cancelled while the run went on, and the
-            # key's next message ran before the one left unfinished: a failure instead.
-            if cancelled_by_run():
-                cancelled = True
-                raise
-            log.exception("lane call of %s on %s was cancelled, not by its run; suspending its key",
-                          self.spec.name, self.mq.key)
         except BaseException as exc:
-            if not counts_as_failure(exc):
+            # Only the run's own cancel leaves the call unsettled (goes_on_up).
+            if goes_on_up(exc):
+                cancelled = isinstance(exc, asyncio.CancelledError)
                 raise
             log.exception("lane call of %s on %s failed outside the listener (a hook?); suspending its key",
                           self.spec.name, self.mq.key)

@@ -327,7 +327,7 @@ def test_a_commit_the_replicas_do_not_acknowledge_is_applied_and_the_error_says_
         assert "a failover now could lose it" in text and "end_transaction(COMMIT) for this transaction again is safe" in text
         assert _log(dep.primary, mq) == [b"committed"] and tx.half_store.pending(mq) == []
         assert [o.outcome for o in tx.half_store.outcomes(mq)] == ["COMMIT"]
-        with pytest.raises(ReplicasBehindError, match="the transaction was already ended .* IS applied on the primary"):
+        with pytest.raises(ReplicasBehindError, match="the transaction was already ended as COMMIT by .* IS applied on the primary"):
             other.end_transaction(mq, txid, COMMIT, by="test", wait_replicas=1)
         for srv in dep.replicas:
             SentinelDeployment.resume(srv)

@@ -236,7 +236,12 @@ class HalfStore:
             if got.verdict is TxnEnd.COMMIT:
                 what = f"the commit IS applied (the message is visible in {mq.key} at offset {got.offset})"
             else:
-                what = "the transaction was already ended (by the check-back or an earlier end), and that end IS applied"
+                ended = self.outcome_of(mq, txid)
+                how = (f" as {ended.outcome} by {ended.by} ({ended.reason})" if ended is not None
+                       else " (by the check-back or an earlier end)")
+                # A ROLLBACK there means this COMMIT stored nothing: said here, or the caller read
+                # "IS applied" as its commit (a review's finding).
+                what = f"the transaction was already ended{how}, and that end IS applied"
             raise behind_error([self.appender.replicas.behind(broker, wait, acked, 1, f"commit of transaction {txid}",
                                                               what=what)], COMMIT_BEHIND)
         return got

@@ -164,10 +164,11 @@ def test_a_suspended_key_shows_in_the_worker_and_the_exporter_until_it_succeeds(
         key = msgs[0].body.decode().split(":")[0]
         return S.SUSPEND_CURRENT_QUEUE_A_MOMENT if blocked.get(key) else S.SUCCESS
 
-    spec = ListenerSpec(listener, "t", "g", ordering="key", hooks=[hook], suspend_current_queue_time_millis=10_000)
+    spec = ListenerSpec(listener, "t", "g", ordering="key", hooks=[hook], suspend_current_queue_time_millis=1500)
     RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
     outs, token = runs(eng, spec, 1)
-    assert outs[-1].verb == "REQUEUE"  # only key a is left, suspended for 10 s: the slot goes back
+    suspended_at = time.monotonic()
+    assert outs[-1].verb == "REQUEUE"  # only key a is left, suspended for 1.5 s: the slot goes back
     assert value(reg, "mqorder_keys_suspended", group="g", topic="t") == 1
     e = scrape(settings)
     assert lane(e, "mqorder_queue_committed_offset") == 0  # a's first message is the lowest unfinished
@@ -177,6 +178,10 @@ def test_a_suspended_key_shows_in_the_worker_and_the_exporter_until_it_succeeds(
     assert lane(e, "mqorder_queue_oldest_unfinished_age_seconds") == lane(e, "mqorder_queue_head_age_seconds")
 
     blocked["a"] = False
+    # The next run keeps key a suspended until its time (the commit's 'held'), then it succeeds.
+    outs, token = runs(eng, spec, 1, token)
+    assert outs[-1].verb == "REQUEUE" and outs[-1].consumed == 0
+    time.sleep(max(0.0, suspended_at + 1.6 - time.monotonic()))
     assert runs(eng, spec, 5, token)[0][-1].verb == "IDLE"
     assert value(reg, "mqorder_keys_suspended", group="g", topic="t") == 0
     e = scrape(settings)

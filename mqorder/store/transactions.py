@@ -115,6 +115,13 @@ class Outcome:
     offset: int
 
 
+def _outcome(fields: Any) -> Outcome:
+    """One entry of the outcome log (``txn_end.lua``'s XADD), as read by redis-py."""
+    pairs = fields.items() if isinstance(fields, dict) else zip(fields[::2], fields[1::2], strict=False)
+    f = {text(k): text(v) for k, v in pairs}
+    return Outcome(f["txid"], f["outcome"], f["reason"], f["by"], int(f["checks"]), int(f["offset"]))
+
+
 def _end_reply(reply: Any) -> EndReply:
     got = TxnEnd(text(reply[0]))
     if got is TxnEnd.COMMIT:
@@ -278,13 +285,8 @@ class HalfStore:
     def outcomes(self, mq: MessageQueue) -> list[Outcome]:
         """The outcome log of ``mq``, oldest first."""
         client = self.brokers.get(mq.broker_name).client
-        out = []
         raw: Any = client.xrange(keys.txn_log(mq.tag))
-        for _, fields in raw:
-            pairs = fields.items() if isinstance(fields, dict) else zip(fields[::2], fields[1::2], strict=False)
-            f = {text(k): text(v) for k, v in pairs}
-            out.append(Outcome(f["txid"], f["outcome"], f["reason"], f["by"], int(f["checks"]), int(f["offset"])))
-        return out
+        return [_outcome(fields) for _, fields in raw]
 
     def outcome_of(self, mq: MessageQueue, txid: str, page: int = 500) -> Outcome | None:
         """How ``txid`` ended, from ``mq``'s outcome log read newest first (None: not in the
@@ -294,10 +296,9 @@ class HalfStore:
         while True:
             raw: Any = client.xrevrange(keys.txn_log(mq.tag), max=top, min="-", count=page)
             for entry_id, fields in raw:
-                pairs = fields.items() if isinstance(fields, dict) else zip(fields[::2], fields[1::2], strict=False)
-                f = {text(k): text(v) for k, v in pairs}
-                if f.get("txid") == txid:
-                    return Outcome(f["txid"], f["outcome"], f["reason"], f["by"], int(f["checks"]), int(f["offset"]))
+                got = _outcome(fields)
+                if got.txid == txid:
+                    return got
                 top = "(" + text(entry_id)
             if len(raw) < page:
                 return None

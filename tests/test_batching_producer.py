@@ -209,7 +209,7 @@ def test_dedup_keys_keep_their_idempotency_through_the_batch(settings) -> None:
     p.create_topic("t", queues=2)
     first = p.send_orderly_async("t", b"paid", sharding_key="42", dedup_key="evt-9")
     again = p.send_orderly_async("t", b"paid", sharding_key="42", dedup_key="evt-9")  # same batch
-    plain = p.send_orderly_async("t", b"plain", sharding_key="42")  # no key: a call of its own
+    plain = p.send_orderly_async("t", b"plain", sharding_key="42")  # no key: not remembered
     assert again.result(5) == first.result(5)
     later = p.send_orderly_async("t", b"paid", sharding_key="42", dedup_key="evt-9")  # another batch
     assert later.result(5) == first.result(5)

@@ -131,6 +131,24 @@ def test_a_batch_mixing_dedup_keys_and_none_dedups_only_the_keyed_items(producer
     assert [r.queue_offset for r in again] == [6, 0]  # the first sends' results
 
 
+def test_a_batch_alternating_keyed_and_plain_items_is_one_script_call(producer: Producer, r: redis.Redis) -> None:
+    """Runs alike in having a key went in calls of their own, one round trip after the other on
+    one queue: a batch alternating the two took a round trip per item (177 ms for 1,000 items
+    against 46 ms unkeyed). Now one call, and only the keyed items are remembered."""
+    items = [("k", b"%d" % i) for i in range(40)]
+    keys_ = [f"evt-{i}" if i % 2 == 0 else None for i in range(40)]
+    producer.send_orderly("orders", b"warm", sharding_key="k")  # routes and scripts loaded
+    calls = r.info("commandstats").get("cmdstat_evalsha", {}).get("calls", 0)
+    res = producer.send_orderly_batch("orders", items, dedup_keys=keys_)
+    assert r.info("commandstats")["cmdstat_evalsha"]["calls"] - calls == 1
+    assert [x.queue_offset for x in res] == list(range(1, 41))
+    again = producer.send_orderly_batch("orders", items, dedup_keys=keys_)
+    # The keyed items are duplicates (their first results); the plain ones are stored again.
+    assert [x.queue_offset for x in again[0::2]] == list(range(1, 41, 2))
+    assert [x.queue_offset for x in again[1::2]] == list(range(41, 61))
+    assert bodies(producer, res[0].message_queue)[41:] == [b"%d" % i for i in range(1, 40, 2)]
+
+
 def test_an_id_past_its_window_is_new_even_before_the_window_is_trimmed(settings) -> None:
     """The expired backlog is trimmed 2n + 16 ids per keyed send; after a burst, an id past its
     window still waited there and a send reusing it was dropped as a duplicate."""

@@ -508,19 +508,16 @@ class Sender:
             self._write(broker_name, chunks)
 
     def _chunks(self, mq: MessageQueue, recs: list[ProducerRecord]) -> Iterable[_Chunk]:
-        """``recs`` (one queue's, in call order) as script calls: runs of records alike in having a
-        dedup key or not (a call is idempotent or not), at most ``CHUNK`` each."""
-        start = 0
-        while start < len(recs):
-            keyed = recs[start].dedup_key is not None
-            end = start + 1
-            while end < len(recs) and end - start < CHUNK and (recs[end].dedup_key is not None) is keyed:
-                end += 1
-            part = recs[start:end]
+        """``recs`` (one queue's, in call order) as script calls of at most ``CHUNK`` records.
+        Records with and without a dedup key share a call (the empty id is not remembered by the
+        dedup window); a chunk is ``keyed`` (resendable) only if every record has a key."""
+        for start in range(0, len(recs), CHUNK):
+            part = recs[start:start + CHUNK]
+            n_keyed = sum(r.dedup_key is not None for r in part)
             entries = [(r.header, r.body) for r in part]
-            ids = [str(r.dedup_key) for r in part] if keyed else None
-            yield _Chunk(AppendRequest(mq, entries, ids, self._window_ms if keyed else None), part, keyed)
-            start = end
+            ids = [r.dedup_key or "" for r in part] if n_keyed else None
+            yield _Chunk(AppendRequest(mq, entries, ids, self._window_ms if n_keyed else None), part,
+                         n_keyed == len(part))
 
     def _write(self, broker_name: str, chunks: list[_Chunk]) -> None:
         """One broker's chunks in one round trip; failed keyed chunks sent again (see the module)."""

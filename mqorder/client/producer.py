@@ -344,25 +344,17 @@ class Producer:
         by_queue: dict[MessageQueue, list[int]] = defaultdict(list)
         for i, p in enumerate(prepared):
             by_queue[p[0]].append(i)
-        # Each queue's items in call order, cut into runs alike in having a dedup key or not (as
-        # the batching sender does): once the first item decided for the whole batch, and a None
-        # beside given keys became the dedup id 'None' (items dropped as duplicates of each other).
-        chunks: list[list[int]] = []
-        for idxs in by_queue.values():
-            start = 0
-            while start < len(idxs):
-                keyed = prepared[idxs[start]][4] is not None
-                end = start + 1
-                while end < len(idxs) and end - start < BATCH_CHUNK and (prepared[idxs[end]][4] is not None) is keyed:
-                    end += 1
-                chunks.append(idxs[start:end])
-                start = end
+        # Each queue's items in call order, one script call per BATCH_CHUNK of them. Items with and
+        # without a dedup key share a call: an item without one goes with the empty id, which the
+        # dedup window does not remember (send.lua). Calls of one queue go one round trip after the
+        # other (queue_rounds), so runs cut by kind once cost a round trip per alternation.
+        chunks = [idxs[s:s + BATCH_CHUNK] for idxs in by_queue.values() for s in range(0, len(idxs), BATCH_CHUNK)]
         window_ms = self.settings.dedup_window_ms
         requests = []
         for idxs in chunks:
-            keyed = prepared[idxs[0]][4] is not None
+            keyed = any(prepared[i][4] is not None for i in idxs)
             requests.append(AppendRequest(prepared[idxs[0]][0], [(prepared[i][1], prepared[i][2]) for i in idxs],
-                                          [str(prepared[i][4]) for i in idxs] if keyed else None,
+                                          [prepared[i][4] or "" for i in idxs] if keyed else None,
                                           window_ms if keyed else None))
         # Sent again after an unknown outcome only if every item is deduplicated (nothing twice).
         every_keyed = bool(prepared) and all(p[4] is not None for p in prepared)

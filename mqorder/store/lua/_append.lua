@@ -31,6 +31,8 @@ end
 --   first (forget_expired), an id found past its expiry is new again, and both keys expire at
 --   least ms after the last write (the longest window of the writers), so the window stays
 --   bounded and an idle queue keeps nothing. Without it ids are remembered for good (Spark).
+--   In a window an empty id means "not deduplicated": one call carries a queue's sends with and
+--   without dedup keys in call order (once such a batch took a round trip per alternation).
 --   Returns first offset, number stored, and a flat list {index (0-based), offset} per duplicate.
 local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src, window)
   src = src or ARGV
@@ -46,7 +48,7 @@ local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src, wi
     for i = 1, n do
       -- A windowed id whose window ended is new again, even if forget_expired has not reached it
       -- yet (after a burst it lags behind): once such a send was dropped as a duplicate.
-      if stored[i] and (not window or tonumber(redis.call('ZSCORE', window.k_exp, ids[i]) or 0) > now) then
+      if stored[i] and (not window or (ids[i] ~= '' and tonumber(redis.call('ZSCORE', window.k_exp, ids[i]) or 0) > now)) then
         known[ids[i]] = tonumber(stored[i])
       end
     end
@@ -55,16 +57,17 @@ local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src, wi
   for i = 1, n do
     local a = base + stride * (i - 1)
     local prev = nil
+    local remember = idempotent
     if idempotent then
       a = a + 1
-      prev = known[src[a]]
+      if window and src[a] == '' then remember = false else prev = known[src[a]] end
     end
     if prev then
       dups[#dups + 1] = i - 1
       dups[#dups + 1] = prev
     else
       redis.call('XADD', k_log, off .. '-1', 'h', src[a + 1], 'b', src[a + 2], 's', now)
-      if idempotent then
+      if remember then
         redis.call('HSET', k_ids, src[a], off)
         known[src[a]] = off
         if window then redis.call('ZADD', window.k_exp, now + window.ms, src[a]) end

@@ -102,6 +102,55 @@ def test_still_unknown_after_check_max_is_rolled_back_with_the_reason(tx: Transa
     assert o.checks == 4 and bodies(tx, res.message_queue) == []
 
 
+def test_a_failed_end_gives_back_the_rest_of_the_batch_and_other_queues_go_on(redis_url: str) -> None:
+    """Ending one transaction failed (its reply lost: the broker went away for a moment): the
+    exception left the pass, every other queue waited, and the rest of the queue's claimed batch
+    had each counted a check nobody made (so transaction_check_max rolled them back sooner)."""
+    from urllib.parse import urlsplit
+
+    from tests.lossy_proxy import LossyProxy
+
+    u = urlsplit(redis_url)
+    proxy = LossyProxy(u.hostname or "127.0.0.1", u.port or 6379)
+    s = load_settings(redis_url=proxy.url(), transaction_timeout_ms=50, send_msg_timeout_ms=300,
+                      transaction_check_max=3)
+    p = TransactionProducer(settings=s)
+    p.create_topic("lossy", queues=2)
+    q0, q1 = p.describe_topic("lossy").message_queues
+    asked: list[bytes] = []
+
+    def checker(msg: MessageExt) -> LocalTransactionState:
+        asked.append(msg.body)
+        if msg.body == b"q0-1":
+            proxy.lose_next_replies(1)  # the reply to this commit (the subscriptions read is cached)
+        return COMMIT
+
+    _checkers["lossy"] = checker
+    try:
+        for mq in (q0, q1):
+            for i in range(3):
+                p.send_in_transaction("lossy", b"q%d-%d" % (mq.queue_id, i), sharding_key="k",
+                                      selector=lambda queues, key, body, mq=mq: mq,
+                                      executor=lambda m, a: UNKNOWN)
+        time.sleep(0.1)
+        report = TransactionCheckService(p.brokers, s).check_once()
+        assert report.failed_queues == [q0.key]
+        assert asked == [b"q0-0", b"q0-1", b"q1-0", b"q1-1", b"q1-2"]  # q1 went on after q0's failure
+        assert (report.checked, report.committed) == (5, 4)
+        # q0-1's commit was applied (only its reply was lost); q0-2 was not asked: its claim is
+        # given back (no check counted) and it is due again at once.
+        assert bodies(p, q0) == [b"q0-0", b"q0-1"]
+        assert [(checks, due <= time.time() * 1000) for _, _, checks, due in p.half_store.pending_details(q0)] == [
+            (0, True)]
+        report = TransactionCheckService(p.brokers, s).check_once()
+        assert (report.checked, report.committed, report.failed_queues) == (1, 1, [])
+        assert bodies(p, q0) == [b"q0-0", b"q0-1", b"q0-2"] and bodies(p, q1) == [b"q1-0", b"q1-1", b"q1-2"]
+    finally:
+        p.close()
+        proxy.close()
+        _checkers.pop("lossy", None)
+
+
 def test_producer_and_check_back_end_a_transaction_once(tx: TransactionProducer) -> None:
     res = tx.send_in_transaction("tx", b"txn", sharding_key="k", executor=lambda m, a: UNKNOWN)
     first = tx.end_transaction(res.message_queue, res.transaction_id, COMMIT, by="check-back")

@@ -104,5 +104,5 @@ def transaction_check() -> dict:
         _txn_check = TransactionCheckService(BrokerRegistry(s.redis_url, s.brokers), s)
     report = _txn_check.check_once()
     return {"checked": report.checked, "committed": report.committed, "rolled_back": report.rolled_back,
-            "unknown": report.unknown, "gave_up": report.gave_up}
+            "unknown": report.unknown, "gave_up": report.gave_up, "failed_queues": report.failed_queues}
 

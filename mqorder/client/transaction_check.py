@@ -28,8 +28,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from mqorder.client.transaction import LocalTransactionState, as_state
-from mqorder.errors import ListenerError, ReplicasBehindError
-from mqorder.model import MessageExt
+from mqorder.errors import BrokerUnavailableError, ListenerError, ReplicasBehindError
+from mqorder.model import MessageExt, MessageQueue
 from mqorder.names import check_topic
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
@@ -83,6 +83,8 @@ class CheckReport:
     gave_up: list[str] = field(default_factory=list)
     #: Transactions committed whose replicas fell short of ``MQORDER_SEND_WAIT_REPLICAS`` in time.
     unreplicated: list[str] = field(default_factory=list)
+    #: Queues whose turn a broker error ended (claiming, or ending a transaction): left to the next pass.
+    failed_queues: list[str] = field(default_factory=list)
 
 
 class TransactionCheckService:
@@ -109,9 +111,36 @@ class TransactionCheckService:
             except LookupError:
                 continue
             for mq in queues:
-                for half in self.store.due(mq, CHECK_BATCH, recheck_ms, self.settings.max_message_size):
-                    self._check(half, report)
+                self._check_queue(mq, recheck_ms, report)
         return report
+
+    def _check_queue(self, mq: MessageQueue, recheck_ms: int, report: CheckReport) -> None:
+        """Claim ``mq``'s due half messages and check each. A broker error ends this queue's turn,
+        not the pass (the other queues, maybe on other brokers, go on); the claims not asked about
+        are given back, or each would count a check nobody made toward ``transaction_check_max``."""
+        try:
+            halves = self.store.due(mq, CHECK_BATCH, recheck_ms, self.settings.max_message_size)
+        except BrokerUnavailableError as exc:
+            log.warning("check-back of %s skipped this pass: %s", mq.key, exc)
+            report.failed_queues.append(mq.key)
+            return
+        for n, half in enumerate(halves):
+            try:
+                self._check(half, report)
+            except BrokerUnavailableError as exc:
+                rest = [h.txid for h in halves[n + 1:]]
+                report.failed_queues.append(mq.key)
+                try:
+                    given = self.store.give_back(mq, rest)
+                except BrokerUnavailableError as again:
+                    log.warning("check-back of %s: ending transaction %s failed (%s), and giving back the %d "
+                                "claimed after it failed too (%s): each counted one check it did not get",
+                                mq.key, half.txid, exc, len(rest), again)
+                else:
+                    log.warning("check-back of %s: ending transaction %s failed (%s); it is asked again next pass, "
+                                "and the %d claimed after it (%d still half) are due again", mq.key, half.txid, exc,
+                                len(rest), given)
+                return
 
     def _check(self, half: HalfMessage, report: CheckReport) -> None:
         report.checked += 1

@@ -236,7 +236,11 @@ class QueueAppender:
         cached = self._subs.get(topic)
         if cached and now - cached[0] < SUBS_TTL:
             return cached[1]
-        subs = self.topics.subs_of_topic(topic)
+        # Read from the default broker, often outside any caller's ``translated`` (a transaction's
+        # end, the delay mover): a lost reply here once left the check-back pass as a raw TimeoutError.
+        meta = self.brokers.default
+        with translated(meta.name, meta.safe_url, self.timeout, self.action):
+            subs = self.topics.subs_of_topic(topic)
         self._subs[topic] = (now, subs)
         return subs
 

@@ -49,6 +49,7 @@ NAMES = (
     "txn_prepare",  # mqorder.store.transactions: phase one stores a half message
     "txn_end",  # mqorder.store.transactions: phase two (or the check-back) commits or rolls back
     "txn_due",  # mqorder.store.transactions: the check-back claims due half messages
+    "txn_unclaim",  # mqorder.store.transactions: the check-back gives back claims it did not ask
     "delay_schedule",  # mqorder.store.delay: a delayed message waits beside its queue's log
     "delay_move",  # mqorder.store.delay: the mover appends due delayed messages, in order
     "key_commit",  # mqorder.consumer.key_request: a key-ordered run's fenced commit + offset map

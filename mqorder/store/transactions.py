@@ -256,7 +256,9 @@ class HalfStore:
     def due(self, mq: MessageQueue, limit: int, recheck_ms: int, max_message_size: int) -> list[HalfMessage]:
         """Claim the half messages of ``mq`` due for a check-back (each check counted)."""
         broker = self.brokers.get(mq.broker_name)
-        raw = broker.scripts.txn_due(keys=[keys.txn_index(mq.tag), keys.txn_half(mq.tag)], args=[limit, recheck_ms])
+        with translated(broker.name, broker.safe_url, self.timeout, "claim half messages"):
+            raw = broker.scripts.txn_due(keys=[keys.txn_index(mq.tag), keys.txn_half(mq.tag)],
+                                         args=[limit, recheck_ms])
         out = []
         for i in range(0, len(raw), 5):
             txid, header, body, checks, prepared = raw[i : i + 5]
@@ -265,6 +267,15 @@ class HalfStore:
             msg.queue_offset = -1
             out.append(HalfMessage(mq, text(txid), msg, int(checks), int(prepared)))
         return out
+
+    def give_back(self, mq: MessageQueue, txids: list[str]) -> int:
+        """Undo ``due``'s claim of ``txids`` that were not asked about (their check count back,
+        due again at once); those ended meanwhile are left alone. Returns how many were given back."""
+        if not txids:
+            return 0
+        broker = self.brokers.get(mq.broker_name)
+        with translated(broker.name, broker.safe_url, self.timeout, "give back half messages"):
+            return int(broker.scripts.txn_unclaim(keys=[keys.txn_index(mq.tag), keys.txn_half(mq.tag)], args=txids))
 
     def pending_details(self, mq: MessageQueue) -> list[tuple[str, int, int, int]]:
         """(txid, prepared ms, checks so far, next check ms) of each half message of ``mq``."""

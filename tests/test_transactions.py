@@ -306,3 +306,14 @@ def test_producers_killed_between_the_phases_end_visible_or_rolled_back(cluster,
     assert a_seqs == [1, 3, 2]  # the committed message took its place at the commit
     assert not any(e["key"] == "b" for e in ledger(r, "g-order"))
     p.close()
+
+
+def test_the_check_back_against_an_unreachable_redis_says_so() -> None:
+    """Once a raw redis ConnectionError from the topics read; now the project's error, which says
+    that nothing was changed (a read), not that a message may be stored."""
+    from mqorder.errors import BrokerUnavailableError
+    from mqorder.store.brokers import BrokerRegistry
+
+    s = load_settings(redis_url="redis://127.0.0.1:1/0", send_msg_timeout_ms=300)
+    with pytest.raises(BrokerUnavailableError, match=r"list transaction topics failed.*Nothing was changed"):
+        TransactionCheckService(BrokerRegistry(s.redis_url, s.brokers), s).check_once()

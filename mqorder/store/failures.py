@@ -34,11 +34,13 @@ _REFUSAL_CLASSES = (
 _REFUSAL_PREFIXES = ("MISCONF", "NOREPLICAS", "BUSY ")
 
 
-def unavailable(broker_name: str, safe_url: str, exc: Exception, timeout: float, action: str = "send") -> BrokerUnavailableError:
+def unavailable(broker_name: str, safe_url: str, exc: Exception, timeout: float, action: str = "send",
+                write: bool = True) -> BrokerUnavailableError:
+    """``write``: the call may have changed something (a send: "may or may not be stored")."""
+    outcome = "The message may or may not be stored" if write else "Nothing was changed"
     return BrokerUnavailableError(
         f"{action} failed: Redis broker {broker_name!r} at {safe_url} did not answer within "
-        f"{timeout}s ({type(exc).__name__}: {exc}). The message may or may not be stored; check the "
-        "broker and retry"
+        f"{timeout}s ({type(exc).__name__}: {exc}). {outcome}; check the broker and retry"
     )
 
 
@@ -77,14 +79,14 @@ def partly_refused(broker_name: str, safe_url: str, exc: redis.ResponseError, st
 
 
 def translation(exc: BaseException, broker_name: str, safe_url: str, timeout: float,
-                action: str = "send") -> Exception | None:
+                action: str = "send", write: bool = True) -> Exception | None:
     """What ``translated`` raises instead of ``exc`` (None: ``exc`` itself is raised).
 
     For a hot path that cannot afford a generator-based context manager per call (a trickle of
     single sends: entering and leaving ``translated`` cost ~14 µs of client CPU per send here):
     ``try: ... except Exception as exc: raise (translation(exc, ...) or exc) from ...``."""
     if isinstance(exc, TRANSIENT):
-        return unavailable(broker_name, safe_url, exc, timeout, action)
+        return unavailable(broker_name, safe_url, exc, timeout, action, write)
     if isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)):
         # Only a plain client sees these (a cluster client follows them): its URL names one node.
         return ConfigError(
@@ -98,12 +100,14 @@ def translation(exc: BaseException, broker_name: str, safe_url: str, timeout: fl
 
 
 @contextmanager
-def translated(broker_name: str, safe_url: str, timeout: float, action: str = "send") -> Iterator[None]:
-    """Run a write; re-raise its Redis failure as ``BrokerUnavailableError``/``BrokerRefusedError``."""
+def translated(broker_name: str, safe_url: str, timeout: float, action: str = "send",
+               write: bool = True) -> Iterator[None]:
+    """Run a write (or, ``write=False``, a read); re-raise its Redis failure as
+    ``BrokerUnavailableError``/``BrokerRefusedError``."""
     try:
         yield
     except Exception as exc:
-        err = translation(exc, broker_name, safe_url, timeout, action)
+        err = translation(exc, broker_name, safe_url, timeout, action, write)
         if err is None:
             raise
         raise err from exc

@@ -315,4 +315,7 @@ class HalfStore:
                 return None
 
     def topics(self) -> list[str]:
-        return sorted(text(t) for t in self.brokers.meta.smembers(keys.txn_topics()))
+        """The topics that ever had half messages (``prepare`` records each first)."""
+        meta = self.brokers.default
+        with translated(meta.name, meta.safe_url, self.timeout, "list transaction topics", write=False):
+            return sorted(text(t) for t in meta.client.smembers(keys.txn_topics()))

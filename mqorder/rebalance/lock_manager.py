@@ -19,21 +19,26 @@ Leases are judged by Redis ``TIME`` inside the scripts, never by a worker's cloc
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from mqorder import keys
+from mqorder.errors import BrokerUnavailableError
 from mqorder.model import MessageQueue
 from mqorder.settings import Settings
 from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
 from mqorder.store.cluster_route import shard_groups
 from mqorder.store.raw_pipe import RawPipeline
 from mqorder.store.replication import ReplicaWait
+
+log = logging.getLogger(__name__)
 
 #: The lease and pending-request TTL of a manager built without them (tests, tools), taken from
 #: the settings' defaults so they cannot drift; the engine always passes its own settings' values.
@@ -94,6 +99,40 @@ def _merged(groups: list[tuple[str, list[_Item], set[tuple[str, str]] | None]],
     return [(ident, piece, recorded) for ident, part, recorded in joined.values() for piece in _slices(part, limit)]
 
 
+class BrokerSteps:
+    """Each broker's part of a step over several brokers, kept apart: one broker down must not
+    cost the others theirs. The scripts of the brokers before a failing one have run by then (a
+    sweep armed a pending token, a rebalance moved a queue), so raising threw their replies away:
+    the healthy brokers' queues were neither dispatched nor renewed for the whole outage.
+
+    A broker's failure is logged and its part skipped (its queues are tried again at the next
+    sweep, ``lock_all`` or rebalance); if *every* broker tried failed, the first error is raised,
+    as a single-broker deployment always saw it."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.ok = 0
+        self.failed: list[tuple[str, Exception]] = []
+
+    @contextmanager
+    def of(self, broker_name: str) -> Iterator[None]:
+        try:
+            yield
+        except (redis.RedisError, BrokerUnavailableError, OSError) as exc:
+            self.failed.append((broker_name, exc))
+        else:
+            self.ok += 1
+
+    def settle(self) -> None:
+        if not self.failed:
+            return
+        if not self.ok:
+            raise self.failed[0][1]
+        for name, exc in self.failed:
+            log.warning("%s: broker %r failed (%s: %s); the other brokers' part is done, its queues are tried "
+                        "again next time", self.what, name, type(exc).__name__, exc)
+
+
 class RebalanceLockManager:
     def __init__(self, brokers: BrokerRegistry, lock_max_live_time_ms: int = DEFAULT_LOCK_MAX_LIVE_TIME_MS,
                  replica_wait: ReplicaWait | None = None) -> None:
@@ -118,30 +157,37 @@ class RebalanceLockManager:
         call, or on a Redis Cluster one per hash slot, sent to every shard at once.
         """
         locked: dict[MessageQueue, int] = {}
+        steps = BrokerSteps("lock")
         for broker_name, group_mqs in group_by_broker(mqs).items():
-            broker = self.brokers.get(broker_name)
-            batches = broker.slot_batches(group_mqs, _tag)
-            calls = [([keys.sub_state(mq.tag, sub) for mq in b], [client_id, self.lock_max_live_time_ms])
-                     for b in batches]
-            wanted = [self.replica_wait.wanted(broker, b[0].tag) if self.replica_wait is not None else 0
-                      for b in batches]
-            if any(wanted):
-                assert self.replica_wait is not None
-                replies = self._lock_and_wait(broker, calls, wanted, [b[0].tag for b in batches],
-                                              self.replica_wait.timeout_ms)
-            else:
-                replies = [(epochs, 0) for epochs in broker.scripts.run_pipelined("lock_batch", calls)]
-            for b, want, (epochs, acked) in zip(batches, wanted, replies, strict=True):
-                for mq, epoch in zip(b, epochs, strict=True):
-                    epoch = int(epoch)
-                    if not epoch:
-                        continue
-                    if int(acked) >= want:
-                        self._replicated[(sub, mq)] = epoch
-                    elif self._replicated.get((sub, mq)) != epoch:
-                        continue  # a new grant no replica holds yet: not used until one does
-                    locked[mq] = epoch
+            with steps.of(broker_name):
+                self._lock_on(self.brokers.get(broker_name), sub, group_mqs, client_id, locked)
+        steps.settle()
         return locked
+
+    def _lock_on(self, broker: Broker, sub: str, group_mqs: list[MessageQueue], client_id: str,
+                 locked: dict[MessageQueue, int]) -> None:
+        """``try_lock_batch``'s part on one broker: its grants go into ``locked``."""
+        batches = broker.slot_batches(group_mqs, _tag)
+        calls = [([keys.sub_state(mq.tag, sub) for mq in b], [client_id, self.lock_max_live_time_ms])
+                 for b in batches]
+        wanted = [self.replica_wait.wanted(broker, b[0].tag) if self.replica_wait is not None else 0
+                  for b in batches]
+        if any(wanted):
+            assert self.replica_wait is not None
+            replies = self._lock_and_wait(broker, calls, wanted, [b[0].tag for b in batches],
+                                          self.replica_wait.timeout_ms)
+        else:
+            replies = [(epochs, 0) for epochs in broker.scripts.run_pipelined("lock_batch", calls)]
+        for b, want, (epochs, acked) in zip(batches, wanted, replies, strict=True):
+            for mq, epoch in zip(b, epochs, strict=True):
+                epoch = int(epoch)
+                if not epoch:
+                    continue
+                if int(acked) >= want:
+                    self._replicated[(sub, mq)] = epoch
+                elif self._replicated.get((sub, mq)) != epoch:
+                    continue  # a new grant no replica holds yet: not used until one does
+                locked[mq] = epoch
 
     def try_lock_lanes(
         self, lanes: Sequence[tuple[str, Sequence[MessageQueue]]], client_id: str
@@ -154,19 +200,22 @@ class RebalanceLockManager:
             return [self.try_lock_batch(sub, mqs, client_id) for sub, mqs in lanes]
         out: list[dict[MessageQueue, int]] = [{} for _ in lanes]
         flat = [(li, mq, "") for li, (_, mqs) in enumerate(lanes) for mq in mqs]
+        steps = BrokerSteps("lock")
         for broker, batches in self._lane_batches(flat):
-            # On a plain Redis the lanes share calls (lock_batch.lua's keys name their subscription),
-            # in slices: a worker of 64 groups renewed its leases in 64 calls (issue 27's idle cost).
-            parts = [b for _, b in batches] if broker.is_cluster else _slices(
-                [it for _, b in batches for it in b], LOCK_CALL_QUEUES)
-            calls = [([keys.sub_state(mq.tag, lanes[li][0]) for li, mq, _ in part], [client_id, self.lock_max_live_time_ms])
-                     for part in parts]
-            for part, epochs in zip(parts, broker.scripts.run_pipelined("lock_batch", calls), strict=True):
-                for (li, mq, _), epoch in zip(part, epochs, strict=True):
-                    epoch = int(epoch)
-                    if epoch:
-                        self._replicated[(lanes[li][0], mq)] = epoch  # as try_lock_batch with nothing to wait for
-                        out[li][mq] = epoch
+            with steps.of(broker.name):
+                # On a plain Redis the lanes share calls (lock_batch.lua's keys name their subscription),
+                # in slices: a worker of 64 groups renewed its leases in 64 calls (issue 27's idle cost).
+                parts = [b for _, b in batches] if broker.is_cluster else _slices(
+                    [it for _, b in batches for it in b], LOCK_CALL_QUEUES)
+                calls = [([keys.sub_state(mq.tag, lanes[li][0]) for li, mq, _ in part], [client_id, self.lock_max_live_time_ms])
+                         for part in parts]
+                for part, epochs in zip(parts, broker.scripts.run_pipelined("lock_batch", calls), strict=True):
+                    for (li, mq, _), epoch in zip(part, epochs, strict=True):
+                        epoch = int(epoch)
+                        if epoch:
+                            self._replicated[(lanes[li][0], mq)] = epoch  # as try_lock_batch with nothing to wait for
+                            out[li][mq] = epoch
+        steps.settle()
         return out
 
     def _lane_batches(
@@ -219,14 +268,17 @@ class RebalanceLockManager:
     ) -> set[MessageQueue]:
         """Release the caller's locks where nothing is consuming (or all of them with ``force``)."""
         unlocked: set[MessageQueue] = set()
+        steps = BrokerSteps("unlock")
         for broker_name, group_mqs in group_by_broker(mqs).items():
-            broker = self.brokers.get(broker_name)
-            batches = broker.slot_batches(group_mqs, _tag)
-            replies = broker.scripts.run_pipelined("unlock_batch", [
-                ([keys.sub_state(mq.tag, sub) for mq in b], [client_id, "1" if force else "0"]) for b in batches
-            ])
-            for b, res in zip(batches, replies, strict=True):
-                unlocked.update(mq for mq, r in zip(b, res, strict=True) if int(r))
+            with steps.of(broker_name):
+                broker = self.brokers.get(broker_name)
+                batches = broker.slot_batches(group_mqs, _tag)
+                replies = broker.scripts.run_pipelined("unlock_batch", [
+                    ([keys.sub_state(mq.tag, sub) for mq in b], [client_id, "1" if force else "0"]) for b in batches
+                ])
+                for b, res in zip(batches, replies, strict=True):
+                    unlocked.update(mq for mq, r in zip(b, res, strict=True) if int(r))
+        steps.settle()
         return unlocked
 
     def lock_entry(self, sub: str, mq: MessageQueue) -> LockEntry:
@@ -263,22 +315,25 @@ class RebalanceLockManager:
     ) -> dict[MessageQueue, str]:
         """Apply a rebalance: ``(mq, assignee, token)`` triples; returns each queue's outcome."""
         out: dict[MessageQueue, str] = {}
+        steps = BrokerSteps("rebalance")
         for broker_name, group in group_by_broker(assignment, lambda item: item[0]).items():
-            broker = self.brokers.get(broker_name)
-            batches = broker.slot_batches(group, lambda item: item[0].tag)
-            calls = []
-            for items in batches:
-                kl: list[str] = []
-                args: list[object] = [self.lock_max_live_time_ms, pending_ttl_ms, len(dead_clients), *dead_clients]
-                for mq, assignee, token in items:
-                    kl.append(keys.sub_state(mq.tag, sub))
-                    kl.append(keys.queue_next(mq.tag))
-                    args.append(assignee)
-                    args.append(token)
-                calls.append((kl, args))
-            for items, res in zip(batches, broker.scripts.run_pipelined("assign", calls), strict=True):
-                for (mq, _, _), r in zip(items, res, strict=True):
-                    out[mq] = r.decode() if isinstance(r, bytes) else str(r)
+            with steps.of(broker_name):
+                broker = self.brokers.get(broker_name)
+                batches = broker.slot_batches(group, lambda item: item[0].tag)
+                calls = []
+                for items in batches:
+                    kl: list[str] = []
+                    args: list[object] = [self.lock_max_live_time_ms, pending_ttl_ms, len(dead_clients), *dead_clients]
+                    for mq, assignee, token in items:
+                        kl.append(keys.sub_state(mq.tag, sub))
+                        kl.append(keys.queue_next(mq.tag))
+                        args.append(assignee)
+                        args.append(token)
+                    calls.append((kl, args))
+                for items, res in zip(batches, broker.scripts.run_pipelined("assign", calls), strict=True):
+                    for (mq, _, _), r in zip(items, res, strict=True):
+                        out[mq] = r.decode() if isinstance(r, bytes) else str(r)
+        steps.settle()
         return out
 
     def sweep(
@@ -328,41 +383,44 @@ class RebalanceLockManager:
         bulk of its idle cost (issue 27)."""
         out: list[list[Redispatch]] = [[] for _ in lanes]
         flat = [(li, mq, tok) for li, (_, cands) in enumerate(lanes) for mq, tok in cands]
+        steps = BrokerSteps("sweep")
         for broker, batches in self._lane_batches(flat):
-            # (identity passed, its items, the recorded set they join): one per lane batch and kind.
-            groups: list[tuple[str, list[tuple[int, MessageQueue, str]], set[tuple[str, str]] | None]] = []
-            nodes: dict[str, str] = {}  # one INFO per node and sweep (every batch on a plain Redis)
-            for li, items in batches:
-                sub = lanes[li][0]
-                # sweep.lua records the node's identity on a queue, and notes a run mark written on
-                # another node, when it is passed: once per queue and identity, in a call of its own
-                # beside the queues already recorded (whose idle path stays two plain reads: a slot
-                # of an MGET and an HGET).
-                node, identity = self._node_identity(broker, items[0][1].tag, nodes)
-                recorded = self._recorded_on((broker.name, node), identity) if identity else None
-                fresh: list[tuple[int, MessageQueue, str]] = []
-                rest: list[tuple[int, MessageQueue, str]] = items
-                if recorded is not None:
-                    rest = []
-                    for it in items:
-                        (fresh if (sub, it[1].key) not in recorded else rest).append(it)
-                if fresh:
-                    groups.append((identity, fresh, recorded))
-                if rest:
-                    groups.append(("", rest, None))
-            if not broker.is_cluster:
-                # Any keys may share a call on a plain Redis: the lanes' queues go in a few calls
-                # rather than one per lane (sweep.lua's keys name their subscription; its other
-                # arguments are the same for all). 64 groups of 16 queues cost 64 calls per sweep
-                # interval, each mostly the call's fixed cost (issue 27's idle cost).
-                groups = _merged(groups, SWEEP_CALL_QUEUES)
-            calls = [([k for li, mq, _ in part for k in (keys.sub_state(mq.tag, lanes[li][0]), keys.queue_next(mq.tag))],
-                      [client_id, pending_ttl_ms, ident, *[tok for _, _, tok in part]]) for ident, part, _ in groups]
-            for (_, part, recorded), res in zip(groups, broker.scripts.run_pipelined("sweep", calls), strict=True):
-                if recorded is not None:
-                    with self._recorded_lock:
-                        recorded.update((lanes[li][0], mq.key) for li, mq, _ in part)
-                for i in range(0, len(res), 3):
-                    li, mq, _ = part[int(res[i]) - 1]
-                    out[li].append(Redispatch(mq, res[i + 1].decode(), res[i + 2].decode()))
+            with steps.of(broker.name):
+                # (identity passed, its items, the recorded set they join): one per lane batch and kind.
+                groups: list[tuple[str, list[tuple[int, MessageQueue, str]], set[tuple[str, str]] | None]] = []
+                nodes: dict[str, str] = {}  # one INFO per node and sweep (every batch on a plain Redis)
+                for li, items in batches:
+                    sub = lanes[li][0]
+                    # sweep.lua records the node's identity on a queue, and notes a run mark written on
+                    # another node, when it is passed: once per queue and identity, in a call of its own
+                    # beside the queues already recorded (whose idle path stays two plain reads: a slot
+                    # of an MGET and an HGET).
+                    node, identity = self._node_identity(broker, items[0][1].tag, nodes)
+                    recorded = self._recorded_on((broker.name, node), identity) if identity else None
+                    fresh: list[tuple[int, MessageQueue, str]] = []
+                    rest: list[tuple[int, MessageQueue, str]] = items
+                    if recorded is not None:
+                        rest = []
+                        for it in items:
+                            (fresh if (sub, it[1].key) not in recorded else rest).append(it)
+                    if fresh:
+                        groups.append((identity, fresh, recorded))
+                    if rest:
+                        groups.append(("", rest, None))
+                if not broker.is_cluster:
+                    # Any keys may share a call on a plain Redis: the lanes' queues go in a few calls
+                    # rather than one per lane (sweep.lua's keys name their subscription; its other
+                    # arguments are the same for all). 64 groups of 16 queues cost 64 calls per sweep
+                    # interval, each mostly the call's fixed cost (issue 27's idle cost).
+                    groups = _merged(groups, SWEEP_CALL_QUEUES)
+                calls = [([k for li, mq, _ in part for k in (keys.sub_state(mq.tag, lanes[li][0]), keys.queue_next(mq.tag))],
+                          [client_id, pending_ttl_ms, ident, *[tok for _, _, tok in part]]) for ident, part, _ in groups]
+                for (_, part, recorded), res in zip(groups, broker.scripts.run_pipelined("sweep", calls), strict=True):
+                    if recorded is not None:
+                        with self._recorded_lock:
+                            recorded.update((lanes[li][0], mq.key) for li, mq, _ in part)
+                    for i in range(0, len(res), 3):
+                        li, mq, _ = part[int(res[i]) - 1]
+                        out[li].append(Redispatch(mq, res[i + 1].decode(), res[i + 2].decode()))
+        steps.settle()
         return out

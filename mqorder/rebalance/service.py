@@ -177,7 +177,7 @@ class RebalanceService:
             results = self.locks.assign(sub, triples, dead, pending_ttl)
             hints[sub].extend(x for mq, a, _ in triples if a != keys.NOBODY for x in (mq.key, a))
             for mq, assignee, tok in triples:
-                r = results[mq]
+                r = results.get(mq)  # None: its broker failed (logged); the next rebalance applies it
                 if assignee != keys.NOBODY:
                     report.assigned += 1
                 if r in ("MOVED", "DISPATCH"):

@@ -21,16 +21,18 @@ from typing import Any
 from mqorder import keys
 from mqorder.admin.common import Admin, BadArgumentError, message_at
 from mqorder.codec import encode_header
+from mqorder.consumer.retry import RETRY_PROPERTIES
 from mqorder.errors import TopicNotFoundError
 from mqorder.model import MessageExt, MessageQueue
 from mqorder.store.append import MAX_PER_CALL, AppendRequest, QueueAppender
 from mqorder.store.log import MessageLog
 
-#: Properties the DLQ writer adds (``DeadLetterWriter._header``); a replayed copy drops them.
+#: Properties the DLQ writer adds (``DeadLetterWriter._header``) and the retry history of a message
+#: that came through the retry topic (``mqorder.consumer.retry``); a replayed copy drops them.
 DLQ_PROPERTIES = frozenset({
     "ORIGIN_TOPIC", "ORIGIN_BROKER", "ORIGIN_QUEUE_ID", "ORIGIN_QUEUE_OFFSET", "ORIGIN_MSG_ID",
     "RECONSUME_TIMES", "DLQ_REASON", "DLQ_EPOCH", "DLQ_CLIENT", "ORIGIN_METADATA_DROPPED",
-})
+}) | RETRY_PROPERTIES
 #: Set on a replayed copy: the DLQ offset it was replayed from.
 REPLAYED_FROM = "DLQ_REPLAYED_FROM"
 #: Dead letters read per ``XRANGE``.

@@ -209,7 +209,7 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         for m in dead:
             why = ("the listener asked for the DLQ (delay_level_when_next_consume=-1)" if level < 0
                    else f"max reconsume times {limit} reached (listener returned RECONSUME_LATER)")
-            self.engine.dlq.send(spec.group, m, why, self.epoch)
+            self.engine.dlq.send(spec.group, m, why, self.epoch, self.mq)
         sender = self.engine.retry_sender
         for m in back:
             sender.send_back(spec.group, m, level)
@@ -229,7 +229,7 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
                 return LoopEnd(Stop.FENCED)
             for m in dead:
                 self.engine.dlq.send(self.spec.group, m, f"max reconsume times {limit} reached (broadcasting, "
-                                     "retried in place)", self.epoch)
+                                     "retried in place)", self.epoch, self.mq)
             self._finished(dead, LedgerOutcome.DLQ, handled)
         rest = [m for m in failed if not (level < 0 or m.reconsume_times >= limit)]
         if not rest:

@@ -376,7 +376,7 @@ class ConsumeRequest(LingeringReads):
             if m.decode_error is None:
                 continue
             if i == 0:
-                self.engine.dlq.send(self.spec.group, m, m.decode_error, self.epoch)
+                self.engine.dlq.send(self.spec.group, m, m.decode_error, self.epoch, self.mq)
                 if self.ledger is not None:
                     now_ms = time.time() * 1000
                     self.ledger.note([m], LedgerOutcome.DLQ, now_ms, now_ms, self.epoch)
@@ -536,7 +536,7 @@ class ConsumeRequest(LingeringReads):
                 return None
             for m in msgs[:dead]:
                 self.engine.dlq.send(
-                    self.spec.group, m, f"max reconsume times {limit} reached (listener kept suspending)", self.epoch
+                    self.spec.group, m, f"max reconsume times {limit} reached (listener kept suspending)", self.epoch, self.mq
                 )
         return dead
 

@@ -13,6 +13,7 @@ import logging
 
 from mqorder import keys
 from mqorder.codec import encode_header
+from mqorder.consumer.retry import origin_of
 from mqorder.errors import MessageError
 from mqorder.model import MessageExt, MessageQueue
 from mqorder.store.append import QueueAppender
@@ -35,7 +36,10 @@ class DeadLetterWriter:
         self.client_id = client_id
         self._ready: set[str] = set()
 
-    def send(self, group: str, msg: MessageExt, reason: str, epoch: int) -> None:
+    def send(self, group: str, msg: MessageExt, reason: str, epoch: int, queue: MessageQueue | None = None) -> None:
+        """Store ``msg``'s dead letter. ``queue``: the queue the run consumes ``msg`` from (default
+        ``msg.message_queue``, which names the original topic for a message read from a retry
+        topic: its queue id and offset are the retry queue's)."""
         topic = keys.dlq_topic(group)
         if topic not in self._ready:
             self.topics.ensure_dlq_topic(group)
@@ -47,7 +51,11 @@ class DeadLetterWriter:
         # (the append's reply lost, or the commit after it) sends it again under the same epoch,
         # and that copy is dropped here. A new holder (a new epoch) that redelivers the message
         # and dead-letters it again adds a second one, as at-least-once allows.
-        dedup = f"dlq|{msg.message_queue.key}|{msg.queue_offset}|{epoch}"
+        # The queue consumed from, not msg.message_queue: after restore() that named the original
+        # topic with the retry queue's id and offset, the id of another message of the original
+        # queue, and with an equal epoch (lanes granted in one call share one) that message's dead
+        # letter was dropped as a duplicate of this one: lost.
+        dedup = f"dlq|{(queue or msg.message_queue).key}|{msg.queue_offset}|{epoch}"
         self.appender.append(mq, [(self._header(msg, reason, epoch), body)], ids=[dedup],
                              dedup_window_ms=DLQ_DEDUP_WINDOW_MS)
         log.warning(
@@ -60,12 +68,13 @@ class DeadLetterWriter:
         props = {}
         if isinstance(msg.properties, dict):
             props = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in msg.properties.items()}
+        topic, broker, queue_id, offset = origin_of(msg)
         props.update(
             {
-                "ORIGIN_TOPIC": msg.topic,
-                "ORIGIN_BROKER": msg.broker_name,
-                "ORIGIN_QUEUE_ID": str(msg.queue_id),
-                "ORIGIN_QUEUE_OFFSET": str(msg.queue_offset),
+                "ORIGIN_TOPIC": topic,
+                "ORIGIN_BROKER": broker,
+                "ORIGIN_QUEUE_ID": str(queue_id),
+                "ORIGIN_QUEUE_OFFSET": str(offset),
                 "ORIGIN_MSG_ID": str(msg.msg_id),
                 "RECONSUME_TIMES": str(msg.reconsume_times),
                 "DLQ_REASON": reason[:MAX_REASON],

@@ -597,7 +597,7 @@ class KeyConsumeRequest(ConsumeRequest):
         """Undecodable messages have no key to wait behind: straight to the DLQ, finished."""
         msgs, self.poison = self.poison, []
         for m in msgs:
-            self.engine.dlq.send(self.spec.group, m, m.decode_error or "undecodable", self.epoch)
+            self.engine.dlq.send(self.spec.group, m, m.decode_error or "undecodable", self.epoch, self.mq)
         now_ms = time.time() * 1000
         self._finished(msgs, LedgerOutcome.DLQ, Handled(SUSPEND, now_ms, now_ms))
         return None

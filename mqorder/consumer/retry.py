@@ -32,6 +32,16 @@ from mqorder.store.topics import TopicManager
 RETRY_TOPIC = "RETRY_TOPIC"
 RECONSUME_TIME = "RECONSUME_TIME"
 ORIGIN_MESSAGE_ID = "ORIGIN_MESSAGE_ID"
+#: Where the message was first consumed from (its original queue and offset), recorded at its first
+#: send-back and kept through later ones: its dead letter names that queue, not the retry queue,
+#: so ``mqorder dlq replay`` puts a copy back on its key's queue (RocketMQ keeps the real topic and
+#: queue id of a retried message the same way).
+RETRY_ORIGIN_BROKER = "RETRY_ORIGIN_BROKER"
+RETRY_ORIGIN_QUEUE_ID = "RETRY_ORIGIN_QUEUE_ID"
+RETRY_ORIGIN_OFFSET = "RETRY_ORIGIN_OFFSET"
+#: The retry history a message carries (a replayed copy drops it: it starts again from its queue).
+RETRY_PROPERTIES = frozenset({RETRY_TOPIC, RECONSUME_TIME, RETRY_ORIGIN_BROKER, RETRY_ORIGIN_QUEUE_ID,
+                              RETRY_ORIGIN_OFFSET})
 #: RocketMQ's broker adds this to the reconsume count to choose the delay level.
 RETRY_LEVEL_BASE = 3
 
@@ -70,6 +80,10 @@ class RetrySender:
     def _header(self, msg: MessageExt) -> bytes:
         props = {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in msg.properties.items()}
         props.setdefault(ORIGIN_MESSAGE_ID, msg.msg_id)
+        if RETRY_ORIGIN_QUEUE_ID not in props:  # the first send-back: msg is still on its own queue
+            props[RETRY_ORIGIN_BROKER] = msg.broker_name
+            props[RETRY_ORIGIN_QUEUE_ID] = str(msg.queue_id)
+            props[RETRY_ORIGIN_OFFSET] = str(msg.queue_offset)
         props[RETRY_TOPIC] = msg.topic
         props[RECONSUME_TIME] = str(msg.reconsume_times + 1)
         return encode_header(msg.msg_id, msg.keys, msg.tags, props, born_ms=msg.born_timestamp,
@@ -88,3 +102,14 @@ def restore(msgs: list[MessageExt]) -> None:
         n = p.get(RECONSUME_TIME)
         if isinstance(n, str) and n.isdigit():
             m.reconsume_times = max(m.reconsume_times, int(n))
+
+
+def origin_of(msg: MessageExt) -> tuple[str, str, int, int]:
+    """(topic, broker, queue id, offset) a message was first consumed from: for one read from a
+    retry topic, what its first send-back recorded; otherwise its own queue and offset."""
+    p = msg.properties if isinstance(msg.properties, dict) else {}
+    broker, qid, off = p.get(RETRY_ORIGIN_BROKER), p.get(RETRY_ORIGIN_QUEUE_ID), p.get(RETRY_ORIGIN_OFFSET)
+    if (isinstance(p.get(RETRY_TOPIC), str) and isinstance(broker, str) and isinstance(qid, str) and qid.isdigit()
+            and isinstance(off, str) and off.isdigit()):
+        return p[RETRY_TOPIC], broker, int(qid), int(off)
+    return msg.topic, msg.broker_name, msg.queue_id, msg.queue_offset

@@ -45,6 +45,31 @@ def test_a_delayed_message_becomes_visible_when_due_and_in_send_order(producer: 
     assert mover.move_once().moved == 0  # moved once, never again
 
 
+def test_stale_index_entries_and_a_down_broker_do_not_stop_the_other_queues(redis_url: str, caplog) -> None:
+    """A queue of a broker no longer configured, a malformed key and a broker that is down: each
+    once made every pass raise before the queues after it moved (found by a review)."""
+    from mqorder import keys
+
+    s = load_settings(redis_url=redis_url, message_delay_level="1s 2s",
+                      brokers={"broker-z": "redis://127.0.0.1:1/0"})  # down; sorts after broker-a
+    p = Producer(settings=s)
+    try:
+        p.create_topic("d", queues=1)
+        p.brokers.meta.sadd(keys.delay_queues(), "old:broker-gone:0", "not a queue key", "d:broker-z:0")
+        p.send("d", b"late", delay_time_level=1)
+        time.sleep(1.05)
+        mover = DelayMover(p.brokers, p.appender)
+        with caplog.at_level("WARNING"):
+            assert mover.move_once().moved == 1
+            mover.move_once()
+        assert bodies(p) == [b"late"]
+        assert caplog.text.count("skipping 'old:broker-gone:0'") == 1  # once, not every pass
+        assert "skipping 'not a queue key'" in caplog.text
+        assert "delay mover: broker 'broker-z' failed" in caplog.text
+    finally:
+        p.close()
+
+
 def test_orderly_sends_refuse_delays_and_store_nothing(producer: Producer) -> None:
     with pytest.raises(MessageError, match="cannot delay a message .* breaking their order"):
         producer.send_orderly("d", b"x", sharding_key="k", delay_time_level=3)

@@ -113,6 +113,8 @@ def test_bad_offsets_are_refused_and_pull_reports_illegal_offsets(fast, producer
         assert mq in c.fetch_message_queues_in_balance("orders")
         assert c.pull(mq, 5, 10).pull_status is PullStatus.OFFSET_ILLEGAL
         assert c.pull(mq, 5, 10).next_begin_offset == 1
+        huge = c.pull(mq, 2**64, 10)  # past any stream id: once a raw "Invalid stream ID" ResponseError
+        assert (huge.pull_status, huge.next_begin_offset) == (PullStatus.OFFSET_ILLEGAL, 1)
         assert c.pull(mq, 1, 10).pull_status is PullStatus.NO_NEW_MSG
         with pytest.raises(OffsetIllegalError, match="max_nums"):
             c.pull(mq, 0, 0)

@@ -209,7 +209,8 @@ class PullConsumer:
         pipe = client.pipeline(transaction=False)
         pipe.xrange(log_key, count=1)
         pipe.get(keys.queue_next(mq.tag))
-        pipe.xrange(log_key, min=f"{offset}-0", count=max_nums)
+        # An offset past any stream id (2**64 and up) is merely illegal, not a Redis error.
+        pipe.xrange(log_key, min=f"{min(offset, 2**63)}-0", count=max_nums)
         head, nxt, raw = pipe.execute()
         max_off = int(nxt or 0)
         min_off = int(head[0][0].split(b"-", 1)[0]) if head else max_off

@@ -19,26 +19,22 @@ Leases are judged by Redis ``TIME`` inside the scripts, never by a worker's cloc
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import redis
 
 from mqorder import keys
-from mqorder.errors import BrokerUnavailableError
 from mqorder.model import MessageQueue
 from mqorder.settings import Settings
+from mqorder.store.broker_steps import BrokerSteps
 from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
 from mqorder.store.cluster_route import shard_groups
 from mqorder.store.raw_pipe import RawPipeline
 from mqorder.store.replication import ReplicaWait
-
-log = logging.getLogger(__name__)
 
 #: The lease and pending-request TTL of a manager built without them (tests, tools), taken from
 #: the settings' defaults so they cannot drift; the engine always passes its own settings' values.
@@ -97,40 +93,6 @@ def _merged(groups: list[tuple[str, list[_Item], set[tuple[str, str]] | None]],
             joined[key] = (ident, [], recorded)
         joined[key][1].extend(part)
     return [(ident, piece, recorded) for ident, part, recorded in joined.values() for piece in _slices(part, limit)]
-
-
-class BrokerSteps:
-    """Each broker's part of a step over several brokers, kept apart: one broker down must not
-    cost the others theirs. The scripts of the brokers before a failing one have run by then (a
-    sweep armed a pending token, a rebalance moved a queue), so raising threw their replies away:
-    the healthy brokers' queues were neither dispatched nor renewed for the whole outage.
-
-    A broker's failure is logged and its part skipped (its queues are tried again at the next
-    sweep, ``lock_all`` or rebalance); if *every* broker tried failed, the first error is raised,
-    as a single-broker deployment always saw it."""
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.ok = 0
-        self.failed: list[tuple[str, Exception]] = []
-
-    @contextmanager
-    def of(self, broker_name: str) -> Iterator[None]:
-        try:
-            yield
-        except (redis.RedisError, BrokerUnavailableError, OSError) as exc:
-            self.failed.append((broker_name, exc))
-        else:
-            self.ok += 1
-
-    def settle(self) -> None:
-        if not self.failed:
-            return
-        if not self.ok:
-            raise self.failed[0][1]
-        for name, exc in self.failed:
-            log.warning("%s: broker %r failed (%s: %s); the other brokers' part is done, its queues are tried "
-                        "again next time", self.what, name, type(exc).__name__, exc)
 
 
 class RebalanceLockManager:

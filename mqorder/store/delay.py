@@ -11,15 +11,19 @@ equal due times, in send order. Its offset is the one it gets when it becomes vi
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.store.append import QueueAppender
-from mqorder.store.brokers import BrokerRegistry, group_by_broker
+from mqorder.store.broker_steps import BrokerSteps
+from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
 from mqorder.store.failures import translated
 from mqorder.store.indexed import run_indexed
 from mqorder.store.replies import text
+
+log = logging.getLogger(__name__)
 
 #: Messages made visible per queue per script call (the mover calls again while some are due).
 MOVE_CHUNK = 500
@@ -66,24 +70,53 @@ class DelayMover:
     def __init__(self, brokers: BrokerRegistry, appender: QueueAppender) -> None:
         self.brokers = brokers
         self.appender = appender
+        #: Index entries already warned about (once per process, not on every pass).
+        self._skipped: set[str] = set()
 
     def move_once(self) -> MoveReport:
+        """One pass over every queue holding delayed messages. A stale entry of the index (a queue
+        of a broker no longer configured, a malformed key) is skipped with one warning, and a broker
+        that fails skips only its own queues (``BrokerSteps``): either once stopped every queue
+        after it from moving, on every pass, for good."""
         report = MoveReport()
-        queues = sorted(MessageQueue.from_key(text(k)) for k in self.brokers.meta.smembers(keys.delay_queues()))
-        for broker_name, mqs in group_by_broker(queues).items():
-            broker = self.brokers.get(broker_name)
-            todo = list(mqs)
-            while todo:
-                replies = broker.scripts.run_pipelined("delay_move", [self._call(mq) for mq in todo])
-                again = []
-                for mq, reply in zip(todo, replies, strict=True):
-                    moved = int(reply[0])
-                    report.moved += moved
-                    report.queues += 1 if moved else 0
-                    if moved == MOVE_CHUNK:
-                        again.append(mq)
-                todo = again
+        queues = []
+        known = set(self.brokers.names)
+        for raw in self.brokers.meta.smembers(keys.delay_queues()):
+            key = text(raw)
+            try:
+                mq = MessageQueue.from_key(key)
+            except ValueError:
+                self._skip(key, "it is not a queue key")
+                continue
+            if mq.broker_name not in known:
+                self._skip(key, f"its broker {mq.broker_name!r} is not configured (MQORDER_BROKERS); its delayed "
+                                "messages move once it is")
+                continue
+            queues.append(mq)
+        steps = BrokerSteps("delay mover")
+        for broker_name, mqs in group_by_broker(sorted(queues)).items():
+            with steps.of(broker_name):
+                self._move(self.brokers.get(broker_name), mqs, report)
+        steps.settle()
         return report
+
+    def _skip(self, key: str, why: str) -> None:
+        if key not in self._skipped:
+            self._skipped.add(key)
+            log.warning("delay mover: skipping %r in %s: %s", key, keys.delay_queues(), why)
+
+    def _move(self, broker: Broker, mqs: list[MessageQueue], report: MoveReport) -> None:
+        todo = list(mqs)
+        while todo:
+            replies = broker.scripts.run_pipelined("delay_move", [self._call(mq) for mq in todo])
+            again = []
+            for mq, reply in zip(todo, replies, strict=True):
+                moved = int(reply[0])
+                report.moved += moved
+                report.queues += 1 if moved else 0
+                if moved == MOVE_CHUNK:
+                    again.append(mq)
+            todo = again
 
     def _call(self, mq: MessageQueue) -> tuple[list[str], list[object]]:
         tag = mq.tag

@@ -29,3 +29,22 @@ def test_a_bad_min_partitions_is_refused_saying_what_it_must_be(reader: str, bad
 @pytest.mark.parametrize("reader", sorted(PARSERS))
 def test_a_good_min_partitions_is_taken(reader: str) -> None:
     assert PARSERS[reader]({"minPartitions": "7"}) == 7
+
+
+def test_a_batch_range_whose_start_is_past_its_end_is_refused(redis_url: str) -> None:
+    """Once an empty DataFrame without a word (Kafka's source refuses it; found by a review)."""
+    from mqorder import Producer
+    from mqorder.spark.reader import MQOrderReader
+
+    with Producer(redis_url) as p:
+        p.create_topic("t", queues=2)
+        p.send_orderly_batch("t", [("k", b"x")] * 100)
+
+    def reader(starting: str, ending: str) -> MQOrderReader:
+        return MQOrderReader(read_options({"topic": "t", "redisUrl": redis_url, "startingOffsets": starting,
+                                           "endingOffsets": ending}, streaming=False))
+
+    with pytest.raises(ConfigError, match=r"startingOffsets is past endingOffsets .*queue 1: 50 > 10"):
+        reader('{"1": 50}', '{"1": 10, "0": 3}')
+    reader('{"1": 10}', '{"1": 10}')  # an empty range given as such, and latest as a start, are fine
+    reader("latest", "latest")

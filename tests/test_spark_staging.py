@@ -3,6 +3,7 @@ sort keys, the encoding of a partition, and the staging area (stage.lua, publish
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import struct
@@ -11,12 +12,13 @@ import pyarrow as pa
 import pytest
 import redis
 
-from mqorder import Producer
+from mqorder import Producer, keys
 from mqorder.model import MessageQueue
 from mqorder.spark.encoding import _enc_bytes, _enc_float, _enc_int, _enc_str, encode_partition
 from mqorder.spark.options import Connection
 from mqorder.spark.plan import QueueRef, WritePlan
 from mqorder.spark.staging import StagingArea
+from mqorder.spark.writer import StagedRuns, _Staging
 from mqorder.store.log import MessageLog
 from tests.spark_support import staged_keys
 
@@ -267,6 +269,32 @@ def test_max_offsets_per_trigger_is_shared_over_the_queues_with_a_backlog() -> N
     assert cap(start, latest, 10_000) == latest
 
 
+def test_max_offsets_per_trigger_below_the_queue_count_serves_every_queue_in_turn() -> None:
+    """With fewer rows than queues with a backlog, each trigger served the lowest indexes first:
+    queues 2 and 3 were never read while 0 and 1 had a backlog (found by a review)."""
+    from mqorder.spark.streaming import cap
+
+    start, latest = {0: 0, 1: 0, 2: 0, 3: 0}, {i: 1000 for i in range(4)}
+    for _ in range(50):
+        nxt = cap(start, latest, 2)
+        assert sum(nxt.values()) - sum(start.values()) == 2 and nxt == cap(start, latest, 2)
+        start = nxt
+    assert start == {0: 25, 1: 25, 2: 25, 3: 25}
+
+
+def test_a_date_order_by_is_encoded_in_date_order() -> None:
+    """pyarrow casts date32 to int32 only: a DATE orderBy, accepted by the plan, failed every write
+    task with ArrowNotImplementedError (found by a review)."""
+    import datetime
+
+    t = pa.table({"k": pa.array(["a", "a", "a"], pa.string()),
+                  "o": pa.array([datetime.date(2024, 1, 2), datetime.date(1969, 12, 31), datetime.date(2024, 1, 1)],
+                                pa.date32()),
+                  "b": pa.array([b"2", b"0", b"1"], pa.binary())})
+    enc = encode_partition(t, plan(queues=1, order_kind="date"))
+    assert [b for _, _, _, b in enc.runs[0]] == [b"0", b"1", b"2"]
+
+
 def test_ledger_and_audit_index_reads_refuse_unknown_options_listing_the_known_ones() -> None:
     from mqorder.errors import ConfigError
     from mqorder.spark.ledger import ledger_options
@@ -291,3 +319,41 @@ def test_the_spark_writer_stores_the_key_hash_the_producer_stores() -> None:
     enc = encode_partition(table([("acct-1", 1, b"a"), ("é", 2, b"b"), ("", 3, b"c")]), plan())
     got = {bytes(b): json.loads(h)["h"] for run in enc.runs.values() for _, _, h, b in run}
     assert got == {b"a": zlib.crc32(b"acct-1"), b"b": key_hash("é"), b"c": key_hash("")}
+
+
+class _Committer(_Staging):
+    def __init__(self, wp: WritePlan) -> None:
+        self.plan = wp
+
+
+def test_a_micro_batch_replayed_after_its_commit_was_killed_half_way_publishes_the_rest(redis_url: str) -> None:
+    """The first commit published 10 of 100 rows and died; Spark replays the batch under the same
+    job id. Once the commit counted only what was still staged and failed with a false "staged
+    rows ... expired" (found by a review); now the cursor's rows count as already stored."""
+    with Producer(redis_url) as p:
+        p.create_topic("t", queues=1)
+        wp = plan(queues=1, conn=Connection(redis_url, max_message_size=1 << 20), job_id="streamx3")
+        wp = type(wp)(**{**wp.__dict__, "queues": (QueueRef(0, "broker-a", 0),)})
+        rows = [("k", i, b"%d" % i) for i in range(100)]
+        enc = encode_partition(table(rows), wp, id_prefix="3.")
+        w = _Committer(wp)
+        brokers = wp.conn.registry()
+        area = w._area(brokers, "streamx3")
+        area.register(0, enc.runs)
+        area.stage(0, 0, enc.runs[0], chunk=100)
+        # the first commit: one publish call of 10 rows, then the driver is killed (no abort)
+        broker = brokers.get("broker-a")
+        broker.scripts.run_pipelined("publish_staged", [area._publish_call(0, [0], 10)])
+        # restart: Spark replays batch 3 with the same rows; the task stages again (nothing new)
+        area.register(0, enc.runs)
+        assert area.stage(0, 0, enc.runs[0], chunk=100) == 0
+        msg = StagedRuns("streamx3", 0, 0, {0: 100}, 0, {0: 1000})
+        try:
+            w._commit([msg], "streamx3", batch_id=3)
+        finally:
+            report = {k.decode(): json.loads(v) for k, v in brokers.meta.hgetall(keys.spark_job("streamx3")).items()}
+            brokers.close()
+        assert report["status"] == "published", report
+        assert (report["stored"], report["duplicates"]) == (90, 10)
+        mq = MessageQueue("t", "broker-a", 0)
+        assert [m.body for m in MessageLog(p.brokers).read(mq, 0, 200)] == [b"%d" % i for i in range(100)]

@@ -128,6 +128,10 @@ def _enc_bool(v: bool) -> bytes:
 
 def order_values(column: pa.ChunkedArray | pa.Array, kind: str) -> tuple[list[Any], Callable[[Any], bytes]]:
     """The orderBy column as Python values and the function giving their order-preserving bytes."""
+    if kind == "date" and pa.types.is_date32(column.type):
+        # Days since the epoch; pyarrow casts date32 to int32 only (to int64 it raised in every
+        # write task: the plan accepted a DATE orderBy, the job failed with a JVM stack trace).
+        return column.cast(pa.int32()).cast(pa.int64()).to_pylist(), _enc_int
     if kind in ("int", "date", "timestamp"):
         return column.cast(pa.int64()).to_pylist(), _enc_int
     if kind == "float":

@@ -159,6 +159,17 @@ def parse_offsets(spec: str, topic: str, spans: Sequence[QueueRef], default: int
     return out
 
 
+def check_batch_range(topic: str, first: Mapping[int, int], last: Mapping[int, int]) -> None:
+    """A batch read whose start is past its end for some queue (both given as offsets), refused as
+    Kafka's source refuses it: it once gave an empty DataFrame without a word. ``latest`` as a
+    start or ``earliest`` as an end stay what the docs say (a queue read from its end: nothing)."""
+    past = sorted(i for i, v in first.items() if v >= 0 and last.get(i, LATEST) >= 0 and v > last[i])
+    if past:
+        shown = ", ".join(f"queue {i}: {first[i]} > {last[i]}" for i in past[:5])
+        raise ConfigError(f"startingOffsets is past endingOffsets for topic {topic!r} ({shown}); the start of a "
+                          "range must not be after its end")
+
+
 def resolve(offsets: Mapping[int, int], limits: Mapping[int, tuple[int, int]]) -> dict[int, int]:
     """Concrete offsets: EARLIEST / LATEST looked up, anything else clamped into what is stored."""
     out = {}
@@ -515,8 +526,10 @@ class MQOrderReader(DataSourceReader):
     def __init__(self, opts: ReadOptions) -> None:
         self.opts = opts
         spans, limits = topic_layout(opts.conn, opts.topic)
-        start = resolve(parse_offsets(opts.starting, opts.topic, spans, EARLIEST, "startingOffsets"), limits)
-        end = resolve(parse_offsets(opts.ending, opts.topic, spans, LATEST, "endingOffsets"), limits)
+        first = parse_offsets(opts.starting, opts.topic, spans, EARLIEST, "startingOffsets")
+        last = parse_offsets(opts.ending, opts.topic, spans, LATEST, "endingOffsets")
+        check_batch_range(opts.topic, first, last)
+        start, end = resolve(first, limits), resolve(last, limits)
         self.ranges = plan_partitions(opts.topic, spans, start, end, opts.max_rows_per_partition,
                                       opts.min_partitions)
 

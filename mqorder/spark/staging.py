@@ -179,6 +179,21 @@ class StagingArea:
                 del pending[i]
         return totals
 
+    def published_before(self, runs: dict[int, set[int]]) -> dict[int, int]:
+        """Rows of ``runs`` an earlier commit of this job already published (each run's cursor):
+        a streaming micro-batch whose commit was killed half way is replayed under the same job
+        id, and the rows its first commit moved are no longer staged. Read before ``publish``."""
+        out: dict[int, int] = {}
+        for broker_name, idxs in group_by_broker(sorted(i for i in runs if runs[i]), lambda i: self.mq(i)).items():
+            broker = self.brokers.get(broker_name)
+            with translated(broker_name, broker.safe_url, self.timeout, "publish", write=False):
+                pipe = broker.client.pipeline(transaction=False)
+                for i in idxs:
+                    pipe.hmget(keys.stage_cursor(self.mq(i).tag, self.job), [str(r) for r in sorted(runs[i])])
+                for i, got in zip(idxs, pipe.execute(), strict=True):
+                    out[i] = sum(int(v) for v in got if v is not None)
+        return out
+
     def _publish_round(self, broker: Any, idxs: list[int], pending: dict[int, list[int]],
                        chunks: dict[int, int]) -> list[Any]:
         return broker.scripts.run_pipelined("publish_staged", [self._publish_call(i, pending[i], chunks[i]) for i in idxs])

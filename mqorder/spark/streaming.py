@@ -45,13 +45,20 @@ def _from_offset(o: dict) -> dict[int, int]:
 
 def cap(start: dict[int, int], latest: dict[int, int], max_rows: int) -> dict[int, int]:
     """At most ``max_rows`` offsets past ``start`` in total, shared round-robin over queues with a
-    backlog so no queue starves; deterministic (Spark may call this again for the same start)."""
+    backlog so no queue starves; deterministic (Spark may call this again for the same start).
+
+    The queue served first turns with ``start`` (its offsets' sum, modulo the queues with a
+    backlog): with fewer rows than such queues, serving them from the lowest index each time
+    read only the first ``max_rows`` queues for as long as they had a backlog."""
     end = dict(start)
     backlog = {i: latest[i] - start.get(i, 0) for i in latest if latest[i] > start.get(i, 0)}
     budget = max_rows
+    turn = sum(start.values())
     while budget > 0 and backlog:
         share = max(1, budget // len(backlog))
-        for i in sorted(backlog):
+        order = sorted(backlog)
+        k = turn % len(order)
+        for i in order[k:] + order[:k]:
             take = min(share, backlog[i], budget)
             end[i] = end.get(i, 0) + take
             backlog[i] -= take

@@ -168,7 +168,10 @@ class _Staging:
                     area.drop()
                     self._report(brokers, job, {"status": "refused", "error": str(exc), "skipped_nulls": skipped})
                     raise
+            earlier = area.published_before(runs)
             totals = area.publish(runs, row_bytes={i: nbytes[i] // max(1, expected[i]) for i in runs})
+            for i, n in earlier.items():  # stored by an interrupted commit of this job: already stored
+                totals.queues[i].duplicates += n
             area.forget()
             missing = {i: expected[i] - (t.stored + t.duplicates) for i, t in totals.queues.items()
                        if t.stored + t.duplicates != expected[i]}

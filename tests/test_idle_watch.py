@@ -863,3 +863,55 @@ def test_a_switch_behind_a_refused_commit_leaves_both_queues_to_the_watch_releas
     assert r.hget(k_own, "pending") == b"" and r.hget(k_to, "run") == b"0"
     p.close()
     eng.brokers.close()
+
+
+def test_a_reassignment_during_the_read_behind_a_commit_skips_nothing(settings, r: redis.Redis) -> None:
+    """A rebalance's assign.lua landing between commit.lua and the lingering read's state check
+    (a pipeline Redis reads in more than one piece): the read's entries were never looked at, the
+    run took them for a tail retention had trimmed and committed past them (offset 5, skipped 3:
+    messages 2..4 never delivered). Found by a review; the interleaving is forced by a real HSET
+    of the assignee in the same pipeline, right behind the commit."""
+    settings = settings.model_copy(update={"consume_linger_ms": 1000, "pull_batch_size": 2,
+                                           "consume_linger_idle_queues": False})
+    p = Producer(settings=settings)
+    p.create_topic("t", queues=1)
+    mq = MessageQueue("t", "broker-a", 0)
+    eng = ConsumerEngine(settings, "c1")
+    eng.may_linger = lambda: True
+    r.hset(keys.assignment("g"), mapping={mq.key: "c1"})
+    RebalanceLockManager(eng.brokers).assign("g", [(mq, "c1", "tok")])
+    for i in range(5):
+        p.send_orderly("t", f"m{i}".encode(), sharding_key="k")
+    seen: list[int] = []
+
+    def listener(msgs, ctx):
+        seen.extend(m.queue_offset for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    spec = ListenerSpec(listener, "t", "g")
+    k_state = keys.sub_state(mq.tag, "g")
+    r.hset(k_state, "pending", "tok")
+
+    for name in ("commit", "begin", "finish", "touch"):
+        eng.brokers.get("broker-a").scripts.load(name)  # no NOSCRIPT retry of the pipeline
+    req = ConsumeRequest(eng, spec, "g", mq, "tok")
+    orig = req._queue_slice
+
+    def racing_slice(pipe, until, checked=False):
+        # A rebalance's assign.lua interleaving right after commit.lua in the same pipeline.
+        pipe.execute_command("HSET", k_state, "assignee", "c2")
+        return orig(pipe, until, checked=checked)
+
+    req._queue_slice = racing_slice
+    orig_replies = req._slice_replies
+    req._slice_replies = lambda replies: orig_replies(replies[1:])  # drop the injected HSET's reply
+    try:
+        req.run()
+    finally:
+        p.close()
+        eng.brokers.close()
+    st = {k.decode(): v.decode() for k, v in r.hgetall(k_state).items()}
+    assert seen == [0, 1]
+    # Only offsets 0 and 1 were handled: the committed offset must not pass 2.
+    assert int(st["offset"]) == 2, f"committed {st['offset']} with skipped={st.get('skipped')}"
+    assert "skipped" not in st or st["skipped"] == "0"

@@ -273,6 +273,10 @@ class LingeringReads:
         nothing of this queue although the commit saw its next offset (``nxt``) past what the run
         pulled, retention trimmed those messages (as for an empty ``XRANGE``)."""
         pulled = self._slice_result(read.reply, read.state, read.switched)
-        if not pulled.count and pulled.kind is not PullKind.LOST:
+        # Only a read that looked at this queue's stream and found it empty (WAIT) says so: a
+        # reassignment between the commit and the read's state check gives NOTHING without looking
+        # at the entries the read did bring, and taking that for a trimmed tail committed past
+        # messages nobody had consumed (the next owner started after them).
+        if pulled.kind is PullKind.WAIT:
             self._check_trimmed_tail(nxt)
         return pulled

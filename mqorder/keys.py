@@ -40,6 +40,7 @@ Lua script (send, begin, commit, finish, sweep) touches a single slot.
     mqorder:{t:b:q}:delay                           ZSET  delayed message member -> due ms
     mqorder:{t:b:q}:delay:msg                       HASH  "<member>:h|b" header, body of delayed messages
     mqorder:{t:b:q}:delay:seq                       STR   sequence of members (send order among equal due times)
+    mqorder:{t:b:q}:delay:id:<id>                   STR   due ms of a retry send-back, kept 15 min (its dedup)
     mqorder:delay:queues                            SET   queue keys that ever had delayed messages (the mover)
     mqorder:{t:b:q}:r:<sub>                         HASH  offset -> reconsume times (retrying head)
     mqorder:{t:b:q}:stage:<job>:<run>               LIST  rows one Spark task staged for q until its job commits (TTL)
@@ -266,6 +267,12 @@ def delay_messages(tag: str) -> str:
 
 def delay_seq(tag: str) -> str:
     return f"{PREFIX}:{tag}:delay:seq"
+
+
+def delay_dedup(tag: str, send_id: str) -> str:
+    """A delayed send made again must not be stored twice: the due time its first call got
+    (``delay_schedule.lua``), for a while (``DelayStore.schedule``'s ``dedup_id``)."""
+    return f"{PREFIX}:{tag}:delay:id:{send_id}"
 
 
 def delay_queues() -> str:

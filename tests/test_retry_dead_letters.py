@@ -138,3 +138,39 @@ def test_a_dead_letter_from_the_retry_topic_records_and_replays_to_its_real_queu
         unregister_listener("g", "t")
         p.close()
         eng.brokers.close()
+
+
+def test_a_send_back_whose_reply_was_lost_is_not_stored_twice(redis_url, monkeypatch) -> None:
+    """The first send-back to %RETRY%g is stored but its reply is lost (the script ran, then the
+    call raised BrokerUnavailableError, as on a timeout): the engine retries the run, which sends
+    the message back again. Once stored twice (each copy then retried on its own); now once per
+    message and holder epoch, as the DLQ writer's dead letters (found by a review)."""
+    from mqorder.errors import BrokerUnavailableError
+    p, eng = _env(redis_url)
+    try:
+        p.send_orderly_batch("t", [("k0", b"x")])
+        delays = eng.retry_sender.delays
+        real = delays.schedule
+        lost = []
+
+        calls = 0
+
+        def schedule(*a, **kw):
+            nonlocal calls
+            calls += 1
+            due = real(*a, **kw)
+            if not lost:
+                lost.append(1)
+                raise BrokerUnavailableError("reply lost (simulated timeout)")
+            return due
+
+        monkeypatch.setattr(delays, "schedule", schedule)
+        RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+        spec = ListenerSpec(lambda msgs, ctx: C.RECONSUME_LATER, "t", "g", ordering="concurrent")
+        _run(eng, spec, MQ, "tok0")
+        assert MessageLog(eng.brokers).consume_offset("g", MQ) == 1
+        assert delays.waiting(RETRY_MQ) == 1, f"{delays.waiting(RETRY_MQ)} copies of one message in the retry topic"
+        assert len(lost) == 1 and calls == 2  # the lost reply, then the retried run's send-back
+    finally:
+        p.close()
+        eng.brokers.close()

@@ -212,7 +212,7 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
             self.engine.dlq.send(spec.group, m, why, self.epoch, self.mq)
         sender = self.engine.retry_sender
         for m in back:
-            sender.send_back(spec.group, m, level)
+            sender.send_back(spec.group, m, level, queue=self.mq, epoch=self.epoch)
         if dead:
             self._finished(dead, LedgerOutcome.DLQ, handled)
         if back:

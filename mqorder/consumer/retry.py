@@ -42,6 +42,9 @@ RETRY_ORIGIN_OFFSET = "RETRY_ORIGIN_OFFSET"
 #: The retry history a message carries (a replayed copy drops it: it starts again from its queue).
 RETRY_PROPERTIES = frozenset({RETRY_TOPIC, RECONSUME_TIME, RETRY_ORIGIN_BROKER, RETRY_ORIGIN_QUEUE_ID,
                               RETRY_ORIGIN_OFFSET})
+#: How long a send-back's id is remembered: longer than a run retries through a Redis outage,
+#: the one way the same holder sends it twice (the DLQ writer's window, for the same reason).
+SEND_BACK_DEDUP_MS = 15 * 60 * 1000
 #: RocketMQ's broker adds this to the reconsume count to choose the delay level.
 RETRY_LEVEL_BASE = 3
 
@@ -67,14 +70,21 @@ class RetrySender:
             mqs = self._queues[group] = self.topics.ensure_retry_topic(group, self.queue_nums).message_queues
         return mqs
 
-    def send_back(self, group: str, msg: MessageExt, level: int = 0) -> int:
-        """Store ``msg`` in ``%RETRY%<group>``, visible after its delay; returns the delay (ms)."""
+    def send_back(self, group: str, msg: MessageExt, level: int = 0, *, queue: MessageQueue | None = None,
+                  epoch: int | None = None) -> int:
+        """Store ``msg`` in ``%RETRY%<group>``, visible after its delay; returns the delay (ms).
+
+        With the run's ``queue`` and ``epoch`` the send-back is stored once per message and holder
+        epoch (as the DLQ writer's dead letters): the run commits the original's offset only after
+        this returns, so a run retried after a lost reply sends it again, and that copy is dropped."""
         mqs = self.queues(group)
         # One message keeps one retry queue (and a key its queue), whatever retry it is on.
         seed = msg.key_hash if type(msg.key_hash) is int else zlib.crc32(msg.msg_id.encode("utf-8", "replace"))
         mq = mqs[seed % len(mqs)]
         delay_ms = retry_delay_ms(self.levels_ms, msg.reconsume_times, level)
-        self.delays.schedule(mq, self._header(msg), msg.body, delay_ms, guard=False)
+        dedup = None if queue is None or epoch is None else f"{queue.key}|{msg.queue_offset}|{epoch}"
+        self.delays.schedule(mq, self._header(msg), msg.body, delay_ms, guard=False, dedup_id=dedup,
+                             dedup_ms=SEND_BACK_DEDUP_MS)
         return delay_ms
 
     def _header(self, msg: MessageExt) -> bytes:

@@ -41,21 +41,27 @@ class DelayStore:
         self.appender = appender
         self.timeout = timeout
 
-    def schedule(self, mq: MessageQueue, header: bytes, body: bytes, delay_ms: int, *, guard: bool = True) -> int:
+    def schedule(self, mq: MessageQueue, header: bytes, body: bytes, delay_ms: int, *, guard: bool = True,
+                 dedup_id: str | None = None, dedup_ms: int = 0) -> int:
         """Hold the message until now + ``delay_ms`` (Redis clock); returns its due time (ms).
 
         The queue is recorded for the mover *first*, so no delayed message is ever out of its sight.
         ``guard=False`` skips the capacity guard: a consumer sending a failed message back to its
         retry topic moves a message, it does not add one (like a DLQ move, never refused).
+        ``dedup_id``: a second call with it within ``dedup_ms`` stores nothing and returns the
+        first call's due time.
         """
         broker = self.brokers.get(mq.broker_name)
         tag = mq.tag
+        kl = [keys.delay_schedule(tag), keys.delay_messages(tag), keys.delay_seq(tag)]
+        args: list[object] = [delay_ms, header, body]
+        if dedup_id is not None:
+            kl.append(keys.delay_dedup(tag, dedup_id))
+            args.append(dedup_ms)
         with translated(broker.name, broker.safe_url, self.timeout):
             if guard:
                 self.appender.check_capacity(broker)
-            reply = run_indexed(self.brokers, keys.delay_queues(), mq.key, broker, "delay_schedule",
-                                [keys.delay_schedule(tag), keys.delay_messages(tag), keys.delay_seq(tag)],
-                                [delay_ms, header, body])
+            reply = run_indexed(self.brokers, keys.delay_queues(), mq.key, broker, "delay_schedule", kl, args)
         return int(reply[0])
 
     def waiting(self, mq: MessageQueue) -> int:

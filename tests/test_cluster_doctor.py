@@ -162,3 +162,28 @@ def test_a_plain_url_at_a_cluster_node_gets_the_cluster_url_as_a_hint(healthy: C
         assert cluster_mode_hint(plain) is None
     finally:
         plain.close()
+
+
+def test_the_runtime_guards_read_every_primary_not_one(healthy: ClusterDeployment) -> None:
+    """redis-py sends INFO and CONFIG GET of a RedisCluster to one node: a non-default shard with
+    an evicting policy passed the worker's and producer's check, and a full one never refused a
+    send (found by a review). doctor checked every node; now the runtime guards do too."""
+    from mqorder.errors import EvictionPolicyError
+    from mqorder.store.brokers import Broker
+    from mqorder.store.capacity import check_eviction_policy, read_memory
+
+    b = Broker("broker-a", healthy.url())
+    default = b.client.get_default_node()
+    other = next(m for m in healthy.masters_serving() if m.port != default.port)
+    try:
+        healthy.client(other).config_set("maxmemory-policy", "allkeys-lru")
+        with pytest.raises(EvictionPolicyError, match="allkeys-lru"):
+            check_eviction_policy(b, allow=False)
+        healthy.client(other).config_set("maxmemory-policy", "noeviction")
+        assert check_eviction_policy(b, allow=False) == "noeviction"
+        healthy.client(other).config_set("maxmemory", 512 * 1024 * 1024)
+        assert read_memory(b.client).maxmemory == 512 * 1024 * 1024  # the only shard with a limit
+    finally:
+        healthy.client(other).config_set("maxmemory-policy", "noeviction")
+        healthy.client(other).config_set("maxmemory", 0)
+        b.close()

@@ -22,8 +22,10 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import redis
+from redis.cluster import RedisCluster
 
 from mqorder.errors import BrokerFullError, EvictionPolicyError
 from mqorder.store.brokers import Broker
@@ -54,14 +56,41 @@ def _mib(n: int) -> str:
     return f"{n / 1048576:,.1f} MiB"
 
 
+def primaries(client: Any) -> list[Any]:
+    """The plain client of each primary of a Redis Cluster (redis-py sends ``INFO`` and ``CONFIG
+    GET`` of a ``RedisCluster`` to one node only: a non-default shard with an evicting policy passed
+    the check, and a full one never refused a send), or ``[client]`` for any other Redis."""
+    if isinstance(client, RedisCluster):
+        return [client.get_redis_connection(node) for node in client.get_primaries()]
+    return [client]
+
+
 def read_memory(client: redis.Redis) -> MemoryReading:
+    """The reading of ``client``'s Redis; on a cluster, of its fullest primary (by the share of its
+    ``maxmemory``, else by bytes used): the shard a send may be refused by."""
+    readings = [_read_memory(c) for c in primaries(client)]
+    return max(readings, key=lambda r: (r.ratio if r.ratio is not None else -1.0, r.used))
+
+
+def _read_memory(client: redis.Redis) -> MemoryReading:
     info = client.info("memory")
     return MemoryReading(int(info.get("used_memory", 0)), int(info.get("maxmemory", 0)),
                          str(info.get("maxmemory_policy", "")))
 
 
 def eviction_policy(client: redis.Redis) -> tuple[str, str]:
-    """(policy, how it was read: ``CONFIG``, ``INFO`` or ``''`` when it cannot be known)."""
+    """(policy, how it was read: ``CONFIG``, ``INFO`` or ``''`` when it cannot be known). On a
+    cluster, the first primary whose policy is not ``noeviction`` decides (else any's)."""
+    found = [_eviction_policy(c) for c in primaries(client)]
+    unsafe = [f for f in found if f[1] and f[0] != SAFE_POLICY]
+    if unsafe:
+        return unsafe[0]
+    if any(not f[1] for f in found):
+        return ("", "")
+    return found[0]
+
+
+def _eviction_policy(client: redis.Redis) -> tuple[str, str]:
     try:
         reply = client.config_get("maxmemory-policy")
         policy = reply.get("maxmemory-policy") if isinstance(reply, dict) else None
@@ -70,7 +99,7 @@ def eviction_policy(client: redis.Redis) -> tuple[str, str]:
     except redis.ResponseError:
         pass  # CONFIG disabled or renamed (managed Redis): INFO still says it
     try:
-        policy = read_memory(client).policy
+        policy = _read_memory(client).policy
     except redis.ResponseError:
         policy = ""
     return (policy, "INFO") if policy else ("", "")

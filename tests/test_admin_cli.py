@@ -536,3 +536,35 @@ def test_admin_functions_need_no_terminal(redis_url: str, producer: Producer) ->
 
     with Admin.open() as admin:
         assert topics.describe(admin, "t").queues[0].max_offset == 0
+
+
+def test_bad_times_and_bounds_are_refused_before_anything_is_written(settings: Settings, producer: Producer) -> None:
+    """A nanosecond stamp given as @ms once applied the reset (offsets moved, epoch bumped, lock
+    released) and then failed drawing its time: exit 1, which says nothing changed. Year 0 and an
+    infinite --stuck-after were tracebacks (found by a review)."""
+    producer.create_topic("orders", queues=4)
+    TopicManager(producer.brokers).subscribe("g", "orders", MessageModel.CLUSTERING)
+    for i in range(3):
+        producer.send_orderly("orders", b"x%d" % i, sharding_key="k")
+    mq = producer.describe_topic("orders").message_queues[queue_index("k", 4)]
+    before = MessageLog(producer.brokers).consume_offset("g", mq)
+    r = cli("offsets", "reset", "g", "orders", "--to", "@1738324800000000000")
+    assert r.exit_code == 2 and "outside 1970..9999: milliseconds are expected" in r.output
+    assert MessageLog(producer.brokers).consume_offset("g", mq) == before
+    r = cli("offsets", "reset", "g", "orders", "--to", "0001-01-01T00:00:00", "--dry-run")
+    assert r.exit_code == 2 and "is not earliest, latest" in r.output
+    r = cli("status", "g", "--stuck-after", "inf", "--check")
+    assert r.exit_code == 2 and "--stuck-after" in r.output
+
+
+def test_message_data_with_brackets_is_shown_not_taken_for_markup(settings: Settings, producer: Producer) -> None:
+    """rich read '[/api/orders]' in a property, or in a bad line quoted by produce's report, as a
+    closing tag: MarkupError, exit 1, and produce's report of what it sent was lost (found by a
+    review)."""
+    producer.create_topic("br", queues=1)
+    producer.send_orderly("br", b"x", sharding_key="k", properties={"path": "[/api/orders]"})
+    r = cli("message", "show", "br", "--queue", "0", "--offset", "0")
+    assert r.exit_code == 0 and "[/api/orders]" in r.output
+    data = '{"k": "a"}\n{"k": "b", "path": "[/api/orders]"\n{"k": "c"}\n'
+    r = cli("produce", "br", "--key-field", "k", "--skip-bad", input=data)
+    assert r.exit_code == 2 and "[/api/orders]" in r.output and "sent 2 messages" in r.output

@@ -170,6 +170,10 @@ def test_a_suspended_key_shows_in_the_worker_and_the_exporter_until_it_succeeds(
     suspended_at = time.monotonic()
     assert outs[-1].verb == "REQUEUE"  # only key a is left, suspended for 1.5 s: the slot goes back
     assert value(reg, "mqorder_keys_suspended", group="g", topic="t") == 1
+    # What the worker's after_run does next: the run requeues itself, its stuck key stays counted
+    # (the gauge once dropped it here and read 0 nearly all the time; found by a review).
+    hook.run_ended("g", "t", MQ.key, outs[-1].verb.value)
+    assert value(reg, "mqorder_keys_suspended", group="g", topic="t") == 1
     e = scrape(settings)
     assert lane(e, "mqorder_queue_committed_offset") == 0  # a's first message is the lowest unfinished
     assert lane(e, "mqorder_queue_keys_suspended") == 1  # one message parked (batch size 1)
@@ -292,3 +296,27 @@ def test_broadcast_lanes_of_clients_that_died_without_leaving_are_not_exported(s
     assert keys.broadcast_sub("bg", "alive") in groups
     assert keys.broadcast_sub("bg", "gone") not in groups
     p.close()
+
+
+def test_the_exporters_lag_leaves_out_what_retention_deleted(settings: Settings) -> None:
+    """A group without consumers whose 5 messages retention deleted: the exporter's lag stayed 5 for
+    good (mqorder status said 0), so MqorderNoLiveConsumer never resolved (found by a review)."""
+    from mqorder.retention.trimmer import RetentionTrimmer
+    from mqorder.store.brokers import BrokerRegistry
+
+    p = Producer(settings=settings)
+    p.create_topic("t", queues=1, retention_policy="time", retention_ms=1000)
+    b = BrokerRegistry(settings.redis_url)
+    try:
+        TopicManager(b).subscribe("g", "t", MessageModel.CLUSTERING)
+        for i in range(5):
+            p.send_orderly("t", str(i).encode(), sharding_key="k")
+        assert lane(scrape(settings), "mqorder_queue_lag") == 5
+        time.sleep(1.2)
+        assert RetentionTrimmer(b, settings).run().trimmed == 5
+        assert lane(scrape(settings), "mqorder_queue_lag") == 0
+        p.send_orderly("t", b"5", sharding_key="k")
+        assert lane(scrape(settings), "mqorder_queue_lag") == 1
+    finally:
+        p.close()
+        b.close()

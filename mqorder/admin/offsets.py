@@ -52,15 +52,31 @@ class Target:
             return cls("offset", int(s))
         m = _EPOCH_MS_RE.fullmatch(s)
         if m:
-            return cls("time", int(m.group(1)))
+            return cls("time", _checked_ms(raw, int(m.group(1))))
         try:
             when = datetime.fromisoformat(s.replace("Z", "+00:00") if s.endswith("Z") else s)
-        except ValueError:
+            ms = int(when.timestamp() * 1000)
+        except (ValueError, OverflowError, OSError):  # OverflowError/OSError: year 1 in a local zone
             raise BadArgumentError(
                 f"--to {raw!r} is not earliest, latest, an offset (e.g. 1500), an ISO 8601 time "
                 "(e.g. 2025-01-31T12:00:00Z) or @<epoch ms> (e.g. @1738324800000)"
             ) from None
-        return cls("time", int(when.timestamp() * 1000))
+        return cls("time", _checked_ms(raw, ms))
+
+
+#: The latest time ``--to`` takes (the year 9999): a larger ``@`` value is a unit mistake (seconds
+#: given as µs or ns), refused before anything is written. Once such a reset was applied, and only
+#: printing its time then failed (exit 1, "nothing changed", after the offsets had moved).
+MAX_TIME_MS = 253402300799999
+
+
+def _checked_ms(raw: str, ms: int) -> int:
+    if not 0 <= ms <= MAX_TIME_MS:
+        raise BadArgumentError(
+            f"--to {raw!r} is {ms:,} ms since the epoch, outside 1970..9999: milliseconds are expected "
+            "(e.g. @1738324800000 for 2025-01-31T12:00:00Z)"
+        )
+    return ms
 
 
 @dataclass(frozen=True)

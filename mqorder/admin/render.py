@@ -57,7 +57,10 @@ def timestamp(ms: int | None) -> str:
     """Local time of an epoch-ms stamp, to the millisecond."""
     if not ms:
         return "-"
-    return dt.datetime.fromtimestamp(ms / 1000).isoformat(sep=" ", timespec="milliseconds")
+    try:
+        return dt.datetime.fromtimestamp(ms / 1000).isoformat(sep=" ", timespec="milliseconds")
+    except (ValueError, OverflowError, OSError):  # outside what datetime shows: the number itself
+        return f"@{ms}"
 
 
 def size(n: int) -> str:
@@ -161,7 +164,7 @@ def status(console: Console, st: GroupStatus) -> None:
                duration(q.waiting_ms) if q.waiting_ms is not None else "-"]
         if skipped:
             row.append(f"{q.skipped:,}")
-        t.add_row(*row, style="bold red" if q.stuck else None)
+        t.add_row(*(Text(c) for c in row), style="bold red" if q.stuck else None)
     console.print(t)
     if skipped:
         console.print(f"[yellow]skipped: {sum(q.skipped for q in st.queues):,} messages were trimmed by retention "
@@ -214,9 +217,9 @@ def dlq_page(console: Console, page: DlqPage) -> None:
         c.no_wrap = True
     for d in page.messages:
         origin = f"{d.origin_queue.key}@{d.origin_offset}" if d.origin_queue else "-"
-        t.add_row(str(d.dlq_offset), origin, ",".join(d.keys) or "-",
+        t.add_row(str(d.dlq_offset), Text(origin), Text(",".join(d.keys) or "-"),
                   "-" if d.reconsume_times is None else str(d.reconsume_times), timestamp(d.stored_ms),
-                  d.reason if len(d.reason) <= REASON_CUT else d.reason[: REASON_CUT - 1] + "…")
+                  Text(d.reason if len(d.reason) <= REASON_CUT else d.reason[: REASON_CUT - 1] + "…"))
     console.print(t)
     shown_to = page.messages[-1].dlq_offset + 1
     if shown_to < page.max_offset:
@@ -282,7 +285,7 @@ def message(console: Console, found: FoundMessage) -> None:
 
 def produced(console: Console, r: ProduceReport) -> None:
     for b in r.bad[:20]:
-        console.print(f"[red]line {b.line}:[/red] {b.error}")
+        console.print(f"[red]line {b.line}:[/red] {escape(b.error)}")  # quotes the line: data, not markup
     if len(r.bad) > 20:
         console.print(f"[red]... and {len(r.bad) - 20} more bad lines (all of them in --json)")
     console.print(f"sent {r.sent:,} messages to {r.topic} in {r.chunks} chunk(s) over {len(r.by_queue)} queue(s); "
@@ -321,8 +324,8 @@ def _fields(console: Console, rows: list[tuple[str, str]], body: bytes) -> None:
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_column(style="bold")
     t.add_column()
-    for k, v in rows:
-        t.add_row(k, v)
+    for k, v in rows:  # message data (properties, keys, reasons): text, never rich markup
+        t.add_row(Text(k), Text(v))
     try:
         text = body.decode("utf-8")
         shown = text[:BODY_PREVIEW] + (f"... ({len(text) - BODY_PREVIEW:,} more characters)" if len(text) > BODY_PREVIEW

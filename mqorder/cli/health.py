@@ -30,7 +30,8 @@ def status(
     group: str = typer.Argument(..., help="consumer group"),
     topic: str = typer.Argument(None, help="only this topic (default: every topic of the group)"),
     stuck_after: float = typer.Option(
-        60.0, "--stuck-after", min=0.0, help="seconds a backlog may wait without progress before it counts as stuck"
+        60.0, "--stuck-after", min=0.0, max=10 * 365 * 86400.0,
+        help="seconds a backlog may wait without progress before it counts as stuck (at most ten years)"
     ),
     check: bool = typer.Option(False, "--check", help="exit 1 if any queue is stuck (cron, health checks)"),
     key: str = typer.Option(

@@ -237,9 +237,11 @@ class MetricsHook(ConsumeMessageHook):
         """A run of ``queue`` ended with ``verb`` (``mqorder.metrics.worker.after_run``)."""
         if verb in _DUPLICATE:  # a duplicate task: the queue's real run may still be on
             return
-        # Whatever the ending (REQUEUE included), the queue's next run is a new Celery task that
-        # may run in another pool process: its suspended keys are no longer this process's.
-        if self.keys is not None:
+        # A run that requeues itself (a suspended key waiting out its suspend: the stuck-key case
+        # this gauge is for) keeps its keys: clearing them here made the gauge read 0 nearly all
+        # the time. Its next run may be in another pool process, which notes the key again: for up
+        # to SUSPENDED_TTL_S a key may count in two processes, rather than in none (docs/METRICS.md).
+        if self.keys is not None and verb != "REQUEUE":
             self.keys.queue_left(group, topic, queue)
         with self._handed_lock:
             self._handed.pop((group, queue), None)

@@ -5,7 +5,7 @@ backlog, its head message's store time and reconsume count (and in key mode how 
 parked): four to six commands. As plain pipelined commands that was 40,000 replies at 10,000
 queues, each read and turned into a Python object one by one, and then judged in Python: on the
 benchmark machine most of a scrape. ``LANES_LUA`` does the same reads inside Redis for up to
-``BATCH`` lanes and returns ten numbers per lane, already judged by that Redis's clock, so a
+``BATCH`` lanes and returns eleven numbers per lane, already judged by that Redis's clock, so a
 scrape of 10,000 lanes is a few dozen replies (``bench/RESULTS.md``, "Exporter scrape").
 
 The script writes nothing and is sent with ``EVAL`` (no registration: it is cached by Redis like
@@ -33,7 +33,10 @@ BATCH = 200
 #: KEYS, four per lane: state HASH (``keys.sub_state``), next counter, log STREAM, retries HASH.
 #: Returns per lane, flat: next offset, live owner ('' if none), epoch, committed offset, running
 #: (0/1), key mode (0/1: the ``done`` field only key_commit.lua writes is present), head age ms,
-#: stalled ms, head reconsume count, parked messages (key mode: entries of the retries HASH).
+#: stalled ms, head reconsume count, parked messages (key mode: entries of the retries HASH),
+#: and where what the lane owes starts: the head's offset (retention may have trimmed the
+#: committed one and more: those are not owed, as ``mqorder status`` counts), the next offset when
+#: nothing at or above the committed one is stored, else the committed offset.
 #: The head is the first entry at or above the committed offset (retention may have trimmed
 #: that one); its ``s`` field is its store time. Stalled: since the later of the offset's last
 #: move (``commit_ms``) and the head's store time (``mqorder.admin.status.waiting_ms``'s rule).
@@ -53,9 +56,12 @@ for i = 1, #KEYS, 4 do
   local key_mode = 0
   if st[7] then key_mode = 1 end
   local age, stalled, retries, parked = 0, 0, 0, 0
+  local owed_from = committed
   if nxt > committed then
     local head = redis.call('XRANGE', KEYS[i + 2], committed, '+', 'COUNT', 1)
+    owed_from = nxt
     if head[1] then
+      owed_from = tonumber(string.match(head[1][1], '^(%d+)')) or committed
       local f = head[1][2]
       local stored = 0
       for j = 1, #f, 2 do
@@ -80,7 +86,8 @@ for i = 1, #KEYS, 4 do
   out[n + 8] = stalled
   out[n + 9] = retries
   out[n + 10] = parked
-  n = n + 10
+  out[n + 11] = owed_from
+  n = n + 11
 end
 return out
 """
@@ -101,10 +108,14 @@ class LaneReading(NamedTuple):
     stalled_ms: int
     head_retries: int
     parked: int
+    owed_from: int
 
     @property
     def lag(self) -> int:
-        return max(0, self.next_offset - self.committed)
+        """Messages the lane still owes: from the committed offset, or from the first one stored
+        above it when retention trimmed the rest (those are gone, not owed: a lag that counted them
+        stayed above 0 for good for a group without consumers, and its alert never resolved)."""
+        return max(0, self.next_offset - max(self.committed, self.owed_from))
 
 
 def lane_batches(store: Broker, lanes: Sequence[Lane]) -> list[list[Lane]]:
@@ -123,7 +134,8 @@ def lanes_command(batch: Sequence[Lane]) -> tuple[object, ...]:
 
 
 def parse_lanes(flat: Sequence[Any]) -> list[LaneReading]:
-    """``LANES_LUA``'s reply, ten values per lane, in the batch's order."""
+    """``LANES_LUA``'s reply, eleven values per lane, in the batch's order."""
     return [LaneReading(int(flat[j]), text(flat[j + 1]), int(flat[j + 2]), int(flat[j + 3]), flat[j + 4] == 1,
-                        flat[j + 5] == 1, int(flat[j + 6]), int(flat[j + 7]), int(flat[j + 8]), int(flat[j + 9]))
-            for j in range(0, len(flat), 10)]
+                        flat[j + 5] == 1, int(flat[j + 6]), int(flat[j + 7]), int(flat[j + 8]), int(flat[j + 9]),
+                        int(flat[j + 10]))
+            for j in range(0, len(flat), 11)]

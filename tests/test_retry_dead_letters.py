@@ -44,6 +44,23 @@ def _run(eng, spec, mq, token, runs=20):
         token = out.token
 
 
+def _drive_retries(eng, listener, done, rounds: int = 60) -> None:
+    """Register ``listener`` for the group's retry topic, then move due retries and run the retry
+    queue (as a worker's mover and dispatch would) until ``done()``."""
+    unregister_listener("g", "t")
+    concurrent_listener(topic="t", group="g", max_reconsume_times=1)(listener)
+    retry = get_listener("g", keys.retry_topic("g"))
+    mover = DelayMover(eng.brokers, eng._appender)
+    r = eng.brokers.default.client
+    for n in range(rounds):
+        time.sleep(0.06)
+        mover.move_once()
+        r.hset(keys.sub_state(RETRY_MQ.tag, "g"), "pending", f"r{n}")
+        _run(eng, retry, RETRY_MQ, f"r{n}", runs=1)
+        if done():
+            return
+
+
 def test_two_different_messages_dead_lettered_are_both_kept(redis_url) -> None:
     """t:0@0 'x' goes to the DLQ directly (delay level -1); t:0@1 'y' fails once, comes back from
     %RETRY%g queue 0 at offset 0 and is dead-lettered there (max_reconsume_times=1). Two different
@@ -60,21 +77,9 @@ def test_two_different_messages_dead_lettered_are_both_kept(redis_url) -> None:
                 ctx.delay_level_when_next_consume = -1
             return C.RECONSUME_LATER
 
-        spec = ListenerSpec(listener, "t", "g", ordering="concurrent", max_reconsume_times=1)
-        _run(eng, spec, MQ, "tok0")
-        unregister_listener("g", "t")
-        concurrent_listener(topic="t", group="g", max_reconsume_times=1)(listener)
-        retry = get_listener("g", keys.retry_topic("g"))
-        mover = DelayMover(eng.brokers, eng._appender)
-        r = eng.brokers.default.client
+        _run(eng, ListenerSpec(listener, "t", "g", ordering="concurrent", max_reconsume_times=1), MQ, "tok0")
         log = MessageLog(eng.brokers)
-        for n in range(60):
-            time.sleep(0.06)
-            mover.move_once()
-            r.hset(keys.sub_state(RETRY_MQ.tag, "g"), "pending", f"r{n}")
-            _run(eng, retry, RETRY_MQ, f"r{n}", runs=1)
-            if log.consume_offset("g", RETRY_MQ) >= 1:
-                break
+        _drive_retries(eng, listener, lambda: log.consume_offset("g", RETRY_MQ) >= 1)
         assert log.consume_offset("g", RETRY_MQ) == 1  # 'y' finished in the retry queue...
         dead = log.read(DLQ, 0, 10)
         assert sorted(d.body for d in dead) == [b"x", b"y"]  # ...so it must be in the DLQ
@@ -110,21 +115,9 @@ def test_a_dead_letter_from_the_retry_topic_records_and_replays_to_its_real_queu
         def listener(msgs, ctx):
             return C.RECONSUME_LATER if msgs[0].body == b"poison" else C.CONSUME_SUCCESS
 
-        spec = ListenerSpec(listener, "t", "g", ordering="concurrent", max_reconsume_times=1)
-        _run(eng, spec, mq3, "tok0")
-        unregister_listener("g", "t")
-        concurrent_listener(topic="t", group="g", max_reconsume_times=1)(listener)
-        retry = get_listener("g", keys.retry_topic("g"))
-        mover = DelayMover(eng.brokers, eng._appender)
-        r = eng.brokers.default.client
+        _run(eng, ListenerSpec(listener, "t", "g", ordering="concurrent", max_reconsume_times=1), mq3, "tok0")
         log = MessageLog(eng.brokers)
-        for n in range(60):
-            time.sleep(0.06)
-            mover.move_once()
-            r.hset(keys.sub_state(RETRY_MQ.tag, "g"), "pending", f"r{n}")
-            _run(eng, retry, RETRY_MQ, f"r{n}", runs=1)
-            if log.max_offset(DLQ) >= 1:
-                break
+        _drive_retries(eng, listener, lambda: log.max_offset(DLQ) >= 1)
         admin = Admin.open(s)
         d = dlq_list(admin, "g").messages[0]
         assert (d.origin_topic, d.origin_broker, d.origin_queue_id, d.origin_offset) == ("t", "broker-a", 3,

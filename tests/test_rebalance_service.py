@@ -160,3 +160,29 @@ def test_topics_described_and_their_subscriptions_read_in_one_go_match_one_by_on
     assert routes["ta"] == tm.describe_topic("ta") and routes["tb"] == tm.describe_topic("tb")
     assert tm.subs_of_topics(["ta", "tb"]) == {"ta": ["g", "h"], "tb": []}
     assert tm.describe_topics([]) == {} and tm.subs_of_topics([]) == {}
+
+
+class WritesStopAfterRebalance(RebalanceService):
+    """Redis stops taking writes once the assignment is applied (CLIENT PAUSE WRITE): recording
+    the rebalance's time and releasing its mutex then time out."""
+
+    def _rebalance(self) -> RebalanceReport:
+        report = super()._rebalance()
+        self.brokers.meta.execute_command("CLIENT", "PAUSE", 1500, "WRITE")
+        return report
+
+
+def test_a_rebalance_applied_keeps_its_report_when_its_bookkeeping_fails(
+    redis_url: str, settings, r: redis.Redis, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Once the applied rebalance's report (its dispatches) was lost when recording its time or
+    releasing the mutex raised: the dispatched queues waited pending_ttl_ms and a sweep."""
+    b = BrokerRegistry(redis_url, socket_timeout=0.3)
+    try:
+        with caplog.at_level(logging.WARNING, logger=service_mod.__name__):
+            report = WritesStopAfterRebalance(b, settings).rebalance()
+        assert report.took_ms > 0 and not report.skipped
+        assert "recording its time failed" in caplog.text and "mutex not released" in caplog.text
+    finally:
+        r.execute_command("CLIENT", "UNPAUSE")
+        b.close()

@@ -133,13 +133,18 @@ class RebalanceService:
             return RebalanceReport([], [], skipped=True)
         try:
             report = self._rebalance()
-            meta.set(keys.rebalance_last(), redis_now_ms(meta))
+            try:
+                meta.set(keys.rebalance_last(), redis_now_ms(meta))
+            except redis.RedisError as exc:  # applied already: its dispatches must still go out
+                log.warning("rebalance applied; recording its time failed (%s)", exc)
             return report
         finally:
             try:
                 mutex.release()
             except LockError:
                 log.warning("rebalance mutex lapsed before its release (held over %.1fs)", self.mutex_timeout_s)
+            except redis.RedisError as exc:  # it lapses on its own (mutex_timeout_s)
+                log.warning("rebalance mutex not released (%s); it lapses within %.1fs", exc, self.mutex_timeout_s)
 
     def _rebalance(self) -> RebalanceReport:
         t0 = time.perf_counter()

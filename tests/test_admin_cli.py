@@ -568,3 +568,15 @@ def test_message_data_with_brackets_is_shown_not_taken_for_markup(settings: Sett
     data = '{"k": "a"}\n{"k": "b", "path": "[/api/orders]"\n{"k": "c"}\n'
     r = cli("produce", "br", "--key-field", "k", "--skip-bad", input=data)
     assert r.exit_code == 2 and "[/api/orders]" in r.output and "sent 2 messages" in r.output
+
+
+def test_offsets_and_limits_past_any_stream_id_name_the_option(settings: Settings, producer: Producer) -> None:
+    """Once they reached Redis and came back as "Invalid stream ID" without saying which option
+    (found by a review)."""
+    producer.create_topic("big", queues=1)
+    for args, option in ((("dlq", "list", "g", "--limit", "99999999999999999999"), "--limit"),
+                         (("dlq", "list", "g", "--from", "99999999999999999999"), "--from"),
+                         (("dlq", "show", "g", "--offset", "99999999999999999999"), "--offset"),
+                         (("message", "show", "big", "--queue", "0", "--offset", "99999999999999999999"), "--offset")):
+        r = cli(*args)
+        assert r.exit_code == 2 and option in r.output and "Invalid stream ID" not in r.output, (args, r.output)

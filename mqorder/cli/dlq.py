@@ -6,7 +6,7 @@ import typer
 
 from mqorder.admin import dlq, render
 from mqorder.admin.common import Admin
-from mqorder.cli.common import JSON_OPT, emit
+from mqorder.cli.common import JSON_OPT, MAX_OFFSET, emit
 
 app = typer.Typer(no_args_is_help=True, help="Inspect and replay a group's dead-letter queue (%DLQ%<group>)")
 
@@ -14,8 +14,8 @@ app = typer.Typer(no_args_is_help=True, help="Inspect and replay a group's dead-
 @app.command("list")
 def dlq_list(
     group: str = typer.Argument(..., help="consumer group"),
-    start: int = typer.Option(0, "--from", min=0, help="first DLQ offset to list"),
-    limit: int = typer.Option(50, min=0, help="dead letters to list"),
+    start: int = typer.Option(0, "--from", min=0, max=MAX_OFFSET, help="first DLQ offset to list"),
+    limit: int = typer.Option(50, min=0, max=100_000, help="dead letters to list"),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Dead letters of a group: origin queue and offset, msg id, keys, retries, reason."""
@@ -27,7 +27,7 @@ def dlq_list(
 @app.command("show")
 def dlq_show(
     group: str = typer.Argument(..., help="consumer group"),
-    offset: int = typer.Option(..., "--offset", min=0, help="DLQ offset (see `mqorder dlq list`)"),
+    offset: int = typer.Option(..., "--offset", min=0, max=MAX_OFFSET, help="DLQ offset (see `mqorder dlq list`)"),
     as_json: bool = JSON_OPT,
 ) -> None:
     """One dead letter in full: origin, reason, properties and body."""
@@ -40,8 +40,8 @@ def dlq_show(
 def dlq_replay(
     group: str = typer.Argument(..., help="consumer group"),
     topic: str = typer.Option(None, "--topic", help="replay onto this topic instead of the original queues"),
-    start: int = typer.Option(0, "--from", min=0, help="first DLQ offset to replay"),
-    end: int = typer.Option(None, "--to", min=0, help="last DLQ offset to replay (default: the last one)"),
+    start: int = typer.Option(0, "--from", min=0, max=MAX_OFFSET, help="first DLQ offset to replay"),
+    end: int = typer.Option(None, "--to", min=0, max=MAX_OFFSET, help="last DLQ offset to replay (default: the last one)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="say where they would go, send nothing"),
     as_json: bool = JSON_OPT,
 ) -> None:

@@ -8,7 +8,7 @@ from rich.console import Console
 from mqorder.admin import messages, render, topics
 from mqorder.admin.common import Admin, BadArgumentError
 from mqorder.admin.messages import FoundMessage
-from mqorder.cli.common import JSON_OPT, emit, err_console
+from mqorder.cli.common import JSON_OPT, MAX_OFFSET, emit, err_console
 
 app = typer.Typer(no_args_is_help=True, help="Look messages up by queue and offset, or by msg id")
 
@@ -17,7 +17,7 @@ app = typer.Typer(no_args_is_help=True, help="Look messages up by queue and offs
 def message_show(
     topic: str = typer.Argument(..., help="topic"),
     queue: int = typer.Option(None, "--queue", min=0, help="queue id (with --offset)"),
-    offset: int = typer.Option(None, "--offset", min=0, help="queue offset (with --queue)"),
+    offset: int = typer.Option(None, "--offset", min=0, max=MAX_OFFSET, help="queue offset (with --queue)"),
     broker: str = typer.Option(None, "--broker", help="broker of the queue, if the topic spans several"),
     msg_id: str = typer.Option(None, "--msg-id", help="find by msg id instead (scans the whole topic)"),
     as_json: bool = JSON_OPT,

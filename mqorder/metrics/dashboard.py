@@ -34,7 +34,9 @@ Panel = dict[str, Any]
 
 # -- query helpers ------------------------------------------------------------------------------
 
-G = '{group="$group"}'
+#: The group's series: a broadcasting group's per-queue series are labelled with each client's
+#: lane, ``<group>%BC%<client>`` (``mqorder.metrics.exporter``): matched too, or its panels were empty.
+G = '{group=~"$group(%BC%.+)?"}'
 RATE = "[$__rate_interval]"
 QUEUE_LEGEND = "{{topic}}:{{broker}}:{{queue}}"
 

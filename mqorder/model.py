@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 from mqorder import keys
 
+#: The largest queue offset there can be: a stream entry id ``<offset>-1`` is 64 bits, and a larger
+#: number reached Redis as "Invalid stream ID" (a pull, a CLI option) instead of being refused.
+MAX_OFFSET = 2**63 - 1
+
 
 @dataclass(frozen=True, order=True)
 class MessageQueue:

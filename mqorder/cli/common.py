@@ -37,9 +37,6 @@ EXIT_BAD = 2
 PIPE_WIDTH = 200
 
 JSON_OPT = typer.Option(False, "--json", help="machine-readable output (JSON on stdout)")
-#: The largest offset an option takes: a stream entry id is 64 bits, and a larger number once reached
-#: Redis and came back as "Invalid stream ID" without naming the option.
-MAX_OFFSET = 2**63 - 1
 
 console = Console()
 err_console = Console(stderr=True)

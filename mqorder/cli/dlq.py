@@ -6,7 +6,8 @@ import typer
 
 from mqorder.admin import dlq, render
 from mqorder.admin.common import Admin
-from mqorder.cli.common import JSON_OPT, MAX_OFFSET, emit
+from mqorder.cli.common import JSON_OPT, emit
+from mqorder.model import MAX_OFFSET
 
 app = typer.Typer(no_args_is_help=True, help="Inspect and replay a group's dead-letter queue (%DLQ%<group>)")
 

@@ -8,7 +8,8 @@ from rich.console import Console
 from mqorder.admin import messages, render, topics
 from mqorder.admin.common import Admin, BadArgumentError
 from mqorder.admin.messages import FoundMessage
-from mqorder.cli.common import JSON_OPT, MAX_OFFSET, emit, err_console
+from mqorder.cli.common import JSON_OPT, emit, err_console
+from mqorder.model import MAX_OFFSET
 
 app = typer.Typer(no_args_is_help=True, help="Look messages up by queue and offset, or by msg id")
 

@@ -41,7 +41,7 @@ import redis
 from mqorder import keys
 from mqorder.codec import decode_entries
 from mqorder.errors import BrokerUnavailableError, MQOrderError, OffsetFencedError, OffsetIllegalError
-from mqorder.model import MessageExt, MessageModel, MessageQueue
+from mqorder.model import MAX_OFFSET, MessageExt, MessageModel, MessageQueue
 from mqorder.names import check_client_id, check_group, check_topic
 from mqorder.rebalance.allocate import allocate_all, strategy_from_settings
 from mqorder.rebalance.lock_manager import RebalanceLockManager
@@ -209,8 +209,8 @@ class PullConsumer:
         pipe = client.pipeline(transaction=False)
         pipe.xrange(log_key, count=1)
         pipe.get(keys.queue_next(mq.tag))
-        # An offset past any stream id (2**64 and up) is merely illegal, not a Redis error.
-        pipe.xrange(log_key, min=f"{min(offset, 2**63)}-0", count=max_nums)
+        # An offset past any stream id is merely illegal (the bounds below), not a Redis error.
+        pipe.xrange(log_key, min=f"{min(offset, MAX_OFFSET)}-0", count=max_nums)
         head, nxt, raw = pipe.execute()
         max_off = int(nxt or 0)
         min_off = int(head[0][0].split(b"-", 1)[0]) if head else max_off

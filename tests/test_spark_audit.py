@@ -278,6 +278,62 @@ def test_the_audit_names_a_swapped_pair_a_missing_message_and_the_duplicates(spa
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_key_lanes_are_the_sharding_key_hash_of_plain_send_orderly_messages(spark, producer: Producer,
+                                                                            r: redis.Redis, redis_url: str) -> None:
+    """``send_orderly(topic, body, sharding_key)`` stores no message key, only the key's hash (``h``),
+    which a key-ordered listener orders by: key a's first message may wait (suspended) while key b's
+    later ones succeed. The audit's key lanes must be those hashes: one lane per queue (the messages'
+    empty first key) read b's success as a's order violation and a's wait as a gap."""
+    from mqorder.client.selector import key_hash
+    from mqorder.spark import audit
+
+    producer.create_topic(TOPIC, queues=1)
+    for k, s in (("a", 1), ("b", 1), ("a", 2), ("b", 2), ("c", 1), ("c", 2)):
+        producer.send_orderly(TOPIC, json.dumps({"s": s}).encode(), sharding_key=k)
+    (msgs,) = _stored(producer, TOPIC)
+    assert not any(m.keys for m in msgs)  # no message key: the hash is all there is
+    a1, b1, a2, b2, c1, c2 = msgs
+    w = LedgerWriter(r)
+    for m in (b1, b2):
+        w.handle(m)
+    w.handle(a1, LedgerOutcome.SUSPEND)
+    for m in (c2, c1):  # c's pair delivered swapped: c's violation, named by its hash
+        w.handle(m)
+    w.flush()
+    rep = audit(spark, TOPIC, GROUP, redis_url=redis_url, max_listed=10)
+    assert [(v.key, v.key_hash, v.offset, v.after_offset) for v in rep.violations] == [
+        (None, key_hash("c"), c1.queue_offset, c2.queue_offset)]
+    assert (rep.gap_count, rep.pending, rep.messages_succeeded) == (0, 2, 4)
+    assert rep.key_lanes == "key_hash"
+
+
+def test_a_ledger_written_before_key_hashes_audits_lanes_by_first_key(spark, producer: Producer, r: redis.Redis,
+                                                                   redis_url: str) -> None:
+    """Records without ``key_hash`` (an older engine's) are still audited per first key, stored
+    messages included (one lane rule for both, or each message would fall in two lanes)."""
+    import orjson
+
+    from mqorder.spark import audit
+
+    producer.create_topic(TOPIC, queues=1)
+    _publish(producer, TOPIC, {"a": [1, 2], "b": [1, 2]})
+    (msgs,) = _stored(producer, TOPIC)
+    at = {(m.keys[0], json.loads(m.body)["s"]): m for m in msgs}
+    w = LedgerWriter(r)
+    for m in (at["b", 1], at["a", 2], at["a", 1]):  # b's first, then a's pair swapped; b's second unread
+        w.handle(m)
+    w.buf.records = [orjson.dumps({f: v for f, v in orjson.loads(x).items() if f != "key_hash"})
+                     for x in w.buf.records]
+    w.flush()
+    mq = producer.describe_topic(TOPIC).message_queues[0]
+    r.hset(keys.sub_state(mq.tag, GROUP), "offset", 4)
+    rep = audit(spark, TOPIC, GROUP, redis_url=redis_url)
+    assert rep.key_lanes == "first_key"
+    assert [(v.key, v.offset) for v in rep.violations] == [("a", at["a", 1].queue_offset)]
+    assert [(g.key, g.offset, g.reason) for g in rep.gaps] == [
+        ("b", at["b", 2].queue_offset, "below the committed offset 4")]
+
+
 # -- the CLI, end to end --------------------------------------------------------------------------
 
 

@@ -90,12 +90,12 @@ _SHAPE = re.compile(rb'\{"i":"([^"\\\x00-\x1f]*)","b":(-?(?:0|[1-9][0-9]*)),"k":
                     rb'"h":(-?(?:0|[1-9][0-9]*))\}')
 
 
-def _shape(h: bytes) -> tuple[str, str, int] | None:
+def _shape(h: bytes) -> tuple[str, str, int, int] | None:
     m = _SHAPE.fullmatch(h)
     if m is None or not all(-(2**63) <= int(m[g]) < 2**63 for g in (2, 4)):
         return None
     try:
-        return m[1].decode(), m[3].decode(), int(m[2])
+        return m[1].decode(), m[3].decode(), int(m[2]), int(m[4])
     except UnicodeDecodeError:
         return None
 
@@ -118,8 +118,9 @@ def test_damaged_headers_parse_only_when_of_the_shape() -> None:
             assert got is None, page
         else:
             assert got is not None, page
-            ids, first_keys, born = got
-            assert list(zip(ids.to_pylist(), first_keys.to_pylist(), born.to_pylist(), strict=True)) == want
+            ids, first_keys, born, hashes = got
+            assert list(zip(ids.to_pylist(), first_keys.to_pylist(), born.to_pylist(), hashes.to_pylist(),
+                            strict=True)) == want
             parsed += 1
     assert parsed > 500
 
@@ -136,7 +137,8 @@ def test_entry_ids_and_store_times() -> None:
 
 def _record(rng: random.Random, **over: object) -> bytes:
     rec = {"group": "g", "topic": "t", "broker": "broker-a", "queue": rng.randrange(16), "offset": rng.randrange(10**9),
-           "msg_id": "", "key": f"key-{rng.randrange(999)}", "born_ms": 1_795_685_582_089 + rng.randrange(10**6),
+           "msg_id": "", "key": f"key-{rng.randrange(999)}", "key_hash": rng.randrange(-1, 2**32),
+           "born_ms": 1_795_685_582_089 + rng.randrange(10**6),
            "start_ms": round(1_795_685_582_089 + rng.random() * 1e6, 3),
            "end_ms": round(1_795_685_582_089.0 + rng.randrange(1000), 3), "attempt": 0, "epoch": rng.randrange(5),
            "client": "c@h", "run": "r-1", "outcome": rng.choice(["SUCCESS", "DLQ", "RETRY"])}
@@ -174,7 +176,8 @@ def test_other_ledger_records_fall_back() -> None:
            rec.replace(b'"end_ms":', b'"end_ms":0'), rec.replace(b'"end_ms":', b'"end_ms":+'),
            rec.replace(b'"end_ms":', b'"end_ms":.'), rec.replace(b"SUCCESS", b"\xff\xfe").replace(b"DLQ", b"\xff\xfe"),
            rec.replace(b'"attempt":0', b'"attempt":1e2'), rec.replace(b'"outcome"', b'"outcomes"'),
-           rec.replace(b'"queue":', b'"queue":""'), b"{}", b""]
+           rec.replace(b'"queue":', b'"queue":""'), _record(rng, key_hash=None), b"{}", b"",
+           orjson.dumps({k: v for k, v in orjson.loads(rec).items() if k != "key_hash"})]  # an older engine's
     for b in bad:
         for page in ([b], [_record(rng) for _ in range(3)] + [b]):
             assert ledger_parse.parse(page, ledger._json_options(tuple(ledger.LEDGER_ARROW_SCHEMA.names), "t")

@@ -1,6 +1,7 @@
 """The consumption ledger: one record per handled message, for audits (opt-in).
 
-A record says which message (group, topic, queue, offset, msg id, key, born time) was handled,
+A record says which message (group, topic, queue, offset, msg id, key, born time) was handled, in
+which lane (``key_hash``: the sharding key's hash a key-ordered listener orders by, -1 for none),
 when (handle start and end, ms since the epoch), at which attempt, under which fencing epoch, by
 which client and run, and how it ended: ``SUCCESS``, ``SUSPEND`` (to be retried) or ``DLQ``. An
 audit (``mqorder.spark.audit``) rebuilds from these what the consumer really did: order per key,
@@ -26,6 +27,7 @@ from typing import Any
 import orjson
 
 from mqorder import keys
+from mqorder.consumer.key_lanes import lane_key
 from mqorder.model import MessageExt
 from mqorder.store.raw_pipe import ConnectionLease
 from mqorder.store.scripts import Scripts
@@ -41,9 +43,10 @@ class LedgerOutcome(StrEnum):
 
 #: The fields of one record, in the order a reader should show them.
 FIELDS = (
-    "group", "topic", "broker", "queue", "offset", "msg_id", "key", "born_ms", "start_ms", "end_ms",
-    "attempt", "epoch", "client", "run", "outcome",
+    "group", "topic", "broker", "queue", "offset", "msg_id", "key", "key_hash", "born_ms", "start_ms",
+    "end_ms", "attempt", "epoch", "client", "run", "outcome",
 )
+
 
 
 def message_key(msg: MessageExt) -> str:
@@ -69,7 +72,8 @@ class LedgerBuffer:
             self.records.append(orjson.dumps({
                 "group": self.group, "topic": m.topic, "broker": m.broker_name, "queue": m.queue_id,
                 "offset": m.queue_offset, "msg_id": m.msg_id if isinstance(m.msg_id, str) else "",
-                "key": message_key(m), "born_ms": m.born_timestamp, "start_ms": round(start_ms, 3),
+                "key": message_key(m),
+                "key_hash": lane_key(m), "born_ms": m.born_timestamp, "start_ms": round(start_ms, 3),
                 "end_ms": round(end_ms, 3), "attempt": m.reconsume_times, "epoch": epoch,
                 "client": self.client_id, "run": self.run_id, "outcome": outcome.value,
             }))

@@ -9,8 +9,9 @@
 3. only if needed (``audit_frames``: phase 2), the stored messages themselves (queue, offset, key:
    ``stored_index``, a light read of the topic).
 
-One row per message, then Spark window functions over each *lane* — a key within its queue
-(``ordering="key"``, the default; keyless messages of a queue form one lane), or the whole queue
+One row per message, then Spark window functions over each *lane* — a sharding key within its queue
+(``ordering="key"``, the default: by the key's hash, what a key-ordered listener orders by; keyless
+messages of a queue form one lane), or the whole queue
 (``ordering="queue"``) — ordered by each message's first delivery:
 
 - **order violation**: a message first delivered after a later offset of its lane had been;
@@ -170,12 +171,13 @@ def audit(
         if not streams:
             raise LedgerNotFoundError(no_ledger_hint(group))
         report.ledger_trimmed = sum(s.trimmed for s in streams)
+        key_lanes = report.key_lanes = "key_hash" if all(s.key_hashed for s in streams) else "first_key"
         start_mode = "ledger" if start == "ledger" or report.ledger_trimmed else "stored"
         report.start = start_mode
         route = frames.Route.of(infos)
         cores = default_parallelism(spark)
         recs = frames.records(_load(spark, settings, frames.LEDGER_COLUMNS, ledger=group, topic=topic,
-                                    minPartitions=str(cores)), route)
+                                    minPartitions=str(cores)), route, key_lanes)
         dead = _dead_letters(spark, settings, brokers, topic, group, route)
         bucket_ms = frames.throughput_bucket_ms(streams)
         parts = frames.lane_partitions(cores, sum(s.length for s in streams),
@@ -189,7 +191,7 @@ def audit(
         # again, and building the cache cost a quarter of that audit's CPU; an audit with findings
         # to list reads the ledger a second time instead.
         if order_field is None or start_mode == "ledger":
-            m = frames.messages(recs, None, dead, route, ordering, None, bucket_ms, parts)
+            m = frames.messages(recs, None, dead, route, ordering, None, bucket_ms, parts, key_lanes)
             extents = frames.summary(m, infos, report, bucket_ms)
             counts = {q.index: frames.unseen(q, extents.get(q.index, frames.Extent()), start_mode) for q in infos}
             done = order_field is None and not any(u.gaps or u.holes for u in counts.values())
@@ -199,11 +201,11 @@ def audit(
 
         if not done:  # Phase 2: the stored messages too, each one classified.
             report = AuditReport(topic, group, ordering, order_field, report.started_at_ms, start=start_mode,
-                                 read_stored=True, ledger_trimmed=report.ledger_trimmed)
+                                 read_stored=True, ledger_trimmed=report.ledger_trimmed, key_lanes=key_lanes)
             starts = {q.index: frames.audit_start(q, extents.get(q.index, frames.Extent()), start_mode) for q in infos}
             route = frames.Route.of(infos, starts)
             stored = _stored(spark, settings, topic, order_field)
-            m = frames.messages(recs, stored, dead, route, ordering, order_field, bucket_ms, parts).persist()
+            m = frames.messages(recs, stored, dead, route, ordering, order_field, bucket_ms, parts, key_lanes).persist()
             try:
                 frames.summary(m, infos, report, bucket_ms)
                 frames.listed(m, report, max_listed)

@@ -1,7 +1,10 @@
 """The audit's Spark side: one row per message, window functions per lane, and the report's numbers.
 
 A *lane* is what must stay in order: a sharding key within its queue (``ordering="key"``; the
-keyless messages of a queue form one lane) or the whole queue (``ordering="queue"``). Within a lane
+keyless messages of a queue form one lane) or the whole queue (``ordering="queue"``). A key lane is
+the hash of the sharding key a message was sent with (its header ``h``, the ledger's ``key_hash``):
+what a key-ordered listener orders and serialises by, whether or not the message carries the key
+itself (``send_orderly`` stores none; ``KEY_LANES``). Within a lane
 messages are ranked by their first delivery (its ``start_ms``; the offset breaks ties, as the
 messages of one batched call share a start).
 
@@ -59,8 +62,17 @@ MIN_LATENCY_MS = 0.001
 PLOT_BINS = 40
 PERCENTILES = (0.5, 0.95, 0.99)
 #: The ledger columns the audit reads (the reader then parses and ships only these).
-LEDGER_COLUMNS = ("broker STRING, queue INT, offset BIGINT, key STRING, born_ms BIGINT, start_ms DOUBLE, "
-                  "end_ms DOUBLE, epoch BIGINT, outcome STRING")
+LEDGER_COLUMNS = ("broker STRING, queue INT, offset BIGINT, key STRING, key_hash BIGINT, born_ms BIGINT, "
+                  "start_ms DOUBLE, end_ms DOUBLE, epoch BIGINT, outcome STRING")
+#: Where key lanes come from: ``key_hash`` (the records' ``key_hash``, the stored headers' ``h``), or
+#: ``first_key`` for a ledger an engine wrote before it recorded key hashes (the hash of each
+#: message's first key, which ``send_orderly_batch`` and the Spark writer set to the sharding key;
+#: messages without one form their queue's lane). Records and stored messages take the same rule,
+#: or a message would fall in two lanes.
+KEY_LANES = ("key_hash", "first_key")
+#: The lane of a message sent without a sharding key (``key_lanes.NO_KEY``).
+_NO_KEY = -1
+_FIRST_KEY_LANE = f"CASE WHEN coalesce(`key`, '') = '' THEN {_NO_KEY} ELSE crc32(`key`) END"
 
 
 @dataclass(frozen=True)
@@ -109,14 +121,18 @@ class Route:
         return self._by_index(self.starts)
 
 
-def records(ledger: DataFrame, route: Route) -> DataFrame:
-    """Ledger records with their queue index; a record that is not the engine's (or of a queue not
-    in the route) keeps a null ``qi`` and ``offset``: counted as malformed, checked for nothing."""
+def records(ledger: DataFrame, route: Route, key_lanes: str = "key_hash") -> DataFrame:
+    """Ledger records with their queue index and lane; a record that is not the engine's (or of a
+    queue not in the route) keeps a null ``qi`` and ``offset``: counted as malformed, checked for
+    nothing. A record without ``key_hash`` (an older engine's, during an upgrade) takes its first
+    key's lane."""
     located = ledger.selectExpr("*", f"{route.index_sql('broker', '`queue`')} AS qi")
     good = "NOT (outcome IS NULL OR `offset` IS NULL OR qi IS NULL)"
+    lane = _FIRST_KEY_LANE if key_lanes == "first_key" else f"coalesce(key_hash, {_FIRST_KEY_LANE})"
     return located.selectExpr(
         f"CASE WHEN {good} THEN qi END AS qi",
         f"CASE WHEN {good} THEN `offset` END AS `offset`",
+        f"CASE WHEN {good} THEN {lane} ELSE {_NO_KEY} END AS lane",
         f"CASE WHEN {good} THEN coalesce(`key`, '') ELSE '' END AS `key`",
         "1 AS record",
         "0 AS is_stored",
@@ -127,17 +143,18 @@ def records(ledger: DataFrame, route: Route) -> DataFrame:
     )
 
 
-def stored_rows(stored: DataFrame) -> DataFrame:
+def stored_rows(stored: DataFrame, key_lanes: str = "key_hash") -> DataFrame:
     """Stored messages in the shape of ``records`` (no delivery, ``is_stored`` = 1)."""
+    lane = _FIRST_KEY_LANE if key_lanes == "first_key" else f"coalesce(key_hash, {_NO_KEY})"
     return stored.selectExpr(
-        "qi", "`offset`", "coalesce(`key`, '') AS `key`", "0 AS record", "1 AS is_stored", "0 AS ok", "0 AS dlq",
+        "qi", "`offset`", f"{lane} AS lane", "coalesce(`key`, '') AS `key`", "0 AS record", "1 AS is_stored", "0 AS ok", "0 AS dlq",
         "CAST(NULL AS DOUBLE) AS start_ms", "CAST(NULL AS DOUBLE) AS end_ms", "CAST(NULL AS BIGINT) AS epoch",
         "CAST(NULL AS BIGINT) AS born_ms", "field_value",
     )
 
 
 def _lane_columns(ordering: str) -> list[str]:
-    return ["qi"] if ordering == "queue" else ["qi", "key"]
+    return ["qi"] if ordering == "queue" else ["qi", "lane"]
 
 
 def lane_partitions(spark_parallelism: int, records: int, limit: int) -> int:
@@ -148,8 +165,9 @@ def lane_partitions(spark_parallelism: int, records: int, limit: int) -> int:
 
 
 def _fold(rows: DataFrame, ordering: str, order_field: str | None, partitions: int) -> DataFrame:
-    """One row per message. Grouping by (qi, key, offset) after partitioning by the lane keeps the
-    lane partitioning (no second shuffle): a message's records and its stored row share its key."""
+    """One row per message. Grouping by (qi, lane, key, offset) after partitioning by the lane keeps
+    the lane partitioning (no second shuffle): a message's records and its stored row share its
+    lane and its first key (which is grouped by, not aggregated: a string buffer would make Spark sort)."""
     # SQL text: one py4j call per aggregate (a Column built from functions costs a dozen).
     ok, settled = "ok = 1", "(ok = 1 OR dlq = 1)"
     aggs = [
@@ -166,17 +184,17 @@ def _fold(rows: DataFrame, ordering: str, order_field: str | None, partitions: i
     ]
     if order_field:
         aggs.append("max(field_value) AS field_value")  # a string buffer: only when asked
-    return (rows.repartition(partitions, *_lane_columns(ordering)).groupBy("qi", "key", "offset")
+    return (rows.repartition(partitions, *_lane_columns(ordering)).groupBy("qi", "lane", "key", "offset")
             .agg(*(F.expr(a) for a in aggs)))
 
 
 
 def messages(recs: DataFrame, stored: DataFrame | None, dead: DataFrame | None, route: Route, ordering: str,
-             order_field: str | None, bucket_ms: int, partitions: int) -> DataFrame:
+             order_field: str | None, bucket_ms: int, partitions: int, key_lanes: str = "key_hash") -> DataFrame:
     """Every message with the flags and bins the report counts: the delivered ones only (phase 1,
     ``stored`` None: whether each is still stored is judged from its queue's offset range), or the
     delivered and the stored ones (phase 2, the stored messages read)."""
-    rows = recs if stored is None else recs.unionByName(stored_rows(stored))
+    rows = recs if stored is None else recs.unionByName(stored_rows(stored, key_lanes))
     m = _fold(rows, ordering, order_field, partitions)
     # Broadcast joins keep the lane partitioning the windows below rely on.
     m = m.join(dead, ["qi", "offset"], "left") if dead is not None else m.selectExpr("*", "CAST(NULL AS BOOLEAN) AS in_dlq")
@@ -198,7 +216,7 @@ def messages(recs: DataFrame, stored: DataFrame | None, dead: DataFrame | None, 
     below_commit = "(`offset` < committed)"
     passed = "coalesce(`offset` < lane_success, false)"
     audited = "(`offset` >= audit_from)"
-    lane_name = "'queue'" if ordering == "queue" else "CASE WHEN `key` = '' THEN 'queue' ELSE 'key' END"
+    lane_name = "'queue'" if ordering == "queue" else f"CASE WHEN lane = {_NO_KEY} THEN 'queue' ELSE 'key' END"
     latency = "(settle_start - born_ms)"
     # greatest() skips nulls: a message without a latency must get no bin, hence the CASE.
     lat_bin = (f"CASE WHEN {latency} IS NOT NULL THEN CAST(floor(ln(greatest({latency}, {MIN_LATENCY_MS!r}D)) / "
@@ -455,7 +473,7 @@ def listed(m: DataFrame, report: AuditReport, limit: int) -> None:
     wanted = [k for k, n in kinds.items() if n]
     if not wanted:
         return
-    cols = ["key", "qi", "offset", "after_offset", "first_start", "gap_reason", "successes", "epoch_lo",
+    cols = ["key", "lane", "qi", "offset", "after_offset", "first_start", "gap_reason", "successes", "epoch_lo",
             "epoch_hi", "dup_kind"]
     if report.order_field:
         cols += ["field_value", "after_field"]
@@ -464,14 +482,14 @@ def listed(m: DataFrame, report: AuditReport, limit: int) -> None:
     rank = F.row_number().over(Window.partitionBy("kind").orderBy("qi", "offset"))
     rows = tagged.withColumn("rank", rank).where(F.col("rank") <= limit).orderBy("kind", "qi", "offset").collect()
     for r in rows:
-        key = r.key or None
+        key, h = r.key or None, None if r.lane == _NO_KEY else r.lane
         if r.kind == "violation":
-            report.violations.append(OrderViolation(key, r.qi, r.offset, r.after_offset, round(r.first_start, 3)))
+            report.violations.append(OrderViolation(key, r.qi, r.offset, r.after_offset, round(r.first_start, 3), h))
         elif r.kind == "gap":
-            report.gaps.append(Gap(key, r.qi, r.offset, None, r.gap_reason))
+            report.gaps.append(Gap(key, r.qi, r.offset, None, r.gap_reason, h))
         elif r.kind == "dup":
             epochs = sorted({r.epoch_lo, r.epoch_hi})
-            report.duplicates.append(Duplicate(key, r.qi, r.offset, r.successes, epochs, r.dup_kind))
+            report.duplicates.append(Duplicate(key, r.qi, r.offset, r.successes, epochs, r.dup_kind, h))
         else:
             report.domain_violations.append(DomainViolation(key, r.qi, r.offset, r.field_value, r.after_field.off,
-                                                            r.after_field.str))
+                                                            r.after_field.str, h))

@@ -34,6 +34,8 @@ class OrderViolation:
     offset: int
     after_offset: int
     first_delivery_ms: float
+    #: The lane's sharding key hash (None: the queue's keyless lane, or ``ordering="queue"``).
+    key_hash: int | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class Gap:
     offset: int
     msg_id: str | None
     reason: str
+    key_hash: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Duplicate:
     successes: int
     epochs: list[int]
     kind: str  # "epoch_change" | "same_epoch"
+    key_hash: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,7 @@ class DomainViolation:
     value: str
     after_offset: int
     after_value: str
+    key_hash: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,6 +101,14 @@ class QueueStats:
     latency: Latency
 
 
+def _lane(finding: OrderViolation | Gap | Duplicate | DomainViolation) -> str:
+    """How a report line names a finding's lane: its key, else its key hash (``send_orderly`` stores
+    no key), else the queue's keyless lane."""
+    if finding.key is not None:
+        return f"key {finding.key!r}"
+    return f"key hash {finding.key_hash}" if finding.key_hash is not None else "keyless"
+
+
 @dataclass
 class AuditReport:
     """Every finding of one audit; ``ok`` is what the CLI's exit code says."""
@@ -110,6 +123,9 @@ class AuditReport:
     start: str = "stored"
     #: Whether the stored messages themselves were read (phase 2: something to name, or a body field).
     read_stored: bool = False
+    #: Where key lanes came from (``audit_frames.KEY_LANES``): ``key_hash``, or ``first_key`` for a
+    #: ledger written by an engine that recorded no key hashes.
+    key_lanes: str = "key_hash"
     seconds: float = 0.0
     ledger_records: int = 0
     ledger_trimmed: int = 0
@@ -144,17 +160,17 @@ class AuditReport:
         """One line per kind of failure, naming the first few cases (empty when ``ok``)."""
         out = []
         if self.violation_count:
-            first = "; ".join(f"key {v.key!r} queue {v.queue} offset {v.offset} first handled after offset "
+            first = "; ".join(f"{_lane(v)} queue {v.queue} offset {v.offset} first handled after offset "
                               f"{v.after_offset}" for v in self.violations[:3])
             out.append(f"{self.violation_count} order violation(s): {first}")
         if self.gap_count:
-            first = "; ".join(f"key {g.key!r} queue {g.queue} offset {g.offset} ({g.reason})" for g in self.gaps[:3])
+            first = "; ".join(f"{_lane(g)} queue {g.queue} offset {g.offset} ({g.reason})" for g in self.gaps[:3])
             out.append(f"{self.gap_count} gap(s), stored but never handled nor dead-lettered: {first}")
             if self.start == "stored" and any(g.reason.startswith("below the committed offset") for g in self.gaps):
                 out.append("if the ledger was switched on after this group began consuming, audit from the "
                            "ledger's first records instead: --start ledger (start='ledger')")
         if self.domain_violation_count:
-            first = "; ".join(f"key {d.key!r} queue {d.queue} offset {d.offset}: {self.order_field}={d.value} after "
+            first = "; ".join(f"{_lane(d)} queue {d.queue} offset {d.offset}: {self.order_field}={d.value} after "
                               f"{d.after_value} (offset {d.after_offset})" for d in self.domain_violations[:3])
             out.append(f"{self.domain_violation_count} {self.order_field} order violation(s): {first}")
         return out

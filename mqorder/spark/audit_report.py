@@ -13,7 +13,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from mqorder.spark import plots
-from mqorder.spark.audit_model import AuditReport, Latency
+from mqorder.spark.audit_model import AuditReport, DomainViolation, Duplicate, Gap, Latency, OrderViolation
 
 JSON_NAME, MD_NAME = "report.json", "report.md"
 LATENCY_PNG, THROUGHPUT_PNG, LAG_PNG = "latency.png", "throughput.png", "lag.png"
@@ -55,6 +55,8 @@ def _verdict(r: AuditReport) -> list[str]:
     when = datetime.fromtimestamp(r.started_at_ms / 1000, tz=UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
     head = [f"# Ordering audit: group `{r.group}` on topic `{r.topic}`", "",
             f"Audited {when} in {r.seconds:.1f} s; order checked per {r.ordering}"
+            + (" (key lanes by first key: a ledger that records no key hashes)"
+               if r.ordering == "key" and r.key_lanes == "first_key" else "")
             + (f", domain order by body field `{r.order_field}`" if r.order_field else "") + ".", ""]
     if r.ok:
         return [*head, "**PASS**: no order violation, no gap."]
@@ -100,6 +102,13 @@ def _queues(r: AuditReport) -> list[str]:
     return out
 
 
+def _key_cell(finding: OrderViolation | Gap | Duplicate | DomainViolation) -> str:
+    """A finding's key; a message sent with ``send_orderly`` stores none: then its key hash."""
+    if finding.key is not None:
+        return f"`{finding.key}`"
+    return f"hash {finding.key_hash}" if finding.key_hash is not None else "(none)"
+
+
 def _more(listed: int, total: int) -> list[str]:
     return [f"({total - listed:,} more in report.json or beyond its listing)"] if total > listed else []
 
@@ -110,7 +119,7 @@ def _violations(r: AuditReport) -> list[str]:
     shown = r.violations[:MD_LISTED]
     return ["## Order violations", "", "A message first delivered after a later offset of its key had been.", "",
             "| key | queue | offset | first delivered after offset |", "|---|---:|---:|---:|",
-            *(f"| `{v.key}` | {v.queue} | {v.offset} | {v.after_offset} |" for v in shown),
+            *(f"| {_key_cell(v)} | {v.queue} | {v.offset} | {v.after_offset} |" for v in shown),
             *_more(len(shown), r.violation_count)]
 
 
@@ -120,7 +129,7 @@ def _gaps(r: AuditReport) -> list[str]:
     shown = r.gaps[:MD_LISTED]
     return ["## Gaps", "", "Stored, never handled with SUCCESS nor dead-lettered, and passed over.", "",
             "| key | queue | offset | msg id | why it is a gap |", "|---|---:|---:|---|---|",
-            *(f"| `{g.key}` | {g.queue} | {g.offset} | `{g.msg_id}` | {g.reason} |" for g in shown),
+            *(f"| {_key_cell(g)} | {g.queue} | {g.offset} | `{g.msg_id}` | {g.reason} |" for g in shown),
             *_more(len(shown), r.gap_count)]
 
 
@@ -133,7 +142,7 @@ def _duplicates(r: AuditReport) -> list[str]:
             "Handled with SUCCESS more than once. `epoch_change`: redelivered after a change of owner "
             "(at-least-once across a failover); `same_epoch`: under one owner.", "",
             "| key | queue | offset | successes | epochs | kind |", "|---|---:|---:|---:|---|---|",
-            *(f"| `{d.key}` | {d.queue} | {d.offset} | {d.successes} | {', '.join(map(str, d.epochs))} | {d.kind} |"
+            *(f"| {_key_cell(d)} | {d.queue} | {d.offset} | {d.successes} | {', '.join(map(str, d.epochs))} | {d.kind} |"
               for d in shown),
             *_more(len(shown), total)]
 
@@ -145,7 +154,7 @@ def _domain(r: AuditReport) -> list[str]:
     return [f"## `{r.order_field}` order violations", "",
             f"| key | queue | offset | {r.order_field} | after offset | its {r.order_field} |",
             "|---|---:|---:|---|---:|---|",
-            *(f"| `{d.key}` | {d.queue} | {d.offset} | {d.value} | {d.after_offset} | {d.after_value} |" for d in shown),
+            *(f"| {_key_cell(d)} | {d.queue} | {d.offset} | {d.value} | {d.after_offset} | {d.after_value} |" for d in shown),
             *_more(len(shown), r.domain_violation_count)]
 
 

@@ -97,9 +97,9 @@ def json_integers(data: np.ndarray, buf: pa.Buffer, starts: np.ndarray, ends: np
         return None
 
 
-def parse(heads: Binaries) -> tuple[pa.Array, pa.Array, pa.Array] | None:
-    """(msg id, first key, born ms as int64) of a page whose headers all have the common shape, or
-    None (then parse it with a JSON reader)."""
+def parse(heads: Binaries) -> tuple[pa.Array, pa.Array, pa.Array, pa.Array] | None:
+    """(msg id, first key, born ms, key hash, both int64) of a page whose headers all have the common
+    shape, or None (then parse it with a JSON reader)."""
     n = len(heads)
     if not n:
         return None
@@ -122,14 +122,15 @@ def parse(heads: Binaries) -> tuple[pa.Array, pa.Array, pa.Array] | None:
     if (data[ends - 1] != ord("}")).any():
         return None
     born = json_integers(data, data_buf, q[:, 5] + 2, q[:, 6] - 1)
-    if born is None or json_integers(data, data_buf, q[:, 11] + 2, ends - 1) is None:
+    hashes = json_integers(data, data_buf, q[:, 11] + 2, ends - 1)
+    if born is None or hashes is None:
         return None
     try:
         ids = gather(data_buf, q[:, 2] + 1, q[:, 3]).cast(pa.string())
         first_keys = gather(data_buf, q[:, 8] + 1, q[:, 9]).cast(pa.string())
     except (pa.ArrowInvalid, pa.ArrowTypeError):  # not UTF-8
         return None
-    return ids, first_keys, born
+    return ids, first_keys, born, hashes
 
 
 #: The common shape as ``_resp.parse_template`` reads it: the bytes around the id, born time, key
@@ -159,7 +160,7 @@ def template_values(values: Binaries, segments: tuple[bytes, ...], kinds: bytes
     return buf, spans, ints
 
 
-def _parse_native(heads: Binaries, n: int) -> tuple[pa.Array, pa.Array, pa.Array] | None:
+def _parse_native(heads: Binaries, n: int) -> tuple[pa.Array, pa.Array, pa.Array, pa.Array] | None:
     """``parse`` by ``_resp.parse_template``: each header walked once, checked against the same shape."""
     parsed = template_values(heads, *_TEMPLATE)
     if parsed is None:
@@ -170,7 +171,7 @@ def _parse_native(heads: Binaries, n: int) -> tuple[pa.Array, pa.Array, pa.Array
         first_keys = gather(buf, spans[4], spans[5]).cast(pa.string())
     except (pa.ArrowInvalid, pa.ArrowTypeError):  # not UTF-8
         return None
-    return ids, first_keys, pa.array(ints[1])
+    return ids, first_keys, pa.array(ints[1]), pa.array(ints[3])
 
 
 def quote_grid(values: Binaries, per_row: int

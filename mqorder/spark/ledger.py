@@ -45,7 +45,7 @@ from mqorder.store.brokers import BrokerRegistry
 #: The schema of a ledger read, as DDL for ``DataSource.schema`` (``FIELDS`` in order, then ``entry``).
 LEDGER_SCHEMA_DDL = (
     "`group` STRING, topic STRING, broker STRING, queue INT, offset BIGINT, msg_id STRING, key STRING, "
-    "born_ms BIGINT, start_ms DOUBLE, end_ms DOUBLE, attempt INT, epoch BIGINT, client STRING, run STRING, "
+    "key_hash BIGINT, born_ms BIGINT, start_ms DOUBLE, end_ms DOUBLE, attempt INT, epoch BIGINT, client STRING, run STRING, "
     "outcome STRING, entry STRING"
 )
 LEDGER_ARROW_SCHEMA = pa.schema([
@@ -56,6 +56,7 @@ LEDGER_ARROW_SCHEMA = pa.schema([
     ("offset", pa.int64()),
     ("msg_id", pa.string()),
     ("key", pa.string()),
+    ("key_hash", pa.int64()),
     ("born_ms", pa.int64()),
     ("start_ms", pa.float64()),
     ("end_ms", pa.float64()),
@@ -74,7 +75,7 @@ READ_PAGE = 10_000
 DEFAULT_MAX_ROWS_PER_PARTITION = 250_000
 _KNOWN = ("ledger", "topic", "redisurl", "brokers", "maxrowsperpartition", "minpartitions", "path")
 _JSON_READ = pj.ReadOptions(use_threads=False, block_size=64 << 20)
-_INT_FIELDS = {"queue", "offset", "born_ms", "attempt", "epoch"}
+_INT_FIELDS = {"queue", "offset", "key_hash", "born_ms", "attempt", "epoch"}
 _FLOAT_FIELDS = {"start_ms", "end_ms"}
 
 
@@ -119,6 +120,9 @@ class LedgerStream:
     first_id: str
     last_id: str
     trimmed: int
+    #: Whether its oldest record has ``key_hash`` (an engine that writes none wrote it: the audit
+    #: then takes key lanes from first keys, ``audit_frames.KEY_LANES``).
+    key_hashed: bool = True
 
 
 @dataclass(frozen=True)
@@ -159,7 +163,10 @@ def ledger_streams(brokers: BrokerRegistry, group: str) -> list[LedgerStream]:
             continue
         first, last = info["first-entry"][0], info["last-entry"][0]
         added = int(info.get("entries-added", length) or length)
-        out.append(LedgerStream(name, length, _text(first), _text(last), max(0, added - length)))
+        first_record = info["first-entry"][1] or {}
+        raw = first_record.get(b"r", first_record.get("r", b""))
+        hashed = b'"key_hash":' in (raw.encode() if isinstance(raw, str) else raw)
+        out.append(LedgerStream(name, length, _text(first), _text(last), max(0, added - length), hashed))
     return out
 
 

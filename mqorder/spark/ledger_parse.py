@@ -1,11 +1,11 @@
 """Ledger records of the engine's exact shape, parsed as whole columns with numpy (``headers``' way).
 
-``LedgerBuffer.note`` writes every record with ``orjson.dumps`` of the same dict: the fifteen
-``FIELDS`` in order, compact, eight string values and seven numbers (five integers, two floats
+``LedgerBuffer.note`` writes every record with ``orjson.dumps`` of the same dict: the sixteen
+``FIELDS`` in order, compact, eight string values and eight numbers (six integers, two floats
 with a fraction: ``round(ms, 3)``). Arrow's JSON reader took ~3.7 µs a record, most of an audit's
 Python time; here a page is one buffer:
 
-* every record must have exactly 46 ``"`` (keys and string values, none null), no ``\\`` and no
+* every record must have exactly 48 ``"`` (keys and string values, none null), no ``\\`` and no
   control character, so every quote delimits a string and the quotes locate every value;
 * the bytes around the values (``{"group":"``, ``","topic":"``, ...) must be the shape's exactly:
   their lengths per record, then all of them at once against the template;
@@ -31,7 +31,7 @@ from mqorder.consumer.ledger import FIELDS
 from mqorder.spark import headers
 from mqorder.spark.headers import Binaries, gather, json_integers, quote_grid, template_values
 
-_INTS = ("queue", "offset", "born_ms", "attempt", "epoch")
+_INTS = ("queue", "offset", "key_hash", "born_ms", "attempt", "epoch")
 _FLOATS = ("start_ms", "end_ms")
 _NUMBERS = _INTS + _FLOATS
 #: Quotes per record: two per key, two per string value.

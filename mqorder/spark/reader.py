@@ -447,7 +447,8 @@ def _typed(ids: headers.Binaries, heads: headers.Binaries, bodies: headers.Binar
 
 #: The header fields parsed by Arrow's JSON reader (C++); a page with properties, or a header
 #: Arrow refuses, is parsed in Python field by field instead.
-_HEADER_SCHEMA = pa.schema([("i", pa.string()), ("b", pa.int64()), ("k", pa.list_(pa.string())), ("t", pa.string())])
+_HEADER_SCHEMA = pa.schema([("i", pa.string()), ("b", pa.int64()), ("k", pa.list_(pa.string())), ("t", pa.string()),
+                            ("h", pa.int64())])
 _HEADER_PARSE = pa_json.ParseOptions(explicit_schema=_HEADER_SCHEMA, unexpected_field_behavior="ignore")
 _HEADER_READ = pa_json.ReadOptions(use_threads=False, block_size=64 * 1024 * 1024)
 
@@ -458,15 +459,15 @@ def _no_properties(n: int) -> pa.MapArray:
 
 
 def _headers_arrow(heads: headers.Binaries) -> list[pa.Array] | None:
-    """msg id, first key, tags, properties and born time columns, or None to take the careful path.
-    Headers of the common shape are cut with numpy (``headers.parse``), others read by Arrow's
-    JSON reader."""
+    """msg id, first key, tags, properties, born time and key hash (``h``, int64, null where absent)
+    columns, or None to take the careful path. Headers of the common shape are cut with numpy
+    (``headers.parse``), others read by Arrow's JSON reader."""
     common = headers.parse(heads)
     if common is not None:
-        ids, first_keys, born = common
+        ids, first_keys, born, hashes = common
         n = len(heads)
         try:
-            return [ids, first_keys, pa.nulls(n, pa.string()), _no_properties(n), born.cast(_TS_MS).cast(_TS)]
+            return [ids, first_keys, pa.nulls(n, pa.string()), _no_properties(n), born.cast(_TS_MS).cast(_TS), hashes]
         except pa.ArrowInvalid:  # a born time out of Spark's range: the JSON path says so
             pass
     joined = b"\n".join(headers.as_bytes(heads))
@@ -485,7 +486,7 @@ def _headers_arrow(heads: headers.Binaries) -> list[pa.Array] | None:
     if len(first_key) != n:
         return None
     return [t.column("i").combine_chunks(), first_key, t.column("t").combine_chunks(), _no_properties(n),
-            t.column("b").combine_chunks().cast(_TS_MS).cast(_TS)]
+            t.column("b").combine_chunks().cast(_TS_MS).cast(_TS), t.column("h").combine_chunks()]
 
 
 def _headers_python(heads: headers.Binaries) -> list[pa.Array]:
@@ -505,7 +506,7 @@ def _batch(part: QueueRange, entries: Page) -> pa.RecordBatch:
         offsets, store_times = pa.array(offs, pa.int64()), pa.array(stored, _TS_MS).cast(_TS)
     else:
         offsets, heads, bodies, store_times = cols
-    ids, keys_, tags, props, born = (_headers_arrow(heads) if n else None) or _headers_python(heads)
+    ids, keys_, tags, props, born = ((_headers_arrow(heads) if n else None) or _headers_python(heads))[:5]
     return pa.RecordBatch.from_arrays([
         pa.repeat(pa.scalar(part.topic, pa.string()), n),
         pa.repeat(pa.scalar(part.span.index, pa.int32()), n),

@@ -67,5 +67,11 @@ class ConsumerClientStep(bootsteps.StartStopStep):
             self.client.stop()
             self.client = None
 
+    def terminate(self, worker) -> None:
+        """A cold shutdown (SIGQUIT, a second Ctrl-C) calls this, not ``stop``: the client leaves
+        all the same (unregister, rebalance, unlock; its pool is still up, being required). The
+        base class's ``terminate`` acts only on a step's ``obj``, which this step has none of."""
+        self.stop(worker)
+
     def shutdown(self, worker) -> None:
         self.stop(worker)

@@ -84,3 +84,42 @@ def test_a_rebalance_with_one_broker_down_dispatches_and_hints_the_healthy_queue
     assert [(d.mq, d.client) for d in report.dispatches] == [(A0, "c2")]
     assert A0 in assigned_queues(two.meta, "g", "c2")  # the hint names the live client
     assert svc.lock_all("c2", ["g"]) == 1  # which renews A0 (broker-b's queue fails, logged)
+
+
+def test_a_rebalance_goes_on_past_a_lane_whose_every_broker_is_down(two: BrokerRegistry, settings, caplog) -> None:
+    """A topic that lives only on the down broker made ``assign`` raise for its lane, and the
+    rebalance stopped there: the lanes after it (healthy brokers' topics) were never assigned and
+    no hint was written, for as long as the outage lasted."""
+    from mqorder.rebalance.membership import ClientRegistry, Subscription
+    from mqorder.rebalance.service import RebalanceService
+
+    svc = RebalanceService(two, settings)
+    svc.topics.create_topic("a-dead", 1, brokers=["broker-0"])  # sorts before "t"
+    svc.topics.create_topic("t", 2)
+    subs = [Subscription("g", t, MessageModel.CLUSTERING) for t in ("a-dead", "t")]
+    for t in ("a-dead", "t"):
+        svc.topics.subscribe("g", t, MessageModel.CLUSTERING)
+    ClientRegistry(two.meta, settings.heartbeat_timeout_ms).register("c1", subs)
+    with caplog.at_level(logging.WARNING):
+        report = svc.rebalance()
+    assert [mq for mq in svc.assigned_queues("g", "c1") if mq.topic == "t"] == [A0, MessageQueue("t", "broker-a", 1)]
+    assert report.assigned == 3  # the down lane's queue too: its decision stands, applied next time
+    assert "rebalance: lane 'g/a-dead' failed" in caplog.text
+
+
+def test_beat_lock_all_renews_the_clients_after_one_whose_every_broker_is_down(two: BrokerRegistry, settings) -> None:
+    from mqorder.rebalance.membership import ClientRegistry, Subscription
+    from mqorder.rebalance.service import RebalanceService
+
+    svc = RebalanceService(two, settings)
+    reg = ClientRegistry(two.meta, settings.heartbeat_timeout_ms)
+    reg.register("c1", [Subscription("g1", "t", MessageModel.CLUSTERING)])  # registered first: renewed first
+    reg.register("c2", [Subscription("g2", "t", MessageModel.CLUSTERING)])
+    two.meta.hset(keys.assignment("g1"), Z0.key, "c1")  # c1 holds only a queue of the down broker
+    two.meta.hset(keys.assignment("g2"), A0.key, "c2")
+    assert svc.lock_all_clients() == 1
+    assert two.meta.hget(keys.sub_state(A0.tag, "g2"), "owner") == b"c2"
+    two.meta.delete(keys.assignment("g2"))
+    two.meta.hset(keys.assignment("g2"), Z0.key, "c2")
+    with pytest.raises(redis.ConnectionError):  # nobody renewed anything: the error, as one broker sees it
+        svc.lock_all_clients()

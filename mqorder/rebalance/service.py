@@ -27,6 +27,7 @@ from mqorder.rebalance.allocate import AllocateMessageQueueStrategy, allocate_al
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.rebalance.membership import PULL_POOL, ClientInfo, ClientRegistry, redis_now_ms
 from mqorder.settings import Settings
+from mqorder.store.broker_steps import BrokerSteps
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.raw_pipe import RawPipeline
 from mqorder.store.replies import text
@@ -164,6 +165,7 @@ class RebalanceService:
         # Every lane's route in one round trip, not one per lane (issue 27: beat rebalances every
         # 20 s, and a deployment of 64 topics paid 64 round trips for the routes alone).
         routes = self.topics.describe_topics(sorted({topic for _, topic in lanes}))
+        steps = BrokerSteps("rebalance", part="lane")
         for (sub, topic), cids in sorted(lanes.items()):
             route = routes.get(topic)
             if route is None:
@@ -179,7 +181,9 @@ class RebalanceService:
             else:
                 assignment = allocate_all(self.strategy, keys.group_of_sub(sub), mqs, cids)
             triples = [(mq, assignment.get(mq, keys.NOBODY), new_token()) for mq in mqs]
-            results = self.locks.assign(sub, triples, dead, pending_ttl)
+            results: dict[MessageQueue, str] = {}
+            with steps.of(f"{sub}/{topic}"):  # a lane whose every broker is down: the others go on
+                results = self.locks.assign(sub, triples, dead, pending_ttl)
             hints[sub].extend(x for mq, a, _ in triples if a != keys.NOBODY for x in (mq.key, a))
             for mq, assignee, tok in triples:
                 r = results.get(mq)  # None: its broker failed (logged); the next rebalance applies it
@@ -191,6 +195,7 @@ class RebalanceService:
                     report.busy += 1
                 if r == "DISPATCH" and assignee not in pullers:  # a PullConsumer takes no requests
                     report.dispatches.append(Dispatch(sub, mq, assignee, tok))
+        steps.settle()  # every lane failed: raised; else logged, and the lanes that were applied hint
         pipe = self.brokers.meta.pipeline(transaction=False)
         for sub, hint in hints.items():
             pipe.delete(keys.assignment(sub))
@@ -247,8 +252,15 @@ class RebalanceService:
         return n
 
     def lock_all_clients(self) -> int:
+        """``lock_all`` of every live client (beat's): a client whose every broker is down must not
+        cost the clients after it their renewal."""
         clients, _, _ = self.registry.clients()
-        return sum(self.lock_all(c.client_id, self.lanes_of(c)) for c in clients)
+        steps, n = BrokerSteps("lock_all", part="client"), 0
+        for c in clients:
+            with steps.of(c.client_id):
+                n += self.lock_all(c.client_id, self.lanes_of(c))
+        steps.settle()
+        return n
 
     def sweep(self, subs: list[str], client_id: str = "") -> list[Dispatch]:
         """Queues with a backlog, a live owner and no live ConsumeRequest: dispatch them again."""

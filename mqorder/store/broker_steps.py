@@ -29,8 +29,11 @@ class BrokerSteps:
     sweep, ``lock_all`` or rebalance); if *every* broker tried failed, the first error is raised,
     as a single-broker deployment always saw it."""
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, part: str = "broker") -> None:
         self.what = what
+        #: What each part is called in the log: a broker, or a lane or client whose step spans
+        #: brokers of its own (a rebalance's lanes, ``lock_all``'s clients).
+        self.part = part
         self.ok = 0
         self.failed: list[tuple[str, Exception]] = []
 
@@ -50,5 +53,5 @@ class BrokerSteps:
         if not self.ok:
             raise self.failed[0][1]
         for name, exc in self.failed:
-            log.warning("%s: broker %r failed (%s: %s); the other brokers' part is done, its queues are tried "
-                        "again next time", self.what, name, type(exc).__name__, exc)
+            log.warning("%s: %s %r failed (%s: %s); the other %ss' part is done, its queues are tried again "
+                        "next time", self.what, self.part, name, type(exc).__name__, exc, self.part)

@@ -6,6 +6,7 @@ value given and what is allowed, instead of failing deep inside a worker an hour
 
 from __future__ import annotations
 
+import difflib
 import ipaddress
 import json
 import os
@@ -87,6 +88,21 @@ def renamed_settings(environ: Mapping[str, str], given: Mapping[str, object]) ->
         if old in given:
             out.append(f"setting {old!r} was renamed {new!r} (milliseconds): pass "
                        f"{new}={_in_ms(given[old], factor)}")
+    return out
+
+
+def unknown_settings(given: Mapping[str, object]) -> list[str]:
+    """One message per keyword that names no setting, with the closest names. Variables are not
+    checked: other tools share the ``MQORDER_`` prefix (the demo's, the Spark jobs'), but a keyword
+    is meant for these settings, and a misspelt one ignored left its setting on the default."""
+    known = Settings.model_fields
+    out = []
+    for name in given:
+        if name in known or name in RENAMED or name.startswith("_"):  # _env_file and the like: pydantic's
+            continue
+        close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
+        out.append(f"unknown setting {name!r}" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else
+                                                  "; the settings are listed in docs/SETTINGS.md"))
     return out
 
 
@@ -291,6 +307,7 @@ class Settings(BaseSettings):
         # Checked before pydantic reads anything: with ``extra="ignore"`` it would drop an old name
         # without a word, and its own errors would blame the settings rather than the variable.
         problems = renamed_settings(os.environ, values)
+        problems += unknown_settings(values)
         if problems:
             raise ConfigError("invalid mqorder settings:\n  " + "\n  ".join(problems))
         super().__init__(**values)
@@ -492,6 +509,8 @@ def load_settings(**overrides: Any) -> Settings:
     """Build settings from the environment plus keyword overrides; raise ``ConfigError`` if bad."""
     try:
         return Settings(**overrides)
+    except ConfigError:  # already said what was wrong (a renamed or unknown setting)
+        raise
     except ValidationError as exc:
         raise ConfigError(_explain(exc)) from None
     except (json.JSONDecodeError, ValueError) as exc:  # a malformed JSON env var

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import enum
 import zlib
 
 import pytest
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from mqorder.client.selector import key_bytes, queue_index, resolve, select_by_hash
+from mqorder.client.selector import key_bytes, key_hash, queue_index, resolve, select_by_hash
 from mqorder.errors import MessageError
 from mqorder.model import MessageQueue
 
@@ -59,6 +60,18 @@ def test_non_utf8_bytes_key_is_accepted() -> None:
 def test_int_key_hashes_like_its_decimal_string(key: int, n: int) -> None:
     assert queue_index(key, n) == zlib.crc32(str(key).encode("ascii")) % n
     assert queue_index(key, n) == queue_index(str(key), n)
+
+
+class Shop(int, enum.Enum):
+    BERLIN = 7
+
+
+def test_an_int_subclass_key_hashes_as_its_number_not_its_name() -> None:
+    """``str(Shop.BERLIN)`` is ``'Shop.BERLIN'``: hashed so, the key 7 went to two queues (and two
+    key lanes) depending on how it was spelt, and Spark's ``crc32`` of the number disagreed."""
+    assert Shop.BERLIN == 7
+    assert queue_index(Shop.BERLIN, 8) == queue_index(7, 8)
+    assert key_hash(Shop.BERLIN) == key_hash(7) == key_hash("7")
 
 
 @pytest.mark.parametrize(

@@ -241,3 +241,13 @@ def test_the_nobody_assignee_is_not_a_client_id() -> None:
     with pytest.raises(InvalidNameError, match="reserved"):
         check_client_id(keys.NOBODY)
     assert check_client_id("~w@host") == "~w@host"
+
+
+def test_a_misspelt_keyword_is_refused_naming_the_closest_settings() -> None:
+    """``extra="ignore"`` dropped it without a word: ``transaction_check_max`` stayed 15."""
+    with pytest.raises(ConfigError, match=r"unknown setting 'transaction_chek_max'; did you mean "
+                                          r"'transaction_check_max'") as exc:
+        load_settings(redis_url="redis://127.0.0.1:1/0", transaction_chek_max=3)
+    assert str(exc.value).count("invalid mqorder settings") == 1
+    with pytest.raises(ConfigError, match=r"unknown setting 'zzz'; the settings are listed in docs/SETTINGS.md"):
+        load_settings(zzz=1)

@@ -317,3 +317,56 @@ def test_the_check_back_against_an_unreachable_redis_says_so() -> None:
     s = load_settings(redis_url="redis://127.0.0.1:1/0", send_msg_timeout_ms=300)
     with pytest.raises(BrokerUnavailableError, match=r"list transaction topics failed.*Nothing was changed"):
         TransactionCheckService(BrokerRegistry(s.redis_url, s.brokers), s).check_once()
+
+
+def test_an_end_of_a_transaction_that_is_not_half_there_and_not_in_the_outcome_log_is_an_error(
+        tx: TransactionProducer) -> None:
+    """GONE with no line in the (capped) outcome log: the end used to be reported the caller's way
+    (a COMMIT, offset -1, no error) for a wrong queue, an unknown id, or a transaction rolled back
+    more than OUTCOME_LOG_LEN ends ago; the message stayed half, or was never stored."""
+    q0, q1 = tx.describe_topic("tx").message_queues
+    res = tx.send_in_transaction("tx", b"paid", sharding_key="k", selector=lambda qs, k, b: q0,
+                                 executor=lambda m, a: UNKNOWN)
+    with pytest.raises(TransactionEndedError, match=f"transaction {res.transaction_id} is not a half message on "
+                                                    f"{q1.key}.*this COMMIT changed nothing") as e:
+        tx.end_transaction(q1, res.transaction_id, COMMIT, by="producer")
+    assert e.value.outcome == "UNKNOWN"
+    assert tx.half_store.pending(q0) == [res.transaction_id] and bodies(tx, q1) == []
+    with pytest.raises(TransactionEndedError, match="no-such-id is not a half message"):
+        tx.end_transaction(q0, "no-such-id", ROLLBACK, by="producer")
+
+
+@pytest.mark.parametrize("answer", ["COMMIT_MESSAGE", "COMMIT"])
+def test_a_checker_answering_a_states_name_is_taken_at_its_word(tx: TransactionProducer, answer: str) -> None:
+    """RocketMQ spells it COMMIT_MESSAGE; a checker returning that string was UNKNOWN every time,
+    and after transaction_check_max checks a commit it had confirmed ended as a rollback."""
+    transaction_checker(topic="tx")(lambda msg: answer)
+    res = tx.send_in_transaction("tx", b"paid", sharding_key="k", executor=lambda m, a: UNKNOWN)
+    time.sleep(1.05)  # past transaction_timeout_ms
+    report = TransactionCheckService(tx.brokers, tx.settings).check_once()
+    assert (report.checked, report.committed, report.unknown) == (1, 1, 0)
+    assert bodies(tx, res.message_queue) == [b"paid"]
+
+
+def test_the_check_back_counts_an_end_the_producer_made_first_as_ended_elsewhere(redis_url: str) -> None:
+    """The producer's own ROLLBACK landed while the checker was asked (COMMIT): the check-back's end
+    found it GONE, changed nothing, and its report said committed."""
+    s = load_settings(redis_url=redis_url, transaction_timeout_ms=50)
+    p = TransactionProducer(settings=s)
+    p.create_topic("race", queues=1)
+    (mq,) = p.describe_topic("race").message_queues
+    res = p.send_in_transaction("race", b"x", sharding_key="k", executor=lambda m, a: UNKNOWN)
+
+    def checker(msg: MessageExt) -> LocalTransactionState:
+        p.end_transaction(mq, res.transaction_id, ROLLBACK, by="producer")
+        return COMMIT
+
+    _checkers["race"] = checker
+    try:
+        time.sleep(0.1)
+        report = TransactionCheckService(p.brokers, s).check_once()
+        assert (report.committed, report.rolled_back, report.ended_elsewhere) == (0, 0, [res.transaction_id])
+        assert bodies(p, mq) == []
+    finally:
+        p.close()
+        _checkers.pop("race", None)

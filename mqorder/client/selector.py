@@ -29,7 +29,9 @@ def key_bytes(sharding_key: object) -> bytes:
     if isinstance(sharding_key, bytes):
         return sharding_key
     if isinstance(sharding_key, int):
-        return str(sharding_key).encode("ascii")
+        # int.__repr__, not str(): an int subclass (an IntEnum member) spells its name there, and
+        # the key 7 went to another queue as Shop.BERLIN than as 7.
+        return int.__repr__(sharding_key).encode("ascii")
     raise MessageError(
         f"sharding_key must be a str, bytes or int, got {type(sharding_key).__name__}; "
         "pass the order/user id as a string"

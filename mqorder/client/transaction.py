@@ -41,7 +41,7 @@ from mqorder.codec import decode_entries
 from mqorder.errors import MessageError, TransactionEndedError
 from mqorder.model import MessageExt, MessageQueue
 from mqorder.store.durable import SendWait
-from mqorder.store.transactions import HalfStore, TxnEnd
+from mqorder.store.transactions import OUTCOME_LOG_LEN, HalfStore, TxnEnd
 
 log = logging.getLogger(__name__)
 
@@ -84,12 +84,21 @@ class TransactionSendResult:
 
 
 def as_state(value: object, who: str) -> LocalTransactionState:
-    """An executor's or checker's answer; anything but a state (None, an exception) is UNKNOWN,
-    which RocketMQ treats the same way: the check-back asks again later."""
+    """An executor's or checker's answer. A state's exact name or value as a string
+    (``"COMMIT_MESSAGE"``, RocketMQ's spelling, or ``"COMMIT"``) is that state: a callback's answer
+    cannot be refused to its author as ``end_transaction`` refuses one, and taken for UNKNOWN a
+    checker's "COMMIT" ended, after ``transaction_check_max`` checks, as a rollback. Anything else
+    (None, an exception) is UNKNOWN, as in RocketMQ: the check-back asks again later."""
     if isinstance(value, LocalTransactionState):
         return value
+    if isinstance(value, str):
+        named = LocalTransactionState.__members__.get(value) or next(
+            (s for s in LocalTransactionState if s.value == value), None)
+        if named is not None:
+            return named
     if value is not None:
-        log.warning("%s returned %r, not a LocalTransactionState; treated as UNKNOWN", who, value)
+        log.error("%s returned %r, not a LocalTransactionState (COMMIT, ROLLBACK or UNKNOWN); treated as UNKNOWN: "
+                  "the check-back asks again, and rolls back after transaction_check_max checks", who, value)
     return LocalTransactionState.UNKNOWN
 
 
@@ -162,10 +171,11 @@ class TransactionProducer(Producer):
 
         ``wait_replicas`` (default ``MQORDER_SEND_WAIT_REPLICAS``): a COMMIT returns once that many
         replicas have it, as in ``send_in_transaction``. A transaction already ended the same way
-        changes nothing and returns that end's offset (-1 if it is no longer in the outcome log),
-        and with a wait that end is waited for too: calling this again after a
+        changes nothing and returns that end's offset, and with a wait that end is waited for too: calling this again after a
         ``ReplicasBehindError`` of a commit is safe. One already ended the other way (the
-        check-back's answer) raises ``TransactionEndedError`` saying how. ``state`` must be a
+        check-back's answer) raises ``TransactionEndedError`` saying how, as does one that is not a
+        half message of ``mq`` and no longer in its outcome log (or never was: a wrong queue or
+        id), whose ``outcome`` is ``"UNKNOWN"``. ``state`` must be a
         ``LocalTransactionState`` (``MessageError`` otherwise, nothing ended).
         """
         if not isinstance(state, LocalTransactionState):
@@ -186,7 +196,16 @@ class TransactionProducer(Producer):
             # while the checker answered), or by an earlier end. The same way: its offset. The
             # other way: an error, or a COMMIT of a rolled-back message was reported as committed.
             ended = self.half_store.outcome_of(mq, txid)
-            if ended is not None and ended.outcome != verdict.value:
+            if ended is None:
+                # Not a half message there, and no end of it in the outcome log (capped to the last
+                # OUTCOME_LOG_LEN ends per queue): reporting the caller's way, a COMMIT of a
+                # rolled-back or unknown transaction came back as a commit.
+                raise TransactionEndedError(
+                    f"transaction {txid} is not a half message on {mq.key}, and {mq.key}'s outcome log (its last "
+                    f"{OUTCOME_LOG_LEN:,} ends) does not say how it ended: this {verdict.value} changed nothing. "
+                    "Check the queue and the transaction id; whether the message is stored, its msg id (the "
+                    "transaction id) in the topic says", "UNKNOWN")
+            if ended.outcome != verdict.value:
                 raise TransactionEndedError(
                     f"transaction {txid} on {mq.key} was already ended as {ended.outcome} by {ended.by} "
                     f"({ended.reason}); this {verdict.value} changed nothing: "
@@ -195,6 +214,5 @@ class TransactionProducer(Producer):
                     + ". Make the checker agree with the local transaction (answer UNKNOWN while it runs), "
                       "or raise transaction_timeout_ms past the executor's longest run", ended.outcome,
                 )
-            if ended is not None:
-                return TransactionSendResult(txid, txid, mq, state, ended.offset, reply.store_ms)
+            return TransactionSendResult(txid, txid, mq, state, ended.offset, reply.store_ms)
         return TransactionSendResult(txid, txid, mq, state, reply.offset, reply.store_ms)

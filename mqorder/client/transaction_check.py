@@ -36,7 +36,7 @@ from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.durable import SendWait
 from mqorder.store.topics import TopicManager
-from mqorder.store.transactions import HalfMessage, HalfStore, TxnEnd
+from mqorder.store.transactions import EndReply, HalfMessage, HalfStore, TxnEnd
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +85,9 @@ class CheckReport:
     unreplicated: list[str] = field(default_factory=list)
     #: Queues whose turn a broker error ended (claiming, or ending a transaction): left to the next pass.
     failed_queues: list[str] = field(default_factory=list)
+    #: Transactions ended by someone else (the producer's own end) while this pass asked about them:
+    #: this pass's end changed nothing, and is counted here, not as a commit or a rollback.
+    ended_elsewhere: list[str] = field(default_factory=list)
 
 
 class TransactionCheckService:
@@ -147,7 +150,9 @@ class TransactionCheckService:
         limit = self.settings.transaction_check_max
         if half.checks > limit:
             reason = f"still UNKNOWN after {limit} check-backs (transaction_check_max); rolled back"
-            self.store.end(half.mq, half.txid, TxnEnd.ROLLBACK, reason, "check-back")
+            if self._ended_elsewhere(self.store.end(half.mq, half.txid, TxnEnd.ROLLBACK, reason, "check-back"),
+                                     half, report):
+                return
             report.rolled_back += 1
             report.gave_up.append(half.txid)
             log.warning("transaction %s on %s: %s", half.txid, half.mq.key, reason)
@@ -168,12 +173,26 @@ class TransactionCheckService:
             return
         verdict = TxnEnd.COMMIT if state is LocalTransactionState.COMMIT else TxnEnd.ROLLBACK
         try:
-            self.store.end(half.mq, half.txid, verdict, f"check-back {half.checks} answered {state.value}",
-                           "check-back", wait=self.wait)
+            reply = self.store.end(half.mq, half.txid, verdict, f"check-back {half.checks} answered {state.value}",
+                                   "check-back", wait=self.wait)
         except ReplicasBehindError as exc:  # committed all the same: see the module docstring
             log.warning("transaction %s on %s: %s", half.txid, half.mq.key, exc)
             report.unreplicated.append(half.txid)
+        else:
+            if self._ended_elsewhere(reply, half, report):
+                return
         if verdict is TxnEnd.COMMIT:
             report.committed += 1
         else:
             report.rolled_back += 1
+
+    @staticmethod
+    def _ended_elsewhere(reply: EndReply, half: HalfMessage, report: CheckReport) -> bool:
+        """Whether the end found the transaction ended already (``GONE``: the producer ended it
+        while its checker was asked); then it is counted and logged as such."""
+        if reply.verdict is not TxnEnd.GONE:
+            return False
+        report.ended_elsewhere.append(half.txid)
+        log.info("transaction %s on %s was ended by its producer while the check-back asked; nothing changed",
+                 half.txid, half.mq.key)
+        return True

@@ -37,3 +37,33 @@ def test_a_topic_created_during_the_join_s_rebalance_is_taken_at_the_next_heartb
         client.service.registry.unregister(client.client_id)
         p.close()
         client.brokers.close()
+
+
+def test_a_rebalance_that_raised_is_tried_again_at_the_next_heartbeat(redis_url: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker that set the change's marker had its rebalance fail (the broker went away for a
+    moment): the other workers had skipped on the marker, and its own next heartbeat found the
+    marker held and took the change as seen. Nobody rebalanced until the 40 s stale fallback."""
+    import redis
+
+    s = load_settings(redis_url=redis_url)
+    client = ClientInstance("w1@retry", s, dispatch=lambda *a: True)
+    p = Producer(settings=s)
+    rebalance = client.service.rebalance
+    try:
+        client._register()
+        p.create_topic("t-late", queues=4)
+
+        def lost(*a: object, **k: object) -> object:
+            raise redis.ConnectionError("the broker went away for a moment")
+
+        monkeypatch.setattr(client.service, "rebalance", lost)
+        with pytest.raises(redis.ConnectionError):
+            client._watch_membership()  # the duty loop logs it and backs off
+        monkeypatch.setattr(client.service, "rebalance", rebalance)
+        client._watch_membership()
+        assert len(client.service.assigned_queues("g-late", client.client_id)) == 4
+    finally:
+        client.service.registry.unregister(client.client_id)
+        p.close()
+        client.brokers.close()

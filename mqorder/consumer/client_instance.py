@@ -310,6 +310,9 @@ class ClientInstance:
             # tried again at the next heartbeat, waiting only briefly: this loop also heartbeats.
             marker = keys.rebalance_seen(zlib.crc32(fp.encode()))
             if stale or self._rebalance_owed or self.brokers.meta.set(marker, self.client_id, nx=True, px=REBALANCE_SEEN_HOLD_MS):
+                # Owed until it ran: one that raised is tried again at the next heartbeat (the
+                # others skipped on this marker, and it would hold off this worker too).
+                self._rebalance_owed = True
                 self._rebalance_owed = not self._rebalance_now(wait_s=REBALANCE_WAIT_S)
             self._fingerprint = fp
 

@@ -36,6 +36,10 @@ from mqorder.store.urls import with_sentinel_password
 _DELAY_UNITS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
 
+#: The longest delay level: past it a typo (``999999999999d``) held messages for ever, unnoticed.
+MAX_DELAY_LEVEL_MS = 366 * 86_400_000
+
+
 def parse_delay_levels(text: str) -> list[int]:
     """RocketMQ's ``messageDelayLevel`` ("1s 5s 10s 30s 1m ... 2h") as ms per level; ``ms`` is
     accepted too ("200ms"), for fast retries in tests and latency-sensitive retry topics."""
@@ -45,6 +49,9 @@ def parse_delay_levels(text: str) -> list[int]:
         if unit is None or not num.isdigit() or int(num) <= 0:
             raise ValueError(f"delay level {item!r} is not a positive number followed by ms, s, m, h or d "
                              "(e.g. '1s 5s 1m')")
+        if int(num) * unit > MAX_DELAY_LEVEL_MS:
+            raise ValueError(f"delay level {item!r} is longer than 366 days: a message held that long belongs in "
+                             "your scheduler, not in a retry or delay level")
         out.append(int(num) * unit)
     if not out:
         raise ValueError("needs at least one level, e.g. '1s 5s 10s 30s 1m'")
@@ -283,14 +290,16 @@ class Settings(BaseSettings):
     #: Replicas that must have a send before it is acknowledged (Redis ``WAIT`` after the append,
     #: in the same round trip; ``wait_replicas=`` of a send wins): a send acknowledged so survives
     #: a failover to one of them. 0: do not wait (replication is asynchronous, and an acknowledged
-    #: send can be lost when a replica that lacks it is promoted). ``mqorder doctor`` says which.
+    #: send can be lost when a replica that lacks it is promoted). At most 16. ``mqorder doctor``
+    #: says which.
     send_wait_replicas: int = 0
     #: Milliseconds a send waits for ``send_wait_replicas``; short of them it raises
     #: ``ReplicasBehindError`` (stored on the primary, not yet safe from a failover).
     send_wait_timeout_ms: int = Field(1000, gt=0, le=600_000)
 
     # -- delay messages (RocketMQ's messageDelayLevel) -----------------------------------------
-    #: The delay of each ``delay_time_level`` (1 = the first), RocketMQ's broker default.
+    #: The delay of each ``delay_time_level`` (1 = the first), RocketMQ's broker default; each at
+    #: most 366 days.
     message_delay_level: str = "1s 5s 10s 30s 1m 2m 3m 4m 5m 6m 7m 8m 9m 10m 20m 30m 1h 2h"
     #: Milliseconds between two moves of due delayed messages into their queues by each worker's client.
     delay_move_interval_ms: int = Field(1000, gt=0, le=3_600_000)

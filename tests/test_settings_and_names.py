@@ -251,3 +251,11 @@ def test_a_misspelt_keyword_is_refused_naming_the_closest_settings() -> None:
     assert str(exc.value).count("invalid mqorder settings") == 1
     with pytest.raises(ConfigError, match=r"unknown setting 'zzz'; the settings are listed in docs/SETTINGS.md"):
         load_settings(zzz=1)
+
+
+def test_a_delay_level_past_a_year_is_refused() -> None:
+    """``999999999999d`` held every message of that level for ever, without a word."""
+    assert load_settings(redis_url="redis://127.0.0.1:1/0", message_delay_level="1s 366d").delay_levels_ms[-1] == \
+        366 * 86_400_000
+    with pytest.raises(ConfigError, match=r"delay level '999999999999d' is longer than 366 days"):
+        load_settings(redis_url="redis://127.0.0.1:1/0", message_delay_level="1s 999999999999d")

@@ -54,6 +54,11 @@ REPLICA_COUNT_TTL_S = 1.0
 SETTING = "MQORDER_SEND_WAIT_REPLICAS"
 
 
+#: The most replicas a write may wait for (as ``lock_wait_replicas``): more is a typo, which
+#: otherwise passed the start and failed every send with ``NotEnoughReplicasError``.
+MAX_WAIT_REPLICAS = 16
+
+
 def parse_wait_replicas(value: object) -> int:
     """A number of replicas to wait for: a whole number, 0 (do not wait) or more.
 
@@ -62,10 +67,10 @@ def parse_wait_replicas(value: object) -> int:
     """
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_WAIT_REPLICAS:
         raise ValueError(
-            "must be a whole number of replicas, 0 (sends do not wait) or more: 1 makes an acknowledged send "
-            "survive a failover to the replica that has it"
+            f"must be a whole number of replicas from 0 (sends do not wait) to {MAX_WAIT_REPLICAS}: 1 makes an "
+            "acknowledged send survive a failover to the replica that has it"
         )
     return value
 

@@ -370,25 +370,29 @@ def topic_layout(conn: Connection, topic: str) -> tuple[list[QueueRef], dict[int
         brokers.close()
 
 
-def _from_dict(h: dict) -> tuple[str | None, str | None, str | None, list[tuple[str, str]], int | None]:
-    """(msg id, first key, tags, properties, born ms) of a parsed header; None for what is not
-    there or not of its type (a damaged header still gives its row: a reader never drops one)."""
-    mid, k, t, p, b = h.get("i"), h.get("k"), h.get("t"), h.get("p"), h.get("b")
+_Header = tuple[str | None, str | None, str | None, list[tuple[str, str]], int | None, int | None]
+
+
+def _from_dict(h: dict) -> _Header:
+    """(msg id, first key, tags, properties, born ms, key hash) of a parsed header; None for what
+    is not there or not of its type (a damaged header still gives its row: a reader never drops one)."""
+    mid, k, t, p, b, kh = h.get("i"), h.get("k"), h.get("t"), h.get("p"), h.get("b"), h.get("h")
     return (
         mid if type(mid) is str else None,
         k[0] if type(k) is list and k and type(k[0]) is str else None,
         t if type(t) is str else None,
         [(a, v) for a, v in p.items() if type(v) is str] if type(p) is dict else [],
         b if type(b) is int else None,
+        kh if type(kh) is int and -(2**63) <= kh < 2**63 else None,
     )
 
 
-def _header(raw: bytes) -> tuple[str | None, str | None, str | None, list[tuple[str, str]], int | None]:
+def _header(raw: bytes) -> _Header:
     try:
         h = orjson.loads(raw)
     except orjson.JSONDecodeError:
         h = None
-    return _from_dict(h) if type(h) is dict else (None, None, None, [], None)
+    return _from_dict(h) if type(h) is dict else (None, None, None, [], None, None)
 
 
 def _fields(entries: list) -> tuple[list[int], list[bytes], list[bytes], list[int | None]]:
@@ -491,9 +495,11 @@ def _headers_arrow(heads: headers.Binaries) -> list[pa.Array] | None:
 
 def _headers_python(heads: headers.Binaries) -> list[pa.Array]:
     n = len(heads)
-    ids, keys_, tags, props, born = zip(*(_header(h) for h in headers.as_bytes(heads)), strict=True) if n else ([], [], [], [], [])
+    ids, keys_, tags, props, born, hashes = (zip(*(_header(h) for h in headers.as_bytes(heads)), strict=True) if n
+                                             else ([], [], [], [], [], []))
     return [pa.array(ids, pa.string()), pa.array(keys_, pa.string()), pa.array(tags, pa.string()),
-            pa.array(props, pa.map_(pa.string(), pa.string())), pa.array(born, _TS_MS).cast(_TS)]
+            pa.array(props, pa.map_(pa.string(), pa.string())), pa.array(born, _TS_MS).cast(_TS),
+            pa.array(hashes, pa.int64())]
 
 
 def _batch(part: QueueRange, entries: Page) -> pa.RecordBatch:

@@ -67,8 +67,8 @@ NAME_RE = re.compile(r"[%|a-zA-Z0-9_.-]{1,127}")
 #: Broker names: the same plus ``@``, which puts a broker in a machine room (``room@name``).
 BROKER_RE = re.compile(r"[%|a-zA-Z0-9_.@-]{1,127}")
 #: Client ids are Celery node names (``name@host``): anything but whitespace, control characters
-#: and braces, 1 to 255 characters.
-CLIENT_RE = re.compile(r"[^\s\x00-\x1f\x7f{}]{1,255}")
+#: (C0, DEL and C1: ``\x9b`` is a terminal's CSI as much as ``\x1b[``) and braces, 1 to 255 characters.
+CLIENT_RE = re.compile(r"[^\s\x00-\x1f\x7f-\x9f{}]{1,255}")
 #: A queue id as written in a queue key: decimal, no sign, no leading zero (one spelling per id).
 QUEUE_ID_RE = re.compile(r"0|[1-9][0-9]*")
 

@@ -9,7 +9,7 @@ from celery import Celery
 
 from mqorder.celery.bootsteps import ConsumerClientStep
 from mqorder.celery.broker import DERIVED_FROM_STORE, celery_broker, transport_options
-from mqorder.errors import ConfigError
+from mqorder.errors import ConfigError, MQOrderError
 from mqorder.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,8 @@ def import_listeners(modules: list[str]) -> None:
                 f"MQORDER_LISTENERS names {name!r}, which cannot be imported ({exc}); give "
                 "comma-separated module paths importable from the worker's working directory"
             ) from exc
+        except MQOrderError as exc:  # a decorator refused its arguments (ListenerError, a bad name)
+            raise ConfigError(f"listener module {name!r} (MQORDER_LISTENERS): {exc}") from exc
 
 
 def _broker_origin(app: Celery, settings: Settings) -> str:

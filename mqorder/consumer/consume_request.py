@@ -27,7 +27,7 @@ from mqorder.consumer import native
 from mqorder.consumer.async_loop import ProcessLoop
 from mqorder.consumer.commit_pipeline import commit_pipelined
 from mqorder.consumer.consumer_state import ConsumerState
-from mqorder.consumer.context import CallContext, ConsumeOrderlyContext
+from mqorder.consumer.context import CallContext, ConsumeOrderlyContext, suspend_ms_of
 from mqorder.consumer.escapes import goes_on_up
 from mqorder.consumer.hooks import RefusedContext, global_hooks, run_refused
 from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
@@ -499,7 +499,7 @@ class ConsumeRequest(LingeringReads):
                 self._commit_in_memory()
                 return None
             self._failed += n
-            return self._suspend(msgs, handled, ctx.suspend_current_queue_time_millis)
+            return self._suspend(msgs, handled, suspend_ms_of(ctx.suspend_current_queue_time_millis, self.suspend_ms))
         if status is SUCCESS:
             self.consumed += n
             return None
@@ -512,8 +512,8 @@ class ConsumeRequest(LingeringReads):
             if self.ledger is not None:
                 self.ledger.note(msgs, LedgerOutcome.SUSPEND, handled.start_ms, handled.end_ms, self.epoch)
             self.pq.rollback()
-            return self._stop_for_retry(ctx.suspend_current_queue_time_millis)
-        return self._suspend(msgs, handled, ctx.suspend_current_queue_time_millis)
+            return self._stop_for_retry(suspend_ms_of(ctx.suspend_current_queue_time_millis, self.suspend_ms))
+        return self._suspend(msgs, handled, suspend_ms_of(ctx.suspend_current_queue_time_millis, self.suspend_ms))
 
 
     def _note_failure(self, msgs: list[MessageExt], ctx: CallContext) -> None:

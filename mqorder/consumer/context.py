@@ -8,6 +8,21 @@ from collections.abc import Callable
 from mqorder.consumer.async_loop import process_loop
 from mqorder.model import MessageQueue
 
+#: The bounds RocketMQ puts on a suspend time a listener set on its context
+#: (``ConsumeMessageOrderlyService.submitConsumeRequestLater``): below, a hot retry loop that
+#: reaches the DLQ at once; above, a queue stalled for as long as the listener wrote.
+MIN_SUSPEND_MS, MAX_SUSPEND_MS = 10, 30_000
+
+
+def suspend_ms_of(value: object, default_ms: int) -> int:
+    """The suspend a listener's context asks for, as RocketMQ takes it: ``-1`` (RocketMQ's "the
+    consumer's default") or anything but a number is ``default_ms``; a number is clamped to
+    ``[MIN_SUSPEND_MS, MAX_SUSPEND_MS]``. ``None`` once raised out of the run after the reconsume
+    count was saved, leaving the queue to the sweep."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == -1 or value != value:
+        return default_ms
+    return int(min(max(value, MIN_SUSPEND_MS), MAX_SUSPEND_MS))
+
 
 class CallContext:
     """What every listener call gets: its queue, the fencing epoch, who runs it, and ``still_owner()``.

@@ -11,7 +11,7 @@ client subscribes ``%RETRY%<group>`` for every concurrently consuming group.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -107,6 +107,7 @@ MAXIMA = {
     "key_concurrency": 1024,
     "consume_concurrency": 1024,
     "consume_concurrently_max_span": 100_000,
+    "suspend_current_queue_time_millis": 30_000,  # the settings' suspend_current_queue_time_ms
 }
 
 
@@ -164,7 +165,7 @@ def orderly_listener(
     _positive("key_concurrency", key_concurrency)
     _positive("consume_concurrently_max_span", consume_concurrently_max_span)
     _positive("cancel_grace_ms", cancel_grace_ms, 0)
-    _check_ledger_hooks(ledger, hooks)
+    hook_list = _checked_hooks(ledger, hooks)
 
     def register(func: ListenerFunc) -> ListenerFunc:
         _check_func(func, "orderly_listener")
@@ -177,7 +178,7 @@ def orderly_listener(
             pull_batch_size=pull_batch_size,
             max_reconsume_times=max_reconsume_times,
             suspend_current_queue_time_millis=suspend_current_queue_time_millis,
-            hooks=list(hooks or []),
+            hooks=hook_list,
             ledger=ledger,
             ordering=Ordering(ordering),
             key_concurrency=key_concurrency,
@@ -202,10 +203,25 @@ def _check_func(func: object, decorator: str) -> None:
         raise ListenerError(f"listener {func!r} must accept two arguments: (msgs, ctx)") from None
 
 
+def _may_replace(old: ListenerSpec, new: ListenerSpec) -> bool:
+    """Whether ``new`` may take ``old``'s place: the same callable, or the same name from its module
+    imported again (a reload: new code). Two callables of one factory share their name and their
+    code (or their class) but not their state: a second listener for the group and topic, which
+    replaced the first without a word."""
+    if old.func is new.func:
+        return True
+    if old.name != new.name:
+        return False
+    a, b = getattr(old.func, "__code__", None), getattr(new.func, "__code__", None)
+    if a is not None or b is not None:
+        return a is not b
+    return type(old.func) is not type(new.func)
+
+
 def _register(spec: ListenerSpec) -> None:
     group, topic = spec.group, spec.topic
     old = _REGISTRY.get((group, topic))
-    if old is not None and old.name != spec.name:
+    if old is not None and not _may_replace(old, spec):
         raise ListenerError(
             f"group {group!r} already has a listener for topic {topic!r} ({old.name}); "
             "one group consumes a topic with one listener: use another group name"
@@ -284,7 +300,7 @@ def concurrent_listener(
     _positive("consume_concurrently_max_span", consume_concurrently_max_span)
     _positive("suspend_current_queue_time_millis", suspend_current_queue_time_millis, 10)
     _positive("cancel_grace_ms", cancel_grace_ms, 0)
-    _check_ledger_hooks(ledger, hooks)
+    hook_list = _checked_hooks(ledger, hooks)
 
     def register(func: ListenerFunc) -> ListenerFunc:
         _check_func(func, "concurrent_listener")
@@ -292,7 +308,7 @@ def concurrent_listener(
             func=func, topic=topic, group=group, message_model=model,
             consume_message_batch_max_size=consume_message_batch_max_size, pull_batch_size=pull_batch_size,
             max_reconsume_times=max_reconsume_times,
-            suspend_current_queue_time_millis=suspend_current_queue_time_millis, hooks=list(hooks or []),
+            suspend_current_queue_time_millis=suspend_current_queue_time_millis, hooks=hook_list,
             ledger=ledger, ordering=Ordering.CONCURRENT, key_concurrency=consume_concurrency,
             consume_concurrently_max_span=consume_concurrently_max_span, cancel_grace_ms=cancel_grace_ms,
         ))
@@ -312,12 +328,20 @@ def _message_model(message_model: MessageModel | str) -> MessageModel:
         ) from None
 
 
-def _check_ledger_hooks(ledger: object, hooks: list[ConsumeMessageHook] | None) -> None:
+def _checked_hooks(ledger: object, hooks: object) -> list[ConsumeMessageHook]:
+    """``hooks`` as a list, checked (``ledger`` too). Listed once: a generator checked and then
+    listed again was used up by the check, and the listener ran with no hooks."""
     if ledger is not None and not isinstance(ledger, bool):
         raise ListenerError(f"ledger must be True, False or None (from MQORDER_LEDGER), got {ledger!r}")
-    for h in hooks or []:
+    if hooks is None:
+        return []
+    if isinstance(hooks, (ConsumeMessageHook, str, bytes)) or not isinstance(hooks, Iterable):
+        raise ListenerError(f"hooks must be a list of ConsumeMessageHook instances, got {hooks!r}")
+    out = list(hooks)
+    for h in out:
         if not isinstance(h, ConsumeMessageHook):
             raise ListenerError(f"hooks must be ConsumeMessageHook instances, got {h!r}")
+    return out
 
 
 def registered_listeners() -> list[ListenerSpec]:

@@ -299,14 +299,14 @@ def script_calls(monkeypatch: pytest.MonkeyPatch, brokers: BrokerRegistry, scrip
     """The number of ``script`` calls in each pipelined round trip the default broker sends from
     now on (the real calls still run)."""
     calls: list[int] = []
-    real = brokers.default.scripts.run_pipelined
+    real = brokers.default.scripts.run_each  # what the lock manager's steps send their calls with
 
-    def counted(name: str, batch: list, via: object = None) -> list:
+    def counted(name: str, batch: list) -> list:
         if name == script:
             calls.append(len(batch))
-        return real(name, batch, via)
+        return real(name, batch)
 
-    monkeypatch.setattr(brokers.default.scripts, "run_pipelined", counted)
+    monkeypatch.setattr(brokers.default.scripts, "run_each", counted)
     return calls
 
 

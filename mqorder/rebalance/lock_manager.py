@@ -32,7 +32,7 @@ from mqorder.model import MessageQueue
 from mqorder.settings import Settings
 from mqorder.store.broker_steps import BrokerSteps
 from mqorder.store.brokers import Broker, BrokerRegistry, group_by_broker
-from mqorder.store.cluster_route import shard_groups
+from mqorder.store.cluster_route import RedisClusterException, shard_groups
 from mqorder.store.raw_pipe import RawPipeline
 from mqorder.store.replication import ReplicaWait
 
@@ -122,12 +122,12 @@ class RebalanceLockManager:
         steps = BrokerSteps("lock")
         for broker_name, group_mqs in group_by_broker(mqs).items():
             with steps.of(broker_name):
-                self._lock_on(self.brokers.get(broker_name), sub, group_mqs, client_id, locked)
+                self._lock_on(self.brokers.get(broker_name), sub, group_mqs, client_id, locked, steps)
         steps.settle()
         return locked
 
     def _lock_on(self, broker: Broker, sub: str, group_mqs: list[MessageQueue], client_id: str,
-                 locked: dict[MessageQueue, int]) -> None:
+                 locked: dict[MessageQueue, int], steps: BrokerSteps) -> None:
         """``try_lock_batch``'s part on one broker: its grants go into ``locked``."""
         batches = broker.slot_batches(group_mqs, _tag)
         calls = [([keys.sub_state(mq.tag, sub) for mq in b], [client_id, self.lock_max_live_time_ms])
@@ -139,8 +139,10 @@ class RebalanceLockManager:
             replies = self._lock_and_wait(broker, calls, wanted, [b[0].tag for b in batches],
                                           self.replica_wait.timeout_ms)
         else:
-            replies = [(epochs, 0) for epochs in broker.scripts.run_pipelined("lock_batch", calls)]
+            replies = [(epochs, 0) for epochs in steps.partly(broker.name, broker.scripts.run_each("lock_batch", calls))]
         for b, want, (epochs, acked) in zip(batches, wanted, replies, strict=True):
+            if epochs is None:  # its shard failed (logged): tried again next time
+                continue
             for mq, epoch in zip(b, epochs, strict=True):
                 epoch = int(epoch)
                 if not epoch:
@@ -171,7 +173,10 @@ class RebalanceLockManager:
                     [it for _, b in batches for it in b], LOCK_CALL_QUEUES)
                 calls = [([keys.sub_state(mq.tag, lanes[li][0]) for li, mq, _ in part], [client_id, self.lock_max_live_time_ms])
                          for part in parts]
-                for part, epochs in zip(parts, broker.scripts.run_pipelined("lock_batch", calls), strict=True):
+                for part, epochs in zip(parts, steps.partly(broker.name, broker.scripts.run_each("lock_batch", calls)),
+                                        strict=True):
+                    if epochs is None:  # its shard failed (logged): renewed next time
+                        continue
                     for (li, mq, _), epoch in zip(part, epochs, strict=True):
                         epoch = int(epoch)
                         if epoch:
@@ -235,11 +240,12 @@ class RebalanceLockManager:
             with steps.of(broker_name):
                 broker = self.brokers.get(broker_name)
                 batches = broker.slot_batches(group_mqs, _tag)
-                replies = broker.scripts.run_pipelined("unlock_batch", [
+                replies = steps.partly(broker.name, broker.scripts.run_each("unlock_batch", [
                     ([keys.sub_state(mq.tag, sub) for mq in b], [client_id, "1" if force else "0"]) for b in batches
-                ])
+                ]))
                 for b, res in zip(batches, replies, strict=True):
-                    unlocked.update(mq for mq, r in zip(b, res, strict=True) if int(r))
+                    if res is not None:
+                        unlocked.update(mq for mq, r in zip(b, res, strict=True) if int(r))
         steps.settle()
         return unlocked
 
@@ -292,7 +298,10 @@ class RebalanceLockManager:
                         args.append(assignee)
                         args.append(token)
                     calls.append((kl, args))
-                for items, res in zip(batches, broker.scripts.run_pipelined("assign", calls), strict=True):
+                for items, res in zip(batches, steps.partly(broker.name, broker.scripts.run_each("assign", calls)),
+                                      strict=True):
+                    if res is None:  # its shard failed (logged): no outcome, the next rebalance applies it
+                        continue
                     for (mq, _, _), r in zip(items, res, strict=True):
                         out[mq] = r.decode() if isinstance(r, bytes) else str(r)
         steps.settle()
@@ -315,13 +324,20 @@ class RebalanceLockManager:
         return self.sweep_lanes([(sub, candidates)], client_id, pending_ttl_ms)[0]
 
     @staticmethod
-    def _node_identity(broker: Broker, tag: str, seen: dict[str, str]) -> tuple[str, str]:
-        """(node name, ``Broker.node_identity``) of ``tag``'s node, read once per node in a sweep."""
+    def _node_identity(broker: Broker, tag: str, seen: dict[str, str | Exception]) -> tuple[str, str]:
+        """(node name, ``Broker.node_identity``) of ``tag``'s node, read once per node in a sweep
+        (a node that failed to answer is not asked again in that sweep: its error is raised)."""
         client: Any = broker.client
         node = client.primary_for(tag).name if broker.is_cluster else ""
         if node not in seen:
-            seen[node] = broker.node_identity(tag)
-        return node, seen[node]
+            try:
+                seen[node] = broker.node_identity(tag)
+            except (redis.RedisError, RedisClusterException) as exc:
+                seen[node] = exc
+        got = seen[node]
+        if isinstance(got, Exception):
+            raise got
+        return node, got
 
     def _recorded_on(self, where: tuple[str, str], identity: str) -> set[tuple[str, str]]:
         """The (sub, queue key) pairs this manager's sweeps recorded on node ``where`` under
@@ -350,14 +366,22 @@ class RebalanceLockManager:
             with steps.of(broker.name):
                 # (identity passed, its items, the recorded set they join): one per lane batch and kind.
                 groups: list[tuple[str, list[tuple[int, MessageQueue, str]], set[tuple[str, str]] | None]] = []
-                nodes: dict[str, str] = {}  # one INFO per node and sweep (every batch on a plain Redis)
+                nodes: dict[str, str | Exception] = {}  # one INFO per node and sweep (every batch on a plain Redis)
+                unread: Exception | None = None
+                skipped = 0
                 for li, items in batches:
                     sub = lanes[li][0]
                     # sweep.lua records the node's identity on a queue, and notes a run mark written on
                     # another node, when it is passed: once per queue and identity, in a call of its own
                     # beside the queues already recorded (whose idle path stays two plain reads: a slot
                     # of an MGET and an HGET).
-                    node, identity = self._node_identity(broker, items[0][1].tag, nodes)
+                    try:
+                        node, identity = self._node_identity(broker, items[0][1].tag, nodes)
+                    except (redis.RedisError, RedisClusterException) as exc:
+                        if not broker.is_cluster:
+                            raise
+                        unread, skipped = exc, skipped + 1  # its shard is down: its queues are swept next time
+                        continue
                     recorded = self._recorded_on((broker.name, node), identity) if identity else None
                     fresh: list[tuple[int, MessageQueue, str]] = []
                     rest: list[tuple[int, MessageQueue, str]] = items
@@ -377,7 +401,14 @@ class RebalanceLockManager:
                     groups = _merged(groups, SWEEP_CALL_QUEUES)
                 calls = [([k for li, mq, _ in part for k in (keys.sub_state(mq.tag, lanes[li][0]), keys.queue_next(mq.tag))],
                           [client_id, pending_ttl_ms, ident, *[tok for _, _, tok in part]]) for ident, part, _ in groups]
-                for (_, part, recorded), res in zip(groups, broker.scripts.run_pipelined("sweep", calls), strict=True):
+                if unread is not None:
+                    if not calls:  # no shard of the broker answered: as a broker down
+                        raise unread
+                    steps.partial.append((broker.name, skipped, len(batches), unread))
+                replies = steps.partly(broker.name, broker.scripts.run_each("sweep", calls)) if calls else []
+                for (_, part, recorded), res in zip(groups, replies, strict=True):
+                    if res is None:  # its shard failed (logged): swept next time
+                        continue
                     if recorded is not None:
                         with self._recorded_lock:
                             recorded.update((lanes[li][0], mq.key) for li, mq, _ in part)

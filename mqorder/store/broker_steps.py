@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import redis
 
@@ -36,6 +37,9 @@ class BrokerSteps:
         self.part = part
         self.ok = 0
         self.failed: list[tuple[str, Exception]] = []
+        #: (broker, calls failed, calls, first error) of a broker whose calls failed in part
+        #: (``Scripts.run_each``: a Redis Cluster shard down, the others answering).
+        self.partial: list[tuple[str, int, int, Exception]] = []
 
     @contextmanager
     def of(self, broker_name: str) -> Iterator[None]:
@@ -47,7 +51,20 @@ class BrokerSteps:
         else:
             self.ok += 1
 
+    def partly(self, broker_name: str, replies: list[Any]) -> list[Any]:
+        """``replies`` of ``Scripts.run_each`` with each failed call's error as None, noted for
+        ``settle`` to log: the calls that ran are used, the others tried again next time."""
+        errors = [r for r in replies if isinstance(r, Exception)]
+        if not errors:
+            return replies
+        self.partial.append((broker_name, len(errors), len(replies), errors[0]))
+        return [None if isinstance(r, Exception) else r for r in replies]
+
     def settle(self) -> None:
+        for name, bad, total, exc in self.partial:
+            log.warning("%s: %d of %d calls on broker %r failed (%s: %s; a Redis Cluster shard down?); the rest "
+                        "is done, those queues are tried again next time", self.what, bad, total, name,
+                        type(exc).__name__, exc)
         if not self.failed:
             return
         if not self.ok:

@@ -22,7 +22,10 @@ response callbacks; ``mqorder.store.raw_pipe``), so this module gives that path 
 * a node that cannot be reached: its connections are dropped, the slot map is re-read from the
   cluster (at most every ``REFRESH_MIN_S``) and a ``ConnectionError`` raised, which every retry
   loop of mqorder already treats as "Redis is away for a moment": after a cluster failover the
-  next attempt finds the promoted replica.
+  next attempt finds the promoted replica. A round trip asked ``partial`` (the lock manager's
+  steps over every shard: renewals, sweeps, a rebalance) gets that error *in the place of each
+  command the node (or a slot no node serves) would have answered* instead, and the other
+  nodes' replies: one shard down must not stop the others' lock renewals.
 * **pinned** (a consume run's queue, ``ConnectionLease.pin``): the queue's slot stays on the node
   that first served a command of it for the lease. A pinned slot the map (or a ``MOVED``)
   now puts on another node is a ``SlotMovedError`` (a ``ConnectionError``) *before* anything is
@@ -210,13 +213,15 @@ class ClusterRoute:
         self._pinned.clear()
         self._pins.clear()
 
-    def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+    def round_trip(self, commands: list[tuple[Any, ...]], partial: bool = False) -> list[Any]:
         """Every command on its slot's primary, all nodes written before any is read; the
         replies in ``commands``' order (error replies as exceptions, in place). Redirections
         are followed here; a dead node, or a slot map that cannot be read, is a
-        ``ConnectionError`` (the slot map re-read), which every retry loop of mqorder takes."""
+        ``ConnectionError`` (the slot map re-read), which every retry loop of mqorder takes.
+        With ``partial``, a node that fails (or a slot no node serves) puts that error in the
+        place of each of its commands, and the other nodes' replies are returned."""
         try:
-            return self._round_trip(commands)
+            return self._round_trip(commands, partial)
         except (RedisClusterException, KeyError) as exc:
             # No node answered the slot map's refresh, a slot no node serves (a master down under
             # a partial cluster), a redirection to a slot the map lacks: the cluster is settling.
@@ -232,15 +237,17 @@ class ClusterRoute:
     def _unpin(self) -> None:
         self._pins.clear()
 
-    def _round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+    def _round_trip(self, commands: list[tuple[Any, ...]], partial: bool = False) -> list[Any]:
         n = len(commands)
         out: list[Any] = [None] * n
         todo = list(range(n))
         asking: dict[int, tuple[str, int]] = {}
         node_of: dict[int, ClusterNode] = {}
         for attempt in range(MAX_REDIRECTS + 1):
-            batches = self._route(commands, todo, asking, node_of)
-            replies = self._exchange(commands, batches, asking)
+            unrouted: dict[int, Exception] = {}
+            batches = self._route(commands, todo, asking, node_of, unrouted if partial else None)
+            replies = self._exchange(commands, batches, asking, partial)
+            replies.update(unrouted)
             again: list[int] = []
             pause = False
             asked = set(asking)
@@ -265,13 +272,14 @@ class ClusterRoute:
                     again.append(i)
                 else:
                     out[i] = r
-                    served.append(i)
+                    if not isinstance(r, redis.ConnectionError):  # a partial round trip's failed node served nothing
+                        served.append(i)
             if self._pinned:
                 self._pin_served(commands, served, node_of, asked)
             if not again:
                 # Where a later lone WAIT goes: the node of the last keyed command, in the caller's order.
                 for i in reversed(range(n)):
-                    if command_key(commands[i]) is not None:
+                    if command_key(commands[i]) is not None and i in node_of:  # (not a partial one's unrouted)
                         self._last = node_of[i]
                         break
                 return out
@@ -306,13 +314,17 @@ class ClusterRoute:
         return sorted(resend)
 
     def _route(self, commands: list[tuple[Any, ...]], todo: list[int], asking: dict[int, tuple[str, int]],
-               node_of: dict[int, ClusterNode]) -> dict[str, tuple[ClusterNode, list[int]]]:
+               node_of: dict[int, ClusterNode], unrouted: dict[int, Exception] | None = None,
+               ) -> dict[str, tuple[ClusterNode, list[int]]]:
         """``todo``'s indices grouped by target node, each group in the caller's order; the node of
         each index is recorded in ``node_of``. A keyless command goes with the command before it
-        (in this round trip, else the lease's last keyed command: a run's ``WAIT`` after its begin)."""
+        (in this round trip, else the lease's last keyed command: a run's ``WAIT`` after its begin).
+        With ``unrouted`` (a partial round trip), a command of a slot no node serves gets its
+        error there (and is sent nowhere) rather than failing the round trip."""
         batches: dict[str, tuple[ClusterNode, list[int]]] = {}
         prev: ClusterNode | None = self._last
         pending_keyless: list[int] = []
+        lost: Exception | None = None  # the error of an unrouted command, for keyless ones behind it
         manager = self.cluster.nodes_manager
         for i in todo:
             target = asking.get(i)
@@ -325,13 +337,25 @@ class ClusterRoute:
             else:
                 key = command_key(commands[i])
                 if key is None:
+                    if lost is not None:
+                        unrouted[i] = lost  # type: ignore[index]
+                        continue
                     if prev is None:
                         pending_keyless.append(i)
                         continue
                     node = prev
                 else:
                     slot = key_slot(key)
-                    node = manager.get_node_from_slot(slot)
+                    if unrouted is None:
+                        node = manager.get_node_from_slot(slot)
+                    else:
+                        try:
+                            node = manager.get_node_from_slot(slot)
+                        except (RedisClusterException, KeyError) as exc:
+                            unrouted[i] = redis.ConnectionError(f"no Redis Cluster node serves slot {slot} ({exc})")
+                            lost = unrouted[i]  # a WAIT behind it has no node either
+                            continue
+                    lost = None
                     if self._pins:
                         self._check_pin(slot, node)
             if pending_keyless:
@@ -369,9 +393,64 @@ class ClusterRoute:
             if key is not None and (slot := key_slot(key)) in self._pinned:
                 self._pins.setdefault(slot, node_of[i].name)
 
+    def _exchange_partial(self, commands: list[tuple[Any, ...]], batches: dict[str, tuple[ClusterNode, list[int]]],
+                          asking: dict[int, tuple[str, int]]) -> dict[int, Any]:
+        """``_exchange`` where a node that fails answers for its own commands only: its error in
+        the place of each of them (those read before it failed keep their replies), the others'
+        replies as usual. Its connection is dropped and the slot map re-read."""
+        replies: dict[int, Any] = {}
+        sent: list[tuple[str, Any, list[int], list[bool]]] = []
+        failed: list[str] = []
+
+        def fail(name: str, idxs: list[int], exc: BaseException) -> None:
+            err = exc if isinstance(exc, redis.RedisError) else redis.ConnectionError(str(exc))
+            for i in idxs:
+                replies.setdefault(i, err)
+            self._drop(name)
+            failed.append(name)
+
+        try:
+            for name, (node, idxs) in batches.items():
+                packed: list[bytes] = []
+                discard: list[bool] = []
+                for i in idxs:
+                    if i in asking:
+                        packed.append(hiredis.pack_command(("ASKING",)))
+                        discard.append(True)
+                    packed.append(hiredis.pack_command(commands[i]))
+                    discard.append(False)
+                try:
+                    conn = self._conn(node)
+                    conn.send_packed_command([b"".join(packed)])
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    fail(name, idxs, exc)
+                    continue
+                sent.append((name, conn, idxs, discard))
+            for name, conn, idxs, discard in sent:
+                it = iter(idxs)
+                try:
+                    for skip in discard:
+                        try:
+                            r = conn.read_response()
+                        except ResponseError as exc:
+                            r = exc
+                        if not skip:
+                            replies[next(it)] = r
+                except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                    fail(name, idxs, exc)
+        except BaseException:
+            for name in list(batches):
+                self._drop(name)
+            raise
+        if failed:
+            self.cluster.refresh_slots(failed[0])
+        return replies
+
     def _exchange(self, commands: list[tuple[Any, ...]], batches: dict[str, tuple[ClusterNode, list[int]]],
-                  asking: dict[int, tuple[str, int]]) -> dict[int, Any]:
+                  asking: dict[int, tuple[str, int]], partial: bool = False) -> dict[int, Any]:
         """Write each node's commands, then read each node's replies."""
+        if partial and len(batches) > 1:
+            return self._exchange_partial(commands, batches, asking)
         sent: list[tuple[str, Any, list[int], list[bool]]] = []
         try:
             for name, (node, idxs) in batches.items():

@@ -80,10 +80,12 @@ class ConnectionLease:
         if self._route is not None:
             self._route.pin(key)
 
-    def round_trip(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """Send ``commands`` in one write and read every reply (error replies as exceptions, in place)."""
+    def round_trip(self, commands: list[tuple[Any, ...]], partial: bool = False) -> list[Any]:
+        """Send ``commands`` in one write and read every reply (error replies as exceptions, in place).
+        ``partial``: on a cluster, a node that fails answers for its own commands only
+        (``ClusterRoute.round_trip``); off a cluster there is one node, whose failure is raised."""
         if self._route is not None:
-            return self._route.round_trip(commands)
+            return self._route.round_trip(commands, partial)
         n = len(commands)
         packed = hiredis.pack_command(commands[0]) if n == 1 else b"".join([hiredis.pack_command(c) for c in commands])
         conn = self._conn
@@ -190,18 +192,19 @@ class RawPipeline:
     def __len__(self) -> int:
         return len(self._commands)
 
-    def execute(self, raise_on_error: bool = True) -> list[Any]:
-        """Send every queued command in one write and read every reply (the queue is emptied)."""
+    def execute(self, raise_on_error: bool = True, partial: bool = False) -> list[Any]:
+        """Send every queued command in one write and read every reply (the queue is emptied).
+        ``partial`` (with ``raise_on_error=False``): see ``ConnectionLease.round_trip``."""
         commands, self._commands = self._commands, []
         if not commands:
             return []
         source = self._source
         if isinstance(source, ConnectionLease):
-            replies = source.round_trip(commands)
+            replies = source.round_trip(commands, partial) if partial else source.round_trip(commands)
         else:
             lease = ConnectionLease(source)
             try:
-                replies = lease.round_trip(commands)
+                replies = lease.round_trip(commands, partial) if partial else lease.round_trip(commands)
             finally:
                 lease.release()
         if raise_on_error:

@@ -188,6 +188,36 @@ class Scripts:
         """
         return self.run_many([(name, k, a) for k, a in calls], via)
 
+    def run_each(self, name: str, calls: Sequence[tuple[Sequence[Any], Sequence[Any]]]) -> list[Any]:
+        """``run_pipelined``, each call answering for itself: a call's error (a Redis Cluster shard
+        that cannot be reached, a slot no node serves, an error of the script) is left in its place
+        as an exception, the other calls' replies returned; raised only if *every* call failed.
+
+        For the lock manager's steps over every queue of a broker (lease renewals, sweeps, a
+        rebalance), whose calls are independent: on a cluster with one shard down (a master with no
+        replica, ``cluster-require-full-coverage no``), raising threw the other shards' replies away
+        and stopped their renewals for as long as the shard was down."""
+        replies: list[Any] = [None] * len(calls)
+        todo = list(range(len(calls)))
+        for attempt in (0, 1):
+            pipe = RawPipeline(self._client)
+            for i in todo:
+                self.queue_in(pipe, name, *calls[i])
+            missing = []
+            partial = isinstance(self._client, ClusterClient)  # off a cluster one node: its failure is raised
+            for i, res in zip(todo, pipe.execute(raise_on_error=False, partial=partial), strict=True):
+                if isinstance(res, redis.exceptions.NoScriptError) and not attempt:
+                    missing.append(i)
+                else:
+                    replies[i] = res
+            if not missing:
+                break
+            self.load(name)
+            todo = missing
+        if replies and all(isinstance(r, Exception) for r in replies):
+            raise replies[0]
+        return replies
+
     def call(self, name: str, keys: Sequence[Any], args: Sequence[Any], via: ConnectionLease | None = None) -> Any:
         """One ``EVALSHA`` of script ``name`` in one round trip: the consume path's and a send's.
 
@@ -323,9 +353,24 @@ class Scripts:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def load(self, name: str) -> None:
-        """(Re)load script ``name`` into Redis, e.g. after a ``NoScriptError``."""
+        """(Re)load script ``name`` into Redis, e.g. after a ``NoScriptError``. On a cluster into
+        every primary that answers: one shard down must not keep the script off the others (its
+        own calls fail anyway), which stopped ``run_each``'s steps on every shard."""
         script = getattr(self, name)
-        script.sha = self._client.script_load(script.script)
+        client = self._client
+        if not isinstance(client, ClusterClient):
+            script.sha = client.script_load(script.script)
+            return
+        loaded: str | None = None
+        errors: list[Exception] = []
+        for node in client.get_primaries():
+            try:
+                loaded = client.node_client(node).script_load(script.script)
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                errors.append(exc)
+        if loaded is None:
+            raise errors[0] if errors else redis.ConnectionError("no Redis Cluster primary to load scripts into")
+        script.sha = loaded
 
     def __getattr__(self, name: str) -> Any:  # pragma: no cover - only for type checkers
         raise AttributeError(name)

@@ -277,6 +277,58 @@ def test_sharded_wake_ups_follow_a_slot_migration(cdep: ClusterDeployment, cc: C
         reg.close()
 
 
+def _replica_of(cdep: ClusterDeployment, master: RedisServer) -> RedisServer:
+    for n in cdep.nodes:
+        if n.proc is None or n.proc.poll() is not None:
+            continue
+        role = cdep.client(n).execute_command("ROLE")
+        if role[0] in (b"slave", "slave") and int(role[2]) == master.port:
+            return n
+    raise AssertionError(f"no replica of {master.port}")
+
+
+def test_a_durable_write_redirected_to_another_shard_is_waited_for_there(cdep: ClusterDeployment,
+                                                                          cc: ClusterClient) -> None:
+    """A batch's shard group (two queues of master X, the client's slot map stale: one queue's slot
+    migrated to Y) ends with one WAIT on X. The write answered MOVED went again to Y alone: the
+    WAIT had run on X, never on Y, and the send was acknowledged while Y's replica (stopped here)
+    had nothing of it. A WAIT follows a redirected write on its new node now: ReplicasBehindError."""
+    import os
+    import signal
+
+    from mqorder import Producer
+    from mqorder.client.selector import queue_index
+    from mqorder.errors import ReplicasBehindError
+    from mqorder.store.log import MessageLog
+
+    p = Producer(cdep.url(), send_wait_timeout_ms=500)
+    try:
+        p.create_topic("t-mv", queues=16)
+        p.brokers.default.scripts.load("send")
+        mqs = p.describe_topic("t-mv").message_queues
+        by_master: dict[int, list[MessageQueue]] = {}
+        for mq in mqs:
+            by_master.setdefault(cdep.master_of_slot(key_slot(mq.tag.encode())).port, []).append(mq)
+        qa, qb = next(v for v in by_master.values() if len(v) >= 2)[:2]
+        key_of = {mq: next(f"k{i}" for i in range(10_000) if queue_index(f"k{i}", 16) == mq.queue_id) for mq in (qa, qb)}
+        items = [(key_of[qa], b"a"), (key_of[qb], b"b")]
+        assert len(p.send_orderly_batch("t-mv", items, wait_replicas=1)) == 2  # the map is loaded, all healthy
+        x = cdep.master_of_slot(key_slot(qa.tag.encode()))
+        y = next(m for m in _masters(cdep) if m is not x)
+        cdep.migrate_slot(key_slot(qa.tag.encode()), y)  # the producer's map still says X
+        stopped = _replica_of(cdep, y)
+        assert stopped.proc is not None
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        try:
+            with pytest.raises(ReplicasBehindError):
+                p.send_orderly_batch("t-mv", items, wait_replicas=1)
+        finally:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        assert [m.body for m in MessageLog(p.brokers).read(qa, 0, 10)] == [b"a", b"a"]  # stored on Y all the same
+    finally:
+        p.close()
+
+
 def test_a_killed_master_fails_the_round_trip_then_its_promoted_replica_serves(cdep: ClusterDeployment,
                                                                               cc: ClusterClient) -> None:
     """Last in this module: it kills a master (the cluster keeps working on its replica)."""

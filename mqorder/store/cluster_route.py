@@ -13,7 +13,10 @@ response callbacks; ``mqorder.store.raw_pipe``), so this module gives that path 
   writes (``mqorder.store.durable``).
 * **MOVED** (a slot migrated, or a failover promoted a replica): the slot map is patched from the
   redirection (``NodesManager.move_slot``, as redis-py does) and the command sent again to the
-  new owner. A refused command changed nothing, so resending is safe.
+  new owner. A refused command changed nothing, so resending is safe. A ``WAIT`` behind a
+  redirected write that is not sent again with it (it follows other writes of the old node) has
+  run where the write was refused: one more ``WAIT`` follows the write on its new node, and the
+  caller's reply is the smaller count of the two (``_waits_for``).
 * **ASK** (a slot *being* migrated, the key already on the target): ``ASKING`` then the command,
   on the target, once. **TRYAGAIN** (a multi-key script whose keys are split between the two
   nodes for an instant) and **CLUSTERDOWN**: a short pause, then again. All keys of one mqorder
@@ -116,6 +119,20 @@ def command_key(args: tuple[Any, ...]) -> bytes | None:
     if name in _KEYLESS or len(args) < 2:
         return None
     return _as_bytes(args[1])
+
+
+def _merge_waits(out: list[Any], extra: dict[int, int], n: int) -> list[Any]:
+    """The caller's replies, each ``WAIT``'s the smaller count of its own and those added for the
+    writes redirected away from its node (an error of any of them wins)."""
+    for s, w in extra.items():
+        mine, added = out[w], out[s]
+        if isinstance(mine, Exception):
+            continue
+        if isinstance(added, Exception) or added is None:
+            out[w] = added if added is not None else mine
+        else:
+            out[w] = min(int(mine), int(added))
+    return out[:n]
 
 
 class ClusterClient(RedisCluster):
@@ -239,8 +256,11 @@ class ClusterRoute:
 
     def _round_trip(self, commands: list[tuple[Any, ...]], partial: bool = False) -> list[Any]:
         n = len(commands)
+        commands = list(commands)  # a redirected write's own WAIT is added at its end (``_waits_for``)
         out: list[Any] = [None] * n
         todo = list(range(n))
+        #: added WAIT's index -> the caller's WAIT it answers for too
+        extra: dict[int, int] = {}
         asking: dict[int, tuple[str, int]] = {}
         node_of: dict[int, ClusterNode] = {}
         for attempt in range(MAX_REDIRECTS + 1):
@@ -282,11 +302,51 @@ class ClusterRoute:
                     if command_key(commands[i]) is not None and i in node_of:  # (not a partial one's unrouted)
                         self._last = node_of[i]
                         break
-                return out
+                return _merge_waits(out, extra, n) if extra else out
             todo = self._resend(commands, again, asking)
+            todo = self._waits_for(commands, n, todo, asking, extra, out)
             if pause:
                 time.sleep(RETRY_PAUSE_S)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _waits_for(self, commands: list[tuple[Any, ...]], n: int, todo: list[int], asking: dict[int, tuple[str, int]],
+                   extra: dict[int, int], out: list[Any]) -> list[int]:
+        """``todo`` with a ``WAIT`` after the last resent write of each node it goes to, where the
+        caller's ``WAIT`` behind that write is not sent again. That ``WAIT`` ran on the node that
+        refused the write (``MOVED``, ``ASK``, ``TRYAGAIN``): it counted the replicas of the other
+        writes there, never of this one, which the new node stores without anyone waiting for it,
+        and a durable send was acknowledged unreplicated. The added ``WAIT`` (same arguments)
+        answers for the caller's too: the smaller count of the two (``_merge_waits``)."""
+        resent = set(todo)
+        last_of: dict[tuple[int, str], int] = {}  # (caller's WAIT, destination node) -> last resent write
+        for i in todo:
+            if i >= n:
+                continue
+            key = command_key(commands[i])
+            if key is None or _upper(commands[i][0]) in _READS:
+                continue
+            w = next((j for j in range(i + 1, n) if _upper(commands[j][0]) == b"WAIT"), None)
+            if w is None or w in resent:
+                continue
+            target = asking.get(i)
+            if target is not None:
+                dest = f"{target[0]}:{target[1]}"
+            else:
+                try:
+                    dest = self.cluster.nodes_manager.get_node_from_slot(key_slot(key)).name
+                except (RedisClusterException, KeyError):
+                    dest = f"#{i}"
+            last_of[(w, dest)] = i
+        if not last_of:
+            return todo
+        after: dict[int, list[int]] = {}
+        for (w, _), i in last_of.items():
+            s = len(commands)
+            commands.append(commands[w])
+            out.append(None)
+            extra[s] = w
+            after.setdefault(i, []).append(s)
+        return [x for i in todo for x in (i, *after.get(i, ()))]
 
     @staticmethod
     def _resend(commands: list[tuple[Any, ...]], again: list[int], asking: dict[int, tuple[str, int]]) -> list[int]:

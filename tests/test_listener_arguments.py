@@ -133,3 +133,23 @@ def test_a_listener_module_refusing_its_arguments_stops_the_stock_app_in_one_lin
     assert proc.returncode == 2, proc.stderr[-600:]
     assert proc.stderr == ("mqorder.app: listener module 'bad_listeners' (MQORDER_LISTENERS): pull_batch_size must "
                            "be an int from 1 to 1024, got 0\n")
+
+
+def test_key_mode_options_with_queue_ordering_and_a_grace_for_a_plain_function_are_refused() -> None:
+    """Accepted and ignored: a user believed keys ran in parallel, or calls were cancelled."""
+    with pytest.raises(ListenerError, match="key_concurrency applies to ordering='key'"):
+        L.orderly_listener(topic="t", group="g", key_concurrency=8)
+    with pytest.raises(ListenerError, match="consume_concurrently_max_span applies to ordering='key'"):
+        L.orderly_listener(topic="t", group="g", ordering="queue", consume_concurrently_max_span=100)
+
+    def plain(msgs, ctx):
+        return S.SUCCESS
+
+    async def coro(msgs, ctx):
+        return S.SUCCESS
+
+    for decorator in (L.orderly_listener, L.concurrent_listener):
+        with pytest.raises(ListenerError, match="cancel_grace_ms applies to 'async def' listeners"):
+            decorator(topic="t", group="g", cancel_grace_ms=100)(plain)
+    L.orderly_listener(topic="t", group="g", cancel_grace_ms=100)(coro)
+    assert L.get_listener("g", "t").cancel_grace_ms == 100

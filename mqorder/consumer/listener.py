@@ -165,10 +165,18 @@ def orderly_listener(
     _positive("key_concurrency", key_concurrency)
     _positive("consume_concurrently_max_span", consume_concurrently_max_span)
     _positive("cancel_grace_ms", cancel_grace_ms, 0)
+    if ordering == Ordering.QUEUE:
+        for name, value in (("key_concurrency", key_concurrency),
+                            ("consume_concurrently_max_span", consume_concurrently_max_span)):
+            if value is not None:  # accepted and ignored, a user believed keys ran in parallel
+                raise ListenerError(f"{name} applies to ordering='key' (one call at a time per sharding key); "
+                                    "with ordering='queue' one call at a time runs per queue: drop it, or pass "
+                                    "ordering='key'")
     hook_list = _checked_hooks(ledger, hooks)
 
     def register(func: ListenerFunc) -> ListenerFunc:
         _check_func(func, "orderly_listener")
+        _check_grace(func, cancel_grace_ms)
         spec = ListenerSpec(
             func=func,
             topic=topic,
@@ -189,6 +197,14 @@ def orderly_listener(
         return func
 
     return register
+
+
+def _check_grace(func: object, cancel_grace_ms: int | None) -> None:
+    """``cancel_grace_ms`` cancels an ``async def`` listener's calls; a plain function's cannot be
+    cancelled, and the option was ignored without a word."""
+    if cancel_grace_ms is not None and not is_async_listener(func):
+        raise ListenerError(f"cancel_grace_ms applies to 'async def' listeners (their calls in flight are cancelled "
+                            f"when the run loses its queue); {func!r} is a plain function: drop the option")
 
 
 def _check_func(func: object, decorator: str) -> None:
@@ -304,6 +320,7 @@ def concurrent_listener(
 
     def register(func: ListenerFunc) -> ListenerFunc:
         _check_func(func, "concurrent_listener")
+        _check_grace(func, cancel_grace_ms)
         _register(ListenerSpec(
             func=func, topic=topic, group=group, message_model=model,
             consume_message_batch_max_size=consume_message_batch_max_size, pull_batch_size=pull_batch_size,

@@ -30,8 +30,8 @@ from typing import Any
 import orjson
 
 from mqorder import Producer, keys
-from mqorder.client.selector import queue_index
-from mqorder.consumer.ledger import LedgerBuffer
+from mqorder.client.selector import key_hash, queue_index
+from mqorder.consumer.ledger import FIELDS, LedgerBuffer
 from mqorder.settings import load_settings
 from mqorder.store.scripts import Scripts
 from mqorder.testing.embedded import RedisServer
@@ -75,13 +75,15 @@ def build(url: str, records: int, seed: int = 42) -> dict[str, float]:
             q = queue_index(key, QUEUES)
             clock = max(clock, born) + 0.02  # handled in send order: first deliveries in offset order
             start = clock
-            recs.append(orjson.dumps({
+            rec = {
                 "group": GROUP, "topic": TOPIC, "broker": mqs[q].broker_name, "queue": mqs[q].queue_id,
                 "offset": next_off[q], "msg_id": "", "key": key,
-                "born_ms": int(start - rng.expovariate(1 / 3.0)), "start_ms": round(start, 3),
+                "key_hash": key_hash(key), "born_ms": int(start - rng.expovariate(1 / 3.0)), "start_ms": round(start, 3),
                 "end_ms": round(start + 0.2, 3), "attempt": 0, "epoch": 1, "client": "bench@host", "run": "run-1",
                 "outcome": "SUCCESS",
-            }))
+            }
+            assert tuple(rec) == FIELDS, "records as the engine writes them: its fast parse reads them"
+            recs.append(orjson.dumps(rec))
             next_off[q] += 1
         t0 = time.perf_counter()
         p.send_orderly_batch(TOPIC, items)

@@ -161,3 +161,18 @@ def test_resolve_refuses_out_of_range_index(index: int) -> None:
 def test_resolve_refuses_anything_but_a_queue_or_int(selected: object) -> None:
     with pytest.raises(MessageError, match="must return a MessageQueue or an int index"):
         resolve(selected, topic_queues(4))
+
+
+def test_send_orderly_batch_stores_an_int_subclass_key_as_its_number(settings) -> None:
+    from mqorder import Producer
+    from mqorder.store.log import MessageLog
+
+    p = Producer(settings=settings)
+    try:
+        p.create_topic("t-enum", queues=4)
+        p.send_orderly_batch("t-enum", [(Shop.BERLIN, b"x"), (7, b"y")])
+        log = MessageLog(p.brokers)
+        msgs = [m for mq in p.describe_topic("t-enum").message_queues for m in log.read(mq, 0, 10)]
+        assert [m.keys for m in msgs] == [["7"], ["7"]] and len({m.key_hash for m in msgs}) == 1
+    finally:
+        p.close()

@@ -581,7 +581,9 @@ class Producer:
         body_b = check_body(body, self.settings.max_message_size)
         msg_id = self._ids.next()
         if keys_ is not None and not isinstance(keys_, (str, list, tuple)):
-            keys_ = str(keys_)
+            # An int key as the number it hashes as (``selector.key_bytes``): str() of an IntEnum
+            # member is its name, and the audit named the key 7 'Shop.BERLIN'.
+            keys_ = int.__repr__(keys_) if isinstance(keys_, int) and not isinstance(keys_, bool) else str(keys_)
         header = encode_header(msg_id, keys_, tags, properties, key_hash=hash_)
         return header, msg_id, body_b
 

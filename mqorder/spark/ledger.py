@@ -120,8 +120,8 @@ class LedgerStream:
     first_id: str
     last_id: str
     trimmed: int
-    #: Whether its oldest record has ``key_hash`` (an engine that writes none wrote it: the audit
-    #: then takes key lanes from first keys, ``audit_frames.KEY_LANES``).
+    #: Whether its oldest and newest records have ``key_hash`` (else an engine that writes none
+    #: wrote them: the audit then takes key lanes from first keys, ``audit_frames.KEY_LANES``).
     key_hashed: bool = True
 
 
@@ -163,11 +163,17 @@ def ledger_streams(brokers: BrokerRegistry, group: str) -> list[LedgerStream]:
             continue
         first, last = info["first-entry"][0], info["last-entry"][0]
         added = int(info.get("entries-added", length) or length)
-        first_record = info["first-entry"][1] or {}
-        raw = first_record.get(b"r", first_record.get("r", b""))
-        hashed = b'"key_hash":' in (raw.encode() if isinstance(raw, str) else raw)
+        hashed = _key_hashed(info["first-entry"][1]) and _key_hashed(info["last-entry"][1])
         out.append(LedgerStream(name, length, _text(first), _text(last), max(0, added - length), hashed))
     return out
+
+
+def _key_hashed(fields: Any) -> bool:
+    """Whether a stream entry's record has ``key_hash``: the oldest and the newest record are
+    looked at, so a ledger an older engine began, or one an older worker still writes to during a
+    rolling upgrade, is audited by first key throughout."""
+    raw = (fields or {}).get(b"r", (fields or {}).get("r", b""))
+    return b'"key_hash":' in (raw.encode() if isinstance(raw, str) else raw)
 
 
 def _text(v: bytes | str) -> str:

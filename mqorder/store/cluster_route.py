@@ -135,6 +135,33 @@ def _merge_waits(out: list[Any], extra: dict[int, int], n: int) -> list[Any]:
     return out[:n]
 
 
+def _packed(commands: list[tuple[Any, ...]], idxs: list[int], asking: dict[int, tuple[str, int]]
+            ) -> tuple[bytes, list[bool]]:
+    """One node's commands in one write (``ASKING`` before each asked one), and which replies to
+    skip (``ASKING``'s)."""
+    packed: list[bytes] = []
+    discard: list[bool] = []
+    for i in idxs:
+        if i in asking:
+            packed.append(hiredis.pack_command(("ASKING",)))
+            discard.append(True)
+        packed.append(hiredis.pack_command(commands[i]))
+        discard.append(False)
+    return b"".join(packed), discard
+
+
+def _read_into(replies: dict[int, Any], conn: Any, idxs: list[int], discard: list[bool]) -> None:
+    """Read one node's replies into ``replies`` by command index (error replies in place)."""
+    it = iter(idxs)
+    for skip in discard:
+        try:
+            r = conn.read_response()
+        except ResponseError as exc:
+            r = exc
+        if not skip:
+            replies[next(it)] = r
+
+
 class ClusterClient(RedisCluster):
     """redis-py's ``RedisCluster`` as mqorder's store client on a Redis Cluster.
 
@@ -471,31 +498,17 @@ class ClusterRoute:
 
         try:
             for name, (node, idxs) in batches.items():
-                packed: list[bytes] = []
-                discard: list[bool] = []
-                for i in idxs:
-                    if i in asking:
-                        packed.append(hiredis.pack_command(("ASKING",)))
-                        discard.append(True)
-                    packed.append(hiredis.pack_command(commands[i]))
-                    discard.append(False)
+                packed, discard = _packed(commands, idxs, asking)
                 try:
                     conn = self._conn(node)
-                    conn.send_packed_command([b"".join(packed)])
+                    conn.send_packed_command([packed])
                 except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                     fail(name, idxs, exc)
                     continue
                 sent.append((name, conn, idxs, discard))
             for name, conn, idxs, discard in sent:
-                it = iter(idxs)
                 try:
-                    for skip in discard:
-                        try:
-                            r = conn.read_response()
-                        except ResponseError as exc:
-                            r = exc
-                        if not skip:
-                            replies[next(it)] = r
+                    _read_into(replies, conn, idxs, discard)
                 except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                     fail(name, idxs, exc)
         except BaseException:
@@ -515,26 +528,12 @@ class ClusterRoute:
         try:
             for name, (node, idxs) in batches.items():
                 conn = self._conn(node)
-                packed: list[bytes] = []
-                discard: list[bool] = []
-                for i in idxs:
-                    if i in asking:
-                        packed.append(hiredis.pack_command(("ASKING",)))
-                        discard.append(True)
-                    packed.append(hiredis.pack_command(commands[i]))
-                    discard.append(False)
-                conn.send_packed_command([b"".join(packed)])
+                packed, discard = _packed(commands, idxs, asking)
+                conn.send_packed_command([packed])
                 sent.append((name, conn, idxs, discard))
             replies: dict[int, Any] = {}
             for _name, conn, idxs, discard in sent:
-                it = iter(idxs)
-                for skip in discard:
-                    try:
-                        r = conn.read_response()
-                    except ResponseError as exc:
-                        r = exc
-                    if not skip:
-                        replies[next(it)] = r
+                _read_into(replies, conn, idxs, discard)
             return replies
         except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
             failed = sent[-1][0] if sent and len(sent) < len(batches) else None

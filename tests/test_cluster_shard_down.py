@@ -8,6 +8,8 @@ Found by a review; a real 3-master cluster, one master killed."""
 from __future__ import annotations
 
 import logging
+import os
+import signal
 import time
 
 import pytest
@@ -18,8 +20,11 @@ from mqorder import keys
 from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.cluster_route import ClusterClient
+from mqorder.store.connect import close, connect
 from mqorder.store.raw_pipe import RawPipeline
 from mqorder.testing.cluster import ClusterDeployment
+from mqorder.testing.embedded import RedisServer
 
 
 def test_a_dead_shard_fails_only_its_own_queues_renewals_sweeps_and_assignments(caplog) -> None:
@@ -62,3 +67,67 @@ def test_a_dead_shard_fails_only_its_own_queues_renewals_sweeps_and_assignments(
                 pipe.execute()
         finally:
             brokers.close()
+
+
+def test_a_partial_round_trip_keeps_the_first_replies_when_a_redirect_target_is_down() -> None:
+    """A write answered MOVED to a node that is down: the retry goes to that one node, and failed
+    the whole round trip, the other node's reply (its script had run) thrown away."""
+    with ClusterDeployment(masters=3) as cdep:
+        cc = connect(cdep.url())
+        assert isinstance(cc, ClusterClient)
+        try:
+            x, y, z = sorted({m.port: m for _, _, m in cdep.slot_map()}.values(), key=lambda m: m.port)
+            a = next(f"k{i}" for i in range(10_000) if cdep.master_of_slot(key_slot(f"k{i}".encode())) is x)
+            b = next(f"k{i}" for i in range(10_000) if cdep.master_of_slot(key_slot(f"k{i}".encode())) is y)
+            assert RawPipeline(cc).execute_command("SET", a, 0).execute_command("SET", b, 0).execute() == [b"OK"] * 2
+            cdep.migrate_slot(key_slot(a.encode()), z)  # the client's map still says X
+            cdep.kill(z)
+            out = RawPipeline(cc).execute_command("SET", a, 1).execute_command("SET", b, 1).execute(
+                raise_on_error=False, partial=True)
+            assert isinstance(out[0], redis.ConnectionError) and out[1] == b"OK", out
+        finally:
+            close(cc)
+
+
+def _replica_of(cdep: ClusterDeployment, master: RedisServer) -> RedisServer:
+    for n in cdep.nodes:
+        if n.proc is not None and n.proc.poll() is None:
+            role = cdep.client(n).execute_command("ROLE")
+            if role[0] in (b"slave", "slave") and int(role[2]) == master.port:
+                return n
+    raise AssertionError(f"no replica of {master.port}")
+
+
+def test_two_writes_of_one_wait_redirected_to_two_nodes_are_each_waited_for() -> None:
+    """One group of X (two writes, one WAIT), both slots gone, to Y and Z, behind the client's map:
+    the caller's WAIT went again with the second write to Z, and the first write's node Y, whose
+    replica is stopped, was waited on by nobody."""
+    with ClusterDeployment(masters=3, replicas_per_master=1) as cdep:
+        cc = connect(cdep.url())
+        assert isinstance(cc, ClusterClient)
+        try:
+            x, y, z = sorted({m.port: m for _, _, m in cdep.slot_map()}.values(), key=lambda m: m.port)
+            on_x = [f"k{i}" for i in range(10_000) if cdep.master_of_slot(key_slot(f"k{i}".encode())) is x]
+            q1 = on_x[0]
+            q2 = next(k for k in on_x if key_slot(k.encode()) != key_slot(q1.encode()))
+
+            def durable(v: int) -> list:
+                pipe = RawPipeline(cc)
+                return pipe.execute_command("SET", q1, v).execute_command("SET", q2, v).execute_command(
+                    "WAIT", 1, 500).execute()
+
+            assert durable(0) == [b"OK", b"OK", 1]  # the map loaded, every replica up
+            cdep.migrate_slot(key_slot(q1.encode()), y)
+            cdep.migrate_slot(key_slot(q2.encode()), z)
+            stopped = _replica_of(cdep, y)
+            assert stopped.proc is not None
+            os.kill(stopped.proc.pid, signal.SIGSTOP)
+            try:
+                out = durable(1)
+            finally:
+                os.kill(stopped.proc.pid, signal.SIGCONT)
+            assert cdep.client(y).get(q1) == b"1"
+            assert out == [b"OK", b"OK", 0]  # Y's replica has nothing of q1's write
+        finally:
+            close(cc)
+

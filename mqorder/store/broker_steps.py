@@ -62,7 +62,7 @@ class BrokerSteps:
 
     def settle(self) -> None:
         for name, bad, total, exc in self.partial:
-            log.warning("%s: %d of %d calls on broker %r failed (%s: %s; a Redis Cluster shard down?); the rest "
+            log.warning("%s: %d of %d calls on broker %r failed (%s: %s: a Redis Cluster shard down, or an error of the script); the rest "
                         "is done, those queues are tried again next time", self.what, bad, total, name,
                         type(exc).__name__, exc)
         if not self.failed:

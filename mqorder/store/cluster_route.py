@@ -330,7 +330,7 @@ class ClusterRoute:
                         self._last = node_of[i]
                         break
                 return _merge_waits(out, extra, n) if extra else out
-            todo = self._resend(commands, again, asking)
+            todo = self._resend(commands, again, asking, n)
             todo = self._waits_for(commands, n, todo, asking, extra, out)
             if pause:
                 time.sleep(RETRY_PAUSE_S)
@@ -345,6 +345,17 @@ class ClusterRoute:
         and a durable send was acknowledged unreplicated. The added ``WAIT`` (same arguments)
         answers for the caller's too: the smaller count of the two (``_merge_waits``)."""
         resent = set(todo)
+
+        def dest(i: int) -> str:
+            """Where resent command ``i`` (keyed) goes: its ``ASK`` target, else its slot's node."""
+            target = asking.get(i)
+            if target is not None:
+                return f"{target[0]}:{target[1]}"
+            try:
+                return str(self.cluster.nodes_manager.get_node_from_slot(key_slot(command_key(commands[i]) or b"")).name)
+            except (RedisClusterException, KeyError):
+                return f"#{i}"
+
         last_of: dict[tuple[int, str], int] = {}  # (caller's WAIT, destination node) -> last resent write
         for i in todo:
             if i >= n:
@@ -353,17 +364,17 @@ class ClusterRoute:
             if key is None or _upper(commands[i][0]) in _READS:
                 continue
             w = next((j for j in range(i + 1, n) if _upper(commands[j][0]) == b"WAIT"), None)
-            if w is None or w in resent:
+            if w is None:
                 continue
-            target = asking.get(i)
-            if target is not None:
-                dest = f"{target[0]}:{target[1]}"
-            else:
-                try:
-                    dest = self.cluster.nodes_manager.get_node_from_slot(key_slot(key)).name
-                except (RedisClusterException, KeyError):
-                    dest = f"#{i}"
-            last_of[(w, dest)] = i
+            where = dest(i)
+            if w in resent:
+                # Resent too, it goes with the keyed command resent before it: enough only if that
+                # one goes where this write goes (two slots of one group may leave for two nodes).
+                before = next((k for k in range(w - 1, -1, -1) if k in resent and command_key(commands[k]) is not None),
+                              None)
+                if before is not None and dest(before) == where:
+                    continue
+            last_of[(w, where)] = i
         if not last_of:
             return todo
         after: dict[int, list[int]] = {}
@@ -376,13 +387,17 @@ class ClusterRoute:
         return [x for i in todo for x in (i, *after.get(i, ()))]
 
     @staticmethod
-    def _resend(commands: list[tuple[Any, ...]], again: list[int], asking: dict[int, tuple[str, int]]) -> list[int]:
+    def _resend(commands: list[tuple[Any, ...]], again: list[int], asking: dict[int, tuple[str, int]],
+                caller_n: int) -> list[int]:
         """What goes out again after ``again`` were redirected: them, the keyless commands that
         follow each (a ``WAIT`` counts the replicas of the node of the write before it), and the
         later *reads* of the same slot, which must still see what the redirected command did or
         read (a lingering read's state check follows its blocking read: ``linger._queue_slice``).
-        A later read of the same slot goes where the redirected command goes."""
-        n = len(commands)
+        A later read of the same slot goes where the redirected command goes. Only the caller's
+        ``caller_n`` commands follow so: a ``WAIT`` added behind a redirected write
+        (``_waits_for``) belongs to that write's node, and went along with a later group's
+        redirection, its count taken on the wrong node."""
+        n = caller_n
         resend = set(again)
         for i in again:
             key = command_key(commands[i])
@@ -522,7 +537,7 @@ class ClusterRoute:
     def _exchange(self, commands: list[tuple[Any, ...]], batches: dict[str, tuple[ClusterNode, list[int]]],
                   asking: dict[int, tuple[str, int]], partial: bool = False) -> dict[int, Any]:
         """Write each node's commands, then read each node's replies."""
-        if partial and len(batches) > 1:
+        if partial:  # also a retry's one node: the other nodes' first replies are in hand, their scripts ran
             return self._exchange_partial(commands, batches, asking)
         sent: list[tuple[str, Any, list[int], list[bool]]] = []
         try:

@@ -192,7 +192,7 @@ def test_a_client_read_through_xrange_splits_too(redis_url: str, r: redis.Redis,
 def _ledger_record(i: int) -> bytes:
     """A consumption ledger record of group ``g``, offset ``i`` (as the engine writes one)."""
     return orjson.dumps({"group": "g", "topic": "t", "broker": "broker-a", "queue": 0, "offset": i, "msg_id": "",
-                         "key": f"key-{i}", "born_ms": 1_795_685_582_089, "start_ms": 1.5, "end_ms": 2.5,
+                         "key": f"key-{i}", "key_hash": i, "born_ms": 1_795_685_582_089, "start_ms": 1.5, "end_ms": 2.5,
                          "attempt": 0, "epoch": 1, "client": "c@h", "run": "r-1", "outcome": "SUCCESS"})
 
 

@@ -404,7 +404,7 @@ class RebalanceLockManager:
                 if unread is not None:
                     if not calls:  # no shard of the broker answered: as a broker down
                         raise unread
-                    steps.partial.append((broker.name, skipped, len(batches), unread))
+                    steps.missed(broker.name, skipped, len(batches), unread)
                 replies = steps.partly(broker.name, broker.scripts.run_each("sweep", calls)) if calls else []
                 for (_, part, recorded), res in zip(groups, replies, strict=True):
                     if res is None:  # its shard failed (logged): swept next time

@@ -40,6 +40,7 @@ from pyspark.sql import DataFrame, Window
 from pyspark.sql import functions as F
 
 from mqorder import keys
+from mqorder.consumer.key_lanes import NO_KEY  # a message sent without a sharding key
 from mqorder.spark.audit_model import (
     AuditReport,
     DomainViolation,
@@ -70,9 +71,7 @@ LEDGER_COLUMNS = ("broker STRING, queue INT, offset BIGINT, key STRING, key_hash
 #: messages without one form their queue's lane). Records and stored messages take the same rule,
 #: or a message would fall in two lanes.
 KEY_LANES = ("key_hash", "first_key")
-#: The lane of a message sent without a sharding key (``key_lanes.NO_KEY``).
-_NO_KEY = -1
-_FIRST_KEY_LANE = f"CASE WHEN coalesce(`key`, '') = '' THEN {_NO_KEY} ELSE crc32(`key`) END"
+_FIRST_KEY_LANE = f"CASE WHEN coalesce(`key`, '') = '' THEN {NO_KEY} ELSE crc32(`key`) END"
 
 
 @dataclass(frozen=True)
@@ -132,7 +131,7 @@ def records(ledger: DataFrame, route: Route, key_lanes: str = "key_hash") -> Dat
     return located.selectExpr(
         f"CASE WHEN {good} THEN qi END AS qi",
         f"CASE WHEN {good} THEN `offset` END AS `offset`",
-        f"CASE WHEN {good} THEN {lane} ELSE {_NO_KEY} END AS lane",
+        f"CASE WHEN {good} THEN {lane} ELSE {NO_KEY} END AS lane",
         f"CASE WHEN {good} THEN coalesce(`key`, '') ELSE '' END AS `key`",
         "1 AS record",
         "0 AS is_stored",
@@ -145,7 +144,7 @@ def records(ledger: DataFrame, route: Route, key_lanes: str = "key_hash") -> Dat
 
 def stored_rows(stored: DataFrame, key_lanes: str = "key_hash") -> DataFrame:
     """Stored messages in the shape of ``records`` (no delivery, ``is_stored`` = 1)."""
-    lane = _FIRST_KEY_LANE if key_lanes == "first_key" else f"coalesce(key_hash, {_NO_KEY})"
+    lane = _FIRST_KEY_LANE if key_lanes == "first_key" else f"coalesce(key_hash, {NO_KEY})"
     return stored.selectExpr(
         "qi", "`offset`", f"{lane} AS lane", "coalesce(`key`, '') AS `key`", "0 AS record", "1 AS is_stored", "0 AS ok", "0 AS dlq",
         "CAST(NULL AS DOUBLE) AS start_ms", "CAST(NULL AS DOUBLE) AS end_ms", "CAST(NULL AS BIGINT) AS epoch",
@@ -216,7 +215,7 @@ def messages(recs: DataFrame, stored: DataFrame | None, dead: DataFrame | None, 
     below_commit = "(`offset` < committed)"
     passed = "coalesce(`offset` < lane_success, false)"
     audited = "(`offset` >= audit_from)"
-    lane_name = "'queue'" if ordering == "queue" else f"CASE WHEN lane = {_NO_KEY} THEN 'queue' ELSE 'key' END"
+    lane_name = "'queue'" if ordering == "queue" else f"CASE WHEN lane = {NO_KEY} THEN 'queue' ELSE 'key' END"
     latency = "(settle_start - born_ms)"
     # greatest() skips nulls: a message without a latency must get no bin, hence the CASE.
     lat_bin = (f"CASE WHEN {latency} IS NOT NULL THEN CAST(floor(ln(greatest({latency}, {MIN_LATENCY_MS!r}D)) / "
@@ -482,7 +481,7 @@ def listed(m: DataFrame, report: AuditReport, limit: int) -> None:
     rank = F.row_number().over(Window.partitionBy("kind").orderBy("qi", "offset"))
     rows = tagged.withColumn("rank", rank).where(F.col("rank") <= limit).orderBy("kind", "qi", "offset").collect()
     for r in rows:
-        key, h = r.key or None, None if r.lane == _NO_KEY else r.lane
+        key, h = r.key or None, None if r.lane == NO_KEY else r.lane
         if r.kind == "violation":
             report.violations.append(OrderViolation(key, r.qi, r.offset, r.after_offset, round(r.first_start, 3), h))
         elif r.kind == "gap":

@@ -33,6 +33,7 @@ from mqorder.spark.reader import (
     PausedGC,
     QueueRange,
     RangeGroup,
+    _header,
     _headers_arrow,
     as_entries,
     columns,
@@ -110,20 +111,13 @@ def _batch(part: QueueRange, entries: Page, order_field: str | None) -> pa.Recor
 
 def _batch_checked(part: QueueRange, entries: list, order_field: str | None) -> pa.RecordBatch:
     offsets, keys_, hashes, ids, values = [], [], [], [], []
-    loads = orjson.loads
     for entry_id, fields in entries:
         f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=False))
         offsets.append(int(entry_id.split(b"-", 1)[0]))
-        try:
-            h = loads(f.get(b"h", b"{}"))
-        except orjson.JSONDecodeError:
-            h = {}
-        if not isinstance(h, dict):
-            h = {}
-        k, i, kh = h.get("k"), h.get("i"), h.get("h")
-        keys_.append(k[0] if isinstance(k, list) and k and isinstance(k[0], str) else None)
-        hashes.append(kh if type(kh) is int and -(2**63) <= kh < 2**63 else None)
-        ids.append(i if isinstance(i, str) else None)
+        msg_id, key, _, _, _, kh = _header(f.get(b"h", b"{}"))  # the topic reader's careful parse
+        keys_.append(key)
+        hashes.append(kh)
+        ids.append(msg_id)
         values.append(_field_text(f.get(b"b", b""), order_field) if order_field else None)
     n = len(offsets)
     return pa.RecordBatch.from_arrays([

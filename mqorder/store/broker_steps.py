@@ -57,8 +57,12 @@ class BrokerSteps:
         errors = [r for r in replies if isinstance(r, Exception)]
         if not errors:
             return replies
-        self.partial.append((broker_name, len(errors), len(replies), errors[0]))
+        self.missed(broker_name, len(errors), len(replies), errors[0])
         return [None if isinstance(r, Exception) else r for r in replies]
+
+    def missed(self, broker_name: str, bad: int, total: int, exc: Exception) -> None:
+        """``bad`` of a broker's ``total`` parts failed, first with ``exc``: logged by ``settle``."""
+        self.partial.append((broker_name, bad, total, exc))
 
     def settle(self) -> None:
         for name, bad, total, exc in self.partial:

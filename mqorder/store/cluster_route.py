@@ -448,15 +448,13 @@ class ClusterRoute:
                     node = prev
                 else:
                     slot = key_slot(key)
-                    if unrouted is None:
+                    try:
                         node = manager.get_node_from_slot(slot)
-                    else:
-                        try:
-                            node = manager.get_node_from_slot(slot)
-                        except (RedisClusterException, KeyError) as exc:
-                            unrouted[i] = redis.ConnectionError(f"no Redis Cluster node serves slot {slot} ({exc})")
-                            lost = unrouted[i]  # a WAIT behind it has no node either
-                            continue
+                    except (RedisClusterException, KeyError) as exc:
+                        if unrouted is None:
+                            raise
+                        unrouted[i] = lost = redis.ConnectionError(f"no Redis Cluster node serves slot {slot} ({exc})")
+                        continue  # (``lost``: a WAIT behind it has no node either)
                     lost = None
                     if self._pins:
                         self._check_pin(slot, node)

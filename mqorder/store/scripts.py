@@ -199,12 +199,12 @@ class Scripts:
         and stopped their renewals for as long as the shard was down."""
         replies: list[Any] = [None] * len(calls)
         todo = list(range(len(calls)))
+        partial = isinstance(self._client, ClusterClient)  # off a cluster one node: its failure is raised
         for attempt in (0, 1):
             pipe = RawPipeline(self._client)
             for i in todo:
                 self.queue_in(pipe, name, *calls[i])
             missing = []
-            partial = isinstance(self._client, ClusterClient)  # off a cluster one node: its failure is raised
             for i, res in zip(todo, pipe.execute(raise_on_error=False, partial=partial), strict=True):
                 if isinstance(res, redis.exceptions.NoScriptError) and not attempt:
                     missing.append(i)

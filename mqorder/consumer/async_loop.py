@@ -21,8 +21,8 @@ Thousands of calls in flight then cost a coroutine each, not a thread each.
   setting, ``MQORDER_ASYNC_MAX_IN_FLIGHT``, default 10,000): a call past the cap waits for a slot on the loop before its listener starts.
 * **A blocked loop is seen.** A watchdog thread posts a ping every ``PING_S`` and measures how late
   the loop ran it (``lag``, exported as ``mqorder_event_loop_lag_seconds``). While a ping is
-  late it samples the task running on the loop; the same task at every sample for ``BLOCKED_S``
-  means one step of one call holds the loop (``time.sleep``, CPU work, a blocking client): the
+  late it samples the task running on the loop every ``SAMPLE_S``; the same task at every sample,
+  ``BLOCKED_S`` after the loop was last seen free, means one step of one call holds the loop (``time.sleep``, CPU work, a blocking client): the
   watchdog names that listener in a warning, once per episode, instead of every key of the
   process silently slowing down. (A loop merely busy with many short steps shows as lag only.)
 """
@@ -50,8 +50,10 @@ log = logging.getLogger(__name__)
 #: Calls of all runs of one process in flight at once until a run passes the ``async_max_in_flight``
 #: setting (``ProcessLoop.get``): the setting's default.
 DEFAULT_MAX_IN_FLIGHT = 10_000
-#: The watchdog's period, and how late a ping may be before the loop counts as blocked.
+#: The watchdog's period while the loop answers; while a ping is late it samples every
+#: ``SAMPLE_S``. ``BLOCKED_S``: how long one step may hold the loop before it is named.
 PING_S = 0.1
+SAMPLE_S = 0.025
 BLOCKED_S = 0.25
 #: ``lag()`` reports the worst lateness over this many seconds.
 LAG_WINDOW_S = 1.0
@@ -84,8 +86,10 @@ class AsyncCall:
         self.task: asyncio.Task[None] | None = None
         self.started = False
         self.cancel_asked = False
-        #: The context the call's task runs in (None: a copy of the submitter's current one).
-        self.context = context
+        #: The context the call's task runs in: given, or a copy of the submitting thread's now
+        #: (``create_task`` without one would copy the context of the callback that starts it,
+        #: the first submitter's of a burst: another run's ContextVars).
+        self.context = contextvars.copy_context() if context is None else context
 
     def cancel(self) -> None:
         self._loop.call_soon_threadsafe(self._cancel)
@@ -181,9 +185,13 @@ class ProcessLoop:
         self._lags: list[tuple[float, float]] = []  # (monotonic when answered, lateness s)
         self._ping_sent = 0.0
         self._ping_answered = True
+        #: When the loop was last seen between steps (it ran a pong, or a sample found no task
+        #: running): a step running later began after it.
+        self._free_at = time.monotonic()
         self._warned_task: asyncio.Task[Any] | None = None
         self._suspect: asyncio.Task[Any] | None = None
         self._suspect_since = 0.0
+        self._suspect_seen = 0
         #: Called with each measured lateness (s) from the watchdog's thread (``LAG_OBSERVERS`` too).
         self.lag_observers: list[Callable[[float], None]] = []
         self.blocked_episodes = 0
@@ -448,6 +456,7 @@ class ProcessLoop:
 
     def _pong(self, sent: float) -> None:
         now = time.monotonic()
+        self._free_at = now
         self._ping_answered = True
         self._note_lag(now, max(0.0, now - sent))
 
@@ -479,10 +488,13 @@ class ProcessLoop:
         return worst
 
     def _watch(self) -> None:
+        wait = PING_S
         while True:
-            native.sleep(PING_S)
+            native.sleep(wait)
             now = time.monotonic()
+            wait = SAMPLE_S  # while the ping is late; a new ping waits PING_S
             if self._ping_answered:
+                wait = PING_S
                 self._ping_sent, self._ping_answered = now, False
                 self._suspect, self._warned_task = None, None
                 try:
@@ -494,15 +506,27 @@ class ProcessLoop:
 
     def _sample(self, now: float) -> None:
         """The ping is late. A loop busy with many short steps (thousands of calls) is late too,
-        and that is only lag; a loop whose *same* task is running at every sample for
-        ``BLOCKED_S`` is held by that one step: name it (read from this thread: a dict lookup,
-        safe under the GIL), once per episode."""
+        and that is only lag; a loop whose *same* task is running at every sample (every
+        ``SAMPLE_S`` from the first late one) is held by that one step, which began after the
+        loop was last seen free (nothing runs beside a step): held for ``BLOCKED_S`` since then, it
+        is named (read from this thread: a dict lookup, safe under the GIL), once per episode.
+        (Counted from the first late sample, a step had to hold the loop some 0.4 s, not 0.25,
+        to be named: the ping is sent up to ``PING_S`` after the step began, and sampled
+        ``PING_S`` later.)"""
         task = asyncio.current_task(self.loop) if self.loop.is_running() else None
-        if task is None or task is not self._suspect:
-            self._suspect, self._suspect_since = task, now
+        if task is None:
+            self._suspect, self._free_at = None, now
             return
+        if task is not self._suspect:
+            # The first task seen running since the loop was last seen free: its step began
+            # after that. Another task than the last sample's: it began after that sample.
+            first = self._suspect is None
+            self._suspect, self._suspect_since, self._suspect_seen = task, self._free_at if first else now, 0
+        self._suspect_seen += 1
         held = now - self._suspect_since
-        if held < BLOCKED_S or task is self._warned_task:
+        # (Three samples at least, 50 ms of it seen: two short steps of one task caught by two
+        # samples of a merely busy loop are not a block.)
+        if held < BLOCKED_S or self._suspect_seen < 3 or task is self._warned_task:
             return
         self._warned_task = task
         self.blocked_episodes += 1

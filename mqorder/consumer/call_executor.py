@@ -117,6 +117,18 @@ class LaneCalls:
         except queue.Empty:
             return None
 
+    def put_plain(self, res: LaneResult) -> None:
+        """A plain call's result, from its lane worker. A run driving the loop waits in ``drive``,
+        which only the loop's own work stops: it is woken, or it would wait for an async result
+        that may never come (a retry run serving an async and a plain listener, once its async
+        calls had ended, waited for ever for its plain ones). (A wake-up that comes after the
+        run stopped driving only makes a later ``drive`` return early.)"""
+        self._put(res)
+        if self.inline:
+            loop = self._loop
+            if loop is not None:
+                loop.loop.call_soon_threadsafe(loop.loop.stop)
+
     def release(self) -> None:
         """Stop driving the loop (the run blocks on something else next, or ends); its own
         thread runs it again, and runs the calls still in flight."""

@@ -117,7 +117,7 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
             log.exception("concurrent call of %s on %s failed outside the listener (a hook?); retrying its "
                           "messages", self.spec.name, self.mq.key)
         finally:
-            self.results.put(LaneResult(key, msgs, handled, ctx))
+            self._calls().put_plain(LaneResult(key, msgs, handled, ctx))
 
     async def _concurrent_call_async(self, key: int, msgs: list[MessageExt], ctx: ConsumeConcurrentlyContext) -> None:
         """``_concurrent_call`` of an async listener, on the process's loop."""

@@ -298,8 +298,10 @@ class KeyConsumeRequest(ConsumeRequest):
                 stop = self._should_stop(deadline)
             if stop is not None:
                 if self.in_flight:
-                    lost = stop.stop is Stop.FENCED or self.pq.dropped
-                    stop = self._wait_one(self._calls().wait_for_lost() if lost else None, stop=stop)
+                    if stop.stop is Stop.FENCED or self.pq.dropped:
+                        stop = self._wait_one(self._calls().wait_for_lost(), stop=stop)
+                    else:
+                        stop = self._wait_out(stop)
                     continue
                 return stop
             if self.poison:
@@ -348,6 +350,20 @@ class KeyConsumeRequest(ConsumeRequest):
                 # No spare slot: give this one back and come back after the suspend time.
                 return LoopEnd(Stop.REQUEUE, max(BUDGET_REQUEUE_S, nxt - now))
             time.sleep(max(0.0, min(nxt - now, EMPTY_PULL_BACKOFF_S)))
+
+    def _wait_out(self, stop: LoopEnd) -> LoopEnd:
+        """The run ends (its time budget) with calls still running: wait for them, still checking
+        the queue is this run's as the loop does (a fenced commit every ``HELD_CHECK_S`` while async
+        calls run, the lease), or a queue lost meanwhile would never get its async calls cancelled
+        after their grace (a hung call kept the run, and its pool slot, until it returned)."""
+        now = time.monotonic()
+        if ((self.dirty or self.retry_updates or self._calls().calls)
+                and now - self.last_persist >= HELD_CHECK_S):
+            if self._persist(pull=False).kind is PullKind.LOST:
+                return LoopEnd(Stop.FENCED)
+        elif self.pq.is_lock_expired() and not self._touch():
+            return self._fenced()
+        return self._wait_one(COMMIT_INTERVAL_S, stop=stop) or stop
 
     def _should_stop(self, deadline: float) -> LoopEnd | None:
         if self.pq.dropped:
@@ -406,7 +422,7 @@ class KeyConsumeRequest(ConsumeRequest):
             log.exception("lane call of %s on %s failed outside the listener (a hook?); suspending its key",
                           self.spec.name, self.mq.key)
         finally:
-            self.results.put(LaneResult(key, msgs, handled, ctx))
+            self._calls().put_plain(LaneResult(key, msgs, handled, ctx))
 
     async def _lane_call_async(self, key: int, msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> None:
         """``_lane_call`` of an async listener, on the process's loop. A cancelled call (the run

@@ -276,7 +276,7 @@ class ProcessLoop:
         if self.in_flight or self._pending or self._background:
             return False
         with self._claim_lock:
-            if self._owner is not None:
+            if self._owner is not None or self._runs > 1:  # (a run entered since the check above)
                 return False
             self._handing = True
             self.loop.call_soon_threadsafe(self.loop.stop)

@@ -154,3 +154,37 @@ def test_steps_holding_the_loop_for_380_ms_are_named(env, caplog) -> None:
         drain(eng, ListenerSpec(blocker_380ms, "t", "g", ordering="key", consume_message_batch_max_size=1))
     lines = [r.getMessage() for r in caplog.records if "blocking the event loop" in r.getMessage()]
     assert lines, "three 380 ms blocks of the loop, none named"
+
+
+def test_a_run_past_its_budget_starts_no_new_call_while_it_waits_for_its_last_ones(redis_url) -> None:
+    """A run driving the loop settles each success where its call ends and submits the next ready
+    key's call from there (``_settle_fast``): past the budget it must stop handing out calls, or
+    the run went on consuming until the dispatcher woke (up to a commit's worth of calls later)."""
+    settings = load_settings(redis_url=redis_url, max_time_consume_continuously_ms=300)
+    p = Producer(settings=settings)
+    p.create_topic("t", queues=1)
+    eng = ConsumerEngine(settings, "c1")
+    send_keys(p, 64, 20)
+    starts: list[float] = []
+
+    async def short(msgs, ctx):
+        starts.append(time.monotonic())
+        await asyncio.sleep(0.002)
+        return S.SUCCESS
+
+    # (A commit every 64 finished messages: the dispatcher wakes every 100 ms, its timeout.)
+    spec = ListenerSpec(short, "t", "g", ordering="key", key_concurrency=4, pull_batch_size=64)
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    out = eng.run(spec, "g", MQ, "tok0")
+    try:
+        assert out is not None and out.needs_dispatch  # ended on its budget, messages left
+        assert len(starts) > 20
+        # The budget began before the first call: it was over at starts[0] + 0.3 at the latest.
+        end = starts[0] + 0.3
+        late = [round(s - end, 3) for s in starts if s > end]
+        # (At most the 4 in flight may start just after it, submitted just before: before the
+        # fix, 28-32 started within 16 ms after it, 2 ms calls, 4 at a time.)
+        assert len(late) <= 4, f"{len(late)} calls started after the run's budget was over: {late[:8]}"
+    finally:
+        p.close()
+        eng.brokers.close()

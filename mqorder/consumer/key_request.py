@@ -164,6 +164,8 @@ class KeyConsumeRequest(ConsumeRequest):
         self.fenced = False
         self.last_persist = 0.0
         self.empty_pull_at = 0.0
+        #: When the run's time budget ends (set as its dispatch loop starts).
+        self.deadline = float("inf")
         self._rt_lock = threading.Lock()
         #: Where the calls go (lane workers, or the process's loop for an async listener): made
         #: when the loop starts, once a subclass has set ``key_concurrency``.
@@ -289,7 +291,7 @@ class KeyConsumeRequest(ConsumeRequest):
                 calls.close()  # the process loop given back, whatever happened above
 
     def _dispatch_loop(self) -> LoopEnd:
-        deadline = time.monotonic() + self.budget
+        deadline = self.deadline = time.monotonic() + self.budget
         lanes = self.lanes
         stop: LoopEnd | None = None
         while True:
@@ -492,6 +494,10 @@ class KeyConsumeRequest(ConsumeRequest):
             if self.unsaved >= self.pull_n:
                 # The dispatcher's commit is due: no new call before it (it refills the places),
                 # so what is finished and not committed stays within uncommitted_bound.
+                calls.wake()
+                return True
+            if time.monotonic() > self.deadline:
+                # The budget is over: no new call (the run waits for those in flight, then ends).
                 calls.wake()
                 return True
             lanes = self.lanes

@@ -22,9 +22,9 @@ Thousands of calls in flight then cost a coroutine each, not a thread each.
 * **A blocked loop is seen.** A watchdog thread posts a ping every ``PING_S`` and measures how late
   the loop ran it (``lag``, exported as ``mqorder_event_loop_lag_seconds``). While a ping is
   late it samples the task running on the loop every ``SAMPLE_S``; the same task at every sample,
-  ``BLOCKED_S`` after the loop was last seen free, means one step of one call holds the loop (``time.sleep``, CPU work, a blocking client): the
-  watchdog names that listener in a warning, once per episode, instead of every key of the
-  process silently slowing down. (A loop merely busy with many short steps shows as lag only.)
+  ``BLOCKED_S`` after the loop was last seen free, means one step of one call holds the loop
+  (``time.sleep``, CPU work, a blocking client): the watchdog names that listener in a warning,
+  once per episode, instead of every key of the process silently slowing down. (A loop merely busy with many short steps shows as lag only.)
 """
 
 from __future__ import annotations

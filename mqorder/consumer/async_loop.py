@@ -406,13 +406,13 @@ class ProcessLoop:
                 return
         self._free += 1
 
-    def run_blocking(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+    def run_blocking(self, coro: Coroutine[Any, Any, Any]) -> Any:
         """Run ``coro`` on the loop and wait for its result in the calling thread (or greenlet):
         an ``async def`` hook around a plain listener. Never call it on the loop's own thread."""
         if self._owner is not None and self._owner == threading.get_ident():
             # The caller drives the loop itself (``claim``): waiting for the loop's thread would
             # wait forever; run the loop here until the coroutine is done.
-            return self.loop.run_until_complete(asyncio.wait_for(coro, timeout))
+            return self.loop.run_until_complete(coro)
         if self._owner is not None:
             self._note_foreign()
         box: queue.SimpleQueue[tuple[bool, Any]] = queue.SimpleQueue()
@@ -425,7 +425,7 @@ class ProcessLoop:
                 hand(box.put, (False, exc))
 
         self.loop.call_soon_threadsafe(self._keep, run())
-        ok, value = box.get(timeout=timeout)
+        ok, value = box.get()
         if not ok:
             raise value
         return value

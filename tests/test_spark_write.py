@@ -187,6 +187,33 @@ def test_bad_rows_are_refused_with_their_counts_and_nothing_is_published(spark, 
     assert (report.stored, report.skipped_nulls) == (200, 3)
 
 
+def test_a_refusal_names_a_long_key_as_such_and_the_callers_key_column(spark, r: redis.Redis,
+                                                                         producer: Producer) -> None:
+    """A key too long for a message header is not a body over max_message_size (the body here is 5
+    bytes); a null key of a column publish casts to a string is named by the caller's column, not
+    the job's internal copy of it."""
+    import datetime
+
+    import mqorder.spark as ms
+
+    producer.create_topic("longkey", queues=2)
+    df = spark.createDataFrame([("K" * 70_000, 1, "small")], SCHEMA)
+    with pytest.raises(ms.JobRefusedError) as err:
+        ms.publish(df, "longkey", key="tailnum", order_by="dep_ts", body="payload")
+    text = str(err.value)
+    assert "over max_message_size" not in text, text
+    assert "1 rows have a message header (their key and message id) of over 65,536 bytes" in text, text
+    assert "shorten the key ('tailnum')" in text, text
+
+    producer.create_topic("bydate", queues=2)
+    df = spark.createDataFrame([(datetime.date(2024, 1, 1), 1, "a"), (None, 2, "b")],
+                               "day DATE, dep_ts BIGINT, payload STRING")
+    with pytest.raises(ms.JobRefusedError) as err:
+        ms.publish(df, "bydate", key="day", order_by="dep_ts", body="payload")
+    assert "1 rows have a null key ('day')" in str(err.value), str(err.value)
+    assert staged_keys(r) == []
+
+
 def test_bad_options_fail_before_any_task_runs(spark, redis_url: str, producer: Producer) -> None:
     from pyspark.errors import PySparkException
 

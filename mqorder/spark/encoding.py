@@ -56,9 +56,14 @@ class Refusal:
     null_id: int = 0
     too_large: int = 0
     largest: int = 0
+    #: Rows whose header (message id and key) is over ``MAX_HEADER_SIZE``: a key that long, not a
+    #: body over ``max_message_size``.
+    header_too_large: int = 0
+    largest_header: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.null_key or self.null_order or self.null_body or self.null_id or self.too_large)
+        return bool(self.null_key or self.null_order or self.null_body or self.null_id or self.too_large
+                    or self.header_too_large)
 
     def add(self, other: Refusal) -> None:
         self.null_key += other.null_key
@@ -67,6 +72,8 @@ class Refusal:
         self.null_id += other.null_id
         self.too_large += other.too_large
         self.largest = max(self.largest, other.largest)
+        self.header_too_large += other.header_too_large
+        self.largest_header = max(self.largest_header, other.largest_header)
 
     def describe(self, plan_key: str, plan_order: str, max_size: int) -> str:
         parts = []
@@ -81,6 +88,10 @@ class Refusal:
         if self.too_large:
             parts.append(f"{self.too_large:,} rows are over max_message_size {max_size:,} bytes "
                          f"(the largest is {self.largest:,})")
+        if self.header_too_large:
+            parts.append(f"{self.header_too_large:,} rows have a message header (their key and message id) of over "
+                         f"{MAX_HEADER_SIZE:,} bytes (the largest is {self.largest_header:,}): shorten the key "
+                         f"({plan_key!r})")
         hint = ""
         if self.null_key or self.null_order or self.null_body or self.null_id:
             hint = "; filter them out first, or option('onNull', 'skip') to leave them out (counted in the report)"
@@ -269,8 +280,8 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
             kj = key_json[kb] = (b',"k":[' + dumps(kb.decode("utf-8")) + b"]" if kb else b"") + b',"h":%d' % crc32(kb)
         header = b'{"i":%s,"b":%d%s}' % (dumps(mid), born, kj)
         if len(header) > MAX_HEADER_SIZE:
-            out.refusal.too_large += 1
-            out.refusal.largest = max(out.refusal.largest, len(header))
+            out.refusal.header_too_large += 1
+            out.refusal.largest_header = max(out.refusal.largest_header, len(header))
             continue
         run = runs.get(q)
         if run is None:

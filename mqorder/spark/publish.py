@@ -118,7 +118,10 @@ def publish(
     except PySparkException as exc:
         report = _report(settings.redis_url, settings.brokers, job)
         if report.get("status") == "refused":
-            raise JobRefusedError(str(report.get("error"))) from None
+            error = str(report.get("error"))
+            if key_col != key:  # the job's key is a string copy of the caller's column: name theirs
+                error = error.replace(repr(key_col), repr(key))
+            raise JobRefusedError(error) from None
         if report.get("status") == "unreplicated":  # option waitReplicas: published, not yet on the replicas
             raise ReplicasBehindError(str(report.get("error"))) from None
         ours = mqorder_error(exc)  # a check in Spark's Python workers: the same error as a local call

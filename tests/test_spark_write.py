@@ -187,11 +187,11 @@ def test_bad_rows_are_refused_with_their_counts_and_nothing_is_published(spark, 
     assert (report.stored, report.skipped_nulls) == (200, 3)
 
 
-def test_a_refusal_names_a_long_key_as_such_and_the_callers_key_column(spark, r: redis.Redis,
-                                                                         producer: Producer) -> None:
+def test_a_refusal_names_a_long_key_a_binary_key_and_the_callers_key_column(spark, redis_url: str, r: redis.Redis,
+                                                                              producer: Producer) -> None:
     """A key too long for a message header is not a body over max_message_size (the body here is 5
     bytes); a null key of a column publish casts to a string is named by the caller's column, not
-    the job's internal copy of it."""
+    the job's internal copy of it; a key that is not UTF-8 text is refused with its count."""
     import datetime
 
     import mqorder.spark as ms
@@ -211,6 +211,16 @@ def test_a_refusal_names_a_long_key_as_such_and_the_callers_key_column(spark, r:
     with pytest.raises(ms.JobRefusedError) as err:
         ms.publish(df, "bydate", key="day", order_by="dep_ts", body="payload")
     assert "1 rows have a null key ('day')" in str(err.value), str(err.value)
+
+    # A binary key that is not UTF-8 text: a refusal with its count (it failed a task with a
+    # UnicodeDecodeError deep in a JVM stack trace).
+    producer.create_topic("bykey", queues=2)
+    df = spark.createDataFrame([(bytearray(b"\xff\xfe"), 1, "a"), (bytearray(b"ok"), 2, "b")],
+                               "k BINARY, dep_ts BIGINT, payload STRING")
+    with pytest.raises(ms.JobRefusedError) as err:
+        ms.publish(df, "bykey", key="k", order_by="dep_ts", body="payload")
+    assert "1 rows have a key that is not UTF-8 text ('k')" in str(err.value), str(err.value)
+    assert all(msgs == [] for msgs in stored(redis_url, "bykey").values())
     assert staged_keys(r) == []
 
 

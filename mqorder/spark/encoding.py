@@ -60,10 +60,12 @@ class Refusal:
     #: body over ``max_message_size``.
     header_too_large: int = 0
     largest_header: int = 0
+    #: Rows whose key is not UTF-8 text (a binary column cast to a string): a sharding key is text.
+    key_not_text: int = 0
 
     def __bool__(self) -> bool:
         return bool(self.null_key or self.null_order or self.null_body or self.null_id or self.too_large
-                    or self.header_too_large)
+                    or self.header_too_large or self.key_not_text)
 
     def add(self, other: Refusal) -> None:
         self.null_key += other.null_key
@@ -74,6 +76,7 @@ class Refusal:
         self.largest = max(self.largest, other.largest)
         self.header_too_large += other.header_too_large
         self.largest_header = max(self.largest_header, other.largest_header)
+        self.key_not_text += other.key_not_text
 
     def describe(self, plan_key: str, plan_order: str, max_size: int) -> str:
         parts = []
@@ -92,6 +95,9 @@ class Refusal:
             parts.append(f"{self.header_too_large:,} rows have a message header (their key and message id) of over "
                          f"{MAX_HEADER_SIZE:,} bytes (the largest is {self.largest_header:,}): shorten the key "
                          f"({plan_key!r})")
+        if self.key_not_text:
+            parts.append(f"{self.key_not_text:,} rows have a key that is not UTF-8 text ({plan_key!r}): a sharding "
+                         "key is text; hex- or base64-encode binary keys first (F.hex, F.base64)")
         hint = ""
         if self.null_key or self.null_order or self.null_body or self.null_id:
             hint = "; filter them out first, or option('onNull', 'skip') to leave them out (counted in the report)"
@@ -277,7 +283,12 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
         kb = keys_b[i]
         kj = key_json.get(kb)
         if kj is None:
-            kj = key_json[kb] = (b',"k":[' + dumps(kb.decode("utf-8")) + b"]" if kb else b"") + b',"h":%d' % crc32(kb)
+            try:
+                text = kb.decode("utf-8")
+            except UnicodeDecodeError:
+                out.refusal.key_not_text += 1
+                continue
+            kj = key_json[kb] = (b',"k":[' + dumps(text) + b"]" if kb else b"") + b',"h":%d' % crc32(kb)
         header = b'{"i":%s,"b":%d%s}' % (dumps(mid), born, kj)
         if len(header) > MAX_HEADER_SIZE:
             out.refusal.header_too_large += 1

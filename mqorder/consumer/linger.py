@@ -233,7 +233,9 @@ class LingeringReads:
             self.pq.dropped = True
             self.pq.clear()
             return LOST
-        self.pq.mark_locked()
+        # (No ``pq.mark_locked()`` here: this read checked owner, epoch and token, not the lease,
+        # which only a fenced commit or touch confirms. A slice behind a commit was confirmed by
+        # it, ``_took``; after the local trust lapses, the next listener call touches first.)
         if assignee and text(assignee) != me:
             return NOTHING
         if not reply:

@@ -66,10 +66,10 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -q $(PYTEST_PARALLEL) tests
 
 # Everything but the slow families (real worker subprocesses, Spark, Chromium, RabbitMQ, the chaos
-# smoke): unit, property, Lua and engine tests against the suite's real redis-server. ~70 s serial.
-# The quick loop runs on the same xdist workers as `make test`: most of its tests wait on Redis
-# (failovers, replicas, clusters starting), so 3 workers on 2 cores take 113 s where one took 293 s
-# (1,336 tests, same machine, back to back, 2026-11-28).
+# smoke): unit, property, Lua and engine tests against the suite's real redis-server. On the same
+# xdist workers as `make test`: most of these tests wait on Redis (failovers, replicas, clusters
+# starting), so 3 workers on 2 cores take 113 s where one took 293 s (1,336 tests, same machine,
+# back to back, 2026-11-28).
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup -m "not ($(SLOW_MARKERS))" tests
 

@@ -45,8 +45,10 @@ def r(redis_url: str) -> Iterator[redis.Redis]:
 
 
 @pytest.fixture
-def settings(redis_url: str):
-    return load_settings(redis_url=redis_url)
+def settings(redis_url: str, request: pytest.FixtureRequest):
+    """The suite's settings; a test changes some with
+    ``@pytest.mark.parametrize("settings", [{"name": value}], indirect=True)`` (``env`` too)."""
+    return load_settings(redis_url=redis_url, **getattr(request, "param", {}))
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ import logging
 import threading
 import time
 
+import pytest
+
 from mqorder import ConsumeConcurrentlyStatus as C
 from mqorder import ConsumeOrderlyStatus as S
 from mqorder import Producer, concurrent_listener, keys
@@ -25,12 +27,13 @@ from mqorder.store.log import MessageLog
 from tests.engine_support import MQ, drain
 from tests.test_async_engine import send_keys
 
+#: A run's time budget of 300 ms (``settings`` and ``env``).
+SHORT_BUDGET = pytest.mark.parametrize("settings", [{"max_time_consume_continuously_ms": 300}], indirect=True)
 
-def test_a_run_past_its_budget_that_loses_its_queue_cancels_a_hung_call_after_the_grace(redis_url) -> None:
-    settings = load_settings(redis_url=redis_url, max_time_consume_continuously_ms=300)
-    p = Producer(settings=settings)
-    p.create_topic("t", queues=1)
-    eng = ConsumerEngine(settings, "c1")
+
+@SHORT_BUDGET
+def test_a_run_past_its_budget_that_loses_its_queue_cancels_a_hung_call_after_the_grace(env) -> None:
+    p, eng = env
     send_keys(p, 2, 1)
     cancelled = threading.Event()
     started = threading.Event()
@@ -59,8 +62,6 @@ def test_a_run_past_its_budget_that_loses_its_queue_cancels_a_hung_call_after_th
         assert cancelled.is_set() and not t.is_alive(), "hanging call not cancelled within grace after revoke"
     finally:
         t.join(20)
-        p.close()
-        eng.brokers.close()
 
 
 RETRY_MQ = MessageQueue(keys.retry_topic("g"), "broker-a", 0)
@@ -156,14 +157,12 @@ def test_steps_holding_the_loop_for_380_ms_are_named(env, caplog) -> None:
     assert lines, "three 380 ms blocks of the loop, none named"
 
 
-def test_a_run_past_its_budget_starts_no_new_call_while_it_waits_for_its_last_ones(redis_url) -> None:
+@SHORT_BUDGET
+def test_a_run_past_its_budget_starts_no_new_call_while_it_waits_for_its_last_ones(env) -> None:
     """A run driving the loop settles each success where its call ends and submits the next ready
     key's call from there (``_settle_fast``): past the budget it must stop handing out calls, or
     the run went on consuming until the dispatcher woke (up to a commit's worth of calls later)."""
-    settings = load_settings(redis_url=redis_url, max_time_consume_continuously_ms=300)
-    p = Producer(settings=settings)
-    p.create_topic("t", queues=1)
-    eng = ConsumerEngine(settings, "c1")
+    p, eng = env
     send_keys(p, 64, 20)
     starts: list[float] = []
 
@@ -176,15 +175,11 @@ def test_a_run_past_its_budget_starts_no_new_call_while_it_waits_for_its_last_on
     spec = ListenerSpec(short, "t", "g", ordering="key", key_concurrency=4, pull_batch_size=64)
     RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
     out = eng.run(spec, "g", MQ, "tok0")
-    try:
-        assert out is not None and out.needs_dispatch  # ended on its budget, messages left
-        assert len(starts) > 20
-        # The budget began before the first call: it was over at starts[0] + 0.3 at the latest.
-        end = starts[0] + 0.3
-        late = [round(s - end, 3) for s in starts if s > end]
-        # (At most the 4 in flight may start just after it, submitted just before: before the
-        # fix, 28-32 started within 16 ms after it, 2 ms calls, 4 at a time.)
-        assert len(late) <= 4, f"{len(late)} calls started after the run's budget was over: {late[:8]}"
-    finally:
-        p.close()
-        eng.brokers.close()
+    assert out is not None and out.needs_dispatch  # ended on its budget, messages left
+    assert len(starts) > 20
+    # The budget began before the first call: it was over at starts[0] + 0.3 at the latest.
+    end = starts[0] + 0.3
+    late = [round(s - end, 3) for s in starts if s > end]
+    # (At most the 4 in flight may start just after it, submitted just before: before the
+    # fix, 28-32 started within 16 ms after it, 2 ms calls, 4 at a time.)
+    assert len(late) <= 4, f"{len(late)} calls started after the run's budget was over: {late[:8]}"

@@ -394,32 +394,23 @@ def test_lingering_request_that_lost_its_lock_hands_nothing_to_the_listener(env)
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 1  # the new owner starts at b"1"
 
 
-def test_lingering_reads_do_not_extend_the_trust_in_a_lease_they_never_checked(redis_url) -> None:
+@pytest.mark.parametrize("settings", [{"client_lock_expire_ms": 300, "consume_linger_ms": 2000}], indirect=True)
+def test_lingering_reads_do_not_extend_the_trust_in_a_lease_they_never_checked(env) -> None:
     """Only a fenced commit or touch confirms the lock (``ProcessQueue.mark_locked``). A lingering
     read checks owner, epoch and pending token, not the lease: it must not renew the run's local
     trust, or a lease that lapsed in Redis (renewals failing, a replica promoted with an older one)
     kept handing messages to the listener. Here the local trust is 300 ms: a message read after it
     goes through a fenced touch first, which the lapsed lease refuses."""
-    from mqorder.settings import load_settings
-
-    settings = load_settings(redis_url=redis_url, client_lock_expire_ms=300, consume_linger_ms=2000)
-    p = Producer(settings=settings)
-    p.create_topic("t", queues=1)
-    eng = ConsumerEngine(settings, "c1")
-    try:
-        _, _, seen, outs, ended, t, r = _linger_run((p, eng))
-        # Lingering reads for 1 s: far longer than the local trust since the commit (which the
-        # first lingering read, riding on it, returns with: up to a slice later).
-        time.sleep(1.0)
-        r.hset(keys.sub_state(MQ.tag, "g"), "lease", 1)  # lapsed in Redis, owner and epoch unchanged
-        p.send_orderly("t", b"1", sharding_key="k")
-        t.join(3)
-        assert ended
-        assert seen == [b"0"]  # b"1" was never handed to the listener on a lapsed lease
-        assert [o.verb for o in outs] == ["FENCED"]
-    finally:
-        p.close()
-        eng.brokers.close()
+    p, _, seen, outs, ended, t, r = _linger_run(env)
+    # Lingering reads for 1 s: far longer than the local trust since the commit (which the
+    # first lingering read, riding on it, returns with: up to a slice later).
+    time.sleep(1.0)
+    r.hset(keys.sub_state(MQ.tag, "g"), "lease", 1)  # lapsed in Redis, owner and epoch unchanged
+    p.send_orderly("t", b"1", sharding_key="k")
+    t.join(3)
+    assert ended
+    assert seen == [b"0"]  # b"1" was never handed to the listener on a lapsed lease
+    assert [o.verb for o in outs] == ["FENCED"]
 
 
 def test_commit_recovers_when_redis_lost_its_scripts(env) -> None:

@@ -274,7 +274,9 @@ class Settings(BaseSettings):
     metrics_addr: str = "0.0.0.0"
 
     # -- producing -------------------------------------------------------------------------------
-    #: Largest body a producer accepts, in bytes (4 MiB); larger ones are refused with a clear error.
+    #: Largest body, in bytes (4 MiB). A producer refuses a larger one with a clear error; a
+    #: consumer dead-letters a stored body over its own limit at once (``DLQ_REASON`` names both
+    #: sizes), so raise it on the workers too before a producer's.
     max_message_size: int = Field(4 * 1024 * 1024, ge=1, le=512 * 1024 * 1024)
     #: Milliseconds a producer waits for one send (sendMsgTimeout, 3 s).
     send_msg_timeout_ms: int = Field(3000, gt=0, le=600_000)

@@ -277,6 +277,41 @@ def test_the_exporter_endpoint_serves_text_gzipped_on_request_and_404_elsewhere(
         collector.brokers.close()
 
 
+def test_one_unreadable_broker_loses_only_its_own_queues_series(settings) -> None:
+    """A second broker that does not answer (here: nothing listens on its port) used to empty the
+    whole scrape (``mqorder_up`` 0 and no series at all), blinding the lag alerts of every healthy
+    broker. Its queues are left out now, named by ``mqorder_broker_up``."""
+    from mqorder.settings import load_settings
+    from mqorder.store.brokers import BrokerRegistry
+    from tests.test_metrics import free_port
+
+    two = load_settings(redis_url=settings.redis_url, brokers={"broker-b": f"redis://127.0.0.1:{free_port()}/0"})
+    brokers = BrokerRegistry(two.redis_url, two.brokers)
+    try:
+        topics = TopicManager(brokers)
+        topics.create_topic("ta", queues=2)
+        topics.create_topic("tb", queues=2, brokers=["broker-b"])  # a route: written on broker-a
+        for t in ("ta", "tb"):
+            topics.subscribe("g", t, MessageModel.CLUSTERING)
+    finally:
+        brokers.close()
+    p = Producer(settings=settings)
+    p.send_orderly("ta", b"x", sharding_key="k")
+    p.close()
+
+    samples = scrape(two)
+    assert samples[("mqorder_up", ())] == 0
+    assert samples[("mqorder_broker_up", (("broker", "broker-a"),))] == 1
+    assert samples[("mqorder_broker_up", (("broker", "broker-b"),))] == 0
+    lags: dict[str, float] = {}
+    for (n, ls), v in samples.items():
+        if n == "mqorder_queue_lag":
+            lags[dict(ls)["topic"]] = lags.get(dict(ls)["topic"], 0) + v
+    assert lags == {"ta": 1}  # broker-a's two queues, none of broker-b's
+    assert {dict(ls)["broker"] for (n, ls) in samples if n == "mqorder_queue_max_offset"} == {"broker-a"}
+    assert samples[("mqorder_clients_live", (("group", "g"),))] == 0
+
+
 def test_broadcast_lanes_of_clients_that_died_without_leaving_are_not_exported(settings) -> None:
     """A broadcast client killed outright keeps its subscription (``%BC%<client>``) and a backlog
     nobody will consume: exporting it would keep the stalled and head-age alerts firing for ever."""

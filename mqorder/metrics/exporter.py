@@ -69,6 +69,10 @@ class _Reading:
     max_offsets: dict[MessageQueue, int] = field(default_factory=dict)
     lanes: dict[Lane, LaneReading] = field(default_factory=dict)
     dlq: dict[str, int] = field(default_factory=dict)
+    #: Whether each broker of the plan was read (``mqorder_broker_up``).
+    brokers: dict[str, bool] = field(default_factory=dict)
+    #: Groups with a DLQ queue on a broker that was not read: no ``mqorder_dlq_messages``.
+    dlq_unread: set[str] = field(default_factory=set)
 
 
 class ClusterCollector:
@@ -84,7 +88,10 @@ class ClusterCollector:
 
     def scrape(self) -> str:
         """One scrape: every family in the Prometheus text format, then ``mqorder_up`` and the time
-        this took (an unreadable Redis: only those two, ``mqorder_up`` 0).
+        this took (an unreadable default broker, which holds the routes and heartbeats: only those
+        two, ``mqorder_up`` 0). Another broker that cannot be read only loses its own queues'
+        series: ``mqorder_broker_up`` 0 for it and ``mqorder_up`` 0, the other brokers' lag still
+        exported (one broker down must not blind the alerts on the others).
 
         Scrapes run one at a time (two Prometheus servers scraping at once wait for each other
         rather than read Redis twice as hard), with Python's cyclic garbage collector paused: a
@@ -96,8 +103,9 @@ class ClusterCollector:
             collecting = gc.isenabled()
             gc.disable()
             try:
-                body = render(self._families())
-                up = 1
+                families, read = self._families()
+                body = render(families)
+                up = int(all(read.values()))
             except (redis.RedisError, MQOrderError) as exc:
                 log.warning("mqorder exporter: cannot read %s (%s)", self.brokers.default.safe_url, exc)
                 body, up = "", 0
@@ -167,25 +175,38 @@ class ClusterCollector:
         reading = _Reading()
         commands, self._commands = self._commands, {}
         for broker in sorted(set(ops) | set(by_broker)):
+            # Each broker is read into a part of its own, kept only whole: a broker that fails half
+            # way (a cluster shard down) exports none of its queues rather than some.
+            part = _Reading()
             try:
                 store = self.brokers.get(broker)
+                items: list[tuple[str, Any]] = []
+                for batch in lane_batches(store, by_broker[broker]):
+                    items.append(("lanes", (batch, self._lanes_command(batch, commands))))
+                for c in clocked_reads(store, items + ops[broker], _tag_of, _commands_of):
+                    kind, what = c.item
+                    reply = c.replies[0]
+                    if kind == "lanes":
+                        for lane, got in zip(what[0], parse_lanes(reply), strict=True):
+                            part.lanes[lane] = got
+                            part.max_offsets[lane[1]] = got.next_offset
+                    elif kind == "next":
+                        part.max_offsets[what] = int(reply or 0)
+                    else:
+                        part.dlq[what[0]] = part.dlq.get(what[0], 0) + int(reply or 0)
             except ConfigError as exc:  # a route names a broker this exporter was not told about
                 log.warning("mqorder exporter: skipping the queues on broker %r: %s", broker, exc)
+            except (redis.RedisError, MQOrderError) as exc:
+                log.warning("mqorder exporter: cannot read broker %r, its queues are left out (%s)", broker, exc)
+            else:
+                reading.brokers[broker] = True
+                reading.lanes.update(part.lanes)
+                reading.max_offsets.update(part.max_offsets)
+                for group, n in part.dlq.items():
+                    reading.dlq[group] = reading.dlq.get(group, 0) + n
                 continue
-            items: list[tuple[str, Any]] = []
-            for batch in lane_batches(store, by_broker[broker]):
-                items.append(("lanes", (batch, self._lanes_command(batch, commands))))
-            for c in clocked_reads(store, items + ops[broker], _tag_of, _commands_of):
-                kind, what = c.item
-                reply = c.replies[0]
-                if kind == "lanes":
-                    for lane, got in zip(what[0], parse_lanes(reply), strict=True):
-                        reading.lanes[lane] = got
-                        reading.max_offsets[lane[1]] = got.next_offset
-                elif kind == "next":
-                    reading.max_offsets[what] = int(reply or 0)
-                else:
-                    reading.dlq[what[0]] = reading.dlq.get(what[0], 0) + int(reply or 0)
+            reading.brokers[broker] = False
+            reading.dlq_unread.update(what[0] for kind, what in ops[broker] if kind == "dlq")
         return reading
 
     def _lanes_command(self, batch: list[Lane], last: dict[tuple[Lane, ...], tuple[Any, ...]]) -> tuple[Any, ...]:
@@ -198,12 +219,13 @@ class ClusterCollector:
         self._commands[key] = cmd
         return cmd
 
-    def _families(self) -> list[Family]:
-        """Every family of one scrape. There are ten lines per lane (100,000 at 10,000 queues), so
-        a lane's label set is escaped once, and each family is one list comprehension of f-strings
-        over the lanes (``mqorder.metrics.exposition``)."""
+    def _families(self) -> tuple[list[Family], dict[str, bool]]:
+        """Every family of one scrape, and whether each broker was read. There are ten lines per
+        lane (100,000 at 10,000 queues), so a lane's label set is escaped once, and each family is
+        one list comprehension of f-strings over the lanes (``mqorder.metrics.exposition``)."""
         plan = self._plan()
         reading = self._read(plan)
+        reading.brokers.setdefault(self.brokers.default_name, True)  # the plan was read from it
         max_offset = Family(names.QUEUE_MAX_OFFSET)
         queue_part: dict[MessageQueue, str] = {}
         for mq in plan.queues:
@@ -236,8 +258,12 @@ class ClusterCollector:
         for group, count in sorted(plan.clients.items()):
             ls = labels(("group",), (group,))
             clients.add(ls, count)
-            dlq.add(ls, reading.dlq.get(group, 0))
-        return [max_offset, *fam.values(), clients, dlq]
+            if group not in reading.dlq_unread:
+                dlq.add(ls, reading.dlq.get(group, 0))
+        broker_up = Family(names.BROKER_UP)
+        for broker, ok in sorted(reading.brokers.items()):
+            broker_up.add(labels(("broker",), (broker,)), int(ok))
+        return [max_offset, *fam.values(), clients, dlq, broker_up], reading.brokers
 
 
 #: The per-lane families, in the order ``_families`` writes them; their labels are the queue's

@@ -43,7 +43,7 @@ def number(value: float) -> str:
     their digits (an epoch has 16, which prometheus-client would round to ``1.7956e+15``), the rest
     as Python's shortest round-tripping repr; Prometheus parses both."""
     if isinstance(value, int):
-        return f"{value}.0"
+        return f"{int(value)}.0"  # int(): a bool is 1.0, not True.0
     return repr(float(value))
 
 

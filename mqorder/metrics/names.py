@@ -115,7 +115,11 @@ MESSAGE_LATENCY_BUCKETS = (
 
 _QUEUE = ("group", "topic", "broker", "queue")
 
-UP = MetricSpec("mqorder_up", "gauge", "1 if the exporter could read Redis at this scrape, else 0")
+UP = MetricSpec("mqorder_up", "gauge", "1 if the exporter could read every broker at this scrape, else 0")
+BROKER_UP = MetricSpec(
+    "mqorder_broker_up", "gauge",
+    "1 if the exporter read this broker at this scrape, else 0 (its queues' series are left out)", ("broker",)
+)
 SCRAPE_DURATION = MetricSpec(
     "mqorder_exporter_scrape_duration_seconds", "gauge", "Time the exporter took to read Redis for this scrape"
 )
@@ -183,7 +187,7 @@ QUEUE_OLDEST_UNFINISHED = MetricSpec(
 )
 
 EXPORTER = (
-    UP, SCRAPE_DURATION, QUEUE_MAX_OFFSET, QUEUE_COMMITTED_OFFSET, QUEUE_LAG, QUEUE_EPOCH, QUEUE_OWNER,
+    UP, BROKER_UP, SCRAPE_DURATION, QUEUE_MAX_OFFSET, QUEUE_COMMITTED_OFFSET, QUEUE_LAG, QUEUE_EPOCH, QUEUE_OWNER,
     QUEUE_RUNNING, CLIENTS_LIVE, DLQ_MESSAGES, QUEUE_HEAD_AGE, QUEUE_STALLED, QUEUE_HEAD_RETRIES,
     QUEUE_KEYS_SUSPENDED, QUEUE_OLDEST_UNFINISHED,
 )

@@ -633,6 +633,59 @@ def test_a_lost_reply_of_a_switch_leaves_no_queue_begun_and_unconsumed(settings,
     eng.brokers.close()
 
 
+@pytest.mark.parametrize("pause_s", [0.0, 0.25], ids=["at-once", "after-a-refresh"])
+def test_a_switch_behind_a_commit_that_got_noscript_is_taken_not_dropped(settings, r, monkeypatch, pause_s) -> None:
+    """After a ``SCRIPT FLUSH`` (a restart, a failover) another client loads ``switch.lua`` again
+    while this run's ``commit.lua`` is still unknown. The run's commit (on an empty queue it moves
+    no offset) gets ``NOSCRIPT``, yet the ``switch.lua`` behind its lingering read runs and
+    switches: queue 0 handed to the watch, queue 1 (which got ``m1``) begun. Once a bug: that reply
+    was dropped with the refused commit's, the pipeline sent again; queue 0 stayed with a token the
+    watch did not know (a send to it woke nobody until the adoption lapsed), and when the resend
+    came after the watch's refresh interval (``after-a-refresh``) queue 1 was dropped from the watch
+    with its 60 s run mark set: its message out of even the sweep's reach. The switch's reply is
+    taken now: both queues are released by the watch, queue 1 with a request for ``m1``."""
+    from mqorder.store.raw_pipe import ConnectionLease
+    from mqorder.store.scripts import source
+
+    p, eng = owned_idle_queues(settings, r)
+    scripts = eng.brokers.get(QUEUES[0].broker_name).scripts
+    for name in ("commit", "switch"):
+        scripts.load(name)
+    commit_sha, switch_sha = scripts.commit.sha, scripts.switch.sha
+    original = ConnectionLease.round_trip
+    first: list[Any] = []
+
+    def round_trip(self, commands):
+        shas = [c[1] for c in commands if c[0] == "EVALSHA"]
+        if first or commit_sha not in shas or switch_sha not in shas:
+            return original(self, commands)
+        r.script_flush()
+        r.script_load(source("switch"))  # another client of this Redis needed it first
+        p.send_orderly(TOPIC, b"m1", sharding_key=key_for(1))  # the read returns with it
+        replies = original(self, commands)
+        first.append([rep for c, rep in zip(commands, replies, strict=True) if c[0] == "EVALSHA"])
+        time.sleep(pause_s)
+        return replies
+
+    monkeypatch.setattr(ConnectionLease, "round_trip", round_trip)
+    handled: list[bytes] = []
+    spec = ListenerSpec(lambda msgs, ctx: handled.extend(m.body for m in msgs) or ConsumeOrderlyStatus.SUCCESS,
+                        TOPIC, SUB)
+    eng.may_linger = lambda: True
+    r.hset(keys.sub_state(QUEUES[0].tag, SUB), mapping={"pending": "t0", "pend_until": 2**62})
+    out = eng.run(spec, SUB, QUEUES[0], "t0")
+    (replies,) = first
+    assert isinstance(replies[0], redis.exceptions.NoScriptError) and int(replies[-1][0]) >= 1  # it switched
+    q0, q1 = ({k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, SUB)).items()}
+              for mq in QUEUES[:2])
+    assert q0["pending"] == "", f"queue 0 still holds a token nobody knows: {q0['pending']}"
+    assert q1["run"] == "0", f"queue 1 is still begun (run mark {q1['run']})"
+    assert [(f.mq, f.token) for f in out.follow_ups] == [(QUEUES[1], q1["pending"])], out.follow_ups
+    assert handled == []  # m1 waits for the request returned
+    p.close()
+    eng.brokers.close()
+
+
 def test_a_long_chain_of_switches_keeps_no_finished_run_alive(settings, r) -> None:
     """Each run of a chain ends in the next one's first round trip; once ended it must be let go,
     or a lingering request that switched queues for hours would hold every run it made (and

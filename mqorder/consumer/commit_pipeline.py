@@ -6,6 +6,14 @@ go the ledger records of the batch just handled and the read of the next batch, 
 round trip per batch. Every command goes by SHA: after a Redis restart or ``SCRIPT FLUSH`` a call
 refused with ``NOSCRIPT`` changed nothing, so only what was refused is sent again. A commit that ran
 is never sent twice, and records that were written are never written twice.
+
+What rode behind a commit refused with ``NOSCRIPT`` did run, and one of those reads may change
+state: a lingering read's ``switch.lua``, known to Redis again (another client loaded it after a
+restart) while ``commit.lua`` is not, may have ended the run's hold on its queue (a commit that
+moves no offset does not stop it). Its reply must not be dropped: ``kept`` says whether it changed
+anything, and then nothing is sent again and the commit is answered ``SUPERSEDED``, as it would
+be if sent again (the switch gave the queue's pending slot to the watch); the caller takes the
+switch's reply as it takes one behind a refused commit.
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ from mqorder.store.scripts import Scripts
 def commit_pipelined(
     scripts: Scripts, lease: ConnectionLease, script: str, keys_: list[str], args: list[Any],
     ledger: LedgerBuffer | None, queue_reads: Callable[[RawPipeline], None],
+    kept: Callable[[list[Any]], bool] | None = None,
 ) -> tuple[Any, list[Any]]:
     """Run ``script`` with ``keys_``/``args``, the ledger's buffered records, then what
     ``queue_reads`` queues (reads, and maybe a last write such as an idle nudge), in one round
     trip; returns the commit's reply and the replies of what ``queue_reads`` queued.
 
-    ``queue_reads`` is called again if the pipeline is sent again (once, after ``NOSCRIPT``)."""
+    ``queue_reads`` is called again if the pipeline is sent again (once, after ``NOSCRIPT``),
+    unless ``kept`` says that what it queued the first time changed state (see above)."""
     records = ledger.take() if ledger is not None else []
     for attempt in (0, 1):
         pipe = RawPipeline(lease)
@@ -53,6 +63,10 @@ def commit_pipelined(
                 ledger.write(scripts, records, via=lease)  # the commit ran: the records alone
         if refused[0]:
             scripts.load(script)
+            if kept is not None and not attempt and kept(replies[n:]):
+                if ledger is not None and records:
+                    ledger.write(scripts, records, via=lease)  # refused[1]: not written yet
+                return [b"SUPERSEDED"], replies[n:]
             if records:
                 scripts.load("ledger")
             continue

@@ -678,7 +678,14 @@ class ConsumeRequest(LingeringReads):
             if then is not None:
                 pipe.execute_command(*then)
 
-        res, read = commit_pipelined(self.scripts, self.lease, script, keys_, args, self.ledger, queue_reads)
+        def kept(replies: list[Any]) -> bool:
+            """The commit got NOSCRIPT: did the lingering read's ``switch.lua`` switch all the same?"""
+            if not sliced:
+                return False
+            switched = self._slice_replies(replies)[2]
+            return switched is not None and bool(int(switched[0]))
+
+        res, read = commit_pipelined(self.scripts, self.lease, script, keys_, args, self.ledger, queue_reads, kept)
         if sliced:
             return res, Slice(*self._slice_replies(read))
         return res, read[0] if pull else []

@@ -111,7 +111,7 @@ def test_a_blocked_head_grows_head_age_and_stalled_then_both_go_to_zero(env, set
 # -- worker metrics: the hook the worker registers, on a private registry -----------------------------
 
 
-def worker_hook(**kw) -> tuple[MetricsHook, CollectorRegistry]:
+def worker_hook(max_reconsume: int = 16, **kw) -> tuple[MetricsHook, CollectorRegistry]:
     """The ``MetricsHook`` a worker registers (``mqorder.metrics.worker``), its metrics on a private
     registry instead of the multiprocess files (the e2e test covers those)."""
     reg = CollectorRegistry()
@@ -121,7 +121,7 @@ def worker_hook(**kw) -> tuple[MetricsHook, CollectorRegistry]:
 
     hook = MetricsHook(
         metric(Counter, names.CONSUMED), metric(Histogram, names.CONSUME_DURATION),
-        metric(Counter, names.COMMITS_REFUSED), LingerWatch(Gauge("linger", "l", registry=reg)), lambda g, t: 16,
+        metric(Counter, names.COMMITS_REFUSED), LingerWatch(Gauge("linger", "l", registry=reg)), lambda g, t: max_reconsume,
         metric(Histogram, names.MESSAGE_LATENCY, buckets=names.MESSAGE_LATENCY_BUCKETS),
         metric(Counter, names.REDELIVERIES), KeyWatch(metric(Gauge, names.KEYS_SUSPENDED)), **kw,
     )
@@ -192,6 +192,36 @@ def test_a_suspended_key_shows_in_the_worker_and_the_exporter_until_it_succeeds(
     assert lane(e, "mqorder_queue_lag") == 0
     assert lane(e, "mqorder_queue_keys_suspended") == 0
     assert lane(e, "mqorder_queue_oldest_unfinished_age_seconds") == 0
+
+
+@pytest.mark.parametrize("status", ["ROLLBACK", "SUSPEND_CURRENT_QUEUE_A_MOMENT"])
+def test_key_mode_dead_letters_are_counted_as_dlq_whatever_the_status(env, status: str) -> None:
+    """Key mode sends a ROLLBACK through the reconsume count and the DLQ as it does a SUSPEND.
+    Once the hook counted a ROLLBACK's dead letters as suspended (4 suspended, 0 dlq here) and kept
+    their keys in ``mqorder_keys_suspended``."""
+    from mqorder import keys
+    from mqorder.model import MessageQueue
+
+    p, eng = env
+    for k in ("a", "b"):
+        p.send_orderly("t", k.encode(), sharding_key=k)
+    hook, reg = worker_hook(max_reconsume=1, key_mode=lambda g, t: True)
+    spec = ListenerSpec(lambda msgs, ctx: getattr(S, status), "t", "g", ordering="key", hooks=[hook],
+                        max_reconsume_times=1, suspend_current_queue_time_millis=10)
+    token = "tok0"
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", token)])
+    for _ in range(50):
+        out = request_class(spec)(eng, spec, "g", MQ, token).run()
+        if not out.needs_dispatch or out.target != "c1":
+            break
+        time.sleep(out.countdown)
+        token = out.token
+    dlq = MessageQueue(keys.dlq_topic("g"), "broker-a", 0)
+    assert eng.brokers.meta.xlen(keys.queue_log(dlq.tag)) == 2  # one call, one retry, then the DLQ
+    gt = {"group": "g", "topic": "t"}
+    assert value(reg, "mqorder_consumed_messages_total", result="suspended", **gt) == 2
+    assert value(reg, "mqorder_consumed_messages_total", result="dlq", **gt) == 2
+    assert value(reg, "mqorder_keys_suspended", **gt) == 0
 
 
 def test_redeliveries_are_counted_when_a_run_loses_its_queue_before_committing(env) -> None:

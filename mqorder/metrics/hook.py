@@ -41,6 +41,7 @@ SUSPENDED_TTL_S = 120.0
 #: Only this status goes through RocketMQ's ``checkReconsumeTimes`` (and so, maybe, to the DLQ);
 #: ROLLBACK is rolled back and retried without it.
 _SUSPEND = ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT.value
+_ROLLBACK = ConsumeOrderlyStatus.ROLLBACK.value
 
 
 class LingerWatch:
@@ -200,7 +201,10 @@ class MetricsHook(ConsumeMessageHook):
             self._note_key(context, suspended=False)
             return
         dead = 0
-        if context.status == _SUSPEND:
+        # Key mode sends ROLLBACK through the reconsume count and the DLQ too (queue mode rolls
+        # back with neither): counted as suspended, its dead letters kept the key "suspended".
+        if context.status == _SUSPEND or (context.status == _ROLLBACK and self.key_mode is not None
+                                          and self.key_mode(group, topic)):
             limit = self.max_reconsume(group, topic)
             if limit != -1:
                 while dead < n and context.msg_list[dead].reconsume_times >= limit:

@@ -13,9 +13,10 @@ sums at scrape time. Its rules, and how each is kept here:
   it write to the shared files;
 * a child that exited must be ``mark_process_dead``: otherwise its ``live*`` gauges (the lingering
   slots) stay in the sum forever. Nothing tells the main process reliably when a child died (a
-  ``kill -9`` runs no hook in the child), so ``reap_dead()`` runs before every scrape and marks
-  every pid with gauge files that is no longer a running process. Counters and histograms of dead
-  children are kept, as they must be: they are totals;
+  ``kill -9`` runs no hook in the child), so ``reap_dead()`` runs before every scrape and removes
+  the live-gauge files of every pid that is no longer this process or a running child of it. A
+  reused pid is no cover: a new process first removes any live-gauge file under its own pid (a
+  fork hook). Counters and histograms of dead children are kept, as they must be: they are totals;
 * a process creates its file and sizes it a moment later (``MmapedDict.__init__``): a scrape that
   reads it at 0 bytes fails whole (``struct.error``, prometheus/client_python#1199: an HTTP 500,
   seen once in CI right after a pool child's first refused commit), and a child killed in that
@@ -26,12 +27,15 @@ sums at scrape time. Its rules, and how each is kept here:
 from __future__ import annotations
 
 import atexit
+import contextlib
+import functools
 import glob
 import logging
 import os
 import re
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -59,6 +63,7 @@ def prepare() -> str:
         # Imported earlier (by the application, say) and set up for a single process.
         values.ValueClass = values.get_value_class()
     atexit.register(_remove, path, os.getpid())
+    os.register_at_fork(after_in_child=functools.partial(_forget_own_live_gauges, path))
     return path
 
 
@@ -85,29 +90,48 @@ def _remove(path: str, owner_pid: int) -> None:
 
 
 def _running(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not exited (a zombie has)."""
+    """Whether ``pid`` is this process or one of its children that has not exited (a zombie has).
+
+    Any process by that number would not do: pids are reused (``pid_max`` is 32,768 in many
+    containers), and a dead pool child whose pid went to an unrelated process kept its lingering
+    slots and suspended keys in every scrape for as long as that process lived."""
+    if pid == os.getpid():
+        return True
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
+        return False  # not ours: our children run as we do
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
     except OSError:
         return True  # no procfs: trust kill(0)
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
+    return fields[0] != "Z" and int(fields[1]) == os.getpid()
+
+
+def _forget_own_live_gauges(path: str) -> None:
+    """In a newly forked process: live-gauge files under its pid are a dead process's (the pid was
+    reused before a scrape reaped them), whose values it would otherwise carry on from."""
+    for f in glob.glob(os.path.join(path, f"gauge_live*_{os.getpid()}.db")):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f)
+
+
+#: Scrapes run on threads of their own (two Prometheus servers at once): one reaps at a time.
+_reaping = threading.Lock()
 
 
 def reap_dead(path: str) -> list[int]:
-    """``mark_process_dead`` every pid with live-gauge files that is no longer running."""
-    from prometheus_client import multiprocess
-
+    """Remove the live-gauge files of every pid that is no longer running (prometheus-client's
+    ``mark_process_dead``, which raised ``FileNotFoundError`` when two scrapes reaped the same
+    child at once: the scrape that lost the race failed whole, an HTTP 500)."""
     dead = set()
-    for f in glob.glob(os.path.join(path, "gauge_live*_*.db")):
-        m = _GAUGE_FILE.search(os.path.basename(f))
-        if m is not None and not _running(int(m.group(2))):
-            dead.add(int(m.group(2)))
-    for pid in dead:
-        multiprocess.mark_process_dead(pid, path)
+    with _reaping:
+        for f in glob.glob(os.path.join(path, "gauge_live*_*.db")):
+            m = _GAUGE_FILE.search(os.path.basename(f))
+            if m is not None and not _running(int(m.group(2))):
+                dead.add(int(m.group(2)))
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(f)
     return sorted(dead)

@@ -143,6 +143,47 @@ def test_a_keys_suspend_holds_across_runs_that_end_at_another_keys_earlier_time(
     assert r.hget(keys.sub_state(MQ.tag, "g"), "held") in (None, b"")  # nothing held once both left
 
 
+def test_an_offset_reset_back_does_not_let_a_keys_old_suspend_run_two_of_its_calls_at_once(env, r) -> None:
+    """Run A suspends key k at k:1 (``held`` names offset 1). An operator resets the group to 0
+    (``mqorder offsets reset``). Once the reset kept ``held``: run B replayed k:0 (a slow call),
+    pulled k:1, applied the old suspend to it and so cleared k's busy mark, and k:1 went out
+    beside k:0 and finished first."""
+    p, eng = env
+    p.send_orderly("t", b"k:0", sharding_key="k")
+    p.send_orderly("t", b"k:1", sharding_key="k")
+    phase, lock, running = ["A"], threading.Lock(), [0]
+    calls: list[tuple[str, str, int]] = []
+
+    def listener(msgs, ctx):
+        body = msgs[0].body.decode()
+        with lock:
+            running[0] += 1
+            calls.append((phase[0], body, running[0]))
+        try:
+            if phase[0] == "A" and body == "k:1":
+                ctx.suspend_current_queue_time_millis = 300
+                return S.SUSPEND_CURRENT_QUEUE_A_MOMENT
+            if phase[0] == "B" and body == "k:0":
+                time.sleep(1.0)  # still running when k:1's old suspend is over
+            return S.SUCCESS
+        finally:
+            with lock:
+                running[0] -= 1
+
+    spec = key_spec(listener, key_concurrency=4, pull_batch_size=1)
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    eng.run(spec, "g", MQ, "tok0")
+    st = keys.sub_state(MQ.tag, "g")
+    assert r.hget(st, "held")  # k suspended at its offset 1
+    eng.brokers.default.scripts.reset_offset(keys=[st, keys.sub_retries(MQ.tag, "g")], args=[0])
+    phase[0] = "B"
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok1")])
+    eng.run(spec, "g", MQ, "tok1")
+    b = [(body, n) for ph, body, n in calls if ph == "B"]
+    assert [body for body, _ in b][:2] == ["k:0", "k:1"]
+    assert max(n for _, n in b) == 1, f"two calls of key k at once: {b}"
+
+
 def test_failover_mid_flight_redelivers_only_unfinished_offsets(env, settings) -> None:
     """c1 finishes every key but k0, whose first call hangs; c2 takes over (new epoch): c2 gets k0's
     messages and nothing that c1 finished, and c1's late commit is refused."""

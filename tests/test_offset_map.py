@@ -40,6 +40,13 @@ def test_a_map_is_void_once_the_offset_moved_without_it() -> None:
     assert decode_done("garbage", 10) == set() and decode_done(b"10:x1", 10) == set()
 
 
+@pytest.mark.parametrize("raw", ["0:b-1", "0:b-ff", "0:r0,10000000000", "0:r5,-1,3", "0:bzz", "0:x12", "0:"])
+def test_a_malformed_map_decodes_to_nothing_at_once(raw: str) -> None:
+    """A hand-edited or corrupted ``done`` field: ``-1`` once looped for ever at the run's start,
+    and a run of ten billion offsets would have been built as a set."""
+    assert decode_done(raw, 0) == set()
+
+
 def test_tracker_commits_the_lowest_unfinished_offset_and_maps_what_finished_above() -> None:
     t = OffsetTracker(100)
     for o in (100, 101, 103, 104):  # 102 was trimmed from the log
@@ -154,12 +161,13 @@ def test_key_commit_refuses_a_map_not_relative_to_its_offset_or_too_large(broker
     assert key_commit(brokers, "c1", epoch, 1, "")[0] == b"BACKWARD"
 
 
-def test_an_offset_reset_voids_the_map(brokers: BrokerRegistry) -> None:
+def test_an_offset_reset_voids_the_map_and_the_suspended_keys(brokers: BrokerRegistry) -> None:
     epoch = owned_by(brokers, "c1")
     assert key_commit(brokers, "c1", epoch, 3, encode_done(3, [5]))[0] == b"OK"
     tag = MQ.tag
+    brokers.default.client.hset(keys.sub_state(tag, "g"), "held", "4:1795909404818")
     brokers.default.scripts.reset_offset(keys=[keys.sub_state(tag, "g"), keys.sub_retries(tag, "g")], args=[3])
-    assert brokers.default.client.hget(keys.sub_state(tag, "g"), "done") is None
+    assert brokers.default.client.hmget(keys.sub_state(tag, "g"), "done", "held") == [None, None]
 
 
 def test_the_committed_offset_moves_past_inherited_finished_offsets_not_pulled_yet() -> None:

@@ -251,9 +251,12 @@ class KeyConsumeRequest(ConsumeRequest):
         retried every key at once (a 2 s suspend retried after 50 ms; under a downstream outage
         keys reached the DLQ in a fraction of suspend x max_reconsume_times)."""
         held, now = self._held_in, time.monotonic()
+        busy = self.lanes.busy
         for m in msgs:
             until = held.pop(m.queue_offset, None)
-            if until is not None and until > now and m.decode_error is None:
+            # Not a key with a call running: retry() ends its busy mark, and its next message
+            # would go out beside that call (a 'held' that outlived an offset reset did that).
+            if until is not None and until > now and m.decode_error is None and lane_key(m) not in busy:
                 self.lanes.retry(lane_key(m), [], until)
 
     def _held(self) -> str:

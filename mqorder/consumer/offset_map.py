@@ -72,9 +72,16 @@ def encode_intervals(base: int, intervals: list[tuple[int, int]]) -> str:
     return f"{base}:{as_runs if len(as_runs) <= len(as_bits) else as_bits}"
 
 
+#: A map reaching further than this above its base is malformed (``key_commit.lua`` stores at most
+#: 64 KiB and a run's span stays within ``consume_concurrently_max_span``, at most 100,000): it
+#: decodes to nothing rather than to a set that would not fit in memory.
+MAX_DECODED_SPAN = 1 << 20
+
+
 def decode_done(raw: bytes | str | None, offset: int) -> set[int]:
     """Finished offsets above ``offset`` recorded in ``raw``; empty unless the map's base is
-    ``offset`` (the map is void once anything else moved the offset) or when it is malformed."""
+    ``offset`` (the map is void once anything else moved the offset) or when it is malformed
+    (an empty map only costs redeliveries)."""
     if not raw:
         return set()
     s = raw.decode() if isinstance(raw, bytes) else raw
@@ -86,6 +93,8 @@ def decode_done(raw: bytes | str | None, offset: int) -> set[int]:
         kind, data = body[0], body[1:]
         if kind == BITS:
             bits = int(data, 16)
+            if bits < 0 or bits.bit_length() > MAX_DECODED_SPAN:  # "-1" looped for ever
+                return set()
             out = set()
             i = 0
             while bits:
@@ -98,9 +107,9 @@ def decode_done(raw: bytes | str | None, offset: int) -> set[int]:
             runs = [int(x) for x in data.split(",")]
             out = set()
             o = base + 1
+            if any(n < 0 for n in runs) or sum(runs) > MAX_DECODED_SPAN:
+                return set()
             for j, n in enumerate(runs):
-                if n < 0:
-                    return set()
                 if j % 2:
                     out.update(range(o, o + n))
                 o += n

@@ -13,7 +13,9 @@
 -- 3. the offset is written (commit.lua's only-forward rule is for consumers; a reset is an
 --    operator's decision), and commit_ms with it, so the queue is not reported stuck at once;
 -- 4. the retries HASH is deleted: reconsume counts belong to the old head message; so is a
---    key-ordered run's offset map ('done', key_commit.lua): it described the old offset.
+--    key-ordered run's offset map ('done', key_commit.lua): it described the old offset, and its
+--    suspended keys ('held': their head offsets and times), which a run replaying the key from the
+--    new offset would apply to a later message of a key whose earlier one it is still handling.
 --
 -- The caller then bumps the topology version: the workers rebalance, assign.lua finds the lock
 -- free, gives it to the assignee under a new epoch and dispatches a ConsumeRequest that starts at
@@ -34,7 +36,8 @@ for i = 1, #KEYS, 2 do
   local epoch = grant_epoch(KEYS[i])
   release_lock(KEYS[i], false)
   redis.call('HSET', KEYS[i], 'offset', tonumber(ARGV[q]), 'commit_ms', now)
-  redis.call('HDEL', KEYS[i], 'done')
+  -- Key mode's map and suspended keys name offsets of the old position: neither holds at the new.
+  redis.call('HDEL', KEYS[i], 'done', 'held')
   redis.call('DEL', KEYS[i + 1])
   out[q] = {tonumber(st[3] or 0), epoch, held}
 end

@@ -249,4 +249,7 @@ def test_bad_options_fail_before_any_task_runs(spark, redis_url: str, producer: 
         (spark.createDataFrame([(1.5, 1, "p")], "tailnum DOUBLE, dep_ts BIGINT, payload STRING").write
          .format("mqorder").option("topic", "opts").option("key", "tailnum").option("orderBy", "dep_ts")
          .mode("append").save())
+    with pytest.raises(PySparkException, match=r"column 'wait' has type interval day: a whole-row JSON body"):
+        spark.sql("SELECT 'k' AS tailnum, 1L AS dep_ts, INTERVAL '1' DAY AS wait").write.format("mqorder") \
+            .option("topic", "opts").option("key", "tailnum").option("orderBy", "dep_ts").mode("append").save()
     assert all(msgs == [] for msgs in stored(redis_url, "opts").values())

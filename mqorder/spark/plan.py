@@ -13,15 +13,19 @@ import uuid
 from dataclasses import dataclass
 
 from pyspark.sql.types import (
+    ArrayType,
     BinaryType,
     BooleanType,
     ByteType,
     DataType,
     DateType,
+    DecimalType,
     DoubleType,
     FloatType,
     IntegerType,
     LongType,
+    MapType,
+    NullType,
     ShortType,
     StringType,
     StructType,
@@ -99,6 +103,23 @@ def _job_id(opts: WriteOptions) -> str:
     return uuid.uuid4().hex
 
 
+#: What a whole-row JSON body holds (``encoding._bodies``: orjson, decimals as text, binary as hex),
+#: nested in arrays, maps and structs at will.
+_JSON_LEAVES = (StringType, BinaryType, BooleanType, *_INTEGRAL, FloatType, DoubleType, DecimalType, DateType,
+                TimestampType, TimestampNTZType, NullType)
+
+
+def _not_json(t: DataType) -> DataType | None:
+    """The first type inside ``t`` a JSON body cannot hold (an interval, a variant...), or None."""
+    if isinstance(t, ArrayType):
+        return _not_json(t.elementType)
+    if isinstance(t, MapType):
+        return _not_json(t.keyType) or _not_json(t.valueType)
+    if isinstance(t, StructType):
+        return next((bad for f in t.fields if (bad := _not_json(f.dataType)) is not None), None)
+    return None if isinstance(t, _JSON_LEAVES) else t
+
+
 def build_plan(opts: WriteOptions, schema: StructType, queues: list[QueueRef], *, overwrite: bool) -> WritePlan:
     if overwrite:
         raise ConfigError("mode('overwrite') is not supported: a topic is an append-only log; use mode('append')")
@@ -117,6 +138,13 @@ def build_plan(opts: WriteOptions, schema: StructType, queues: list[QueueRef], *
     body: str | None
     if opts.body.lower() == BODY_JSON and opts.body not in types:
         body, body_kind = None, "json"
+        for f in schema.fields:
+            bad = None if f.name.startswith(INTERNAL_PREFIX) else _not_json(f.dataType)
+            if bad is not None:
+                raise ConfigError(
+                    f"column {f.name!r} has type {f.dataType.simpleString()}: a whole-row JSON body cannot hold "
+                    f"a {bad.simpleString()}; cast it (to a string, a number) or drop it, or choose a body column "
+                    "with option('body', ...)")
     else:
         body = _column(schema, opts.body, "body")
         if isinstance(types[body], BinaryType):

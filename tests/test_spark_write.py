@@ -253,3 +253,48 @@ def test_bad_options_fail_before_any_task_runs(spark, redis_url: str, producer: 
         spark.sql("SELECT 'k' AS tailnum, 1L AS dep_ts, INTERVAL '1' DAY AS wait").write.format("mqorder") \
             .option("topic", "opts").option("key", "tailnum").option("orderBy", "dep_ts").mode("append").save()
     assert all(msgs == [] for msgs in stored(redis_url, "opts").values())
+
+
+def test_a_job_whose_staged_rows_are_gone_at_commit_publishes_nothing(spark, redis_url: str, r: redis.Redis,
+                                                                    producer: Producer) -> None:
+    """A task stages its run and ends; another one staging longer than ``stagingTtl`` makes the
+    first run expire before the commit (here the slow task deletes it once it is staged). Once the
+    commit published what was left and reported the job incomplete; run again, as it said, the job
+    put the expired rows after later rows of their key. Now the job is refused, nothing published,
+    and the re-run stores every row in order."""
+    from pyspark.errors import PySparkException
+    from pyspark.sql import functions as F
+
+    from mqorder import keys
+    from mqorder.model import MessageQueue
+
+    producer.create_topic("gone", queues=1)
+    fast_run = keys.stage_run(MessageQueue("gone", "broker-a", 0).tag, "gonejob", 0)
+    expire = F.udf(lambda p, url=redis_url, key=fast_run: _expire_when_staged(url, key) if p == "slow" else p,
+                   "string")
+    rows = [("k", 1, "a"), ("k", 2, "b"), ("k", 3, "slow"), ("k", 4, "d")]
+    df = spark.createDataFrame(spark.sparkContext.parallelize(rows, 2), SCHEMA)
+
+    def write(frame, job: str) -> None:
+        (frame.write.format("mqorder").option("topic", "gone").option("key", "tailnum").option("orderBy", "dep_ts")
+         .option("body", "payload").option("jobId", job).mode("append").save())
+
+    with pytest.raises(PySparkException, match=r"nothing of job gonejob was published(.|\n)*2 staged rows \(queues \[0\]\) were gone"):
+        write(df.withColumn("payload", expire("payload")), "gonejob")
+    assert stored(redis_url, "gone") == {0: []}
+    assert staged_keys(r) == []
+    write(df, "gonejob2")
+    assert [body for _, _, _, body in stored(redis_url, "gone")[0]] == [b"a", b"b", b"slow", b"d"]
+
+
+def _expire_when_staged(url: str, key: str) -> str:
+    """In the slow task: wait until the other task staged its two rows (4 items each), then delete
+    its run, as ``stagingTtl`` would, and return the row's payload."""
+    import time
+
+    client = redis.Redis.from_url(url)
+    deadline = time.monotonic() + 60
+    while client.llen(key) < 8 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    client.delete(key)
+    return "slow"

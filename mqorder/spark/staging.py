@@ -52,6 +52,8 @@ CALL_BYTES = 4 * 1024 * 1024
 TRIP_BYTES = 32 * 1024 * 1024
 #: A publish call moves at most about this many bytes (its rows are held in Lua at once).
 PUBLISH_BYTES = 8 * 1024 * 1024
+#: Items per staged row in a run's LIST (``stage.lua``): sort key, message id, header, body.
+STAGED_ITEMS = 4
 #: What running a job again does, said by a commit's ``ReplicasBehindError``.
 RERUN = ("Running the job again is safe: every row has a message id, so it stores nothing twice and waits for "
          "the replicas again")
@@ -179,20 +181,32 @@ class StagingArea:
                 del pending[i]
         return totals
 
-    def published_before(self, runs: dict[int, set[int]]) -> dict[int, int]:
-        """Rows of ``runs`` an earlier commit of this job already published (each run's cursor):
-        a streaming micro-batch whose commit was killed half way is replayed under the same job
-        id, and the rows its first commit moved are no longer staged. Read before ``publish``."""
-        out: dict[int, int] = {}
+    def staged_rows(self, runs: dict[int, set[int]]) -> tuple[dict[int, int], dict[int, int]]:
+        """Before ``publish``, per queue: rows of ``runs`` an earlier commit of this job already
+        published (each run's cursor: a streaming micro-batch whose commit was killed half way is
+        replayed under the same job id, and the rows its first commit moved are no longer staged),
+        and rows still staged. Each run's time to live is renewed in the same round trip, so what
+        this count found cannot expire while the commit publishes it."""
+        earlier: dict[int, int] = {}
+        staged: dict[int, int] = {}
         for broker_name, idxs in group_by_broker(sorted(i for i in runs if runs[i]), lambda i: self.mq(i)).items():
             broker = self.brokers.get(broker_name)
-            with translated(broker_name, broker.safe_url, self.timeout, "publish", write=False):
+            with translated(broker_name, broker.safe_url, self.timeout, "publish"):
                 pipe = broker.client.pipeline(transaction=False)
                 for i in idxs:
                     pipe.hmget(keys.stage_cursor(self.mq(i).tag, self.job), [str(r) for r in sorted(runs[i])])
-                for i, got in zip(idxs, pipe.execute(), strict=True):
-                    out[i] = sum(int(v) for v in got if v is not None)
-        return out
+                    for r in sorted(runs[i]):
+                        pipe.llen(self.run_key(i, r))
+                        pipe.pexpire(self.run_key(i, r), self.ttl_ms)
+                replies = iter(pipe.execute())
+                for i in idxs:
+                    earlier[i] = sum(int(v) for v in next(replies) if v is not None)
+                    items = 0
+                    for _ in runs[i]:
+                        items += int(next(replies))
+                        next(replies)  # PEXPIRE
+                    staged[i] = items // STAGED_ITEMS
+        return earlier, staged
 
     def _publish_round(self, broker: Any, idxs: list[int], pending: dict[int, list[int]],
                        chunks: dict[int, int]) -> list[Any]:

@@ -168,7 +168,22 @@ class _Staging:
                     area.drop()
                     self._report(brokers, job, {"status": "refused", "error": str(exc), "skipped_nulls": skipped})
                     raise
-            earlier = area.published_before(runs)
+            earlier, staged = area.staged_rows(runs)
+            gone = {i: expected[i] - earlier.get(i, 0) - staged.get(i, 0) for i in runs
+                    if earlier.get(i, 0) + staged.get(i, 0) < expected[i]}
+            if gone:
+                # All or nothing: publishing the rest would put those rows, when the job is run
+                # again, after later rows of their keys.
+                area.drop()
+                text = (f"nothing of job {job} was published to topic {self.plan.topic!r}: "
+                        f"{sum(gone.values()):,} staged rows (queues {sorted(gone)}) were gone at its commit: they "
+                        "expired (a task staged longer than option stagingTtl before the job committed: raise it) "
+                        "or were deleted. Run the job again")
+                if any(earlier.values()):
+                    text += (f" (an earlier, interrupted commit of this job had published "
+                             f"{sum(earlier.values()):,} rows: the re-run stores each of them once)")
+                self._report(brokers, job, {"status": "refused", "error": text, "skipped_nulls": skipped})
+                raise JobRefusedError(text)
             totals = area.publish(runs, row_bytes={i: nbytes[i] // max(1, expected[i]) for i in runs})
             for i, n in earlier.items():  # stored by an interrupted commit of this job: already stored
                 totals.queues[i].duplicates += n

@@ -183,7 +183,7 @@ def test_bad_rows_are_refused_with_their_counts_and_nothing_is_published(spark, 
 
     # onNull=skip leaves the null rows out and counts them; the over-size body still refuses.
     no_big = spark.createDataFrame(bad[:-1], SCHEMA).repartition(3)
-    report = ms.publish(no_big, "strict", key="tailnum", order_by="dep_ts", body="payload", on_null="skip")
+    report = ms.publish(no_big, "strict", key="tailnum", order_by="dep_ts", body="payload", on_null="Skip")  # any case, as option onNull
     assert (report.stored, report.skipped_nulls) == (200, 3)
 
 
@@ -235,6 +235,8 @@ def test_bad_options_fail_before_any_task_runs(spark, redis_url: str, producer: 
         ms.publish(df, "no_such_topic", key="tailnum", order_by="dep_ts")
     with pytest.raises(ConfigError, match="orderBy column 'departure' is not in the DataFrame"):
         ms.publish(df, "opts", key="tailnum", order_by="departure")
+    with pytest.raises(ConfigError, match="on_null='maybe': choose fail or skip"):
+        ms.publish(df, "opts", key="tailnum", order_by="dep_ts", on_null="maybe")
 
     def w():
         return df.write.format("mqorder").option("topic", "opts").option("key", "tailnum")

@@ -79,8 +79,9 @@ def publish(
     the commit returns once that many replicas of every broker have the rows, else
     ``ReplicasBehindError`` (published; running it again stores nothing twice and waits again).
     """
-    if on_null not in ON_NULL:
+    if not isinstance(on_null, str) or on_null.lower() not in ON_NULL:  # any case, as option onNull
         raise ConfigError(f"on_null={on_null!r}: choose fail or skip")
+    on_null = on_null.lower()
     _columns(df, key=key, orderBy=order_by, idColumn=id_column,
              body=None if body.lower() == BODY_JSON and body not in df.columns else body)
     settings = load_settings(redis_url=redis_url) if redis_url else get_settings()

@@ -71,8 +71,6 @@ class _Reading:
     dlq: dict[str, int] = field(default_factory=dict)
     #: Whether each broker of the plan was read (``mqorder_broker_up``).
     brokers: dict[str, bool] = field(default_factory=dict)
-    #: Groups with a DLQ queue on a broker that was not read: no ``mqorder_dlq_messages``.
-    dlq_unread: set[str] = field(default_factory=set)
 
 
 class ClusterCollector:
@@ -206,7 +204,6 @@ class ClusterCollector:
                     reading.dlq[group] = reading.dlq.get(group, 0) + n
                 continue
             reading.brokers[broker] = False
-            reading.dlq_unread.update(what[0] for kind, what in ops[broker] if kind == "dlq")
         return reading
 
     def _lanes_command(self, batch: list[Lane], last: dict[tuple[Lane, ...], tuple[Any, ...]]) -> tuple[Any, ...]:
@@ -255,10 +252,12 @@ class ClusterCollector:
         fill(n.QUEUE_OLDEST_UNFINISHED, [f"{n.QUEUE_OLDEST_UNFINISHED.name}{{{ls}}} {g.head_age_ms / 1000}\n"
                                          for ls, g in keyed])
         clients, dlq = Family(names.CLIENTS_LIVE), Family(names.DLQ_MESSAGES)
+        # A group with a DLQ queue on a broker that was not read gets no DLQ series.
+        dlq_unread = {group for group, mq in plan.dlq if not reading.brokers.get(mq.broker_name, True)}
         for group, count in sorted(plan.clients.items()):
             ls = labels(("group",), (group,))
             clients.add(ls, count)
-            if group not in reading.dlq_unread:
+            if group not in dlq_unread:
                 dlq.add(ls, reading.dlq.get(group, 0))
         broker_up = Family(names.BROKER_UP)
         for broker, ok in sorted(reading.brokers.items()):

@@ -27,7 +27,6 @@ sums at scrape time. Its rules, and how each is kept here:
 from __future__ import annotations
 
 import atexit
-import contextlib
 import functools
 import glob
 import logging
@@ -114,8 +113,7 @@ def _forget_own_live_gauges(path: str) -> None:
     """In a newly forked process: live-gauge files under its pid are a dead process's (the pid was
     reused before a scrape reaped them), whose values it would otherwise carry on from."""
     for f in glob.glob(os.path.join(path, f"gauge_live*_{os.getpid()}.db")):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(f)
+        Path(f).unlink(missing_ok=True)
 
 
 #: Scrapes run on threads of their own (two Prometheus servers at once): one reaps at a time.
@@ -132,6 +130,5 @@ def reap_dead(path: str) -> list[int]:
             m = _GAUGE_FILE.search(os.path.basename(f))
             if m is not None and not _running(int(m.group(2))):
                 dead.add(int(m.group(2)))
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(f)
+                Path(f).unlink(missing_ok=True)
     return sorted(dead)

@@ -169,8 +169,7 @@ class _Staging:
                     self._report(brokers, job, {"status": "refused", "error": str(exc), "skipped_nulls": skipped})
                     raise
             earlier, staged = area.staged_rows(runs)
-            gone = {i: expected[i] - earlier.get(i, 0) - staged.get(i, 0) for i in runs
-                    if earlier.get(i, 0) + staged.get(i, 0) < expected[i]}
+            gone = {i: short for i in runs if (short := expected[i] - earlier.get(i, 0) - staged.get(i, 0)) > 0}
             if gone:
                 # All or nothing: publishing the rest would put those rows, when the job is run
                 # again, after later rows of their keys.

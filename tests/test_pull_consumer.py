@@ -127,6 +127,19 @@ def test_bad_offsets_are_refused_and_pull_reports_illegal_offsets(fast, producer
             c.fetch_message_queues_in_balance("nope")
 
 
+def test_a_queue_its_topic_does_not_have_is_refused(fast, producer: Producer) -> None:
+    """Once NO_NEW_MSG and offset 0 for ever, as if a quiet queue: a typo looked like no traffic."""
+    with PullConsumer("audit", settings=fast, client_id="p1") as c:
+        for bad in (MessageQueue("orders", "broker-a", 99), MessageQueue("orders", "broker-x", 0)):
+            with pytest.raises(TopicNotFoundError, match=r"has no queue .* its queues are 4 on broker-a \(0-3\)"):
+                c.pull(bad, 0, 3)
+            with pytest.raises(TopicNotFoundError, match="has no queue"):
+                c.fetch_consume_offset(bad)
+        with pytest.raises(TopicNotFoundError, match="nope"):
+            c.pull(MessageQueue("nope", "broker-a", 0), 0, 3)
+        assert c.pull(MessageQueue("orders", "broker-a", 3), 0, 3).pull_status is PullStatus.NO_NEW_MSG
+
+
 def test_pull_blocks_until_a_message_arrives(fast, producer: Producer) -> None:
     mq = producer.send_orderly("orders", b"first", sharding_key="k").message_queue
     with PullConsumer("audit", settings=fast, client_id="p1") as c:

@@ -246,7 +246,41 @@ def test_mqorder_txn_shows_half_transactions_and_why_others_ended(tx: Transactio
 def test_bad_executor_is_refused_before_anything_is_stored(tx: TransactionProducer, r: redis.Redis) -> None:
     with pytest.raises(MessageError, match="executor must be a callable"):
         tx.send_in_transaction("tx", b"x", sharding_key="k", executor="commit")  # type: ignore[arg-type]
+    # Callable, but it cannot answer: it used to store the half message first, then raise TypeError
+    # (or, async, return a coroutine taken for UNKNOWN), leaving the message to the check-back.
+    with pytest.raises(MessageError, match=r"must accept 2 arguments: \(msg, arg\)"):
+        tx.send_in_transaction("tx", b"x", sharding_key="k", executor=lambda m: COMMIT)  # type: ignore[arg-type,misc]
+
+    async def debit(msg: object, arg: object) -> LocalTransactionState:
+        return COMMIT
+
+    with pytest.raises(MessageError, match="must be a plain function"):
+        tx.send_in_transaction("tx", b"x", sharding_key="k", executor=debit)  # type: ignore[arg-type]
     assert not r.exists(keys.txn_topics())
+
+
+def test_a_checker_that_cannot_answer_is_refused_when_registered() -> None:
+    """A checker that raises on every call answers UNKNOWN every time: after transaction_check_max
+    checks every half message of its topic was rolled back, committed local transactions included.
+    The decorator refuses it, as @orderly_listener refuses a listener of the wrong arity."""
+    from mqorder.errors import ListenerError
+
+    def two(msg: object, extra: object) -> LocalTransactionState:
+        return COMMIT
+
+    async def later(msg: object) -> LocalTransactionState:
+        return COMMIT
+
+    with pytest.raises(ListenerError, match=r"must accept 1 argument: \(msg\)"):
+        transaction_checker(topic="tx-arity")(two)  # type: ignore[arg-type]
+    with pytest.raises(ListenerError, match="must be a plain function"):
+        transaction_checker(topic="tx-arity")(later)  # type: ignore[arg-type]
+    with pytest.raises(ListenerError, match="must be a callable"):
+        transaction_checker(topic="tx-arity")("COMMIT")  # type: ignore[arg-type]
+    assert "tx-arity" not in _checkers
+    # One argument with more optional after it, or *args, can answer.
+    transaction_checker(topic="tx-arity")(lambda msg, *rest: COMMIT)
+    assert _checkers.pop("tx-arity") is not None
 
 
 def _killed_mid_transaction(url: str, tmp: Path, key: str, seq: int, local: str) -> str:

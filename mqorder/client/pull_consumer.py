@@ -40,7 +40,13 @@ import redis
 
 from mqorder import keys
 from mqorder.codec import decode_entries
-from mqorder.errors import BrokerUnavailableError, MQOrderError, OffsetFencedError, OffsetIllegalError
+from mqorder.errors import (
+    BrokerUnavailableError,
+    MQOrderError,
+    OffsetFencedError,
+    OffsetIllegalError,
+    TopicNotFoundError,
+)
 from mqorder.model import MAX_OFFSET, MessageExt, MessageModel, MessageQueue
 from mqorder.names import check_client_id, check_group, check_topic
 from mqorder.rebalance.allocate import allocate_all, strategy_from_settings
@@ -144,6 +150,8 @@ class PullConsumer:
         self.log = MessageLog(self.brokers)
         self._lock = threading.RLock()
         self._topics: list[str] = []
+        #: Each topic's queues as last read (``_check_queue``).
+        self._queues: dict[str, frozenset[MessageQueue]] = {}
         #: Queue -> the epoch it was granted by ``fetch_message_queues_in_balance``.
         self._epochs: dict[MessageQueue, int] = {}
         #: queue -> {offset: msg id} of what this consumer pulled lately: ``update_offset`` sends
@@ -196,6 +204,7 @@ class PullConsumer:
         that long for a first message when there is none yet (RocketMQ's ``pullBlockIfNotFound``).
         """
         with _reachable(self, "pull"):
+            self._check_queue(mq)
             return self._pull(mq, offset, self.settings.pull_batch_size if max_nums is None else max_nums, block_ms)
 
     def _pull(self, mq: MessageQueue, offset: int, max_nums: int, block_ms: int) -> PullResult:
@@ -310,7 +319,26 @@ class PullConsumer:
     def fetch_consume_offset(self, mq: MessageQueue) -> int:
         """The group's committed offset on ``mq``: the next message to consume."""
         with _reachable(self, "fetch_consume_offset"):
+            self._check_queue(mq)
             return self.log.consume_offset(self.group, mq)
+
+    def _check_queue(self, mq: MessageQueue) -> None:
+        """Refuse a queue its topic does not have (RocketMQ's broker answers a pull of a queue id
+        past the topic's queues with an error): read as one it had, it answered NO_NEW_MSG and
+        offset 0 for ever, so a typo in a queue id looked like a quiet queue. The topic's queues
+        are cached; a miss reads the route again (the topic may have grown since)."""
+        if not isinstance(mq, MessageQueue):
+            raise TypeError(f"a MessageQueue is needed (from fetch_message_queues_in_balance), got {mq!r}")
+        known = self._queues.get(mq.topic)
+        if known is not None and mq in known:
+            return
+        route = self.topics.describe_topic(mq.topic)  # TopicNotFoundError, with its advice, if absent
+        known = self._queues[mq.topic] = frozenset(route.message_queues)
+        if mq not in known:
+            layout = ", ".join(f"{n} on {b} (0-{n - 1})" for b, n in sorted(route.queues_per_broker.items()))
+            raise TopicNotFoundError(f"topic {mq.topic!r} has no queue {mq.queue_id} on broker {mq.broker_name!r}: "
+                                     f"its queues are {layout}; use the queues fetch_message_queues_in_balance "
+                                     "returns")
 
     def shutdown(self) -> None:
         """Leave the group: unregister, rebalance its queues to the others, release its locks."""

@@ -30,6 +30,7 @@ rolled back again (``mqorder.store.transactions``).
 from __future__ import annotations
 
 import enum
+import inspect
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,6 +82,27 @@ class TransactionSendResult:
     local_transaction_state: LocalTransactionState
     queue_offset: int = -1
     store_timestamp: int = 0
+
+
+def check_callback(fn: object, nargs: int, what: str, signature: str, error: type[Exception]) -> None:
+    """Refuse, before anything is stored or registered, a transaction callback that cannot answer.
+
+    Its answer decides whether a half message is committed or rolled back, and a callback called
+    with the wrong arguments raises on every call, which the check-back takes as UNKNOWN: after
+    ``transaction_check_max`` checks every half message of the topic was rolled back, committed
+    local transactions included (a checker written ``def check(msg, extra)`` once did exactly that).
+    An ``async def`` returns a coroutine nobody awaits, the same UNKNOWN."""
+    if not callable(fn):
+        raise error(f"{what} must be a callable {signature}, got {fn!r}")
+    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+        raise error(f"{what} {fn!r} must be a plain function {signature}: an 'async def' or a generator "
+                    "returns an object nobody awaits, taken for UNKNOWN, so its transactions would be rolled back")
+    try:
+        inspect.signature(fn).bind(*([object()] * nargs))
+    except TypeError:
+        raise error(f"{what} {fn!r} must accept {nargs} argument{'s' if nargs > 1 else ''}: {signature}") from None
+    except ValueError:  # no signature to read (some builtins): its first call says
+        pass
 
 
 def as_state(value: object, who: str) -> LocalTransactionState:
@@ -136,8 +158,7 @@ class TransactionProducer(Producer):
         replicas fall short (rolled back, executor not run: sending again is safe) or the commit's
         (the commit IS applied on the primary: do not send again). A ROLLBACK does not wait.
         """
-        if not callable(executor):
-            raise MessageError(f"executor must be a callable (msg, arg) -> LocalTransactionState, got {executor!r}")
+        check_callback(executor, 2, "executor", "(msg, arg) -> LocalTransactionState", MessageError)
         wait = self._wait(wait_replicas)
         _, queues = self._route(topic)
         props = dict(properties or {})

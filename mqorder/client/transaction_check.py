@@ -27,7 +27,7 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from mqorder.client.transaction import LocalTransactionState, as_state
+from mqorder.client.transaction import LocalTransactionState, as_state, check_callback
 from mqorder.errors import BrokerUnavailableError, ListenerError, ReplicasBehindError
 from mqorder.model import MessageExt, MessageQueue
 from mqorder.names import check_topic
@@ -53,8 +53,8 @@ def transaction_checker(*, topic: str) -> Callable[[TransactionChecker], Transac
     check_topic(topic)
 
     def register(fn: TransactionChecker) -> TransactionChecker:
-        if not callable(fn):
-            raise ListenerError(f"@transaction_checker(topic={topic!r}) must decorate a function")
+        check_callback(fn, 1, f"@transaction_checker(topic={topic!r})", "(msg) -> LocalTransactionState",
+                       ListenerError)
         known = _checkers.get(topic)
         if known is not None and known is not fn and _qualname(known) != _qualname(fn):
             raise ListenerError(

@@ -322,6 +322,32 @@ def test_dlq_replay_puts_dead_letters_back_in_original_order_once_even_when_run_
     assert [log.max_offset(mq) for mq in mqs] == [6, 6]
 
 
+def test_dlq_replay_refuses_to_give_other_groups_of_the_topic_a_second_copy_unless_told(
+    redis_url: str, producer: Producer, engine: ConsumerEngine
+) -> None:
+    """A replayed copy is delivered to every group of its topic: another group that handled the
+    message long ago got it again, after the messages that followed it (found by an operator
+    walk-through: `dlq replay billing` gave order-lifecycle 2 duplicates)."""
+    mqs, _ = dead_letter_three(producer, engine)
+    TopicManager(engine.brokers).subscribe("audit", "t", MessageModel.CLUSTERING)
+    TopicManager(engine.brokers).subscribe("fanout", "t", MessageModel.BROADCASTING)
+    log = MessageLog(engine.brokers)
+    res = cli("dlq", "replay", "g")
+    assert res.exit_code == 2 and "(t: audit, fanout)" in res.stderr and "--all-groups" in res.stderr
+    assert "nothing was replayed" in res.stderr and [log.max_offset(mq) for mq in mqs] == [3, 3]
+    dry = cli("dlq", "replay", "g", "--dry-run")
+    assert dry.exit_code == 0 and "would also reach the other group(s) of t: audit, fanout" in dry.stdout
+    assert cli_json("dlq", "replay", "g", "--dry-run")["other_groups"] == {"t": ["audit", "fanout"]}
+    producer.create_topic("only-g", queues=1)
+    TopicManager(engine.brokers).subscribe("g", "only-g", MessageModel.CLUSTERING)
+    assert cli_json("dlq", "replay", "g", "--topic", "only-g")["stored"] == 6  # nobody else consumes it
+    done = cli_json("dlq", "replay", "g", "--all-groups")
+    assert (done["stored"], done["other_groups"]) == (6, {"t": ["audit", "fanout"]})
+    assert [log.max_offset(mq) for mq in mqs] == [6, 6]
+    bad = cli("dlq", "replay", "g", "--from", "5", "--to", "1")
+    assert bad.exit_code == 2 and "--from 5 is after --to 1" in bad.stderr
+
+
 def test_dlq_replay_refuses_everything_when_an_origin_topic_is_gone(
     redis_url: str, producer: Producer, engine: ConsumerEngine
 ) -> None:

@@ -404,3 +404,29 @@ def test_the_check_back_counts_an_end_the_producer_made_first_as_ended_elsewhere
     finally:
         p.close()
         _checkers.pop("race", None)
+
+
+def test_a_worker_with_only_a_transaction_checker_is_not_told_it_has_no_listeners(
+    redis_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """TRANSACTIONS.md puts the checker in a MQORDER_LISTENERS module and runs the check-back on
+    a worker; such a worker was warned that it had no listeners and that the variable was unset."""
+    from mqorder.celery.bootsteps import _say_what_it_serves
+    from mqorder.consumer.client_instance import ClientInstance
+
+    client = ClientInstance("w1@checks", load_settings(redis_url=redis_url), dispatch=lambda *a: True)
+    client.subscriptions = []  # a worker whose modules define no listener
+    saved = dict(_checkers)
+    _checkers.clear()
+    try:
+        with caplog.at_level("INFO", logger="mqorder.celery.bootsteps"):
+            _say_what_it_serves(client)
+            transaction_checker(topic="t-only")(lambda msg: COMMIT)
+            _say_what_it_serves(client)
+    finally:
+        _checkers.clear()
+        _checkers.update(saved)
+        client.brokers.close()
+    first, second = caplog.records
+    assert first.levelname == "WARNING" and "no listeners and no transaction checkers" in first.getMessage()
+    assert second.levelname == "INFO" and "only transaction checkers (topics t-only)" in second.getMessage()

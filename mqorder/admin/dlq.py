@@ -181,10 +181,12 @@ class ReplayReport:
     duplicates: int = 0  # replayed by an earlier run: not stored again
     by_queue: dict[str, int] = field(default_factory=dict)  # queue key -> messages stored there
     dry_run: bool = False
+    #: Target topic -> the other groups that consume it (each gets its own copy of what is replayed).
+    other_groups: dict[str, list[str]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"group": self.group, "read": self.read, "stored": self.stored, "duplicates": self.duplicates,
-                "by_queue": self.by_queue, "dry_run": self.dry_run}
+                "by_queue": self.by_queue, "dry_run": self.dry_run, "other_groups": self.other_groups}
 
 
 def replay_id(group: str, dlq_offset: int) -> str:
@@ -194,19 +196,36 @@ def replay_id(group: str, dlq_offset: int) -> str:
 
 def replay(
     admin: Admin, group: str, *, topic: str | None = None, start: int = 0, end: int | None = None,
-    dry_run: bool = False,
+    dry_run: bool = False, all_groups: bool = False,
 ) -> ReplayReport:
     """Append the dead letters with DLQ offsets in ``[start, end]`` back onto their queues.
 
     Every target is resolved before anything is written: a dead letter with no origin, an origin
     topic that no longer exists or a read-only target refuses the whole replay (``BadArgumentError``)
     so nothing is half-replayed by a refusal.
+
+    A copy appended to a topic is delivered to every group that consumes it, not only to
+    ``group`` (RocketMQ's console resends a dead letter to the one group's clients instead). Another
+    group would get a message it handled long ago a second time, after the messages that followed
+    it: so a target topic other groups consume refuses the replay unless ``all_groups`` accepts
+    that (a dry run lists them, ``ReplayReport.other_groups``).
     """
+    if end is not None and end < start:
+        raise BadArgumentError(f"--from {start} is after --to {end}: no dead letter lies between; nothing was replayed")
     dq = dlq_queue(admin, group)
     letters = list(iter_dead_letters(admin, dq, start, end))
     report = ReplayReport(group, read=len(letters), dry_run=dry_run)
     targets = _targets(admin, letters, topic)
     plan = _in_original_order(letters, targets)
+    report.other_groups = _other_groups(admin, group, {mq.topic for mq in plan})
+    if report.other_groups and not (all_groups or dry_run):
+        shown = "; ".join(f"{t}: {', '.join(gs)}" for t, gs in sorted(report.other_groups.items()))
+        raise BadArgumentError(
+            f"other groups consume the topic(s) the dead letters of {group!r} go back to ({shown}): each of them "
+            "would get a second copy of every replayed message (its original msg id), after the messages that "
+            f"followed it. Pass --all-groups to replay anyway (listeners that drop a msg id they handled are "
+            f"unaffected), or --topic onto a topic only {group!r} consumes; nothing was replayed"
+        )
     if dry_run:
         for mq, items in plan.items():
             report.by_queue[mq.key] = len(items)
@@ -225,6 +244,19 @@ def replay(
         report.duplicates += reply.duplicates
         report.by_queue[req.mq.key] = report.by_queue.get(req.mq.key, 0) + reply.stored
     return report
+
+
+def _other_groups(admin: Admin, group: str, topics: set[str]) -> dict[str, list[str]]:
+    """Topic -> the groups other than ``group`` subscribed to it (by their subscriptions, and by the
+    lanes on its queues: a broadcast group's clients)."""
+    out: dict[str, list[str]] = {}
+    subscribed = admin.topics.groups()
+    for t in sorted(topics):
+        lanes = {keys.group_of_sub(s) for s in admin.topics.subs_of_topic(t)}
+        others = sorted((lanes | {g for g, ts in subscribed.items() if t in ts}) - {group})
+        if others:
+            out[t] = others
+    return out
 
 
 def _targets(admin: Admin, letters: list[DeadLetter], topic: str | None) -> dict[int, MessageQueue]:

@@ -246,6 +246,9 @@ def replayed(console: Console, r: ReplayReport) -> None:
                       "replayed by an earlier run and were not stored again")
     for k, n in sorted(r.by_queue.items()):
         console.print(f"  {k}: {n}")
+    for t, groups in sorted(r.other_groups.items()):
+        console.print(f"{'would also reach' if r.dry_run else 'also delivered to'} the other group(s) of {t}: "
+                      f"{', '.join(groups)}")
 
 
 # -- offsets, messages, produce ------------------------------------------------------------------------

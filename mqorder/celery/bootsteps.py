@@ -9,6 +9,7 @@ from celery import bootsteps
 from mqorder.celery import runtime
 from mqorder.celery.capacity import SIGNAL, CapacityPublisher
 from mqorder.celery.dispatch import dispatcher
+from mqorder.client.transaction_check import transaction_checker_topics
 from mqorder.consumer.client_instance import ClientInstance
 from mqorder.consumer.nudge import LingerNudge
 from mqorder.metrics import worker as worker_metrics
@@ -24,6 +25,21 @@ def pool_name(pool: object) -> str:
     (``celery.concurrency.prefork``): what ``-P`` takes, except ``thread`` for ``threads``."""
     name = type(pool).__module__.rsplit(".", 1)[-1]
     return "threads" if name == "thread" else name
+
+
+def _say_what_it_serves(client: ClientInstance) -> None:
+    """Warn about a worker that imported nothing to serve. One that defines only transaction
+    checkers (TRANSACTIONS.md: the check-back runs on a worker) is set up as documented: it was
+    warned, wrongly, that it had no listeners and that ``MQORDER_LISTENERS`` was not set."""
+    if client.subscriptions:
+        return
+    checkers = transaction_checker_topics()
+    if checkers:
+        log.info("mqorder: worker %s has no listeners, only transaction checkers (topics %s)",
+                 client.client_id, ", ".join(checkers))
+    else:
+        log.warning("mqorder: worker %s has no listeners and no transaction checkers; set MQORDER_LISTENERS to "
+                    "the modules that define them", client.client_id)
 
 
 class ConsumerClientStep(bootsteps.StartStopStep):
@@ -54,6 +70,7 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         )
         details = ClientDetails(pool_name(worker.pool), int(worker.concurrency or 0))
         self.client = ClientInstance(worker.hostname, s, dispatcher(worker.app), details)
+        _say_what_it_serves(self.client)
         self.client.start()
 
     def stop(self, worker) -> None:

@@ -44,9 +44,11 @@ def dlq_replay(
     start: int = typer.Option(0, "--from", min=0, max=MAX_OFFSET, help="first DLQ offset to replay"),
     end: int = typer.Option(None, "--to", min=0, max=MAX_OFFSET, help="last DLQ offset to replay (default: the last one)"),
     dry_run: bool = typer.Option(False, "--dry-run", help="say where they would go, send nothing"),
+    all_groups: bool = typer.Option(False, "--all-groups",
+                                    help="replay even though other groups consume the topic (each gets a copy)"),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Put dead letters back on their original queues (or a topic), in order; a rerun adds nothing twice."""
     with Admin.open() as admin:
-        report = dlq.replay(admin, group, topic=topic, start=start, end=end, dry_run=dry_run)
+        report = dlq.replay(admin, group, topic=topic, start=start, end=end, dry_run=dry_run, all_groups=all_groups)
     emit(report, as_json, render.replayed)

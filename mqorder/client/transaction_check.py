@@ -70,6 +70,11 @@ def get_transaction_checker(topic: str) -> TransactionChecker | None:
     return _checkers.get(topic)
 
 
+def transaction_checker_topics() -> list[str]:
+    """The topics this process has a ``@transaction_checker`` for."""
+    return sorted(_checkers)
+
+
 def _qualname(fn: Callable[..., object]) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', repr(fn))}"
 

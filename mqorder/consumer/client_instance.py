@@ -133,11 +133,6 @@ class ClientInstance:
             self._check_brokers()
         except redis.RedisError as exc:
             log.warning("mqorder: cannot check Redis's maxmemory-policy yet (%s); checking before joining", exc)
-        if not self.subscriptions:
-            log.warning(
-                "mqorder: worker %s has no listeners; set MQORDER_LISTENERS to the modules "
-                "that define them", self.client_id,
-            )
         # Listen for wake-ups before taking any queue: a message sent the moment a queue is
         # assigned must find somebody subscribed.
         if self.shard_wake is not None:

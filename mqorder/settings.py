@@ -516,6 +516,28 @@ def _explain(exc: ValidationError) -> str:
     return "invalid mqorder settings:\n  " + "\n  ".join(lines)
 
 
+#: An example value of each setting that takes JSON from the environment (pydantic-settings parses
+#: a dict or list field's variable as JSON before any validator runs).
+_JSON_EXAMPLES = {
+    "brokers": '{"broker-b": "redis://host-b:6379/0"}',
+    "allocate_config": '{"w1@host": ["orders:broker-a:0", "orders:broker-a:1"]}',
+    "allocate_machine_rooms": '["room-a", "room-b"]',
+}
+
+
+def _explain_json(exc: ValueError) -> str:
+    """pydantic-settings' own text names neither the variable nor the form it wants ("error parsing
+    value for field "brokers" from source "EnvSettingsSource""): say both."""
+    found = re.search(r'field "(\w+)"', str(exc))
+    if found is None:
+        return f"invalid mqorder settings: {exc}"
+    name = found.group(1)
+    cause = f" ({exc.__cause__})" if exc.__cause__ is not None else ""
+    example = _JSON_EXAMPLES.get(name)
+    form = f", e.g. MQORDER_{name.upper()}='{example}'" if example else ""
+    return f"invalid mqorder settings:\n  MQORDER_{name.upper()}: not valid JSON{cause}; it takes a JSON value{form}"
+
+
 def load_settings(**overrides: Any) -> Settings:
     """Build settings from the environment plus keyword overrides; raise ``ConfigError`` if bad."""
     try:
@@ -525,7 +547,7 @@ def load_settings(**overrides: Any) -> Settings:
     except ValidationError as exc:
         raise ConfigError(_explain(exc)) from None
     except (json.JSONDecodeError, ValueError) as exc:  # a malformed JSON env var
-        raise ConfigError(f"invalid mqorder settings: {exc}") from None
+        raise ConfigError(_explain_json(exc)) from None
 
 
 @lru_cache(maxsize=1)

@@ -203,3 +203,60 @@ def test_a_database_that_is_not_a_number_is_a_config_error(url: str, db: str) ->
     assert f"names database {db!r}: a Redis database is a number" in msg and "secret" not in msg
     line = one_line_error(cli("--redis-url", url, "topic", "list"))
     assert f"names database {db!r}" in line
+
+
+# -- a URL that reaches the wrong thing: password, database number, Sentinel vs server ---------------
+
+
+def test_a_url_that_reaches_the_wrong_thing_says_what_to_change_not_start_redis(tmp_path: Path) -> None:
+    """Each of these read "did not answer within 3.0s" / "start redis-server" / a raw ResponseError
+    while the server was running (a new user's and an operator's walk-throughs): the message now
+    names what to fix in the URL, in the library and through the CLI and doctor."""
+    from mqorder import Producer
+    from mqorder.errors import BrokerRefusedError
+
+    srv = RedisServer(password="right", extra_args=["--databases", "2"]).start()
+    sentinel = SentinelProcess(tmp_path)
+    sentinel.start("mqorder", srv.port, quorum=1, down_after_ms=5000, failover_timeout_ms=10000,
+                   auth_pass="right")
+    try:
+        wrong = f"redis://:wrong@127.0.0.1:{srv.port}/0"
+        with pytest.raises(BrokerRefusedError, match=r"refused this client's credentials: fix the password"):
+            Producer(settings=load_settings(redis_url=wrong, send_msg_timeout_ms=500)).send_orderly(
+                "t", b"x", sharding_key="k")
+        assert "fix the password" in one_line_error(cli("--redis-url", wrong, "topic", "list"))
+
+        no_db = f"redis://:right@127.0.0.1:{srv.port}/5"
+        with pytest.raises(ConfigError, match=r"has no database with the URL's number"):
+            Producer(settings=load_settings(redis_url=no_db)).create_topic("t", queues=1)
+        line = one_line_error(cli("--redis-url", no_db, "topic", "list"))
+        assert "no database with the URL's number" in line and "Start redis-server" not in line
+        doctor = json.loads(cli("--redis-url", no_db, "doctor", "--json").stdout)
+        (reach,) = [f for f in doctor["findings"] if f["check"] == "reachable"]
+        assert reach["verdict"] == "FAIL" and "no database with the URL's number" in reach["fix"]
+
+        as_server = f"redis://127.0.0.1:{sentinel.port}/0"  # a Sentinel's port in a server's URL
+        assert "it may be a Redis Sentinel" in one_line_error(cli("--redis-url", as_server, "topic", "list"))
+        with RedisServer() as plain:  # a server's port given as a Sentinel's
+            as_sentinel = f"redis+sentinel://127.0.0.1:{plain.port}/mqorder"
+            line = one_line_error(cli("--redis-url", as_sentinel, "topic", "list"))
+            assert "is a Redis server, not a Sentinel" in line and "Start redis-server" not in line
+
+        # Sentinels that answer but know no primary of that name: fix the name, not "start them".
+        named = f"redis+sentinel://:right@127.0.0.1:{sentinel.port}/wrongname/0"
+        res = cli("--redis-url", named, "doctor", "--json")
+        (summary,) = [f for f in json.loads(res.stdout)["findings"] if f["check"] == "sentinels"]
+        assert summary["verdict"] == "FAIL" and "none knows a primary named 'wrongname'" in summary["detail"]
+        assert "fix the master name in the URL" in summary["fix"] and "start the Sentinels" not in summary["fix"]
+    finally:
+        sentinel.stop()
+        srv.stop()
+
+
+def test_a_refused_connection_is_not_said_to_have_timed_out() -> None:
+    from mqorder import Producer
+
+    p = Producer(settings=load_settings(redis_url=f"redis://{DEAD}/0", send_msg_timeout_ms=3000))
+    with pytest.raises(BrokerUnavailableError) as exc:
+        p.create_topic("t", queues=1)
+    assert "could not be reached" in str(exc.value) and "within 3.0s" not in str(exc.value)

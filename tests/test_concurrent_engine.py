@@ -308,3 +308,34 @@ def test_bad_listener_settings_and_mixed_groups_are_refused() -> None:
     finally:
         unregister_listener("g9", "t9")
     assert get_listener("g9", keys.retry_topic("g9")) is None
+
+
+def test_a_bad_ack_index_on_a_retried_message_names_the_listener(fast_retry_env, caplog) -> None:
+    """On %RETRY%<group> the run's spec is a placeholder: the warning named
+    mqorder.consumer.listener._retry_placeholder, not the listener that set ack_index."""
+    p, eng, s = fast_retry_env
+    send_all(p, [b"x"])
+
+    def sloppy(msgs, ctx):
+        ctx.ack_index = "0"
+        return C.CONSUME_SUCCESS
+
+    concurrent_listener(topic="t", group="g")(sloppy)
+    try:
+        with caplog.at_level("WARNING", logger="mqorder.consumer.concurrent_request"):
+            drain(eng, get_listener("g", "t"))
+            mover = DelayMover(eng.brokers, eng._appender)
+            retry = get_listener("g", keys.retry_topic("g"))
+            RebalanceLockManager(eng.brokers).assign("g", [(RETRY_MQ, "c1", "r0")])
+            log = MessageLog(eng.brokers)
+            deadline = time.monotonic() + 10
+            while not log.max_offset(RETRY_MQ) and time.monotonic() < deadline:
+                time.sleep(0.06)
+                mover.move_once()
+            eng.brokers.default.client.hset(keys.sub_state(RETRY_MQ.tag, "g"), "pending", "r1")
+            eng.run(retry, "g", RETRY_MQ, "r1")
+    finally:
+        unregister_listener("g", "t")
+    warned = [r.getMessage() for r in caplog.records if "ack_index" in r.getMessage()]
+    assert len(warned) >= 2, warned  # the first delivery and the retried one
+    assert all("sloppy" in w and "_retry_placeholder" not in w for w in warned), warned

@@ -44,6 +44,28 @@ def test_a_context_suspend_is_taken_as_rocketmq_takes_it(value: object, want: in
     assert suspend_ms_of(value, 1000) == want
 
 
+def test_a_suspend_that_is_not_a_number_is_logged_naming_the_listener(env, caplog: pytest.LogCaptureFixture) -> None:
+    """"abc" was taken for the default without a word (a new-user walk-through); the queue mode
+    run logs it, naming the listener, and still suspends the default time."""
+    p, eng = env
+    p.send_orderly("t", b"x", sharding_key="A")
+
+    def picky(msgs, ctx):
+        ctx.suspend_current_queue_time_millis = "abc"
+        return S.SUSPEND_CURRENT_QUEUE_A_MOMENT
+
+    RebalanceLockManager(eng.brokers).assign("g", [(MQ, "c1", "tok0")])
+    with caplog.at_level("WARNING", logger="mqorder.consumer.context"):
+        out = eng.run(ListenerSpec(func=picky, topic="t", group="g", max_reconsume_times=5), "g", MQ, "tok0")
+    assert out.countdown == pytest.approx(1.0)
+    (rec,) = [r for r in caplog.records if "suspend_current_queue_time_millis" in r.getMessage()]
+    assert "picky" in rec.getMessage() and "'abc'" in rec.getMessage()
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mqorder.consumer.context"):
+        assert suspend_ms_of(-1, 1000) == 1000  # RocketMQ's "the default": no warning
+    assert not caplog.records
+
+
 @pytest.mark.parametrize(("ms", "countdown"), [(-1, 1.0), (0, 0.01), (3_600_000, 30.0), (None, 1.0)])
 def test_a_run_requeues_after_the_clamped_suspend(env, ms: object, countdown: float) -> None:
     """The queue mode run, on a real redis-server: its requeue countdown is the clamped suspend."""

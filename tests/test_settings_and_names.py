@@ -99,6 +99,23 @@ def test_bad_environment_variable_is_reported(monkeypatch: pytest.MonkeyPatch) -
         load_settings()
 
 
+@pytest.mark.parametrize(("var", "value", "form"), [
+    ("MQORDER_BROKERS", "broker-b=redis://127.0.0.1:6380/0", '{"broker-b": "redis://host-b:6379/0"}'),
+    ("MQORDER_ALLOCATE_CONFIG", "foo", '{"w1@host": ["orders:broker-a:0"'),
+    ("MQORDER_ALLOCATE_MACHINE_ROOMS", "a,b", '["room-a", "room-b"]'),
+])
+def test_a_json_setting_that_is_not_json_names_its_variable_and_the_form(
+    monkeypatch: pytest.MonkeyPatch, var: str, value: str, form: str
+) -> None:
+    """pydantic-settings said only 'error parsing value for field "brokers" from source
+    "EnvSettingsSource"': neither the variable nor that it wants JSON."""
+    monkeypatch.setenv(var, value)
+    with pytest.raises(ConfigError) as exc:
+        load_settings()
+    msg = str(exc.value)
+    assert f"{var}: not valid JSON" in msg and form in msg and "EnvSettingsSource" not in msg
+
+
 def test_bad_url_errors_never_echo_the_password() -> None:
     with pytest.raises(ConfigError) as exc:
         load_settings(redis_url="http://user:hunter2@host:1/0")

@@ -53,6 +53,7 @@ from mqorder.settings import Settings
 from mqorder.store.brokers import Broker, BrokerRegistry, cluster_celery_broker_error
 from mqorder.store.capacity import SAFE_POLICY, eviction_policy, read_memory
 from mqorder.store.cluster_urls import is_cluster_url
+from mqorder.store.failures import setup_hint
 from mqorder.store.replies import text
 
 #: Skew between a host and Redis above which born/handled times stop being comparable.
@@ -83,7 +84,7 @@ def diagnose(settings: Settings, brokers: BrokerRegistry, celery_conf: Mapping[s
         except redis.RedisError as exc:
             report.findings.append(Finding(
                 "reachable", Verdict.FAIL, f"{broker.safe_url} did not answer: {exc}",
-                "start that redis-server, or fix MQORDER_REDIS_URL / MQORDER_BROKERS", name))
+                setup_hint(exc) or "start that redis-server, or fix MQORDER_REDIS_URL / MQORDER_BROKERS", name))
         report.findings.extend(sentinel_findings(broker))
     try:
         report.findings.extend(worker_clocks(brokers, settings))

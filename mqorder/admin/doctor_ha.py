@@ -370,6 +370,15 @@ def _sentinels_summary(views: list[SentinelView], parsed: SentinelURL, broker: s
     data = {"listed": len(views), "answering": len(good), "known": known, "quorum": quorum, "majority": majority,
             "primaries": primaries}
     if not good:
+        if any(v.reachable for v in views):
+            # They answer, about another name: the URL's master name (or their monitor) is wrong, and
+            # "start the Sentinels" sent the reader to Sentinels that were running.
+            return Finding("sentinels", Verdict.FAIL,
+                           f"{sum(v.reachable for v in views)} of the {len(views)} Sentinels answered, but none knows "
+                           f"a primary named {parsed.master_name!r}: clients cannot find the primary",
+                           f"fix the master name in the URL (redis+sentinel://hosts/<name>: `SENTINEL MASTERS` on a "
+                           f"Sentinel lists the names it monitors), or have the Sentinels monitor {parsed.master_name!r}",
+                           broker, data)
         return Finding("sentinels", Verdict.FAIL,
                        f"none of the {len(views)} Sentinels of {parsed.master_name!r} answered: clients cannot find "
                        "the primary, and no failover can happen",

@@ -24,6 +24,7 @@ from typer.core import TyperGroup
 
 from mqorder.admin.common import RefusedError
 from mqorder.errors import MQOrderError
+from mqorder.store.failures import setup_hint
 
 #: Done (for ``status --check`` and ``doctor``: nothing found).
 EXIT_OK = 0
@@ -97,6 +98,9 @@ def exit_code_for(exc: Exception) -> int | None:
 
 
 def describe(exc: Exception) -> str:
+    hint = setup_hint(exc)
+    if hint is not None:
+        return f"{hint} ({type(exc).__name__}: {exc})"
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError):
         return (f"Redis did not answer ({type(exc).__name__}: {exc}); is redis-server running, and do "
                 "--redis-url, MQORDER_REDIS_URL (or MQORDER_BROKERS) point at it?")

@@ -47,7 +47,7 @@ from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.capacity import CapacityGuard
 from mqorder.store.delay import DelayStore
 from mqorder.store.durable import SendWait, parse_wait_replicas, wait_after
-from mqorder.store.failures import TRANSIENT, unavailable
+from mqorder.store.failures import REDIS_ERRORS, translation
 from mqorder.store.log import MessageLog
 from mqorder.store.topics import TopicManager, TopicRoute
 
@@ -172,8 +172,9 @@ class Producer:
         )
         try:
             route = self.topics.create_topic(topic, queues, brokers=brokers, perm=perm, retention=retention)
-        except TRANSIENT as exc:
-            raise self._unavailable(self.brokers.default_name, exc) from exc
+        except REDIS_ERRORS as exc:
+            raise self._failed(exc, "create topic", "The topic may or may not be created (creating it again with "
+                                                    "the same queues is safe)") from exc
         with self._lock:
             self._routes.pop(topic, None)
         return route
@@ -616,8 +617,9 @@ class Producer:
             check_topic(topic, allow_dlq=True, allow_retry=True)
             try:
                 route = self.topics.describe_topic(topic)
-            except TRANSIENT as exc:
-                raise self._unavailable(self.brokers.default_name, exc) from exc
+            except REDIS_ERRORS as exc:
+                # The route is read before anything is sent: nothing was stored.
+                raise self._failed(exc, "send", "Nothing was stored") from exc
             queues = route.message_queues
             with self._lock:
                 self._routes[topic] = (now, route, queues)
@@ -628,9 +630,11 @@ class Producer:
             )
         return route, queues
 
-    def _unavailable(self, broker_name: str, exc: Exception) -> BrokerUnavailableError:
-        b = self.brokers.get(broker_name)
-        return unavailable(broker_name, b.safe_url, exc, self.settings.send_msg_timeout_ms / 1000)
+    def _failed(self, exc: Exception, action: str, outcome: str) -> Exception:
+        """A failed call to the default broker (routes), as the caller's error (``translation``)."""
+        b = self.brokers.default
+        return translation(exc, b.name, b.safe_url, self.settings.send_msg_timeout_ms / 1000, action,
+                           outcome=outcome) or exc
 
 
 def _result(mq: MessageQueue, msg_id: str, reply: AppendReply) -> SendResult:

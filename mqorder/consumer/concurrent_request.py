@@ -181,7 +181,9 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         assert isinstance(ctx, ConsumeConcurrentlyContext)
         ack = ctx.ack_index if handled.status is SUCCESS else -1
         if type(ack) is not int:
-            log.warning("%s set ack_index to %r, not an int; acknowledging nothing", self.spec.name, ack)
+            # Named by the batch's own listener: on %RETRY%<group> self.spec is a placeholder.
+            log.warning("%s set ack_index to %r, not an int; acknowledging nothing",
+                        (self._listener_of(msgs) or self.spec).name, ack)
             ack = -1
         ack = max(-1, min(ack, len(msgs) - 1))
         ok, failed = msgs[: ack + 1], msgs[ack + 1 :]

@@ -499,7 +499,7 @@ class ConsumeRequest(LingeringReads):
                 self._commit_in_memory()
                 return None
             self._failed += n
-            return self._suspend(msgs, handled, suspend_ms_of(ctx.suspend_current_queue_time_millis, self.suspend_ms))
+            return self._suspend(msgs, handled, self._asked_suspend_ms(ctx))
         if status is SUCCESS:
             self.consumed += n
             return None
@@ -512,8 +512,8 @@ class ConsumeRequest(LingeringReads):
             if self.ledger is not None:
                 self.ledger.note(msgs, LedgerOutcome.SUSPEND, handled.start_ms, handled.end_ms, self.epoch)
             self.pq.rollback()
-            return self._stop_for_retry(suspend_ms_of(ctx.suspend_current_queue_time_millis, self.suspend_ms))
-        return self._suspend(msgs, handled, suspend_ms_of(ctx.suspend_current_queue_time_millis, self.suspend_ms))
+            return self._stop_for_retry(self._asked_suspend_ms(ctx))
+        return self._suspend(msgs, handled, self._asked_suspend_ms(ctx))
 
 
     def _note_failure(self, msgs: list[MessageExt], ctx: CallContext) -> None:
@@ -539,6 +539,10 @@ class ConsumeRequest(LingeringReads):
                     self.spec.group, m, f"max reconsume times {limit} reached (listener kept suspending)", self.epoch, self.mq
                 )
         return dead
+
+    def _asked_suspend_ms(self, ctx: CallContext) -> int:
+        """The suspend the listener's context asks for (``suspend_ms_of``), a bad value named."""
+        return suspend_ms_of(ctx.suspend_current_queue_time_millis, self.suspend_ms, self.spec.name)
 
     def _suspend(self, msgs: list[MessageExt], handled: Handled, suspend_ms: int) -> LoopEnd | None:
         """Messages past ``max_reconsume_times`` go to the DLQ (``_dead_letter_exhausted``); the

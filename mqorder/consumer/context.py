@@ -3,10 +3,13 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 from mqorder.consumer.async_loop import process_loop
 from mqorder.model import MessageQueue
+
+log = logging.getLogger(__name__)
 
 #: The bounds RocketMQ puts on a suspend time a listener set on its context
 #: (``ConsumeMessageOrderlyService.submitConsumeRequestLater``): below, a hot retry loop that
@@ -14,12 +17,17 @@ from mqorder.model import MessageQueue
 MIN_SUSPEND_MS, MAX_SUSPEND_MS = 10, 30_000
 
 
-def suspend_ms_of(value: object, default_ms: int) -> int:
+def suspend_ms_of(value: object, default_ms: int, who: str = "the listener") -> int:
     """The suspend a listener's context asks for, as RocketMQ takes it: ``-1`` (RocketMQ's "the
     consumer's default") or anything but a number is ``default_ms``; a number is clamped to
     ``[MIN_SUSPEND_MS, MAX_SUSPEND_MS]``. ``None`` once raised out of the run after the reconsume
-    count was saved, leaving the queue to the sweep."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value == -1 or value != value:
+    count was saved, leaving the queue to the sweep. Anything but a number is logged (naming
+    ``who``), as a bad ``ack_index`` is: "abc" was taken for the default without a word."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        log.warning("%s set suspend_current_queue_time_millis to %r, not a number of milliseconds; suspending "
+                    "%d ms (the default)", who, value, default_ms)
+        return default_ms
+    if value == -1:
         return default_ms
     return int(min(max(value, MIN_SUSPEND_MS), MAX_SUSPEND_MS))
 

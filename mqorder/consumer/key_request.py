@@ -66,7 +66,7 @@ from typing import Any
 from mqorder.codec import decode_entries
 from mqorder.consumer.call_executor import LaneCalls
 from mqorder.consumer.consume_request import HELD_CHECK_S, ConsumeRequest
-from mqorder.consumer.context import ConsumeOrderlyContext, suspend_ms_of
+from mqorder.consumer.context import ConsumeOrderlyContext
 from mqorder.consumer.escapes import cancelled_by_run, counts_as_failure, goes_on_up
 from mqorder.consumer.key_lanes import KeyLanes, Lanes, lane_key
 from mqorder.consumer.lane_workers import LaneResult
@@ -594,7 +594,7 @@ class KeyConsumeRequest(ConsumeRequest):
         if not rest:
             self.lanes.done(res.key)
             return stop
-        self._hold_back(res.key, rest, handled, suspend_ms_of(ctx.suspend_current_queue_time_millis, self.suspend_ms))
+        self._hold_back(res.key, rest, handled, self._asked_suspend_ms(ctx))
         return stop
 
     def _hold_back(self, key: int, msgs: list[MessageExt], handled: Handled, suspend_ms: int) -> None:

@@ -38,6 +38,7 @@ from mqorder.store.cluster_urls import (
 )
 from mqorder.store.connect import close as close_client
 from mqorder.store.connect import connect
+from mqorder.store.failures import setup_hint
 from mqorder.store.scripts import Scripts
 from mqorder.store.urls import SENTINEL_SCHEMES, URL_FORM, is_sentinel_url, parse_sentinel_url, redact_sentinel_url
 
@@ -405,10 +406,11 @@ class Broker:
         try:
             self.client.ping()
         except redis.RedisError as exc:
+            setup = setup_hint(exc)
             if isinstance(exc, MasterNotFoundError):
                 hint = ""  # the error says what to check (SentinelAuthError: what to set)
-            elif isinstance(exc, redis.AuthenticationError):
-                hint = ". Fix the password (user:password@) in the URL"
+            elif setup is not None:
+                hint = f": {setup}"
             else:
                 hint = ". Start redis-server or point MQORDER_REDIS_URL at a running one"
             raise BrokerUnavailableError(

@@ -22,6 +22,8 @@ from mqorder.errors import BrokerRefusedError, BrokerUnavailableError, ConfigErr
 #: node answering at all (redis-py's ``RedisClusterException``, which is not a ``RedisError``).
 TRANSIENT = (redis.ConnectionError, redis.TimeoutError, redis.exceptions.ClusterDownError,
              redis.exceptions.TryAgainError, redis.exceptions.RedisClusterException)
+#: Every error a Redis call raises (a cluster client's ``RedisClusterException`` is not a ``RedisError``).
+REDIS_ERRORS = (redis.RedisError, redis.exceptions.RedisClusterException)
 #: How Redis refuses a write before a script stored anything (a script's first command is a
 #: write, and these refusals apply to every write alike): redis-py's classes for the codes it
 #: knows (OOM, READONLY, NOPERM, MASTERDOWN), the text for those it does not.
@@ -34,13 +36,40 @@ _REFUSAL_CLASSES = (
 _REFUSAL_PREFIXES = ("MISCONF", "NOREPLICAS", "BUSY ")
 
 
+def setup_hint(exc: BaseException) -> str | None:
+    """What to change when a Redis error says the URL reaches the wrong thing, not a Redis that is
+    down: a wrong password, a database number the server does not have, a Sentinel's port given as
+    a server's (or the reverse). Each of these once read "did not answer" or "start redis-server",
+    which sent the reader to a server that was running. None: not one of those."""
+    text = str(exc)
+    if isinstance(exc, redis.AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH", "invalid password")):
+        return "Redis refused this client's credentials: fix the password (user:password@) in the URL"
+    if "DB index is out of range" in text or text == "Invalid Database":
+        return ("that Redis has no database with the URL's number (/N): use one below its `databases` "
+                "setting (16 by default), e.g. redis://host:6379/0")
+    if "unknown command" in text:
+        if "'SENTINEL'" in text or "'sentinel'" in text:
+            return ("that address is a Redis server, not a Sentinel: give the Sentinels' host:port in "
+                    "redis+sentinel://host:port[,host:port...]/<master name>, or use redis://host:port for the server")
+        return ("that address does not know a command a Redis server has: it may be a Redis Sentinel (use "
+                "redis+sentinel://host:port/<master name>), a Redis older than 7.0, or one with the command renamed")
+    return None
+
+
 def unavailable(broker_name: str, safe_url: str, exc: Exception, timeout: float, action: str = "send",
-                write: bool = True) -> BrokerUnavailableError:
-    """``write``: the call may have changed something (a send: "may or may not be stored")."""
-    outcome = "The message may or may not be stored" if write else "Nothing was changed"
+                write: bool = True, outcome: str | None = None) -> BrokerUnavailableError:
+    """``write``: the call may have changed something (a send: "may or may not be stored");
+    ``outcome`` says what instead, for a call that is not a send."""
+    outcome = outcome or ("The message may or may not be stored" if write else "Nothing was changed")
+    hint = setup_hint(exc)
+    if hint is not None:
+        # Refused at the connection's handshake: fixing the URL is what to do, not waiting.
+        return BrokerRefusedError(f"{action} failed: Redis broker {broker_name!r} at {safe_url}: {hint} "
+                                  f"({type(exc).__name__}: {exc})")
+    what = f"did not answer within {timeout}s" if isinstance(exc, redis.TimeoutError) else "could not be reached"
     return BrokerUnavailableError(
-        f"{action} failed: Redis broker {broker_name!r} at {safe_url} did not answer within "
-        f"{timeout}s ({type(exc).__name__}: {exc}). {outcome}; check the broker and retry"
+        f"{action} failed: Redis broker {broker_name!r} at {safe_url} {what} "
+        f"({type(exc).__name__}: {exc}). {outcome}; check the broker and retry"
     )
 
 
@@ -79,14 +108,14 @@ def partly_refused(broker_name: str, safe_url: str, exc: redis.ResponseError, st
 
 
 def translation(exc: BaseException, broker_name: str, safe_url: str, timeout: float,
-                action: str = "send", write: bool = True) -> Exception | None:
+                action: str = "send", write: bool = True, outcome: str | None = None) -> Exception | None:
     """What ``translated`` raises instead of ``exc`` (None: ``exc`` itself is raised).
 
     For a hot path that cannot afford a generator-based context manager per call (a trickle of
     single sends: entering and leaving ``translated`` cost ~14 µs of client CPU per send here):
     ``try: ... except Exception as exc: raise (translation(exc, ...) or exc) from ...``."""
     if isinstance(exc, TRANSIENT):
-        return unavailable(broker_name, safe_url, exc, timeout, action, write)
+        return unavailable(broker_name, safe_url, exc, timeout, action, write, outcome)
     if isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)):
         # Only a plain client sees these (a cluster client follows them): its URL names one node.
         return ConfigError(
@@ -95,6 +124,9 @@ def translation(exc: BaseException, broker_name: str, safe_url: str, timeout: fl
             "serves. Give mqorder the cluster's URL: redis+cluster://host:port[,host:port...]/"
         )
     if isinstance(exc, redis.ResponseError):
+        hint = setup_hint(exc)
+        if hint is not None:
+            return ConfigError(f"{action} failed: Redis broker {broker_name!r} at {safe_url}: {hint} ({exc})")
         return refused(broker_name, safe_url, exc, action)
     return None
 

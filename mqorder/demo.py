@@ -24,6 +24,7 @@ from rich.table import Table
 
 from mqorder import keys
 from mqorder.client.producer import Producer
+from mqorder.examples.demo_keys import demo_prefix
 from mqorder.model import MessageQueue
 from mqorder.settings import load_settings
 from mqorder.store.connect import close, connect
@@ -101,7 +102,7 @@ def run_demo(
         console.print(f"{workers} workers (prefork, concurrency {concurrency}) and beat are up; topic {topic!r}, {queues} queues")
 
         total = orders * len(EVENTS)
-        prefix = f"demo:{group}"
+        prefix = demo_prefix(group)
         t0 = time.time()
         with Progress(
             TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),

@@ -396,3 +396,38 @@ def test_two_pull_consumers_share_queues_on_three_shards_in_order_and_lose_nothi
     assert res.pull_status is PullStatus.FOUND and [m.body for m in res.msg_found_list] == [b"key0:later"]
     b.update_offset(mq, res.next_begin_offset)
     b.shutdown()
+
+
+def test_the_demo_listener_runs_on_a_cluster_and_cross_slot_keys_are_no_outage(
+    cdep: ClusterDeployment, url: str, producer: Producer, engine: ConsumerEngine
+) -> None:
+    """The shipped demo listener wrote four keys in different slots from one script: every call
+    failed CROSSSLOT, which the cluster client reported as "not usable right now" (transient), and
+    every queue of the demo suspended for good (an operator walk-through on a 3-shard cluster)."""
+    from mqorder.examples import order_lifecycle as demo
+    from mqorder.store.connect import connect as connect_store
+
+    demo._client = demo._apply = None  # connect to this test's cluster (MQORDER_REDIS_URL)
+    try:
+        producer.create_topic("orders-c", queues=3)
+        producer.topics.subscribe("g", "orders-c", MessageModel.CLUSTERING)
+        mqs = producer.describe_topic("orders-c").message_queues
+        for seq in (1, 2, 3, 4):
+            for order in range(6):
+                producer.send_orderly("orders-c", json.dumps({"order": order, "seq": seq}).encode(),
+                                      sharding_key=str(order))
+        assign(engine, "g", mqs)
+        assert sum(consume(engine, "g", mq, demo.on_order_event, f"tok-{mq.queue_id}").consumed for mq in mqs) == 24
+        counts = {k.decode(): int(v) for k, v in demo._client.hgetall(demo.COUNTS).items()}
+        assert counts == {"handled": 24}
+    finally:
+        if demo._client is not None:
+            close(demo._client)
+        demo._client = demo._apply = None
+
+    client = connect_store(url)
+    try:
+        with pytest.raises(redis.ResponseError, match=r"CROSSSLOT .* give them one hash tag"):
+            client.eval("return 1", 2, "a", "b")  # two slots: no retry fixes it
+    finally:
+        close(client)

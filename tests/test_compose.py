@@ -22,6 +22,7 @@ import redis
 import yaml
 
 from mqorder.client.producer import Producer
+from mqorder.examples.demo_keys import demo_prefix
 from tests.support import ROOT, Cluster, wait_for
 
 COMPOSE = ROOT / "docker-compose.yml"
@@ -227,14 +228,14 @@ def test_demo_workload_is_consumed_in_order_by_a_stock_worker(
         assert producer.describe_topic(topic).queue_count == 4
 
     def counts() -> dict[str, int]:
-        return {k.decode(): int(v) for k, v in r.hgetall(f"demo:{group}:counts").items()}
+        return {k.decode(): int(v) for k, v in r.hgetall(f"{demo_prefix(group)}:counts").items()}
 
     wait_for(lambda: counts().get("handled", 0) >= 400, timeout=60, what="both demo runs handled")
     c = counts()
     assert c.get("illegal", 0) == 0, json.dumps(c)
     assert c.get("duplicates", 0) == 0 and c.get("bad", 0) == 0, json.dumps(c)
-    assert r.hlen(f"demo:{group}:state") == 100  # 2 runs x 50 distinct orders, each at its last step
-    assert {int(v) for v in r.hvals(f"demo:{group}:state")} == {4}
+    assert r.hlen(f"{demo_prefix(group)}:state") == 100  # 2 runs x 50 distinct orders, each at its last step
+    assert {int(v) for v in r.hvals(f"{demo_prefix(group)}:state")} == {4}
 
 
 # -- Dockerfile and .dockerignore ----------------------------------------------------------------

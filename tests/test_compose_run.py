@@ -32,6 +32,7 @@ import redis
 
 from mqorder import keys
 from mqorder.client.producer import Producer
+from mqorder.examples.demo_keys import demo_prefix
 from mqorder.store.replies import text
 from tests.support import ROOT, wait_for
 
@@ -219,7 +220,7 @@ def stack(images: Images, tmp_path: Path) -> Iterator[Stack]:
 
 
 def counts(r: redis.Redis) -> dict[str, int]:
-    return {text(k): int(v) for k, v in r.hgetall(f"demo:{GROUP}:counts").items()}
+    return {text(k): int(v) for k, v in r.hgetall(f"{demo_prefix(GROUP)}:counts").items()}
 
 
 def assignees(r: redis.Redis, url: str) -> dict[int, str]:
@@ -303,9 +304,9 @@ def test_stack_runs_the_demo_in_order_through_a_killed_worker(images: Images, st
                what=f"{ORDERS * 4} events handled", state=lambda: counts(r))
     c = counts(r)
     assert c.get("handled") == ORDERS * 4, c
-    assert c.get("illegal", 0) == 0, (c, r.lrange(f"demo:{GROUP}:illegal", 0, 9))
+    assert c.get("illegal", 0) == 0, (c, r.lrange(f"{demo_prefix(GROUP)}:illegal", 0, 9))
     assert c.get("bad", 0) == 0, c
-    state = r.hgetall(f"demo:{GROUP}:state")
+    state = r.hgetall(f"{demo_prefix(GROUP)}:state")
     assert len(state) == ORDERS and set(state.values()) == {b"4"}, f"{len(state)} orders, steps {set(state.values())}"
     wait_for(lambda: sum(metric(stack.get(stack.exporter_port, "/metrics")[1], "mqorder_queue_lag")) == 0,
              timeout=60, interval=1, what="the exporter reporting no lag")

@@ -9,7 +9,7 @@ topic and group are this module's own settings, ``MQORDER_DEMO_TOPIC`` (default 
 
 Each event is JSON ``{"order": id, "seq": 1..4, "event": name, "ts": send time}``; all events of
 one order share the sharding key (the order id), so they land in one queue. The listener keeps
-each order's last applied step in Redis (``demo:<group>:*`` keys, written by nothing else) and
+each order's last applied step in Redis (``demo:{<group>}:*`` keys, written by nothing else) and
 records, instead of applying:
 
 * a *duplicate* (a step already applied: redelivery after a failover) — skipped, counted;
@@ -30,6 +30,7 @@ from typing import Any
 import redis
 
 from mqorder import ConsumeOrderlyStatus, orderly_listener
+from mqorder.examples.demo_keys import demo_prefix
 from mqorder.settings import get_settings
 from mqorder.store.connect import connect
 
@@ -38,7 +39,8 @@ ORDERS_TOPIC = os.environ.get("MQORDER_DEMO_TOPIC", "orders")
 ORDERS_GROUP = os.environ.get("MQORDER_DEMO_GROUP", "order-lifecycle")
 
 STEPS = ("created", "paid", "shipped", "delivered")
-PREFIX = f"demo:{ORDERS_GROUP}"
+
+PREFIX = demo_prefix(ORDERS_GROUP)
 STATE = f"{PREFIX}:state"  # HASH order -> last step (1..4)
 COUNTS = f"{PREFIX}:counts"  # HASH handled / duplicates / illegal / bad
 ILLEGAL = f"{PREFIX}:illegal"  # LIST of "order:got:expected", the latest ILLEGAL_CAP

@@ -182,6 +182,14 @@ class ClusterClient(RedisCluster):
         try:
             return super().execute_command(*args, **kwargs)
         except RedisClusterException as exc:
+            if "same key slot" in str(exc):
+                # redis-py's own refusal of keys in several slots (CROSSSLOT, before any node is
+                # asked): no retry fixes it. Once said "not usable right now", as if the cluster
+                # were settling, while a listener's script suspended its queue for good.
+                raise redis.ResponseError(
+                    f"CROSSSLOT {exc}: on a Redis Cluster the keys of one command or script must share "
+                    "a hash slot; give them one hash tag (the same {...} part in every key name)"
+                ) from exc
             raise redis.ConnectionError(f"Redis Cluster not usable right now: {exc}") from exc
 
     def refresh_slots(self, failed_node: str | None = None) -> None:

@@ -110,8 +110,11 @@ def _celery_part(settings: Settings, celery_conf: Mapping[str, Any] | None, cele
     if celery_conf is not None:
         return celery_findings(settings, celery_conf)
     if celery_error:
-        return [Finding("celery", Verdict.WARN, f"Celery configuration not checked: {celery_error}",
-                        "pass --app with your Celery app (module:attribute)")]
+        # A FAIL: workers started with that app fail the same way (a mistyped --app exited 0 with a
+        # WARN). --app '' skips the Celery checks on purpose.
+        return [Finding("celery", Verdict.FAIL, f"Celery configuration not checked: {celery_error}",
+                        "fix the app or its settings, pass --app with your Celery app (module:attribute), or "
+                        "--app '' to skip the Celery checks")]
     return []
 
 

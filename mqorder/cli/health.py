@@ -115,3 +115,8 @@ def _celery_conf(spec: str) -> tuple[dict[str, Any] | None, str]:
                                          "accept_content", "broker_transport_options")}, ""
     except Exception as exc:  # noqa: BLE001 - any import failure is reported, not raised
         return None, f"{spec} could not be loaded ({type(exc).__name__}: {exc})"
+    except SystemExit as exc:
+        # The stock app exits (status 2, its reason on stderr) on settings no worker can run with,
+        # e.g. a cluster store and no MQORDER_CELERY_BROKER_URL: that ended the doctor before any
+        # Redis check ran.
+        return None, f"{spec} exited with status {exc.code} while loading (its reason is printed above)"

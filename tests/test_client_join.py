@@ -67,3 +67,37 @@ def test_a_rebalance_that_raised_is_tried_again_at_the_next_heartbeat(redis_url:
         client.service.registry.unregister(client.client_id)
         p.close()
         client.brokers.close()
+
+
+def test_a_topic_deleted_and_created_again_while_the_worker_runs_is_subscribed_again(redis_url: str) -> None:
+    """`topic delete --force` removes the topic's subscriptions; the topic created again was
+    consumed by the running worker while `status` and `consumers` said the group did not exist (an
+    operator walk-through). The worker's next heartbeat after the topology change records it again."""
+    from typer.testing import CliRunner
+
+    from mqorder.cli import app
+
+    def cli(*args: str):  # noqa: ANN202
+        return CliRunner().invoke(app, ["--redis-url", redis_url, *args], catch_exceptions=False)
+
+    s = load_settings(redis_url=redis_url)
+    p = Producer(settings=s)
+    p.create_topic("t-late", queues=4)
+    client = ClientInstance("w1@again", s, dispatch=lambda *a: True)
+    try:
+        client._register()
+        assert cli("status", "g-late", "t-late").exit_code == 0
+        assert cli("topic", "delete", "t-late", "--force").exit_code == 0
+        client._watch_membership()  # the delete changed the topology: nothing to restore yet
+        assert "t-late" not in client.service.topics.groups().get("g-late", {})
+        p.create_topic("t-late", queues=4)
+        client._watch_membership()
+        assert "t-late" in client.service.topics.groups()["g-late"]
+        assert "g-late" in client.service.topics.subs_of_topic("t-late")
+        res = cli("status", "g-late", "t-late")
+        assert res.exit_code == 0, res.stderr
+        assert len(client.service.assigned_queues("g-late", client.client_id)) == 4
+    finally:
+        client.service.registry.unregister(client.client_id)
+        p.close()
+        client.brokers.close()

@@ -114,6 +114,8 @@ class ClientInstance:
         self._subscribed = threading.Event()
         self._threads: list[threading.Thread] = []
         self._fingerprint = ""
+        #: The topology version of the last ``_restore_subscriptions``.
+        self._topology_seen: object = None
         #: A rebalance this client took on was skipped (mutex held): try again at the next heartbeat.
         self._rebalance_owed = False
         self._registered = False
@@ -298,6 +300,9 @@ class ClientInstance:
         now = beat.now_ms  # Redis's clock on both sides: no skew between hosts
         if last is None or now - int(last) > REBALANCE_STALE_FACTOR * self.settings.rebalance_interval_ms:
             stale = True
+        if fp != self._fingerprint and self._registered and topology != self._topology_seen:
+            self._topology_seen = topology
+            self._restore_subscriptions()
         if fp != self._fingerprint or stale or self._rebalance_owed:
             # One worker per change (a join, a leave, a new topic or subscription) does the work;
             # the others see the key and skip. A rebalance skipped on a held mutex (its holder may
@@ -310,6 +315,25 @@ class ClientInstance:
                 self._rebalance_owed = True
                 self._rebalance_owed = not self._rebalance_now(wait_s=REBALANCE_WAIT_S)
             self._fingerprint = fp
+
+    def _restore_subscriptions(self) -> None:
+        """Record again this client's subscriptions that are missing while their topic exists: an
+        operator's ``topic delete --force`` removes a topic's subscriptions, and a topic created
+        again under the same name was consumed by the running workers while ``status`` and
+        ``consumers`` said the group did not exist (RocketMQ's clients send their subscriptions
+        with every heartbeat, so a broker never loses them for long). Runs when the topology
+        changes; a deleted topic stays unsubscribed until it exists again."""
+        recorded = self.service.topics.groups()
+        for s in self.subscriptions:
+            if recorded.get(s.group, {}).get(s.topic) is s.model:
+                continue
+            if not self.brokers.meta.exists(keys.topic_route(s.topic)):
+                continue
+            log.info("mqorder: client %s subscribes %s to %s again (its subscription was removed)",
+                     self.client_id, s.group, s.topic)
+            self.service.topics.subscribe(s.group, s.topic, s.model)
+            if s.model is MessageModel.BROADCASTING:
+                self.service.topics.add_sub(s.topic, keys.broadcast_sub(s.group, self.client_id))
 
     def _wake_loop(self) -> None:
         backoff = Backoff()

@@ -77,7 +77,7 @@ def test_a_topic_deleted_and_created_again_while_the_worker_runs_is_subscribed_a
 
     from mqorder.cli import app
 
-    def cli(*args: str):  # noqa: ANN202
+    def cli(*args: str):
         return CliRunner().invoke(app, ["--redis-url", redis_url, *args], catch_exceptions=False)
 
     s = load_settings(redis_url=redis_url)

@@ -7,6 +7,11 @@ call per queue chunk, pipelined per broker), after the whole chunk was validated
 bad line is refused before anything of it is written. By default the run stops there (sending a
 later chunk would let a key's later lines overtake a refused earlier one); with ``skip_bad`` bad
 lines are reported and left out, every good line is sent.
+
+A run a broker failure stopped says from which line to send again (``from_line``). With a dedup
+field (``dedup_field``: each line's event id) every line is sent with that id as its dedup key, so
+lines of the interrupted chunk that were stored are not stored again within the dedup window
+(``MQORDER_DEDUP_WINDOW_MS``); without one they may be stored twice.
 """
 
 from __future__ import annotations
@@ -60,6 +65,11 @@ class ProduceInterrupted(BrokerUnavailableError):
 
 def sharding_key(obj: Any, key_field: str) -> str | int:
     """The value of ``key_field`` in ``obj`` (a literal field name first, then a dotted path)."""
+    return _field(obj, key_field)
+
+
+def _field(obj: Any, key_field: str) -> str | int:
+    """A non-empty string or integer field of a JSON object, by name or dotted path."""
     if not isinstance(obj, dict):
         raise ValueError(f"not a JSON object but {type(obj).__name__}")
     if key_field in obj:
@@ -75,32 +85,36 @@ def sharding_key(obj: Any, key_field: str) -> str | int:
     return value
 
 
-def parse_line(raw: bytes, key_field: str, max_size: int) -> tuple[str | int, bytes]:
-    """(sharding key, body) of one line; ``ValueError`` saying what is wrong with it."""
+def parse_line(raw: bytes, key_field: str, max_size: int, dedup_field: str | None = None
+               ) -> tuple[str | int, bytes, str | None]:
+    """(sharding key, body, dedup key or None) of one line; ``ValueError`` saying what is wrong."""
     body = raw.strip()
     try:
         obj = json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ValueError(f"not JSON ({exc}): {body[:QUOTE]!r}") from None
     key = sharding_key(obj, key_field)
+    dedup = None if dedup_field is None else str(_field(obj, dedup_field))
     try:
         check_body(body, max_size)
     except MessageError as exc:
         raise ValueError(str(exc)) from None
-    return key, body
+    return key, body, dedup
 
 
 def produce(
     producer: Producer, topic: str, lines: Iterable[bytes], key_field: str, *, chunk_size: int = DEFAULT_CHUNK,
-    skip_bad: bool = False, progress: Callable[[int, int], None] | None = None,
+    skip_bad: bool = False, progress: Callable[[int, int], None] | None = None, dedup_field: str | None = None,
+    from_line: int = 1,
 ) -> ProduceReport:
-    """Send every line of ``lines``; ``progress(lines read, bytes read)`` after each chunk.
+    """Send every line of ``lines`` from line ``from_line`` on (the lines before it are read and
+    counted, not sent); ``progress(lines read, bytes read)`` after each chunk.
 
     Raises ``ProduceInterrupted`` if a broker fails mid-run (the report so far is in its message).
     """
     producer.describe_topic(topic)  # an unknown topic fails before stdin is read
     report = ProduceReport(topic)
-    chunk: list[tuple[int, str | int, bytes]] = []
+    chunk: list[tuple[int, str | int, bytes, str | None]] = []
     chunk_bad: list[BadLine] = []
     read_bytes = 0
     first_line = 1
@@ -117,15 +131,21 @@ def produce(
             return False
         if chunk:
             try:
-                results = producer.send_orderly_batch(topic, [(k, b) for _, k, b in chunk])
+                dedup = [d for *_, d in chunk] if dedup_field is not None else None
+                results = producer.send_orderly_batch(topic, [(k, b) for _, k, b, _ in chunk], dedup_keys=dedup)
             except MessageError as exc:
                 report.bad.append(BadLine(span[0], f"chunk of lines {span[0]}-{span[1]} refused: {exc}"))
                 report.refused = span
                 return False
             except BrokerUnavailableError as exc:
+                again = (f"send again with --from-line {span[0]}: with --dedup-field {dedup_field} the lines "
+                         "already stored are not stored twice (within MQORDER_DEDUP_WINDOW_MS)"
+                         if dedup_field is not None else
+                         f"send again with --from-line {span[0]}; those lines may then be stored twice (give "
+                         "--dedup-field with each line's unique id to make a resend safe)")
                 raise ProduceInterrupted(
                     f"{exc}. Lines before {span[0]} were sent ({report.sent} messages); lines {span[0]}-{span[1]} "
-                    "may be stored in part; nothing after them was sent"
+                    f"may be stored in part; nothing after them was sent: {again}"
                 ) from exc
             report.sent += len(results)
             report.chunks += 1
@@ -141,10 +161,13 @@ def produce(
     for raw in lines:
         report.lines += 1
         read_bytes += len(raw)
+        if report.lines < from_line:
+            first_line = report.lines + 1
+            continue
         if raw.strip():
             try:
-                key, body = parse_line(raw, key_field, max_size)
-                chunk.append((report.lines, key, body))
+                key, body, dedup_key = parse_line(raw, key_field, max_size, dedup_field)
+                chunk.append((report.lines, key, body, dedup_key))
             except ValueError as exc:
                 chunk_bad.append(BadLine(report.lines, str(exc)))
         if len(chunk) + len(chunk_bad) >= chunk_size and not flush():

@@ -28,6 +28,9 @@ def produce(
     file: Path = typer.Option(None, "--file", exists=True, dir_okay=False, help="read this file instead of stdin"),
     chunk: int = typer.Option(1000, "--chunk", min=1, max=100_000, help="lines validated and sent together"),
     skip_bad: bool = typer.Option(False, "--skip-bad", help="leave bad lines out instead of stopping at them"),
+    dedup_field: str = typer.Option(None, "--dedup-field",
+                                    help="JSON field holding each line's unique id: a resend stores a line once"),
+    from_line: int = typer.Option(1, "--from-line", min=1, help="send from this line on (resume a stopped run)"),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Send JSON lines (stdin or --file) to a topic, keyed by a field, in order, with a progress bar."""
@@ -38,7 +41,8 @@ def produce(
         with Progress(*columns, console=err_console, transient=as_json) as bar:
             task = bar.add_task(f"produce {topic}", total=size, n=0)
             report = run(producer, topic, lines, key_field, chunk_size=chunk, skip_bad=skip_bad,
-                         progress=lambda n, b: bar.update(task, completed=b, n=f"{n:,}"))
+                         progress=lambda n, b: bar.update(task, completed=b, n=f"{n:,}"), dedup_field=dedup_field,
+                         from_line=from_line)
     emit(report, as_json, render.produced)
     if not report.ok:
         raise typer.Exit(EXIT_BAD)

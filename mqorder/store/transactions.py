@@ -214,7 +214,7 @@ class HalfStore:
         raise AssertionError("unreachable")  # pragma: no cover
 
     def end(self, mq: MessageQueue, txid: str, verdict: TxnEnd, reason: str, by: str,
-            *, wait: SendWait | None = None) -> EndReply:
+            *, wait: SendWait | None = None, uncounted: int = 0) -> EndReply:
         """Phase two: commit (append at the next offset) or roll back, exactly once.
 
         With ``wait`` a COMMIT returns only once ``wait.replicas`` replicas have it: fence and
@@ -228,7 +228,7 @@ class HalfStore:
         kl = [keys.queue_log(tag), keys.queue_next(tag), keys.txn_index(tag), keys.txn_half(tag), keys.txn_log(tag),
               *state_keys]
         args: list[Any] = [txid, verdict.value, reason, by, OUTCOME_LOG_LEN, self.appender.pending_ttl_ms,
-                           self.appender.wake_prefix(mq), *wake_args]
+                           self.appender.wake_prefix(mq), uncounted, *wake_args]
         if verdict is not TxnEnd.COMMIT or wait is None or wait.replicas <= 0:
             with translated(broker.name, broker.safe_url, self.timeout, "end transaction"):
                 reply = broker.scripts.txn_end(keys=kl, args=args)

@@ -10,7 +10,9 @@
 -- KEYS[6..] state HASH of each subscription of the topic on this queue
 -- ARGV[1] txid   ARGV[2] 'COMMIT' or 'ROLLBACK'   ARGV[3] reason   ARGV[4] who ends it
 -- ARGV[5] outcome log length cap   ARGV[6] pending_ttl_ms   ARGV[7] wake channel prefix
--- ARGV[8..] per state key: token, wake payload
+-- ARGV[8] claims not to count as checks in the outcome (1: the check-back's give-up claimed it
+--         without asking: 'checks' then says how many times a checker was asked)
+-- ARGV[9..] per state key: token, wake payload
 -- Returns {'COMMIT', offset, store ms, woken owner...}, {'ROLLBACK'} or {'GONE'} (already ended)
 --- @include "_now"
 --- @include "_append"
@@ -28,12 +30,13 @@ if ARGV[2] == 'COMMIT' then
   local first = append_entries(KEYS[1], KEYS[2], nil, 1, false, 0, {half[1], half[2]})
   offset = first
   out = {'COMMIT', first, now}
-  for _, owner in ipairs(wake_owners(6, tonumber(ARGV[6]), ARGV[7], 7)) do
+  for _, owner in ipairs(wake_owners(6, tonumber(ARGV[6]), ARGV[7], 8)) do
     out[#out + 1] = owner
   end
 else
   out = {'ROLLBACK'}
 end
 redis.call('XADD', KEYS[5], 'MAXLEN', '~', ARGV[5], '*', 'txid', txid, 'outcome', ARGV[2],
-  'reason', ARGV[3], 'by', ARGV[4], 'checks', half[3] or 0, 'offset', offset)
+  'reason', ARGV[3], 'by', ARGV[4], 'checks', math.max(0, tonumber(half[3] or 0) - tonumber(ARGV[8])),
+  'offset', offset)
 return out

@@ -580,6 +580,13 @@ def test_produce_from_line_and_dedup_field_through_the_cli(redis_url: str, produ
     assert sorted(bodies) == list(range(10))
     res = cli("produce", "t", "--key-field", "k", "--dedup-field", "nope", input=lines)
     assert res.exit_code == 2 and "no field 'nope'" in res.stdout
+    # An id send_orderly_batch would refuse is a bad line (its number given; --skip-bad leaves it
+    # out), not a refusal of its whole chunk under --skip-bad (a review finding).
+    bad_ids = "\n".join(json.dumps({"k": "b", "id": "x" * 300 if i == 2 else f"b{i}"}) for i in range(5))
+    out = json.loads(cli("produce", "t", "--key-field", "k", "--dedup-field", "id", "--skip-bad", "--json",
+                         input=bad_ids).stdout)
+    assert (out["sent"], [b["line"] for b in out["bad"]], out["refused_lines"]) == (4, [3], None)
+    assert "field 'id'" in out["bad"][0]["error"] and "dedup_key" in out["bad"][0]["error"]
 
 
 # -- errors ------------------------------------------------------------------------------------------------

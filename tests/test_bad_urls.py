@@ -231,6 +231,7 @@ def test_a_url_that_reaches_the_wrong_thing_says_what_to_change_not_start_redis(
             Producer(settings=load_settings(redis_url=no_db)).create_topic("t", queues=1)
         line = one_line_error(cli("--redis-url", no_db, "topic", "list"))
         assert "no database with the URL's number" in line and "Start redis-server" not in line
+        assert line.count("no database with the URL's number") == 1, line  # said once
         doctor = json.loads(cli("--redis-url", no_db, "doctor", "--json").stdout)
         (reach,) = [f for f in doctor["findings"] if f["check"] == "reachable"]
         assert reach["verdict"] == "FAIL" and "no database with the URL's number" in reach["fix"]

@@ -101,3 +101,61 @@ def test_a_topic_deleted_and_created_again_while_the_worker_runs_is_subscribed_a
         client.service.registry.unregister(client.client_id)
         p.close()
         client.brokers.close()
+
+
+def test_restoring_subscriptions_neither_fights_another_model_nor_gives_up_after_an_error(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Review findings on the restore above: two workers with different models for one group and
+    topic (a rolling deploy) rewrote each other's record at every heartbeat, each write a topology
+    change (the version kept climbing); and a restore that raised was never tried again."""
+    import redis
+
+    from mqorder import keys
+    from mqorder.model import MessageModel
+    from mqorder.rebalance.membership import Subscription
+
+    s = load_settings(redis_url=redis_url)
+    p = Producer(settings=s)
+    p.create_topic("t-flip", queues=2)
+    meta = redis.Redis.from_url(redis_url)
+
+    def worker(cid: str, model: MessageModel) -> ClientInstance:
+        c = ClientInstance(cid, s, dispatch=lambda *a: True)
+        c.subscriptions = [Subscription("g-flip", "t-flip", model)]
+        c.lanes = [keys.broadcast_sub("g-flip", cid) if model is MessageModel.BROADCASTING else "g-flip"]
+        return c
+
+    a, b = worker("old@flip", MessageModel.CLUSTERING), worker("new@flip", MessageModel.BROADCASTING)
+    try:
+        a._register()
+        b._register()
+        p.create_topic("t-other", queues=1)  # any topology change
+        for _ in range(2):
+            a._watch_membership()
+            b._watch_membership()
+        settled = meta.get(keys.topology_version())
+        for _ in range(3):
+            a._watch_membership()
+            b._watch_membership()
+        assert meta.get(keys.topology_version()) == settled
+
+        # A restore that raised (Redis away for a moment) runs again at the next heartbeat.
+        b.service.topics.subscribe("g-flip", "t-flip", MessageModel.BROADCASTING)
+        meta.hdel(keys.groups(), "g-flip")
+        p.create_topic("t-other2", queues=1)
+        groups = a.service.topics.groups
+
+        def away() -> object:
+            raise redis.ConnectionError("Redis away for a moment")
+
+        monkeypatch.setattr(a.service.topics, "groups", away)
+        with pytest.raises(redis.ConnectionError):
+            a._watch_membership()  # the duty loop logs it and backs off
+        monkeypatch.setattr(a.service.topics, "groups", groups)
+        a._watch_membership()
+        assert "t-flip" in a.service.topics.groups()["g-flip"]
+    finally:
+        for c in (a, b):
+            c.service.registry.unregister(c.client_id)
+            c.brokers.close()
+        p.close()

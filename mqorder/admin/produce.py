@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from mqorder.client.dedup import check_dedup_key
 from mqorder.client.producer import Producer
 from mqorder.codec import check_body
 from mqorder.errors import BrokerUnavailableError, MessageError
@@ -95,6 +96,11 @@ def parse_line(raw: bytes, key_field: str, max_size: int, dedup_field: str | Non
         raise ValueError(f"not JSON ({exc}): {body[:QUOTE]!r}") from None
     key = sharding_key(obj, key_field)
     dedup = None if dedup_field is None else str(_field(obj, dedup_field))
+    if dedup is not None:
+        try:
+            check_dedup_key(dedup)  # a bad id is a bad line (its number given, --skip-bad leaves it out)
+        except MessageError as exc:
+            raise ValueError(f"field {dedup_field!r}: {exc}") from None
     try:
         check_body(body, max_size)
     except MessageError as exc:

@@ -98,7 +98,8 @@ def exit_code_for(exc: Exception) -> int | None:
 
 
 def describe(exc: Exception) -> str:
-    hint = setup_hint(exc)
+    # mqorder's own errors carry the hint already (failures.translation, Broker.ping): once only.
+    hint = None if isinstance(exc, MQOrderError) else setup_hint(exc)
     if hint is not None:
         return f"{hint} ({type(exc).__name__}: {exc})"
     if isinstance(exc, redis.ConnectionError | redis.TimeoutError):

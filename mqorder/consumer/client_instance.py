@@ -301,8 +301,8 @@ class ClientInstance:
         if last is None or now - int(last) > REBALANCE_STALE_FACTOR * self.settings.rebalance_interval_ms:
             stale = True
         if fp != self._fingerprint and self._registered and topology != self._topology_seen:
-            self._topology_seen = topology
             self._restore_subscriptions()
+            self._topology_seen = topology  # after: a restore that raised is tried at the next heartbeat
         if fp != self._fingerprint or stale or self._rebalance_owed:
             # One worker per change (a join, a leave, a new topic or subscription) does the work;
             # the others see the key and skip. A rebalance skipped on a held mutex (its holder may
@@ -325,7 +325,10 @@ class ClientInstance:
         changes; a deleted topic stays unsubscribed until it exists again."""
         recorded = self.service.topics.groups()
         for s in self.subscriptions:
-            if recorded.get(s.group, {}).get(s.topic) is s.model:
+            if s.topic in recorded.get(s.group, {}):
+                # Recorded, maybe with another model (a rolling deploy changing the listener's):
+                # not missing, so left as the last registration wrote it. Rewriting it here made
+                # two such workers overwrite each other at every heartbeat, each a topology change.
                 continue
             if not self.brokers.meta.exists(keys.topic_route(s.topic)):
                 continue

@@ -277,6 +277,13 @@ def test_a_checker_that_cannot_answer_is_refused_when_registered() -> None:
         transaction_checker(topic="tx-arity")(two)  # type: ignore[arg-type]
     with pytest.raises(ListenerError, match="must be a plain function"):
         transaction_checker(topic="tx-arity")(later)  # type: ignore[arg-type]
+
+    class Later:
+        async def __call__(self, msg: object) -> LocalTransactionState:
+            return COMMIT
+
+    with pytest.raises(ListenerError, match="must be a plain function"):
+        transaction_checker(topic="tx-arity")(Later())  # type: ignore[arg-type]
     with pytest.raises(ListenerError, match="must be a callable"):
         transaction_checker(topic="tx-arity")("COMMIT")  # type: ignore[arg-type]
     assert "tx-arity" not in _checkers

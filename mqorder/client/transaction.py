@@ -94,7 +94,9 @@ def check_callback(fn: object, nargs: int, what: str, signature: str, error: typ
     An ``async def`` returns a coroutine nobody awaits, the same UNKNOWN."""
     if not callable(fn):
         raise error(f"{what} must be a callable {signature}, got {fn!r}")
-    if inspect.iscoroutinefunction(fn) or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
+    call = getattr(fn, "__call__", None)  # noqa: B004 - an instance with an async __call__ is async too
+    is_async = inspect.iscoroutinefunction(fn) or (not inspect.isfunction(fn) and inspect.iscoroutinefunction(call))
+    if is_async or inspect.isasyncgenfunction(fn) or inspect.isgeneratorfunction(fn):
         raise error(f"{what} {fn!r} must be a plain function {signature}: an 'async def' or a generator "
                     "returns an object nobody awaits, taken for UNKNOWN, so its transactions would be rolled back")
     try:

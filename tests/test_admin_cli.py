@@ -664,3 +664,17 @@ def test_offsets_and_limits_past_any_stream_id_name_the_option(settings: Setting
                          (("message", "show", "big", "--queue", "0", "--offset", "99999999999999999999"), "--offset")):
         r = cli(*args)
         assert r.exit_code == 2 and option in r.output and "Invalid stream ID" not in r.output, (args, r.output)
+
+
+def test_enum_options_take_any_case_as_the_data_source_and_publish_do() -> None:
+    """`--on-null SKIP` was refused while option('onNull', 'SKIP') and publish(on_null='SKIP')
+    took it (a data engineer's walk-through)."""
+    import typer
+
+    from mqorder.cli.common import enum_parser
+    from mqorder.cli.pipeline import OnNull
+
+    parse = enum_parser(OnNull, "--on-null")
+    assert parse("SKIP") is OnNull.SKIP and parse("skip") is OnNull.SKIP and parse("Fail") is OnNull.FAIL
+    with pytest.raises(typer.BadParameter, match="--on-null must be one of fail, skip, got 'drop'"):
+        parse("drop")

@@ -416,6 +416,11 @@ def test_publish_consume_with_prefork_workers_then_audit_passes(spark, cluster, 
     assert (rep["messages_stored"], rep["messages_succeeded"], rep["latency"]["count"]) == (240, 240, 240)
     assert {q["lag"] for q in rep["queues"]} == {0} and len(rep["queues"]) == 4
     assert 0 <= rep["latency"]["p50_ms"] <= rep["latency"]["p99_ms"]
+    # A misspelt --order-field passed (exit 0), its only trace a count in report.md.
+    typo = _cli("audit", "--topic", "t-order", "--group", "g-order", "--report", str(tmp_path / "typo"),
+                "--order-field", "sequ")
+    assert typo.exit_code == 1, typo.output
+    assert "no stored message has a body field 'sequ' (240 without it)" in " ".join(typo.output.split())
 
     res = _cli("audit", "--topic", "t-suspend", "--group", "g-suspend", "--report", str(tmp_path / "suspend"))
     assert res.exit_code == 0, res.output
@@ -467,6 +472,9 @@ def test_the_cli_refuses_bad_input_before_starting_spark(producer: Producer, red
         (["audit", "--topic", TOPIC, "--group", "g-none", "--report", str(tmp_path / "r")], "MQORDER_LEDGER=1"),
         (["export", "--topic", TOPIC, "--out", str(tmp_path / "x.csv")], "must end with .parquet"),
         (["export", "--topic", TOPIC, "--ledger", "g-none", "--out", str(tmp_path / "x.parquet")], "MQORDER_LEDGER=1"),
+        # The key's name as text: Rich made ":ledger:" an emoji ("mqorder📒g-none").
+        (["export", "--topic", TOPIC, "--ledger", "g-none", "--out", str(tmp_path / "x.parquet")],
+         "kept in mqorder:ledger:g-none"),
     ]
     for args, message in cases:
         res = _cli(*args)

@@ -39,8 +39,9 @@ PIPE_WIDTH = 200
 
 JSON_OPT = typer.Option(False, "--json", help="machine-readable output (JSON on stdout)")
 
-console = Console()
-err_console = Console(stderr=True)
+# emoji=False: a ":ledger:" in a key name or message is text, not an emoji ("mqorder📒nogroup" once).
+console = Console(emoji=False)
+err_console = Console(stderr=True, emoji=False)
 
 T = TypeVar("T")
 E = TypeVar("E", bound=enum.Enum)
@@ -62,8 +63,8 @@ def out() -> Console:
     """A console on the current stdout: the terminal's width, or ``COLUMNS`` / ``PIPE_WIDTH`` when
     piped (``| grep`` should see one line per queue, not rows wrapped at 80 columns)."""
     if sys.stdout.isatty():
-        return Console(soft_wrap=True)
-    return Console(file=sys.stdout, width=int(os.environ.get("COLUMNS") or PIPE_WIDTH), soft_wrap=True)
+        return Console(soft_wrap=True, emoji=False)
+    return Console(file=sys.stdout, width=int(os.environ.get("COLUMNS") or PIPE_WIDTH), soft_wrap=True, emoji=False)
 
 
 def print_json(obj: Any) -> None:
@@ -133,8 +134,8 @@ def enum_parser(kind: type[E], what: str) -> Callable[[str | E], E]:
         if isinstance(value, kind):
             return value
         for member in kind:
-            if member.value == value:
-                return member
+            if member.value == value or str(member.value).lower() == str(value).lower():
+                return member  # any case, as the data source's options and publish() take it
         raise typer.BadParameter(f"{what} must be one of {', '.join(str(m.value) for m in kind)}, got {value!r}")
 
     return parse

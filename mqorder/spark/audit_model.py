@@ -153,8 +153,15 @@ class AuditReport:
     domain_violations: list[DomainViolation] = field(default_factory=list)
 
     @property
+    def order_field_unused(self) -> bool:
+        """An ``order_field`` no stored message has: the domain-order check checked nothing (a
+        misspelt ``--order-field sequ`` passed, its only trace a count in the report)."""
+        return bool(self.order_field) and self.messages_stored > 0 and self.missing_order_field >= self.messages_stored
+
+    @property
     def ok(self) -> bool:
-        return self.violation_count == 0 and self.gap_count == 0 and self.domain_violation_count == 0
+        return (self.violation_count == 0 and self.gap_count == 0 and self.domain_violation_count == 0
+                and not self.order_field_unused)
 
     def failures(self) -> list[str]:
         """One line per kind of failure, naming the first few cases (empty when ``ok``)."""
@@ -173,6 +180,9 @@ class AuditReport:
             first = "; ".join(f"{_lane(d)} queue {d.queue} offset {d.offset}: {self.order_field}={d.value} after "
                               f"{d.after_value} (offset {d.after_offset})" for d in self.domain_violations[:3])
             out.append(f"{self.domain_violation_count} {self.order_field} order violation(s): {first}")
+        if self.order_field_unused:
+            out.append(f"no stored message has a body field {self.order_field!r} ({self.missing_order_field:,} "
+                       "without it), so its order was not checked: check the name (--order-field / order_field)")
         return out
 
     def to_json(self) -> dict[str, Any]:

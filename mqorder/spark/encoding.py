@@ -100,7 +100,8 @@ class Refusal:
                          "key is text; hex- or base64-encode binary keys first (F.hex, F.base64)")
         hint = ""
         if self.null_key or self.null_order or self.null_body or self.null_id:
-            hint = "; filter them out first, or option('onNull', 'skip') to leave them out (counted in the report)"
+            hint = ("; filter them out first, or leave them out, counted in the report: option('onNull', 'skip') "
+                    "on df.write, on_null='skip' for publish(), --on-null skip for `mqorder pipeline publish`")
         return "; ".join(parts) + hint
 
 

@@ -213,6 +213,11 @@ class _Staging:
             self._report(brokers, job, report)
             log.info("mqorder: job %s published %d rows to %s (%d already stored)", job, totals.stored,
                      self.plan.topic, totals.duplicates)
+            if skipped:
+                # A plain df.write has no report to read this from (publish() returns it): said here,
+                # not only in the job's Redis record (a new user saw 10 of 50 rows gone without a word).
+                log.warning("mqorder: job %s left out %d row(s) with a null key, orderBy, body or id (onNull=skip); "
+                            "its report: HGETALL %s", job, skipped, keys.spark_job(job))
         finally:
             brokers.close()
 

@@ -257,6 +257,33 @@ def test_bad_options_fail_before_any_task_runs(spark, redis_url: str, producer: 
     assert all(msgs == [] for msgs in stored(redis_url, "opts").values())
 
 
+def test_an_unreachable_redis_is_one_mqorder_error_in_every_way_in(spark) -> None:
+    """redis-py's ConnectionError came out of df.write / read as ~40 lines of traceback inside an
+    AnalysisException that mqorder_error could not read, and out of publish() bare (a data
+    engineer's walk-through). Each now carries BrokerUnavailableError saying what to do."""
+    from pyspark.errors import PySparkException
+
+    import mqorder.spark as ms
+    from mqorder.errors import BrokerUnavailableError
+    from mqorder.spark.errors import mqorder_error
+    from mqorder.testing.embedded import free_port
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    df = spark.createDataFrame([("k", 1, "p")], SCHEMA)
+    with pytest.raises(BrokerUnavailableError, match="publish: Redis did not answer .* start redis-server"):
+        ms.publish(df, "opts", key="tailnum", order_by="dep_ts", redis_url=dead)
+    for action in (
+        lambda: df.write.format("mqorder").option("topic", "opts").option("key", "tailnum")
+        .option("orderBy", "dep_ts").option("redisUrl", dead).mode("append").save(),
+        lambda: spark.read.format("mqorder").option("topic", "opts").option("redisUrl", dead).load().count(),
+    ):
+        with pytest.raises(PySparkException) as exc:
+            action()
+        err = mqorder_error(exc.value)
+        assert isinstance(err, BrokerUnavailableError), str(exc.value)[-800:]
+        assert "Redis did not answer" in str(err) and "option redisUrl" in str(err)
+
+
 def test_a_job_whose_staged_rows_are_gone_at_commit_publishes_nothing(spark, redis_url: str, r: redis.Redis,
                                                                     producer: Producer) -> None:
     """A task stages its run and ends; another one staging longer than ``stagingTtl`` makes the

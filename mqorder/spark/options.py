@@ -22,15 +22,17 @@ is published.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from mqorder.errors import ConfigError
+from mqorder.errors import BrokerUnavailableError, ConfigError
 from mqorder.names import check_topic
 from mqorder.settings import Settings, get_settings, load_settings
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.durable import SendWait, parse_wait_replicas
+from mqorder.store.failures import REDIS_ERRORS, setup_hint
 
 #: ``onNull``: refuse the whole job (the default) or leave such rows out, counted in the report.
 ON_NULL = ("fail", "skip")
@@ -252,3 +254,16 @@ def read_options(options: Mapping[str, Any], *, streaming: bool) -> ReadOptions:
         conn=connection(opts),
         min_partitions=min_partitions(opts),
     )
+
+
+@contextmanager
+def reachable(what: str) -> Iterator[None]:
+    """A Redis that does not answer where the data source plans a job (the driver, Spark's planning
+    worker) as ``BrokerUnavailableError`` saying what to do. It was redis-py's ``ConnectionError``
+    inside Spark's ``AnalysisException``, about 40 lines of traceback that ``mqorder_error`` could
+    not read, and a bare ``ConnectionError`` from ``publish``."""
+    try:
+        yield
+    except REDIS_ERRORS as exc:
+        hint = setup_hint(exc) or "start redis-server, or point option redisUrl (or MQORDER_REDIS_URL) at a running one"
+        raise BrokerUnavailableError(f"{what}: Redis did not answer ({type(exc).__name__}: {exc}); {hint}") from exc

@@ -21,7 +21,7 @@ from mqorder import keys
 from mqorder.errors import ConfigError, MessageError, ReplicasBehindError
 from mqorder.settings import get_settings, load_settings
 from mqorder.spark.errors import mqorder_error
-from mqorder.spark.options import BODY_JSON, ON_NULL
+from mqorder.spark.options import BODY_JSON, ON_NULL, reachable
 from mqorder.spark.queues import KEY_COLUMN, QUEUE_COLUMN, key_string, queue_of
 from mqorder.spark.reader import queue_spans
 from mqorder.spark.session import default_parallelism, register
@@ -85,11 +85,12 @@ def publish(
     _columns(df, key=key, orderBy=order_by, idColumn=id_column,
              body=None if body.lower() == BODY_JSON and body not in df.columns else body)
     settings = load_settings(redis_url=redis_url) if redis_url else get_settings()
-    brokers = BrokerRegistry(settings.redis_url, settings.brokers)
-    try:
-        count = len(queue_spans(brokers, topic))  # TopicNotFoundError says how to create it
-    finally:
-        brokers.close()
+    with reachable("publish"):
+        brokers = BrokerRegistry(settings.redis_url, settings.brokers)
+        try:
+            count = len(queue_spans(brokers, topic))  # TopicNotFoundError says how to create it
+        finally:
+            brokers.close()
     spark = register(df.sparkSession)
 
     key = next((c for c in df.columns if c == key), None) or next(c for c in df.columns if c.lower() == key.lower())

@@ -11,7 +11,7 @@ from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStrea
 from pyspark.sql.types import StructType
 
 from mqorder.spark.ledger import LEDGER_SCHEMA_DDL, LedgerReader, ledger_options
-from mqorder.spark.options import read_options, write_options
+from mqorder.spark.options import reachable, read_options, write_options
 from mqorder.spark.plan import WritePlan, build_plan
 from mqorder.spark.reader import SCHEMA_DDL, MQOrderReader, queue_spans
 from mqorder.spark.streaming import MQOrderStreamReader
@@ -45,17 +45,21 @@ class MQOrderDataSource(DataSource):
         return build_plan(opts, schema, queues, overwrite=overwrite)
 
     def writer(self, schema: StructType, overwrite: bool) -> MQOrderWriter:
-        return self.writer_class(self._plan(schema, overwrite))
+        with reachable("planning the write"):
+            return self.writer_class(self._plan(schema, overwrite))
 
     def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
-        return self.stream_writer_class(self._plan(schema, overwrite))
+        with reachable("planning the stream's writes"):
+            return self.stream_writer_class(self._plan(schema, overwrite))
 
     def reader(self, schema: StructType) -> DataSourceReader:
         freeze_imports()
-        if "ledger" in self.options:
-            return LedgerReader(ledger_options(self.options), schema)
-        return MQOrderReader(read_options(self.options, streaming=False))
+        with reachable("planning the read"):
+            if "ledger" in self.options:
+                return LedgerReader(ledger_options(self.options), schema)
+            return MQOrderReader(read_options(self.options, streaming=False))
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         freeze_imports()
-        return MQOrderStreamReader(read_options(self.options, streaming=True))
+        with reachable("planning the stream's reads"):
+            return MQOrderStreamReader(read_options(self.options, streaming=True))

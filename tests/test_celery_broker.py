@@ -167,3 +167,30 @@ def test_a_missing_rabbitmqctl_fails_saying_how_to_get_it(monkeypatch: pytest.Mo
     monkeypatch.setattr("mqorder.testing.rabbit_vhost.shutil.which", lambda name: None)
     with pytest.raises(BrokerUnavailableError, match="rabbitmqctl is not installed.*apt-get install -y rabbitmq-server"):
         RabbitVhost().start()
+
+
+def test_install_keeps_the_apps_own_results_says_what_it_replaces_and_carries_its_settings(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A Celery user's walk-through: install() set task_ignore_result=True for the whole app (their
+    `add.delay(2, 3).get()` answered None), replaced their pickle serializer and their prefetch
+    without a word, and the worker's consumer read the environment's Redis, not the settings
+    install() was given (it joined redis://127.0.0.1:6379/0 and consumed nothing)."""
+    from mqorder.celery.app_settings import settings_of
+
+    app = Celery("t-own", broker=REDIS, set_as_current=False)
+    app.conf.update(task_serializer="pickle", accept_content=["pickle", "json"], worker_prefetch_multiplier=8,
+                    result_backend="redis://127.0.0.1:6399/1")
+    mine = load_settings(redis_url="redis://127.0.0.1:6399/0")
+    with caplog.at_level("WARNING", logger="mqorder.celery.setup"):
+        install(app, mine)
+    assert not app.conf.task_ignore_result and app.conf.result_backend == "redis://127.0.0.1:6399/1"
+    assert app.tasks["mqorder.consume_request"].ignore_result  # mqorder's own tasks still keep none
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "task_serializer='json' replaces the app's 'pickle'" in said
+    assert "accept_content=['json'] replaces the app's ['pickle', 'json']" in said
+    assert "worker_prefetch_multiplier=1 replaces the app's 8" in said
+    assert settings_of(app) is mine
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="mqorder.celery.setup"):
+        install(Celery("t-plain", broker=REDIS, set_as_current=False), mine)  # Celery's defaults: nothing to say
+    assert not caplog.records

@@ -7,6 +7,7 @@ import logging
 from celery import bootsteps
 
 from mqorder.celery import runtime
+from mqorder.celery.app_settings import settings_of
 from mqorder.celery.capacity import SIGNAL, CapacityPublisher
 from mqorder.celery.dispatch import dispatcher
 from mqorder.client.transaction_check import transaction_checker_topics
@@ -14,7 +15,6 @@ from mqorder.consumer.client_instance import ClientInstance
 from mqorder.consumer.nudge import LingerNudge
 from mqorder.metrics import worker as worker_metrics
 from mqorder.rebalance.membership import ClientDetails
-from mqorder.settings import get_settings
 from mqorder.store.brokers import BrokerRegistry
 
 log = logging.getLogger(__name__)
@@ -59,10 +59,18 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         self.nudge: LingerNudge | None = None
         # Here, not in start(): the pool forks between the two, and prefork children must inherit
         # the metrics directory and hook (mqorder.metrics.multiproc).
-        worker_metrics.start(get_settings(), SIGNAL)
+        worker_metrics.start(settings_of(worker.app), SIGNAL)
 
     def start(self, worker) -> None:
-        s = get_settings()
+        if not worker.app.conf.worker_direct:
+            # ConsumeRequests go to this worker's direct queue (<name>.dq2): without it the worker
+            # took queue locks and dispatched requests to a queue it never read, consuming nothing
+            # without a word (install(app) called before config_from_object, which reset it).
+            log.critical("mqorder: worker %s will not consume: worker_direct is off, so it would not read the "
+                         "direct queue its ConsumeRequests are sent to. Call mqorder.celery.install(app) after "
+                         "the app's own configuration (config_from_object / conf.update)", worker.hostname)
+            return
+        s = settings_of(worker.app)
         self.nudge = LingerNudge(BrokerRegistry(s.redis_url, s.brokers), worker.hostname)
         self.capacity = runtime.enable_linger(
             worker.pool, worker.concurrency, bool(worker.app.conf.get("worker_disable_prefetch", False)),

@@ -12,6 +12,7 @@ import threading
 from collections.abc import Callable
 from datetime import datetime
 
+from mqorder.celery.app_settings import settings_of
 from mqorder.celery.capacity import (
     ACTIVE_WINDOW_S,
     SIGNAL,
@@ -21,7 +22,6 @@ from mqorder.celery.capacity import (
     celery_spare,
 )
 from mqorder.consumer.engine import ConsumerEngine
-from mqorder.settings import get_settings
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -124,7 +124,7 @@ def engine_for(client_id: str) -> ConsumerEngine:
         with _lock:
             eng = _engines.get(key)
             if eng is None:
-                eng = ConsumerEngine(get_settings(), client_id)
+                eng = ConsumerEngine(settings_of(), client_id)
                 eng.may_linger = may_linger
                 eng.may_start_linger = may_start_linger
                 eng.note_lingering = note_lingering

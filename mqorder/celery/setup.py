@@ -6,7 +6,9 @@ import importlib
 import logging
 
 from celery import Celery
+from celery.app.defaults import DEFAULTS
 
+from mqorder.celery.app_settings import remember
 from mqorder.celery.bootsteps import ConsumerClientStep
 from mqorder.celery.broker import DERIVED_FROM_STORE, celery_broker, transport_options
 from mqorder.errors import ConfigError, MQOrderError
@@ -46,8 +48,25 @@ def _broker_origin(app: Celery, settings: Settings) -> str:
     return "MQORDER_CELERY_BROKER_URL" if settings.celery_broker_url else DERIVED_FROM_STORE
 
 
+def _say_overrides(app: Celery, forced: dict[str, object]) -> None:
+    """Log each setting of the application's own that ``install`` replaces: it was done without a
+    word (a Celery user's pickle tasks were refused, their prefetch changed)."""
+    for name, value in forced.items():
+        had = app.conf.get(name)
+        if had != value and had != DEFAULTS.get(name):
+            log.warning("mqorder.celery.install: %s=%r replaces the app's %r (%s)", name, value, had,
+                        "mqorder's workers accept JSON only" if "serializer" in name or name == "accept_content"
+                        else "mqorder's short ConsumeRequest tasks must not wait behind prefetched ones")
+
+
 def install(app: Celery, settings: Settings | None = None) -> Celery:
-    """Configure ``app`` for mqorder: JSON only, direct queues, tasks, bootstep, beat schedule."""
+    """Configure ``app`` for mqorder: JSON only, direct queues, tasks, bootstep, beat schedule.
+
+    Call it after the app's own configuration (``config_from_object``, ``conf.update``): a
+    configuration loaded afterwards replaces what it set (a worker whose direct queue was switched
+    off that way refuses to consume, ``bootsteps``). Add beat entries with
+    ``app.conf.beat_schedule.update(...)``, not by assigning a new dict, which drops mqorder's.
+    The worker's consumer, its tasks and engines use ``settings`` too (``app_settings``)."""
     settings = settings or get_settings()
     import mqorder.celery.tasks  # noqa: F401 - registers the shared tasks
 
@@ -63,23 +82,28 @@ def install(app: Celery, settings: Settings | None = None) -> Celery:
         app.conf.broker_use_ssl = broker.use_ssl
     if broker.transport and not app.conf.broker_transport:
         app.conf.broker_transport = broker.transport
+    forced = {
+        # JSON only: a worker that accepts pickle runs code from whoever can write to the broker.
+        "task_serializer": "json", "result_serializer": "json", "accept_content": ["json"],
+        "event_serializer": "json",
+        # Tasks are short re-dispatching runs; prefetching many would only delay other queues.
+        "worker_prefetch_multiplier": 1,
+    }
+    _say_overrides(app, forced)
     app.conf.update(
         broker_url=broker.url,
-        task_serializer="json",
-        result_serializer="json",
-        accept_content=["json"],
-        event_serializer="json",
         worker_direct=True,
-        task_ignore_result=True,
-        # Tasks are short re-dispatching runs; prefetching many would only delay other queues.
-        worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
         # Redis transport options only on Redis (mqorder.celery.broker says what each broker needs).
         broker_transport_options=transport_options(broker.url, app_options),
+        **forced,
     )
+    # Not task_ignore_result=True for the whole app (it was: the application's own tasks' results
+    # were dropped, `add.delay(2, 3).get()` answered None): mqorder's tasks ignore theirs each.
     schedule = dict(app.conf.beat_schedule or {})
     schedule.update(beat_schedule(settings))
     app.conf.beat_schedule = schedule
     app.steps["worker"].add(ConsumerClientStep)
+    remember(app, settings)
     import_listeners(settings.listener_modules)
     return app

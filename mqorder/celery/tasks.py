@@ -11,6 +11,7 @@ import logging
 from celery import shared_task
 
 from mqorder import keys
+from mqorder.celery.app_settings import settings_of
 from mqorder.celery.dispatch import CONSUME_REQUEST, dispatch
 from mqorder.celery.runtime import engine_for
 from mqorder.client.transaction_check import TransactionCheckService
@@ -18,7 +19,6 @@ from mqorder.consumer.listener import get_listener
 from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageQueue
 from mqorder.rebalance.service import RebalanceService
-from mqorder.settings import get_settings
 from mqorder.store.brokers import BrokerRegistry
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ _service: RebalanceService | None = None
 def rebalance_service() -> RebalanceService:
     global _service
     if _service is None:
-        s = get_settings()
+        s = settings_of()
         _service = RebalanceService(BrokerRegistry(s.redis_url, s.brokers), s)
     return _service
 
@@ -100,7 +100,7 @@ def transaction_check() -> dict:
     ``@transaction_checker`` of each due half message's topic, commit, roll back or wait."""
     global _txn_check
     if _txn_check is None:
-        s = get_settings()
+        s = settings_of()
         _txn_check = TransactionCheckService(BrokerRegistry(s.redis_url, s.brokers), s)
     report = _txn_check.check_once()
     return {"checked": report.checked, "committed": report.committed, "rolled_back": report.rolled_back,

@@ -7,8 +7,10 @@ the Celery-free engine; a task only carries the engine's outcome to the right wo
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from celery import shared_task
+from celery.utils.nodenames import WORKER_DIRECT_EXCHANGE, WORKER_DIRECT_QUEUE_FORMAT
 
 from mqorder import keys
 from mqorder.celery.app_settings import settings_of
@@ -34,10 +36,28 @@ def rebalance_service() -> RebalanceService:
     return _service
 
 
+_DIRECT_SUFFIX = WORKER_DIRECT_QUEUE_FORMAT.format(hostname="")
+
+
+def addressee(request: Any) -> str:
+    """The client a ConsumeRequest was sent to: the owner of the direct queue ``dispatch`` put it
+    on (``<client>.dq2``; on AMQP the direct exchange's routing key), else ``request.hostname``.
+    On a worker the two are one name; under ``celery.contrib.testing.worker.start_worker`` the
+    request's hostname is the bare host name, which owned no queue, so every run handed its queue
+    "to the owner" (itself) again: thousands of tasks, nothing consumed."""
+    info = request.delivery_info or {}
+    key = str(info.get("routing_key") or "")
+    if key.endswith(_DIRECT_SUFFIX) and len(key) > len(_DIRECT_SUFFIX):
+        return key[: -len(_DIRECT_SUFFIX)]
+    if info.get("exchange") == WORKER_DIRECT_EXCHANGE.name and key:
+        return key
+    return str(request.hostname)
+
+
 @shared_task(name=CONSUME_REQUEST, bind=True, ignore_result=True, acks_late=False)
 def consume_request(self, sub: str, mq_key: str, token: str) -> dict:
     """One ConsumeRequest run over one queue (see ``mqorder.consumer.consume_request``)."""
-    client_id = self.request.hostname
+    client_id = addressee(self.request)
     mq = MessageQueue.from_key(mq_key)
     spec = get_listener(keys.group_of_sub(sub), mq.topic)
     if spec is None:

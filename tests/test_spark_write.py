@@ -237,6 +237,11 @@ def test_bad_options_fail_before_any_task_runs(spark, redis_url: str, producer: 
         ms.publish(df, "opts", key="tailnum", order_by="departure")
     with pytest.raises(ConfigError, match="on_null='maybe': choose fail or skip"):
         ms.publish(df, "opts", key="tailnum", order_by="dep_ts", on_null="maybe")
+    for bad in (0, -1, 2.0, "4", True):  # 0 meant the default, -1 was a JVM error from repartition
+        with pytest.raises(ConfigError, match=rf"partitions={bad!r}: give a whole number >= 1"):
+            ms.publish(df, "opts", key="tailnum", order_by="dep_ts", partitions=bad)
+    with pytest.raises(ConfigError, match=r"^redis_url='localhost:6379' has scheme"):  # not MQORDER_REDIS_URL
+        ms.publish(df, "opts", key="tailnum", order_by="dep_ts", redis_url="localhost:6379")
 
     def w():
         return df.write.format("mqorder").option("topic", "opts").option("key", "tailnum")

@@ -32,7 +32,7 @@ from pyspark.sql.datasource import DataSourceReader, InputPartition
 
 from mqorder import keys
 from mqorder.consumer.ledger import FIELDS
-from mqorder.errors import BrokerUnavailableError, ConfigError, MQOrderError
+from mqorder.errors import BrokerUnavailableError, ConfigError, MQOrderError, TopicNotFoundError
 from mqorder.names import check_name, check_topic
 from mqorder.spark import ledger_parse
 from mqorder.spark.headers import Binaries, as_bytes
@@ -41,6 +41,7 @@ from mqorder.spark.reader import PausedGC
 from mqorder.spark.resp_pages import LEDGER, Piece, RawColumns, RawPages, pieces
 from mqorder.spark.worker_gc import freeze_imports
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.topics import TopicManager
 
 #: The schema of a ledger read, as DDL for ``DataSource.schema`` (``FIELDS`` in order, then ``entry``).
 LEDGER_SCHEMA_DDL = (
@@ -334,6 +335,17 @@ def read_slice(conn: Connection, part: LedgerSlice, columns: Sequence[str] | Non
         brokers.close()
 
 
+def _check_topic(brokers: BrokerRegistry, group: str, topic: str) -> None:
+    """Option ``topic`` names an existing topic: a misspelt one read 0 records, which an audit
+    then reported as an empty ledger, not as the typo it was."""
+    try:
+        TopicManager(brokers).describe_topic(topic)
+    except TopicNotFoundError:
+        raise TopicNotFoundError(f"ledger read of group {group!r}: option topic {topic!r} names no topic (it has no "
+                                 "route in Redis); check its spelling, or leave the option out to read the records "
+                                 "of every topic the group consumed") from None
+
+
 class LedgerReader(DataSourceReader):
     """``spark.read.format("mqorder").option("ledger", group)``: slices fixed at planning."""
 
@@ -343,6 +355,8 @@ class LedgerReader(DataSourceReader):
         brokers = opts.conn.registry()
         try:
             self.streams = ledger_streams(brokers, opts.group)
+            if self.streams and opts.topic is not None:
+                _check_topic(brokers, opts.group, opts.topic)
         finally:
             brokers.close()
         if not self.streams:

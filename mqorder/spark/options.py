@@ -30,7 +30,7 @@ from typing import Any
 from mqorder.errors import BrokerUnavailableError, ConfigError
 from mqorder.names import check_topic
 from mqorder.settings import Settings, get_settings, load_settings
-from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.brokers import BrokerRegistry, check_redis_url
 from mqorder.store.durable import SendWait, parse_wait_replicas
 from mqorder.store.failures import REDIS_ERRORS, setup_hint
 
@@ -134,7 +134,9 @@ def connection(opts: Mapping[str, str]) -> Connection:
     """
     overrides: dict[str, Any] = {}
     if opts.get("redisurl"):
-        overrides["redis_url"] = opts["redisurl"]
+        # Checked here under its own name: the settings would name MQORDER_REDIS_URL, which the
+        # user did not set (a URL without a scheme was reported as that variable's).
+        overrides["redis_url"] = check_redis_url(opts["redisurl"], "option redisUrl")
     if opts.get("maxmessagesize"):
         overrides["max_message_size"] = _int(opts, "maxmessagesize", 0, 1, 512 * 1024 * 1024)
     if opts.get("brokers"):

@@ -26,7 +26,7 @@ from mqorder.spark.queues import KEY_COLUMN, QUEUE_COLUMN, key_string, queue_of
 from mqorder.spark.reader import queue_spans
 from mqorder.spark.session import default_parallelism, register
 from mqorder.spark.writer import JobRefusedError
-from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.brokers import BrokerRegistry, check_redis_url
 from mqorder.store.replies import text
 from mqorder.tokens import new_token
 
@@ -84,6 +84,12 @@ def publish(
     on_null = on_null.lower()
     _columns(df, key=key, orderBy=order_by, idColumn=id_column,
              body=None if body.lower() == BODY_JSON and body not in df.columns else body)
+    if partitions is not None and (isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1):
+        # 0 meant the default and -1 reached Spark's repartition as a JVM error.
+        raise ConfigError(f"partitions={partitions!r}: give a whole number >= 1 (write tasks; each queue is "
+                          "written by one of them), or leave it out for the default")
+    if redis_url:
+        check_redis_url(redis_url, "redis_url")  # its own name, not MQORDER_REDIS_URL's
     settings = load_settings(redis_url=redis_url) if redis_url else get_settings()
     with reachable("publish"):
         brokers = BrokerRegistry(settings.redis_url, settings.brokers)
@@ -100,7 +106,7 @@ def publish(
         df = df.withColumn(KEY_COLUMN, key_string(key))
         key_col = KEY_COLUMN
     df = df.withColumn(QUEUE_COLUMN, queue_of(F.col(key_col), count))
-    n = partitions or min(count, max(2, default_parallelism(spark) * 2))
+    n = partitions if partitions is not None else min(count, max(2, default_parallelism(spark) * 2))
     df = df.repartition(n, QUEUE_COLUMN)
 
     job = new_token()

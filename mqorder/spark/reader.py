@@ -143,6 +143,10 @@ def parse_offsets(spec: str, topic: str, spans: Sequence[QueueRef], default: int
                           f"'{{\"0\": 42, \"1\": -2}}' (queue index -> offset; -2 earliest, -1 latest)") from None
     if isinstance(raw, dict) and set(raw) == {topic} and isinstance(raw[topic], dict):
         raw = raw[topic]  # Kafka's {"topic": {"partition": offset}}
+    elif isinstance(raw, dict) and raw and all(isinstance(v, dict) for v in raw.values()):
+        # Kafka's form naming other topics (a copied option, a typo): it said "not a queue index".
+        raise ConfigError(f"{what} names topic(s) {sorted(raw)!r}, but this read is of topic {topic!r}: give "
+                          f"'{{\"{topic}\": {{\"0\": 42}}}}' or just '{{\"0\": 42}}' (queue index -> offset)")
     if not isinstance(raw, dict):
         raise ConfigError(f"{what} must be a JSON object of queue index to offset, got {spec!r}")
     out = {q.index: default for q in spans}

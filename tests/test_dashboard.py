@@ -25,16 +25,21 @@ from tests.test_alert_rules import prometheus_tool
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "mqorder.json"
 PROVISIONING = ROOT / "deploy" / "grafana" / "provisioning"
 #: What a query may use besides PromQL: the dashboard's variable and Grafana's rate window.
-VARIABLES = {"$group", "$__rate_interval"}
+VARIABLES = {"${group:regex}", "$__rate_interval"}
 
 
 def committed() -> dict[str, Any]:
     return json.loads(DASHBOARD.read_text())
 
 
+def grafana_regex(value: str) -> str:
+    """Grafana's ``${var:regex}`` format of a single value (its ``regexEscape``)."""
+    return re.sub(r"[\\^$*+?.()|[\]{}/]", lambda m: "\\" + m.group(0), value)
+
+
 def substituted(expr: str, group: str = "g-order", rate_interval: str = "15s") -> str:
-    """A query as Grafana sends it: ``$group`` and ``$__rate_interval`` replaced."""
-    return expr.replace("$__rate_interval", rate_interval).replace("$group", group)
+    """A query as Grafana sends it: ``${group:regex}`` and ``$__rate_interval`` replaced."""
+    return expr.replace("$__rate_interval", rate_interval).replace("${group:regex}", grafana_regex(group))
 
 
 def test_the_committed_json_is_the_generated_one() -> None:
@@ -60,7 +65,7 @@ def test_panels_have_unique_ids_queries_and_do_not_overlap() -> None:
         assert len({t["refId"] for t in p["targets"]}) == len(p["targets"]), p["title"]
         for t in p["targets"]:
             assert t["datasource"] == {"type": "prometheus", "uid": "${datasource}"}, p["title"]
-            assert set(re.findall(r"\$[\w]+", t["expr"])) <= VARIABLES, (p["title"], t["expr"])
+            assert set(re.findall(r"\$\{\w+:\w+\}|\$\w+", t["expr"])) <= VARIABLES, (p["title"], t["expr"])
 
 
 def test_every_group_panel_filters_on_the_group_variable() -> None:
@@ -71,7 +76,7 @@ def test_every_group_panel_filters_on_the_group_variable() -> None:
     ungrouped = {"mqorder_up", "mqorder_lock_takeovers_total"}
     for title, expr in dashboard.queries(committed()):
         if not set(re.findall(r"mqorder_\w+", expr)) <= ungrouped:
-            assert '{group=~"$group(%BC%.+)?"}' in expr, (title, expr)  # broadcasting lanes too
+            assert "{group=~`${group:regex}(%BC%.+)?`}" in expr, (title, expr)  # broadcasting lanes too
 
 
 def test_every_metric_read_is_one_mqorder_exports() -> None:
@@ -98,7 +103,7 @@ def test_every_query_is_promql_that_prometheus_accepts(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stdout + done.stderr
 
 
-@pytest.mark.parametrize("bad", ["sum(mqorder_queue_lag{group=\"$group\"}", "rate(mqorder_queue_lag)"])
+@pytest.mark.parametrize("bad", ["sum(mqorder_queue_lag{group=\"${group:regex}\"}", "rate(mqorder_queue_lag)"])
 def test_the_promql_check_refuses_a_broken_query(tmp_path: Path, bad: str) -> None:
     """The check above is not vacuous: promtool rejects an unbalanced query and a rate of no range."""
     path = tmp_path / "queries.yml"
@@ -106,6 +111,26 @@ def test_the_promql_check_refuses_a_broken_query(tmp_path: Path, bad: str) -> No
     done = subprocess.run([prometheus_tool("promtool"), "check", "rules", str(path)], capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode != 0
+
+
+def test_the_group_matcher_selects_exactly_the_group_and_its_broadcast_lanes(tmp_path: Path) -> None:
+    """Group names may hold ``.`` and ``|``: ``$group`` in a regex matcher, not escaped by Grafana for a
+    single value, made group ``a|b`` show group ``a``'s series too, and ``a.b`` group ``aXb``'s.
+    Evaluated by Prometheus's own engine (``promtool test rules``) on series of neighbouring names."""
+    groups = ["a|b", "a", "b", "a.b", "aXb", "a.b%BC%w1@h", "a.bc", "g-order"]
+    expr = dashboard.G
+    cases = {"a|b": ["a|b"], "a.b": ["a.b", "a.b%BC%w1@h"], "a": ["a"], "g-order": ["g-order"]}
+    tests = [{"interval": "1m",
+              "input_series": [{"series": f'mqorder_queue_lag{{group="{g}"}}', "values": "1"} for g in groups],
+              "promql_expr_test": [
+                  {"expr": f"count by (group) (mqorder_queue_lag{substituted(expr, group=name)})", "eval_time": "0m",
+                   "exp_samples": [{"labels": f'{{group="{g}"}}', "value": 1} for g in want]}
+                  for name, want in cases.items()]}]
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": []}))
+    (tmp_path / "matcher_test.yml").write_text(yaml.safe_dump({"rule_files": ["rules.yml"], "tests": tests}))
+    done = subprocess.run([prometheus_tool("promtool"), "test", "rules", "matcher_test.yml"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
 
 
 def test_grafana_provisioning_loads_the_dashboard_folder_from_the_compose_prometheus() -> None:

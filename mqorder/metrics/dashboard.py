@@ -11,7 +11,7 @@ Regenerate after a change::
 One dashboard answers issue 28's "is it stuck, and on what?" for one consumer group at a time
 (the ``group`` template variable): how far behind (messages and seconds), how fast it moves,
 end-to-end latency, which queues are stalled and why (head retries), dead letters, who owns each
-queue at which fencing epoch, and takeovers. Queries use only ``$group``, ``$__rate_interval``
+queue at which fencing epoch, and takeovers. Queries use only ``${group:regex}``, ``$__rate_interval``
 and the ``$datasource`` variable, so a test can run each of them against a real Prometheus.
 Plain dicts, no Grafana SDK: the JSON model is stable and small enough to write directly.
 """
@@ -36,7 +36,11 @@ Panel = dict[str, Any]
 
 #: The group's series: a broadcasting group's per-queue series are labelled with each client's
 #: lane, ``<group>%BC%<client>`` (``mqorder.metrics.exporter``): matched too, or its panels were empty.
-G = '{group=~"$group(%BC%.+)?"}'
+#: ``${group:regex}``: Grafana escapes a single-valued variable for a regex only in this format, and
+#: group names may hold ``.`` and ``|`` (RocketMQ's charset), so ``$group`` of ``a|b`` also showed
+#: group ``a``. Backquotes: PromQL takes the escaped value (``a\|b``) as it is, where a double-quoted
+#: string refuses ``\|`` as an unknown escape.
+G = '{group=~`${group:regex}(%BC%.+)?`}'
 RATE = "[$__rate_interval]"
 QUEUE_LEGEND = "{{topic}}:{{broker}}:{{queue}}"
 

@@ -357,3 +357,41 @@ def test_a_micro_batch_replayed_after_its_commit_was_killed_half_way_publishes_t
         assert (report["stored"], report["duplicates"]) == (90, 10)
         mq = MessageQueue("t", "broker-a", 0)
         assert [m.body for m in MessageLog(p.brokers).read(mq, 0, 200)] == [b"%d" % i for i in range(100)]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 100])
+def test_identical_rows_of_different_tasks_are_distinct_messages_and_a_rerun_stores_none(
+        area: StagingArea, chunk: int) -> None:
+    """A plain df.write with identical rows (same key, orderBy, body) in two partitions stored one
+    message for both: each task numbered its own twins only, and the second task's row had the
+    first one's id. The commit now numbers them over the queue; a re-run cut into other partitions
+    gets the same ids (chunk 1: every group of twins spans publish calls)."""
+    twins = [("x", 1, b"a"), ("x", 2, b"b"), ("x", 2, b"b"), ("y", 2, b"b"), ("x", 3, b"c")]
+    p = plan(queues=2)
+
+    def commit(parts: list[list[tuple]]) -> tuple[int, int]:
+        for run, rows in enumerate(parts):
+            enc = encode_partition(table(rows), p)
+            area.register(run, enc.runs)
+            for q, staged in enc.runs.items():
+                area.stage(q, run, staged, chunk=50)
+        totals = area.publish({q: set(range(len(parts))) for q in range(2)}, chunk=chunk)
+        return totals.stored, totals.duplicates
+
+    # The rows of two tasks: x@2:b four times (once in the first task, three times in the second),
+    # x@1:a twice (once in each), y@2:b and x@3:c once.
+    first, second = twins[:2], twins[1:] + [twins[1], twins[0]]
+    assert commit([first, second]) == (8, 0)
+    stored = [m for q in range(2) for m in MessageLog(area.brokers).read(area.mq(q), 0, 100)]
+    assert len({m.msg_id for m in stored}) == 8
+    by_key: dict[str, list[bytes]] = {}
+    for m in stored:
+        by_key.setdefault(m.keys[0], []).append(m.body)
+    assert by_key == {"x": [b"a", b"a", b"b", b"b", b"b", b"b", b"c"], "y": [b"b"]}  # in orderBy order
+    # The same rows again, in three partitions cut elsewhere (a re-run of the job): nothing new.
+    area.job = "job2"
+    rows = first + second
+    assert commit([rows[:4], rows[4:7], rows[7:]]) == (0, 8)
+    # The same rows once more, with one more twin: exactly that one is new.
+    area.job = "job3"
+    assert commit([rows[:5], rows[5:] + [twins[1]]]) == (1, 8)

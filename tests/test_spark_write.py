@@ -111,6 +111,27 @@ def test_write_format_on_any_partitioning_keeps_order_with_a_json_body(spark, re
     assert sorted(seen) == sorted(rows)
 
 
+def test_identical_rows_in_different_partitions_are_each_published_once(spark, redis_url: str,
+                                                                         producer: Producer) -> None:
+    """A plain df.write of identical rows (same key, orderBy and body) spread over partitions
+    published one message for all of them (each task numbered only its own twins); the commit now
+    numbers them over the queue, and the same DataFrame written again, cut otherwise, adds nothing."""
+    producer.create_topic("twins", queues=2)
+    rows = [("k1", 1, "same")] * 5 + [("k1", 2, "next"), ("k2", 1, "same")] * 3
+    df = spark.createDataFrame(rows, SCHEMA)
+
+    def write(parts: int) -> None:
+        (df.repartition(parts).write.format("mqorder").option("topic", "twins").option("key", "tailnum")
+         .option("orderBy", "dep_ts").option("body", "payload").mode("append").save())
+
+    write(4)
+    got = sorted((key, body) for msgs in stored(redis_url, "twins").values() for _, key, _, body in msgs)
+    assert got == sorted((k, b.encode()) for k, _, b in rows)
+    write(3)
+    again = sorted((key, body) for msgs in stored(redis_url, "twins").values() for _, key, _, body in msgs)
+    assert again == got
+
+
 def test_a_retried_task_adds_nothing_twice(spark, redis_url: str, producer: Producer) -> None:
     """Attempt 0 of every task dies after staging half its rows; Spark retries it (local[2,3])."""
     from mqorder.spark.publish import job_report

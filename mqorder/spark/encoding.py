@@ -276,7 +276,10 @@ def encode_partition(table: pa.Table, plan: WritePlan, *, id_prefix: str = "", b
         q, sk = queues[i], sort_keys[i]
         mid = ids[i]
         if q == prev_q and sk == prev_sk and user_ids is None:
-            dup += 1  # an identical row (same key, orderBy and body): a distinct message, by count
+            # An identical row (same key, orderBy and body): a distinct message, by count. The
+            # commit counts again over every task's rows of the queue (publish_staged.lua, which
+            # reads a count as "." and digits after the id's 32 hex digits).
+            dup += 1
             mid = f"{mid}.{dup}"
         else:
             dup = 0

@@ -85,8 +85,12 @@ class StagingArea:
     """The runs of one job on one topic; one per task, one on the committing side."""
 
     def __init__(self, brokers: BrokerRegistry, topic: str, queues: Sequence[QueueRef], job: str, *,
-                 ttl_ms: int, pending_ttl_ms: int = 10_000, timeout: float = 10.0) -> None:
+                 ttl_ms: int, pending_ttl_ms: int = 10_000, timeout: float = 10.0,
+                 generated_ids: bool = True) -> None:
         self.brokers = brokers
+        #: Ids made from the rows' content (no ``idColumn``): the commit numbers identical rows over
+        #: each queue's merged runs (``publish_staged.lua``), not only within each task's run.
+        self.generated_ids = generated_ids
         self.topic = topic
         self.queues = {q.index: q for q in queues}
         self.job = job
@@ -221,7 +225,8 @@ class StagingArea:
         kl = [keys.queue_log(tag), keys.queue_next(tag), keys.queue_ids(tag), keys.stage_cursor(tag, self.job)]
         kl.extend(keys.stage_run(tag, self.job, r) for r in runs)
         kl.extend(state_keys)
-        args: list[Any] = [len(runs), chunk, self.appender.pending_ttl_ms, self.appender.wake_prefix(mq), *runs, *wake_args]
+        args: list[Any] = [len(runs), chunk, self.appender.pending_ttl_ms, self.appender.wake_prefix(mq),
+                           1 if self.generated_ids else 0, *runs, *wake_args]
         return kl, args
 
     def check_replicas(self, wait: SendWait, indexes: Iterable[int]) -> None:

@@ -130,7 +130,8 @@ class _Staging:
     def _area(self, brokers, job: str) -> StagingArea:
         p = self.plan
         return StagingArea(brokers, p.topic, p.queues, job, ttl_ms=p.staging_ttl_ms,
-                           pending_ttl_ms=p.conn.pending_ttl_ms, timeout=max(p.conn.timeout, 10.0))
+                           pending_ttl_ms=p.conn.pending_ttl_ms, timeout=max(p.conn.timeout, 10.0),
+                           generated_ids=p.id_column is None)
 
     # -- the job ----------------------------------------------------------------------------------------
 

@@ -11,8 +11,10 @@
 -- ARGV[1]        K
 -- ARGV[2]        at most this many rows per call
 -- ARGV[3]        pending_ttl_ms, ARGV[4] wake channel prefix
--- ARGV[5..4+K]   the runs' names (fields of the cursor)
--- ARGV[5+K..]    per state key: token, wake payload
+-- ARGV[5]        1: the ids were generated from the rows' content (no idColumn): number identical
+--                rows over the whole queue (below); 0: the caller's ids, kept as they are
+-- ARGV[6..5+K]   the runs' names (fields of the cursor)
+-- ARGV[6+K..]    per state key: token, wake payload
 -- Returns        {rows stored, rows skipped as already stored, rows still staged, first offset,
 --                 woken owner...}
 --
@@ -21,9 +23,18 @@
 -- rows go through the one append path (append_entries, idempotent by msg id, then wake_owners),
 -- and the published rows leave their runs (and the cursor moves) in the same atomic step: a commit
 -- interrupted between two calls resumes where it stopped, and rows it had stored are skipped by id.
+--
+-- Identical rows (same key, orderBy value and body) get the same generated id; a task tells its
+-- own apart by count ("<id>", "<id>.1", "<id>.2"...), but two tasks of a plain df.write may each
+-- hold one, and the second was skipped as a duplicate of the first. With ARGV[5] = 1 the merge
+-- numbers them again over the queue's merged sequence, where they sort next to each other: the
+-- n-th row of a group of identical rows gets "<id>" then "<id>.1"..., whatever the partitioning,
+-- so a re-run of the job (any partitioning) gets the same ids and stores nothing twice. The group
+-- open at the end of a call (its id and count) is kept in the cursor for the next call.
 --- @include "_append"
 local k = tonumber(ARGV[1])
 local chunk = tonumber(ARGV[2])
+local renumber = ARGV[5] == '1'
 
 -- Byte order, not Lua's '<' (which follows the server's collation locale). Eight bytes per
 -- string.byte call: an orderBy value is eight bytes for numbers and times.
@@ -63,6 +74,24 @@ end
 -- The merged rows, as the (id, header, body) triples append_entries reads.
 local rows = {}
 local m = 0
+-- The group of identical rows last emitted (ARGV[5]): its id without a count, and its size so far.
+local group_id, group_n
+if renumber then
+  local saved = redis.call('HMGET', KEYS[4], '~group', '~n')
+  group_id, group_n = saved[1], tonumber(saved[2] or 0)
+end
+-- A generated id ends in 32 hex digits (a stream's prefix before them may hold dots and digits),
+-- then a task's count of its twins if any: ".<n>".
+local counted = '^(.*' .. string.rep('%x', 32) .. ')%.%d+$'
+local function numbered(id, header)
+  local base = string.match(id, counted) or id
+  if base == group_id then group_n = group_n + 1 else group_id, group_n = base, 0 end
+  local new = group_n == 0 and base or (base .. '.' .. group_n)
+  if new == id then return id, header end
+  local head = '{"i":"' .. id .. '"'
+  if string.sub(header, 1, #head) ~= head then return id, header end -- not the writer's shape: as is
+  return new, '{"i":"' .. new .. '"' .. string.sub(header, #head + 1)
+end
 while m < chunk do
   local best = nil
   local blocked = false
@@ -76,8 +105,11 @@ while m < chunk do
   end
   if best == nil or blocked then break end
   local h, i = heads[best], at[best]
-  rows[3 * m + 1] = h[i + 1]
-  rows[3 * m + 2] = h[i + 2]
+  if renumber then
+    rows[3 * m + 1], rows[3 * m + 2] = numbered(h[i + 1], h[i + 2])
+  else
+    rows[3 * m + 1], rows[3 * m + 2] = h[i + 1], h[i + 2]
+  end
   rows[3 * m + 3] = h[i + 3]
   at[best] = i + 4
   m = m + 1
@@ -90,7 +122,7 @@ for r = 1, k do
   local used = (at[r] - 1) / 4
   if used > 0 then
     redis.call('LTRIM', KEYS[4 + r], 4 * used, -1)
-    redis.call('HINCRBY', KEYS[4], ARGV[4 + r], used)
+    redis.call('HINCRBY', KEYS[4], ARGV[5 + r], used)
   end
   remaining = remaining + redis.call('LLEN', KEYS[4 + r]) / 4
 end
@@ -98,6 +130,7 @@ if remaining == 0 then
   for r = 1, k do redis.call('DEL', KEYS[4 + r]) end
   redis.call('DEL', KEYS[4])
 else
+  if renumber and group_id then redis.call('HSET', KEYS[4], '~group', group_id, '~n', group_n) end
   -- The cursor lives as long as the runs it describes (a commit that dies leaves nothing for good).
   local ttl = 0
   for r = 1, k do ttl = math.max(ttl, redis.call('PTTL', KEYS[4 + r])) end
@@ -106,7 +139,7 @@ end
 
 local out = {stored, m - stored, remaining, first}
 if stored > 0 then
-  for _, owner in ipairs(wake_owners(5 + k, tonumber(ARGV[3]), ARGV[4], 4 + k)) do
+  for _, owner in ipairs(wake_owners(5 + k, tonumber(ARGV[3]), ARGV[4], 5 + k)) do
     out[#out + 1] = owner
   end
 end

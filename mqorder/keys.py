@@ -222,6 +222,17 @@ def queue_next(tag: str) -> str:
     return f"{PREFIX}:{tag}:next"
 
 
+def queue_gone(tag: str) -> str:
+    """Set (for ``GONE_TTL_MS``) by ``mqorder topic delete``: every append to the queue is refused
+    (``append_entries`` derives it from ``queue_next``'s name, in the same hash tag) while
+    producers may still hold the deleted topic's route, and removed when the topic is created again."""
+    return f"{PREFIX}:{tag}:gone"
+
+
+#: How long a deleted topic's queues refuse appends: well past a producer's route cache (30 s).
+GONE_TTL_MS = 10 * 60 * 1000
+
+
 def queue_ids(tag: str) -> str:
     """Ids of the messages appended idempotently to the queue (``append_entries`` in Lua)."""
     return f"{PREFIX}:{tag}:ids"

@@ -136,13 +136,61 @@ def test_topic_delete_is_refused_while_a_group_subscribes_and_forced_removes_eve
 
     done = cli_json("topic", "delete", "doomed", "--force")
     assert done["groups"] == ["g", "h"] and done["messages"] == 4 and done["assignment_fields"] == 2
-    assert not list(r.scan_iter(match="mqorder:{doomed:*"))
+    # Only the marks that make the queues refuse producers still holding the route, for a while.
+    assert set(r.scan_iter(match="mqorder:{doomed:*")) == {keys.queue_gone(mq.tag).encode() for mq in mqs}
+    assert 0 < r.pttl(keys.queue_gone(mqs[0].tag)) <= keys.GONE_TTL_MS
     assert not r.exists(keys.topic_route("doomed")) and not r.sismember(keys.topics(), "doomed")
     assert not any(k.startswith(b"doomed:") for k in r.hkeys(keys.assignment("g")))
     assert json.loads(r.hget(keys.groups(), "h")) == {"kept": "CLUSTERING"} and not r.hexists(keys.groups(), "g")
     assert int(r.get(keys.topology_version())) == topology + 1  # workers rebalance at once
     assert r.exists(keys.queue_log(MessageQueue("kept", "broker-a", 0).tag))  # nothing else touched
     assert cli("topic", "describe", "doomed").exit_code == 2
+
+
+def test_the_scripts_find_a_queues_gone_mark_beside_its_counter_and_its_transaction_index() -> None:
+    """``refuse_if_gone`` (``_append.lua``) and ``txn_prepare.lua`` spell the mark's name from these."""
+    tag = MessageQueue("t", "broker-a", 3).tag
+    assert keys.queue_next(tag)[:-len("next")] + "gone" == keys.queue_gone(tag)
+    assert keys.txn_index(tag)[:-len("txn")] + "gone" == keys.queue_gone(tag)
+
+
+def test_a_producer_holding_a_deleted_topics_route_is_refused_and_a_new_topic_starts_empty(
+    redis_url: str, r: redis.Redis, producer: Producer
+) -> None:
+    """Found by a producer's walk-through: for the 30 s of its route cache a producer went on
+    acknowledging sends (sync, async, batch) into a deleted topic, and `topic create` of the name
+    then showed them as the new topic's messages."""
+    from mqorder.client.transaction import LocalTransactionState, TransactionProducer
+    from mqorder.errors import TopicNotFoundError
+
+    producer.create_topic("gone", queues=2)
+    producer.send_orderly("gone", b"before", sharding_key="k")
+    batching = Producer(redis_url, linger_ms=1)
+    batching.send_orderly_async("gone", b"before", sharding_key="k").result(10)  # all hold the route now
+    txn = TransactionProducer(redis_url)
+
+    def commit(msg: object, arg: object) -> LocalTransactionState:
+        return LocalTransactionState.COMMIT
+
+    txn.send_in_transaction("gone", b"before", executor=commit, sharding_key="k")
+    assert cli("topic", "delete", "gone").exit_code == 0
+    with pytest.raises(TopicNotFoundError, match=r"the topic was deleted .* nothing was stored"):
+        producer.send_orderly("gone", b"after", sharding_key="k")
+    with pytest.raises(TopicNotFoundError, match="the topic was deleted"):
+        producer.send_orderly_batch("gone", [("k", b"after"), ("j", b"after")])
+    with pytest.raises(TopicNotFoundError, match="the topic was deleted"):
+        batching.send_orderly_async("gone", b"after", sharding_key="k").result(10)
+    with pytest.raises(TopicNotFoundError, match="the topic was deleted"):
+        txn.send_in_transaction("gone", b"after", executor=commit, sharding_key="k")
+    assert all(k.endswith(b":gone") for k in r.scan_iter(match="mqorder:{gone:*"))  # nothing stored
+    # Created again: its queues take messages, the old route's holders' included, and it starts empty.
+    assert cli("topic", "create", "gone", "--queues", "2").exit_code == 0
+    assert not list(r.scan_iter(match="mqorder:{gone:*:gone"))
+    res = producer.send_orderly("gone", b"new", sharding_key="k")
+    assert res.queue_offset == 0
+    assert batching.send_orderly_async("gone", b"new", sharding_key="k").result(10).queue_offset == 1
+    batching.close()
+    txn.close()
 
 
 # -- status --------------------------------------------------------------------------------------------

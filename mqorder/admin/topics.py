@@ -26,6 +26,8 @@ from mqorder.store.topics import TopicRoute
 
 #: Keys deleted per call while deleting a topic.
 DELETE_BATCH = 500
+#: The end of ``keys.queue_gone``'s names: the marks ``delete`` sets, which it leaves in place.
+GONE_SUFFIX = keys.queue_gone("{}").rsplit("}", 1)[-1]
 
 
 @dataclass(frozen=True)
@@ -179,6 +181,8 @@ def delete(admin: Admin, topic: str, *, force: bool = False, dry_run: bool = Fal
             "offsets. Stop their workers (or remove the listeners) first, or pass --force"
         )
     subs = _lanes_of_topic(admin, topic, groups)
+    if not dry_run:
+        _mark_gone(admin, route)
     _delete_queue_keys(admin, route, report)
     _delete_meta(admin, topic, route, subs, groups, report)
     return report
@@ -198,6 +202,19 @@ def _key_kind(key: str) -> str:
     return {"s": "state", "r": "retries"}.get(tail.split(":", 1)[0], tail.split(":", 1)[0])
 
 
+def _mark_gone(admin: Admin, route: TopicRoute) -> None:
+    """Before anything is deleted: each queue refuses appends for ``keys.GONE_TTL_MS``. A producer
+    holding the topic's route (cached 30 s) went on storing, and its messages came back as the
+    messages of a topic created again under the name."""
+    for broker in route.queues_per_broker:
+        client = admin.brokers.get(broker).client
+        pipe = client.pipeline(transaction=False)
+        for mq in route.message_queues:
+            if mq.broker_name == broker:
+                pipe.set(keys.queue_gone(mq.tag), 1, px=keys.GONE_TTL_MS)
+        pipe.execute()
+
+
 def _delete_queue_keys(admin: Admin, route: TopicRoute, report: DeleteReport) -> None:
     """Every key in the topic's queue hash tags (``mqorder:{<topic>:<broker>:<qid>}:*``), found with
     ``SCAN`` so that nothing written under the tag (staged Spark rows included) is left behind."""
@@ -208,6 +225,8 @@ def _delete_queue_keys(admin: Admin, route: TopicRoute, report: DeleteReport) ->
         pattern = f"{keys.PREFIX}:{{{route.topic}{keys.QUEUE_KEY_SEP}{broker}{keys.QUEUE_KEY_SEP}*"
         batch: list[bytes] = []
         for k in client.scan_iter(match=pattern, count=1000):
+            if not report.dry_run and text(k).endswith(GONE_SUFFIX):
+                continue  # this delete's own marks (_mark_gone)
             kinds[_key_kind(text(k))] += 1
             batch.append(k)
             if len(batch) >= DELETE_BATCH and not report.dry_run:

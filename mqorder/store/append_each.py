@@ -176,7 +176,9 @@ def _one_round(appender: QueueAppender, broker: Broker, requests: Sequence[Appen
                 if isinstance(reply, redis.exceptions.NoScriptError) and not attempt:
                     missing.append(i)
                 elif isinstance(reply, redis.ResponseError):
-                    out[i] = refused(broker.name, broker.safe_url, reply, appender.action) or reply
+                    out[i] = (refused(broker.name, broker.safe_url, reply, appender.action)
+                              or translation(reply, broker.name, broker.safe_url, appender.timeout, appender.action)
+                              or reply)
                 else:
                     out[i] = parse_reply(reply, len(requests[i].entries))
                     stored.append(i)

@@ -15,7 +15,11 @@ from contextlib import contextmanager
 
 import redis
 
-from mqorder.errors import BrokerRefusedError, BrokerUnavailableError, ConfigError
+from mqorder.errors import BrokerRefusedError, BrokerUnavailableError, ConfigError, TopicNotFoundError
+
+#: The error a script gives for a write to a deleted topic's queue (``refuse_if_gone`` in
+#: ``_append.lua``, ``mqorder.keys.queue_gone``).
+TOPIC_DELETED = "MQORDER_TOPIC_DELETED"
 
 #: Errors after which the broker may come back: the caller may retry.
 #: On a Redis Cluster also a failover or migration still settling (CLUSTERDOWN, TRYAGAIN) and no
@@ -124,6 +128,13 @@ def translation(exc: BaseException, broker_name: str, safe_url: str, timeout: fl
             "serves. Give mqorder the cluster's URL: redis+cluster://host:port[,host:port...]/"
         )
     if isinstance(exc, redis.ResponseError):
+        text = str(exc)
+        if TOPIC_DELETED in text:  # a pipeline's error reads "Command # 2 (...) of pipeline caused error: ..."
+            queue = text.split(TOPIC_DELETED, 1)[1].split()[:1] or ["?"]
+            return TopicNotFoundError(
+                f"{action} failed: the topic was deleted (`mqorder topic delete`): its queue {queue[0]} refuses "
+                "writes, nothing was stored. Create the topic again if it should exist (producers see a "
+                "topic's deletion or creation within 30 s)")
         hint = setup_hint(exc)
         if hint is not None:
             return ConfigError(f"{action} failed: Redis broker {broker_name!r} at {safe_url}: {hint} ({exc})")

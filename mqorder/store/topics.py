@@ -120,6 +120,9 @@ class TopicManager:
         if retention is not None:
             retention.resolve(self.retention_defaults)  # refuse a bad combination before storing
         if meta.hsetnx(route_key, "layout", json.dumps(layout, sort_keys=True)):
+            # A topic deleted under this name within keys.GONE_TTL_MS left its queues refusing
+            # appends (mqorder.admin.topics.delete): this topic's queues take them again.
+            self._clear_gone(topic, layout)
             route_fields: dict[Any, Any] = {"created_ms": created, "perm": perm}
             route_fields.update(retention.to_fields() if retention else {})
             meta.hset(route_key, mapping=route_fields)
@@ -132,6 +135,13 @@ class TopicManager:
                 "queue counts cannot change under an ordered topic (keys would move between queues)"
             )
         return existing
+
+    def _clear_gone(self, topic: str, layout: dict[str, int]) -> None:
+        for broker, n in layout.items():
+            pipe = self.brokers.get(broker).client.pipeline(transaction=False)
+            for qid in range(n):
+                pipe.delete(keys.queue_gone(MessageQueue(topic, broker, qid).tag))  # one key per DEL: cluster slots
+            pipe.execute()
 
     def describe_topic(self, topic: str) -> TopicRoute:
         if not isinstance(topic, str):

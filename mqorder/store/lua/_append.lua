@@ -34,8 +34,19 @@ end
 --   In a window an empty id means "not deduplicated": one call carries a queue's sends with and
 --   without dedup keys in call order (once such a batch took a round trip per alternation).
 --   Returns first offset, number stored, and a flat list {index (0-based), offset} per duplicate.
+-- Stops the script (before its first write: callers check first) on a deleted topic's queue
+-- (mqorder.keys.queue_gone: "<prefix>:{tag}:gone" beside "<prefix>:{tag}:next", so in the same
+-- slot): a producer still holding the topic's route is refused instead of storing messages
+-- nobody reads, which a topic created again under the name then showed as its own.
+local function refuse_if_gone(k_next)
+  if redis.call('EXISTS', string.sub(k_next, 1, -5) .. 'gone') == 1 then
+    error({err = 'MQORDER_TOPIC_DELETED ' .. string.sub(k_next, 1, -6)})
+  end
+end
+
 local function append_entries(k_log, k_next, k_ids, n, idempotent, base, src, window)
   src = src or ARGV
+  refuse_if_gone(k_next)
   if window then forget_expired(k_ids, window.k_exp, 2 * n + 16) end
   local first = tonumber(redis.call('GET', k_next) or 0)
   local off = first

@@ -22,6 +22,7 @@ if not half[1] then
   redis.call('ZREM', KEYS[3], txid)
   return {'GONE'}
 end
+if ARGV[2] == 'COMMIT' then refuse_if_gone(KEYS[2]) end -- before the half message goes
 redis.call('HDEL', KEYS[4], txid .. ':h', txid .. ':b', txid .. ':n', txid .. ':t')
 redis.call('ZREM', KEYS[3], txid)
 local out

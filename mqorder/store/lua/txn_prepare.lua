@@ -12,6 +12,11 @@
 -- Returns {prepared ms}; preparing the same txid again changes nothing (a retried phase one).
 --- @include "_now"
 local txid = ARGV[1]
+-- A deleted topic's queue refuses (mqorder.keys.queue_gone beside this index, in its hash tag), as
+-- append_entries does: a half message stored there would wait for a check-back that never looks.
+if redis.call('EXISTS', string.sub(KEYS[1], 1, -4) .. 'gone') == 1 then
+  return redis.error_reply('MQORDER_TOPIC_DELETED ' .. string.sub(KEYS[1], 1, -5))
+end
 if redis.call('ZSCORE', KEYS[1], txid) then
   return {tonumber(redis.call('HGET', KEYS[2], txid .. ':t') or now)}
 end

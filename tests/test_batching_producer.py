@@ -292,6 +292,40 @@ def test_pending_sends_are_flushed_at_interpreter_exit(redis_url: str) -> None:
     p.close()
 
 
+def test_sends_that_fail_at_interpreter_exit_are_logged(tmp_path) -> None:
+    """A walk-through stopped Redis under pending sends: the exit flush failed them all and the
+    script ended with status 0 and not a word."""
+    from mqorder.testing.embedded import free_port
+
+    dead = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    script = (
+        "import logging\n"
+        "logging.basicConfig(level=logging.WARNING)\n"
+        "from mqorder import Producer\n"
+        f"p = Producer({dead!r}, linger_ms=60_000, send_msg_timeout_ms=500)\n"
+        "for i in range(5):\n"
+        "    p.send_orderly_async('t', b'%d' % i, sharding_key='k')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "5 of the 5 sends that send_orderly_async still held at interpreter exit failed" in done.stderr, done.stderr
+    assert "BrokerUnavailableError" in done.stderr
+
+
+def test_a_plain_send_after_async_sends_of_its_key_keeps_the_order_of_the_calls(redis_url: str) -> None:
+    """Async A, then send_orderly B, then send_orderly_batch C, one thread, one key: stored B, C, A
+    (the plain sends went straight to Redis while A lingered). They now wait for A."""
+    p = Producer(redis_url, linger_ms=300)
+    p.create_topic("mix", queues=2)
+    a = p.send_orderly_async("mix", b"A", sharding_key="k")
+    p.send_orderly("mix", b"B", sharding_key="k")
+    p.send_orderly_batch("mix", [("k", b"C")])
+    d = p.send_orderly_async("mix", b"D", sharding_key="k")
+    p.send_orderly("mix", b"E", sharding_key="k", dedup_key="e-1")
+    assert a.done() and d.done()
+    assert [v[1] for _, v in sorted(_log(p, "mix").items())] == [b"A", b"B", b"C", b"D", b"E"]
+    p.close()
+
+
 def _sender_threads() -> set[threading.Thread]:
     return {t for t in threading.enumerate() if t.name == "mqorder-sender" and t.is_alive()}
 

@@ -295,6 +295,8 @@ class Producer:
         mq = (queues[hash_ % len(queues)] if selector is None and hash_ is not None
               else self._select(queues, sharding_key, body, selector))
         key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body)
+        if self._sender is not None:
+            self._after_async_sends()
         if key is not None:
             return self._send_keyed(mq, header, body, msg_id, key, wait)
         return self._append_single(mq, header, body, msg_id, wait)
@@ -360,6 +362,8 @@ class Producer:
         # Sent again after an unknown outcome only if every item is deduplicated (nothing twice).
         every_keyed = bool(prepared) and all(p[4] is not None for p in prepared)
         attempts = 1 + self.settings.retry_times_when_send_failed if every_keyed else 1
+        if self._sender is not None:
+            self._after_async_sends()
         for attempt in range(attempts):
             try:
                 replies = self.appender.append_many(requests, wait=wait)
@@ -418,6 +422,16 @@ class Producer:
         header, msg_id, body_b = self._prepare(body, keys, tags, properties, hash_)
         key = dedup_key_of(dedup_key, self.settings.dedup_derive, msg_id, body_b)
         return self._batching_sender().submit(ProducerRecord(topic, hash_, header, body_b, msg_id, key))
+
+    def _after_async_sends(self) -> None:
+        """A plain send after ``send_orderly_async`` calls still pending in this process waits until
+        they are resolved: it went straight to Redis and overtook them, so a key sent async then
+        sync was stored out of call order (a producer's walk-through: A, B, C stored as B, C, A).
+        Not in the sender's own thread (a done-callback), which would wait for itself."""
+        sender = self._sender
+        if (sender is not None and sender.pid == os.getpid() and sender.accumulator.holds_any()
+                and not sender.in_sender_thread()):
+            sender.flush()
 
     def flush(self, timeout: float | None = None) -> None:
         """Wait until every ``send_orderly_async`` made before this call is resolved (what is

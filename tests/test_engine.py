@@ -99,8 +99,23 @@ def test_message_goes_to_dlq_after_max_reconsume_times_and_queue_moves_on(env) -
     assert len(dlq) == 1
     assert dlq[0].body == b"1" and dlq[0].keys == ["key1"]
     assert dlq[0].properties["ORIGIN_QUEUE_OFFSET"] == "1"
-    assert "max reconsume" in dlq[0].properties["DLQ_REASON"]
+    assert dlq[0].properties["DLQ_REASON"] == "max reconsume times 2 reached (listener kept suspending)"
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 3
+
+
+def test_a_dead_letter_of_a_listener_that_raised_says_what_it_raised(env) -> None:
+    """Two walk-throughs found every dead letter saying "listener kept suspending", also when each
+    call raised: the exception was gone once the message left the queue."""
+    p, eng = env
+    p.send_orderly("t", b"poison", sharding_key="k")
+
+    def listener(msgs, ctx):
+        raise ValueError(f"boom on {msgs[0].body.decode()}")
+
+    drain(eng, ListenerSpec(listener, "t", "g", max_reconsume_times=1, suspend_current_queue_time_millis=10))
+    dlq = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
+    assert [m.properties["DLQ_REASON"] for m in dlq] == [
+        "max reconsume times 1 reached (the last call raised ValueError: boom on poison)"]
 
 
 def test_listener_exception_and_none_count_as_suspend(env) -> None:

@@ -143,6 +143,23 @@ def test_a_keys_suspend_holds_across_runs_that_end_at_another_keys_earlier_time(
     assert r.hget(keys.sub_state(MQ.tag, "g"), "held") in (None, b"")  # nothing held once both left
 
 
+def test_a_keys_dead_letter_says_what_its_last_call_raised(env) -> None:
+    p, eng = env
+    p.send_orderly("t", b"bad", sharding_key="bad")
+    p.send_orderly("t", b"good", sharding_key="good")
+
+    def listener(msgs, ctx):
+        if msgs[0].body == b"bad":
+            raise KeyError("no such account")
+        return S.SUCCESS
+
+    drain(eng, key_spec(listener, key_concurrency=4, max_reconsume_times=1, suspend_current_queue_time_millis=10),
+          max_runs=100)
+    dlq = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
+    assert [(m.body, m.properties["DLQ_REASON"]) for m in dlq] == [
+        (b"bad", "max reconsume times 1 reached (the last call raised KeyError: 'no such account')")]
+
+
 def test_an_offset_reset_back_does_not_let_a_keys_old_suspend_run_two_of_its_calls_at_once(env, r) -> None:
     """Run A suspends key k at k:1 (``held`` names offset 1). An operator resets the group to 0
     (``mqorder offsets reset``). Once the reset kept ``held``: run B replayed k:0 (a slow call),

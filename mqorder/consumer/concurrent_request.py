@@ -210,6 +210,7 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         back = [m for m in failed if not (level < 0 or m.reconsume_times >= limit)]
         for m in dead:
             why = ("the listener asked for the DLQ (delay_level_when_next_consume=-1)" if level < 0
+                   else f"max reconsume times {limit} reached (the last call raised {ctx.failure})" if ctx.failure
                    else f"max reconsume times {limit} reached (listener returned RECONSUME_LATER)")
             self.engine.dlq.send(spec.group, m, why, self.epoch, self.mq)
         sender = self.engine.retry_sender

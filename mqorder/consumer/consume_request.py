@@ -71,6 +71,14 @@ AWAIT_POLL_S = 0.2
 HELD_CHECK_S = 1.0
 
 
+def exhausted_reason(limit: int, failure: str) -> str:
+    """A dead letter's reason once ``max_reconsume_times`` ran out: what the last call raised, if
+    it raised (``CallContext.failure``), so the DLQ says why and not only that it kept failing."""
+    if failure:
+        return f"max reconsume times {limit} reached (the last call raised {failure})"
+    return f"max reconsume times {limit} reached (listener kept suspending)"
+
+
 class ConsumeRequest(LingeringReads):
     """One run over (subscription, queue), started with the dispatch ``token`` it was given."""
 
@@ -499,7 +507,7 @@ class ConsumeRequest(LingeringReads):
                 self._commit_in_memory()
                 return None
             self._failed += n
-            return self._suspend(msgs, handled, self._asked_suspend_ms(ctx))
+            return self._suspend(msgs, handled, self._asked_suspend_ms(ctx), ctx.failure)
         if status is SUCCESS:
             self.consumed += n
             return None
@@ -513,7 +521,7 @@ class ConsumeRequest(LingeringReads):
                 self.ledger.note(msgs, LedgerOutcome.SUSPEND, handled.start_ms, handled.end_ms, self.epoch)
             self.pq.rollback()
             return self._stop_for_retry(self._asked_suspend_ms(ctx))
-        return self._suspend(msgs, handled, self._asked_suspend_ms(ctx))
+        return self._suspend(msgs, handled, self._asked_suspend_ms(ctx), ctx.failure)
 
 
     def _note_failure(self, msgs: list[MessageExt], ctx: CallContext) -> None:
@@ -522,7 +530,7 @@ class ConsumeRequest(LingeringReads):
         if ctx.failure:
             self.failure = f"{msgs[0].queue_offset}|{int(time.time() * 1000)}|{ctx.failure}"
 
-    def _dead_letter_exhausted(self, msgs: list[MessageExt]) -> int | None:
+    def _dead_letter_exhausted(self, msgs: list[MessageExt], failure: str = "") -> int | None:
         """``checkReconsumeTimes``: the leading messages past ``max_reconsume_times`` go to the DLQ
         (a prefix only, so nothing overtakes them). How many went; None when the run lost its
         queue (confirmed before the DLQ write, which only the holder may make)."""
@@ -534,20 +542,19 @@ class ConsumeRequest(LingeringReads):
         if dead:
             if not self._touch():
                 return None
+            why = exhausted_reason(limit, failure)
             for m in msgs[:dead]:
-                self.engine.dlq.send(
-                    self.spec.group, m, f"max reconsume times {limit} reached (listener kept suspending)", self.epoch, self.mq
-                )
+                self.engine.dlq.send(self.spec.group, m, why, self.epoch, self.mq)
         return dead
 
     def _asked_suspend_ms(self, ctx: CallContext) -> int:
         """The suspend the listener's context asks for (``suspend_ms_of``), a bad value named."""
         return suspend_ms_of(ctx.suspend_current_queue_time_millis, self.suspend_ms, self.spec.name)
 
-    def _suspend(self, msgs: list[MessageExt], handled: Handled, suspend_ms: int) -> LoopEnd | None:
+    def _suspend(self, msgs: list[MessageExt], handled: Handled, suspend_ms: int, failure: str = "") -> LoopEnd | None:
         """Messages past ``max_reconsume_times`` go to the DLQ (``_dead_letter_exhausted``); the
         rest are made to consume again after ``suspend_ms``."""
-        dead = self._dead_letter_exhausted(msgs)
+        dead = self._dead_letter_exhausted(msgs, failure)
         if dead is None:
             return LoopEnd(Stop.FENCED)
         rest = msgs[dead:]

@@ -585,7 +585,7 @@ class KeyConsumeRequest(ConsumeRequest):
         if status is ROLLBACK:
             log.warning("%s returned ROLLBACK in key mode; its key is suspended", self.spec.name)
         self._failed += len(msgs)
-        dead = self._dead_letter_exhausted(msgs)
+        dead = self._dead_letter_exhausted(msgs, ctx.failure)
         if dead is None:
             return self._fenced()
         if dead:

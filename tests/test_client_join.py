@@ -159,3 +159,31 @@ def test_restoring_subscriptions_neither_fights_another_model_nor_gives_up_after
             c.service.registry.unregister(c.client_id)
             c.brokers.close()
         p.close()
+
+
+def test_a_client_whose_namesake_unregistered_registers_again_and_takes_its_queues_back(redis_url: str) -> None:
+    """Found by a Celery operator's walk-through: a second worker started under the same node name
+    (a deploy that starts the new process before the old one's warm shutdown ended) unregistered
+    the name when it stopped. The survivor heartbeated on without a registration: every rebalance
+    gave the group's queues to nobody, and nothing was consumed until it restarted."""
+    s = load_settings(redis_url=redis_url)
+    p = Producer(settings=s)
+    p.create_topic("t-late", queues=4)
+    survivor = ClientInstance("w1@same", s, dispatch=lambda *a: True)
+    namesake = ClientInstance("w1@same", s, dispatch=lambda *a: True)
+    try:
+        survivor._register()
+        namesake._register()
+        assert len(survivor.service.assigned_queues("g-late", "w1@same")) == 4
+        namesake.stop()  # its warm shutdown: unregister, rebalance away
+        assert survivor.service.assigned_queues("g-late", "w1@same") == []
+        survivor._watch_membership()  # the survivor's next heartbeat
+        assert len(survivor.service.assigned_queues("g-late", "w1@same")) == 4
+        live, _, _ = survivor.service.registry.clients()
+        assert [(c.client_id, [x.group for x in c.subscriptions if x.group == "g-late"]) for c in live] == [
+            ("w1@same", ["g-late"])]
+    finally:
+        survivor.service.registry.unregister("w1@same")
+        p.close()
+        survivor.brokers.close()
+        namesake.brokers.close()

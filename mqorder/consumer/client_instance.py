@@ -294,6 +294,8 @@ class ClientInstance:
         """Heartbeat, and rebalance if who is live, the topology or the last rebalance's age says
         so; what it reads comes back with the heartbeat (``heartbeat_and_watch``)."""
         beat = self.service.registry.heartbeat_and_watch(self.client_id, (keys.topology_version(), keys.rebalance_last()))
+        if self._registered and not beat.registered:
+            self._register_again()
         topology, last = beat.watched
         fp = _fingerprint(beat.fingerprint, topology)
         stale = False
@@ -315,6 +317,18 @@ class ClientInstance:
                 self._rebalance_owed = True
                 self._rebalance_owed = not self._rebalance_now(wait_s=REBALANCE_WAIT_S)
             self._fingerprint = fp
+
+    def _register_again(self) -> None:
+        """This client's registration vanished while it runs: a second worker started under the
+        same node name (a deploy that starts the new process before the old one's warm shutdown
+        ended) unregistered it on its way out. The survivor heartbeated on with no subscriptions,
+        so every rebalance gave its group's queues to nobody, for good (a Celery operator's
+        walk-through: 0 of 240 messages in minutes). Register again and rebalance at once."""
+        log.warning("mqorder: client %s found its registration gone (another process under the same client id, "
+                    "i.e. the same Celery node name, stopped and unregistered it); registering again. Give each "
+                    "worker its own name (celery worker -n NAME@%%h)", self.client_id)
+        self.service.registry.register(self.client_id, self.subscriptions, self.details)
+        self._rebalance_owed = True
 
     def _restore_subscriptions(self) -> None:
         """Record again this client's subscriptions that are missing while their topic exists: an

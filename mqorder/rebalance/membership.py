@@ -140,6 +140,9 @@ class Heartbeat:
     now_ms: int
     fingerprint: str
     watched: list[Any]
+    #: Whether the client's registration (its subscriptions) is still there: another process
+    #: under the same client id that unregistered on its way out removed it.
+    registered: bool = True
 
 
 def _fingerprint(live: Iterable[bytes | str]) -> str:
@@ -194,6 +197,7 @@ class ClientRegistry:
         pipe = self.meta.pipeline(transaction=False)
         pipe.zadd(keys.clients(), {client_id: now + self.heartbeat_timeout_ms})
         pipe.zrangebyscore(keys.clients(), now + 1, "+inf")
+        pipe.exists(keys.client_info(client_id))
         for k in watched:
             pipe.get(k)
         try:
@@ -202,7 +206,7 @@ class ClientRegistry:
             # A cluster pipeline's "no node answers" is not a RedisError; the duty loop backs off
             # on a ConnectionError, as for any other unreachable Redis.
             raise redis.ConnectionError(f"Redis Cluster unreachable: {exc}") from exc
-        return Heartbeat(now, _fingerprint(res[1]), list(res[2:]))
+        return Heartbeat(now, _fingerprint(res[1]), list(res[3:]), bool(res[2]))
 
     def unregister(self, client_id: str) -> None:
         pipe = self.meta.pipeline(transaction=False)

@@ -340,3 +340,34 @@ def test_a_write_only_topic_is_held_and_consumed_once_opened_for_reading(cluster
     p.topics.update_perm("t-late", "rw")
     wait_for(lambda: _handled(r, "g-late", 1), timeout=5, interval=0.05, what="the held message once readable")
     p.close()
+
+
+def test_kill_9_of_a_pool_child_mid_run_moves_its_queue_on_in_seconds_not_the_run_lease(
+    cluster: Cluster, r: redis.Redis
+) -> None:
+    """A Celery operator's walk-through: ``kill -9`` of one prefork child (the OOM killer, or
+    ``celery control terminate``) left its queue marked running until the run lease (60 s) ran
+    out. The worker's main process now ends the dead execution's run (``abandon.lua``) and sweeps:
+    the queue goes on within seconds, in order, nothing lost."""
+    import os
+    import signal
+
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=2)
+    r.hset("ctl:g-order", "sleep_ms", 150)  # a run is always mid-call
+    cluster.start_worker("w1", concurrency=2)
+    n = 60
+    p.send_orderly_batch("t-order", [("k", body("k", s)) for s in range(1, n + 1)])
+    first = wait_for(lambda: [e for e in ledger(r, "g-order") if e["ok"]], timeout=30, what="the key consuming")
+    victim = first[0]["pid"]
+    killed_us = time.time_ns() // 1000
+    os.kill(int(victim), signal.SIGKILL)
+    resumed = wait_for(lambda: [e for e in ledger(r, "g-order") if e["start"] > killed_us and e["pid"] != victim],
+                       timeout=60, what="the key consuming again after its child was killed")
+    took_s = (resumed[0]["start"] - killed_us) / 1e6
+    assert took_s < 15, f"the queue waited {took_s:.1f} s after its pool child died (run lease: 60 s)"
+    wait_for(lambda: _handled(r, "g-order", n), timeout=60, what=f"{n} handled")
+    violations, handled, _ = check_order(ledger(r, "g-order"))
+    assert violations == [] and handled == n
+    assert "died mid-run (its pool process was lost); ended its run" in cluster.workers["w1"].logfile.read_text()
+    p.close()

@@ -10,6 +10,7 @@ from mqorder.celery import runtime
 from mqorder.celery.app_settings import settings_of
 from mqorder.celery.capacity import SIGNAL, CapacityPublisher
 from mqorder.celery.dispatch import dispatcher
+from mqorder.celery.lost_runs import LostRunWatch
 from mqorder.client.transaction_check import transaction_checker_topics
 from mqorder.consumer.client_instance import ClientInstance
 from mqorder.consumer.nudge import LingerNudge
@@ -57,6 +58,7 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         self.client: ClientInstance | None = None
         self.capacity: CapacityPublisher | None = None
         self.nudge: LingerNudge | None = None
+        self.lost_runs: LostRunWatch | None = None
         # Here, not in start(): the pool forks between the two, and prefork children must inherit
         # the metrics directory and hook (mqorder.metrics.multiproc).
         worker_metrics.start(settings_of(worker.app), SIGNAL)
@@ -80,8 +82,12 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         self.client = ClientInstance(worker.hostname, s, dispatcher(worker.app), details)
         _say_what_it_serves(self.client)
         self.client.start()
+        self.lost_runs = LostRunWatch(self.client)
 
     def stop(self, worker) -> None:
+        if self.lost_runs is not None:
+            self.lost_runs.close()
+            self.lost_runs = None
         if self.capacity is not None:
             self.capacity.stop()  # children stop lingering before the client leaves
             self.capacity = None

@@ -69,7 +69,7 @@ def consume_request(self, sub: str, mq_key: str, token: str) -> dict:
         return {"verb": "NO_LISTENER"}
     engine = engine_for(client_id)
     worker_metrics.before_run(engine)
-    outcome = engine.run(spec, sub, mq, token)
+    outcome = engine.run(spec, sub, mq, token, execution=str(self.request.id or ""))
     # The queue the run ended on (a lingering run may have switched): its keys and labels.
     worker_metrics.after_run(sub, outcome.queue or mq if outcome is not None else mq, outcome)
     if outcome is None:

@@ -246,6 +246,33 @@ class ClientInstance:
         )
         return True
 
+    def abandon_runs(self, execution: str) -> list[MessageQueue]:
+        """End the runs a dead ConsumeRequest execution left (its pool process was killed: the OOM
+        killer, ``kill -9``, ``celery control terminate``), then sweep: its queues move on in a
+        moment, where they waited out the 60 s run lease (a Celery operator's walk-through: 60 s
+        of stall per killed child, invisible to ``mqorder status``). Matched by the execution's
+        runner prefix on every queue this client owns, since a lingering run may have switched
+        to another queue than the task's own (``abandon.lua``: a run begun meanwhile by another
+        execution is left alone; the queue gets a new epoch, which fences what the dead one left
+        in flight). The queues it ended."""
+        if not execution or not self._registered:
+            return []
+        owned = [(sub, mq) for sub, mqs in zip(self.lanes, self.service.assigned_queues_of(self.lanes, self.client_id),
+                                              strict=True) for mq in mqs]
+        by_broker: dict[str, list[tuple[str, MessageQueue]]] = {}
+        for sub, mq in owned:
+            by_broker.setdefault(mq.broker_name, []).append((sub, mq))
+        ended: list[MessageQueue] = []
+        for name, items in by_broker.items():
+            calls = [([keys.sub_state(mq.tag, sub)], [f"{execution}/"]) for sub, mq in items]
+            replies = self.brokers.get(name).scripts.run_pipelined("abandon", calls)
+            ended += [mq for (_, mq), n in zip(items, replies, strict=True) if int(n)]
+        if ended:
+            log.warning("mqorder: ConsumeRequest %s died mid-run (its pool process was lost); ended its run on %s "
+                        "with a new epoch, the queue goes on now", execution, ", ".join(mq.key for mq in ended))
+            self._dispatch_all(self.service.sweep(self.lanes, self.client_id))
+        return ended
+
     def _dispatch_all(self, dispatches: list[Dispatch]) -> None:
         for d in dispatches:
             self.dispatch(d.sub, d.mq.key, d.token, d.client)

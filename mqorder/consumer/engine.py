@@ -51,7 +51,7 @@ def request_class(spec: ListenerSpec) -> type[ConsumeRequest]:
 class ConsumerEngine(ConsumerState):
     """The per-process consumer state (``ConsumerState``) and the loop that runs a request."""
 
-    def run(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str) -> Outcome | None:
+    def run(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, execution: str = "") -> Outcome | None:
         """Run one ConsumeRequest; through a Redis outage, retry in process with backoff.
 
         Nothing past the last fenced commit was persisted, so re-running from the committed offset
@@ -64,20 +64,24 @@ class ConsumerEngine(ConsumerState):
         when one gets messages first, the run ends and that queue runs next here, in the same task
         and pool slot. The outcome is then about the last queue run (``Outcome.queue``), and
         ``follow_ups`` lists the requests to send for the others.
+
+        ``execution`` (the Celery task id) starts this execution's runner id (``<execution>/...``):
+        if the process dies mid-run, the worker's main process ends the run it left by that
+        prefix (``ClientInstance.abandon_runs``) instead of waiting out the run lease.
         """
         # One connection for every round trip of this execution (its chain of switches stays on
         # one broker: an IdleQueueWatch watches one broker's queues); each run pins its queue on
         # it (on a cluster its slot stays on one node, a failover is a Redis error).
         lease = ConnectionLease(self.brokers.get(mq.broker_name).client)
         try:
-            return self._run_chain(spec, sub, mq, token, lease)
+            return self._run_chain(spec, sub, mq, token, lease, execution)
         finally:
             lease.release()
             self.note_lingering(False)
 
     def _run_chain(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str,
-                   lease: ConnectionLease) -> Outcome | None:
-        runner = new_token()
+                   lease: ConnectionLease, execution: str = "") -> Outcome | None:
+        runner = f"{execution}/{new_token()}" if execution else new_token()
         first = mq
         watch: IdleQueueWatch | None = None
         follow_ups: list[FollowUp] = []

@@ -55,6 +55,7 @@ NAMES = (
     "key_commit",  # mqorder.consumer.key_request: a key-ordered run's fenced commit + offset map
     "ledger",  # mqorder.consumer.ledger: the consumption ledger records of a pulled batch
     "switch",  # mqorder.consumer.linger: a lingering run switches queues within its read's round trip
+    "abandon",  # mqorder.consumer.client_instance: a run whose pool process died gives its queue up
 )
 
 

@@ -261,3 +261,38 @@ def test_a_refused_connection_is_not_said_to_have_timed_out() -> None:
     with pytest.raises(BrokerUnavailableError) as exc:
         p.create_topic("t", queues=1)
     assert "could not be reached" in str(exc.value) and "within 3.0s" not in str(exc.value)
+
+
+def test_a_port_that_is_not_redis_and_tls_to_a_plain_server_say_so(redis_url: str) -> None:
+    """A producer's walk-through: an HTTP server's port raised redis-py's bare InvalidResponse
+    ("Protocol error, got '<'") from every call, and a rediss:// URL to a plain Redis timed out as
+    if Redis were down, with no word of TLS."""
+    import http.server
+    import socketserver
+    import threading
+
+    from mqorder import Producer
+    from mqorder.errors import BrokerRefusedError
+
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:  # not on the CLI's stderr
+            pass
+
+    port = free_port()
+    http_srv = socketserver.TCPServer(("127.0.0.1", port), Quiet)
+    threading.Thread(target=http_srv.serve_forever, daemon=True).start()
+    try:
+        p = Producer(settings=load_settings(redis_url=f"redis://127.0.0.1:{port}/0", send_msg_timeout_ms=2000))
+        for call in (lambda: p.create_topic("t", queues=1), lambda: p.send_orderly("t", b"x", sharding_key="k"),
+                     lambda: p.send_orderly_async("t", b"x", sharding_key="k").result(10)):
+            with pytest.raises(BrokerRefusedError, match=r"answered, but not in Redis's protocol"):
+                call()
+        line = one_line_error(cli("--redis-url", f"redis://127.0.0.1:{port}/0", "topic", "list"))
+        assert "not in Redis's protocol" in line and "Start redis-server" not in line
+    finally:
+        http_srv.shutdown()
+        http_srv.server_close()
+    plain = redis_url.replace("redis://", "rediss://", 1)
+    p = Producer(settings=load_settings(redis_url=plain, send_msg_timeout_ms=500))
+    with pytest.raises(BrokerUnavailableError, match=r"with rediss:// \(TLS\), a server without TLS never completes"):
+        p.create_topic("t", queues=1)

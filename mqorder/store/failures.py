@@ -46,6 +46,9 @@ def setup_hint(exc: BaseException) -> str | None:
     a server's (or the reverse). Each of these once read "did not answer" or "start redis-server",
     which sent the reader to a server that was running. None: not one of those."""
     text = str(exc)
+    if isinstance(exc, redis.exceptions.InvalidResponse):
+        return ("that address answered, but not in Redis's protocol (an HTTP server, another service, a TLS "
+                "port given as redis://): check the host and port, and use rediss:// for a TLS Redis")
     if isinstance(exc, redis.AuthenticationError) or text.startswith(("WRONGPASS", "NOAUTH", "invalid password")):
         return "Redis refused this client's credentials: fix the password (user:password@) in the URL"
     if "DB index is out of range" in text or text == "Invalid Database":
@@ -71,9 +74,13 @@ def unavailable(broker_name: str, safe_url: str, exc: Exception, timeout: float,
         return BrokerRefusedError(f"{action} failed: Redis broker {broker_name!r} at {safe_url}: {hint} "
                                   f"({type(exc).__name__}: {exc})")
     what = f"did not answer within {timeout}s" if isinstance(exc, redis.TimeoutError) else "could not be reached"
+    tls = ""
+    if safe_url.startswith("rediss") and isinstance(exc, TRANSIENT):
+        # A plain server never answers a TLS handshake: it read as Redis being down.
+        tls = "; with rediss:// (TLS), a server without TLS never completes the handshake: use redis:// for it"
     return BrokerUnavailableError(
         f"{action} failed: Redis broker {broker_name!r} at {safe_url} {what} "
-        f"({type(exc).__name__}: {exc}). {outcome}; check the broker and retry"
+        f"({type(exc).__name__}: {exc}). {outcome}; check the broker and retry{tls}"
     )
 
 
@@ -120,6 +127,9 @@ def translation(exc: BaseException, broker_name: str, safe_url: str, timeout: fl
     ``try: ... except Exception as exc: raise (translation(exc, ...) or exc) from ...``."""
     if isinstance(exc, TRANSIENT):
         return unavailable(broker_name, safe_url, exc, timeout, action, write, outcome)
+    if isinstance(exc, redis.exceptions.InvalidResponse):  # not Redis at all: nothing was stored
+        return BrokerRefusedError(f"{action} failed: broker {broker_name!r} at {safe_url}: {setup_hint(exc)} "
+                                  f"({type(exc).__name__}: {exc})")
     if isinstance(exc, (redis.exceptions.MovedError, redis.exceptions.AskError)):
         # Only a plain client sees these (a cluster client follows them): its URL names one node.
         return ConfigError(

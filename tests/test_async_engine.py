@@ -202,6 +202,33 @@ def test_async_queue_mode_awaits_one_call_at_a_time_in_offset_order(env) -> None
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 40
 
 
+def test_an_async_listener_returning_an_unawaited_coroutine_is_told_the_await_is_missing(env, caplog) -> None:
+    """``async def f(msgs, ctx): return other()``: every call was a suspend, the warning showed the
+    coroutine's repr and Python added "never awaited" elsewhere (an async walk-through). A plain
+    function returning a coroutine is awaited, as before."""
+    p, eng = env
+    p.send_orderly("t", b"x", sharding_key="k")
+
+    async def inner():
+        return ConsumeOrderlyStatus.SUCCESS
+
+    async def forgot(msgs, ctx):
+        return inner()
+
+    def plain(msgs, ctx):
+        return inner()
+
+    with caplog.at_level(logging.WARNING, logger="mqorder"):
+        drain(eng, ListenerSpec(forgot, "t", "g", max_reconsume_times=0, suspend_current_queue_time_millis=10))
+    assert "returned a coroutine (test_an_async_listener_returning_an_unawaited_coroutine_is_told_the_await_is_" \
+           "missing.<locals>.inner), not a ConsumeOrderlyStatus: an `await` is missing" in caplog.text
+    p.send_orderly("t", b"y", sharding_key="k")
+    # What a send's wake-up does for the owner: a new pending request.
+    eng.brokers.default.client.hset(keys.sub_state(MQ.tag, "g"), mapping={"pending": "tok1", "pend_until": 2**50})
+    drain(eng, ListenerSpec(plain, "t", "g"), token="tok1")
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 2  # y handled: no DLQ, no suspend
+
+
 def test_an_async_key_that_keeps_failing_reaches_the_dlq_while_the_others_finish(env) -> None:
     p, eng = env
     sent = send_keys(p, 10, 3)

@@ -175,3 +175,21 @@ def test_key_mode_options_with_queue_ordering_and_a_grace_for_a_plain_function_a
             decorator(topic="t", group="g", cancel_grace_ms=100)(plain)
     L.orderly_listener(topic="t", group="g", cancel_grace_ms=100)(coro)
     assert L.get_listener("g", "t").cancel_grace_ms == 100
+
+
+def test_cancel_grace_is_bounded_and_ordering_takes_any_case() -> None:
+    """An async walk-through: cancel_grace_ms=10**12 (31 years) was taken, and ordering="KEY" refused
+    where message_model="CLUSTERING" is taken."""
+    from mqorder.consumer.listener import Ordering, get_listener, orderly_listener, unregister_listener
+
+    async def f(msgs, ctx):
+        return None
+
+    with pytest.raises(ListenerError, match=r"cancel_grace_ms must be an int from 0 to 3600000, got 1000000000000"):
+        orderly_listener(topic="t-case", group="g-case", cancel_grace_ms=10**12)(f)
+    orderly_listener(topic="t-case", group="g-case", ordering="KEY", cancel_grace_ms=3_600_000)(f)
+    try:
+        spec = get_listener("g-case", "t-case")
+        assert spec is not None and spec.ordering is Ordering.KEY and spec.cancel_grace_ms == 3_600_000
+    finally:
+        unregister_listener("g-case", "t-case")

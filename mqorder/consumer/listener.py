@@ -111,10 +111,15 @@ MAXIMA = {
 }
 
 
+#: Bounds of the listener options with no worker-wide setting: a grace of an hour at most (as the
+#: settings' durations), where 10**12 ms (31 years) was taken, and never cancelled a hung call.
+LISTENER_MAXIMA = {"cancel_grace_ms": 3_600_000}
+
+
 def _positive(name: str, v: object, minimum: int = 1) -> None:
     if v is None:
         return
-    most = MAXIMA.get(name)
+    most = MAXIMA.get(name, LISTENER_MAXIMA.get(name))
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum or (most is not None and v > most):
         bounds = f">= {minimum}" if most is None else f"from {minimum} to {most}"
         raise ListenerError(f"{name} must be an int {bounds}, got {v!r}")
@@ -159,6 +164,8 @@ def orderly_listener(
     _positive("pull_batch_size", pull_batch_size)
     _positive("max_reconsume_times", max_reconsume_times, -1)
     _positive("suspend_current_queue_time_millis", suspend_current_queue_time_millis, 10)
+    if isinstance(ordering, str):
+        ordering = ordering.lower()  # any case, as message_model takes "CLUSTERING"
     if ordering not in (Ordering.QUEUE, Ordering.KEY):
         raise ListenerError(f"ordering must be 'queue' (one call at a time per queue) or 'key' "
                             f"(one call at a time per sharding key), got {ordering!r}")

@@ -175,6 +175,14 @@ def checked_status(rule: StatusRule, spec: ListenerSpec, mq: MessageQueue, statu
             log.warning("listener %s returned None for %s; treating it as %s", spec.name, mq.key, rule.fallback.name)
         return rule.fallback
     if not isinstance(status, rule.status_type):
+        if inspect.iscoroutine(status):
+            # An async def listener's "return other()" (a plain function's coroutine is awaited):
+            # closed here, so no "never awaited" warning points somewhere else.
+            status.close()
+            log.warning("listener %s returned a coroutine (%s), not a %s: an `await` is missing before it (return "
+                        "await ...); treating it as %s", spec.name, getattr(status, "__qualname__", status),
+                        rule.status_type.__name__, rule.fallback.name)
+            return rule.fallback
         log.warning("listener %s returned %r, not a %s; treating it as %s",
                     spec.name, status, rule.status_type.__name__, rule.fallback.name)
         return rule.fallback

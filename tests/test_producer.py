@@ -80,6 +80,23 @@ def test_batch_keeps_per_key_order_and_refuses_whole_batch_on_bad_item(producer:
     assert before == after  # nothing half-written
 
 
+def test_keys_of_another_type_are_refused_and_a_batchs_keys_are_checked_as_sharding_keys(producer: Producer) -> None:
+    """A producer's walk-through: keys={"order": 1} was stored as the text "{'order': 1}", a batch's
+    list or surrogate sharding key was reported as `keys`, and a bytes one stored as "b'...'"."""
+    log = MessageLog(producer.brokers)
+    for bad in ({"order": 1}, {"a"}, b"k1", 1.5):
+        with pytest.raises(MessageError, match=r"keys must be a str or a list of str, got"):
+            producer.send_orderly("orders", b"x", sharding_key="k", keys=bad)
+    r = producer.send_orderly("orders", b"x", sharding_key="k", keys=7)  # an int: as it hashes
+    assert log.read(r.message_queue, r.queue_offset, 1)[0].keys == ["7"]
+    with pytest.raises(MessageError, match=r"item 0: sharding_key must be a str, bytes or int, got list"):
+        producer.send_orderly_batch("orders", [([1], b"x")])
+    with pytest.raises(MessageError, match=r"item 0: sharding_key is not valid UTF-8 text"):
+        producer.send_orderly_batch("orders", [("\ud800", b"x")])
+    res = producer.send_orderly_batch("orders", [(b"k1", b"x"), (b"\xff\xfe", b"y"), (5, b"z")])
+    assert [log.read(x.message_queue, x.queue_offset, 1)[0].keys for x in res] == [["k1"], [], ["5"]]
+
+
 def test_unknown_topic_is_refused_with_how_to_create_it(producer: Producer) -> None:
     with pytest.raises(TopicNotFoundError, match="create_topic"):
         producer.send_orderly("nope", b"x", sharding_key="k")

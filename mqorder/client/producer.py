@@ -337,7 +337,7 @@ class Producer:
                 raise MessageError(f"item {i} must be a (sharding_key, body) tuple, got {item!r}"[:200])
             key, body = item
             try:
-                header, msg_id, body = self._prepare(body, key, tags, None, key_hash(key))
+                header, msg_id, body = self._prepare(body, _key_text(key), tags, None, key_hash(key))
                 mq = self._select(queues, key, body, selector)
                 given = None if dedup_keys is None else dedup_keys[i]
                 dkey = dedup_key_of(given, self.settings.dedup_derive, msg_id, body)
@@ -596,9 +596,12 @@ class Producer:
         body_b = check_body(body, self.settings.max_message_size)
         msg_id = self._ids.next()
         if keys_ is not None and not isinstance(keys_, (str, list, tuple)):
+            if not isinstance(keys_, int) or isinstance(keys_, bool):
+                # str() of anything was stored: keys={"order": 1} as "{'order': 1}", b"k" as "b'k'".
+                raise MessageError(f"keys must be a str or a list of str, got {type(keys_).__name__} {keys_!r}"[:200])
             # An int key as the number it hashes as (``selector.key_bytes``): str() of an IntEnum
             # member is its name, and the audit named the key 7 'Shop.BERLIN'.
-            keys_ = int.__repr__(keys_) if isinstance(keys_, int) and not isinstance(keys_, bool) else str(keys_)
+            keys_ = int.__repr__(keys_)
         header = encode_header(msg_id, keys_, tags, properties, key_hash=hash_)
         return header, msg_id, body_b
 
@@ -649,6 +652,20 @@ class Producer:
         b = self.brokers.default
         return translation(exc, b.name, b.safe_url, self.settings.send_msg_timeout_ms / 1000, action,
                            outcome=outcome) or exc
+
+
+def _key_text(sharding_key: object) -> str | None:
+    """A batch item's sharding key as the message's key text: checked as a sharding key first (a
+    list or a bad str was reported as ``keys``, an argument the caller never gave), a bytes key
+    as its text (it was stored as "b'...'"), or no key text for bytes that are not UTF-8 (the
+    key's hash, stored either way, orders it)."""
+    raw = key_bytes(sharding_key)
+    if isinstance(sharding_key, bytes):
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+    return raw.decode("ascii") if isinstance(sharding_key, int) else sharding_key  # type: ignore[return-value]
 
 
 def _result(mq: MessageQueue, msg_id: str, reply: AppendReply) -> SendResult:

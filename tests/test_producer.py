@@ -97,6 +97,20 @@ def test_keys_of_another_type_are_refused_and_a_batchs_keys_are_checked_as_shard
     assert [log.read(x.message_queue, x.queue_offset, 1)[0].keys for x in res] == [["k1"], [], ["5"]]
 
 
+def test_create_topic_of_an_existing_topic_says_it_keeps_its_retention_and_perm(producer: Producer, caplog) -> None:
+    """It kept them without a word: a deploy that changed its retention in code saw it ignored."""
+    import logging
+
+    producer.create_topic("kept", queues=1, retention_ms=1000)
+    with caplog.at_level(logging.WARNING, logger="mqorder.store.topics"):
+        producer.create_topic("kept", queues=1)  # the same: nothing to say
+        assert caplog.text == ""
+        route = producer.create_topic("kept", queues=1, retention_ms=999_999, perm="r")
+    assert route.retention.retention_ms == 1000 and route.perm == "rw"  # kept, as documented
+    assert "create_topic('kept'): the topic exists and keeps its perm 'rw' (asked 'r') and retention" in caplog.text
+    assert "`mqorder topic retention`" in caplog.text
+
+
 def test_unknown_topic_is_refused_with_how_to_create_it(producer: Producer) -> None:
     with pytest.raises(TopicNotFoundError, match="create_topic"):
         producer.send_orderly("nope", b"x", sharding_key="k")
@@ -270,8 +284,11 @@ def test_a_read_only_topic_refuses_sends_and_stores_nothing(producer: Producer) 
 
 @pytest.mark.parametrize("perm", ["", "x", "wr", "RW", None, 6])
 def test_bad_topic_permissions_are_refused_with_the_choices(producer: Producer, perm: object) -> None:
-    with pytest.raises(ConfigError, match="rw, r, w"):
-        producer.create_topic("p", queues=1, perm=perm)  # type: ignore[arg-type]
+    if perm is None:  # create_topic's default (rw); update_perm needs one
+        assert producer.create_topic("p", queues=1, perm=perm).perm == "rw"
+    else:
+        with pytest.raises(ConfigError, match="rw, r, w"):
+            producer.create_topic("p", queues=1, perm=perm)  # type: ignore[arg-type]
     producer.create_topic("p", queues=1)
     with pytest.raises(ConfigError, match="rw, r, w"):
         producer.topics.update_perm("p", perm)  # type: ignore[arg-type]

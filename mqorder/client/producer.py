@@ -153,7 +153,7 @@ class Producer:
     # -- admin -----------------------------------------------------------------------------------
 
     def create_topic(
-        self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, perm: str = "rw",
+        self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, perm: str | None = None,
         retention_policy: str | None = None, retention_ms: int | None = None, retention_min_ms: int | None = None,
         retention_max_messages: int | None = None,
     ) -> TopicRoute:

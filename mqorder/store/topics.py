@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -28,6 +29,9 @@ DEFAULT_RETENTION = RetentionRule(RetentionPolicy.TIME, 72 * 3600 * 1000, 3600 *
 #: that is not readable is consumed by nobody (its queues are assigned to no client, so its
 #: backlog waits); one that is not writable refuses sends.
 PERMS = ("rw", "r", "w")
+
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,20 @@ class TopicRoute:
     @property
     def queue_count(self) -> int:
         return sum(self.queues_per_broker.values())
+
+
+def _say_kept(existing: TopicRoute, perm: str | None, retention: TopicRetention | None) -> None:
+    """``create_topic`` of an existing topic with another permission or retention keeps the
+    topic's own, as documented, but said nothing: a deploy that changed its retention in code saw
+    it ignored without a word (a producer's walk-through)."""
+    asked = existing.retention.merged(retention) if retention is not None else existing.retention
+    changed = [f"perm {existing.perm!r} (asked {perm!r})"] if perm is not None and _check_perm(perm) != existing.perm else []
+    if asked != existing.retention:
+        changed.append(f"retention {existing.retention} (asked {retention})")
+    if changed:
+        log.warning("create_topic(%r): the topic exists and keeps its %s; change it with `mqorder topic perm` / "
+                    "`mqorder topic retention` (TopicManager.update_perm / update_retention)", existing.topic,
+                    " and ".join(changed))
 
 
 @functools.lru_cache(maxsize=4096)
@@ -101,14 +119,15 @@ class TopicManager:
 
     def create_topic(
         self, topic: str, queues: int = 8, *, brokers: list[str] | None = None, allow_dlq: bool = False,
-        perm: str = "rw", retention: TopicRetention | None = None, allow_retry: bool = False,
+        perm: str | None = None, retention: TopicRetention | None = None, allow_retry: bool = False,
     ) -> TopicRoute:
         """Create ``topic`` (idempotent for the same layout). ``perm`` and ``retention`` apply to a
         new topic only; ``update_perm`` / ``update_retention`` change them later (e.g. create
         write-only, fill, then open for reading)."""
         check_topic(topic, allow_dlq=allow_dlq, allow_retry=allow_retry)
         n = _check_queue_count(queues)
-        perm = _check_perm(perm)
+        asked_perm = perm  # None: the default, "rw", and no word if the topic has another
+        perm = _check_perm("rw" if perm is None else perm)
         names = sorted(set(brokers or [self.brokers.default_name]))
         for b in names:
             self.brokers.get(b)  # refuses unknown broker names with the list of known ones
@@ -134,6 +153,7 @@ class TopicManager:
                 f"topic {topic!r} already exists with layout {existing.queues_per_broker}, not {layout}; "
                 "queue counts cannot change under an ordered topic (keys would move between queues)"
             )
+        _say_kept(existing, asked_perm, retention)
         return existing
 
     def _clear_gone(self, topic: str, layout: dict[str, int]) -> None:

@@ -339,6 +339,10 @@ def test_dlq_list_and_show_tell_where_each_dead_letter_came_from_and_why(
     missing = cli("dlq", "show", "g", "--offset", "99")
     assert missing.exit_code == 2 and "holds offsets [0, 6)" in missing.stderr
     assert cli("dlq", "list", "nope").exit_code == 2
+    past = cli("dlq", "list", "g", "--from", "99")  # it printed the header and nothing else
+    assert past.exit_code == 0 and "none listed from the offset asked; list from 0 to 5" in past.stdout
+    gone = cli("status", "nope")
+    assert gone.exit_code == 2 and "or a PullConsumer of it has subscribed" in gone.stderr
 
 
 def test_dlq_replay_puts_dead_letters_back_in_original_order_once_even_when_run_twice(
@@ -445,6 +449,8 @@ def test_offsets_reset_by_earliest_latest_offset_and_time(
         assert rep["queues"][0]["new_offset"] == want == offset(), to
     plan = cli_json("offsets", "reset", "g", "t", "--to", "latest", "--dry-run")
     assert plan["dry_run"] and plan["queues"][0]["new_offset"] == 10 and offset() == 0
+    human = cli("offsets", "reset", "g", "t", "--to", "@0", "--dry-run")  # was "to time -"
+    assert "plan: reset g on t to time @0 (epoch ms 0)" in human.stdout
 
 
 def test_offsets_reset_is_refused_under_live_consumers_and_forced_fences_the_running_owner(

@@ -86,7 +86,8 @@ class Admin:
             known = ", ".join(sorted(g for g in groups)) or "none yet"
             raise GroupNotFoundError(
                 f"consumer group {group!r} does not exist (known groups: {known}); a group exists once "
-                "a worker with one of its @orderly_listener functions has started"
+                "a worker with one of its listeners (@orderly_listener, @concurrent_listener) has started, or "
+                "a PullConsumer of it has subscribed"
             )
         return groups[group]
 

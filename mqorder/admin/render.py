@@ -209,6 +209,9 @@ def _queues(keys_: list[str]) -> str:
 def dlq_page(console: Console, page: DlqPage) -> None:
     console.print(f"{page.topic}: {page.total:,} dead letter(s) at offsets [{page.min_offset}, {page.max_offset})")
     if not page.messages:
+        if page.total:  # a --from past the end, or --limit 0: say why nothing is listed
+            console.print(f"none listed from the offset asked; list from {page.min_offset} to {page.max_offset - 1} "
+                          "(--from) with --limit 1 or more")
         return
     # The msg id and the body are in `dlq show` and in --json; a row keeps to one line.
     t = _table("", ("offset", "origin queue@offset", "keys", "retries", "dead-lettered", "reason"),
@@ -256,7 +259,8 @@ def replayed(console: Console, r: ReplayReport) -> None:
 
 def reset(console: Console, r: ResetReport) -> None:
     to = r.target.kind if r.target.kind in ("earliest", "latest") else (
-        f"offset {r.target.value}" if r.target.kind == "offset" else f"time {timestamp(r.target.value)}")
+        f"offset {r.target.value}" if r.target.kind == "offset"
+        else f"time {timestamp(r.target.value) if r.target.value else '@0 (epoch ms 0)'}")
     title = f"{'plan: reset' if r.dry_run else 'reset'} {r.group} on {r.topic} to {to}"
     t = _table(title, ("queue", "min", "max", "old offset", "new offset", "epoch", "lock taken from"),
                right=("min", "max", "old offset", "new offset", "epoch"))

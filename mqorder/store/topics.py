@@ -20,6 +20,7 @@ from mqorder.model import MessageModel, MessageQueue
 from mqorder.names import check_name, check_topic
 from mqorder.retention.policy import RetentionPolicy, RetentionRule, TopicRetention, field_names
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.failures import REDIS_ERRORS
 from mqorder.store.replies import text
 
 MAX_QUEUES_PER_BROKER = 1024
@@ -157,11 +158,19 @@ class TopicManager:
         return existing
 
     def _clear_gone(self, topic: str, layout: dict[str, int]) -> None:
+        """Remove a deleted namesake's marks (``keys.queue_gone``) from this topic's queues. A
+        broker that does not answer is passed over, as creating a topic never needed its brokers:
+        a mark there, if any, lapses on its own (``keys.GONE_TTL_MS``)."""
         for broker, n in layout.items():
-            pipe = self.brokers.get(broker).client.pipeline(transaction=False)
-            for qid in range(n):
-                pipe.delete(keys.queue_gone(MessageQueue(topic, broker, qid).tag))  # one key per DEL: cluster slots
-            pipe.execute()
+            try:
+                pipe = self.brokers.get(broker).client.pipeline(transaction=False)
+                for qid in range(n):
+                    pipe.delete(keys.queue_gone(MessageQueue(topic, broker, qid).tag))  # one key per DEL: slots
+                pipe.execute()
+            except REDIS_ERRORS as exc:
+                log.warning("create_topic(%r): broker %r did not answer (%s); if the topic was deleted in the last "
+                            "%d minutes, its queues there refuse sends until then", topic, broker, exc,
+                            keys.GONE_TTL_MS // 60_000)
 
     def describe_topic(self, topic: str) -> TopicRoute:
         if not isinstance(topic, str):

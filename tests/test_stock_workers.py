@@ -67,3 +67,57 @@ def test_a_listener_module_that_cannot_be_imported_stops_the_worker_naming_it(cl
     log = (cluster.tmp / "stock-bad.log").read_text()
     assert "MQORDER_LISTENERS names 'tests.no_such_listeners', which cannot be imported" in log
     assert cluster.client.zscore(keys.clients(), worker.hostname) is None
+
+
+def test_a_listener_module_importing_the_apps_package_runs_on_the_worker(cluster: Cluster, r: redis.Redis) -> None:
+    """Celery's usual layout (``proj/__init__.py: from .celery import app``; ``proj/celery.py`` calls
+    ``install``; the listener module does ``from proj import app``) was a circular import at
+    ``install``: "cannot import name 'app' from partially initialized module 'proj'", the worker
+    did not start. ``install`` now defers such a module to the worker's start, as Celery's
+    ``autodiscover_tasks`` is lazy."""
+    import textwrap
+
+    pkg = cluster.tmp / "userapp" / "proj"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from .celery import app\n")
+    (pkg / "celery.py").write_text(textwrap.dedent("""
+        from celery import Celery
+        import mqorder.celery
+        app = Celery("proj")
+        app.config_from_object("config.celeryconfig")
+        mqorder.celery.install(app)
+    """))
+    (pkg / "listeners.py").write_text(textwrap.dedent("""
+        import redis
+        from mqorder import ConsumeOrderlyStatus, orderly_listener
+        from proj import app  # the app's package: still being imported while install() runs
+
+        @app.task
+        def report():  # an ordinary task of the same module
+            return "ok"
+
+        @orderly_listener(topic="circ", group="g-circ")
+        def on_msg(msgs, ctx):
+            c = redis.Redis.from_url(app.conf.broker_url)
+            for m in msgs:
+                c.rpush("seen:circ", m.body)
+            return ConsumeOrderlyStatus.SUCCESS
+    """))
+    env = cluster.env(MQORDER_LISTENERS="proj.listeners")
+    env["PYTHONPATH"] = f"{cluster.tmp / 'userapp'}:{ROOT}"
+    import subprocess
+    import sys
+
+    plain = subprocess.run([sys.executable, "-c", "import proj; print(sorted(proj.app.tasks)[:0])"], env=env,
+                           cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert plain.returncode == 0, plain.stderr[-800:]
+    producer = Producer(cluster.url)
+    producer.create_topic("circ", queues=2)
+    w = WorkerProcess("circ1", env=env, app="proj", logfile=cluster.tmp / "circ1.log", cwd=ROOT, loglevel="INFO")
+    cluster.workers["circ1"] = w
+    w.start()
+    w.wait_registered(cluster.client, timeout=60)
+    producer.send_orderly_batch("circ", [("k", b"%d" % i) for i in range(5)])
+    wait_for(lambda: r.llen("seen:circ") >= 5, timeout=60, what="the deferred listener consuming")
+    assert r.lrange("seen:circ", 0, -1) == [b"%d" % i for i in range(5)]
+    producer.close()

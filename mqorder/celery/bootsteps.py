@@ -10,6 +10,7 @@ from mqorder.celery import runtime
 from mqorder.celery.app_settings import settings_of
 from mqorder.celery.capacity import SIGNAL, CapacityPublisher
 from mqorder.celery.dispatch import dispatcher
+from mqorder.celery.listener_modules import import_deferred
 from mqorder.celery.lost_runs import LostRunWatch
 from mqorder.client.transaction_check import transaction_checker_topics
 from mqorder.consumer.client_instance import ClientInstance
@@ -60,7 +61,9 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         self.nudge: LingerNudge | None = None
         self.lost_runs: LostRunWatch | None = None
         # Here, not in start(): the pool forks between the two, and prefork children must inherit
-        # the metrics directory and hook (mqorder.metrics.multiproc).
+        # the metrics directory and hook (mqorder.metrics.multiproc), and the listeners of the
+        # modules install() deferred (they import the app, whole by now).
+        import_deferred(worker.app)
         worker_metrics.start(settings_of(worker.app), SIGNAL)
 
     def start(self, worker) -> None:

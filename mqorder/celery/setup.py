@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import logging
 
 from celery import Celery
@@ -11,7 +10,7 @@ from celery.app.defaults import DEFAULTS
 from mqorder.celery.app_settings import remember
 from mqorder.celery.bootsteps import ConsumerClientStep
 from mqorder.celery.broker import DERIVED_FROM_STORE, celery_broker, transport_options
-from mqorder.errors import ConfigError, MQOrderError
+from mqorder.celery.listener_modules import import_listeners
 from mqorder.settings import Settings, get_settings
 
 log = logging.getLogger(__name__)
@@ -26,19 +25,6 @@ def beat_schedule(settings: Settings) -> dict[str, dict[str, object]]:
         "mqorder-transaction-check": {"task": "mqorder.transaction_check",
                                       "schedule": settings.transaction_check_interval_ms / 1000},
     }
-
-
-def import_listeners(modules: list[str]) -> None:
-    for name in modules:
-        try:
-            importlib.import_module(name)
-        except ImportError as exc:
-            raise ConfigError(
-                f"MQORDER_LISTENERS names {name!r}, which cannot be imported ({exc}); give "
-                "comma-separated module paths importable from the worker's working directory"
-            ) from exc
-        except MQOrderError as exc:  # a decorator refused its arguments (ListenerError, a bad name)
-            raise ConfigError(f"listener module {name!r} (MQORDER_LISTENERS): {exc}") from exc
 
 
 def _broker_origin(app: Celery, settings: Settings) -> str:
@@ -105,5 +91,5 @@ def install(app: Celery, settings: Settings | None = None) -> Celery:
     app.conf.beat_schedule = schedule
     app.steps["worker"].add(ConsumerClientStep)
     remember(app, settings)
-    import_listeners(settings.listener_modules)
+    import_listeners(settings.listener_modules, app)
     return app

@@ -111,6 +111,28 @@ def test_create_topic_of_an_existing_topic_says_it_keeps_its_retention_and_perm(
     assert "`mqorder topic retention`" in caplog.text
 
 
+def test_every_send_after_close_is_refused_as_the_async_one_is(settings) -> None:
+    """A producer's walk-through: after close(), send_orderly_async raised ProducerClosedError but
+    send_orderly reconnected and sent (Kafka's producer refuses every send after close)."""
+    from mqorder.client.transaction import LocalTransactionState, TransactionProducer
+    from mqorder.errors import ProducerClosedError
+
+    p = TransactionProducer(settings=settings)
+    p.create_topic("orders", queues=8)
+    p.close()
+    for call in (lambda: p.send_orderly("orders", b"x", sharding_key="k"),
+                 lambda: p.send("orders", b"x"),
+                 lambda: p.send_orderly_batch("orders", [("k", b"x")]),
+                 lambda: p.send_orderly_async("orders", b"x", sharding_key="k"),
+                 lambda: p.send_in_transaction("orders", b"x", sharding_key="k",
+                                               executor=lambda m, a: LocalTransactionState.COMMIT)):
+        with pytest.raises(ProducerClosedError, match="this producer is closed"):
+            call()
+    with Producer(settings=settings) as fresh:
+        assert all(fresh.topics.describe_topic("orders").message_queues)
+        assert sum(MessageLog(fresh.brokers).max_offset(mq) for mq in fresh.describe_topic("orders").message_queues) == 0
+
+
 def test_unknown_topic_is_refused_with_how_to_create_it(producer: Producer) -> None:
     with pytest.raises(TopicNotFoundError, match="create_topic"):
         producer.send_orderly("nope", b"x", sharding_key="k")

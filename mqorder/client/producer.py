@@ -215,6 +215,8 @@ class Producer:
         and a copy on another broker would be a duplicate. A delayed send waits for its schedule
         entry, in a round trip of its own.
         """
+        if self._closed:
+            raise closed_error("send")
         route, queues = self._route(topic)
         delay_ms = self._delay_ms(delay_time_level)
         wait = self._wait(wait_replicas)
@@ -287,6 +289,8 @@ class Producer:
                 "send(..., delay_time_level=...) to a topic nobody consumes in order, or delay it in your "
                 "application before sending; nothing was sent"
             )
+        if self._closed:
+            raise closed_error("send_orderly")
         wait = self._wait(wait_replicas)
         _, queues = self._route(topic)
         hash_ = key_hash(sharding_key)
@@ -326,6 +330,8 @@ class Producer:
         scripts in its round trip. If some broker's replicas fall short, every broker is still
         written, then ``ReplicasBehindError`` names each that fell short.
         """
+        if self._closed:
+            raise closed_error("send_orderly_batch")
         wait = self._wait(wait_replicas)
         _, queues = self._route(topic)
         items = list(items)
@@ -652,6 +658,12 @@ class Producer:
         b = self.brokers.default
         return translation(exc, b.name, b.safe_url, self.settings.send_msg_timeout_ms / 1000, action,
                            outcome=outcome) or exc
+
+
+def closed_error(call: str) -> ProducerClosedError:
+    """A send after ``close()``: refused, as Kafka's producer refuses it (it reconnected and sent,
+    where ``send_orderly_async`` already refused: a use after close went unnoticed)."""
+    return ProducerClosedError(f"this producer is closed: {call} refused, nothing was sent; build a new Producer")
 
 
 def _key_text(sharding_key: object) -> str | None:

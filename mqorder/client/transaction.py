@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from mqorder.client.producer import Producer
+from mqorder.client.producer import Producer, closed_error
 from mqorder.client.selector import Selector, key_hash
 from mqorder.codec import decode_entries
 from mqorder.errors import MessageError, TransactionEndedError
@@ -162,6 +162,8 @@ class TransactionProducer(Producer):
         """
         check_callback(executor, 2, "executor", "(msg, arg) -> LocalTransactionState", MessageError)
         wait = self._wait(wait_replicas)
+        if self._closed:
+            raise closed_error("send_in_transaction")
         _, queues = self._route(topic)
         props = dict(properties or {})
         props[PROPERTY_TRANSACTION_PREPARED] = "true"

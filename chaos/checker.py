@@ -99,7 +99,8 @@ class RunData:
     batch: int
     max_reconsume: int
     suspend_s: float
-    #: Scenario-specific checks to enforce: "failover_target", "poison_bound", "beat", "stall_bound".
+    #: Scenario-specific checks to enforce: "failover_target", "poison_bound", "beat", "stall_bound",
+    #: "child_kill_bound".
     enforce: set[str] = field(default_factory=set)
     #: The run's MQORDER_PENDING_TTL_MS and MQORDER_SWEEP_INTERVAL_MS, in seconds like every time here.
     pending_ttl_s: float = 10.0
@@ -180,6 +181,8 @@ class Result:
     long_stalls: list[str] = field(default_factory=list)
     #: Per lost ConsumeRequest task (the last one of a queue before it resumed): seconds to resume.
     lost_task_recovery: list[float] = field(default_factory=list)
+    #: Per queue owned by a worker whose pool processes were killed: seconds to its next call.
+    child_kill_recovery: list[float] = field(default_factory=list)
     crashes: list[str] = field(default_factory=list)
     poison: list[dict[str, Any]] = field(default_factory=list)
     beat: dict[str, Any] = field(default_factory=dict)
@@ -741,6 +744,21 @@ def _stall(data: RunData, entries: list[Entry], r: Result) -> None:
                 r.problems.append(f"queue {q} never had a listener call after its task was taken at {t:.3f}")
             else:
                 r.lost_task_recovery.append(round(nxt - t, 2))
+    # Pool processes killed: from the kill to each owned queue's next listener call (any worker).
+    for ev in data.events:
+        if ev.kind != "kill-child":
+            continue
+        for q in ev.queues:
+            nxt = next((c for c in sorted(starts.get(q, [])) if c > ev.t), None)
+            if nxt is None:
+                r.problems.append(f"queue {q} never had a listener call after its pool process was killed at {ev.t:.3f}")
+            else:
+                r.child_kill_recovery.append(round(nxt - ev.t, 2))
+    child_bound = 2 * data.sweep_interval_s + STALL_SLACK
+    worst_child = max(r.child_kill_recovery, default=0.0)
+    if "child_kill_bound" in data.enforce and worst_child > child_bound:
+        r.problems.append(f"a queue resumed {worst_child}s after its pool process was killed (bound: 2 sweeps + "
+                          f"{STALL_SLACK:.0f}s = {child_bound:.0f}s; the run lease is 60 s)")
     bound = data.pending_ttl_s + 2 * data.sweep_interval_s + STALL_SLACK
     worst_rec = max(r.lost_task_recovery, default=0.0)
     if "stall_bound" in data.enforce and worst_rec > bound:

@@ -196,6 +196,28 @@ class Faults:
         e.t_end = time.time()
         return e
 
+    def kill_pool_processes(self) -> Event | None:
+        """``kill -9`` of every prefork pool process of a queue owner, inside listener calls (its
+        main process lives, heartbeats and respawns them): what the OOM killer does. The worker's
+        main process ends the runs they left (``mqorder.celery.lost_runs``); before it did, each
+        queue waited out its 60 s run lease."""
+        found = self._busiest()
+        if found is None:
+            return None
+        w, qs = found
+        kids = child_pids(w.pid)
+        if not kids:
+            return None
+        with self._slow_calls(w.hostname):
+            e = self._event("kill-child", w.name, queues=qs, info={"client": w.hostname, "pids": kids})
+            for pid in kids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        e.t_end = time.time()
+        return e
+
     # -- Redis and the Celery broker ------------------------------------------------------------
 
     def restart_redis(self, down: float) -> Event:

@@ -20,7 +20,7 @@ from chaos.failover_checks import REDIS_FAILOVER_TARGET, REPLICATION_WINDOW
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"
 MARK = "chaos-results:"
-ORDER = ["kill", "kill-rabbitmq", "sigstop", "sigstop-lease", "sigstop-child", "redis-always", "redis-everysec", "churn",
+ORDER = ["kill", "kill-rabbitmq", "sigstop", "sigstop-lease", "sigstop-child", "kill-child", "redis-always", "redis-everysec", "churn",
          "lost-tasks", "lost-tasks-rabbitmq", "poison", "beat", "all"]
 #: The Sentinel rows, then the Redis Cluster rows, come last, after every single-Redis row (sorted
 #: by name), in this order.
@@ -71,7 +71,7 @@ def compact(r: Result, *, title: str, env: dict[str, str], quick: bool, seconds:
         "sigstop_takeovers": r.takeovers_after_sigstop,
         "epoch_double_owner": len(r.epoch_double_owner), "offset_backward": len(r.offset_backward),
         "max_stall": r.max_stall, "redis_recovery": r.redis_recovery, "tasks_stolen": r.tasks_stolen, "long_stalls": r.long_stalls[:12], "long_stall_count": len(r.long_stalls),
-        "lost_task_recovery": sorted(r.lost_task_recovery), "crashes": r.crashes, "poison": r.poison, "beat": r.beat, "notes": r.notes[:5],
+        "lost_task_recovery": sorted(r.lost_task_recovery), "child_kill_recovery": sorted(r.child_kill_recovery), "crashes": r.crashes, "poison": r.poison, "beat": r.beat, "notes": r.notes[:5],
         "problems": r.problems, "passed": r.passed,
         **_failover_fields(r),
     }
@@ -216,6 +216,8 @@ def _details(d: dict[str, Any]) -> list[str]:
         + (f"; ConsumeRequest tasks taken from the broker: {d['tasks_stolen']}" if d.get("tasks_stolen") else ""),
         *([f"- seconds from a queue's last lost task to its next listener call: {_many(d['lost_task_recovery'])}"]
           if d.get("lost_task_recovery") else []),
+        *([f"- seconds from its pool processes' kill to each queue's next listener call: "
+           f"{_many(d['child_kill_recovery'])}"] if d.get("child_kill_recovery") else []),
         f"- duplicates: {d['dup_redeliveries']} redeliveries after a fault (at most {d['dup_max_per_fault_queue']} "
         f"on one queue after one fault), {d['dup_copies']} second stored copies of sends that raised, "
         f"{d['dup_unexplained']} unexplained"

@@ -104,6 +104,14 @@ def sigstop_pool_process(f: Faults, quick: bool) -> None:
         time.sleep(6)
 
 
+def kill_pool_processes(f: Faults, quick: bool) -> None:
+    clock = Clock()
+    clock.at(4)
+    for _ in range(1 if quick else 3):
+        f.kill_pool_processes()
+        time.sleep(8)
+
+
 def redis_restart(f: Faults, quick: bool) -> None:
     clock = Clock()
     clock.at(6)
@@ -359,6 +367,8 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
     Scenario("sigstop-child", "SIGSTOP of one pool process inside a listener call for 12 s, past its 5 s run "
              "lease (the worker's main process keeps heartbeating)", sigstop_pool_process,
              env={"MQORDER_RUN_LEASE_MS": "5000"}),
+    Scenario("kill-child", "kill -9 of every pool process of a queue owner inside listener calls (the OOM "
+             "killer; its main process lives), repeatedly", kill_pool_processes, enforce={"child_kill_bound"}),
     Scenario("redis-always", "Redis SIGKILLed and restarted from its AOF (appendfsync always)", redis_restart,
              fsync="always"),
     Scenario("redis-everysec", "Redis SIGKILLed and restarted from its AOF (appendfsync everysec)",

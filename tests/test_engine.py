@@ -103,6 +103,28 @@ def test_message_goes_to_dlq_after_max_reconsume_times_and_queue_moves_on(env) -
     assert MessageLog(eng.brokers).consume_offset("g", MQ) == 3
 
 
+def test_a_dead_letter_after_its_dlq_topic_was_deleted_goes_to_a_new_one(env, settings) -> None:
+    """A review: deleting %DLQ%g marks its queue, and the worker, which had ensured the topic once,
+    had every dead letter refused for 10 minutes. It now creates the topic again and sends."""
+    from mqorder.admin.common import Admin
+    from mqorder.admin.topics import delete
+
+    p, eng = env
+    p.send_orderly("t", b"first", sharding_key="k")
+    spec = ListenerSpec(lambda msgs, ctx: S.SUSPEND_CURRENT_QUEUE_A_MOMENT, "t", "g", max_reconsume_times=0,
+                        suspend_current_queue_time_millis=10)
+    drain(eng, spec)
+    admin = Admin.open(settings)
+    delete(admin, keys.dlq_topic("g"), force=True)
+    admin.brokers.close()
+    p.send_orderly("t", b"second", sharding_key="k")
+    eng.brokers.default.client.hset(keys.sub_state(MQ.tag, "g"), mapping={"pending": "tok1", "pend_until": 2**50})
+    request_class(spec)(eng, spec, "g", MQ, "tok1").run()
+    dlq = MessageLog(eng.brokers).read(MessageQueue(keys.dlq_topic("g"), "broker-a", 0), 0, 10)
+    assert [m.body for m in dlq] == [b"second"]
+    assert MessageLog(eng.brokers).consume_offset("g", MQ) == 2
+
+
 def test_a_dead_letter_of_a_listener_that_raised_says_what_it_raised(env) -> None:
     """Two walk-throughs found every dead letter saying "listener kept suspending", also when each
     call raised: the exception was gone once the message left the queue."""

@@ -11,6 +11,7 @@ stats, and the groups' subscription records.
 from __future__ import annotations
 
 import json
+import logging
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -21,10 +22,13 @@ from mqorder.errors import ConfigError
 from mqorder.model import MessageQueue
 from mqorder.retention.policy import RetentionRule, TopicRetention
 from mqorder.store.brokers import group_by_broker
+from mqorder.store.failures import REDIS_ERRORS
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicRoute
 
 #: Keys deleted per call while deleting a topic.
+log = logging.getLogger(__name__)
+
 DELETE_BATCH = 500
 #: The end of ``keys.queue_gone``'s names: the marks ``delete`` sets, which it leaves in place.
 GONE_SUFFIX = keys.queue_gone("{}").rsplit("}", 1)[-1]
@@ -77,7 +81,7 @@ class TopicInfo:
         }
 
 
-def create(admin: Admin, topic: str, queues: int, brokers: list[str] | None = None, perm: str = "rw",
+def create(admin: Admin, topic: str, queues: int, brokers: list[str] | None = None, perm: str | None = None,
            retention: TopicRetention | None = None) -> TopicInfo:
     """Create ``topic`` (idempotent for the same layout); workers pick it up at once."""
     admin.topics.create_topic(topic, queues, brokers=brokers, perm=perm, retention=retention)
@@ -181,10 +185,20 @@ def delete(admin: Admin, topic: str, *, force: bool = False, dry_run: bool = Fal
             "offsets. Stop their workers (or remove the listeners) first, or pass --force"
         )
     subs = _lanes_of_topic(admin, topic, groups)
-    if not dry_run:
-        _mark_gone(admin, route)
-    _delete_queue_keys(admin, route, report)
-    _delete_meta(admin, topic, route, subs, groups, report)
+    if dry_run:
+        _delete_queue_keys(admin, route, report)
+        _delete_meta(admin, topic, route, subs, groups, report)
+        return report
+    _mark_gone(admin, route)
+    try:
+        _delete_queue_keys(admin, route, report)
+        _delete_meta(admin, topic, route, subs, groups, report)
+    except BaseException:
+        # Stopped half way (a timeout, Ctrl-C, a broker lost): the topic still exists, and its
+        # marks would have refused every send to it for GONE_TTL_MS. Taken back if possible.
+        if admin.brokers.meta.exists(keys.topic_route(topic)):
+            _unmark(admin, route)
+        raise
     return report
 
 
@@ -213,6 +227,21 @@ def _mark_gone(admin: Admin, route: TopicRoute) -> None:
             if mq.broker_name == broker:
                 pipe.set(keys.queue_gone(mq.tag), 1, px=keys.GONE_TTL_MS)
         pipe.execute()
+
+
+def _unmark(admin: Admin, route: TopicRoute) -> None:
+    """``_mark_gone`` taken back (best effort: a mark left lapses on its own)."""
+    for broker in route.queues_per_broker:
+        try:
+            pipe = admin.brokers.get(broker).client.pipeline(transaction=False)
+            for mq in route.message_queues:
+                if mq.broker_name == broker:
+                    pipe.delete(keys.queue_gone(mq.tag))
+            pipe.execute()
+        except REDIS_ERRORS as exc:
+            log.warning("topic delete of %r stopped half way, and broker %r did not answer to take its marks "
+                        "back (%s): its queues there refuse sends for %d minutes; run the delete again to finish it",
+                        route.topic, broker, exc, keys.GONE_TTL_MS // 60_000)
 
 
 def _delete_queue_keys(admin: Admin, route: TopicRoute, report: DeleteReport) -> None:

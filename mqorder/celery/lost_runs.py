@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,19 @@ from mqorder.celery.dispatch import CONSUME_REQUEST
 from mqorder.consumer.client_instance import ClientInstance
 
 log = logging.getLogger(__name__)
+
+
+def _ends_process(signum: Any) -> bool:
+    """Whether Celery's terminate signal (a number or a name, ``SIGTERM`` by default) kills a pool
+    process: SIGKILL, or SIGTERM (a prefork child does not handle it)."""
+    if signum in (None, ""):
+        return True  # Celery's default, SIGTERM
+    try:
+        sig = signal.Signals(int(signum)) if str(signum).isdigit() else signal.Signals[
+            str(signum).upper() if str(signum).upper().startswith("SIG") else "SIG" + str(signum).upper()]
+    except (KeyError, ValueError):
+        return False
+    return sig in (signal.SIGKILL, signal.SIGTERM)
 
 
 class LostRunWatch:
@@ -48,8 +62,12 @@ class LostRunWatch:
         if isinstance(exception, WorkerLostError):
             self._lost(sender, task_id)
 
-    def _on_revoked(self, sender: Any = None, request: Any = None, terminated: bool = False, **_: Any) -> None:
-        if terminated:
+    def _on_revoked(self, sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None,
+                    **_: Any) -> None:
+        # Only a signal that ends the pool process: `revoke --terminate --signal=SIGUSR1` (a soft
+        # time limit) leaves it running its call, and a new run beside it would overlap its side
+        # effects (its commits would be fenced, not its calls).
+        if terminated and _ends_process(signum):
             self._lost(sender, getattr(request, "id", None))
 
     def _lost(self, sender: Any, task_id: str | None) -> None:

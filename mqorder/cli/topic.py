@@ -32,7 +32,7 @@ def topic_create(
     name: str = typer.Argument(..., help="topic name"),
     queues: int = typer.Option(8, help="queues per broker (cannot change later: keys would move)"),
     broker: list[str] = typer.Option(None, help="broker names (default: the default broker); repeat for several"),
-    perm: TopicPerm = typer.Option(TopicPerm.RW, parser=parse_perm, help=PERM_HELP),
+    perm: TopicPerm = typer.Option(None, parser=parse_perm, help=PERM_HELP + " (default rw)"),
     retention_policy: RetentionPolicy = typer.Option(
         None, parser=parse_policy, help="time (trim what is older, consumed or not) or consumed (only what every "
         "group consumed); default MQORDER_RETENTION_POLICY"),
@@ -45,7 +45,7 @@ def topic_create(
     retention = TopicRetention.of(policy=retention_policy, retention_ms=retention_ms,
                                   retention_min_ms=retention_min_ms, retention_max_messages=retention_max_messages)
     with Admin.open() as admin:
-        info = topics.create(admin, name, queues, broker or None, perm.value, retention)
+        info = topics.create(admin, name, queues, broker or None, perm.value if perm is not None else None, retention)
     emit(info, as_json, render.topic)
 
 

@@ -14,7 +14,7 @@ import logging
 from mqorder import keys
 from mqorder.codec import encode_header
 from mqorder.consumer.retry import origin_of
-from mqorder.errors import MessageError
+from mqorder.errors import MessageError, TopicNotFoundError
 from mqorder.model import MessageExt, MessageQueue
 from mqorder.store.append import QueueAppender
 from mqorder.store.topics import TopicManager
@@ -56,8 +56,16 @@ class DeadLetterWriter:
         # queue, and with an equal epoch (lanes granted in one call share one) that message's dead
         # letter was dropped as a duplicate of this one: lost.
         dedup = f"dlq|{(queue or msg.message_queue).key}|{msg.queue_offset}|{epoch}"
-        self.appender.append(mq, [(self._header(msg, reason, epoch), body)], ids=[dedup],
-                             dedup_window_ms=DLQ_DEDUP_WINDOW_MS)
+        entry = [(self._header(msg, reason, epoch), body)]
+        try:
+            self.appender.append(mq, entry, ids=[dedup], dedup_window_ms=DLQ_DEDUP_WINDOW_MS)
+        except TopicNotFoundError:
+            # The DLQ topic was deleted (`mqorder topic delete %DLQ%<group>`) since this process
+            # ensured it: its queue refuses writes. Create it again and send once more.
+            self._ready.discard(topic)
+            self.topics.ensure_dlq_topic(group)
+            self._ready.add(topic)
+            self.appender.append(mq, entry, ids=[dedup], dedup_window_ms=DLQ_DEDUP_WINDOW_MS)
         log.warning(
             "message %s of %s offset %d sent to %s after %d reconsume(s): %s",
             msg.msg_id, msg.message_queue.key, msg.queue_offset, topic, msg.reconsume_times, reason,

@@ -13,6 +13,11 @@
 -- Members are a zero-padded per-queue sequence: messages due at the same ms keep their send order
 -- (a ZSET orders equal scores by member).
 --- @include "_now"
+-- A deleted topic's queue refuses (mqorder.keys.queue_gone beside this schedule, in its hash tag),
+-- as append_entries does: a delayed message held here reached a topic created again under the name.
+if redis.call('EXISTS', string.sub(KEYS[1], 1, -6) .. 'gone') == 1 then
+  return redis.error_reply('MQORDER_TOPIC_DELETED ' .. string.sub(KEYS[1], 1, -7))
+end
 if KEYS[4] then
   local seen = redis.call('GET', KEYS[4])
   if seen then return {tonumber(seen)} end

@@ -321,7 +321,7 @@ class ClientInstance:
         """Heartbeat, and rebalance if who is live, the topology or the last rebalance's age says
         so; what it reads comes back with the heartbeat (``heartbeat_and_watch``)."""
         beat = self.service.registry.heartbeat_and_watch(self.client_id, (keys.topology_version(), keys.rebalance_last()))
-        if self._registered and not beat.registered:
+        if self._registered and not beat.registered and not self._stop.is_set():  # not our own leave
             self._register_again()
         topology, last = beat.watched
         fp = _fingerprint(beat.fingerprint, topology)

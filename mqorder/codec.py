@@ -155,6 +155,41 @@ def _header_type_error(msg: MessageExt) -> str | None:
     return None
 
 
+def _why_undecodable(fields: Any, exc: Exception) -> str:
+    """What was wrong with a stream entry ``decode_entries`` could not read, in words: "KeyError:
+    b'h'" or "list indices must be integers" sent the reader of a dead letter into the codec.
+    Never raises: the exception's own text when the entry defies description."""
+    try:
+        return _describe(fields, exc)
+    except Exception:  # noqa: BLE001 - the description is a nicety, the dead letter is not
+        return f"{type(exc).__name__}: {exc}"
+
+
+def _describe(fields: Any, exc: Exception) -> str:
+    try:
+        f = fields if isinstance(fields, dict) else dict(zip(fields[::2], fields[1::2], strict=False))
+    except Exception:  # noqa: BLE001 - not even field/value pairs
+        f = None
+    if not isinstance(f, dict) or not f:
+        return "the entry has no fields (not written by an mqorder producer)"
+    missing = [n for n in (b"h", b"b") if n not in f]
+    if missing:
+        names = " and ".join(repr(n.decode()) for n in missing)
+        return f"the entry has no {names} field (not written by an mqorder producer; fields: " \
+               f"{sorted(k.decode('utf-8', 'replace') if isinstance(k, bytes) else str(k) for k in f)[:8]})"
+    try:
+        h = orjson.loads(f[b"h"])
+    except ValueError:
+        return f"its header is not JSON ({type(exc).__name__}: {exc})"
+    if not isinstance(h, dict):
+        kind = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number"}.get(
+            type(h), "null")
+        return f"its header is JSON {kind}, not an object with the message id 'i'"
+    if "i" not in h:
+        return "its header has no message id 'i'"
+    return f"{type(exc).__name__}: {exc}"
+
+
 def decode_entries(
     mq: MessageQueue,
     entries: Iterable[Any],
@@ -196,7 +231,7 @@ def decode_entries(
         except Exception as exc:  # noqa: BLE001 - any decode failure is a poison message
             # Keep the body if it was readable: the DLQ then holds the original payload.
             msg = MessageExt("", topic, broker, qid, offset, body if type(body) is bytes else b"", [], None, {}, 0, 0)
-            msg.decode_error = f"undecodable entry: {type(exc).__name__}: {exc}"[:500]
+            msg.decode_error = f"undecodable entry: {_why_undecodable(fields, exc)}"[:500]
         if rget is not None:
             msg.reconsume_times = rget(offset, 0)
         append(msg)

@@ -58,3 +58,29 @@ def test_listeners_consume_in_order_under_celerys_start_worker(redis_url: str, t
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == str([(k, list(range(10))) for k in ("a", "b", "c")]), (
         done.stdout[-2000:], done.stderr[-2000:])
+
+
+BAD_REQUESTS = textwrap.dedent("""
+    import logging, sys
+    logging.basicConfig(level=logging.ERROR, stream=sys.stdout, format="%(message)s")
+    from celery import Celery
+    from mqorder.celery import install
+    from mqorder.settings import load_settings
+
+    app = Celery("bad", broker=sys.argv[1], set_as_current=False)
+    install(app, load_settings(redis_url=sys.argv[1]))
+    task = app.tasks["mqorder.consume_request"]
+    for args in ([1, 2], [123, ["x"], {"a": 1}], []):
+        print("RESULT", task.apply(args=args).result)
+""")
+
+
+def test_a_consume_request_with_arguments_mqorder_never_sends_is_refused_in_words(redis_url: str) -> None:
+    """An adversarial walk-through: hand-made ``mqorder.consume_request`` messages gave bare
+    tracebacks ("missing 1 required positional argument", "'list' object has no attribute
+    'split'") from deep inside. Run in a process of its own (its app)."""
+    done = subprocess.run([sys.executable, "-c", BAD_REQUESTS, redis_url], cwd=ROOT, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-800:]
+    assert done.stdout.count("RESULT {'verb': 'BAD_REQUEST'}") == 3, done.stdout
+    assert "got arguments (123, ['x'], {'a': 1}), not (subscription, queue key, token) strings" in done.stdout

@@ -358,3 +358,17 @@ def test_header_bytes_are_the_compact_utf8_json_of_the_stdlib_and_a_surrogate_is
     assert raw == json.dumps(expected, ensure_ascii=False, separators=(",", ":")).encode()
     with pytest.raises(MessageError, match="not valid UTF-8"):
         encode_header("ID2", keys=["\ud800"])
+
+
+@pytest.mark.parametrize(("fields", "why"), [
+    ([b"x", b"1"], "the entry has no 'h' and 'b' field (not written by an mqorder producer; fields: ['x'])"),
+    ([], "the entry has no fields (not written by an mqorder producer)"),
+    ([b"h", b"[1]", b"b", b"x", b"s", b"0"], "its header is JSON an array, not an object with the message id 'i'"),
+    ([b"h", b"null", b"b", b"x", b"s", b"0"], "its header is JSON null, not an object with the message id 'i'"),
+    ([b"h", b'{"b":1}', b"b", b"x", b"s", b"0"], "its header has no message id 'i'"),
+])
+def test_an_undecodable_entry_says_what_is_wrong_in_words(fields: list[bytes], why: str) -> None:
+    """An adversarial walk-through: the dead letters of such entries read "KeyError: b'h'" or
+    "list indices must be integers or slices, not str"."""
+    (msg,) = decode_entries(MessageQueue("t", "b", 0), [(b"3-1", fields)])
+    assert msg.decode_error == f"undecodable entry: {why}"

@@ -133,6 +133,31 @@ def test_every_send_after_close_is_refused_as_the_async_one_is(settings) -> None
         assert sum(MessageLog(fresh.brokers).max_offset(mq) for mq in fresh.describe_topic("orders").message_queues) == 0
 
 
+def test_a_redis_that_comes_back_without_its_data_has_no_topics_for_the_producer() -> None:
+    """An adversarial walk-through: after Redis restarted empty, a producer whose sends had failed
+    meanwhile went on acknowledging sends into the vanished topic for up to its 30 s route cache."""
+    from mqorder.errors import BrokerUnavailableError
+    from mqorder.settings import load_settings
+    from mqorder.testing.embedded import RedisServer, free_port
+
+    port = free_port()
+    srv = RedisServer(port=port).start()
+    p = Producer(settings=load_settings(redis_url=f"redis://127.0.0.1:{port}/0", send_msg_timeout_ms=500))
+    try:
+        p.create_topic("w", queues=2)
+        assert p.send_orderly("w", b"x", sharding_key="k").queue_offset == 0
+        srv.stop()
+        with pytest.raises(BrokerUnavailableError):
+            p.send_orderly("w", b"x", sharding_key="k")
+        srv = RedisServer(port=port).start()  # the same address, no data
+        for _ in range(2):
+            with pytest.raises(TopicNotFoundError, match="does not exist"):
+                p.send_orderly("w", b"x", sharding_key="k")
+    finally:
+        p.close()
+        srv.stop()
+
+
 def test_unknown_topic_is_refused_with_how_to_create_it(producer: Producer) -> None:
     with pytest.raises(TopicNotFoundError, match="create_topic"):
         producer.send_orderly("nope", b"x", sharding_key="k")

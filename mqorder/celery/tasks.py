@@ -55,9 +55,17 @@ def addressee(request: Any) -> str:
 
 
 @shared_task(name=CONSUME_REQUEST, bind=True, ignore_result=True, acks_late=False)
-def consume_request(self, sub: str, mq_key: str, token: str) -> dict:
+def consume_request(self, sub: str = "", mq_key: str = "", token: str = "") -> dict:
     """One ConsumeRequest run over one queue (see ``mqorder.consumer.consume_request``)."""
     client_id = addressee(self.request)
+    if not (isinstance(sub, str) and sub and isinstance(mq_key, str) and mq_key and isinstance(token, str)
+            and token):
+        # Not one mqorder sent (a hand-made or foreign message on the worker's queue): a Python
+        # traceback from deep inside said nothing of where it came from. Nothing is consumed.
+        log.error("mqorder.consume_request %s got arguments %r, not (subscription, queue key, token) strings as "
+                  "mqorder's own requests carry: ignored (was it sent by hand?)", self.request.id,
+                  (sub, mq_key, token))
+        return {"verb": "BAD_REQUEST"}
     mq = MessageQueue.from_key(mq_key)
     spec = get_listener(keys.group_of_sub(sub), mq.topic)
     if spec is None:

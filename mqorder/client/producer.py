@@ -246,6 +246,7 @@ class Producer:
                 raise
             except BrokerUnavailableError as exc:
                 last_broker, last_exc = mq.broker_name, exc
+                self._forget_routes()
         assert last_exc is not None
         raise last_exc
 
@@ -375,6 +376,7 @@ class Producer:
                 replies = self.appender.append_many(requests, wait=wait)
                 break
             except BrokerUnavailableError:
+                self._forget_routes()
                 if attempt + 1 >= attempts:
                     raise
                 time.sleep(KEYED_RETRY_PAUSE[min(attempt, len(KEYED_RETRY_PAUSE) - 1)])
@@ -536,6 +538,7 @@ class Producer:
             try:
                 reply = self.appender.append(mq, [(header, body)], ids=[key], dedup_window_ms=window_ms, wait=wait)
             except BrokerUnavailableError:
+                self._forget_routes()
                 if attempt + 1 >= attempts:
                     raise
                 time.sleep(KEYED_RETRY_PAUSE[min(attempt, len(KEYED_RETRY_PAUSE) - 1)])
@@ -571,10 +574,21 @@ class Producer:
                        wait: SendWait | None) -> SendResult:
         """One message without a dedup key: ``append_one`` (no request or reply objects: a
         trickle's path), or with a durable ``wait`` the full ``append``."""
-        if wait is None:
-            offset, store_ms = self.appender.append_one(mq, header, body)
-            return SendResult(SendStatus.SEND_OK, msg_id, mq, offset, store_ms)
-        return _result(mq, msg_id, self.appender.append(mq, [(header, body)], wait=wait))
+        try:
+            if wait is None:
+                offset, store_ms = self.appender.append_one(mq, header, body)
+                return SendResult(SendStatus.SEND_OK, msg_id, mq, offset, store_ms)
+            return _result(mq, msg_id, self.appender.append(mq, [(header, body)], wait=wait))
+        except BrokerUnavailableError:
+            self._forget_routes()
+            raise
+
+    def _forget_routes(self) -> None:
+        """After a broker did not answer: read every route again at the next send. A Redis that
+        comes back without its data (restarted with no persistence, a new empty replica) has no
+        topics, and the cached routes had sends acknowledged into queues of topics that no longer
+        existed for up to ``ROUTE_TTL`` (an adversarial walk-through: 12 s of them)."""
+        self._routes.clear()
 
     def _wait_delayed(self, mq: MessageQueue, wait: SendWait) -> None:
         """A delayed message waits beside its queue (``delay_schedule.lua``), not through the

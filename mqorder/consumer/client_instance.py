@@ -351,9 +351,10 @@ class ClientInstance:
         ended) unregistered it on its way out. The survivor heartbeated on with no subscriptions,
         so every rebalance gave its group's queues to nobody, for good (a Celery operator's
         walk-through: 0 of 240 messages in minutes). Register again and rebalance at once."""
-        log.warning("mqorder: client %s found its registration gone (another process under the same client id, "
-                    "i.e. the same Celery node name, stopped and unregistered it); registering again. Give each "
-                    "worker its own name (celery worker -n NAME@%%h)", self.client_id)
+        log.warning("mqorder: client %s found its registration gone, registering again: another process under the "
+                    "same client id (the same Celery node name) stopped and unregistered it (give each worker its "
+                    "own name: celery worker -n NAME@%%h), or Redis lost its data (restarted without persistence, "
+                    "flushed)", self.client_id)
         self.service.registry.register(self.client_id, self.subscriptions, self.details)
         self._rebalance_owed = True
 

@@ -68,7 +68,7 @@ class DeadLetterWriter:
             self.appender.append(mq, entry, ids=[dedup], dedup_window_ms=DLQ_DEDUP_WINDOW_MS)
         log.warning(
             "message %s of %s offset %d sent to %s after %d reconsume(s): %s",
-            msg.msg_id, msg.message_queue.key, msg.queue_offset, topic, msg.reconsume_times, reason,
+            msg.msg_id or "(no id)", msg.message_queue.key, msg.queue_offset, topic, msg.reconsume_times, reason,
         )
 
     def _header(self, msg: MessageExt, reason: str, epoch: int) -> bytes:

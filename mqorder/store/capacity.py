@@ -158,9 +158,11 @@ class CapacityGuard:
             raise BrokerFullError(
                 f"{action} refused: Redis broker {broker.name!r} at {broker.safe_url} uses {ratio:.0%} of its "
                 f"maxmemory ({_mib(reading.used)} of {_mib(reading.maxmemory)}), at or over "
-                f"MQORDER_MAX_MEMORY_RATIO={self.max_memory_ratio}; nothing was stored. Consumers keep "
-                "draining it and retention trims it: retry later, raise maxmemory, or shorten the topics' "
-                "retention (`mqorder topic retention`)"
+                f"MQORDER_MAX_MEMORY_RATIO={self.max_memory_ratio}; nothing was stored. Retention frees "
+                "what consumers committed (and, with the time policy, what is old), unless Redis is past its "
+                "maxmemory for them too (`used_memory` over `maxmemory` refuses their commits: free memory "
+                "first): retry later, raise maxmemory, or shorten the topics' retention (`mqorder topic "
+                "retention`)"
             )
 
     def memory(self, broker: Broker) -> MemoryReading:

@@ -193,3 +193,25 @@ def test_cancel_grace_is_bounded_and_ordering_takes_any_case() -> None:
         assert spec is not None and spec.ordering is Ordering.KEY and spec.cancel_grace_ms == 3_600_000
     finally:
         unregister_listener("g-case", "t-case")
+
+
+def test_a_concurrent_clustering_listener_refuses_a_suspend_it_would_ignore() -> None:
+    """A key-mode user's walk-through: accepted and ignored (retries go through %RETRY%<group>)."""
+    from mqorder import concurrent_listener
+
+    with pytest.raises(ListenerError, match=r"suspend_current_queue_time_millis applies to message_model='BROADCASTING'"):
+        concurrent_listener(topic="bad", group="b", suspend_current_queue_time_millis=5000)
+
+
+def test_a_listener_module_raising_at_import_stops_the_stock_app_in_one_line(tmp_path: Path, redis_url: str) -> None:
+    """It gave Celery's "Unable to load celery application" and a 57-line traceback blaming
+    mqorder.app, where OPERATING.md promises one line naming the module."""
+    (tmp_path / "broken_listeners.py").write_text('raise RuntimeError("boom at import")\n')
+    env = {**os.environ, "MQORDER_LISTENERS": "broken_listeners", "MQORDER_REDIS_URL": redis_url,
+           "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.getcwd()}"}
+    proc = subprocess.run([sys.executable, "-c", "import mqorder.app"], env=env, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2, proc.stderr[-600:]
+    assert proc.stderr.startswith("mqorder.app: listener module 'broken_listeners' (MQORDER_LISTENERS) raised at "
+                                  "import: RuntimeError: boom at import (")
+    assert proc.stderr.count("\n") == 1

@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
+import traceback
 
 from celery import Celery
 
@@ -72,3 +73,7 @@ def _import(name: str) -> None:
         ) from exc
     except MQOrderError as exc:  # a decorator refused its arguments (ListenerError, a bad name)
         raise ConfigError(f"listener module {name!r} (MQORDER_LISTENERS): {exc}") from exc
+    except Exception as exc:  # its own code raised: a traceback inside Celery's "Unable to load" buried it
+        where = traceback.extract_tb(exc.__traceback__)[-1]
+        raise ConfigError(f"listener module {name!r} (MQORDER_LISTENERS) raised at import: {type(exc).__name__}: "
+                          f"{exc} ({where.filename}:{where.lineno})") from exc

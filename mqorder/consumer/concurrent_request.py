@@ -211,7 +211,9 @@ class ConcurrentConsumeRequest(KeyConsumeRequest):
         for m in dead:
             why = ("the listener asked for the DLQ (delay_level_when_next_consume=-1)" if level < 0
                    else f"max reconsume times {limit} reached (the last call raised {ctx.failure})" if ctx.failure
-                   else f"max reconsume times {limit} reached (listener returned RECONSUME_LATER)")
+                   else f"max reconsume times {limit} reached (listener returned CONSUME_SUCCESS with "
+                        f"ctx.ack_index {ack}, leaving it unacknowledged)" if handled.status is SUCCESS
+                   else f"max reconsume times {limit} reached (listener returned RECONSUME_LATER or nothing)")
             self.engine.dlq.send(spec.group, m, why, self.epoch, self.mq)
         sender = self.engine.retry_sender
         for m in back:

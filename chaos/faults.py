@@ -176,16 +176,22 @@ class Faults:
         e.t_end = time.time()
         return e
 
-    def pause_pool_process(self, seconds: float) -> Event | None:
-        """SIGSTOP of one prefork pool process of a queue owner, inside a listener call, for
-        ``seconds`` (its main process keeps heartbeating and renewing the worker's locks)."""
+    def _busiest_pool(self) -> tuple[WorkerProcess, list[int], list[int]] | None:
+        """``_busiest`` with its pool processes' pids; None without a queue owner or a pool."""
         found = self._busiest()
         if found is None:
             return None
-        w, _ = found
+        w, qs = found
         kids = child_pids(w.pid)
-        if not kids:
+        return (w, qs, kids) if kids else None
+
+    def pause_pool_process(self, seconds: float) -> Event | None:
+        """SIGSTOP of one prefork pool process of a queue owner, inside a listener call, for
+        ``seconds`` (its main process keeps heartbeating and renewing the worker's locks)."""
+        found = self._busiest_pool()
+        if found is None:
             return None
+        w, _, kids = found
         with self._slow_calls(w.hostname):
             e = self._event("sigstop-child", w.name, info={"client": w.hostname, "pid": kids[0], "seconds": seconds})
             os.kill(kids[0], signal.SIGSTOP)
@@ -201,13 +207,10 @@ class Faults:
         main process lives, heartbeats and respawns them): what the OOM killer does. The worker's
         main process ends the runs they left (``mqorder.celery.lost_runs``); before it did, each
         queue waited out its 60 s run lease."""
-        found = self._busiest()
+        found = self._busiest_pool()
         if found is None:
             return None
-        w, qs = found
-        kids = child_pids(w.pid)
-        if not kids:
-            return None
+        w, qs, kids = found
         with self._slow_calls(w.hostname):
             e = self._event("kill-child", w.name, queues=qs, info={"client": w.hostname, "pids": kids})
             for pid in kids:

@@ -4,9 +4,10 @@ Why: a run marks its queue as running for the run lease (60 s, renewed by every 
 no second request runs it at once. When the process running it dies (the OOM killer, ``kill -9``
 of a prefork child, ``celery control terminate``), nothing ends the mark: the queue waited out the
 lease, 60 s, while ``mqorder status`` called nothing stuck. Celery's main process learns of the
-loss (``task_failure`` with ``WorkerLostError``, ``task_revoked`` with ``terminated``), and the
-run's runner id starts with the task id (``ConsumerEngine.run``), so it can end exactly that
-execution's runs (``ClientInstance.abandon_runs``, ``abandon.lua``) and sweep at once.
+loss (``task_failure`` with ``WorkerLostError`` or a hard ``TimeLimitExceeded``, ``task_revoked``
+with ``terminated``), and the run's runner id starts with the task id (``ConsumerEngine.run``), so
+it can end exactly that execution's runs (``ClientInstance.abandon_runs``, ``abandon.lua``) and
+sweep at once.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 
 from billiard.exceptions import WorkerLostError
 from celery import signals
+from celery.exceptions import TimeLimitExceeded
 
 from mqorder.celery.dispatch import CONSUME_REQUEST
 from mqorder.consumer.client_instance import ClientInstance
@@ -59,7 +61,8 @@ class LostRunWatch:
 
     def _on_failure(self, sender: Any = None, task_id: str | None = None, exception: BaseException | None = None,
                     **_: Any) -> None:
-        if isinstance(exception, WorkerLostError):
+        # A hard time limit kills the pool process too (billiard terminates it after the limit).
+        if isinstance(exception, (WorkerLostError, TimeLimitExceeded)):
             self._lost(sender, task_id)
 
     def _on_revoked(self, sender: Any = None, request: Any = None, terminated: bool = False, signum: Any = None,

@@ -371,3 +371,28 @@ def test_kill_9_of_a_pool_child_mid_run_moves_its_queue_on_in_seconds_not_the_ru
     assert violations == [] and handled == n
     assert "died mid-run (its pool process was lost); ended its run" in cluster.workers["w1"].logfile.read_text()
     p.close()
+
+
+def test_a_run_past_its_hard_time_limit_frees_its_queue_at_once(cluster: Cluster, r: redis.Redis) -> None:
+    """Celery kills the pool process of a task past its hard time limit (``--time-limit``): the
+    run it left ended at once (``lost_runs``), where its queue waited out the 60 s run lease."""
+    from mqorder.testing.launcher import WorkerProcess
+    from tests.support import ROOT
+
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=2)
+    r.hset("ctl:g-order", "sleep_ms", 3000)  # every call outlives the 2 s limit
+    w = WorkerProcess("tl1", env=cluster.env(), concurrency=2, logfile=cluster.tmp / "tl1.log", cwd=ROOT,
+                      loglevel="INFO", extra_args=["--time-limit=2"])
+    cluster.workers["tl1"] = w
+    w.start()
+    w.wait_registered(cluster.client, timeout=60)
+    p.send_orderly_batch("t-order", [("k", body("k", 1))])
+    wait_for(lambda: "died mid-run" in (cluster.tmp / "tl1.log").read_text(), timeout=30,
+             what="a run killed by the hard time limit ended at once")
+    released = time.monotonic()
+    r.hset("ctl:g-order", "sleep_ms", 0)
+    wait_for(lambda: _handled(r, "g-order", 1), timeout=40, what="the message handled once calls are quick")
+    took = time.monotonic() - released
+    assert took < 15, f"the queue waited {took:.1f} s after its run was killed (run lease: 60 s)"
+    p.close()

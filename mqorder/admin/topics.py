@@ -22,7 +22,6 @@ from mqorder.errors import ConfigError
 from mqorder.model import MessageQueue
 from mqorder.retention.policy import RetentionRule, TopicRetention
 from mqorder.store.brokers import group_by_broker
-from mqorder.store.failures import REDIS_ERRORS
 from mqorder.store.replies import text
 from mqorder.store.topics import TopicRoute
 
@@ -231,17 +230,10 @@ def _mark_gone(admin: Admin, route: TopicRoute) -> None:
 
 def _unmark(admin: Admin, route: TopicRoute) -> None:
     """``_mark_gone`` taken back (best effort: a mark left lapses on its own)."""
-    for broker in route.queues_per_broker:
-        try:
-            pipe = admin.brokers.get(broker).client.pipeline(transaction=False)
-            for mq in route.message_queues:
-                if mq.broker_name == broker:
-                    pipe.delete(keys.queue_gone(mq.tag))
-            pipe.execute()
-        except REDIS_ERRORS as exc:
-            log.warning("topic delete of %r stopped half way, and broker %r did not answer to take its marks "
-                        "back (%s): its queues there refuse sends for %d minutes; run the delete again to finish it",
-                        route.topic, broker, exc, keys.GONE_TTL_MS // 60_000)
+    for broker, exc in admin.topics.clear_gone_marks(route.topic, route.queues_per_broker):
+        log.warning("topic delete of %r stopped half way, and broker %r did not answer to take its marks "
+                    "back (%s): its queues there refuse sends for %d minutes; run the delete again to finish it",
+                    route.topic, broker, exc, keys.GONE_TTL_MS // 60_000)
 
 
 def _delete_queue_keys(admin: Admin, route: TopicRoute, report: DeleteReport) -> None:

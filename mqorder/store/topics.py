@@ -142,7 +142,10 @@ class TopicManager:
         if meta.hsetnx(route_key, "layout", json.dumps(layout, sort_keys=True)):
             # A topic deleted under this name within keys.GONE_TTL_MS left its queues refusing
             # appends (mqorder.admin.topics.delete): this topic's queues take them again.
-            self._clear_gone(topic, layout)
+            for broker, exc in self.clear_gone_marks(topic, layout):
+                log.warning("create_topic(%r): broker %r did not answer (%s); if the topic was deleted in the last "
+                            "%d minutes, its queues there refuse sends until then", topic, broker, exc,
+                            keys.GONE_TTL_MS // 60_000)
             route_fields: dict[Any, Any] = {"created_ms": created, "perm": perm}
             route_fields.update(retention.to_fields() if retention else {})
             meta.hset(route_key, mapping=route_fields)
@@ -157,10 +160,11 @@ class TopicManager:
         _say_kept(existing, asked_perm, retention)
         return existing
 
-    def _clear_gone(self, topic: str, layout: dict[str, int]) -> None:
-        """Remove a deleted namesake's marks (``keys.queue_gone``) from this topic's queues. A
-        broker that does not answer is passed over, as creating a topic never needed its brokers:
-        a mark there, if any, lapses on its own (``keys.GONE_TTL_MS``)."""
+    def clear_gone_marks(self, topic: str, layout: dict[str, int]) -> list[tuple[str, Exception]]:
+        """Remove the marks a topic delete set (``keys.queue_gone``) from the queues of ``layout``;
+        the brokers that did not answer, with why (a mark there lapses on its own, in
+        ``keys.GONE_TTL_MS``): creating a topic, or taking back a delete, never needed them."""
+        failed: list[tuple[str, Exception]] = []
         for broker, n in layout.items():
             try:
                 pipe = self.brokers.get(broker).client.pipeline(transaction=False)
@@ -168,9 +172,8 @@ class TopicManager:
                     pipe.delete(keys.queue_gone(MessageQueue(topic, broker, qid).tag))  # one key per DEL: slots
                 pipe.execute()
             except REDIS_ERRORS as exc:
-                log.warning("create_topic(%r): broker %r did not answer (%s); if the topic was deleted in the last "
-                            "%d minutes, its queues there refuse sends until then", topic, broker, exc,
-                            keys.GONE_TTL_MS // 60_000)
+                failed.append((broker, exc))
+        return failed
 
     def describe_topic(self, topic: str) -> TopicRoute:
         if not isinstance(topic, str):

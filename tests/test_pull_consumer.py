@@ -81,6 +81,29 @@ def test_two_consumers_split_the_queues_and_a_leaver_hands_its_queues_over(fast,
     b.shutdown()
 
 
+def test_a_consumer_whose_namesake_left_registers_again_and_gets_its_queues(fast, producer: Producer) -> None:
+    """A second consumer under the same client id that shuts down unregisters the id. The one
+    still running heartbeated on as a member with no subscriptions, so rebalances gave it no
+    queue, for good; it now notices at its next heartbeat and registers again."""
+    a = PullConsumer("audit", settings=fast, client_id="same")
+    b = PullConsumer("audit", settings=fast, client_id="same")
+    try:
+        assert len(a.fetch_message_queues_in_balance("orders")) == 4
+        b.fetch_message_queues_in_balance("orders")
+        b.shutdown()
+        deadline = time.monotonic() + 5
+        held: list[MessageQueue] = []
+        while time.monotonic() < deadline:
+            held = a.fetch_message_queues_in_balance("orders")
+            if len(held) == 4 and a.registry.heartbeat_and_watch("same").registered:
+                break
+            time.sleep(0.1)
+        assert len(held) == 4
+        assert a.registry.heartbeat_and_watch("same").registered
+    finally:
+        a.shutdown()
+
+
 def test_a_stale_holder_cannot_commit_after_its_queue_moved(fast, producer: Producer, r: redis.Redis) -> None:
     for i in range(6):
         producer.send_orderly("orders", f"{i}".encode(), sharding_key="k")

@@ -377,6 +377,19 @@ class PullConsumer:
             self._thread = threading.Thread(target=self._duties, name=f"mqorder-pull-{self.client_id}", daemon=True)
             self._thread.start()
 
+    def _register_again(self) -> None:
+        """The registration vanished while this consumer runs: another process under the same
+        client id left (and unregistered it), or Redis lost its data. The heartbeat alone kept a
+        member with no subscriptions, which every rebalance gave no queue, so the application's
+        ``fetch_message_queues_in_balance`` returned nothing for good. Register (and subscribe)
+        again; the rebalance follows from the changed membership."""
+        log.warning("pull consumer %s found its registration gone, registering again: another process under the "
+                    "same client id stopped and unregistered it (give each consumer its own client_id), or Redis "
+                    "lost its data (restarted without persistence, flushed)", self.client_id)
+        for topic in self._topics:
+            self.topics.subscribe(self.group, topic, MessageModel.CLUSTERING)
+        self._register()
+
     def _fingerprint_now(self) -> str:
         topology = text(self.brokers.meta.get(keys.topology_version()))
         return f"{self.registry.membership_fingerprint()}\n{topology}"
@@ -439,8 +452,10 @@ class PullConsumer:
         next_lock = 0.0
         while not self._stop.wait(s.heartbeat_interval_ms / 1000):
             try:
-                self.registry.heartbeat(self.client_id)
+                beat = self.registry.heartbeat_and_watch(self.client_id)
                 with self._lock:
+                    if not beat.registered and not self._stop.is_set():
+                        self._register_again()
                     if self._membership_changed():
                         self._rebalance()
                     now = time.monotonic()

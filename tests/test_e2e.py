@@ -396,3 +396,27 @@ def test_a_run_past_its_hard_time_limit_frees_its_queue_at_once(cluster: Cluster
     took = time.monotonic() - released
     assert took < 15, f"the queue waited {took:.1f} s after its run was killed (run lease: 60 s)"
     p.close()
+
+
+@pytest.mark.parametrize("group,topic", [("g-order", "t-order"), ("g-keys", "t-keys")])
+def test_a_listener_call_longer_than_the_run_lease_keeps_its_queue(cluster: Cluster, r: redis.Redis,
+                                                                    group: str, topic: str) -> None:
+    """A call that outlives ``run_lease_ms`` (60 s by default; 1.5 s here) used to let the run mark
+    lapse under it: the sweep dispatched a second ConsumeRequest, which ran the same message beside
+    the first call under a new epoch, and the first call's commit was refused, round after round
+    (a config walk-through: 20 calls of offsets 0 and 1, 7 of them overlapping, nothing committed).
+    The process renews the run's lease while its call runs (``LeaseKeeper``)."""
+    p = Producer(cluster.url)
+    p.create_topic(topic, queues=1)
+    r.hset(f"ctl:{group}", "sleep_ms", 4000)
+    cluster.start_worker("w1", MQORDER_RUN_LEASE_MS="1500", MQORDER_CONSUME_LINGER_MS="500")
+    p.send_orderly_batch(topic, [("k", body("k", s)) for s in (1, 2, 3)])
+    wait_for(lambda: _handled(r, group, 3), timeout=60, what="3 handled")
+    time.sleep(2)  # a second call of a message would start within a sweep or two
+    entries = ledger(r, group)
+    assert check_order(entries)[0] == []
+    assert [e["seq"] for e in entries] == [1, 2, 3], entries
+    calls = sorted((e["start"], e["end"]) for e in entries)
+    for (_, e1), (s2, _) in zip(calls, calls[1:], strict=False):
+        assert s2 >= e1, f"a call started at {s2} before the one before it ended at {e1}"
+    assert len({e["epoch"] for e in entries}) == 1

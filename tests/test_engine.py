@@ -497,10 +497,16 @@ def test_request_does_not_linger_by_default(env) -> None:
     assert [o.verb for o in outs] == ["IDLE"] and time.monotonic() - t0 < 0.05
 
 
-def test_run_paused_past_its_run_lease_is_fenced_even_within_one_client(settings) -> None:
+def test_run_paused_past_its_run_lease_is_fenced_even_within_one_client(settings, monkeypatch) -> None:
     """A pool process paused mid-call (its worker still alive) must not commit or believe it owns
-    the queue once another run of the same client took over."""
+    the queue once another run of the same client took over. The pause is the whole process's
+    (SIGSTOP, a VM freeze): its LeaseKeeper thread, which renews a long call's lease, is paused too,
+    so here it renews nothing."""
     import threading
+
+    from mqorder.consumer.lease_keeper import LeaseKeeper
+
+    monkeypatch.setattr(LeaseKeeper, "renew_due", lambda self, now: None)
 
     from mqorder.rebalance.service import RebalanceService
 

@@ -31,6 +31,7 @@ from mqorder.consumer.context import CallContext, ConsumeOrderlyContext, suspend
 from mqorder.consumer.escapes import goes_on_up
 from mqorder.consumer.hooks import RefusedContext, global_hooks, run_refused
 from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
+from mqorder.consumer.lease_keeper import keeper
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
 from mqorder.consumer.linger import LingeringReads
 from mqorder.consumer.listener import DEFAULT_CANCEL_GRACE_MS, ListenerSpec
@@ -410,8 +411,16 @@ class ConsumeRequest(LingeringReads):
         """Hooks before, the listener, hooks after; anything but a status counts as a suspend."""
         if self.spec.is_async:
             return self._consume_awaited(msgs, ctx)
-        status, rt, wall0 = call_listener(ORDERLY, self.spec, self.hooks, self.mq, msgs, ctx, self.epoch,
-                                          self.client_id, self.run_id, self.ledger is not None)
+        # On the run's own thread nothing else renews the lease during the call (a key run's lane
+        # calls have their dispatcher for that): the process's LeaseKeeper does.
+        handle = keeper().keep(self._renew_during_call, self.run_lease_ms, f"{self.spec.name} on {self.mq.key}") \
+            if threading.get_ident() == self._thread else 0
+        try:
+            status, rt, wall0 = call_listener(ORDERLY, self.spec, self.hooks, self.mq, msgs, ctx, self.epoch,
+                                              self.client_id, self.run_id, self.ledger is not None)
+        finally:
+            if handle:
+                keeper().release(handle)
         self._note_rt(rt)
         if self.ledger is None:
             return Handled(status)
@@ -757,6 +766,16 @@ class ConsumeRequest(LingeringReads):
             self.pq.mark_locked()
             return True
         self._on_refused("FENCED", res)
+        return False
+
+    def _renew_during_call(self) -> bool:
+        """``LeaseKeeper``'s renewal while the listener runs: ``_touch``'s fenced renewal, from the
+        keeper's thread, so through a pool connection (the run's own belongs to its thread)."""
+        res = self.scripts.call(
+            "touch", [self.k_state], [self.client_id, self.epoch, self.token, self.run_lease_ms, self.lock_ms])
+        if int(res[0]):
+            self.pq.mark_locked()
+            return True
         return False
 
     def _still_owner(self) -> bool:

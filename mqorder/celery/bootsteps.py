@@ -10,6 +10,7 @@ from mqorder.celery import runtime
 from mqorder.celery.app_settings import settings_of
 from mqorder.celery.capacity import SIGNAL, CapacityPublisher
 from mqorder.celery.dispatch import dispatcher
+from mqorder.celery.django_fixup import install_django_fixup
 from mqorder.celery.listener_modules import import_deferred
 from mqorder.celery.lost_runs import LostRunWatch
 from mqorder.client.transaction_check import transaction_checker_topics
@@ -64,6 +65,7 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         # the metrics directory and hook (mqorder.metrics.multiproc), and the listeners of the
         # modules install() deferred (they import the app, whole by now).
         import_deferred(worker.app)
+        install_django_fixup()  # a Django project: its connections around every listener call
         worker_metrics.start(settings_of(worker.app), SIGNAL)
 
     def start(self, worker) -> None:

@@ -7,6 +7,9 @@ proj import app``. ``install`` runs inside ``proj.celery``'s import, so such a m
 "cannot import name 'app' from partially initialized module 'proj'". Celery's own
 ``autodiscover_tasks`` imports lazily for the same reason. Every other module is still imported
 at once, so a stock app stops at its start with one line naming a bad module (``mqorder.app``).
+A Django project's listener modules import models, which raise ``AppRegistryNotReady`` before
+``django.setup()``: they are deferred the same way (the worker's Django fixup sets Django up
+before the bootstep imports them).
 """
 
 from __future__ import annotations
@@ -40,8 +43,8 @@ def import_listeners(modules: list[str], app: Celery | None = None) -> None:
             deferred: list[str] = getattr(app, DEFERRED, None) or []
             deferred.append(name)
             setattr(app, DEFERRED, deferred)
-            log.info("mqorder.celery.install: listener module %r imports the app being configured; a worker "
-                     "imports it when it starts", name)
+            log.info("mqorder.celery.install: listener module %r needs what is still being set up (the app "
+                     "being configured, or Django's app registry); a worker imports it when it starts", name)
 
 
 def import_deferred(app: Celery) -> None:
@@ -58,7 +61,8 @@ def import_deferred(app: Celery) -> None:
 
 
 class _Circular(Exception):
-    """The module's import hit a module that was still being imported."""
+    """The module's import hit a module that was still being imported, or Django's app registry
+    before ``django.setup()``."""
 
 
 def _import(name: str) -> None:
@@ -71,9 +75,15 @@ def _import(name: str) -> None:
             f"MQORDER_LISTENERS names {name!r}, which cannot be imported ({exc}); give "
             "comma-separated module paths importable from the worker's working directory"
         ) from exc
-    except MQOrderError as exc:  # a decorator refused its arguments (ListenerError, a bad name)
-        raise ConfigError(f"listener module {name!r} (MQORDER_LISTENERS): {exc}") from exc
-    except Exception as exc:  # its own code raised: a traceback inside Celery's "Unable to load" buried it
+    except Exception as exc:
+        if type(exc).__name__ == "AppRegistryNotReady":
+            # A Django project: install() runs inside proj/celery.py's import, before django.setup()
+            # (the worker's Django fixup calls it later), so a module that imports models raised
+            # here, and with it every process importing the project, manage.py migrate included.
+            raise _Circular(name) from exc
+        if isinstance(exc, MQOrderError):  # a decorator refused its arguments (ListenerError, a bad name)
+            raise ConfigError(f"listener module {name!r} (MQORDER_LISTENERS): {exc}") from exc
+        # Its own code raised: a traceback inside Celery's "Unable to load" buried it.
         where = traceback.extract_tb(exc.__traceback__)[-1]
         raise ConfigError(f"listener module {name!r} (MQORDER_LISTENERS) raised at import: {type(exc).__name__}: "
                           f"{exc} ({where.filename}:{where.lineno})") from exc

@@ -72,7 +72,7 @@ def install_django_fixup() -> DjangoConnections | None:
         return _installed
     if not os.environ.get("DJANGO_SETTINGS_MODULE") or importlib.util.find_spec("django") is None:
         return None
-    from django.db import close_old_connections
+    from django.db import close_old_connections  # type: ignore[import-untyped]
 
     _installed = DjangoConnections(close_old_connections)
     register_consume_message_hook(_installed)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import ipaddress
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping
@@ -21,9 +22,11 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from mqorder.client.dedup import DedupDerive
 from mqorder.errors import ConfigError
+from mqorder.names import check_broker
 from mqorder.rebalance.allocate import DEFAULT_VIRTUAL_NODES, AllocateStrategy
 from mqorder.retention.policy import RetentionPolicy, RetentionRule
 from mqorder.store.brokers import (
+    DEFAULT_BROKER_NAME,
     celery_transport,
     check_celery_broker_url,
     check_redis_url,
@@ -32,6 +35,8 @@ from mqorder.store.brokers import (
 )
 from mqorder.store.durable import parse_wait_replicas
 from mqorder.store.urls import with_sentinel_password
+
+log = logging.getLogger(__name__)
 
 _DELAY_UNITS = {"s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
 
@@ -99,9 +104,9 @@ def renamed_settings(environ: Mapping[str, str], given: Mapping[str, object]) ->
 
 
 def unknown_settings(given: Mapping[str, object]) -> list[str]:
-    """One message per keyword that names no setting, with the closest names. Variables are not
-    checked: other tools share the ``MQORDER_`` prefix (the demo's, the Spark jobs'), but a keyword
-    is meant for these settings, and a misspelt one ignored left its setting on the default."""
+    """One message per keyword that names no setting, with the closest names. Variables are only
+    warned about (``unknown_variables``): other tools may share the ``MQORDER_`` prefix, but a
+    keyword is meant for these settings, and a misspelt one ignored left its setting on the default."""
     known = Settings.model_fields
     out = []
     for name in given:
@@ -111,6 +116,55 @@ def unknown_settings(given: Mapping[str, object]) -> list[str]:
         out.append(f"unknown setting {name!r}" + (f"; did you mean {' or '.join(map(repr, close))}?" if close else
                                                   "; the settings are listed in docs/SETTINGS.md"))
     return out
+
+
+#: ``MQORDER_*`` variables of this project that are not settings: the demo's and the examples'
+#: topic and group, the compose images (``deploy/compose/build_images.sh``), and the test suite's
+#: hooks. Known here so that only a variable that names nothing is reported.
+OTHER_VARIABLES = frozenset({
+    "MQORDER_DEMO_TOPIC", "MQORDER_DEMO_GROUP",                              # mqorder.examples.order_lifecycle
+    "MQORDER_ASYNC_EXAMPLE_TOPIC", "MQORDER_ASYNC_EXAMPLE_GROUP",            # mqorder.examples.async_orders
+    "MQORDER_IMAGE", "MQORDER_SOURCE_IMAGE", "MQORDER_BASE_IMAGE",           # docker compose
+    "MQORDER_SPARK_MASTER",                                                  # the Spark docs and jobs
+    "MQORDER_TEST_LEDGER_URL", "MQORDER_TEST_PAUSE",                         # tests/
+})
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """One message per ``MQORDER_*`` variable that names no setting (nor a renamed one, nor one of
+    ``OTHER_VARIABLES``), with the closest setting variables: a misspelt one
+    (``MQORDER_CONSUME_BATCH_SISE``) otherwise leaves its setting on the default without a word.
+    Only warned about, not refused: other tools may share the prefix."""
+    stems = [name.upper() for name in Settings.model_fields]
+    known = {ENV_PREFIX + stem for stem in stems}
+    renamed = {f"{ENV_PREFIX}{old.upper()}" for old in RENAMED}  # refused with their new name instead
+    out = []
+    for var in sorted(environ):
+        upper = var.upper()  # pydantic-settings reads the variables case-insensitively
+        if not upper.startswith(ENV_PREFIX) or upper in known or upper in renamed or upper in OTHER_VARIABLES:
+            continue
+        # Compared without the prefix they all share, which would make any two names look close.
+        close = difflib.get_close_matches(upper.removeprefix(ENV_PREFIX), stems, n=3, cutoff=0.6)
+        out.append(var + (f" (did you mean {' or '.join(ENV_PREFIX + c for c in close)}?)" if close else ""))
+    return out
+
+
+#: Unknown variables already warned about in this process: each is said once, not at every
+#: ``load_settings`` (a producer per request would repeat it in every log line).
+_warned_variables: set[str] = set()
+
+
+def warn_unknown_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Log a WARNING naming the ``MQORDER_*`` variables that are no setting (``unknown_variables``),
+    those not yet named in this process; returns every one found, for ``mqorder config``."""
+    found = unknown_variables(os.environ if environ is None else environ)
+    new = [v for v in found if v not in _warned_variables]
+    if new:
+        _warned_variables.update(new)
+        log.warning("mqorder: %s no setting and %s ignored: %s. The settings are listed in docs/SETTINGS.md",
+                    "this variable names" if len(new) == 1 else "these variables name",
+                    "is" if len(new) == 1 else "are", "; ".join(new))
+    return found
 
 
 def _choice(enum: type[StrEnum], value: object, what: str) -> object:
@@ -141,7 +195,8 @@ class Settings(BaseSettings):
     #: The default broker (``broker-a``): ``rediss://`` for TLS, ``redis://:password@host`` or
     #: ``redis://user:password@host`` for AUTH, ``unix:///path`` for a socket, or a Sentinel
     #: deployment: ``redis+sentinel://[:password@]host:port,host:port/<master-name>[/<db>]``
-    #: (``mqorder.store.urls``), whose client follows the primary across failovers.
+    #: (``mqorder.store.urls``), whose client follows the primary across failovers. TLS options
+    #: (``?ssl_ca_certs=/path/ca.pem``): "TLS" below the table.
     redis_url: str = "redis://127.0.0.1:6379/0"
     #: Celery's own broker; defaults to ``redis_url``. Redis or RabbitMQ (``amqp://``): it carries
     #: only mqorder's tasks, the store stays in Redis (docs/OPERATING.md, "Choosing Celery's broker").
@@ -156,7 +211,8 @@ class Settings(BaseSettings):
     #: (``sentinel://h1:26379;sentinel://h2:26379``, which has no place for it): kombu's
     #: ``master_name``. Not needed with ``redis+sentinel://.../<master-name>``.
     celery_sentinel_master: str | None = None
-    #: More named brokers, as JSON: ``{"broker-b": "redis://host:6380/0"}``.
+    #: More named brokers, as JSON: ``{"broker-b": "redis://host:6380/0"}``; not ``broker-a``,
+    #: the default broker's name (its URL is ``redis_url``).
     brokers: dict[str, str] = Field(default_factory=dict)
     #: Comma-separated import paths of modules holding ``@orderly_listener`` functions.
     listeners: str = ""
@@ -321,7 +377,17 @@ class Settings(BaseSettings):
         problems += unknown_settings(values)
         if problems:
             raise ConfigError("invalid mqorder settings:\n  " + "\n  ".join(problems))
+        warn_unknown_variables()
         super().__init__(**values)
+
+    def with_overrides(self, **overrides: Any) -> Settings:
+        """These settings with ``overrides`` on top, validated again (``"Content"`` becomes
+        ``DedupDerive.CONTENT``). Only the fields given to these settings (by variable or keyword)
+        are passed on as given: passing every field marked each one as chosen by the user, and a
+        check of two chosen values (``retention_min_ms`` against ``retention_ms``) then failed on
+        a default the user never set."""
+        given = self.model_dump(include=self.model_fields_set)
+        return load_settings(**{**given, **overrides})
 
     @field_validator("redis_url")
     @classmethod
@@ -339,6 +405,14 @@ class Settings(BaseSettings):
     @classmethod
     def _brokers(cls, v: dict[str, str]) -> dict[str, str]:
         for name, url in v.items():
+            # Checked here, not at the first send to that broker: a bad name (and the default
+            # broker's own, whose URL the registry would have dropped) stops the start.
+            if name == DEFAULT_BROKER_NAME:
+                raise ValueError(
+                    f"names {DEFAULT_BROKER_NAME!r}, the default broker's own name: the default broker is "
+                    f"MQORDER_REDIS_URL. Give this broker another name (\"broker-b\"), or set MQORDER_REDIS_URL "
+                    "to its URL and leave it out of MQORDER_BROKERS")
+            check_broker(name)
             check_redis_url(url, f"MQORDER_BROKERS[{name!r}]")
         return v
 
@@ -502,17 +576,31 @@ class Settings(BaseSettings):
         return d
 
 
+#: What a boolean setting accepts (pydantic's words for true and false), for its error.
+_BOOL_WORDS = "true or false (also 1/0, yes/no, on/off, t/f, y/n)"
+
+
+def _variable(loc: tuple[int | str, ...]) -> str:
+    """The variable an error is about, with the place inside its JSON value as written there:
+    ``MQORDER_ALLOCATE_CONFIG['w1'][0]`` (the key as given: client ``w1`` is not ``W1``)."""
+    if not loc:
+        return "settings"
+    inner = "".join(f"[{p}]" if isinstance(p, int) else f"[{p!r}]" for p in loc[1:])
+    return f"{ENV_PREFIX}{str(loc[0]).upper()}{inner}"
+
+
 def _explain(exc: ValidationError) -> str:
     lines = []
     for err in exc.errors():
-        loc = ".".join(str(p) for p in err.get("loc", ())) or "settings"
-        var = f"MQORDER_{loc.upper()}" if loc != "settings" else "settings"
+        loc = tuple(err.get("loc", ()))
         given = err.get("input")
         shown = "" if isinstance(given, dict) else f" (got {given!r})"
-        if "url" in loc:
+        if loc and ("url" in str(loc[0]) or loc[0] == "brokers"):  # a URL may hold a password
             shown = ""
         msg = err.get("msg", "invalid").removeprefix("Value error, ")
-        lines.append(f"{var}: {msg}{shown}")
+        if err.get("type") in ("bool_parsing", "bool_type"):
+            msg = f"must be {_BOOL_WORDS}"
+        lines.append(f"{_variable(loc)}: {msg}{shown}")
     return "invalid mqorder settings:\n  " + "\n  ".join(lines)
 
 

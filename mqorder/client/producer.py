@@ -130,7 +130,7 @@ class Producer:
             settings = load_settings(**overrides) if overrides else get_settings()
         elif overrides:
             # Validated, so an override is held as the settings hold it (``"Content"`` -> DedupDerive.CONTENT).
-            settings = load_settings(**{**settings.model_dump(), **overrides})
+            settings = settings.with_overrides(**overrides)
         self.settings = settings
         self.producer_group = producer_group
         self._own_brokers = brokers is None

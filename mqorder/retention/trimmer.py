@@ -16,6 +16,11 @@ offset cannot move between the read and the trim.
 
 The consumption ledger (``mqorder:ledger:<group>``) is trimmed too: its entry ids are times, so
 records older than the default ``retention_ms`` go with ``XTRIM MINID`` (on top of its length cap).
+
+A topic with queues on a broker this process does not know (not in ``MQORDER_BROKERS``: another
+application's broker, or a worker started without it) is left out of the pass, with one WARNING
+per topic, and the rest is trimmed: it once failed the whole pass, every pass, so nothing was
+trimmed anywhere and each worker logged a traceback every ``MQORDER_RETENTION_INTERVAL_MS``.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from mqorder.retention.policy import RetentionPolicy, RetentionRule
 from mqorder.settings import Settings
 from mqorder.store.brokers import BrokerRegistry, group_by_broker
 from mqorder.store.replies import text
-from mqorder.store.topics import TopicManager
+from mqorder.store.topics import TopicManager, TopicRoute
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +73,8 @@ class TrimReport:
     skipped: bool = False  # another worker holds this interval's pass
     #: Queues not called this pass: an earlier call showed nothing could go before now.
     quiet_skipped: int = 0
+    #: Topics left out of this pass: topic -> the brokers of its route this process does not know.
+    unknown_brokers: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def trimmed(self) -> int:
@@ -83,7 +90,7 @@ class TrimReport:
         return {
             "trimmed": self.trimmed, "by_topic": self.by_topic(), "ledger_trimmed": self.ledger_trimmed,
             "calls": self.calls, "quiet_skipped": self.quiet_skipped, "took_ms": round(self.took_ms, 1),
-            "skipped": self.skipped,
+            "skipped": self.skipped, "unknown_brokers": self.unknown_brokers,
             "rules": {t: r.to_json() for t, r in self.rules.items()},
             "holders": self.holders,
             "queues": {k: {"trimmed": q.trimmed, "first": q.first, "next": q.next} for k, q in self.queues.items()},
@@ -101,6 +108,8 @@ class RetentionTrimmer:
         #: passes skip them: an idle deployment's queues otherwise cost one ``trim.lua`` call each
         #: every ``MQORDER_RETENTION_INTERVAL_MS``, for nothing (issue 27's idle cost).
         self._quiet: dict[str, tuple[tuple[Any, ...], float]] = {}
+        #: Topics already warned about for an unknown broker: once per topic, not every pass.
+        self._warned_unknown: set[str] = set()
 
     def run_if_due(self, client_id: str) -> TrimReport:
         """A pass, unless another worker runs this interval's (housekeeping calls this)."""
@@ -123,6 +132,7 @@ class RetentionTrimmer:
         # Every topic's route, subscriptions and last-seen times in a few round trips, not a few
         # per topic (64 topics: ~190 round trips per pass before, issue 27's idle cost).
         routes = self.topics.describe_topics(names)  # a topic deleted since it was listed is left out
+        routes = self._known_brokers_only(routes, report)
         rules: dict[str, RetentionRule] = {}
         for topic, route in routes.items():
             try:
@@ -146,6 +156,27 @@ class RetentionTrimmer:
             log.info("retention: trimmed %d messages (%s) in %d calls, %.1f ms", report.trimmed,
                      ", ".join(f"{t} {n}" for t, n in report.by_topic().items() if n), report.calls, report.took_ms)
         return report
+
+    def _known_brokers_only(self, routes: dict[str, TopicRoute], report: TrimReport) -> dict[str, TopicRoute]:
+        """``routes`` without the topics that have a queue on a broker this process does not know
+        (listed in ``report.unknown_brokers``, and warned about once per topic)."""
+        known = set(self.brokers.names)
+        out = {}
+        for topic, route in routes.items():
+            unknown = sorted({mq.broker_name for mq in route.message_queues} - known)
+            if not unknown:
+                out[topic] = route
+                continue
+            report.unknown_brokers[topic] = unknown
+            if topic not in self._warned_unknown:
+                self._warned_unknown.add(topic)
+                log.warning(
+                    "retention: topic %s is not trimmed here: its queues are on broker(s) %s, which this process "
+                    "does not know (known: %s). Name %s in MQORDER_BROKERS ('{\"%s\": \"redis://host:6379/0\"}') "
+                    "on the workers that should trim it; the other topics are trimmed",
+                    topic, ", ".join(unknown), ", ".join(sorted(known)), "them" if len(unknown) > 1 else "it",
+                    unknown[0])
+        return out
 
     # -- who holds data back (consumed policy) -------------------------------------------------
 

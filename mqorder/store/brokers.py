@@ -144,7 +144,9 @@ def _check_redis_port(url: str, scheme: str, what: str) -> None:
 def _check_db(url: str, scheme: str, what: str) -> None:
     """``ConfigError`` if the URL's database is not a number: redis-py reads a path of
     ``redis://host:6379/orders`` as no database at all (db 0, quietly: another application's
-    keys, maybe), and a ``?db=`` that is not a number as a bare ``ValueError``."""
+    keys, maybe), and a ``?db=`` that is not a number as a bare ``ValueError``. Or if it names two
+    databases (``redis://host/3?db=2``): redis-py quietly uses the query's, and which one the
+    writer meant cannot be known."""
     parts = urlsplit(url)
     dbs = [v for k, v in parse_qsl(parts.query, keep_blank_values=True) if k == "db"]
     path = "" if scheme == "unix" else parts.path.strip("/")
@@ -153,6 +155,11 @@ def _check_db(url: str, scheme: str, what: str) -> None:
             raise ConfigError(
                 f"{what}={redact_url(url)!r} names database {db!r}: a Redis database is a number "
                 "(redis://host:6379/0 is database 0; unix:///path/to/socket?db=0)")
+    named = ([f"/{path}"] if path else []) + [f"db={db}" for db in dbs]
+    if len({int(db) for db in ([path] if path else []) + dbs}) > 1:
+        raise ConfigError(
+            f"{what}={redact_url(url)!r} names more than one database ({' and '.join(named)}); name one, in the "
+            "path (redis://host:6379/2) or, for a socket, in the query (unix:///path/to/socket?db=2)")
 
 
 def _check_port(url: str, what: str, example: str) -> None:
@@ -451,7 +458,11 @@ class BrokerRegistry:
         try:
             for name, url in (extra or {}).items():
                 if name in self._brokers:
-                    continue
+                    # Skipping it used the default's URL and dropped this one without a word.
+                    raise ConfigError(
+                        f"broker {name!r} is the default broker's own name, so its URL {redact_url(url)!r} "
+                        f"would be ignored: the default broker is MQORDER_REDIS_URL; name the other one "
+                        "differently in MQORDER_BROKERS ('broker-b')")
                 self._brokers[name] = Broker(name, url, socket_timeout=socket_timeout)
         except Exception:
             self.close()  # a cluster broker connects when made: leave no client open behind the error

@@ -10,6 +10,7 @@ Anything else (a bug, a script error) is re-raised as it is.
 
 from __future__ import annotations
 
+import ssl
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -46,6 +47,9 @@ def setup_hint(exc: BaseException) -> str | None:
     a server's (or the reverse). Each of these once read "did not answer" or "start redis-server",
     which sent the reader to a server that was running. None: not one of those."""
     text = str(exc)
+    tls = _tls_hint(exc, text)
+    if tls is not None:
+        return tls
     if isinstance(exc, redis.exceptions.InvalidResponse):
         return ("that address answered, but not in Redis's protocol (an HTTP server, another service, a TLS "
                 "port given as redis://): check the host and port, and use rediss:// for a TLS Redis")
@@ -61,6 +65,23 @@ def setup_hint(exc: BaseException) -> str | None:
         return ("that address does not know a command a Redis server has: it may be a Redis Sentinel (use "
                 "redis+sentinel://host:port/<master name>), a Redis older than 7.0, or one with the command renamed")
     return None
+
+
+def _tls_hint(exc: BaseException, text: str) -> str | None:
+    """What to change when the TLS handshake refused the server's certificate (redis-py raises a
+    ``ConnectionError`` whose cause is ``ssl.SSLCertVerificationError``): the server runs, and
+    "start redis-server" sent the reader to the wrong place. A self-signed or private CA is the
+    usual case: the client must be told which CA to trust."""
+    cause = exc.__cause__ or exc.__context__
+    if not (isinstance(cause, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in text):
+        return None
+    if "mismatch" in text:  # "Hostname mismatch" / "IP address mismatch"
+        return ("the TLS handshake failed: the server's certificate does not name the host of the URL; connect by "
+                "a name the certificate holds (its subjectAltName), or add ?ssl_check_hostname=false to the "
+                "rediss:// URL (testing only: anyone holding a certificate of that CA could answer)")
+    return ("the TLS handshake failed: this client does not trust the server's certificate; name the CA that "
+            "signed it in the rediss:// URL, ?ssl_ca_certs=/path/ca.pem (or ssl_cert_reqs=none, for testing "
+            "only: no verification at all)")
 
 
 def unavailable(broker_name: str, safe_url: str, exc: Exception, timeout: float, action: str = "send",

@@ -126,7 +126,7 @@ OTHER_VARIABLES = frozenset({
     "MQORDER_ASYNC_EXAMPLE_TOPIC", "MQORDER_ASYNC_EXAMPLE_GROUP",            # mqorder.examples.async_orders
     "MQORDER_IMAGE", "MQORDER_SOURCE_IMAGE", "MQORDER_BASE_IMAGE",           # docker compose
     "MQORDER_SPARK_MASTER",                                                  # the Spark docs and jobs
-    "MQORDER_TEST_LEDGER_URL", "MQORDER_TEST_PAUSE",                         # tests/
+    "MQORDER_TEST_LEDGER_URL", "MQORDER_TEST_PAUSE", "MQORDER_TEST_DJANGO_DB",  # tests/
 })
 
 

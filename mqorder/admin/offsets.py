@@ -9,6 +9,12 @@ and pending request and clears the reconsume counts (the race it closes is in th
 header). Then the topology version is bumped, so the workers
 rebalance at once and dispatch a ConsumeRequest that starts at the new offset.
 
+A group that does not subscribe to the topic yet (no consumer of it ever started) is recorded
+as subscribing to it (clustering), as a PullConsumer's ``subscribe`` records it, and then reset:
+``--to latest`` before its first consumer starts is how a new group starts at the end of a topic
+(RocketMQ's ``CONSUME_FROM_LAST_OFFSET``, Kafka's ``--reset-offsets`` of a new group); mqorder
+starts a new group at the first stored message otherwise.
+
 Refused while consumers of the group are live unless forced: a forced reset is safe for the
 offsets (a running owner's later commit is refused), but the listener call it is in still
 finishes, and may overlap the first call of the new run, as after a takeover from a paused holder.
@@ -23,7 +29,8 @@ from typing import Any
 
 from mqorder import keys
 from mqorder.admin.common import Admin, BadArgumentError, RefusedError
-from mqorder.model import MessageQueue
+from mqorder.model import MessageModel, MessageQueue
+from mqorder.names import check_name
 from mqorder.store.brokers import group_by_broker
 from mqorder.store.log import MessageLog
 from mqorder.store.replies import text
@@ -108,10 +115,13 @@ class ResetReport:
     live_consumers: list[str]
     queues: list[QueueReset] = field(default_factory=list)
     dry_run: bool = False
+    #: The group did not subscribe to the topic (a new group): the reset recorded the subscription
+    #: (clustering) first, so its consumers start from the new offsets (a dry run only says so).
+    subscribed: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {"group": self.group, "topic": self.topic, "to": asdict(self.target),
-                "live_consumers": self.live_consumers, "dry_run": self.dry_run,
+                "live_consumers": self.live_consumers, "dry_run": self.dry_run, "subscribed": self.subscribed,
                 "queues": [q.to_json() for q in self.queues]}
 
 
@@ -120,16 +130,25 @@ def reset(
 ) -> ResetReport:
     """Reset ``group``'s offsets on ``topic``; ``RefusedError`` while its consumers are live
     unless ``force`` (nothing changed then)."""
-    model = admin.topics_of(group, topic)[topic]
-    mqs = admin.route(topic).message_queues
+    mqs = admin.route(topic).message_queues  # an unknown topic says so first
+    known = admin.topics.groups().get(group, {})
+    model = known.get(topic, MessageModel.CLUSTERING)
     live, _, _ = admin.consumers_of(group)
-    report = ResetReport(group, topic, to, sorted(c.client_id for c in live), dry_run=dry_run)
+    report = ResetReport(group, topic, to, sorted(c.client_id for c in live), dry_run=dry_run,
+                         subscribed=topic not in known)
+    if report.subscribed:
+        check_name("group", group)  # a new group's name, refused before anything is written
     if live and not force and not dry_run:
         raise RefusedError(
             f"{len(live)} consumer(s) of group {group!r} are live ({', '.join(report.live_consumers)}); stop them "
             "first, or pass --force: their running ConsumeRequests are fenced (their commits refused) and "
             "consumption restarts from the new offset"
         )
+    if report.subscribed and not dry_run:
+        # A group with no consumer yet (RocketMQ's CONSUME_FROM_LAST_OFFSET, Kafka's reset of a new
+        # group): recorded as a PullConsumer's subscribe records it, so the offsets written below
+        # are the group's, its consumers start from them, and retention holds what it has not read.
+        admin.topics.subscribe(group, topic, MessageModel.CLUSTERING)
     subs = admin.lanes(group, topic, model)
     if not subs:
         raise BadArgumentError(

@@ -17,6 +17,7 @@ from rich.text import Text
 from mqorder.admin.consumers import GroupConsumers
 from mqorder.admin.dlq import DeadLetter, DlqPage, ReplayReport
 from mqorder.admin.doctor import DoctorReport
+from mqorder.admin.groups import GroupDeleteReport
 from mqorder.admin.messages import FoundMessage
 from mqorder.admin.offsets import ResetReport
 from mqorder.admin.produce import ProduceReport
@@ -135,6 +136,28 @@ def topic_deleted(console: Console, r: DeleteReport) -> None:
         console.print(
             f"[yellow]live consumers ({', '.join(r.live_consumers)}) still run its listener: they log that the "
             "topic is missing at every rebalance and subscribe again when they restart; remove the listener"
+        )
+
+
+def group_deleted(console: Console, r: GroupDeleteReport) -> None:
+    verb = "would delete" if r.dry_run else "deleted"
+    what = "group" if r.whole_group else "the subscription(s) of group"
+    kinds = ", ".join(f"{n} {k}" for k, n in r.keys_by_kind.items()) or "no queue keys"
+    console.print(
+        f"{verb} {what} [bold]{escape(r.group)}[/bold] on {escape(', '.join(r.topics))}: lanes "
+        f"{escape(', '.join(r.lanes)) or '-'}; Redis keys: {kinds}; {r.assignment_fields} assignment and "
+        f"{r.stats_fields} stats fields; {r.ledger_keys} ledger key(s)"
+    )
+    for t in r.deleted_topics:
+        console.print(f"{verb} topic [bold]{escape(t.topic)}[/bold]: {t.queues} queues holding {t.messages:,} messages")
+    if r.dlq_kept:
+        console.print(f"kept {escape(r.dlq_kept)} ({r.dlq_messages:,} dead letters): `mqorder dlq list {escape(r.group)}` "
+                      "shows them; delete it with `mqorder topic delete` or pass --with-dlq")
+    if r.live_consumers:
+        console.print(
+            f"[yellow]live consumers ({escape(', '.join(r.live_consumers))}) still run the group's listener: they "
+            "record the subscription again at the next topology change and start from the first stored message; "
+            "remove the listener and restart them"
         )
 
 
@@ -269,6 +292,10 @@ def reset(console: Console, r: ResetReport) -> None:
                   f"{q.max_offset:,}", f"{q.old_offset:,}", f"{q.new_offset:,}", str(q.epoch) if q.epoch else "-",
                   q.owner or "-")
     console.print(t)
+    if r.subscribed:
+        console.print(f"group {escape(r.group)} did not subscribe to {escape(r.topic)}: "
+                      f"{'would record' if r.dry_run else 'recorded'} its subscription (clustering), so its consumers "
+                      "start from these offsets; `mqorder group delete` removes it if it was a typo")
     if not r.dry_run and r.live_consumers:
         console.print(f"live consumers ({', '.join(r.live_consumers)}) were told to rebalance; they resume from the "
                       "new offsets under new epochs")

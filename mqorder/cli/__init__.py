@@ -1,6 +1,6 @@
 """The ``mqorder`` command line (typer + rich): the admin commands, the Spark pipeline, the demo.
 
-One module per command group, as celery's ``celery/bin``: ``topic``, ``dlq``, ``offsets``,
+One module per command group, as celery's ``celery/bin``: ``topic``, ``group``, ``dlq``, ``offsets``,
 ``message``, ``retention``, ``pipeline``; the top-level commands live in ``health`` (status,
 consumers, txn, doctor), ``produce`` and ``demo`` (demo, config); ``exporter`` comes from
 ``mqorder.metrics.exporter``. Each command opens the cluster (``mqorder.admin.common.Admin``),
@@ -16,7 +16,7 @@ Errors go to stderr, one line, with these exit codes (``docs/ADMIN.md``; ``commo
 * 0: done;
 * 1: a check failed: ``status --check`` found a stuck queue, ``doctor`` a problem, ``pipeline
   audit`` a violation or a gap; or a safety check refused a change (``topic delete`` of a
-  subscribed topic, ``offsets reset`` under live consumers) without ``--force``: nothing was changed;
+  subscribed topic, ``group delete`` or ``offsets reset`` under live consumers) without ``--force``: nothing was changed;
 * 2: bad input (an unknown topic or group, a bad argument or line) or an unreachable Redis.
 """
 
@@ -27,7 +27,7 @@ import os
 
 import typer
 
-from mqorder.cli import demo, dlq, health, message, offsets, pipeline, produce, retention, topic
+from mqorder.cli import demo, dlq, group, health, message, offsets, pipeline, produce, retention, topic
 from mqorder.cli.common import EXIT_BAD, EXIT_CHECK, EXIT_OK, HandledGroup
 from mqorder.metrics.exporter import exporter
 from mqorder.settings import get_settings
@@ -49,6 +49,7 @@ app = typer.Typer(cls=HandledGroup, add_completion=False, no_args_is_help=True, 
                   help="RocketMQ-style orderly consumption on Celery + Redis")
 app.add_typer(demo.app)
 app.add_typer(topic.app, name="topic")
+app.add_typer(group.app, name="group")
 app.add_typer(health.app)
 app.add_typer(dlq.app, name="dlq")
 app.add_typer(offsets.app, name="offsets")

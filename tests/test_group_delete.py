@@ -1,11 +1,12 @@
 """``mqorder group delete`` (RocketMQ's deleteSubGroup) on a real redis-server: a retired group no
 longer holds back retention nor shows in ``topic list`` / ``status``, a live one is refused, and
-real Celery workers of other groups keep consuming. Also ``offsets reset`` starting a new group
-at the end of a topic."""
+real Celery workers of other groups keep consuming. Also the worker's log for a ConsumeRequest of
+a removed listener, and ``offsets reset`` starting a new group at the end of a topic."""
 
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from typing import Any
 
@@ -194,7 +195,13 @@ def test_offsets_reset_starts_a_group_with_no_consumer_yet_at_the_end(
 @pytest.mark.e2e
 def test_a_retired_group_is_deleted_under_running_workers_of_other_groups(cluster: Cluster, r: redis.Redis) -> None:
     """A real worker (tests.listeners: g-order on t-order) keeps consuming while a retired group
-    of the same topic is deleted, and the live group is refused."""
+    of the same topic is deleted; a stale ConsumeRequest of the retired group is dropped with a
+    WARNING (it was an ERROR telling to import a module), and the live group is refused."""
+    from celery import Celery
+
+    from mqorder.celery.dispatch import dispatch
+    from mqorder.celery.setup import install
+
     p = Producer(cluster.url)
     p.create_topic("t-order", queues=2)
     TopicManager(p.brokers).subscribe("g-retired", "t-order", MessageModel.CLUSTERING)
@@ -209,10 +216,39 @@ def test_a_retired_group_is_deleted_under_running_workers_of_other_groups(cluste
     assert done["whole_group"] and done["live_consumers"] == []
     assert groups_of(cli_json("topic", "list"), "t-order") == ["g-order"]
 
+    app = install(Celery("t-stale", set_as_current=False))
+    try:
+        dispatch(app, "g-retired", MessageQueue("t-order", "broker-a", 0).key, "tok-stale", w.hostname)
+    finally:
+        app.close()
     p.send_orderly_batch("t-order", [(f"k{i % 4}", body(f"k{i % 4}", i // 4 + 11)) for i in range(40)])
     wait_for(lambda: len([e for e in ledger(r, "g-order") if e["ok"]]) >= 80, timeout=60, what="80 handled")
     entries = [e for e in ledger(r, "g-order") if e["ok"]]
     for k in range(4):
         seqs = [e["seq"] for e in entries if e["key"] == f"k{k}"]
         assert seqs == sorted(seqs) and len(set(seqs)) == 20
+    logged = wait_for(lambda: "stale ConsumeRequest for group 'g-retired'" in (cluster.tmp / "w1.log").read_text()
+                      and (cluster.tmp / "w1.log").read_text(), timeout=30, what="the stale request logged")
+    line = next(x for x in logged.splitlines() if "stale ConsumeRequest" in x)
+    assert "WARNING" in line and "mqorder group delete g-retired" in line
+    assert "has no listener for group 'g-retired'" not in logged  # the old ERROR
     p.close()
+
+
+def test_a_request_without_a_listener_is_stale_unless_this_node_is_registered_for_it(
+    redis_url: str, engine: ConsumerEngine, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """WARNING for a removed listener; ERROR when the registry says this node name consumes the
+    group on the topic while this process has no listener (two apps under one node name)."""
+    from mqorder.celery import tasks
+
+    monkeypatch.setattr(tasks, "_service", None)
+    ClientRegistry(engine.brokers.meta, 60_000).register("w2", [Subscription("g", "t", MessageModel.CLUSTERING)])
+    with caplog.at_level(logging.WARNING, logger="mqorder.celery.tasks"):
+        assert tasks._no_listener("w1", "g", "t") == {"verb": "STALE_REQUEST"}
+        assert tasks._no_listener("w2", "g", "t") == {"verb": "NO_LISTENER"}
+    stale, wrong = caplog.records
+    assert stale.levelname == "WARNING" and "the group's live consumers of the topic (w2)" in stale.getMessage()
+    assert wrong.levelname == "ERROR" and "node w2 is registered as consuming it" in wrong.getMessage()
+    assert "same Celery node name" in wrong.getMessage()
+    monkeypatch.setattr(tasks, "_service", None)

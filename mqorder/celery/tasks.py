@@ -11,13 +11,15 @@ from typing import Any
 
 from celery import shared_task
 from celery.utils.nodenames import WORKER_DIRECT_EXCHANGE, WORKER_DIRECT_QUEUE_FORMAT
+from redis import RedisError
 
 from mqorder import keys
 from mqorder.celery.app_settings import settings_of
 from mqorder.celery.dispatch import CONSUME_REQUEST, dispatch
 from mqorder.celery.runtime import engine_for
 from mqorder.client.transaction_check import TransactionCheckService
-from mqorder.consumer.listener import get_listener
+from mqorder.consumer.listener import get_listener, registered_listeners
+from mqorder.errors import MQOrderError
 from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageQueue
 from mqorder.rebalance.service import RebalanceService
@@ -54,6 +56,52 @@ def addressee(request: Any) -> str:
     return str(request.hostname)
 
 
+def _no_listener(client_id: str, group: str, topic: str) -> dict:
+    """A ConsumeRequest for a (group, topic) this worker has no listener for: dropped, and why.
+
+    The registry (``ClientRegistry``) tells the two causes apart: the rebalance gives a lane's
+    queues only to clients registered for that (group, topic). When this node name is not among
+    them, the request is stale (WARNING): it was queued before this worker's listener was removed
+    (a retired group, a rolling deploy); its queue's pending token lapses and is dispatched again
+    to whoever is assigned now. When this node name *is* registered for it while this process has
+    no listener, it is a misconfiguration (ERROR): two apps or workers run under one Celery node
+    name, and each reads the other's direct queue. Without an answer from Redis, a worker that
+    consumes the group (other topics) logs the ERROR, any other the WARNING.
+    """
+    try:
+        live, _, _ = rebalance_service().registry.clients()
+        consumers: list[str] | None = sorted(
+            c.client_id for c in live if any(s.group == group and s.topic == topic for s in c.subscriptions))
+    except (RedisError, MQOrderError):
+        consumers = None
+    mine = any(s.group == group for s in registered_listeners())
+    if consumers is None:
+        stale = not mine
+        others = "whether the group has other consumers is unknown (Redis did not answer)"
+    else:
+        stale = client_id not in consumers
+        others = (f"the group's live consumers of the topic ({', '.join(consumers)}) get the queue's next request"
+                  if consumers else f"the group has no live consumer of the topic: if it is retired, `mqorder group "
+                  f"delete {group}` removes it")
+    if stale:
+        log.warning(
+            "worker %s dropped a stale ConsumeRequest for group %r topic %r: this worker has no listener for it (a "
+            "removed listener or a retired group; requests queued before then still arrive); %s",
+            client_id, group, topic, others,
+        )
+        return {"verb": "STALE_REQUEST"}
+    log.error(
+        "worker %s has no listener for group %r topic %r, yet %s; import the module that defines it "
+        "(MQORDER_LISTENERS) on every worker of the group. If this worker should not consume it, another app or "
+        "worker runs under the same Celery node name and each reads the other's direct queue: give each its own "
+        "name (celery worker -n NAME@%%h)",
+        client_id, group, topic,
+        f"node {client_id} is registered as consuming it" if consumers is not None
+        else "it consumes other topics of the group (Redis did not answer to say more)",
+    )
+    return {"verb": "NO_LISTENER"}
+
+
 @shared_task(name=CONSUME_REQUEST, bind=True, ignore_result=True, acks_late=False)
 def consume_request(self, sub: str = "", mq_key: str = "", token: str = "") -> dict:
     """One ConsumeRequest run over one queue (see ``mqorder.consumer.consume_request``)."""
@@ -69,12 +117,7 @@ def consume_request(self, sub: str = "", mq_key: str = "", token: str = "") -> d
     mq = MessageQueue.from_key(mq_key)
     spec = get_listener(keys.group_of_sub(sub), mq.topic)
     if spec is None:
-        log.error(
-            "worker %s has no listener for group %r topic %r; import the module that "
-            "defines it (MQORDER_LISTENERS) on every worker of the group",
-            client_id, keys.group_of_sub(sub), mq.topic,
-        )
-        return {"verb": "NO_LISTENER"}
+        return _no_listener(client_id, keys.group_of_sub(sub), mq.topic)
     engine = engine_for(client_id)
     worker_metrics.before_run(engine)
     outcome = engine.run(spec, sub, mq, token, execution=str(self.request.id or ""))

@@ -53,6 +53,32 @@ def test_an_evicting_redis_is_refused_by_producers_and_workers(lru_redis) -> Non
     assert client.brokers.meta.zscore(keys.clients(), "w1@test") is None  # never joined
 
 
+def test_an_eviction_policy_set_after_the_start_is_refused_and_reported(redis_url, monkeypatch, caplog) -> None:
+    """The policy was checked once per process: `CONFIG SET maxmemory-policy allkeys-lru` on a
+    running Redis (a managed Redis's parameter change) let sends go on into an evicting Redis,
+    and running workers never said a word (a durability walk-through)."""
+    from mqorder.consumer import client_instance
+
+    with RedisServer() as srv:
+        s = load_settings(redis_url=srv.url)
+        p = Producer(settings=s)
+        p.create_topic("t", queues=1)
+        assert p.send_orderly("t", b"x", sharding_key="k").queue_offset == 0
+        monkeypatch.setattr(client_instance, "POLICY_CHECK_S", 0.2)
+        client = ClientInstance("w1@test", s, dispatch=lambda *a: True)
+        client.start()
+        try:
+            redis.Redis.from_url(srv.url).config_set("maxmemory-policy", "allkeys-lru")
+            time.sleep(1.2)  # the producer's memory reading is at most 1 s old
+            with pytest.raises(EvictionPolicyError, match="allkeys-lru"):
+                p.send_orderly("t", b"y", sharding_key="k")
+            assert MessageLog(p.brokers).max_offset(MQ) == 1  # nothing more stored
+            assert "maxmemory-policy allkeys-lru" in caplog.text and "w1@test" in caplog.text
+        finally:
+            client.stop()
+            p.close()
+
+
 def test_allow_eviction_lets_a_throwaway_setup_run(lru_redis, caplog) -> None:
     s = load_settings(redis_url=lru_redis.url, allow_eviction=True)
     p = Producer(settings=s)

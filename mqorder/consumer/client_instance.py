@@ -36,7 +36,7 @@ from mqorder import keys
 from mqorder.backoff import Backoff
 from mqorder.consumer.listener import registered_listeners
 from mqorder.consumer.shard_wake import ShardWakeListener
-from mqorder.errors import ConfigError
+from mqorder.errors import ConfigError, EvictionPolicyError
 from mqorder.metrics import worker as worker_metrics
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.names import check_client_id
@@ -69,6 +69,8 @@ WAKE_POLL_S = 0.5
 WAKE_CONFIRM_WAIT_S = 1.0
 #: Shortest sleep of the duty loop, so a duty that is already due never spins the CPU.
 DUTY_MIN_WAIT_S = 0.01
+#: How often a running worker reads its brokers' eviction policy again (``_recheck_eviction``).
+POLICY_CHECK_S = 60.0
 #: Pause after an unexpected (non-Redis) error of the wake loop, so a bug cannot spin it.
 ERROR_PAUSE_S = 1.0
 #: How long stop() waits for each duty thread (each checks the stop flag within a second).
@@ -281,6 +283,7 @@ class ClientInstance:
         s = self.settings
         next_hb = next_lock = next_sweep = next_delay = 0.0
         next_trim = time.monotonic() + s.retention_interval_ms / 1000
+        next_policy = time.monotonic() + POLICY_CHECK_S
         backoff = Backoff()
         while not self._stop.is_set():
             now = time.monotonic()
@@ -302,6 +305,9 @@ class ClientInstance:
                 if now >= next_delay:
                     next_delay = now + s.delay_move_interval_ms / 1000
                     self.delay_mover.move_once()
+                if now >= next_policy:
+                    next_policy = now + POLICY_CHECK_S
+                    self._recheck_eviction()
                 backoff.reset()
             except redis.RedisError as exc:
                 delay = backoff.next()
@@ -310,8 +316,19 @@ class ClientInstance:
                 continue
             except Exception:
                 log.exception("mqorder: client duty failed")
-            wait = min(next_hb, next_lock, next_sweep, next_trim, next_delay) - time.monotonic()
+            wait = min(next_hb, next_lock, next_sweep, next_trim, next_delay, next_policy) - time.monotonic()
             self._stop.wait(max(wait, DUTY_MIN_WAIT_S))
+
+    def _recheck_eviction(self) -> None:
+        """An eviction policy set after the start (a managed Redis's parameter change, a restart
+        from a redis.conf that never got ``noeviction``) was never seen: the start's check was the
+        only one. Logged at ERROR every ``POLICY_CHECK_S`` while it lasts; producers refuse to send
+        into it (``CapacityGuard``), and consuming goes on (it loses nothing by itself)."""
+        for name in self.brokers.names:
+            try:
+                check_eviction_policy(self.brokers.get(name), allow=self.settings.allow_eviction)
+            except EvictionPolicyError as exc:
+                log.error("mqorder: client %s: %s", self.client_id, exc)
 
     def _fingerprint_now(self) -> str:
         """Who is live and which topics and subscriptions exist: a change means rebalance now."""

@@ -134,8 +134,9 @@ def check_eviction_policy(broker: Broker, *, allow: bool) -> str:
 class CapacityGuard:
     """What a producer (or the Spark writer) asks before each send: is this broker safe and not full?
 
-    The eviction policy is checked once per broker, on first use (a producer may be built before
-    Redis is up); the memory reading is refreshed at most every ``MEMORY_TTL_S``.
+    The eviction policy is checked on first use of each broker (a producer may be built before
+    Redis is up), then again whenever the memory reading, refreshed at most every
+    ``MEMORY_TTL_S``, shows another policy than ``noeviction``.
     """
 
     def __init__(self, *, allow_eviction: bool, max_memory_ratio: float) -> None:
@@ -153,6 +154,12 @@ class CapacityGuard:
             with self._lock:
                 self._policy_ok.add(broker.name)
         reading = self.memory(broker)
+        if reading.policy and reading.policy != SAFE_POLICY and not self.allow_eviction:
+            # Set after the first check (a managed Redis's parameter change, a restart from a
+            # redis.conf that never got noeviction): sends went on into an evicting Redis.
+            with self._lock:
+                self._policy_ok.discard(broker.name)
+            check_eviction_policy(broker, allow=False)
         ratio = reading.ratio
         if ratio is not None and ratio >= self.max_memory_ratio:
             raise BrokerFullError(

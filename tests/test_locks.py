@@ -484,6 +484,31 @@ def test_a_run_from_another_node_that_renews_its_mark_goes_on(
     assert c.hget(keys.sub_state(mq.tag, "g"), "suspect") == b""
 
 
+def test_a_held_idle_queue_first_swept_on_another_node_gets_a_new_epoch(
+    brokers: BrokerRegistry, locks: RebalanceLockManager
+) -> None:
+    """Redis restored from an older snapshot (or a failover that lost a re-grant to the same
+    holder) can hold an epoch older than one the holder already used; a renewal keeps the stored
+    epoch, so the holder went on under it and a sink fencing on ``ctx.epoch`` refused everything
+    (a durability walk-through: a message to the DLQ every 16 s). The first sweep on the new node
+    grants a held queue with no run a new epoch, which the holder's next begin takes."""
+    mq = MQS[3]
+    c = brokers.default.client
+    locks.assign("g", [(mq, "c1", "tok")])
+    assert _sweep_on(brokers, mq, "node-a", "s0") == []
+    before = locks.lock_entry("g", mq).epoch
+    assert _sweep_on(brokers, mq, "node-a", "s1") == []  # the same node: nothing changes
+    assert locks.lock_entry("g", mq).epoch == before
+    assert _sweep_on(brokers, mq, "node-b", "s2") == []  # restarted or promoted: a new grant
+    after = locks.lock_entry("g", mq).epoch
+    assert after > before and locks.lock_entry("g", mq).owner == "c1"
+    c.set(keys.queue_next(mq.tag), 2)
+    assert _sweep_on(brokers, mq, "", "s3") == [1, b"c1", b"s3"]  # dispatched under the new epoch
+    assert locks.lock_entry("g", mq).epoch == after
+    assert begin(brokers, "g", mq, "c1", "s3")[0] == b"OK"
+    assert locks.lock_entry("g", mq).epoch == after
+
+
 def test_a_queue_without_a_backlog_at_the_sweeps_is_recorded_and_its_stale_mark_noted(
     brokers: BrokerRegistry, locks: RebalanceLockManager
 ) -> None:

@@ -25,6 +25,8 @@
 -- lapsed run; one that moved is left alone. Safe either way, since a run that does go on is
 -- refused at its next commit (FENCED) and what it read is redelivered. A queue never swept before has no `node`: recorded, not
 -- judged, so a new deployment fences nothing. On a steady primary the sweep only reads the fields.
+-- A held queue with no live run, first swept on another node than the recorded one, gets a new
+-- epoch: what the node holds may be older than what its holder saw (a restore, a lost re-grant).
 --- @include "_now"
 --- @include "_lock"
 --- @include "_mget"
@@ -69,6 +71,16 @@ for i = 1, #KEYS, 2 do
         redis.call('HSET', KEYS[i], 'node', node, 'suspect', st[5], 'suspect_at', now)
       else
         redis.call('HSET', KEYS[i], 'node', node, 'suspect', '')
+        if swept_on ~= '' and lock_live(owner, st[2]) and not run_live then
+          -- A held queue with no run, first swept on this node: its stored epoch may be older than
+          -- one its holder already used (Redis restored from an older snapshot, or a re-grant the
+          -- failover lost), and a renewal keeps the stored epoch, so the holder would go on under
+          -- it and a fenced sink refuse everything (a durability walk-through: a message to the
+          -- DLQ every 16 s). A new grant is above every epoch handed out before (a clock). No run
+          -- holds the queue, so this fences nothing in flight.
+          grant_epoch(KEYS[i])
+          fenced = true
+        end
       end
     elseif (st[8] or '') ~= '' then
       if not (run_live and st[8] == st[5]) then

@@ -266,6 +266,12 @@ class Settings(BaseSettings):
     suspend_current_queue_time_ms: int = Field(1000, ge=10, le=30_000)
     #: Milliseconds a ConsumeRequest may run before it yields its slot (MAX_TIME_CONSUME_CONTINUOUSLY, 60 s).
     max_time_consume_continuously_ms: int = Field(60_000, gt=0, le=3_600_000)
+    #: Milliseconds a ConsumeRequest with a backlog keeps its pool slot while another request of its
+    #: worker waits for one; then it re-queues itself behind it (0: only at
+    #: ``max_time_consume_continuously_ms``, as RocketMQ). Pool slots are shared by every group
+    #: of a worker, where RocketMQ gives each group its own threads: one lagging group held them
+    #: for 60 s at a time, and the other groups' queues waited minutes.
+    consume_yield_after_ms: int = Field(1000, ge=0, le=3_600_000)
     #: Retries of a failing message before it goes to ``%DLQ%<group>`` (``-1``: never).
     max_reconsume_times: int = Field(16, ge=-1)
     #: How long a drained ConsumeRequest waits for more messages before ending its run, while its

@@ -420,3 +420,23 @@ def test_a_listener_call_longer_than_the_run_lease_keeps_its_queue(cluster: Clus
     for (_, e1), (s2, _) in zip(calls, calls[1:], strict=False):
         assert s2 >= e1, f"a call started at {s2} before the one before it ended at {e1}"
     assert len({e["epoch"] for e in entries}) == 1
+
+
+def test_a_lagging_group_gives_its_pool_slot_to_another_groups_queue(cluster: Cluster, r: redis.Redis) -> None:
+    """Pool slots are shared by every group of a worker. A run with a backlog kept its slot for the
+    whole 60 s budget, so a lagging group held the worker and another group's queue waited (an
+    operator walk-through: 3 minutes, and with time retention 25,594 messages trimmed unread). It
+    now re-queues itself behind a waiting request after ``consume_yield_after_ms`` (1 s)."""
+    p = Producer(cluster.url)
+    p.create_topic("t-order", queues=1)
+    p.create_topic("t-excl", queues=1)
+    r.hset("ctl:g-order", "sleep_ms", 20)
+    cluster.start_worker("w1", concurrency=1)
+    p.send_orderly_batch("t-order", [("k", body("k", s)) for s in range(1, 1001)])  # ~20 s of calls
+    wait_for(lambda: len(ledger(r, "g-order")) >= 20, timeout=30, what="the backlog's run under way")
+    t0 = time.monotonic()
+    p.send_orderly("t-excl", body("x", 1), sharding_key="x")
+    wait_for(lambda: _handled(r, "g-excl", 1), timeout=40, what="the other group's message")
+    waited = time.monotonic() - t0
+    assert waited < 5, f"the other group's message waited {waited:.1f} s for the worker's only slot"
+    assert check_order(ledger(r, "g-order"))[0] == []

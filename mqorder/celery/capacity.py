@@ -122,6 +122,13 @@ class CapacitySignal:
         stamp, waiting, _spare = self.read()
         return waiting == 0 and 0.0 <= time.monotonic() - stamp < STALE_AFTER_S
 
+    def others_wait(self) -> bool:
+        """A request waits for a slot (a run with a backlog yields after ``consume_yield_after_ms``).
+        A stale or never published stamp says nobody waits: unlike lingering, a busy run must not
+        give its slot up on a signal nobody keeps."""
+        stamp, waiting, _spare = self.read()
+        return waiting > 0 and 0.0 <= time.monotonic() - stamp < STALE_AFTER_S
+
     def may_start_linger(self, pid: int = 0) -> bool:
         """A drained request (in process ``pid``) may begin to linger: as ``may_linger``, and a
         slot would stay free, or no other child lingers."""

@@ -111,6 +111,15 @@ def may_start_linger() -> bool:
     return _waiting() == 0 and celery_spare(_waiting.slots)
 
 
+def others_wait() -> bool:
+    """Another received request of this worker waits for a pool slot (``capacity.WaitingRequests``):
+    a run with a backlog then yields after ``consume_yield_after_ms``. A prefork child reads the
+    published count (a stale one says nobody waits); the threads pool counts itself."""
+    if _linger_pid != os.getpid():
+        return SIGNAL.others_wait()
+    return _waiting() > 0
+
+
 def note_lingering(lingering: bool) -> None:
     """A prefork child's request lingers (said at every lingering read) or stopped lingering."""
     if _linger_pid != os.getpid():
@@ -127,6 +136,7 @@ def engine_for(client_id: str) -> ConsumerEngine:
                 eng = ConsumerEngine(settings_of(), client_id)
                 eng.may_linger = may_linger
                 eng.may_start_linger = may_start_linger
+                eng.others_wait = others_wait
                 eng.note_lingering = note_lingering
                 _engines[key] = eng
     return eng

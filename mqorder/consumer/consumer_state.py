@@ -65,6 +65,10 @@ class ConsumerState:
         #: Whether a request that has not lingered yet may begin to (on top of ``may_linger``): the
         #: integration says no while this would leave no pool slot free for the next request.
         self.may_start_linger: Callable[[], bool] = _always
+        #: Whether another request of this worker has waited for a pool slot (a run with a backlog
+        #: then yields after ``consume_yield_after_ms``): set by the integration; never by default,
+        #: and never when the signal is not known (a stale one is not "somebody waits").
+        self.others_wait: Callable[[], bool] = _never
         #: Told ``True`` at every lingering read and ``False`` when a task execution that lingered
         #: ends (a prefork child notes it for its siblings' ``may_start_linger``).
         self.note_lingering: Callable[[bool], None] = _ignore

@@ -295,6 +295,7 @@ class KeyConsumeRequest(ConsumeRequest):
 
     def _dispatch_loop(self) -> LoopEnd:
         deadline = self.deadline = time.monotonic() + self.budget
+        self._start_yield_clock()
         lanes = self.lanes
         stop: LoopEnd | None = None
         while True:
@@ -373,7 +374,8 @@ class KeyConsumeRequest(ConsumeRequest):
     def _should_stop(self, deadline: float) -> LoopEnd | None:
         if self.pq.dropped:
             return LoopEnd(Stop.DONE)  # revoked: finish.lua hands the queue over
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now > deadline or self._yield_due(now):
             return LoopEnd(Stop.REQUEUE, BUDGET_REQUEUE_S)  # MAX_TIME_CONSUME_CONTINUOUSLY
         if self.pq.is_lock_expired() and not self._touch():
             return self._fenced()

@@ -6,6 +6,10 @@ no assignment, and no later heartbeat saw a change."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
+
 import pytest
 
 import tests.listeners  # noqa: F401 -- registers g-late on t-late (the topic created mid-join)
@@ -187,3 +191,26 @@ def test_a_client_whose_namesake_unregistered_registers_again_and_takes_its_queu
         p.close()
         survivor.brokers.close()
         namesake.brokers.close()
+
+
+def test_a_client_whose_id_another_process_registered_says_so(redis_url: str, caplog) -> None:
+    """Two applications' workers named alike (``w1@host``) on one Redis: the second's registration
+    replaced the first's subscriptions, and the first consumed nothing more with no word of why (a
+    configuration walk-through: 250 of 500 messages, and a log blaming a missing listener module).
+    Its heartbeat now sees another process's registration under its id and says so."""
+    s = load_settings(redis_url=redis_url)
+    first = ClientInstance("w1@shared", s, dispatch=lambda *a: True)
+    try:
+        first._register()
+        with caplog.at_level(logging.WARNING, logger="mqorder"):
+            first._watch_membership()
+            assert "registered by another process" not in caplog.text  # its own registration
+            other = ("from mqorder.rebalance.membership import ClientRegistry; import redis; "
+                     f"ClientRegistry(redis.Redis.from_url({redis_url!r}), 3000).register('w1@shared', [])")
+            subprocess.run([sys.executable, "-c", other], check=True, timeout=60)
+            first._watch_membership()
+        assert "client id w1@shared is registered by another process" in caplog.text
+        assert "celery worker -n NAME@%h" in caplog.text
+    finally:
+        first.service.registry.unregister("w1@shared")
+        first.brokers.close()

@@ -25,6 +25,7 @@ to a client is the ``dispatch`` callback the integration gives it (``mqorder.cel
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import zlib
@@ -69,6 +70,8 @@ WAKE_POLL_S = 0.5
 WAKE_CONFIRM_WAIT_S = 1.0
 #: Shortest sleep of the duty loop, so a duty that is already due never spins the CPU.
 DUTY_MIN_WAIT_S = 0.01
+#: How often a worker whose client id another process registered too says so again.
+TAKEN_LOG_EVERY_S = 60.0
 #: How often a running worker reads its brokers' eviction policy again (``_recheck_eviction``).
 POLICY_CHECK_S = 60.0
 #: Pause after an unexpected (non-Redis) error of the wake loop, so a bug cannot spin it.
@@ -121,6 +124,8 @@ class ClientInstance:
         #: A rebalance this client took on was skipped (mutex held): try again at the next heartbeat.
         self._rebalance_owed = False
         self._registered = False
+        #: When ``_registration_taken`` last logged (monotonic).
+        self._taken_logged = -TAKEN_LOG_EVERY_S
         #: Wake-ups on Redis Cluster brokers arrive over sharded pub/sub, per queue
         #: (``mqorder.consumer.shard_wake``); None when no broker is a cluster.
         self.shard_wake: ShardWakeListener | None = None
@@ -340,6 +345,10 @@ class ClientInstance:
         beat = self.service.registry.heartbeat_and_watch(self.client_id, (keys.topology_version(), keys.rebalance_last()))
         if self._registered and not beat.registered and not self._stop.is_set():  # not our own leave
             self._register_again()
+        elif beat.taken_by and self._registered:
+            self._registration_taken(beat.taken_by)
+        else:
+            self._taken_logged = -TAKEN_LOG_EVERY_S
         topology, last = beat.watched
         fp = _fingerprint(beat.fingerprint, topology)
         stale = False
@@ -361,6 +370,26 @@ class ClientInstance:
                 self._rebalance_owed = True
                 self._rebalance_owed = not self._rebalance_now(wait_s=REBALANCE_WAIT_S)
             self._fingerprint = fp
+
+    def _registration_taken(self, other: str) -> None:
+        """Another process registered under this client id while this one runs: its subscriptions
+        replaced this worker's, so rebalances give this worker's groups' queues to nobody here,
+        and both read one Celery direct queue (``<name>.dq2``). Two applications whose workers
+        share a node name on one Redis did this without a word (a configuration walk-through: one
+        app stopped at 250 of 500 messages, and its log blamed a missing listener module). Not
+        fought over (two processes re-registering in turn would rebalance at every heartbeat): an
+        ERROR every ``TAKEN_LOG_EVERY_S`` until one of them is renamed or stops."""
+        now = time.monotonic()
+        if now - self._taken_logged < TAKEN_LOG_EVERY_S:
+            return
+        # A WARNING first: a deploy that starts the new process before the old one's warm shutdown
+        # ended does this for seconds; an ERROR once it has lasted.
+        level = logging.WARNING if self._taken_logged < 0 else logging.ERROR
+        self._taken_logged = now
+        log.log(level, "mqorder: client id %s is registered by another process (pid@host %s) too, which replaced this "
+                  "worker's subscriptions (pid %d): two workers run under one Celery node name on this Redis, "
+                  "perhaps of two applications. Give every worker its own name (celery worker -n NAME@%%h); "
+                  "until then this worker's groups may get no queues", self.client_id, other, os.getpid())
 
     def _register_again(self) -> None:
         """This client's registration vanished while it runs: a second worker started under the

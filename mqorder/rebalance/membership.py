@@ -143,6 +143,10 @@ class Heartbeat:
     #: Whether the client's registration (its subscriptions) is still there: another process
     #: under the same client id that unregistered on its way out removed it.
     registered: bool = True
+    #: ``pid@host`` of the process whose registration it is, when not this process's: another
+    #: process registered under the same client id since (two apps' workers both named
+    #: ``w1@host``), and the subscriptions stored are its own.
+    taken_by: str = ""
 
 
 def _fingerprint(live: Iterable[bytes | str]) -> str:
@@ -197,7 +201,7 @@ class ClientRegistry:
         pipe = self.meta.pipeline(transaction=False)
         pipe.zadd(keys.clients(), {client_id: now + self.heartbeat_timeout_ms})
         pipe.zrangebyscore(keys.clients(), now + 1, "+inf")
-        pipe.exists(keys.client_info(client_id))
+        pipe.hmget(keys.client_info(client_id), "pid", "host")
         for k in watched:
             pipe.get(k)
         try:
@@ -206,7 +210,11 @@ class ClientRegistry:
             # A cluster pipeline's "no node answers" is not a RedisError; the duty loop backs off
             # on a ConnectionError, as for any other unreachable Redis.
             raise redis.ConnectionError(f"Redis Cluster unreachable: {exc}") from exc
-        return Heartbeat(now, _fingerprint(res[1]), list(res[3:]), bool(res[2]))
+        pid, host = (text(v) if v is not None else None for v in res[2])
+        taken_by = ""
+        if pid is not None and (pid, host) != (str(os.getpid()), socket.gethostname()):
+            taken_by = f"{pid}@{host}"
+        return Heartbeat(now, _fingerprint(res[1]), list(res[3:]), pid is not None, taken_by)
 
     def unregister(self, client_id: str) -> None:
         pipe = self.meta.pipeline(transaction=False)

@@ -17,6 +17,7 @@ from pathlib import Path
 import redis
 
 from mqorder.errors import BrokerUnavailableError
+from mqorder.testing.lifetime import die_with_parent
 
 
 def free_port() -> int:
@@ -155,7 +156,8 @@ class RedisServer:
     def _start_once(self, timeout: float) -> None:
         log_path = self.dir / "redis.log"
         log_start = log_path.stat().st_size if log_path.exists() else 0  # restarts append to one log
-        self.proc = proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = proc = subprocess.Popen(self._args(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                            preexec_fn=die_with_parent())  # not left behind by a killed run
         client = redis.Redis.from_url(self.url, socket_timeout=1)
         deadline = time.monotonic() + timeout
         try:

@@ -2,6 +2,15 @@
 
 Used by the demo, the tests, the chaos runner and the benchmarks: every one of them drives real
 Celery subprocesses (prefork by default), never an eager or in-thread imitation.
+
+``app`` is the Celery app the processes load (``celery -A <app>``). Its default, ``workers.app``,
+exists only in mqorder's own checkout; an application's tests pass ``app="mqorder.app"`` (the
+stock app of an installed mqorder, reading ``MQORDER_LISTENERS``) or their own app.
+
+Each process runs in a session of its own (so a test can signal a worker's whole process group,
+pool children included) and, when started from the main thread on Linux, is sent SIGTERM when the
+process that started it dies (``mqorder.testing.lifetime``): a test run killed with its process
+group does not leave workers behind retrying a Redis that is gone.
 """
 
 from __future__ import annotations
@@ -10,12 +19,18 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import IO
 
 import redis
 
 from mqorder import keys
+from mqorder.testing.lifetime import die_with_parent
+
+#: How much of a process's output an error quotes (the end of it, where the reason is).
+TAIL_BYTES = 4000
 
 
 def _celery() -> list[str]:
@@ -49,6 +64,9 @@ class WorkerProcess:
         self.cwd = cwd
         self.extra_args = extra_args or []
         self.proc: subprocess.Popen[bytes] | None = None
+        #: The output kept when no ``logfile`` is given (a deleted temporary file), so an error can
+        #: quote why the worker stopped: it used to go to /dev/null and errors said "see None".
+        self._output: IO[bytes] | None = None
 
     def start(self) -> WorkerProcess:
         args = [
@@ -56,11 +74,43 @@ class WorkerProcess:
             "-c", str(self.concurrency), "--loglevel", self.loglevel, "--without-mingle",
             "--without-gossip", *self.extra_args,
         ]
-        out = open(self.logfile, "ab") if self.logfile else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            args, env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        if self.logfile:
+            out: IO[bytes] = open(self.logfile, "ab")
+        else:
+            if self._output is None:
+                self._output = tempfile.TemporaryFile(prefix=f"mqorder-worker-{self.name}-")
+            out = self._output
+        try:
+            self.proc = subprocess.Popen(
+                args, env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
+        finally:
+            if out is not self._output:
+                out.close()  # the child holds its own copy
         return self
+
+    def output_tail(self, limit: int = TAIL_BYTES) -> str:
+        """The last ``limit`` bytes of the worker's output (its logfile, or the kept output)."""
+        try:
+            if self.logfile is not None:
+                with open(self.logfile, "rb") as f:
+                    f.seek(max(0, os.fstat(f.fileno()).st_size - limit))
+                    data = f.read()
+            elif self._output is not None:
+                fd = self._output.fileno()
+                size = os.fstat(fd).st_size
+                data = os.pread(fd, limit, max(0, size - limit))  # pread: the worker's offset stays
+            else:
+                return ""
+        except OSError:
+            return ""
+        return data.decode(errors="replace")
+
+    def _where(self) -> str:
+        tail = self.output_tail().rstrip()
+        where = f"; see {self.logfile}" if self.logfile else ""
+        return f"{where}; its last output:\n{tail}" if tail else f"{where} (it wrote nothing)"
 
     @property
     def pid(self) -> int:
@@ -81,9 +131,9 @@ class WorkerProcess:
             if client.zscore(keys.clients(), self.hostname) is not None:
                 return
             if not self.alive():
-                raise RuntimeError(f"worker {self.name} exited with {self.returncode()}; see {self.logfile}")
+                raise RuntimeError(f"worker {self.name} exited with {self.returncode()}{self._where()}")
             time.sleep(0.05)
-        raise TimeoutError(f"worker {self.name} did not register within {timeout}s; see {self.logfile}")
+        raise TimeoutError(f"worker {self.name} did not register within {timeout}s{self._where()}")
 
     def signal(self, sig: int, *, group: bool = True) -> None:
         """Signal the worker (and, by default, its whole process group: the pool children too)."""
@@ -117,6 +167,8 @@ class WorkerProcess:
 
 
 class BeatProcess:
+    """One ``celery -A <app> beat`` subprocess (one per deployment: it sends rebalance and lock_all)."""
+
     def __init__(
         self, *, env: dict[str, str], workdir: str | Path, app: str = "workers.app", loglevel: str = "WARNING",
         logfile: str | Path | None = None, cwd: str | Path | None = None,
@@ -135,10 +187,15 @@ class BeatProcess:
             *_celery(), "-A", self.app, "beat", "-s", str(self.workdir / "celerybeat-schedule"),
             "--pidfile", "", "--loglevel", self.loglevel,
         ]
-        out = open(self.logfile, "ab") if self.logfile else subprocess.DEVNULL
-        self.proc = subprocess.Popen(
-            args, env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
+        out: IO[bytes] | int = open(self.logfile, "ab") if self.logfile else subprocess.DEVNULL
+        try:
+            self.proc = subprocess.Popen(
+                args, env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                preexec_fn=die_with_parent(),
+            )
+        finally:
+            if not isinstance(out, int):
+                out.close()
         return self
 
     def alive(self) -> bool:

@@ -21,6 +21,7 @@ import redis
 
 from mqorder.errors import BrokerUnavailableError
 from mqorder.testing.embedded import RedisServer, free_port, redis_server_binary, wait_online_replicas
+from mqorder.testing.lifetime import die_with_parent
 
 DEFAULT_MASTER_NAME = "mqorder"
 #: Sentinel's ``down-after-milliseconds`` in tests: a primary silent this long is subjectively down.
@@ -93,7 +94,7 @@ class SentinelProcess:
             lines += [f"requirepass {self.password}", f"sentinel sentinel-pass {self.password}"]
         conf.write_text("\n".join(lines) + "\n")
         self.proc = subprocess.Popen([redis_server_binary(), str(conf), "--sentinel"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=die_with_parent())
 
     def client(self, timeout: float = 1.0) -> redis.Redis:
         return redis.Redis(host="127.0.0.1", port=self.port, password=self.password,

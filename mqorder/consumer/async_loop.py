@@ -439,10 +439,11 @@ class ProcessLoop:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def offload(self, fn: Callable[[], Any]) -> Any:
+    @staticmethod
+    async def offload(fn: Callable[[], Any]) -> Any:
         """Run a blocking ``fn`` (a Redis round trip) off the loop and await its result:
-        ``ctx.still_owner_async``. Where it runs: ``loop.run_in_executor``'s default executor."""
-        return await self.loop.run_in_executor(None, fn)
+        ``ctx.still_owner_async``; see the module's :func:`offload`."""
+        return await offload(fn)
 
     @staticmethod
     def _call_name(task: asyncio.Task[Any]) -> str:
@@ -546,3 +547,14 @@ class ProcessLoop:
 
 def process_loop() -> ProcessLoop:
     return ProcessLoop.get()
+
+
+async def offload(fn: Callable[[], Any]) -> Any:
+    """Run a blocking ``fn`` off the loop that awaits it, in that loop's default executor.
+
+    The *running* loop, not the process's: inside a worker the two are the same (its calls run on
+    the process loop, whose executor under gevent is the hub's ``HubExecutor``), but a unit test
+    that runs a listener under its own loop (``asyncio.run(handler(msgs, ctx))``) awaits here from
+    that loop. Scheduling on the process loop then failed with "attached to a different loop", and
+    started the process loop's threads in the test besides."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn)

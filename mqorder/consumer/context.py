@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from mqorder.consumer.async_loop import process_loop
+from mqorder.consumer.async_loop import offload
 from mqorder.model import MessageQueue
 
 log = logging.getLogger(__name__)
@@ -89,8 +89,9 @@ class CallContext:
     async def still_owner_async(self) -> bool:
         """``still_owner()`` for an ``async def`` listener: the Redis round trip runs off the
         event loop (a worker thread; under gevent a greenlet of the hub), so the other calls of
-        the process go on meanwhile. Await it on the worker's loop, inside the listener."""
-        return bool(await process_loop().offload(self._still_owner))
+        the process go on meanwhile. It runs on whichever loop awaits it: the worker's, or a unit
+        test's own (``asyncio.run(listener(msgs, ctx))``)."""
+        return bool(await offload(self._still_owner))
 
 
 class ConsumeOrderlyContext(CallContext):

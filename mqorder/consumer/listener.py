@@ -241,13 +241,21 @@ def _may_replace(old: ListenerSpec, new: ListenerSpec) -> bool:
     return type(old.func) is not type(new.func)
 
 
+#: The refusals' advice for the usual way to meet them in tests: a listener defined in a test function
+#: is a new function at every call (a parametrized test, two tests with one group).
+_IN_TESTS = (
+    " (in tests, register inside `with mqorder.testing.isolated_listeners():` or call "
+    "`mqorder.testing.clear_listeners()` between tests)"
+)
+
+
 def _register(spec: ListenerSpec) -> None:
     group, topic = spec.group, spec.topic
     old = _REGISTRY.get((group, topic))
     if old is not None and not _may_replace(old, spec):
         raise ListenerError(
             f"group {group!r} already has a listener for topic {topic!r} ({old.name}); "
-            "one group consumes a topic with one listener: use another group name"
+            f"one group consumes a topic with one listener: use another group name{_IN_TESTS}"
         )
     concurrent = spec.ordering is Ordering.CONCURRENT
     for other in _REGISTRY.values():
@@ -256,7 +264,8 @@ def _register(spec: ListenerSpec) -> None:
             raise ListenerError(
                 f"group {group!r} already consumes topic {other.topic!r} "
                 f"{'concurrently' if other.ordering is Ordering.CONCURRENT else 'in order'}; a group consumes either in "
-                "order or concurrently (RocketMQ: one message listener per consumer group): use another group name"
+                f"order or concurrently (RocketMQ: one message listener per consumer group): use another group name"
+                f"{_IN_TESTS}"
             )
     _REGISTRY[(group, topic)] = spec
     if concurrent and spec.message_model is MessageModel.CLUSTERING:

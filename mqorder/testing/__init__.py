@@ -1,8 +1,73 @@
-"""Harnesses that start real servers and processes for the tests, the benchmarks, the chaos runs
-and the demo: a throw-away ``redis-server`` (``embedded``), ``celery worker``/``beat``
-subprocesses (``launcher``) and a throw-away RabbitMQ vhost (``rabbit_vhost``).
+"""Testing an application's listeners, producers and transaction checkers (docs/TESTING.md).
 
-They live apart from the library proper because no application code uses them: an application
-runs against its own Redis and its own Celery workers. ``mqorder.demo`` uses them because the demo
-is exactly such a throw-away run.
+* Unit tests, no server: :func:`make_message`, :func:`make_orderly_context` and
+  :func:`make_concurrent_context` build what a listener is called with;
+  :func:`isolated_listeners` / :func:`clear_listeners` undo a test's listener registrations.
+* Integration tests on real servers: a throw-away ``redis-server`` (:class:`RedisServer`), real
+  ``celery worker`` / ``beat`` subprocesses (:class:`WorkerProcess`, :class:`BeatProcess`,
+  :func:`project_env` for their environment), a RabbitMQ vhost (:class:`RabbitVhost`), a
+  Sentinel or Redis Cluster deployment.
+
+mqorder's own tests, benchmarks, chaos runs and demo use the same harnesses. The names are loaded
+on first use, so ``import mqorder.testing`` costs nothing until one is used.
 """
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mqorder.testing.builders import make_concurrent_context, make_message, make_orderly_context
+    from mqorder.testing.cluster import ClusterDeployment
+    from mqorder.testing.embedded import RedisServer, free_port
+    from mqorder.testing.launcher import BeatProcess, WorkerProcess, project_env
+    from mqorder.testing.listeners import clear_listeners, isolated_listeners
+    from mqorder.testing.rabbit_vhost import RabbitVhost
+    from mqorder.testing.sentinel import SentinelDeployment
+
+#: Each exported name and the module that defines it.
+_EXPORTS = {
+    "make_message": "builders",
+    "make_orderly_context": "builders",
+    "make_concurrent_context": "builders",
+    "ClusterDeployment": "cluster",
+    "RedisServer": "embedded",
+    "free_port": "embedded",
+    "WorkerProcess": "launcher",
+    "BeatProcess": "launcher",
+    "project_env": "launcher",
+    "clear_listeners": "listeners",
+    "isolated_listeners": "listeners",
+    "RabbitVhost": "rabbit_vhost",
+    "SentinelDeployment": "sentinel",
+}
+
+__all__ = [
+    "BeatProcess",
+    "ClusterDeployment",
+    "RabbitVhost",
+    "RedisServer",
+    "SentinelDeployment",
+    "WorkerProcess",
+    "clear_listeners",
+    "free_port",
+    "isolated_listeners",
+    "make_concurrent_context",
+    "make_message",
+    "make_orderly_context",
+    "project_env",
+]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'mqorder.testing' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"mqorder.testing.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

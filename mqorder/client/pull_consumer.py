@@ -42,6 +42,7 @@ from mqorder import keys
 from mqorder.codec import decode_entries
 from mqorder.errors import (
     BrokerUnavailableError,
+    InvalidNameError,
     MQOrderError,
     OffsetFencedError,
     OffsetIllegalError,
@@ -122,6 +123,19 @@ def default_client_id() -> str:
     return f"pull-{os.getpid()}-{next(_instances)}@{socket.gethostname()}"
 
 
+
+def _dlq_advice(topic: str) -> str:
+    """The refusal of a dead-letter topic, saying how to read one: the generic name check said the
+    prefix is "reserved; choose another name", which points a user who wants the DLQ away from it."""
+    group = topic[len(keys.DLQ_PREFIX):] or "GROUP"
+    return (
+        f"{topic!r} is a dead-letter topic: a PullConsumer does not subscribe to it (nothing consumes a "
+        f"DLQ as a group). Read it with `mqorder dlq list {group} --json` and `mqorder dlq show {group} "
+        f"--offset N --json`, or from Python with mqorder.admin: `with Admin.open() as admin: "
+        f"dlq_list(admin, {group!r}).messages` (Admin from mqorder.admin.common, dlq_list from mqorder.admin.dlq); "
+        "`mqorder dlq replay` puts dead letters back in their topic"
+    )
+
 class PullConsumer:
     """A consumer group member whose application pulls and commits itself.
 
@@ -178,6 +192,8 @@ class PullConsumer:
             return self._fetch_in_balance(topic)
 
     def _fetch_in_balance(self, topic: str) -> list[MessageQueue]:
+        if isinstance(topic, str) and topic.startswith(keys.DLQ_PREFIX):
+            raise InvalidNameError(_dlq_advice(topic))
         topic = check_topic(topic)
         with self._lock:
             if topic not in self._topics:

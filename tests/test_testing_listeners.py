@@ -59,3 +59,16 @@ def test_clear_listeners_of_one_group_takes_its_retry_subscription() -> None:
         clear_listeners("g-mail")
         assert [(s.group, s.topic) for s in registered_listeners() if s.group == "g-mail"] == []
         assert get_listener("g-iso", "t-iso") is not None  # other groups untouched
+
+
+def test_isolated_listeners_forgets_a_tests_transaction_checker() -> None:
+    from mqorder import LocalTransactionState, transaction_checker
+    from mqorder.client.transaction_check import get_transaction_checker
+
+    with isolated_listeners():
+        @transaction_checker(topic="t-iso-txn")
+        def check(msg):  # type: ignore[no-untyped-def]
+            return LocalTransactionState.COMMIT
+
+        assert get_transaction_checker("t-iso-txn") is check
+    assert get_transaction_checker("t-iso-txn") is None

@@ -2,7 +2,8 @@
 
 * Unit tests, no server: :func:`make_message`, :func:`make_orderly_context` and
   :func:`make_concurrent_context` build what a listener is called with;
-  :func:`isolated_listeners` / :func:`clear_listeners` undo a test's listener registrations.
+  :func:`isolated_listeners` / :func:`clear_listeners` undo a test's listener registrations;
+  :func:`check_transactions` runs the transaction check-back once, in the test's process.
 * Integration tests on real servers: a throw-away ``redis-server`` (:class:`RedisServer`), real
   ``celery worker`` / ``beat`` subprocesses (:class:`WorkerProcess`, :class:`BeatProcess`,
   :func:`project_env` for their environment), a RabbitMQ vhost (:class:`RabbitVhost`), a
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
     from mqorder.testing.listeners import clear_listeners, isolated_listeners
     from mqorder.testing.rabbit_vhost import RabbitVhost
     from mqorder.testing.sentinel import SentinelDeployment
+    from mqorder.testing.transactions import check_transactions
 
 #: Each exported name and the module that defines it.
 _EXPORTS = {
@@ -41,6 +43,7 @@ _EXPORTS = {
     "isolated_listeners": "listeners",
     "RabbitVhost": "rabbit_vhost",
     "SentinelDeployment": "sentinel",
+    "check_transactions": "transactions",
 }
 
 __all__ = [
@@ -50,6 +53,7 @@ __all__ = [
     "RedisServer",
     "SentinelDeployment",
     "WorkerProcess",
+    "check_transactions",
     "clear_listeners",
     "free_port",
     "isolated_listeners",

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from mqorder.client.transaction_check import _checkers
 from mqorder.consumer.listener import _REGISTRY, unregister_listener
 
 
@@ -32,11 +33,14 @@ def clear_listeners(group: str | None = None) -> None:
 
 @contextmanager
 def isolated_listeners() -> Iterator[None]:
-    """Listeners registered inside are forgotten on exit, and the ones registered before (an
-    application module the test imported) are back exactly as they were."""
-    saved = dict(_REGISTRY)
+    """Listeners (and ``@transaction_checker`` functions) registered inside are forgotten on exit,
+    and the ones registered before (an application module the test imported) are back exactly as
+    they were."""
+    saved, saved_checkers = dict(_REGISTRY), dict(_checkers)
     try:
         yield
     finally:
         _REGISTRY.clear()
         _REGISTRY.update(saved)
+        _checkers.clear()
+        _checkers.update(saved_checkers)

@@ -8,9 +8,9 @@ exists only in mqorder's own checkout; an application's tests pass ``app="mqorde
 stock app of an installed mqorder, reading ``MQORDER_LISTENERS``) or their own app.
 
 Each process runs in a session of its own (so a test can signal a worker's whole process group,
-pool children included) and, when started from the main thread on Linux, is sent SIGTERM when the
-process that started it dies (``mqorder.testing.lifetime``): a test run killed with its process
-group does not leave workers behind retrying a Redis that is gone.
+pool children included) and, when started from the main thread on Linux, is killed (SIGKILL) when
+the process that started it dies (``mqorder.testing.lifetime``): a test run killed with its
+process group does not leave workers behind retrying a Redis that is gone.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ class WorkerProcess:
         try:
             self.proc = subprocess.Popen(
                 args, env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=die_with_parent(),
+                preexec_fn=die_with_parent(signal.SIGKILL),
             )
         finally:
             if out is not self._output:
@@ -191,7 +191,7 @@ class BeatProcess:
         try:
             self.proc = subprocess.Popen(
                 args, env=self.env, cwd=self.cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                preexec_fn=die_with_parent(),
+                preexec_fn=die_with_parent(signal.SIGKILL),
             )
         finally:
             if not isinstance(out, int):

@@ -6,9 +6,12 @@ signalling itself. The price: a test run killed with its process group (a CI job
 ``timeout`` expiring, SIGKILL) no longer takes them along. Orphaned, reparented to init, they kept
 retrying a Redis that was gone for minutes, and held their ports and CPU under the next run.
 
-On Linux, ``prctl(PR_SET_PDEATHSIG)`` asks the kernel to signal the child when its parent dies:
-SIGTERM, so a worker takes its warm-shutdown path and its prefork children (Celery sets SIGKILL as
-their own death signal) go with it.
+On Linux, ``prctl(PR_SET_PDEATHSIG)`` asks the kernel to signal the child when its parent dies.
+Servers get SIGTERM (a clean exit). Celery processes get SIGKILL: a run killed with its group takes
+the test's Redis down at the same moment, and a worker that got SIGTERM while its consumer was in
+Celery's broker-reconnect loop stayed in that loop, its warm shutdown waiting (seen in
+``tests/test_launcher_lifetime.py``: 2 runs of 8 here). Its prefork children go with it
+(Celery sets SIGKILL as their own death signal); a clean leave was impossible anyway, Redis gone.
 
 Two limits of the kernel's rule, both handled by returning no hook:
 

@@ -135,6 +135,21 @@ def test_a_full_redis_refuses_sends_clearly_while_consumers_keep_draining_it() -
         r.close()
 
 
+def test_doctor_finds_a_project_app_as_celery_does(redis_url, tmp_path, monkeypatch) -> None:
+    """`--app proj` of Celery's usual layout (a Django project's too: the app in proj/celery.py,
+    re-exported as `celery_app`) failed with "module 'proj' has no attribute 'app'", where
+    `celery -A proj` works: the doctor now looks the app up as Celery does."""
+    pkg = tmp_path / "walkproj"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("from .celery import app as celery_app\n")
+    (pkg / "celery.py").write_text("from celery import Celery\n\napp = Celery('walkproj')\n"
+                                   "app.conf.accept_content = ['json', 'pickle']\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    res = cli("doctor", "--app", "walkproj", "--json")
+    found = {(f["check"], f["verdict"]) for f in json.loads(res.stdout)["findings"]}
+    assert ("celery serializers", "FAIL") in found, res.stdout  # its configuration was read
+
+
 def test_doctor_passes_a_good_redis_and_explains_a_bad_one(redis_url, monkeypatch) -> None:
     res = cli("doctor", "--app", "workers.app:app", "--json")
     assert res.exit_code == 0, res.stdout + res.stderr

@@ -85,9 +85,10 @@ class Admin:
         if group not in groups:
             known = ", ".join(sorted(g for g in groups)) or "none yet"
             raise GroupNotFoundError(
-                f"consumer group {group!r} does not exist (known groups: {known}); a group exists once "
-                "a worker with one of its listeners (@orderly_listener, @concurrent_listener) has started, or "
-                "a PullConsumer of it has subscribed"
+                f"consumer group {group!r} does not exist in {self.brokers.default.safe_url} (known groups: "
+                f"{known}); a group exists once a worker with one of its listeners (@orderly_listener, "
+                "@concurrent_listener) has started, or a PullConsumer of it has subscribed. Is this the Redis "
+                "the workers use (MQORDER_REDIS_URL, --redis-url)?"
             )
         return groups[group]
 

@@ -5,7 +5,6 @@ behind), ``consumers`` (who is alive and holds what), ``txn`` (half-way transact
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import typer
@@ -107,9 +106,12 @@ def _celery_conf(spec: str) -> tuple[dict[str, Any] | None, str]:
     """The configuration of Celery app ``module:attribute``, or why it could not be loaded."""
     if not spec:
         return None, ""
-    module, _, attr = spec.partition(":")
     try:
-        app_obj = getattr(importlib.import_module(module), attr or "app")
+        # Celery's own lookup, as `celery -A` does: `proj` finds `proj.app`, `proj.celery`'s app or
+        # any app in the module (a Django project's `--app proj` failed with "no attribute 'app'").
+        from celery.app.utils import find_app
+
+        app_obj = find_app(spec)
         conf = app_obj.conf
         return {k: conf.get(k) for k in ("broker_url", "task_serializer", "result_serializer", "event_serializer",
                                          "accept_content", "broker_transport_options")}, ""

@@ -229,7 +229,11 @@ class ClientInstance:
         fingerprint = self._fingerprint_now()
         self._rebalance_now()
         self._fingerprint = fingerprint
-        log.info("mqorder: client %s joined lanes %s", self.client_id, ", ".join(self.lanes) or "-")
+        # The store's URL (redacted) too: a store left on its default while Celery's broker was set
+        # elsewhere (MQORDER_REDIS_URL put in Django's settings.py, which mqorder does not read)
+        # showed nowhere, since the worker's banner names Celery's broker only.
+        log.info("mqorder: client %s joined lanes %s on %s", self.client_id, ", ".join(self.lanes) or "-",
+                 self.brokers.default.safe_url)
 
     # -- duties ----------------------------------------------------------------------------------
 

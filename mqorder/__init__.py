@@ -45,6 +45,7 @@ from mqorder.errors import (
 )
 from mqorder.model import (
     ConsumeConcurrentlyStatus,
+    ConsumeFromWhere,
     ConsumeOrderlyStatus,
     MessageExt,
     MessageModel,
@@ -64,6 +65,7 @@ __all__ = [
     "EvictionPolicyError",
     "ConsumeConcurrentlyContext",
     "ConsumeConcurrentlyStatus",
+    "ConsumeFromWhere",
     "ConsumeMessageContext",
     "ConsumeMessageHook",
     "ConsumeOrderlyContext",

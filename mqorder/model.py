@@ -138,6 +138,29 @@ class ConsumeConcurrentlyStatus(enum.Enum):
     RECONSUME_LATER = "RECONSUME_LATER"
 
 
+class ConsumeFromWhere(enum.Enum):
+    """Where a lane that never committed starts (RocketMQ's ``ConsumeFromWhere``)."""
+
+    #: Its queues' first stored messages: the whole retained backlog (mqorder's default).
+    FIRST_OFFSET = "first_offset"
+    #: Its queues' ends when the lane first registers: only what is sent from then on.
+    LAST_OFFSET = "last_offset"
+
+    @classmethod
+    def parse(cls, value: ConsumeFromWhere | str) -> ConsumeFromWhere:
+        """``"last_offset"``, ``"LAST_OFFSET"``, RocketMQ's ``"CONSUME_FROM_LAST_OFFSET"``..."""
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            name = value.strip().lower().removeprefix("consume_from_")
+            for member in cls:
+                if member.value == name:
+                    return member
+        choices = ", ".join(repr(m.value) for m in cls)
+        raise ValueError(f"consume_from_where must be one of {choices} (or RocketMQ's CONSUME_FROM_FIRST_OFFSET / "
+                         f"CONSUME_FROM_LAST_OFFSET), got {value!r}")
+
+
 class MessageModel(enum.Enum):
     """CLUSTERING: a group's clients share its queues; BROADCASTING: every client consumes every queue,
     with its own offsets (RocketMQ's MessageModel)."""

@@ -108,6 +108,12 @@ def late(msgs, ctx):
     return _record("g-late", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
 
 
+@orderly_listener(topic="t-from-end", group="g-from-end", consume_from_where="CONSUME_FROM_LAST_OFFSET")
+def from_end(msgs, ctx):
+    """A new group that starts at the end of its topic (RocketMQ's CONSUME_FROM_LAST_OFFSET)."""
+    return _record("g-from-end", msgs, ctx, ConsumeOrderlyStatus.SUCCESS)
+
+
 @orderly_listener(topic="t-keys", group="g-keys", ordering="key", key_concurrency=16, max_reconsume_times=2,
                   suspend_current_queue_time_millis=50)
 def keyed(msgs, ctx):

@@ -440,3 +440,32 @@ def test_a_lagging_group_gives_its_pool_slot_to_another_groups_queue(cluster: Cl
     waited = time.monotonic() - t0
     assert waited < 5, f"the other group's message waited {waited:.1f} s for the worker's only slot"
     assert check_order(ledger(r, "g-order"))[0] == []
+
+
+def test_a_new_group_with_consume_from_last_offset_starts_at_the_end_and_resumes(cluster: Cluster, r: redis.Redis) -> None:
+    """RocketMQ's default for a new group: only what is sent once it registers. A restart resumes
+    where it stopped (what was sent while it was down is consumed), never at the end again."""
+    p = Producer(cluster.url)
+    p.create_topic("t-from-end", queues=4)
+    ks = [f"k{i}" for i in range(8)]
+    p.send_orderly_batch("t-from-end", [(k, body(k, 1)) for k in ks])  # before the group exists
+    w = cluster.start_worker("w1")
+    p.send_orderly_batch("t-from-end", [(k, body(k, s)) for s in (2, 3) for k in ks])
+    wait_for(lambda: _handled(r, "g-from-end", 16), timeout=60, what="16 handled")
+    w.stop(timeout=30)
+    p.send_orderly_batch("t-from-end", [(k, body(k, 4)) for k in ks])  # while it is down
+    cluster.start_worker("w1b")
+    wait_for(lambda: _handled(r, "g-from-end", 24), timeout=60, what="24 handled")
+    entries = [e for e in ledger(r, "g-from-end") if e["ok"]]
+    for k in ks:
+        assert [e["seq"] for e in entries if e["key"] == k] == [2, 3, 4], k
+
+
+def test_consume_from_where_takes_rocketmq_names_and_refuses_others() -> None:
+    from mqorder import ConsumeFromWhere, orderly_listener
+    from mqorder.errors import ListenerError
+
+    assert ConsumeFromWhere.parse("consume_from_first_offset") is ConsumeFromWhere.FIRST_OFFSET
+    assert ConsumeFromWhere.parse("LAST_OFFSET") is ConsumeFromWhere.LAST_OFFSET
+    with pytest.raises(ListenerError, match="consume_from_where must be one of 'first_offset', 'last_offset'"):
+        orderly_listener(topic="t", group="g-bad-where", consume_from_where="middle")

@@ -39,10 +39,11 @@ from mqorder.consumer.listener import registered_listeners
 from mqorder.consumer.shard_wake import ShardWakeListener
 from mqorder.errors import ConfigError, EvictionPolicyError
 from mqorder.metrics import worker as worker_metrics
-from mqorder.model import MessageModel, MessageQueue
+from mqorder.model import ConsumeFromWhere, MessageModel, MessageQueue
 from mqorder.names import check_client_id
 from mqorder.rebalance.membership import ClientDetails, Subscription
 from mqorder.rebalance.service import REBALANCE_MUTEX_WAIT_S, Dispatch, RebalanceService
+from mqorder.rebalance.start_position import start_new_lane_at_end
 from mqorder.retention.trimmer import RetentionTrimmer
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
@@ -214,6 +215,12 @@ class ClientInstance:
             self.service.topics.subscribe(s.group, s.topic, s.model)
             if s.model is MessageModel.BROADCASTING:
                 self.service.topics.add_sub(s.topic, keys.broadcast_sub(s.group, self.client_id))
+        for spec in registered_listeners():
+            if spec.consume_from_where is ConsumeFromWhere.LAST_OFFSET:
+                # Before the rebalance below, so no run of the new lane starts at its first message.
+                lane = (keys.broadcast_sub(spec.group, self.client_id)
+                        if spec.message_model is MessageModel.BROADCASTING else spec.group)
+                start_new_lane_at_end(self.brokers, self.service.topics, lane, spec.topic)
         # A new incarnation under the same name must not inherit the old one's run marks: force
         # its locks free so the rebalance below re-takes them with a new epoch (which also fences
         # any straggler of the old incarnation).

@@ -19,7 +19,7 @@ from typing import Any
 from mqorder import keys
 from mqorder.consumer.hooks import ConsumeMessageHook
 from mqorder.errors import ListenerError
-from mqorder.model import MessageModel
+from mqorder.model import ConsumeFromWhere, MessageModel
 from mqorder.names import check_name, check_topic
 
 ListenerFunc = Callable[[list[Any], Any], Any]
@@ -77,6 +77,9 @@ class ListenerSpec:
     #: ``async def`` listeners: how long a run that lost its queue lets calls in flight finish
     #: before cancelling them (``None``: ``DEFAULT_CANCEL_GRACE_MS``).
     cancel_grace_ms: int | None = None
+    #: Where the group starts on a topic it never consumed (``start_position``): its first stored
+    #: messages (the default) or only what is sent once it first registers.
+    consume_from_where: ConsumeFromWhere = ConsumeFromWhere.FIRST_OFFSET
     #: Set from ``func``: an ``async def`` listener runs on the process's loop (``async_loop``).
     is_async: bool = field(init=False, default=False)
 
@@ -140,6 +143,7 @@ def orderly_listener(
     key_concurrency: int | None = None,
     consume_concurrently_max_span: int | None = None,
     cancel_grace_ms: int | None = None,
+    consume_from_where: ConsumeFromWhere | str = ConsumeFromWhere.FIRST_OFFSET,
 ) -> Callable[[ListenerFunc], ListenerFunc]:
     """Register ``func(msgs, ctx) -> ConsumeOrderlyStatus`` as the orderly listener of a group.
 
@@ -156,10 +160,16 @@ def orderly_listener(
     a time per key and in offset order per key; a suspend holds back only its key
     (``mqorder.consumer.key_request``). In key mode a batch (``consume_message_batch_max_size``)
     holds messages of one key only.
+
+    ``consume_from_where``: where the group starts on a topic it never consumed: its queues' first
+    stored messages (``"first_offset"``, the default: the whole retained backlog) or their ends when
+    its first worker registers (``"last_offset"``, RocketMQ's ``CONSUME_FROM_LAST_OFFSET``). A group
+    that committed anything on the topic resumes where it stopped either way.
     """
     check_topic(topic)
     check_name("group", group)
     message_model = _message_model(message_model)
+    from_where = _from_where(consume_from_where)
     _positive("consume_message_batch_max_size", consume_message_batch_max_size)
     _positive("pull_batch_size", pull_batch_size)
     _positive("max_reconsume_times", max_reconsume_times, -1)
@@ -199,6 +209,7 @@ def orderly_listener(
             key_concurrency=key_concurrency,
             consume_concurrently_max_span=consume_concurrently_max_span,
             cancel_grace_ms=cancel_grace_ms,
+            consume_from_where=from_where,
         )
         _register(spec)
         return func
@@ -300,6 +311,7 @@ def concurrent_listener(
     hooks: list[ConsumeMessageHook] | None = None,
     ledger: bool | None = None,
     cancel_grace_ms: int | None = None,
+    consume_from_where: ConsumeFromWhere | str = ConsumeFromWhere.FIRST_OFFSET,
 ) -> Callable[[ListenerFunc], ListenerFunc]:
     """Register ``func(msgs, ctx) -> ConsumeConcurrentlyStatus`` as a concurrent listener
     (RocketMQ's ``MessageListenerConcurrently``): no order, messages of one queue in parallel.
@@ -321,10 +333,13 @@ def concurrent_listener(
 
     ``func`` may be ``async def``: its calls run on the worker process's event loop instead of
     lane threads (docs/ASYNC.md), cancelled ``cancel_grace_ms`` after the run lost its queue.
+
+    ``consume_from_where``: as for ``orderly_listener``.
     """
     check_topic(topic)
     check_name("group", group)
     model = _message_model(message_model)
+    from_where = _from_where(consume_from_where)
     _positive("consume_message_batch_max_size", consume_message_batch_max_size)
     _positive("pull_batch_size", pull_batch_size)
     _positive("max_reconsume_times", max_reconsume_times, -1)
@@ -350,10 +365,18 @@ def concurrent_listener(
             suspend_current_queue_time_millis=suspend_current_queue_time_millis, hooks=hook_list,
             ledger=ledger, ordering=Ordering.CONCURRENT, key_concurrency=consume_concurrency,
             consume_concurrently_max_span=consume_concurrently_max_span, cancel_grace_ms=cancel_grace_ms,
+            consume_from_where=from_where,
         ))
         return func
 
     return register
+
+
+def _from_where(value: ConsumeFromWhere | str) -> ConsumeFromWhere:
+    try:
+        return ConsumeFromWhere.parse(value)
+    except ValueError as exc:
+        raise ListenerError(str(exc)) from None
 
 
 def _message_model(message_model: MessageModel | str) -> MessageModel:

@@ -517,3 +517,28 @@ def test_describe_topics_parses_a_route_again_only_when_it_changed(redis_url: st
         assert list(topics.describe_topics(["routes-a", "routes-b"])) == ["routes-a"]
     finally:
         brokers.close()
+
+
+def test_a_broadcast_client_that_stopped_keeps_holding_what_it_has_not_consumed(settings, r) -> None:
+    """A broadcasting worker's warm shutdown took its lane out of the topic's subscribers, so the
+    next pass of the consumed policy trimmed what it missed while stopped (a broadcast walk-through:
+    a restart after 300 sends received none of them, where a kill -9 lost none). It now holds for
+    retention_ms since it was last seen, as after a crash."""
+    import tests.listeners  # noqa: F401 - registers g-bcast (BROADCASTING) on t-bcast
+    from mqorder.consumer.client_instance import ClientInstance
+
+    s = settings.model_copy(update={"retention_ms": 60_000, "retention_min_ms": 0})
+    p = Producer(settings=s)
+    p.create_topic("t-bcast", queues=1, retention_policy="consumed")
+    client = ClientInstance("b1@test", s, dispatch=lambda *a: True)
+    client._register()
+    lane = keys.broadcast_sub("g-bcast", "b1@test")
+    mq = MessageQueue("t-bcast", "broker-a", 0)
+    client.stop()
+    assert lane in p.topics.subs_of_topic("t-bcast")
+    send(p, 30, topic="t-bcast")
+    report = RetentionTrimmer(p.brokers, s).run()
+    assert lane in report.holders["t-bcast"]
+    assert offsets_stored(r, mq) == list(range(30))  # kept for the stopped client
+    client.brokers.close()
+    p.close()

@@ -181,10 +181,11 @@ class ClientInstance:
                 mqs = self.service.assigned_queues(sub, self.client_id)
                 if mqs:
                     self.service.locks.unlock_batch(sub, mqs, self.client_id)
-                if keys.BROADCAST_SEP in sub:
-                    for s in self.subscriptions:
-                        if keys.broadcast_sub(s.group, self.client_id) == sub:
-                            self.service.topics.remove_sub(s.topic, sub)
+            # A broadcasting lane stays in its topic's subscribers: its offsets are this client's,
+            # and what it has not consumed stays (the consumed retention policy) until it has been
+            # gone retention_ms, as after a crash. Taking it out here let the next retention pass
+            # trim what the client missed while stopped (a broadcast walk-through: 300 of 300 lost
+            # across a restart, where a kill -9 lost none); `mqorder group delete` removes it.
             log.info("mqorder: client %s left; queues rebalanced", self.client_id)
         except redis.RedisError as exc:
             log.warning("mqorder: clean leave of %s failed (%s); its leases will lapse", self.client_id, exc)

@@ -395,6 +395,34 @@ def test_dlq_replay_puts_dead_letters_back_in_original_order_once_even_when_run_
     assert [log.max_offset(mq) for mq in mqs] == [6, 6]
 
 
+def test_dlq_replay_sends_a_message_dead_lettered_by_several_clients_back_once(
+    redis_url: str, settings: Settings, producer: Producer, engine: ConsumerEngine
+) -> None:
+    """Each client of a broadcasting group dead-letters the same message itself: a replay appended
+    every copy, so with 2 clients each got it twice, and every other group too (a broadcast
+    walk-through). One copy per original (origin queue, offset, msg id) is replayed now."""
+    producer.create_topic("tb", queues=1)
+    TopicManager(engine.brokers).subscribe("gb", "tb", MessageModel.BROADCASTING)
+    producer.send_orderly("tb", b"poison", sharding_key="k")
+    producer.send_orderly("tb", b"other", sharding_key="k")
+    mq = producer.describe_topic("tb").message_queues[0]
+    poison, other = MessageLog(engine.brokers).read(mq, 0, 2)
+    second = ConsumerEngine(settings, "c2")
+    try:
+        for epoch, eng in enumerate((engine, second), 1):  # the two clients' lanes, each its own epoch
+            eng.dlq.send("gb", poison, "max reconsume times 16 reached", epoch, mq)
+        engine.dlq.send("gb", other, "max reconsume times 16 reached", 1, mq)
+        dry = cli_json("dlq", "replay", "gb", "--dry-run")
+        assert (dry["read"], dry["same_origin"], dry["by_queue"]) == (3, 1, {"tb:broker-a:0": 2})
+        done = cli_json("dlq", "replay", "gb")
+        assert (done["read"], done["stored"], done["same_origin"]) == (3, 2, 1)
+        assert [m.body for m in MessageLog(engine.brokers).read(mq, 2, 10)] == [b"poison", b"other"]
+        human = cli("dlq", "replay", "gb", "--dry-run")
+        assert "1 more dead letter(s) of a message already in the range" in human.stdout
+    finally:
+        second.brokers.close()
+
+
 def test_dlq_replay_refuses_to_give_other_groups_of_the_topic_a_second_copy_unless_told(
     redis_url: str, producer: Producer, engine: ConsumerEngine
 ) -> None:

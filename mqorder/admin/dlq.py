@@ -179,6 +179,9 @@ class ReplayReport:
     read: int = 0
     stored: int = 0
     duplicates: int = 0  # replayed by an earlier run: not stored again
+    #: Dead letters of a message another dead letter in the range already stands for (the same
+    #: origin queue, offset and msg id: one per client of a broadcasting group), not replayed.
+    same_origin: int = 0
     by_queue: dict[str, int] = field(default_factory=dict)  # queue key -> messages stored there
     dry_run: bool = False
     #: Target topic -> the other groups that consume it (each gets its own copy of what is replayed).
@@ -186,7 +189,8 @@ class ReplayReport:
 
     def to_json(self) -> dict[str, Any]:
         return {"group": self.group, "read": self.read, "stored": self.stored, "duplicates": self.duplicates,
-                "by_queue": self.by_queue, "dry_run": self.dry_run, "other_groups": self.other_groups}
+                "same_origin": self.same_origin, "by_queue": self.by_queue, "dry_run": self.dry_run,
+                "other_groups": self.other_groups}
 
 
 def replay_id(group: str, dlq_offset: int) -> str:
@@ -213,8 +217,9 @@ def replay(
     if end is not None and end < start:
         raise BadArgumentError(f"--from {start} is after --to {end}: no dead letter lies between; nothing was replayed")
     dq = dlq_queue(admin, group)
-    letters = list(iter_dead_letters(admin, dq, start, end))
-    report = ReplayReport(group, read=len(letters), dry_run=dry_run)
+    read = list(iter_dead_letters(admin, dq, start, end))
+    letters = _one_per_origin(read)
+    report = ReplayReport(group, read=len(read), dry_run=dry_run, same_origin=len(read) - len(letters))
     targets = _targets(admin, letters, topic)
     plan = _in_original_order(letters, targets)
     report.other_groups = _other_groups(admin, group, {mq.topic for mq in plan})
@@ -244,6 +249,24 @@ def replay(
         report.duplicates += reply.duplicates
         report.by_queue[req.mq.key] = report.by_queue.get(req.mq.key, 0) + reply.stored
     return report
+
+
+def _one_per_origin(letters: list[DeadLetter]) -> list[DeadLetter]:
+    """The first dead letter of each original message (origin queue, offset and msg id). Each
+    client of a broadcasting group dead-letters the same message itself, and a replay appended
+    every copy: with N clients each of them got the message N times, and every other group too (a
+    broadcast walk-through). A new owner may also write a dead letter again after a failover."""
+    seen: set[tuple[str, int, str]] = set()
+    out: list[DeadLetter] = []
+    for d in letters:
+        origin = d.origin_queue
+        if origin is not None and d.origin_offset is not None:
+            mark = (origin.key, d.origin_offset, d.origin_msg_id)
+            if mark in seen:
+                continue
+            seen.add(mark)
+        out.append(d)
+    return out
 
 
 def _other_groups(admin: Admin, group: str, topics: set[str]) -> dict[str, list[str]]:

@@ -270,6 +270,10 @@ def replayed(console: Console, r: ReplayReport) -> None:
     else:
         console.print(f"replayed {r.stored} of {r.read} dead letter(s) of {r.group}; {r.duplicates} were already "
                       "replayed by an earlier run and were not stored again")
+    if r.same_origin:
+        console.print(f"{r.same_origin} more dead letter(s) of a message already in the range (each client of a "
+                      "broadcasting group dead-letters it once) {'would not be' if r.dry_run else 'were not'} "
+                      "replayed again")
     for k, n in sorted(r.by_queue.items()):
         console.print(f"  {k}: {n}")
     for t, groups in sorted(r.other_groups.items()):

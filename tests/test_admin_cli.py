@@ -781,3 +781,28 @@ def test_enum_options_take_any_case_as_the_data_source_and_publish_do() -> None:
     assert parse("SKIP") is OnNull.SKIP and parse("skip") is OnNull.SKIP and parse("Fail") is OnNull.FAIL
     with pytest.raises(typer.BadParameter, match="--on-null must be one of fail, skip, got 'drop'"):
         parse("drop")
+
+
+def test_consumers_and_doctor_show_which_mqorder_each_client_runs(
+    redis_url: str, settings: Settings, producer: Producer
+) -> None:
+    """A rolling upgrade (an upgrade walk-through): neither `consumers` nor `doctor` could tell a
+    cluster ran two versions. Each client registers its version and scripts' digest now; one
+    registered by an older mqorder has none."""
+    from mqorder.rebalance.membership import client_version
+
+    producer.create_topic("tv", queues=2)
+    TopicManager(producer.brokers).subscribe("gv", "tv", MessageModel.CLUSTERING)
+    reg = ClientRegistry(producer.brokers.meta, settings.heartbeat_timeout_ms)
+    for cid in ("new@h", "old@h"):
+        reg.register(cid, [Subscription("gv", "tv", MessageModel.CLUSTERING)], ClientDetails(pool="prefork"))
+    producer.brokers.meta.hdel(keys.client_info("old@h"), "version")  # as an older mqorder registers
+    got = {c["client_id"]: c["version"] for c in cli_json("consumers", "gv")["consumers"]}
+    assert got == {"new@h": client_version(), "old@h": ""}
+    human = cli("consumers", "gv")
+    assert "mixed versions among the live consumers" in human.stdout
+    found = {f["check"]: f for f in cli_json("doctor", "--app", "")["findings"]}
+    assert found["versions"]["verdict"] == "WARN" and "old@h" in found["versions"]["detail"]
+    producer.brokers.meta.hset(keys.client_info("old@h"), "version", client_version())  # upgraded
+    found = {f["check"]: f for f in cli_json("doctor", "--app", "")["findings"]}
+    assert found["versions"]["verdict"] == "OK"

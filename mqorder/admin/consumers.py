@@ -36,6 +36,7 @@ class Consumer:
     topics: list[str]
     assigned: list[str]  # queue keys the last rebalance assigned to it
     locks_held: int
+    version: str = ""  # mqorder version + scripts digest; "" for an older mqorder
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -70,6 +71,7 @@ def group_consumers(admin: Admin, group: str) -> GroupConsumers:
             heartbeat_age_ms=age, deadline_left_ms=c.deadline_ms - now, started_ms=c.started_ms,
             topics=sorted(s.topic for s in c.subscriptions if s.group == group),
             assigned=sorted(assigned.get(c.client_id, [])), locks_held=held.get(c.client_id, 0),
+            version=c.version,
         ))
     return out
 

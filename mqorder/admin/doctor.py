@@ -15,6 +15,8 @@ What is checked, per Redis broker, and why:
   past ``MQORDER_MAX_MEMORY_RATIO`` sends are being refused now.
 * **clock**: leases are judged by Redis's clock, but born/handled times in the ledger and the
   audit come from the hosts: this host's and every live worker's skew against Redis.
+* **versions**: the mqorder version (and Lua scripts' digest) every live client registered with;
+  more than one is a rolling upgrade under way or a worker left behind (WARN).
 
 * **replication and failover** (``mqorder.admin.doctor_ha``): whether it is the primary, its
   replicas and their lag, ``min-replicas-to-write``, what a failover can lose with the current
@@ -88,6 +90,7 @@ def diagnose(settings: Settings, brokers: BrokerRegistry, celery_conf: Mapping[s
         report.findings.extend(sentinel_findings(broker))
     try:
         report.findings.extend(worker_clocks(brokers, settings))
+        report.findings.extend(client_versions(brokers, settings))
     except redis.RedisError:
         pass  # already reported as unreachable
     report.findings.extend(_celery_part(settings, celery_conf, celery_error))
@@ -259,6 +262,28 @@ def worker_clocks(brokers: BrokerRegistry, settings: Settings) -> list[Finding]:
     if clients and not out:
         out.append(Finding("clock", Verdict.OK, f"{len(clients)} live workers within {MAX_SKEW_MS} ms of Redis"))
     return out
+
+
+def client_versions(brokers: BrokerRegistry, settings: Settings) -> list[Finding]:
+    """Which mqorder (version and scripts) each live client runs: more than one is a rolling
+    upgrade under way, or a worker left behind on the old one (RocketMQ's console lists each
+    consumer's version)."""
+    from mqorder.rebalance.membership import ClientRegistry
+
+    clients, _, _ = ClientRegistry(brokers.meta, settings.heartbeat_timeout_ms).clients()
+    by_version: dict[str, list[str]] = {}
+    for c in clients:
+        by_version.setdefault(c.version or "older than 0.1.0+scripts", []).append(c.client_id)
+    if not by_version:
+        return []
+    if len(by_version) == 1:
+        (version,) = by_version
+        return [Finding("versions", Verdict.OK, f"{len(clients)} live clients run mqorder {version}")]
+    shown = "; ".join(f"{v}: {', '.join(sorted(ids)[:5])}{' ...' if len(ids) > 5 else ''}"
+                      for v, ids in sorted(by_version.items()))
+    return [Finding("versions", Verdict.WARN, f"live clients run different mqorder versions ({shown})",
+                    "finish the rolling upgrade (OPERATING.md \"Upgrading mqorder\"): a fix of the new version "
+                    "applies only to the queues its workers hold")]
 
 
 def celery_findings(settings: Settings, conf: Mapping[str, Any]) -> list[Finding]:

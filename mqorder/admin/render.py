@@ -207,14 +207,18 @@ def consumers(console: Console, gc: GroupConsumers) -> None:
         console.print(f"group {gc.group} has no live consumers")
         return
     t = _table(f"group {gc.group}: {len(gc.live)} live consumer(s)",
-               ("client", "state", "heartbeat", "pool", "pid", "topics", "assigned queues", "locks"),
+               ("client", "state", "heartbeat", "pool", "pid", "version", "topics", "assigned queues", "locks"),
                right=("locks", "pid"))
     for c in gc.consumers:
         pool = f"{c.pool} x{c.concurrency}" if c.pool else "-"
         t.add_row(c.client_id, "live" if c.live else "[red]lapsed[/red]", f"{duration(c.heartbeat_age_ms)} ago"
-                  if c.heartbeat_age_ms is not None else "-", pool, str(c.pid or "-"), ", ".join(c.topics),
-                  _queues(c.assigned), str(c.locks_held))
+                  if c.heartbeat_age_ms is not None else "-", pool, str(c.pid or "-"), c.version or "older",
+                  ", ".join(c.topics), _queues(c.assigned), str(c.locks_held))
     console.print(t)
+    versions = {c.version or "older" for c in gc.live}
+    if len(versions) > 1:
+        console.print(f"mixed versions among the live consumers ({', '.join(sorted(versions))}): a rolling upgrade "
+                      "under way, or a worker left behind")
 
 
 def _queues(keys_: list[str]) -> str:

@@ -93,6 +93,9 @@ class ClientInfo:
     concurrency: int = 0
     heartbeat_timeout_ms: int = 0
     started_ms: int = 0
+    #: ``<mqorder version>+<scripts digest>`` of the client (``""``: an older mqorder): a rolling
+    #: upgrade shows which worker runs what (``mqorder consumers``, ``mqorder doctor``).
+    version: str = ""
 
     @property
     def heartbeat_ms(self) -> int:
@@ -123,8 +126,16 @@ def client_info(client_id: str, raw: dict[bytes, Any], deadline_ms: int) -> Clie
     return ClientInfo(
         client_id, decode_subscriptions(raw.get(b"subs", b"[]")), _int(raw.get(b"pid")), text(raw.get(b"host")),
         deadline_ms, text(raw.get(b"pool")), _int(raw.get(b"concurrency")), _int(raw.get(b"hb_timeout_ms")),
-        _int(raw.get(b"started_ms")),
+        _int(raw.get(b"started_ms")), text(raw.get(b"version")),
     )
+
+
+def client_version() -> str:
+    """What a client registers as its version: ``mqorder.__version__`` and its scripts' digest."""
+    from mqorder import __version__
+    from mqorder.store.scripts import bundle_digest
+
+    return f"{__version__}+{bundle_digest()}"
 
 
 def redis_now_ms(client: redis.Redis) -> int:
@@ -180,6 +191,7 @@ class ClientRegistry:
                 "subs": encode_subscriptions(subscriptions), "pid": os.getpid(), "host": socket.gethostname(),
                 "pool": details.pool, "concurrency": details.concurrency,
                 "hb_timeout_ms": self.heartbeat_timeout_ms, "started_ms": redis_ms, "skew_ms": skew_ms,
+                "version": client_version(),
             },
         )
         self.heartbeat(client_id)

@@ -18,6 +18,7 @@ callers never see the difference.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Callable, Sequence
 from functools import cache
@@ -375,3 +376,16 @@ class Scripts:
 
     def __getattr__(self, name: str) -> Any:  # pragma: no cover - only for type checkers
         raise AttributeError(name)
+
+
+@cache
+def bundle_digest() -> str:
+    """8 hex digits naming this installation's Lua scripts (a hash of every ``.lua`` file): two
+    workers with the same ``mqorder.__version__`` but other scripts (a checkout between releases)
+    tell apart in ``mqorder consumers`` and ``mqorder doctor``."""
+    h = hashlib.sha1(usedforsecurity=False)
+    lua = resources.files("mqorder.store") / "lua"
+    for f in sorted((x for x in lua.iterdir() if x.name.endswith(".lua")), key=lambda x: x.name):
+        h.update(f.name.encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:8]

@@ -370,8 +370,10 @@ class ConsumeRequest(LingeringReads):
         are shared by every group of a worker (RocketMQ gives each group its own threads), and a
         lagging group's runs kept them for 60 s at a time: the other groups' queues on that worker
         waited about three minutes (an operator walk-through; with time retention, 25,594 of
-        their messages were trimmed unread). Asked at most every ``YIELD_CHECK_S``."""
-        if now < self._yield_at:
+        their messages were trimmed unread). Asked at most every ``YIELD_CHECK_S``, and only with
+        messages in hand: a drained run has nothing to re-queue for (its linger gives the slot
+        back by itself), and a re-queue there cost a Celery task per message at a trickle."""
+        if now < self._yield_at or not self.pq.msg_count:
             return False
         self._yield_at = now + YIELD_CHECK_S
         return self.engine.others_wait()

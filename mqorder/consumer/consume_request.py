@@ -72,6 +72,8 @@ AWAIT_POLL_S = 0.2
 HELD_CHECK_S = 1.0
 #: How often a run past ``consume_yield_after_ms`` asks whether another request waits for its slot.
 YIELD_CHECK_S = 0.05
+#: How long it must have seen one waiting, check after check, before it yields.
+YIELD_PATIENCE_S = 0.25
 
 
 def exhausted_reason(limit: int, failure: str) -> str:
@@ -128,8 +130,10 @@ class ConsumeRequest(LingeringReads):
         self.pending_ttl_ms = s.pending_ttl_ms
         self.budget = s.max_time_consume_continuously_ms / 1000
         self.yield_s = s.consume_yield_after_ms / 1000
-        #: When the run next asks whether another request waits for its slot (``_yield_due``).
+        #: When the run next asks whether another request waits for its slot (``_yield_due``),
+        #: and since when it has seen one waiting at every check (0: none seen).
         self._yield_at = float("inf")
+        self._waiting_since = 0.0
         self.linger_s = s.consume_linger_ms / 1000.0
         self.max_size = s.max_message_size
         self.hooks = [*global_hooks(), *spec.hooks]
@@ -376,7 +380,14 @@ class ConsumeRequest(LingeringReads):
         if now < self._yield_at or not self.pq.msg_count:
             return False
         self._yield_at = now + YIELD_CHECK_S
-        return self.engine.others_wait()
+        if not self.engine.others_wait():
+            self._waiting_since = 0.0
+            return False
+        # Somebody has waited for a slot over several checks in a row (YIELD_PATIENCE_S): a run
+        # that holds a message or two at a trickle ends its linger by itself long before.
+        if not self._waiting_since:
+            self._waiting_since = now
+        return now - self._waiting_since >= YIELD_PATIENCE_S
 
     def _drained(self, deadline: float, pull: bool, may_linger: bool = True) -> LoopEnd | None:
         """Nothing is left to hand out: commit, with the next read behind the commit, and linger
@@ -438,7 +449,7 @@ class ConsumeRequest(LingeringReads):
             return self._consume_awaited(msgs, ctx)
         # On the run's own thread nothing else renews the lease during the call (a key run's lane
         # calls have their dispatcher for that): the process's LeaseKeeper does.
-        handle = keeper().keep(self._renew_during_call, self.run_lease_ms, f"{self.spec.name} on {self.mq.key}") \
+        handle = keeper().keep(self._renew_during_call, self.run_lease_ms, self._call_label) \
             if threading.get_ident() == self._thread else 0
         try:
             status, rt, wall0 = call_listener(ORDERLY, self.spec, self.hooks, self.mq, msgs, ctx, self.epoch,
@@ -792,6 +803,9 @@ class ConsumeRequest(LingeringReads):
             return True
         self._on_refused("FENCED", res)
         return False
+
+    def _call_label(self) -> str:
+        return f"{self.spec.name} on {self.mq.key}"
 
     def _renew_during_call(self) -> bool:
         """``LeaseKeeper``'s renewal while the listener runs: ``_touch``'s fenced renewal, from the

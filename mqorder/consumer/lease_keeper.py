@@ -29,7 +29,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 log = logging.getLogger("mqorder.consumer")
 
@@ -39,19 +38,21 @@ TICK_FRACTION = 1 / 6
 RENEW_FRACTION = 1 / 3
 
 
-@dataclass
 class KeptCall:
-    """A listener call in flight whose run's lease the keeper renews."""
+    """A listener call in flight whose run's lease the keeper renews. Slots, no dataclass: one is
+    made per plain queue-mode call, on the trickle path."""
 
-    #: The run's fenced ``touch.lua`` (renewing): True while the run still holds its queue.
-    renew: Callable[[], bool]
-    lease_s: float
-    #: What the WARNING names: the listener and its queue.
-    label: str
-    started: float = field(default_factory=time.monotonic)
-    renewed: float = field(default_factory=time.monotonic)
-    warned: bool = False
-    lost: bool = False
+    __slots__ = ("renew", "lease_s", "describe", "started", "renewed", "warned", "lost")
+
+    def __init__(self, renew: Callable[[], bool], lease_s: float, describe: Callable[[], str]) -> None:
+        #: The run's fenced ``touch.lua`` (renewing): True while the run still holds its queue.
+        self.renew = renew
+        self.lease_s = lease_s
+        #: What the WARNING names (the listener and its queue), built only when it is logged.
+        self.describe = describe
+        self.started = self.renewed = time.monotonic()
+        self.warned = False
+        self.lost = False
 
 
 class LeaseKeeper:
@@ -65,7 +66,7 @@ class LeaseKeeper:
         self._start_lock = threading.Lock()
         self._tick_s = 1.0
 
-    def keep(self, renew: Callable[[], bool], lease_ms: int, label: str) -> int:
+    def keep(self, renew: Callable[[], bool], lease_ms: int, describe: Callable[[], str]) -> int:
         """Keep the lease of a call that starts now; the handle to ``release`` when it returns."""
         lease_s = lease_ms / 1000
         tick = lease_s * TICK_FRACTION
@@ -74,7 +75,7 @@ class LeaseKeeper:
         if self._pid != os.getpid():
             self._start()
         handle = next(self._ids)
-        self._calls[handle] = KeptCall(renew, lease_s, label)
+        self._calls[handle] = KeptCall(renew, lease_s, describe)
         return handle
 
     def release(self, handle: int) -> KeptCall | None:
@@ -105,11 +106,12 @@ class LeaseKeeper:
                 call.warned = True
                 log.warning("mqorder: listener call %s has run for %.1f s, longer than the run lease "
                             "(MQORDER_RUN_LEASE_MS, %.1f s); its lease is being renewed while it runs, so the "
-                            "queue waits for it", call.label, now - call.started, call.lease_s)
+                            "queue waits for it", call.describe(), now - call.started, call.lease_s)
             try:
                 held = call.renew()
             except Exception as exc:  # noqa: BLE001 - a Redis error or worse: the thread must live on
-                log.info("mqorder: could not renew the lease of listener call %s (%s); trying again", call.label, exc)
+                log.info("mqorder: could not renew the lease of listener call %s (%s); trying again", call.describe(),
+                         exc)
                 continue
             if held:
                 call.renewed = now
@@ -118,7 +120,7 @@ class LeaseKeeper:
                 # refused, and nothing of this call will be committed.
                 call.lost = True
                 log.info("mqorder: listener call %s lost its queue while running; its result will not be "
-                         "committed", call.label)
+                         "committed", call.describe())
 
 
 _KEEPER = LeaseKeeper()

@@ -540,5 +540,9 @@ def test_a_broadcast_client_that_stopped_keeps_holding_what_it_has_not_consumed(
     report = RetentionTrimmer(p.brokers, s).run()
     assert lane in report.holders["t-bcast"]
     assert offsets_stored(r, mq) == list(range(30))  # kept for the stopped client
+    time.sleep(0.01)
+    with Admin.open(s) as admin:  # its backlog waits for it: not stuck (`status --check` passes)
+        (q,) = group_status(admin, "g-bcast", stuck_after_s=0).queues
+    assert (q.sub, q.lag, q.client_gone, q.stuck) == (lane, 30, True, False)
     client.brokers.close()
     p.close()

@@ -181,7 +181,7 @@ def status(console: Console, st: GroupStatus) -> None:
     for q in st.queues:
         request = "running" if q.running else "pending" if q.pending else "-"
         row = [*([q.topic] if multi_topic else []), *([q.sub] if lanes else []), f"{q.broker}:{q.queue_id}",
-               f"{q.max_offset:,}", f"{q.committed:,}", f"{q.lag:,}", q.owner or "-",
+               f"{q.max_offset:,}", f"{q.committed:,}", f"{q.lag:,}", q.owner or ("client gone" if q.client_gone else "-"),
                duration(q.lease_left_ms) if q.owner else "-", str(q.epoch), request,
                "-" if q.head_reconsume is None else str(q.head_reconsume), ago(q.commit_ms, q.now_ms),
                duration(q.waiting_ms) if q.waiting_ms is not None else "-"]
@@ -192,6 +192,11 @@ def status(console: Console, st: GroupStatus) -> None:
     if skipped:
         console.print(f"[yellow]skipped: {sum(q.skipped for q in st.queues):,} messages were trimmed by retention "
                       "before this group consumed them (time policy); it moved on in order")
+    gone = sorted({q.sub for q in st.queues if q.client_gone})
+    if gone:
+        console.print(f"{len(gone)} broadcasting lane(s) of workers that are not running ({', '.join(gone[:5])}"
+                      f"{' ...' if len(gone) > 5 else ''}): their backlog waits for them and is not counted as "
+                      f"stuck; `mqorder group delete {st.group}` forgets a retired group's lanes")
     for missing in st.missing_topics:
         console.print(f"[yellow]{st.group} subscribes to topic {missing!r}, which does not exist")
     if stuck:

@@ -15,7 +15,7 @@ nothing.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from mqorder import keys
@@ -57,6 +57,9 @@ class QueueStatus:
     first_offset: int = 0
     #: Messages retention trimmed before this lane consumed them (counted by its fenced commits).
     skipped: int = 0
+    #: A broadcasting lane whose client (worker name) is not live: it waits for that worker to come
+    #: back, so its backlog is not "stuck" (``--check`` passes); it lapses under retention.
+    client_gone: bool = False
 
     @property
     def lag(self) -> int:
@@ -124,6 +127,16 @@ def group_status(
     for broker, items in by_broker.items():
         read.update(_read_broker(admin, broker, items, status.stuck_after_ms))
     status.queues = [read[lane] for lane in lanes]
+    if any(keys.BROADCAST_SEP in sub for sub, _ in lanes):
+        # A broadcasting lane of a worker that stopped (or crashed) stays, holding its offsets and
+        # what it has not consumed: a backlog there waits for that worker, not for a stuck queue.
+        # It failed `status --check` for good after every scale-down.
+        live = {c.client_id for c in admin.consumers_of(group)[0]}
+        status.queues = [
+            replace(q, client_gone=True, stuck=False)
+            if keys.BROADCAST_SEP in q.sub and q.sub.split(keys.BROADCAST_SEP, 1)[1] not in live else q
+            for q in status.queues
+        ]
     return status
 
 

@@ -183,6 +183,12 @@ def retention_pass() -> str:
     return f"{PREFIX}:retention:pass"
 
 
+def lanes_started() -> str:
+    """SET of ``<topic>|<sub>``: lanes whose start position ``consume_from_where`` has decided
+    (``mqorder.rebalance.start_position``), so a later registration never moves them again."""
+    return f"{PREFIX}:lanes_started"
+
+
 def retention_seen() -> str:
     """HASH subscription id -> when (ms, Redis clock) a live client last consumed it: under the
     ``consumed`` policy a group gone for longer than its topic's ``retention_ms`` stops holding

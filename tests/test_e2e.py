@@ -422,24 +422,26 @@ def test_a_listener_call_longer_than_the_run_lease_keeps_its_queue(cluster: Clus
     assert len({e["epoch"] for e in entries}) == 1
 
 
-def test_a_lagging_group_gives_its_pool_slot_to_another_groups_queue(cluster: Cluster, r: redis.Redis) -> None:
+@pytest.mark.parametrize("group,topic", [("g-order", "t-order"), ("g-keys", "t-keys")])
+def test_a_lagging_group_gives_its_pool_slot_to_another_groups_queue(cluster: Cluster, r: redis.Redis,
+                                                                    group: str, topic: str) -> None:
     """Pool slots are shared by every group of a worker. A run with a backlog kept its slot for the
     whole 60 s budget, so a lagging group held the worker and another group's queue waited (an
     operator walk-through: 3 minutes, and with time retention 25,594 messages trimmed unread). It
     now re-queues itself behind a waiting request after ``consume_yield_after_ms`` (1 s)."""
     p = Producer(cluster.url)
-    p.create_topic("t-order", queues=1)
+    p.create_topic(topic, queues=1)
     p.create_topic("t-excl", queues=1)
-    r.hset("ctl:g-order", "sleep_ms", 20)
+    r.hset(f"ctl:{group}", "sleep_ms", 20)
     cluster.start_worker("w1", concurrency=1)
-    p.send_orderly_batch("t-order", [("k", body("k", s)) for s in range(1, 1001)])  # ~20 s of calls
-    wait_for(lambda: len(ledger(r, "g-order")) >= 20, timeout=30, what="the backlog's run under way")
+    p.send_orderly_batch(topic, [("k", body("k", s)) for s in range(1, 1001)])  # ~20 s of calls (one key)
+    wait_for(lambda: len(ledger(r, group)) >= 20, timeout=30, what="the backlog's run under way")
     t0 = time.monotonic()
     p.send_orderly("t-excl", body("x", 1), sharding_key="x")
     wait_for(lambda: _handled(r, "g-excl", 1), timeout=40, what="the other group's message")
     waited = time.monotonic() - t0
     assert waited < 5, f"the other group's message waited {waited:.1f} s for the worker's only slot"
-    assert check_order(ledger(r, "g-order"))[0] == []
+    assert check_order(ledger(r, group))[0] == []
 
 
 def test_a_new_group_with_consume_from_last_offset_starts_at_the_end_and_resumes(cluster: Cluster, r: redis.Redis) -> None:

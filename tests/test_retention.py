@@ -544,5 +544,35 @@ def test_a_broadcast_client_that_stopped_keeps_holding_what_it_has_not_consumed(
     with Admin.open(s) as admin:  # its backlog waits for it: not stuck (`status --check` passes)
         (q,) = group_status(admin, "g-bcast", stuck_after_s=0).queues
     assert (q.sub, q.lag, q.client_gone, q.stuck) == (lane, 30, True, False)
+    # Gone longer than retention_ms: it holds nothing back, and leaves the topic's subscribers
+    # (worker names never seen again piled up there); its offsets stay.
+    r.hset(keys.retention_seen(), lane, int(time.time() * 1000) - 61_000)
+    report = RetentionTrimmer(p.brokers, s).run()
+    assert report.forgotten_lanes == 1 and lane not in p.topics.subs_of_topic("t-bcast")
+    assert lane not in report.holders["t-bcast"]
     client.brokers.close()
+    p.close()
+
+
+def test_a_lane_starting_at_the_end_is_placed_once(settings, r) -> None:
+    """consume_from_where="last_offset" decides a lane's start once: a restart before its first
+    commit (or a topic created after the lane) must not move it to the end again, which skipped
+    what it had not consumed (a review of the first version)."""
+    from mqorder.rebalance.start_position import start_new_lane_at_end
+
+    p = Producer(settings=settings)
+    topics = TopicManager(p.brokers)
+    assert start_new_lane_at_end(p.brokers, topics, "late-g", "t-later") == 0  # no topic yet
+    p.create_topic("t-later", queues=1)
+    send(p, 5, topic="t-later")
+    assert start_new_lane_at_end(p.brokers, topics, "late-g", "t-later") == 0  # decided: from 0
+    mq0 = MessageQueue("t-later", "broker-a", 0)
+    assert r.hget(keys.sub_state(mq0.tag, "late-g"), "offset") is None
+    p.create_topic("t-now", queues=1)
+    send(p, 3, topic="t-now")
+    mq1 = MessageQueue("t-now", "broker-a", 0)
+    assert start_new_lane_at_end(p.brokers, topics, "now-g", "t-now") == 1
+    send(p, 2, topic="t-now", start=3)
+    assert start_new_lane_at_end(p.brokers, topics, "now-g", "t-now") == 0  # a restart: not moved again
+    assert int(r.hget(keys.sub_state(mq1.tag, "now-g"), "offset")) == 3
     p.close()

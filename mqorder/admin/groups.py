@@ -173,6 +173,8 @@ def _delete_meta(admin: Admin, group: str, lanes_of: dict[str, list[str]], repor
             pipe.hdel(keys.stats(lane), *stats[lane])
         for t in topics:
             pipe.srem(keys.topic_subs(t), lane)
+            # A group created again under the name decides its start (consume_from_where) anew.
+            pipe.srem(keys.lanes_started(), f"{t}|{lane}")
         if report.whole_group:
             pipe.hdel(keys.retention_seen(), lane)
     pipe.execute()

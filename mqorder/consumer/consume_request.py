@@ -377,7 +377,10 @@ class ConsumeRequest(LingeringReads):
         their messages were trimmed unread). Asked at most every ``YIELD_CHECK_S``, and only with
         messages in hand: a drained run has nothing to re-queue for (its linger gives the slot
         back by itself), and a re-queue there cost a Celery task per message at a trickle."""
-        if now < self._yield_at or not self.pq.msg_count:
+        if now < self._yield_at:
+            return False
+        if not self._has_backlog():
+            self._waiting_since = 0.0
             return False
         self._yield_at = now + YIELD_CHECK_S
         if not self.engine.others_wait():
@@ -388,6 +391,10 @@ class ConsumeRequest(LingeringReads):
         if not self._waiting_since:
             self._waiting_since = now
         return now - self._waiting_since >= YIELD_PATIENCE_S
+
+    def _has_backlog(self) -> bool:
+        """Messages in hand, not yet handled (a key or concurrent run holds them in its lanes)."""
+        return self.pq.msg_count > 0
 
     def _drained(self, deadline: float, pull: bool, may_linger: bool = True) -> LoopEnd | None:
         """Nothing is left to hand out: commit, with the next read behind the commit, and linger
@@ -810,12 +817,11 @@ class ConsumeRequest(LingeringReads):
     def _renew_during_call(self) -> bool:
         """``LeaseKeeper``'s renewal while the listener runs: ``_touch``'s fenced renewal, from the
         keeper's thread, so through a pool connection (the run's own belongs to its thread)."""
+        # Not pq.mark_locked(): the run's own touch on its own connection, due again after a long
+        # call, is what finds a primary that died meanwhile (``_fenced_via``).
         res = self.scripts.call(
             "touch", [self.k_state], [self.client_id, self.epoch, self.token, self.run_lease_ms, self.lock_ms])
-        if int(res[0]):
-            self.pq.mark_locked()
-            return True
-        return False
+        return bool(int(res[0]))
 
     def _still_owner(self) -> bool:
         res = self.scripts.touch(keys=[self.k_state], args=[self.client_id, self.epoch, self.token, 0, 0])

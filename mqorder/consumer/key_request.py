@@ -371,6 +371,10 @@ class KeyConsumeRequest(ConsumeRequest):
             return self._fenced()
         return self._wait_one(COMMIT_INTERVAL_S, stop=stop) or stop
 
+    def _has_backlog(self) -> bool:
+        """What was pulled and not handed to a call yet waits in the lanes, not in ``pq``."""
+        return self.lanes.buffered > 0
+
     def _should_stop(self, deadline: float) -> LoopEnd | None:
         if self.pq.dropped:
             return LoopEnd(Stop.DONE)  # revoked: finish.lua hands the queue over

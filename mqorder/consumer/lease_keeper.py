@@ -16,9 +16,9 @@ good holds its queue for good, as in RocketMQ, and is logged (a WARNING once it 
 than the run lease, naming the listener and the queue).
 
 One daemon thread per process, started at the first call (again in a forked child), wakes every
-sixth of the shortest lease it keeps and renews each call that has gone a third of its lease
-without a renewal (``touch.lua``: fenced by owner, epoch and token; a lapsed lease is never
-renewed). So a mark is renewed at least every half lease while the call runs. Registering a call
+sixth of the shortest lease it keeps and renews each call at its first tick, then whenever it has
+gone a third of its lease without a renewal (``touch.lua``: fenced by owner, epoch and token; a
+lapsed lease is never renewed). So a mark is renewed at least every half lease while the call runs. Registering a call
 is two dict operations and wakes nothing: a trickling message pays no thread wake-up for it.
 """
 
@@ -50,7 +50,10 @@ class KeptCall:
         self.lease_s = lease_s
         #: What the WARNING names (the listener and its queue), built only when it is logged.
         self.describe = describe
-        self.started = self.renewed = time.monotonic()
+        self.started = time.monotonic()
+        # Due at the keeper's first tick: the run mark was last renewed before the call, up to a
+        # client lock expiry earlier, not when the call began.
+        self.renewed = self.started - lease_s
         self.warned = False
         self.lost = False
 
@@ -95,7 +98,10 @@ class LeaseKeeper:
     def _loop(self) -> None:
         while True:
             time.sleep(self._tick_s)
-            self.renew_due(time.monotonic())
+            try:
+                self.renew_due(time.monotonic())
+            except Exception:  # a bug here must not end every later renewal (logged with its traceback)
+                log.exception("mqorder: the lease keeper's pass failed; going on")
 
     def renew_due(self, now: float) -> None:
         """Renew every call that has gone a third of its lease without a renewal."""

@@ -38,10 +38,18 @@ return 1
 def start_new_lane_at_end(brokers: BrokerRegistry, topics: TopicManager, sub: str, topic: str) -> int:
     """Set lane ``sub``'s offset on each queue of ``topic`` to the queue's end, if the lane has no
     offset on any of them (it is new on the topic); the number of queues set. A topic that does not
-    exist yet is left alone: its messages all come after the lane, which starts at 0 there."""
+    exist yet is left alone: its messages all come after the lane, which starts at 0 there.
+
+    Decided once per lane and topic (``keys.lanes_started``): a lane whose topic was created after
+    it, or whose first messages it has not committed yet, would otherwise be moved to the end by
+    its next registration (a restart), skipping what it had not consumed."""
+    meta, mark = brokers.meta, f"{topic}|{sub}"
+    if meta.sismember(keys.lanes_started(), mark):
+        return 0
     try:
         route = topics.describe_topic(topic)
     except TopicNotFoundError:
+        meta.sadd(keys.lanes_started(), mark)
         return 0
     by_broker: dict[str, list[str]] = {}
     for mq in route.message_queues:
@@ -51,6 +59,7 @@ def start_new_lane_at_end(brokers: BrokerRegistry, topics: TopicManager, sub: st
         for tag in tags:
             pipe.hexists(keys.sub_state(tag, sub), "offset")
         if any(pipe.execute()):
+            meta.sadd(keys.lanes_started(), mark)
             return 0  # not new: it committed (or was reset) somewhere; never move it
     done = 0
     for name, tags in by_broker.items():
@@ -59,6 +68,7 @@ def start_new_lane_at_end(brokers: BrokerRegistry, topics: TopicManager, sub: st
         for tag in tags:
             pipe.eval(_SET_AT_END, 2, keys.sub_state(tag, sub), keys.queue_next(tag))
         done += sum(int(x) for x in pipe.execute())
+    meta.sadd(keys.lanes_started(), mark)  # last: a registration cut short before it decides again
     if done:
         log.info("mqorder: lane %s is new on topic %s: starts at the end of its %d queues (consume_from_where="
                  "last_offset)", sub, topic, done)

@@ -75,6 +75,8 @@ class TrimReport:
     quiet_skipped: int = 0
     #: Topics left out of this pass: topic -> the brokers of its route this process does not know.
     unknown_brokers: dict[str, list[str]] = field(default_factory=dict)
+    #: Broadcasting lanes taken out of their topics' subscribers: their workers gone too long.
+    forgotten_lanes: int = 0
 
     @property
     def trimmed(self) -> int:
@@ -141,6 +143,7 @@ class RetentionTrimmer:
                 log.warning("topic %s: stored retention is not usable (%s); using the defaults", topic, exc)
                 rules[topic] = self.settings.retention_defaults
         holders_of = self._holders({t: r for t, r in rules.items() if r.policy is RetentionPolicy.CONSUMED}, live, now)
+        report.forgotten_lanes = self._forget_lapsed_broadcast_lanes(rules, live, now)
         for topic, route in routes.items():
             rule, holders = rules[topic], holders_of.get(topic, [])
             report.rules[topic] = rule
@@ -220,6 +223,28 @@ class RetentionTrimmer:
         if first_seen:
             meta.hset(keys.retention_seen(), mapping=first_seen)
         return out
+
+    def _forget_lapsed_broadcast_lanes(self, rules: dict[str, RetentionRule], live: set[str], now: int) -> int:
+        """Take out of its topic's subscribers a broadcasting lane whose worker has been gone
+        longer than the topic's ``retention_ms``: it holds nothing back any more, and lanes of
+        worker names never seen again (pods of a Deployment, autoscaled workers) piled up in every
+        pass, ``status`` and replay check. Its offsets stay, so a worker that comes back under the
+        name resumes (past what retention trimmed, counted as skipped)."""
+        subs_of = self.topics.subs_of_topics(list(rules))
+        lanes = sorted({s for subs in subs_of.values() for s in subs if keys.BROADCAST_SEP in s and s not in live})
+        if not lanes:
+            return 0
+        seen = dict(zip(lanes, self.brokers.meta.hmget(keys.retention_seen(), lanes), strict=True))
+        gone = 0
+        for topic, subs in subs_of.items():
+            for sub in subs:
+                raw = seen.get(sub)
+                if raw is not None and now - int(raw) >= rules[topic].retention_ms:
+                    self.topics.remove_sub(topic, sub)
+                    gone += 1
+                    log.info("retention: broadcasting lane %s of topic %s forgotten: its worker has been gone longer "
+                             "than retention_ms", sub, topic)
+        return gone
 
     # -- the trimming ----------------------------------------------------------------------------
 

@@ -806,3 +806,29 @@ def test_consumers_and_doctor_show_which_mqorder_each_client_runs(
     producer.brokers.meta.hset(keys.client_info("old@h"), "version", client_version())  # upgraded
     found = {f["check"]: f for f in cli_json("doctor", "--app", "")["findings"]}
     assert found["versions"]["verdict"] == "OK"
+
+
+def test_group_list_shows_every_group_and_check_fails_on_a_stuck_one(
+    redis_url: str, settings: Settings, producer: Producer, r: redis.Redis
+) -> None:
+    """An operator of 60 groups ran `status` 60 times to learn whether anything was stuck, and no
+    command listed the groups (a walk-through). `group list` shows them all in one call."""
+    assert "no consumer group yet" in cli("group", "list").stdout
+    producer.create_topic("ta", queues=2)
+    producer.create_topic("tb", queues=1)
+    topics = TopicManager(producer.brokers)
+    topics.subscribe("ga", "ta", MessageModel.CLUSTERING)
+    topics.subscribe("gb", "tb", MessageModel.CLUSTERING)
+    topics.subscribe("gb", "ta", MessageModel.CLUSTERING)
+    ClientRegistry(producer.brokers.meta, settings.heartbeat_timeout_ms).register(
+        "w@h", [Subscription("ga", "ta", MessageModel.CLUSTERING)], ClientDetails(pool="prefork"))
+    producer.send_orderly("tb", b"x", sharding_key="k")
+    got = {g["group"]: g for g in cli_json("group", "list")["groups"]}
+    assert set(got) == {"ga", "gb"}
+    assert (got["ga"]["topics"], got["ga"]["live_consumers"], got["ga"]["lanes"], got["ga"]["lag"]) == (["ta"], 1, 2, 0)
+    assert (got["gb"]["topics"], got["gb"]["live_consumers"], got["gb"]["lanes"], got["gb"]["lag"]) == (
+        ["ta", "tb"], 0, 3, 1)
+    assert cli("group", "list", "--check").exit_code == 0  # gb's message waits, but not for a minute
+    time.sleep(0.05)
+    stuck = cli("group", "list", "--check", "--stuck-after", "0.01")
+    assert stuck.exit_code == 1 and "STUCK: gb" in stuck.stdout

@@ -17,6 +17,7 @@ from rich.text import Text
 from mqorder.admin.consumers import GroupConsumers
 from mqorder.admin.dlq import DeadLetter, DlqPage, ReplayReport
 from mqorder.admin.doctor import DoctorReport
+from mqorder.admin.group_list import GroupList
 from mqorder.admin.groups import GroupDeleteReport
 from mqorder.admin.messages import FoundMessage
 from mqorder.admin.offsets import ResetReport
@@ -205,6 +206,27 @@ def status(console: Console, st: GroupStatus) -> None:
             f"{duration(st.stuck_after_ms)} (see `mqorder consumers {st.group}` and the workers' logs)",
             style="bold red",
         ))
+
+
+def group_listed(console: Console, gl: GroupList) -> None:
+    if not gl.groups:
+        console.print("no consumer group yet: a group exists once a worker with one of its listeners has started, or "
+                      "a PullConsumer of it has subscribed")
+        return
+    t = _table(f"{len(gl.groups)} group(s); {len(gl.stuck)} with stuck queues (backlog waiting > "
+               f"{duration(gl.stuck_after_ms)})", ("group", "topics", "model", "consumers", "queues", "lag", "stuck"),
+               right=("consumers", "queues", "lag", "stuck"))
+    for g in gl.groups:
+        t.add_row(Text(g.group), Text(", ".join(g.topics)), Text(", ".join(m.lower() for m in g.models)),
+                  str(g.live_consumers), str(g.lanes), f"{g.lag:,}", str(g.stuck),
+                  style="bold red" if g.stuck else None)
+    console.print(t)
+    for g in gl.groups:
+        for missing in g.missing_topics:
+            console.print(f"[yellow]{g.group} subscribes to topic {missing!r}, which does not exist")
+    if gl.stuck:
+        console.print(Text(f"STUCK: {', '.join(g.group for g in gl.stuck)} (see `mqorder status GROUP`)",
+                           style="bold red"))
 
 
 def consumers(console: Console, gc: GroupConsumers) -> None:

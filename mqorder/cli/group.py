@@ -1,4 +1,4 @@
-"""``mqorder group``: delete a retired consumer group (RocketMQ's deleteSubGroup)."""
+"""``mqorder group``: list every consumer group, delete a retired one (RocketMQ's deleteSubGroup)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,27 @@ import typer
 
 from mqorder.admin import groups, render
 from mqorder.admin.common import Admin
-from mqorder.cli.common import JSON_OPT, emit
+from mqorder.admin.group_list import group_list
+from mqorder.cli.common import EXIT_CHECK, JSON_OPT, emit
 
-app = typer.Typer(no_args_is_help=True, help="Delete a retired consumer group with its offsets and state")
+app = typer.Typer(no_args_is_help=True, help="List every consumer group; delete a retired one with its offsets and state")
+
+
+@app.command("list")
+def group_list_cmd(
+    stuck_after: float = typer.Option(
+        60.0, "--stuck-after", min=0.0, max=10 * 365 * 86400.0,
+        help="seconds a backlog may wait without progress before it counts as stuck (as `status`)"
+    ),
+    check: bool = typer.Option(False, "--check", help="exit 1 if any group has a stuck queue (cron, health checks)"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Every consumer group: its topics, live consumers, queues, lag and stuck queues, in one call."""
+    with Admin.open() as admin:
+        gl = group_list(admin, stuck_after)
+    emit(gl, as_json, render.group_listed)
+    if check and gl.stuck:
+        raise typer.Exit(EXIT_CHECK)
 
 
 @app.command("delete")

@@ -13,6 +13,7 @@ from mqorder.celery.dispatch import dispatcher
 from mqorder.celery.django_fixup import install_django_fixup
 from mqorder.celery.listener_modules import import_deferred
 from mqorder.celery.lost_runs import LostRunWatch
+from mqorder.celery.store_check import warn_if_default_store
 from mqorder.client.transaction_check import transaction_checker_topics
 from mqorder.consumer.client_instance import ClientInstance
 from mqorder.consumer.nudge import LingerNudge
@@ -66,6 +67,7 @@ class ConsumerClientStep(bootsteps.StartStopStep):
         # modules install() deferred (they import the app, whole by now).
         import_deferred(worker.app)
         install_django_fixup()  # a Django project: its connections around every listener call
+        warn_if_default_store(settings_of(worker.app), worker.app.conf.broker_url)
         worker_metrics.start(settings_of(worker.app), SIGNAL)
 
     def start(self, worker) -> None:

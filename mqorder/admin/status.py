@@ -134,7 +134,7 @@ def group_status(
         live = {c.client_id for c in admin.consumers_of(group)[0]}
         status.queues = [
             replace(q, client_gone=True, stuck=False)
-            if keys.BROADCAST_SEP in q.sub and q.sub.split(keys.BROADCAST_SEP, 1)[1] not in live else q
+            if keys.BROADCAST_SEP in q.sub and q.sub.removeprefix(keys.broadcast_sub(group, "")) not in live else q
             for q in status.queues
         ]
     return status

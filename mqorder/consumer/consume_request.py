@@ -800,11 +800,16 @@ class ConsumeRequest(LingeringReads):
         the pool and committed past two messages nobody had handled)."""
         return self.lease if threading.get_ident() == self._thread else None
 
-    def _touch(self) -> bool:
-        res = self.scripts.call(
+    def _touch_reply(self) -> Any:
+        """``touch.lua`` renewing this run's mark and lease, fenced by owner, epoch and token: on the
+        run's own connection from its thread, a pool connection from any other (``_fenced_via``)."""
+        return self.scripts.call(
             "touch", [self.k_state], [self.client_id, self.epoch, self.token, self.run_lease_ms, self.lock_ms],
             via=self._fenced_via(),
         )
+
+    def _touch(self) -> bool:
+        res = self._touch_reply()
         if int(res[0]):
             self.pq.mark_locked()
             return True
@@ -819,9 +824,7 @@ class ConsumeRequest(LingeringReads):
         keeper's thread, so through a pool connection (the run's own belongs to its thread)."""
         # Not pq.mark_locked(): the run's own touch on its own connection, due again after a long
         # call, is what finds a primary that died meanwhile (``_fenced_via``).
-        res = self.scripts.call(
-            "touch", [self.k_state], [self.client_id, self.epoch, self.token, self.run_lease_ms, self.lock_ms])
-        return bool(int(res[0]))
+        return bool(int(self._touch_reply()[0]))
 
     def _still_owner(self) -> bool:
         res = self.scripts.touch(keys=[self.k_state], args=[self.client_id, self.epoch, self.token, 0, 0])

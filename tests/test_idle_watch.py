@@ -156,9 +156,9 @@ def test_sends_to_idle_queues_wake_nobody_and_the_lingering_request_runs_them_in
 def test_ending_the_watch_hands_a_queue_that_got_messages_to_a_new_request(settings, r) -> None:
     p, eng = owned_idle_queues(settings, r)
     broker = eng.brokers.get("broker-a")
-    watch = IdleQueueWatch(ME, SUB, "broker-a", broker.scripts, broker.client, lambda: eng.owned_queues(SUB),
+    watch = IdleQueueWatch(ME, SUB, "broker-a", broker.scripts, broker.client, lambda: [(SUB, q) for q in eng.owned_queues(SUB)],
                            10_000, 60_000)
-    watch.refresh(QUEUES[0])
+    watch.refresh(SUB, QUEUES[0])
     assert sorted(mq for mq, _ in watch.adopted.values()) == QUEUES[1:]
     res = p.send_orderly(TOPIC, b"x", sharding_key=key_for(2))
     assert res.message_queue == QUEUES[2]
@@ -186,9 +186,9 @@ def test_ending_the_watch_after_a_connection_error_still_returns_the_request_a_q
 
     p, eng = owned_idle_queues(settings, r)
     broker = eng.brokers.get("broker-a")
-    watch = IdleQueueWatch(ME, SUB, "broker-a", broker.scripts, broker.client, lambda: eng.owned_queues(SUB),
+    watch = IdleQueueWatch(ME, SUB, "broker-a", broker.scripts, broker.client, lambda: [(SUB, q) for q in eng.owned_queues(SUB)],
                            10_000, 60_000)
-    watch.refresh(QUEUES[0])
+    watch.refresh(SUB, QUEUES[0])
     p.send_orderly(TOPIC, b"x", sharding_key=key_for(2))
     sent: list[list[Any]] = []
     run_many = Scripts.run_many
@@ -527,7 +527,7 @@ def test_a_switched_run_retried_after_a_redis_error_still_sends_the_request_the_
     state = {k.decode(): v.decode() for k, v in r.hgetall(k_left).items()}
     assert state["owner"] == "c2" and state["pending"] not in ("", "t0")
     assert out is not None and out.queue == to and out.consumed == 1
-    assert out.follow_ups == (FollowUp(left, "c2", state["pending"]),), "queue 0's handover was lost in the retry"
+    assert out.follow_ups == (FollowUp(left, "c2", state["pending"], sub=SUB),), "queue 0's handover was lost in the retry"
     assert switches_sent == [["finish", "begin"]], "the retry ended the run on queue 0 again"
     p.close()
     eng.brokers.close()
@@ -580,7 +580,7 @@ def test_a_lost_reply_of_the_switchs_finish_still_sends_the_request_the_queue_le
     assert len(switches_sent) == 2 and switches_sent[0] == switches_sent[1], "the retry sent another finish"
     assert state["owner"] == "c2" and state["pending"] == switches_sent[0][3]
     assert out is not None and out.queue == to
-    assert out.follow_ups == (FollowUp(left, "c2", state["pending"]),), "queue 0's handover was lost in the retry"
+    assert out.follow_ups == (FollowUp(left, "c2", state["pending"], sub=SUB),), "queue 0's handover was lost in the retry"
     p.close()
     eng.brokers.close()
 
@@ -898,7 +898,7 @@ def test_a_switch_behind_a_refused_commit_leaves_both_queues_to_the_watch_releas
     own, to = QUEUES[0], QUEUES[1]
     watch = eng.idle_watch(SUB, own)
     assert watch is not None
-    watch.adopted[keys.queue_log(to.tag)] = (to, 0)  # as adopt.lua left it
+    watch.adopted[(SUB, keys.queue_log(to.tag))] = (to, 0)  # as adopt.lua left it
     k_own, k_to = keys.sub_state(own.tag, SUB), keys.sub_state(to.tag, SUB)
     r.hset(k_own, mapping={"pending": "run-tok", "pend_until": 2**62})
     r.hset(k_to, mapping={"pending": watch.token, "pend_until": 2**62})

@@ -480,10 +480,10 @@ class LocalWorker:
             if out is None:
                 continue
             if out.needs_dispatch:
-                self.dispatch(sub, out.queue.key if out.queue is not None else mq_key, out.token, out.target,
-                              out.countdown)
+                self.dispatch(out.sub or sub, out.queue.key if out.queue is not None else mq_key, out.token,
+                              out.target, out.countdown)
             for f in out.follow_ups:
-                self.dispatch(sub, f.mq.key, f.token, f.target, f.countdown)
+                self.dispatch(f.sub or sub, f.mq.key, f.token, f.target, f.countdown)
 
     def start(self) -> LocalWorker:
         for i in range(self.runners):

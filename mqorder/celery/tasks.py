@@ -121,15 +121,18 @@ def consume_request(self, sub: str = "", mq_key: str = "", token: str = "") -> d
     engine = engine_for(client_id)
     worker_metrics.before_run(engine)
     outcome = engine.run(spec, sub, mq, token, execution=str(self.request.id or ""))
-    # The queue the run ended on (a lingering run may have switched): its keys and labels.
-    worker_metrics.after_run(sub, outcome.queue or mq if outcome is not None else mq, outcome)
+    # The queue the run ended on (a lingering run may have switched, to another group's too): its
+    # keys and labels.
     if outcome is None:
+        worker_metrics.after_run(sub, mq, outcome)
         return {"verb": "REDIS_DOWN"}
+    last_sub = outcome.sub or sub
+    worker_metrics.after_run(last_sub, outcome.queue or mq, outcome)
     if outcome.needs_dispatch:
         key = outcome.queue.key if outcome.queue is not None else mq_key
-        dispatch(self.app, sub, key, outcome.token, outcome.target, outcome.countdown)
+        dispatch(self.app, last_sub, key, outcome.token, outcome.target, outcome.countdown)
     for f in outcome.follow_ups:
-        dispatch(self.app, sub, f.mq.key, f.token, f.target, f.countdown)
+        dispatch(self.app, f.sub or sub, f.mq.key, f.token, f.target, f.countdown)
     return {"verb": outcome.verb, "consumed": outcome.consumed, "target": outcome.target}
 
 

@@ -30,7 +30,7 @@ from mqorder.consumer.consumer_state import ConsumerState
 from mqorder.consumer.context import CallContext, ConsumeOrderlyContext, suspend_ms_of
 from mqorder.consumer.escapes import goes_on_up
 from mqorder.consumer.hooks import RefusedContext, global_hooks, run_refused
-from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
+from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch, ReadPlan
 from mqorder.consumer.lease_keeper import keeper
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
 from mqorder.consumer.linger import LingeringReads
@@ -143,8 +143,11 @@ class ConsumeRequest(LingeringReads):
         self.pq = engine.new_process_queue()
         #: The other idle queues this task execution watches while it lingers (made on first use).
         self.watch = watch
-        #: Set when the lingering read found messages on one of them: the queue to run next.
+        #: Set when the lingering read found messages on one of them: the queue to run next, and
+        #: its subscription (the watch covers every group of the process).
         self.switch_to: MessageQueue | None = None
+        self.switch_sub = sub
+        self._read_plan: ReadPlan | None = None
         #: The committed offset this queue was handed to the watch at (``Verb.ADOPTED``).
         self.adopted_at = 0
         #: The run this one switched from, whose ``finish.lua`` this run sends with its
@@ -651,7 +654,7 @@ class ConsumeRequest(LingeringReads):
         idle = idle_if_drained and pull and not self.retry_updates and not self.pq.consuming
         # A run ending here leaves its queue idle: a lingering request of this client may watch it.
         # Nobody adopts idle queues on a Redis Cluster (ConsumerState.idle_watch): no nudge there.
-        then = (idle_entry(self.client_id, [self.mq.key])
+        then = (idle_entry(self.client_id, [(self.sub, self.mq.key)])
                 if idle and self.engine.nudges_idle and not self.lease.on_cluster else None)
         skipped = self.trimmed.due(self.commit_point)
         args: list[Any] = [
@@ -834,9 +837,10 @@ class ConsumeRequest(LingeringReads):
         """The run this one switched from has ended (``done``): its queue is the watch's now, or
         (reassigned meanwhile) it needs a request, which must not wait for this run to linger."""
         assert self.watch is not None
-        self.watch.switched(prior.mq, self.mq, prior.adopted_at if done.verb is Verb.ADOPTED else None)
+        self.watch.switched(prior.sub, prior.mq, self.sub, self.mq,
+                            prior.adopted_at if done.verb is Verb.ADOPTED else None)
         if done.needs_dispatch:
-            self.prior_follow_up = FollowUp(prior.mq, done.target, done.token, done.countdown)
+            self.prior_follow_up = FollowUp(prior.mq, done.target, done.token, done.countdown, sub=prior.sub)
             self.linger_s = 0.0
 
     def _needs_last_commit(self) -> bool:
@@ -895,7 +899,8 @@ class ConsumeRequest(LingeringReads):
             # must not fail it (once it made the engine send finish.lua a third time, on a run
             # whose end it had already read, and fail the task). A send wakes the queue anyway.
             try:
-                RawPipeline(self.lease).execute_command(*idle_entry(self.client_id, [self.mq.key])).execute()
+                went_idle = idle_entry(self.client_id, [(self.sub, self.mq.key)])
+                RawPipeline(self.lease).execute_command(*went_idle).execute()
             except redis.RedisError as exc:
                 log.debug("idle nudge of %s not written (%s)", self.mq.key, exc)
         if verb is Verb.ADOPTED:

@@ -15,16 +15,17 @@ from collections.abc import Callable
 from mqorder import keys
 from mqorder.consumer.dlq import DeadLetterWriter
 from mqorder.consumer.idle_watch import IdleQueueWatch
-from mqorder.consumer.listener import get_listener
+from mqorder.consumer.listener import get_listener, registered_listeners
 from mqorder.consumer.retry import RetrySender
 from mqorder.consumer.stats import ConsumerStatsManager
-from mqorder.model import MessageQueue
+from mqorder.model import MessageModel, MessageQueue
 from mqorder.process_queue import ProcessQueue
-from mqorder.rebalance.service import assigned_queues
+from mqorder.rebalance.service import parse_assignment
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.delay import DelayStore
+from mqorder.store.raw_pipe import RawPipeline
 from mqorder.store.replication import ReplicaWait
 from mqorder.store.topics import TopicManager
 
@@ -106,30 +107,51 @@ class ConsumerState:
     def owned_queues(self, sub: str) -> list[MessageQueue]:
         """Queues of ``sub`` the rebalance assigned to this client (its read hint, at most a second
         old): what a lingering request may watch. The locks, not this list, decide who consumes."""
+        return self.owned_queues_of([sub])[0]
+
+    def owned_queues_of(self, subs: list[str]) -> list[list[MessageQueue]]:
+        """``owned_queues`` of each of ``subs``; those older than ``OWNED_CACHE_S`` read again in one
+        round trip (a lingering request of a worker with 60 groups watches them all)."""
         now = time.monotonic()
-        hit = self._owned.get(sub)
-        if hit is not None and now - hit[0] < OWNED_CACHE_S:
-            return hit[1]
-        mqs = assigned_queues(self.brokers.meta, sub, self.client_id)
-        self._owned[sub] = (now, mqs)
-        return mqs
+        stale = [sub for sub in subs if (hit := self._owned.get(sub)) is None or now - hit[0] >= OWNED_CACHE_S]
+        if stale:
+            pipe = RawPipeline(self.brokers.meta)
+            for sub in stale:
+                pipe.execute_command("HGETALL", keys.assignment(sub))
+            for sub, raw in zip(stale, pipe.execute(), strict=True):
+                pairs = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
+                self._owned[sub] = (now, parse_assignment(pairs, self.client_id))
+        return [self._owned[sub][1] for sub in subs]
+
+    def listener_subs(self) -> list[str]:
+        """The subscription of every listener registered in this process (a broadcasting group's is
+        this client's own), each once, in registration order."""
+        subs = (keys.broadcast_sub(spec.group, self.client_id) if spec.message_model is MessageModel.BROADCASTING
+                else spec.group for spec in registered_listeners())
+        return list(dict.fromkeys(subs))
 
     def idle_watch(self, sub: str, mq: MessageQueue) -> IdleQueueWatch | None:
-        """A watch over the other idle queues of ``sub`` on ``mq``'s broker, for a lingering request
-        (None when lingering on other queues is off)."""
+        """A watch over the other idle queues this client owns on ``mq``'s broker, of ``sub`` and of
+        every other subscription with a listener here, for a lingering request (None when
+        lingering on other queues is off)."""
         s = self.settings
         broker = self.brokers.get(mq.broker_name)
         if not s.consume_linger_idle_queues or broker.is_cluster:
             # On a Redis Cluster one blocking read cannot span the slots of several queues.
             return None
-        group = keys.group_of_sub(sub)
 
-        def watchable() -> list[MessageQueue]:
+        def watchable() -> list[tuple[str, MessageQueue]]:
             # Only queues this process has a listener for (the caller's topic's, or one registered
-            # here): a switch runs the queue with its own topic's listener (``_listener_of``); a
-            # group's topic whose listener lives elsewhere is left to its wake-ups.
-            return [q for q in self.owned_queues(sub)
-                    if q.topic == mq.topic or get_listener(group, q.topic) is not None]
+            # here): a switch runs the queue with its own group's and topic's listener
+            # (``_listener_of``); a group's topic whose listener lives elsewhere is left to its
+            # wake-ups. The caller's subscription first (``switch.lua`` offers only its queues).
+            subs = [sub, *(other for other in self.listener_subs() if other != sub)]
+            out: list[tuple[str, MessageQueue]] = []
+            for each, queues in zip(subs, self.owned_queues_of(subs), strict=True):
+                group = keys.group_of_sub(each)
+                out += [(each, q) for q in queues
+                        if (each == sub and q.topic == mq.topic) or get_listener(group, q.topic) is not None]
+            return out
 
         return IdleQueueWatch(self.client_id, sub, mq.broker_name, broker.scripts, broker.client,
                               watchable, s.pending_ttl_ms, s.lock_max_live_time_ms)

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import redis
 
+from mqorder import keys
 from mqorder.backoff import Backoff
 from mqorder.consumer.concurrent_request import ConcurrentConsumeRequest
 from mqorder.consumer.consume_request import ConsumeRequest
@@ -82,7 +83,7 @@ class ConsumerEngine(ConsumerState):
     def _run_chain(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str,
                    lease: ConnectionLease, execution: str = "") -> Outcome | None:
         runner = f"{execution}/{new_token()}" if execution else new_token()
-        first = mq
+        first, first_sub, first_spec = mq, sub, spec
         watch: IdleQueueWatch | None = None
         follow_ups: list[FollowUp] = []
         consumed = 0
@@ -104,8 +105,8 @@ class ConsumerEngine(ConsumerState):
                 # the queue left with the watch.
                 assert req.switch_to is not None and watch is not None
                 prior = req
-                mq, token = req.switch_to, watch.token
-                spec = self._listener_of(spec, mq)
+                sub, mq, token = req.switch_sub, req.switch_to, watch.token
+                spec = self._listener_of(sub, mq, spec, first_spec)
                 continue
             if req.switch_to is None or watch is None or outcome.needs_dispatch:
                 # No switch; or the queue just left got messages between the read and the end of
@@ -115,9 +116,10 @@ class ConsumerEngine(ConsumerState):
             # The lingering read found messages on an adopted idle queue: this run ended (its own
             # queue drained, and adopted by the watch when finish.lua could), that queue runs next
             # in this same task, with the adoption token.
-            watch.switched(mq, req.switch_to, req.adopted_at if outcome.verb is Verb.ADOPTED else None)
-            mq, token = req.switch_to, watch.token
-            spec = self._listener_of(spec, mq)
+            watch.switched(sub, mq, req.switch_sub, req.switch_to,
+                           req.adopted_at if outcome.verb is Verb.ADOPTED else None)
+            sub, mq, token = req.switch_sub, req.switch_to, watch.token
+            spec = self._listener_of(sub, mq, spec, first_spec)
         if watch is not None:
             try:
                 follow_ups.extend(watch.release(lease))
@@ -128,12 +130,12 @@ class ConsumerEngine(ConsumerState):
                 log.warning("could not end the adoptions of %s (%s); their queues wait for the sweep "
                             "(within %d ms of lapsing)", sub, exc,
                             max(ADOPT_TTL_MS, watch.pending_ttl_ms))
-        if watch is None or (mq is first and not follow_ups and consumed == outcome.consumed):
+        if watch is None or (mq is first and sub == first_sub and not follow_ups and consumed == outcome.consumed):
             return outcome  # nothing to add: the run stayed on the task's own queue
         # The outcome is about the last queue run (a REQUEUE's token is that queue's): it always
         # names it once the run switched, even if nothing was consumed before (once a bug: the
         # caller sent a suspended queue's token to the task's own queue, where it was stale).
-        return replace(outcome, consumed=consumed, follow_ups=tuple(follow_ups), queue=mq)
+        return replace(outcome, consumed=consumed, follow_ups=tuple(follow_ups), queue=mq, sub=sub)
 
     def _run_one(self, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str,
                  watch: IdleQueueWatch | None, prior: ConsumeRequest | None = None,
@@ -207,15 +209,19 @@ class ConsumerEngine(ConsumerState):
         req.linger_s = 0.0
 
     @staticmethod
-    def _listener_of(spec: ListenerSpec, mq: MessageQueue) -> ListenerSpec:
-        """The listener of a queue a lingering run switched to. A subscription may span several
-        topics (a group with listeners for two topics, or a concurrent group's retry topic), and
-        each queue runs with its own topic's listener and kind of run (a bug once: the queue
-        switched to ran with the lingering run's listener). The watch adopts only queues with a
-        listener here (``idle_watch``)."""
-        if mq.topic == spec.topic:
-            return spec
-        other = get_listener(spec.group, mq.topic)
+    def _listener_of(sub: str, mq: MessageQueue, *known: ListenerSpec) -> ListenerSpec:
+        """The listener of a queue (of subscription ``sub``) a lingering run switched to. The watch
+        spans every group of the process, and a subscription may span several topics (a group with
+        listeners for two topics, or a concurrent group's retry topic): each queue runs with its
+        own group's and topic's listener and kind of run (a bug once: the queue switched to ran
+        with the lingering run's listener). The watch adopts only queues with a listener here
+        (``idle_watch``). ``known``: the listeners of the chain's last run and of its task, looked
+        at first."""
+        group = keys.group_of_sub(sub)
+        for spec in known:
+            if mq.topic == spec.topic and group == spec.group:
+                return spec
+        other = get_listener(group, mq.topic)
         if other is None:  # pragma: no cover - unregistered since the watch adopted it
-            raise RuntimeError(f"no listener of group {spec.group!r} for topic {mq.topic!r} in this process")
+            raise RuntimeError(f"no listener of group {group!r} for topic {mq.topic!r} in this process")
         return other

@@ -1,4 +1,4 @@
-"""``IdleQueueWatch``: a lingering ConsumeRequest waits on every idle queue its client owns.
+"""``IdleQueueWatch``: a lingering ConsumeRequest waits on every idle queue its client owns, in every group.
 
 With fewer pool slots than owned queues (stock ``celery worker``: one slot per core, 8 queues per
 worker), a request that lingers on its own drained queue leaves the worker's other idle queues to
@@ -6,13 +6,20 @@ the wake-up path: the producer publishes a wake-up, the worker's main process se
 and the task waits for a slot, which the lingering request gives back within a slice. Each step is
 small, but together they put milliseconds, sometimes tens, between a send and its handling.
 
-Instead the lingering request *adopts* the other idle queues of its subscription on the same
-broker (``adopt.lua``: their pending slot takes this watch's token, so a send wakes nobody), reads
+Instead the lingering request *adopts* the other idle queues its client owns on the same broker,
+of every subscription this process has a listener for (``adopt.lua``: their pending slot takes this watch's token, so a send wakes nobody), reads
 all of them in its one blocking ``XREAD``, and when one gets a message it ends its own run and
 runs that queue next in the same task, claiming it through ``begin.lua`` like any dispatched
 request (lock, epoch, run mark: the same fencing). When the request stops lingering, ``release``
 ends every adoption through ``finish.lua`` with the same token, which also says who must consume a
 queue that got messages meanwhile (a follow-up the caller dispatches).
+
+Every group, not only the request's own: RocketMQ gives each consumer group threads of its own, a
+Celery worker's few pool slots serve them all, and with a watch per group an operator's 60 groups
+at a trickle on two stock workers cost a wake-up and a Celery task for nearly every message (p99
+send to handle 0.8-6 s, where one group measures milliseconds). Two groups of one topic share the
+queue's log stream: the read names it once, from the lowest offset any of them waits at, and each
+party on it is told apart by its own offset (``ReadPlan``).
 
 An adoption is an ordinary pending request with a short ``pend_until`` renewed while the request
 lingers, so a process that dies while adopting costs at most ``ADOPT_TTL_MS`` plus a sweep on
@@ -53,167 +60,221 @@ _RETRIED = (redis.ConnectionError, redis.TimeoutError, redis.ReadOnlyError, Brok
 
 @dataclass(frozen=True, slots=True)
 class FollowUp:
-    """A ConsumeRequest to send after the run: (queue, target client, token, countdown in s)."""
+    """A ConsumeRequest to send after the run: (queue, target client, token, countdown in s, and
+    the subscription it is of: a lingering run watches every group of its process)."""
 
     mq: MessageQueue
     target: str
     token: str
     countdown: float = 0.0
+    #: The subscription of ``mq``; "" for the task's own (the run that made the follow-up's).
+    sub: str = ""
+
+
+#: One adopted queue: (its subscription, the queue, its committed offset when adopted).
+Party = tuple[str, MessageQueue, int]
+
+
+def offset_of(entry_id: bytes | str) -> int:
+    """The queue offset of a log stream entry id (``<offset>-<seq>``, ``mqorder.store.append``)."""
+    raw = entry_id if isinstance(entry_id, bytes) else entry_id.encode()
+    return int(raw.split(b"-", 1)[0])
+
+
+def after(offset: int) -> str:
+    """The ``XREAD`` id that reads a log stream from ``offset`` on."""
+    return f"{offset - 1}-1" if offset > 0 else "0-0"
 
 
 @dataclass(frozen=True, slots=True)
 class ReadPlan:
-    """The adopted queues a lingering read of the run on ``exclude`` names (``IdleQueueWatch.plan``)."""
+    """The adopted queues a lingering read of the run on (``sub``, ``exclude``) names
+    (``IdleQueueWatch.plan``)."""
 
+    sub: str
     exclude: MessageQueue
-    #: Stream keys and ``XREAD`` ids of every adopted queue but ``exclude``.
+    #: Stream keys and ``XREAD`` ids of every adopted queue's log but ``exclude``'s, each stream
+    #: once, from the lowest offset adopted on it.
     names: list[str]
     ids: list[str]
-    #: The adopted queues of ``exclude``'s topic, in the order ``switch.lua`` is given them, their
-    #: four keys each (``_switch_keys``) and the committed offsets they were adopted at.
+    #: The adopted queues of ``exclude``'s topic and subscription, in the order ``switch.lua`` is
+    #: given them, their four keys each (``_switch_keys``) and the committed offsets they were
+    #: adopted at.
     offered: list[MessageQueue]
     keys: list[str]
     seen: list[int]
+    #: Every adopted queue by its log stream key (bytes, as a read's reply names it), lowest
+    #: offset first: the queues a read's entries on that stream are news for.
+    parties: dict[bytes, list[Party]]
+    #: The lowest offset adopted on ``exclude``'s own log stream (another group's queue of the
+    #: same topic), or None: the run's own read of its stream starts there then (``_queue_slice``).
+    own_floor: int | None = None
+
+    def behind(self, stream_key: bytes, entries: list[Any]) -> Party | None:
+        """The first adopted queue on ``stream_key`` that ``entries`` (a read's, oldest first) bring
+        messages to: one adopted at an offset at or below the newest entry's."""
+        parties = self.parties.get(stream_key)
+        if not parties or not entries:
+            return None
+        newest = offset_of(entries[-1][0])
+        for party in parties:
+            if party[2] <= newest:
+                return party
+        return None
 
 
 class IdleQueueWatch:
-    """The adopted idle queues of one task execution (one pool slot), on one broker."""
+    """The adopted idle queues of one task execution (one pool slot), on one broker: of every
+    subscription ``owned`` names (each group of the process with a listener here)."""
 
     def __init__(
         self, client_id: str, sub: str, broker_name: str, scripts: Any, redis_client: Any,
-        owned: Callable[[], list[MessageQueue]], pending_ttl_ms: int, lock_ms: int,
+        owned: Callable[[], list[tuple[str, MessageQueue]]], pending_ttl_ms: int, lock_ms: int,
     ) -> None:
         self.client_id = client_id
+        #: The subscription of the task that made the watch (for its logs).
         self.sub = sub
         self.broker_name = broker_name
         self.scripts = scripts
         self.redis = redis_client
+        #: (subscription, queue) of every queue this client owns and may watch.
         self._owned = owned
         self.pending_ttl_ms = pending_ttl_ms
         self.lock_ms = lock_ms
         #: The pending token of every adopted queue; a queue switched to runs with it.
         self.token = new_token()
-        #: Adopted queues: log stream key -> (queue, committed offset when adopted).
-        self.adopted: dict[str, tuple[MessageQueue, int]] = {}
+        #: Adopted queues: (subscription, log stream key) -> (queue, committed offset when adopted).
+        self.adopted: dict[tuple[str, str], tuple[MessageQueue, int]] = {}
         self._refreshed = 0.0
         #: ``plan``'s last answer: read on every lingering read, it changes only with the adopted
         #: queues (``_changed`` forgets it).
         self._plan: ReadPlan | None = None
-        #: ``switch.lua``'s keys of each queue this watch adopted, by log stream key.
-        self._keys: dict[str, tuple[str, str, str, str]] = {}
+        #: ``switch.lua``'s keys of each queue this watch adopted, by (subscription, log stream key).
+        self._keys: dict[tuple[str, str], tuple[str, str, str, str]] = {}
         #: Queues this client's other runs said went idle (``nudge.idle_entry``): adopted at the
         #: next read, without waiting for the next full refresh.
-        self._soon: list[MessageQueue] = []
+        self._soon: list[tuple[str, MessageQueue]] = []
 
     def _changed(self) -> None:
         self._plan = None
 
-    def plan(self, exclude: MessageQueue) -> ReadPlan:
-        """What the lingering read of the run on ``exclude`` names from this watch: every adopted
-        queue but ``exclude`` (its stream and ``XREAD`` id), and those of ``exclude``'s topic that
-        ``switch.lua`` may switch to, with their keys and adopted offsets.
+    def plan(self, sub: str, exclude: MessageQueue) -> ReadPlan:
+        """What the lingering read of the run on (``sub``, ``exclude``) names from this watch: every
+        adopted queue but that one (its stream and ``XREAD`` id, each stream once), those of the
+        run's own topic and subscription that ``switch.lua`` may switch to, with their keys and
+        adopted offsets, and which queues each stream's entries are news for.
 
         Made in one pass over the adopted queues, with each queue's keys spelled once per watch:
         at a trickle nearly every message switches the run to another queue, which changes the
         adopted queues, so the plan is remade once per message (``_changed``) and its cost is
         paid per message."""
         cached = self._plan
-        if cached is not None and cached.exclude is exclude:
+        if cached is not None and cached.exclude is exclude and cached.sub == sub:
             return cached
-        names: list[str] = []
-        ids: list[str] = []
+        floors: dict[str, int] = {}
         offered: list[MessageQueue] = []
         ks: list[str] = []
         seen: list[int] = []
+        parties: dict[bytes, list[Party]] = {}
         topic, own = exclude.topic, keys.queue_log(exclude.tag)
-        for k, (mq, offset) in self.adopted.items():
+        own_floor: int | None = None
+        for (psub, k), (mq, offset) in self.adopted.items():
             if k == own:
-                continue
-            names.append(k)
-            ids.append(f"{offset - 1}-1" if offset > 0 else "0-0")
-            # A queue of another topic of the subscription runs with its own listener and settings.
-            if mq.topic == topic:
-                offered.append(mq)
-                ks += self._switch_keys(k, mq)
-                seen.append(offset)
-        plan = self._plan = ReadPlan(exclude, names, ids, offered, ks, seen)
+                if psub == sub:
+                    continue
+                # Another group's queue of the run's topic: the run's own read names the stream.
+                own_floor = offset if own_floor is None else min(own_floor, offset)
+            else:
+                low = floors.get(k)
+                if low is None or offset < low:
+                    floors[k] = offset
+                # A queue of another topic or group runs with its own listener and settings.
+                if psub == sub and mq.topic == topic:
+                    offered.append(mq)
+                    ks += self._switch_keys(psub, k, mq)
+                    seen.append(offset)
+            parties.setdefault(k.encode(), []).append((psub, mq, offset))
+        for group in parties.values():
+            group.sort(key=lambda party: party[2])
+        names = list(floors)
+        plan = self._plan = ReadPlan(sub, exclude, names, [after(floors[k]) for k in names], offered, ks, seen,
+                                     parties, own_floor)
         return plan
 
-    def _switch_keys(self, stream_key: str, mq: MessageQueue) -> tuple[str, str, str, str]:
+    def _switch_keys(self, sub: str, stream_key: str, mq: MessageQueue) -> tuple[str, str, str, str]:
         """``switch.lua``'s four keys of an adopted queue (state, log, next, retries), spelled once."""
-        ks = self._keys.get(stream_key)
+        ks = self._keys.get((sub, stream_key))
         if ks is None:
             tag = mq.tag
-            ks = self._keys[stream_key] = (keys.sub_state(tag, self.sub), stream_key, keys.queue_next(tag),
-                                           keys.sub_retries(tag, self.sub))
+            ks = self._keys[(sub, stream_key)] = (keys.sub_state(tag, sub), stream_key, keys.queue_next(tag),
+                                                  keys.sub_retries(tag, sub))
         return ks
 
-    def queue_of(self, stream_key: str) -> MessageQueue | None:
-        hit = self.adopted.get(stream_key)
-        return hit[0] if hit else None
-
-    def refresh(self, running: MessageQueue, via: ConnectionLease | None = None) -> None:
+    def refresh(self, running_sub: str, running: MessageQueue, via: ConnectionLease | None = None) -> None:
         """Adopt the idle owned queues not adopted yet and renew the others (at most every
-        ``ADOPT_REFRESH_S``). ``running``: the caller's own queue, never adopted; ``via``: the
-        caller's connection."""
+        ``ADOPT_REFRESH_S``). (``running_sub``, ``running``): the caller's own queue, never
+        adopted; ``via``: the caller's connection."""
         now = time.monotonic()
+        mine = (running_sub, running)
         if now - self._refreshed < ADOPT_REFRESH_S:
             if self._soon:
                 soon, self._soon = self._soon, []
-                self._adopt([mq for mq in soon if mq != running], via, keep=True)
+                self._adopt([x for x in soon if x != mine], via, keep=True)
             return
         self._refreshed = now
         self._soon = []
-        wanted = [mq for mq in self._owned() if mq.broker_name == self.broker_name and mq != running]
+        wanted = [(sub, mq) for sub, mq in self._owned() if mq.broker_name == self.broker_name and (sub, mq) != mine]
         if not wanted:
             self.adopted.clear()
             self._changed()
             return
         self._adopt(wanted, via)
 
-    def adopt_soon(self, mq_keys: list[str]) -> None:
-        """Queues of this client that just went idle (named in its nudge stream): adopt them at the
-        next read. Only a try: ``adopt.lua`` takes a queue only if it is idle and this client's."""
-        for k in mq_keys:
+    def adopt_soon(self, went_idle: list[tuple[str, str]]) -> None:
+        """Queues of this client that just went idle ((subscription, queue key), named in its nudge
+        stream): adopt them at the next read. Only a try: ``adopt.lua`` takes a queue only if it
+        is idle and this client's."""
+        for sub, k in went_idle:
             try:
                 mq = MessageQueue.from_key(k)
             except ValueError:
                 continue
-            if mq.broker_name == self.broker_name and keys.queue_log(mq.tag) not in self.adopted:
-                self._soon.append(mq)
+            if mq.broker_name == self.broker_name and (sub, keys.queue_log(mq.tag)) not in self.adopted:
+                self._soon.append((sub, mq))
 
-    def _adopt(self, wanted: list[MessageQueue], via: ConnectionLease | None, keep: bool = False) -> None:
+    def _adopt(self, wanted: list[tuple[str, MessageQueue]], via: ConnectionLease | None, keep: bool = False) -> None:
         """``adopt.lua`` on each of ``wanted`` in one round trip: adopt or renew. ``keep``: add to
         the adopted queues; otherwise (a full refresh) the queues it refused are no longer adopted."""
         if not wanted:
             return
         replies = self.scripts.run_pipelined("adopt", [
-            ([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)], [self.client_id, self.token, ADOPT_TTL_MS])
-            for mq in wanted
+            ([keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)], [self.client_id, self.token, ADOPT_TTL_MS])
+            for sub, mq in wanted
         ], via)
-        adopted: dict[str, tuple[MessageQueue, int]] = dict(self.adopted) if keep else {}
-        for mq, res in zip(wanted, replies, strict=True):
+        adopted: dict[tuple[str, str], tuple[MessageQueue, int]] = dict(self.adopted) if keep else {}
+        for (sub, mq), res in zip(wanted, replies, strict=True):
             if int(res[0]):
-                adopted[keys.queue_log(mq.tag)] = (mq, int(res[1]))
+                adopted[(sub, keys.queue_log(mq.tag))] = (mq, int(res[1]))
         self.adopted = adopted
         self._changed()
 
-    def switched(self, left: MessageQueue, to: MessageQueue, adopted_at: int | None) -> None:
-        """The caller's run on ``left`` ended and ``to`` runs next with this watch's token: ``to``'s
-        run ends its adoption. ``adopted_at``: the committed offset ``left`` was handed to this
-        watch at, in the same step that ended its run (``finish.lua`` 'adopt'), so no send to it
-        falls between the two; None when it was not (no longer the caller's: the next full
-        refresh finds out again)."""
-        self.adopted.pop(keys.queue_log(to.tag), None)
+    def switched(self, left_sub: str, left: MessageQueue, to_sub: str, to: MessageQueue,
+                 adopted_at: int | None) -> None:
+        """The caller's run on (``left_sub``, ``left``) ended and (``to_sub``, ``to``) runs next with
+        this watch's token: ``to``'s run ends its adoption. ``adopted_at``: the committed offset
+        ``left`` was handed to this watch at, in the same step that ended its run (``finish.lua``
+        'adopt'), so no send to it falls between the two; None when it was not (no longer the
+        caller's: the next full refresh finds out again)."""
+        self.adopted.pop((to_sub, keys.queue_log(to.tag)), None)
         if adopted_at is not None:
-            self.adopted[keys.queue_log(left.tag)] = (left, adopted_at)
+            self.adopted[(left_sub, keys.queue_log(left.tag))] = (left, adopted_at)
         self._changed()
 
-    def took_back(self, mq: MessageQueue, adopted_at: int) -> None:
+    def took_back(self, sub: str, mq: MessageQueue, adopted_at: int) -> None:
         """``mq`` was handed to this watch at ``adopted_at`` (``switch.lua`` ended its run) although
         the caller does not go on to the queue that switch began, which stays adopted too: both
         are ended by ``release``."""
-        self.adopted[keys.queue_log(mq.tag)] = (mq, adopted_at)
+        self.adopted[(sub, keys.queue_log(mq.tag))] = (mq, adopted_at)
         self._changed()
 
     def release(self, via: ConnectionLease | None = None) -> list[FollowUp]:
@@ -228,12 +289,12 @@ class IdleQueueWatch:
         failed (the caller logs it: those queues wait for the sweep)."""
         if not self.adopted:
             return []
-        items = list(self.adopted.values())
+        items = [(sub, mq) for (sub, _), (mq, _) in self.adopted.items()]
         self.adopted = {}
         self._changed()
-        calls = [([keys.sub_state(mq.tag, self.sub), keys.queue_next(mq.tag)],
+        calls = [([keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)],
                   [self.client_id, self.token, "done", new_token(), self.pending_ttl_ms, self.lock_ms])
-                 for mq, _ in items]
+                 for sub, mq in items]
         for pause in (*RELEASE_RETRY_PAUSES_S, None):
             try:
                 replies = self.scripts.run_pipelined("finish", calls, via)
@@ -244,13 +305,14 @@ class IdleQueueWatch:
                 log.info("ending the adoptions of %s: %s; sending the same calls again in %.2f s",
                          self.sub, exc, pause)
                 time.sleep(pause)
-        out, went_idle = [], []
-        for (mq, _), res in zip(items, replies, strict=True):
+        out: list[FollowUp] = []
+        went_idle: list[tuple[str, str]] = []
+        for (sub, mq), res in zip(items, replies, strict=True):
             verb = text(res[0])
             if verb in ("REQUEUE", "HANDOVER", "DISPATCH"):
-                out.append(FollowUp(mq, text(res[1]), text(res[2])))
+                out.append(FollowUp(mq, text(res[1]), text(res[2]), sub=sub))
             elif verb == "IDLE":
-                went_idle.append(mq.key)
+                went_idle.append((sub, mq.key))
         if went_idle:
             # Another lingering request of this client may watch them now (nudge.idle_entry). Only
             # a hint: its error must not lose the follow-ups above (the next refresh finds them).

@@ -643,7 +643,7 @@ class KeyConsumeRequest(ConsumeRequest):
         idle = (idle_if_drained and pull and not self.retry_updates and not self.in_flight
                 and not self.lanes.buffered and not self.lanes.blocked)
         # Nobody adopts idle queues on a Redis Cluster (ConsumerState.idle_watch): no nudge there.
-        then = (idle_entry(self.client_id, [self.mq.key])
+        then = (idle_entry(self.client_id, [(self.sub, self.mq.key)])
                 if idle and self.engine.nudges_idle and not self.lease.on_cluster else None)
         offset = t.base
         skipped = self.trimmed.due(offset)

@@ -17,7 +17,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from mqorder import keys
 from mqorder.consumer.consumer_state import ConsumerState
-from mqorder.consumer.idle_watch import IdleQueueWatch, ReadPlan
+from mqorder.consumer.idle_watch import IdleQueueWatch, Party, ReadPlan, after, offset_of
 from mqorder.consumer.nudge import idle_queues
 from mqorder.consumer.run_types import LOST, NOTHING, SWITCH, WAIT, LoopEnd, Pull, PullKind, Slice, Stop
 from mqorder.model import MessageQueue
@@ -55,6 +55,8 @@ class LingeringReads:
     lingering: bool
     watch: IdleQueueWatch | None
     switch_to: MessageQueue | None
+    #: The subscription of ``switch_to``: the watch covers every group of the process.
+    switch_sub: str
     scripts: Any
     k_next: str
     #: ``switch.lua``'s replies (finish.lua's, begin.lua's) when a lingering read switched this run
@@ -62,6 +64,8 @@ class LingeringReads:
     pre_switched: tuple[Any, Any] | None
     #: The adopted queues the last lingering read offered ``switch.lua``, in its order.
     _offered: list[MessageQueue]
+    #: The watch's plan the last lingering read was made from (None: no watch).
+    _read_plan: ReadPlan | None
 
     def _put(self, entries: list[Any], raw_retries: list[Any] | None) -> None:
         raise NotImplementedError  # ConsumeRequest's: messages read go into the run
@@ -132,11 +136,17 @@ class LingeringReads:
             return True
         if self.watch is None:
             self.watch = self.engine.idle_watch(self.sub, self.mq)
-        names, ids = [self.k_log, keys.linger_nudge(self.client_id)], [last_id, self.engine.nudge_seen]
         plan = None
         if self.watch is not None:
-            self.watch.refresh(self.mq, self.lease)  # its own round trip, at most every ADOPT_REFRESH_S
-            plan = self.watch.plan(self.mq)
+            self.watch.refresh(self.sub, self.mq, self.lease)  # its own round trip, at most every ADOPT_REFRESH_S
+            plan = self.watch.plan(self.sub, self.mq)
+            if plan.own_floor is not None and plan.own_floor < self.pulled_to:
+                # Another group's adopted queue on this queue's stream waits at a lower offset: the
+                # stream is read once, from there (``_slice_result`` tells the two apart).
+                last_id = after(plan.own_floor)
+        self._read_plan = plan
+        names, ids = [self.k_log, keys.linger_nudge(self.client_id)], [last_id, self.engine.nudge_seen]
+        if plan is not None:
             names += plan.names
             ids += plan.ids
         pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", *names, *ids)
@@ -182,7 +192,7 @@ class LingeringReads:
             return
         log.warning("the commit of %s for %s was refused but the lingering read had switched to %s; "
                     "both queues go back to the watch", self.mq.key, self.sub, self._offered[int(switched[0]) - 1].key)
-        self.watch.took_back(self.mq, int(switched[1][1]))
+        self.watch.took_back(self.sub, self.mq, int(switched[1][1]))
 
     def _slice_replies(self, replies: list[Any]) -> tuple[Any, Any, Any]:
         """(stream read, queue state, ``switch.lua``'s reply or None) of a lingering read's replies
@@ -223,6 +233,7 @@ class LingeringReads:
         me = self.client_id
         if switched is not None and int(switched[0]):
             self.switch_to = self._offered[int(switched[0]) - 1]
+            self.switch_sub = self.sub
             self.pre_switched = (switched[1], switched[2])
             self._take_nudges(reply)
             return SWITCH
@@ -241,18 +252,38 @@ class LingeringReads:
         if not reply:
             return WAIT
         by_stream = self._take_nudges(reply)
-        entries = by_stream.pop(self.k_log.encode(), None)
+        plan = self._read_plan if self.watch is not None else None
+        own = self.k_log.encode()
+        entries = by_stream.pop(own, None)
         if entries:
-            self._put(entries, None)
-            return Pull(PullKind.MESSAGES, len(entries))
-        watch = self.watch
-        for key in by_stream:
-            other = watch.queue_of(text(key)) if watch is not None else None
-            if other is not None:
-                # Its entries are only a signal: begin.lua reads them again under the lock.
-                self.switch_to = other
-                return SWITCH
+            behind = None
+            if plan is not None and plan.own_floor is not None:
+                # Read from another group's lower offset (``_queue_slice``): this run's messages
+                # are those from ``pulled_to`` on, the others news for that group's queue.
+                behind = plan.behind(own, entries)
+                start = self.pulled_to
+                entries = [e for e in entries if offset_of(e[0]) >= start]
+            if entries:
+                self._put(entries, None)
+                return Pull(PullKind.MESSAGES, len(entries))
+            if behind is not None:
+                return self._switch_to(behind)
+            # Not reached (entries read from the lowest offset are news for the queue adopted
+            # there), and not WAIT, which would take this queue's unread messages for trimmed:
+            # end the run, whose finish.lua sees any backlog and asks for a request.
+            return NOTHING
+        if plan is not None:
+            for key, got in by_stream.items():
+                party = plan.behind(key, got)
+                if party is not None:
+                    # Its entries are only a signal: begin.lua reads them again under the lock.
+                    return self._switch_to(party)
         return WAIT
+
+    def _switch_to(self, party: Party) -> Pull:
+        """End this run; the adopted queue ``party`` (of any group of the process) runs next."""
+        self.switch_sub, self.switch_to = party[0], party[1]
+        return SWITCH
 
     def _take_nudges(self, reply: Any) -> dict[bytes, Any]:
         """A lingering read's streams by key, this client's nudge stream taken out and heeded."""

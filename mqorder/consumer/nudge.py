@@ -10,10 +10,11 @@ nudge stream (``keys.linger_nudge``) and blocks for a long slice; the worker's m
 sees the requests it received (``mqorder.celery.capacity``), appends to that stream while one
 waits, which ends every lingering read of the client at once.
 
-The same stream says "queue X just went idle" (an entry with ``q`` fields, ``idle_entry``): a run
-that ends without lingering (its worker's slots are busy, or another request lingers already)
-leaves its queue idle and un-watched, so the producer's next message there would wake the worker
-and cost a new Celery task, whose run would end the same way, and so on: at stock prefork -c 2,
+The same stream says "queue X of subscription S just went idle" (an entry with ``s`` and ``q``
+fields, ``idle_entry``): a run that ends without lingering (its worker's slots are busy, or another
+request lingers already) leaves its queue idle and un-watched, so the producer's next message there
+would wake the worker and cost a new Celery task, whose run would end the same way, and so on: at
+stock prefork -c 2,
 1 to 2 % of the messages took that path in the latency bench, in bursts. A lingering read that
 sees the entry adopts the queue at once (``IdleQueueWatch.adopt_soon``) rather than at its next
 full refresh, up to ``ADOPT_REFRESH_S`` later.
@@ -37,26 +38,33 @@ log = logging.getLogger(__name__)
 NUDGE_EVERY_S = 0.02
 #: About how many entries a nudge stream keeps: only the newest id matters.
 NUDGE_MAX_LEN = 16
-#: Field of a "request waiting" entry and of a "queue went idle" one (its value: the queue's key).
-WAITING_FIELD, IDLE_FIELD = b"w", b"q"
+#: Field of a "request waiting" entry and of a "queue went idle" one (its value: the queue's key,
+#: after a ``SUB_FIELD`` naming the queue's subscription).
+WAITING_FIELD, IDLE_FIELD, SUB_FIELD = b"w", b"q", b"s"
 
 
-def idle_entry(client_id: str, mq_keys: list[str]) -> tuple[Any, ...]:
-    """The ``XADD`` that tells ``client_id``'s lingering reads these queues went idle."""
+def idle_entry(client_id: str, went_idle: list[tuple[str, str]]) -> tuple[Any, ...]:
+    """The ``XADD`` that tells ``client_id``'s lingering reads these (subscription, queue key) went idle."""
     fields: list[str] = []
-    for k in mq_keys:
-        fields += ["q", k]
+    for sub, k in went_idle:
+        fields += ["s", sub, "q", k]
     return ("XADD", keys.linger_nudge(client_id), "MAXLEN", "~", NUDGE_MAX_LEN, "*", *fields)
 
 
-def idle_queues(entries: list[Any]) -> list[str]:
-    """The queue keys named by the "queue went idle" entries among ``entries`` (raw XREAD entries)."""
+def idle_queues(entries: list[Any]) -> list[tuple[str, str]]:
+    """The (subscription, queue key) named by the "queue went idle" entries among ``entries`` (raw
+    XREAD entries). A queue named without its subscription (an entry of a version before groups
+    were watched together, read after a restart) is skipped: the next full refresh finds it."""
     out = []
     for _id, fields in entries:
+        sub = None
         for i in range(0, len(fields) - 1, 2):
-            if fields[i] == IDLE_FIELD:
-                v = fields[i + 1]
-                out.append(v.decode() if isinstance(v, bytes) else str(v))
+            name, v = fields[i], fields[i + 1]
+            value = v.decode() if isinstance(v, bytes) else str(v)
+            if name == SUB_FIELD:
+                sub = value
+            elif name == IDLE_FIELD and sub is not None:
+                out.append((sub, value))
     return out
 
 

@@ -134,6 +134,8 @@ class Outcome:
     follow_ups: tuple[FollowUp, ...] = ()
     #: The queue ``verb`` is about when it is not the task's own (the run switched queues).
     queue: MessageQueue | None = None
+    #: The subscription of ``queue`` when it is not the task's own (a switch to another group's).
+    sub: str | None = None
 
     @property
     def needs_dispatch(self) -> bool:

@@ -1,0 +1,195 @@
+"""A lingering request watches the idle queues of *every* group of its process, not only its own
+(``IdleQueueWatch``), against a real redis-server.
+
+RocketMQ gives each consumer group consume threads of its own; a Celery worker's few pool slots
+serve every group, and one request per worker lingers. With a watch over its own group only, an
+operator's 60 groups at a trickle on two stock ``-c 2`` workers cost a wake-up and a Celery task
+for nearly every message (p99 send to handle 0.8-6 s). Here a message to another group's idle
+queue is run by the lingering request itself, with that group's listener, waking nobody; two
+groups of one topic share the queue's log stream, which the read names once, and each group gets
+every message once, in order."""
+
+from __future__ import annotations
+
+import time
+
+from mqorder import ConsumeOrderlyStatus, keys
+from mqorder.consumer.engine import ConsumerEngine
+from mqorder.consumer.idle_watch import IdleQueueWatch, after
+from mqorder.consumer.listener import ListenerSpec, orderly_listener, unregister_listener
+from mqorder.consumer.nudge import idle_entry, idle_queues
+from mqorder.model import MessageQueue
+from mqorder.rebalance.lock_manager import RebalanceLockManager
+from tests.test_idle_watch import (
+    ME,
+    QUEUES,
+    SUB,
+    TOPIC,
+    assert_every_run_ended_and_committed,
+    key_for,
+    lingering_run,
+    owned_idle_queues,
+    wait_until,
+    wakes_of_the_client,
+)
+
+OTHER = "h"  # a second group of topic ``tw``
+THIRD, THIRD_TOPIC = "x", "tx"  # a group of another topic
+
+
+def own_idle(eng: ConsumerEngine, sub: str, mqs: list[MessageQueue], r) -> None:
+    """``sub``'s queues ``mqs`` assigned to and locked by c1, all idle (as ``owned_idle_queues``)."""
+    from mqorder.consumer.consume_request import ConsumeRequest
+
+    r.hset(keys.assignment(sub), mapping={mq.key: ME for mq in mqs})
+    res = RebalanceLockManager(eng.brokers).assign(sub, [(mq, ME, f"{sub}-tok{mq.queue_id}") for mq in mqs])
+    spec = ListenerSpec(lambda msgs, ctx: ConsumeOrderlyStatus.SUCCESS, mqs[0].topic, sub)
+    for mq in mqs:
+        assert res[mq] in ("MOVED", "DISPATCH")
+        if res[mq] == "DISPATCH":
+            assert ConsumeRequest(eng, spec, sub, mq, f"{sub}-tok{mq.queue_id}").run().verb == "IDLE"
+
+
+def ended_and_committed(r, sub: str, mqs: list[MessageQueue]) -> None:
+    for mq in mqs:
+        state = {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, sub)).items()}
+        assert state["pending"] == "" and state["run"] == "0", (sub, mq.key, state)
+        assert int(state.get("offset", 0)) == int(r.get(keys.queue_next(mq.tag)) or 0), (sub, mq.key, state)
+
+
+def test_a_send_to_another_groups_idle_queue_is_run_by_the_lingering_request_with_that_groups_listener(
+    settings, r,
+) -> None:
+    """Group ``g`` lingers on queue 0 of ``tw``; group ``x`` consumes topic ``tx`` in the same
+    process. Messages to ``tx`` wake nobody and are handled, in order, by ``x``'s listener, in the
+    lingering request's own task; every run and adoption ends, everything is committed."""
+    p, eng = owned_idle_queues(settings, r)
+    p.create_topic(THIRD_TOPIC, queues=2)
+    tx = [MessageQueue(THIRD_TOPIC, "broker-a", i) for i in range(2)]
+    own_idle(eng, THIRD, tx, r)
+    by: list[tuple[str, int, int]] = []
+
+    def g_listener(msgs, ctx):
+        by.extend(("g", m.queue_id, int(m.body)) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    def x_listener(msgs, ctx):
+        assert ctx.group == THIRD
+        by.extend(("x", m.queue_id, int(m.body)) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    orderly_listener(topic=THIRD_TOPIC, group=THIRD)(x_listener)
+    try:
+        with wakes_of_the_client(r) as wakes, lingering_run(eng, ListenerSpec(g_listener, TOPIC, SUB), r) as run:
+            assert wait_until(lambda: all(r.hget(keys.sub_state(mq.tag, THIRD), "pending") not in (None, b"")
+                                          for mq in tx)), "the lingering run did not adopt group x's queues"
+            sent = []
+            for seq in range(20):
+                qid = seq % 2
+                p.send_orderly(THIRD_TOPIC, str(seq).encode(), sharding_key=key_for(qid, 2))
+                sent.append(("x", qid, seq))
+                time.sleep(0.01)
+            assert wait_until(lambda: len(by) >= len(sent))
+            assert sorted(by) == sorted(sent)
+            for qid in (0, 1):
+                assert [s for _, q, s in by if q == qid] == [s for _, q, s in sent if q == qid]
+            assert wakes.get_message(timeout=0.2) is None, "a send woke the client: x's queue was not watched"
+        (out,) = run.result
+        assert out.consumed == 20 and out.follow_ups == ()
+        assert out.sub == THIRD  # the chain ended on one of x's queues
+        assert_every_run_ended_and_committed(r)
+        ended_and_committed(r, THIRD, tx)
+    finally:
+        unregister_listener(THIRD, THIRD_TOPIC)
+        p.close()
+        eng.brokers.close()
+
+
+def test_two_groups_of_one_topic_each_get_every_message_once_in_order_from_one_lingering_request(
+    settings, r,
+) -> None:
+    """Groups ``g`` and ``h`` both consume ``tw``, and c1 holds all four queues of each. The run of
+    ``g`` lingers on queue 0, whose log stream ``h``'s adopted queue 0 shares: the read names the
+    stream once. Sends to every queue, queue 0 included: each group handles each message exactly
+    once, each queue's in offset order, without waking the client."""
+    p, eng = owned_idle_queues(settings, r)
+    own_idle(eng, OTHER, QUEUES, r)
+    by: dict[str, list[tuple[int, int]]] = {SUB: [], OTHER: []}
+
+    def g_listener(msgs, ctx):
+        by[SUB].extend((m.queue_id, int(m.body)) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    def h_listener(msgs, ctx):
+        by[OTHER].extend((m.queue_id, int(m.body)) for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    orderly_listener(topic=TOPIC, group=OTHER)(h_listener)
+    try:
+        with wakes_of_the_client(r) as wakes, lingering_run(eng, ListenerSpec(g_listener, TOPIC, SUB), r) as run:
+            assert wait_until(lambda: all(r.hget(keys.sub_state(mq.tag, OTHER), "pending") not in (None, b"")
+                                          for mq in QUEUES)), "the lingering run did not adopt h's queues"
+            sent = []
+            for seq in range(40):
+                qid = seq % 4
+                p.send_orderly(TOPIC, str(seq).encode(), sharding_key=key_for(qid))
+                sent.append((qid, seq))
+                time.sleep(0.01)
+            assert wait_until(lambda: len(by[SUB]) >= len(sent) and len(by[OTHER]) >= len(sent))
+            time.sleep(0.3)  # nothing more comes
+            for group in (SUB, OTHER):
+                got = by[group]
+                assert sorted(got) == sorted(sent), f"group {group} did not get every message exactly once"
+                for qid in range(4):
+                    assert [s for q, s in got if q == qid] == [s for q, s in sent if q == qid], (group, qid)
+            assert wakes.get_message(timeout=0.2) is None, "a send woke the client"
+        (out,) = run.result
+        assert out.consumed == 80 and out.follow_ups == ()
+        assert_every_run_ended_and_committed(r)
+        ended_and_committed(r, OTHER, QUEUES)
+    finally:
+        unregister_listener(OTHER, TOPIC)
+        p.close()
+        eng.brokers.close()
+
+
+def test_ending_the_watch_hands_another_groups_queue_with_messages_to_a_request_of_that_group(settings, r) -> None:
+    """``release`` ends each adoption under its own group's state, and the request a queue that got
+    messages meanwhile needs is that group's (``FollowUp.sub``): dispatched for ``g``, it would
+    find no run to begin and the message would wait out the pending ttl and a sweep."""
+    p, eng = owned_idle_queues(settings, r)
+    own_idle(eng, OTHER, QUEUES, r)
+    orderly_listener(topic=TOPIC, group=OTHER)(lambda msgs, ctx: ConsumeOrderlyStatus.SUCCESS)
+    try:
+        watch = eng.idle_watch(SUB, QUEUES[0])
+        assert isinstance(watch, IdleQueueWatch)
+        watch.refresh(SUB, QUEUES[0])
+        assert sorted(watch.adopted) == sorted([(SUB, keys.queue_log(mq.tag)) for mq in QUEUES[1:]]
+                                               + [(OTHER, keys.queue_log(mq.tag)) for mq in QUEUES])
+        # g's own queue 0 shares its stream with h's: the plan reads it from h's offset.
+        plan = watch.plan(SUB, QUEUES[0])
+        assert plan.own_floor == 0 and keys.queue_log(QUEUES[0].tag) not in plan.names
+        assert len(plan.names) == 3 and plan.offered == QUEUES[1:]  # switch.lua: g's own queues only
+        p.send_orderly(TOPIC, b"x", sharding_key=key_for(2))  # a backlog on queue 2, for g and h alike
+        follow = {(f.sub, f.mq) for f in watch.release()}
+        assert follow == {(SUB, QUEUES[2]), (OTHER, QUEUES[2])}
+        for f in watch.release():  # nothing left to end
+            raise AssertionError(f)
+        for sub in (SUB, OTHER):
+            assert r.hget(keys.sub_state(QUEUES[1].tag, sub), "pending") == b""
+            assert r.hget(keys.sub_state(QUEUES[2].tag, sub), "pending") not in (None, b"", watch.token.encode())
+    finally:
+        unregister_listener(OTHER, TOPIC)
+        p.close()
+        eng.brokers.close()
+
+
+def test_a_went_idle_nudge_names_the_group_and_one_without_it_is_skipped() -> None:
+    """The nudge stream's "went idle" entries carry each queue's subscription; an entry written by
+    a version that named the queue alone (read after an upgrade) is skipped, not taken for the
+    reading run's group: the next full refresh adopts the queue anyway."""
+    cmd = idle_entry("c1", [("g", "tw:broker-a:0"), ("h%BC%c1", "tw:broker-a:1")])
+    fields = list(cmd[cmd.index("*") + 1:])
+    entries = [(b"1-0", [f.encode() for f in fields]), (b"2-0", [b"q", b"tw:broker-a:3"]), (b"3-0", [b"w", b"1"])]
+    assert idle_queues(entries) == [("g", "tw:broker-a:0"), ("h%BC%c1", "tw:broker-a:1")]
+    assert after(0) == "0-0" and after(5) == "4-1"

@@ -193,3 +193,50 @@ def test_a_went_idle_nudge_names_the_group_and_one_without_it_is_skipped() -> No
     entries = [(b"1-0", [f.encode() for f in fields]), (b"2-0", [b"q", b"tw:broker-a:3"]), (b"3-0", [b"w", b"1"])]
     assert idle_queues(entries) == [("g", "tw:broker-a:0"), ("h%BC%c1", "tw:broker-a:1")]
     assert after(0) == "0-0" and after(5) == "4-1"
+
+
+def test_a_switch_to_a_key_ordered_group_runs_it_as_key_ordered_runs(settings, r) -> None:
+    """The lingering run is queue-ordered; group ``x`` is key-ordered (``ordering="key"``): its
+    queue, switched to, runs as a key-ordered run (``KeyConsumeRequest``), not with the lingering
+    run's kind: the call of ``a`` waits for a call of ``b`` of the same queue, which only a
+    key-ordered run makes while the first is in flight; each key's messages in order."""
+    import threading
+
+    p, eng = owned_idle_queues(settings, r)
+    p.create_topic(THIRD_TOPIC, queues=1)
+    tx = [MessageQueue(THIRD_TOPIC, "broker-a", 0)]
+    own_idle(eng, THIRD, tx, r)
+    by_key: dict[str, list[int]] = {}
+    b_called = threading.Event()
+    waited: list[bool] = []
+    lock = threading.Lock()
+
+    def x_listener(msgs, ctx):
+        for m in msgs:
+            key, seq = m.body.decode().split(":")
+            if key == "b":
+                b_called.set()
+            elif not waited:
+                waited.append(b_called.wait(5))
+            with lock:
+                by_key.setdefault(key, []).append(int(seq))
+        return ConsumeOrderlyStatus.SUCCESS
+
+    orderly_listener(topic=THIRD_TOPIC, group=THIRD, ordering="key")(x_listener)
+    try:
+        with wakes_of_the_client(r) as wakes, lingering_run(
+                eng, ListenerSpec(lambda msgs, ctx: ConsumeOrderlyStatus.SUCCESS, TOPIC, SUB), r) as run:
+            assert wait_until(lambda: r.hget(keys.sub_state(tx[0].tag, THIRD), "pending") not in (None, b""))
+            items = [("a" if seq < 10 else "b", seq) for seq in range(20)]
+            p.send_orderly_batch(THIRD_TOPIC, [(k, f"{k}:{seq}".encode()) for k, seq in items])
+            assert wait_until(lambda: sum(len(v) for v in by_key.values()) >= 20)
+            assert wakes.get_message(timeout=0.2) is None, "a send woke the client"
+        (out,) = run.result
+        assert out.consumed == 20
+        assert waited == [True], "a's call never saw b's: the queue did not run as a key-ordered run"
+        assert by_key == {"a": list(range(10)), "b": list(range(10, 20))}
+        ended_and_committed(r, THIRD, tx)
+    finally:
+        unregister_listener(THIRD, THIRD_TOPIC)
+        p.close()
+        eng.brokers.close()

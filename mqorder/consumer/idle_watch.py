@@ -46,11 +46,15 @@ from mqorder.tokens import new_token
 
 log = logging.getLogger(__name__)
 
-#: How often a lingering request re-adopts: new idle queues, and the renewal of its adoptions.
+#: How often a lingering request adopts the idle queues it does not watch yet.
 ADOPT_REFRESH_S = 0.2
-#: pend_until of an adoption, renewed every refresh: what a crash while adopting can cost a queue
-#: before the send path or the sweep dispatch it normally.
+#: pend_until of an adoption: what a crash while adopting can cost a queue before the send path or
+#: the sweep dispatch it normally.
 ADOPT_TTL_MS = 2000
+#: How often the adoptions are renewed (each a script call): a third of their lease. Renewing them
+#: all at every refresh cost a worker watching 240 queues of 60 groups 1,200 ``adopt.lua`` calls a
+#: second, most of Redis's CPU at a trickle.
+ADOPT_RENEW_S = ADOPT_TTL_MS / 1000 / 3
 #: Pauses before ``release`` sends its ``finish.lua`` calls again after a connection error: the
 #: same calls, so a first send that ran (its reply lost) answers the same (``finished_already``).
 RELEASE_RETRY_PAUSES_S = (0.05, 0.25)
@@ -146,6 +150,7 @@ class IdleQueueWatch:
         #: Adopted queues: (subscription, log stream key) -> (queue, committed offset when adopted).
         self.adopted: dict[tuple[str, str], tuple[MessageQueue, int]] = {}
         self._refreshed = 0.0
+        self._renewed = 0.0
         #: ``plan``'s last answer: read on every lingering read, it changes only with the adopted
         #: queues (``_changed`` forgets it).
         self._plan: ReadPlan | None = None
@@ -211,9 +216,10 @@ class IdleQueueWatch:
         return ks
 
     def refresh(self, running_sub: str, running: MessageQueue, via: ConnectionLease | None = None) -> None:
-        """Adopt the idle owned queues not adopted yet and renew the others (at most every
-        ``ADOPT_REFRESH_S``). (``running_sub``, ``running``): the caller's own queue, never
-        adopted; ``via``: the caller's connection."""
+        """Adopt the idle owned queues not adopted yet (at most every ``ADOPT_REFRESH_S``) and renew
+        the others (every ``ADOPT_RENEW_S``, when those the renewal refused are let go).
+        (``running_sub``, ``running``): the caller's own queue, never adopted; ``via``: the
+        caller's connection."""
         now = time.monotonic()
         mine = (running_sub, running)
         if now - self._refreshed < ADOPT_REFRESH_S:
@@ -228,7 +234,13 @@ class IdleQueueWatch:
             self.adopted.clear()
             self._changed()
             return
-        self._adopt(wanted, via)
+        if now - self._renewed >= ADOPT_RENEW_S:
+            self._renewed = now
+            self._adopt(wanted, via)
+            return
+        adopted = self.adopted
+        self._adopt([(sub, mq) for sub, mq in wanted if (sub, keys.queue_log(mq.tag)) not in adopted], via,
+                    keep=True)
 
     def adopt_soon(self, went_idle: list[tuple[str, str]]) -> None:
         """Queues of this client that just went idle ((subscription, queue key), named in its nudge

@@ -51,14 +51,20 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - one broken scenario must not hide the others
             log(f"== {n}: scenario could not run: {exc!r}")
             res = Result(n, sc.fsync, problems=[f"the scenario could not run: {exc!r}"[:400]])
-        results[n] = report.compact(res, title=sc.title, env=sc.env, quick=args.quick,
-                                    seconds=time.monotonic() - start, engine=engine,
-                                    sentinel=sc.sentinel.describe() if sc.sentinel is not None else None,
-                                    cluster=sc.cluster.describe() if sc.cluster is not None else None)
+        seconds = time.monotonic() - start
+        rows = {n: report.compact(res, title=report.group_title(sc.title, res), env=sc.env, quick=args.quick,
+                                  seconds=seconds, engine=engine,
+                                  sentinel=sc.sentinel.describe() if sc.sentinel is not None else None,
+                                  cluster=sc.cluster.describe() if sc.cluster is not None else None)}
+        # A run with several groups: a row per other group (``<scenario>/<group>``), under the scenario's.
+        for g, gres in res.groups.items():
+            rows[gres.scenario] = report.compact(gres, title=report.group_title(sc.title, gres, g), env=sc.env,
+                                                 quick=args.quick, seconds=seconds, engine=engine)
+        results.update(rows)
         if not res.passed:
             failed.append(n)
         if not args.no_write:
-            report.write({n: results[n]})  # after each scenario, so an interrupted run keeps its figures
+            report.write(rows)  # after each scenario, so an interrupted run keeps its figures
     if not args.no_write:
         log(f"wrote {report.DOC}")
     log(f"{len(names)} scenario(s) in {time.monotonic() - t0:.0f}s; "

@@ -46,7 +46,13 @@ Definitions (all per the chaos issue):
   grants never back), redeliveries of commits the promoted replica lacked. A *same-epoch overlap*
   (two clients, or two runs not superseded, calling one queue at one epoch) is a violation
   whatever happened; *two epochs overlapping after a failover* is the documented lapse of
-  invariant 2, allowed under the overlap rule above (the stale call refused and told so).
+  invariant 2, allowed under the overlap rule above (the stale call refused and told so);
+* **several groups** (``groups-kill``: other consumer groups in the same workers, one sharing the
+  chaos topic): every rule above holds for each group on its own records (its calls, its
+  refusals, its lock-table samples, the acks of its topic, its owned queues of each kill:
+  ``group_events``), and the run fails if any group's check does (``merge_groups``). Besides, a
+  group's listener must never have handled a message that was not sent to its topic (a
+  *stranger*: another topic's queue run with this group's listener).
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ from __future__ import annotations
 import json
 import math
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from chaos import failover_checks as fo
@@ -116,6 +122,9 @@ class RunData:
     send_wait: int = 0
     #: ``redis_failover`` check: p99 of "consumption resumed" after a primary failover, seconds.
     redis_failover_target: float = fo.REDIS_FAILOVER_TARGET
+    #: The consumer group these records are of, in a run with several (``groups-kill``); "" in a
+    #: run of the chaos group alone. Set, it adds the stranger check (``_strangers``).
+    group: str = ""
 
 
 @dataclass
@@ -188,6 +197,11 @@ class Result:
     beat: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    #: Handled messages never sent to the group's topic (checked in runs with several groups).
+    strangers: list[str] = field(default_factory=list)
+    #: In a run with several groups, the results of the groups other than the chaos one (whose
+    #: figures this result holds), by group (``merge_groups``).
+    groups: dict[str, Result] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
@@ -220,6 +234,29 @@ class Result:
         return d
 
 
+def group_events(events: list[Event], group: str) -> list[Event]:
+    """The fault log as ``group`` saw it: a fault that names the queues its target owned in each
+    other group (``info["group_queues"]``, ``Faults.kill_worker`` in a run with several groups)
+    names ``group``'s there instead of the chaos group's, so failovers are measured over that
+    group's queues (another topic's queue ids are not the chaos topic's, and even on one topic
+    two groups' queues are assigned apart). The chaos group's own are ``queues``, as always."""
+    out = []
+    for e in events:
+        by_group = e.info.get("group_queues") or {}
+        out.append(replace(e, queues=list(by_group[group])) if group in by_group else e)
+    return out
+
+
+def merge_groups(main: Result, groups: dict[str, Result]) -> Result:
+    """The result of a run with several groups: ``main`` (the chaos group's) keeps its figures and
+    holds the others' results, and fails with each problem of theirs, named by its group: the run
+    passes only if every group's check did."""
+    main.groups = dict(groups)
+    for g, res in groups.items():
+        main.problems += [f"group {g}: {p}" for p in res.problems]
+    return main
+
+
 def _fault_events(events: list[Event]) -> list[Event]:
     return [e for e in events if e.fault]
 
@@ -244,6 +281,8 @@ def check(data: RunData) -> Result:
     r.handled = len(handled)
 
     lost_fsync, lost_repl = _losses(data, handled, r)
+    if data.group:
+        _strangers(data, regular, r)
     concurrent = data.ordering == "concurrent"
     if not concurrent:  # a concurrent listener promises no order
         _order(data, regular, lost_fsync, r, lost_repl)
@@ -305,6 +344,21 @@ def _losses(data: RunData, handled: set[tuple[str, int]],
     if r.lost:
         r.problems.append(f"{len(r.lost)} acknowledged message(s) lost, e.g. {r.lost[:3]}")
     return lost_fsync, lost_repl
+
+
+def _strangers(data: RunData, regular: list[Entry], r: Result) -> None:
+    """A message handled by this group's listener must have been sent to its topic (acknowledged,
+    or a send that raised): each topic's keys are its own (``traffic.ProducerThread``), so a
+    message of another topic run with this listener (a lingering run switching to another group's
+    queue with the wrong listener) is a stranger here."""
+    sent = {(a.key, a.seq) for a in data.acks} | {(k, s) for k, s, _, _ in data.unknown}
+    for e in regular:
+        if (e.key, e.seq) not in sent:
+            r.strangers.append(f"{e.key}#{e.seq} (queue {e.queue} offset {e.offset}) handled by {e.client}/{e.pid} "
+                               f"epoch {e.epoch} run {e.run} at {e.start:.3f}")
+    if r.strangers:
+        r.problems.append(f"{len(r.strangers)} handled message(s) never sent to group {data.group}'s topic, e.g. "
+                          f"{r.strangers[:3]}")
 
 
 def _order(data: RunData, regular: list[Entry], lost_fsync: dict[str, set[int]], r: Result,

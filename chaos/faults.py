@@ -104,9 +104,18 @@ class Faults:
             log("no worker owns a queue; kill skipped")
             return None
         w, qs = found
-        e = self._event("kill", w.name, queues=qs, info={"client": w.hostname})
+        e = self._event("kill", w.name, queues=qs, info=self._owner_info(w))
         self.procs.kill_worker(w)
         return e
+
+    def _owner_info(self, w: WorkerProcess) -> dict[str, Any]:
+        """A fault's ``info`` about worker ``w``: its client id and, in a run with other groups
+        (``groups-kill``), the queues it owns in each (``group_queues``: the checker measures each
+        group's failover over its own queues, ``checker.group_events``)."""
+        info: dict[str, Any] = {"client": w.hostname}
+        if self.evidence.groups:
+            info["group_queues"] = self.evidence.group_owners(w.hostname)
+        return info
 
     def restart_worker(self, name: str) -> Event:
         e = self._event("restart", name)
@@ -161,7 +170,7 @@ class Faults:
         if found is None:
             return None
         w, qs = found
-        info = {"client": w.hostname, "seconds": seconds, "in_call": in_call}
+        info = {**self._owner_info(w), "seconds": seconds, "in_call": in_call}
         if in_call:
             with self._slow_calls(w.hostname):
                 e = self._event("sigstop", w.name, queues=qs, info=info)
@@ -212,7 +221,7 @@ class Faults:
             return None
         w, qs, kids = found
         with self._slow_calls(w.hostname):
-            e = self._event("kill-child", w.name, queues=qs, info={"client": w.hostname, "pids": kids})
+            e = self._event("kill-child", w.name, queues=qs, info={**self._owner_info(w), "pids": kids})
             for pid in kids:
                 try:
                     os.kill(pid, signal.SIGKILL)

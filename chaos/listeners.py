@@ -19,6 +19,11 @@ This group uses ``max_reconsume_times=3`` (instead of the default 16) so a poiso
 the DLQ after 3 suspends of 1 s; regular messages never suspend, so nothing else depends on it.
 ``CHAOS_WORK_MS`` (default 1) is the simulated work per call; ``slow:<client>`` in the ``ctl``
 hash of the ledger Redis raises it for one client (used to land a SIGSTOP inside listener calls).
+
+``CHAOS_GROUPS=1`` (the ``groups-kill`` scenario) registers two more groups in the same workers
+(``EXTRA_GROUPS``): ``chaos-b`` on the chaos topic too (two groups sharing each queue's log
+stream) and ``chaos-c`` on a topic of its own. Their listeners are ``handle``'s, each recording
+into its group's own list (``records.group_ledger``), so the checker judges every group alike.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
@@ -103,11 +109,30 @@ ORDERING_ENV = "CHAOS_ORDERING"
 
 
 def handle(msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> ConsumeOrderlyStatus:
+    return _handle(msgs, ctx, records.LEDGER)
+
+
+def _handle(msgs: list[MessageExt], ctx: ConsumeOrderlyContext, ledger: str) -> ConsumeOrderlyStatus:
+    """``handle``'s call, recorded into the list ``ledger`` (one per group)."""
     parsed = [(*_parse(m), m) for m in msgs]
     status = (ConsumeOrderlyStatus.SUSPEND_CURRENT_QUEUE_A_MOMENT if any(p for _, _, p, _ in parsed)
               else ConsumeOrderlyStatus.SUCCESS)
-    _record(parsed, ctx, status.name)
+    _record(parsed, ctx, status.name, ledger)
     return status
+
+
+def group_listener(group: str) -> Callable[[list[MessageExt], ConsumeOrderlyContext], ConsumeOrderlyStatus]:
+    """``handle`` for another group (``EXTRA_GROUPS``): its calls go to the group's own list, so a
+    message of one group run by another group's listener shows as a loss in the first and a
+    stranger (or a duplicate) in the second, never as one group's records hiding the other's."""
+    ledger = records.group_ledger(group)
+
+    def handle_group(msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> ConsumeOrderlyStatus:
+        return _handle(msgs, ctx, ledger)
+
+    # One name per group: the registry tells two listeners of one factory apart by their names.
+    handle_group.__qualname__ = handle_group.__name__ = f"handle_{group.replace('-', '_')}"
+    return handle_group
 
 
 def handle_concurrently(msgs: list[MessageExt], ctx: ConsumeConcurrentlyContext) -> ConsumeConcurrentlyStatus:
@@ -120,7 +145,7 @@ def handle_concurrently(msgs: list[MessageExt], ctx: ConsumeConcurrentlyContext)
 
 
 def _record(parsed: list[tuple[str, int, bool, MessageExt]], ctx: ConsumeOrderlyContext | ConsumeConcurrentlyContext,
-            status: str) -> None:
+            status: str, ledger: str = records.LEDGER) -> None:
     start = time.time()
     _work(ctx)
     asked = time.time()
@@ -138,7 +163,7 @@ def _record(parsed: list[tuple[str, int, bool, MessageExt]], ctx: ConsumeOrderly
         ).to_json()
         for k, s, _, m in parsed
     ]
-    _ledger().rpush(records.LEDGER, *entries)
+    _ledger().rpush(ledger, *entries)
 
 
 #: ``CHAOS_ASYNC=1`` (the ``async-keys-kill`` scenario) registers ``handle_async``, the same
@@ -191,6 +216,24 @@ async def handle_async(msgs: list[MessageExt], ctx: ConsumeOrderlyContext) -> Co
     return status
 
 
+#: ``CHAOS_GROUPS=1`` (the ``groups-kill`` scenario) registers the ``EXTRA_GROUPS`` too.
+GROUPS_ENV = "CHAOS_GROUPS"
+#: The groups ``CHAOS_GROUPS=1`` adds, with the topic each consumes: ``chaos-b`` shares the chaos
+#: topic (and so each queue's log stream) with the chaos group, ``chaos-c`` has a topic of its own.
+EXTRA_GROUPS = {"chaos-b": TOPIC, "chaos-c": "chaos-c"}
+
+
+def _register_groups(ordering: str) -> None:
+    """The ``EXTRA_GROUPS``' orderly listeners, with the chaos group's settings and refusal hook
+    (the hook's records name their group: the checker tells the groups apart by it)."""
+    if ordering == "concurrent":
+        raise ValueError(f"{GROUPS_ENV}=1 adds orderly groups; {ORDERING_ENV}=concurrent is not supported with it")
+    for group, topic in EXTRA_GROUPS.items():
+        orderly_listener(topic=topic, group=group, max_reconsume_times=MAX_RECONSUME,
+                         suspend_current_queue_time_millis=SUSPEND_MS, hooks=[RefusalRecorder()],
+                         ordering=ordering)(group_listener(group))
+
+
 _ORDERING = os.environ.get(ORDERING_ENV, "queue")
 if _ORDERING == "concurrent":
     concurrent_listener(topic=TOPIC, group=GROUP, max_reconsume_times=MAX_RECONSUME,
@@ -199,6 +242,8 @@ else:
     orderly_listener(topic=TOPIC, group=GROUP, max_reconsume_times=MAX_RECONSUME,
                      suspend_current_queue_time_millis=SUSPEND_MS, hooks=[RefusalRecorder()],
                      ordering=_ORDERING)(handle_async if os.environ.get(ASYNC_ENV) == "1" else handle)
+if os.environ.get(GROUPS_ENV) == "1":
+    _register_groups(_ORDERING)
 
 
 def _record_publish(sender: str | None = None, **_: Any) -> None:

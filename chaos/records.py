@@ -10,7 +10,9 @@ fields do not match the schema makes ``from_json`` raise instead of being misrea
 * ``refusals`` — one :class:`Refusal` per fenced commit or lease touch the engine refused (the
   listener's ``ConsumeMessageHook.consume_refused``);
 * ``published`` — one :class:`Published` per task a beat process sent (Celery's
-  ``before_task_publish`` signal in a beat started by the runner).
+  ``before_task_publish`` signal in a beat started by the runner);
+* ``ledger:<group>`` — the :class:`Entry` records of another consumer group of the same workers
+  (``groups-kill``: ``group_ledger``), each group's calls in a list of their own.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ LEDGER = "ledger"
 REFUSALS = "refusals"
 #: Redis list (ledger Redis) of :class:`Published` records.
 PUBLISHED = "published"
+
+
+def group_ledger(group: str) -> str:
+    """The Redis list of the :class:`Entry` records of ``group``, a consumer group other than the
+    chaos listener's (whose list stays ``LEDGER``): each group is checked from its own calls."""
+    return f"{LEDGER}:{group}"
+
 
 #: ``Entry.status`` of a call that returned SUCCESS (anything else: a poison message's SUSPEND).
 SUCCESS = "SUCCESS"

@@ -17,6 +17,7 @@ from typing import Any
 
 from chaos.checker import BEAT_OUTAGE_MAX_GAP, DUP_WINDOW, FSYNC_WINDOW, POISON_SLACK, Result
 from chaos.failover_checks import REDIS_FAILOVER_TARGET, REPLICATION_WINDOW
+from chaos.listeners import GROUP
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "RELIABILITY.md"
 MARK = "chaos-results:"
@@ -75,6 +76,18 @@ def compact(r: Result, *, title: str, env: dict[str, str], quick: bool, seconds:
         "problems": r.problems, "passed": r.passed,
         **_failover_fields(r),
     }
+
+
+def group_title(title: str, r: Result, group: str = "") -> str:
+    """The title of a row of a run with several consumer groups (``groups-kill``), which has a row
+    per group: the scenario's own row holds the chaos group's figures and the verdict of every
+    group (the others' problems are its own too, ``checker.merge_groups``); ``<scenario>/<group>``
+    rows hold another group's figures. A run of the chaos group alone keeps its title."""
+    if group:
+        return f"{title}; this row: group {group}'s calls"
+    if r.groups:
+        return f"{title}; this row: group {GROUP}'s calls, failing if any group's check failed"
+    return title
 
 
 def _failover_fields(r: Result) -> dict[str, Any]:
@@ -317,6 +330,14 @@ def render(results: dict[str, dict[str, Any]]) -> str:
         "rejoins as its replica, so sends waiting for one replica are refused on that shard until then);",
         "`cluster-reshard` migrates the slots of live queues between masters while they are consumed",
         "(`chaos/cluster_faults.py`).",
+        "",
+        "The `groups-kill` rows run three consumer groups in each worker (`CHAOS_GROUPS=1`): the chaos",
+        "group, `chaos-b` on the chaos topic too (the two share each queue's log stream) and `chaos-c` on a",
+        "topic of its own, with a producer of its own at a third of the rate. Each group's listener records",
+        "its calls apart, and each group is checked alike from its own records (its calls, refusals,",
+        "lock-table samples, its topic's acks, the queues it owned at each kill). The `groups-kill` row is",
+        "the chaos group's figures and fails if any group's check failed; the `groups-kill/<group>` rows",
+        "are the other groups' figures.",
         "",
         "| scenario | messages (acked) | handled | faults | order violations | lost | lost in fsync / replication window | "
         "duplicates (redelivered / copies / unexplained) | max dups per queue per fault | overlapping calls | "

@@ -24,6 +24,7 @@ from chaos.processes import Processes
 from chaos.topology import SentinelSpec
 from chaos.traffic import Ack, Traffic
 from mqorder import Producer
+from mqorder.model import MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.settings import Settings, load_settings
 from mqorder.store.brokers import BrokerRegistry
@@ -62,6 +63,7 @@ class Cluster:
         keep_logs: bool = False,
         sentinel: SentinelSpec | None = None,
         cluster: ClusterSpec | None = None,
+        groups: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.n_workers = workers
@@ -72,6 +74,9 @@ class Cluster:
         self.env_extra = dict(env or {})
         self.sentinel = sentinel
         self.cluster = cluster
+        #: The consumer groups of the workers beyond the chaos one, and the topic each consumes
+        #: (``groups-kill``: ``listeners.EXTRA_GROUPS``, registered by the workers through the env).
+        self.groups = dict(groups or {})
         self.procs = Processes(name, fsync=fsync, env=self.env_extra, concurrency=concurrency, sentinel=sentinel,
                                cluster=cluster)
         # Set by start(), once the Redis under test answers.
@@ -90,13 +95,17 @@ class Cluster:
         brokers = BrokerRegistry(url)
         locks = RebalanceLockManager(brokers, self.settings.lock_max_live_time_ms)
         p = Producer(url)
-        p.create_topic(TOPIC, queues=self.n_queues)
-        mqs = p.describe_topic(TOPIC).message_queues
+        by_topic: dict[str, list[MessageQueue]] = {}
+        for topic in dict.fromkeys([TOPIC, *self.groups.values()]):
+            p.create_topic(topic, queues=self.n_queues)
+            by_topic[topic] = p.describe_topic(topic).message_queues
         p.close()
-        self.evidence = Evidence(self.name, url, self.procs.ledger_url, brokers, locks, mqs)
+        mqs = by_topic[TOPIC]
+        groups = {g: by_topic[topic] for g, topic in self.groups.items()}
+        self.evidence = Evidence(self.name, url, self.procs.ledger_url, brokers, locks, mqs, groups=groups)
         spec = self.sentinel or self.cluster
         self.traffic = Traffic(url, brokers, mqs, rate=self.rate, n_keys=self.n_keys,
-                               wait_replicas=spec.send_wait if spec is not None else None)
+                               wait_replicas=spec.send_wait if spec is not None else None, groups=groups)
         self.faults = Faults(self.procs, self.evidence, self.traffic)
         workers = [self.procs.start_worker(self.procs.new_worker_name(), wait=False) for _ in range(self.n_workers)]
         for w in workers:
@@ -118,8 +127,10 @@ class Cluster:
         """Stop the producer, the monitor, every worker and beat; the two Redis servers stay up so
         the records written during shutdown can still be read."""
         if self.traffic is not None and self.traffic.started:
-            self.traffic.producer.stop_event.set()
-            self.traffic.producer.join(10)
+            for p in self.traffic.producers:
+                p.stop_event.set()
+            for p in self.traffic.producers:
+                p.join(10)
         if self.evidence is not None:
             self.evidence.stop_monitor()
         self.procs.stop_celery()

@@ -6,13 +6,15 @@ is; ``run(scenario)`` starts everything in a ``try/finally`` and always stops it
 from __future__ import annotations
 
 import time
+from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from chaos import listeners
-from chaos.checker import Result, RunData, check
+from chaos.checker import Result, RunData, check, group_events, merge_groups
 from chaos.cluster_topology import ClusterSpec
 from chaos.faults import Faults
+from chaos.records import Entry
 from chaos.runner import Cluster, log
 from chaos.topology import SentinelSpec
 from chaos.txn import ENV as TXN_ENV
@@ -30,6 +32,10 @@ KEY_ORDER = {listeners.ORDERING_ENV: "key"}
 #: second (so a poison message reaches the DLQ after 3 retries within the run).
 CONCURRENT = {listeners.ORDERING_ENV: "concurrent", "MQORDER_MESSAGE_DELAY_LEVEL": " ".join(["1s"] * 18),
               "MQORDER_DELAY_MOVE_INTERVAL_MS": "200"}
+#: The several-groups variant: every worker also runs ``listeners.EXTRA_GROUPS`` (``chaos-b`` on the
+#: chaos topic, sharing its log streams; ``chaos-c`` on a topic of its own, with its own traffic), so
+#: a lingering request adopts, and switches to, the idle queues of three groups.
+GROUPS = {listeners.GROUPS_ENV: "1"}
 
 
 @dataclass
@@ -55,6 +61,12 @@ class Scenario:
     @property
     def topology(self) -> SentinelSpec | ClusterSpec | None:
         return self.sentinel or self.cluster
+
+    @property
+    def groups(self) -> dict[str, str]:
+        """The consumer groups beyond the chaos one that the workers run (``GROUPS``), with the
+        topic each consumes; none in a run of the chaos group alone."""
+        return dict(listeners.EXTRA_GROUPS) if self.env.get(listeners.GROUPS_ENV) == "1" else {}
 
 
 class Clock:
@@ -82,6 +94,43 @@ def kill_loop(f: Faults, quick: bool) -> None:
     for _ in range(2 if quick else 6):
         f.kill_and_restart(after=7)
         time.sleep(4)
+
+
+def groups_kill(f: Faults, quick: bool) -> list[str]:
+    """``kill_loop`` with three groups in each worker; then what the lock table showed of lingering
+    requests switching to another group's queue. Without such switches the run would prove nothing
+    about them: it fails to run then, as ``retention`` does when nothing was trimmed."""
+    kill_loop(f, quick)
+    note, crossed = switch_note(f.evidence.runners, {listeners.GROUP: listeners.TOPIC, **listeners.EXTRA_GROUPS})
+    log(f"   {note}")
+    if not crossed:
+        raise RuntimeError(f"{note}: the scenario would prove nothing about switches between groups")
+    return [note]
+
+
+def switch_note(runners: dict[str, set[tuple[str, int]]], topics: dict[str, str]) -> tuple[str, int]:
+    """What the monitor saw of the task executions (``Monitor.runners``: runner id -> the (group,
+    queue id) it ran), and how many ran queues of two or more groups: a lingering request that
+    switched to another group's adopted queue in its own task. Those that ran one queue of one
+    topic (``topics``: each group's) in two groups read its shared log stream for both
+    (``ReadPlan.own_floor``)."""
+    crossed = {r: parties for r, parties in runners.items() if len({g for g, _ in parties}) > 1}
+    pairs: dict[str, int] = defaultdict(int)
+    shared = 0
+    for parties in crossed.values():
+        groups = sorted({g for g, _ in parties})
+        for i, a in enumerate(groups):
+            for b in groups[i + 1:]:
+                pairs[f"{a} and {b}"] += 1
+        by_queue: dict[tuple[str, int], set[str]] = defaultdict(set)
+        for g, q in parties:
+            by_queue[(topics[g], q)].add(g)
+        shared += any(len(gs) > 1 for gs in by_queue.values())
+    detail = ", ".join(f"{p} {n}" for p, n in sorted(pairs.items())) or "none"
+    note = (f"task executions seen in the lock table: {len(runners)}, of which {len(crossed)} ran queues of two "
+            f"or more groups (a lingering request switching to another group's queue; by pair of groups: "
+            f"{detail}), {shared} of them one queue in two groups of its topic (its shared log stream)")
+    return note, len(crossed)
 
 
 def sigstop(f: Faults, quick: bool, seconds: float = 8.0) -> None:
@@ -399,6 +448,9 @@ SCENARIOS: dict[str, Scenario] = {s.name: s for s in [
              env=dict(KEY_ORDER)),
     Scenario("keys-poison", "key order: poison messages that always SUSPEND hold back only their key", poison,
              env=dict(KEY_ORDER), enforce={"poison_bound"}),
+    Scenario("groups-kill", "three groups in each worker (chaos and chaos-b on the chaos topic, chaos-c on "
+             "its own): kill -9 of a queue owner, repeatedly, with restarts", groups_kill, env=dict(GROUPS),
+             enforce={"failover_target"}),
     Scenario("async-keys-kill", "key order, async def listener: kill -9 of a queue owner, repeatedly, with "
              "restarts", kill_loop, env={**KEY_ORDER, listeners.ASYNC_ENV: "1"}),
     Scenario("concurrent", "concurrent listener: kill -9 of a queue owner, repeatedly, with restarts; poison "
@@ -439,7 +491,7 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
         vhost.start()  # fails saying how to get RabbitMQ when it is not running
         env["MQORDER_CELERY_BROKER_URL"] = vhost.url
     c = Cluster(sc.name, fsync=sc.fsync, env=env, workers=sc.workers, rate=sc.rate, keep_logs=keep_logs,
-                sentinel=sc.sentinel, cluster=sc.cluster)
+                sentinel=sc.sentinel, cluster=sc.cluster, groups=sc.groups)
     res: Result | None = None
     try:
         c.start()
@@ -452,7 +504,9 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
         drained = c.traffic.drain(drain_timeout)
         time.sleep(1.0)  # let the last listener calls finish their ledger writes
         data = _run_data(sc, c, drained)
-        res = check(data)
+        res = check(data.pop(listeners.GROUP))
+        if data:  # the other groups of the run: each checked alike, the run failing with any
+            res = merge_groups(res, {g: check(d) for g, d in data.items()})
     finally:
         # A failed or crashed scenario keeps its worker, beat and Redis logs: a rare failure
         # (one kill-rabbitmq failover of 6.8 s in nine runs) must be explainable from the run
@@ -465,14 +519,20 @@ def run(sc: Scenario, *, quick: bool = False, keep_logs: bool = False, drain_tim
                 vhost.stop()
     assert res is not None  # check() ran: an exception before it left through the finally
     res.notes.extend(notes)
-    log(f"== {sc.name}: {'PASS' if res.passed else 'FAIL'}: produced {res.produced}, handled {res.handled}, "
+    _log_result(sc.name, res)
+    for g in res.groups.values():
+        _log_result(f"   {g.scenario}", g, problems=False)  # their problems are the run's, logged above
+    return res
+
+
+def _log_result(name: str, res: Result, *, problems: bool = True) -> None:
+    log(f"== {name}: {'PASS' if res.passed else 'FAIL'}: produced {res.produced}, handled {res.handled}, "
         f"violations {len(res.violations)}, lost {len(res.lost)}, dups {res.duplicates}, "
         f"failover max {res.failover_max} p99 {res.failover_p99}"
         + (f", redis failover p99 {res.redis_failover_p99} (send resumed "
            f"{[e['send_resumed_s'] for e in res.redis_failover_events]})" if res.redis_failover_events else ""))
-    for p in res.problems:
+    for p in res.problems if problems else []:
         log(f"   problem: {p}")
-    return res
 
 
 def _failovers_note(f: Faults) -> str:
@@ -488,18 +548,23 @@ def _failovers_note(f: Faults) -> str:
     return note
 
 
-def _run_data(sc: Scenario, c: Cluster, drained: bool) -> RunData:
+def _run_data(sc: Scenario, c: Cluster, drained: bool) -> dict[str, RunData]:
     """Read the evidence: calls and the DLQ at the drain, then (after every worker and beat
-    stopped) the refusals and publishes, which a shutting-down worker may still add to."""
+    stopped) the refusals and publishes, which a shutting-down worker may still add to.
+
+    One RunData per consumer group, the chaos group's (``listeners.GROUP``) first: in a run with
+    several (``Scenario.groups``) each of the others is judged by its own calls, DLQ, lock-table
+    samples, refusals and owned queues of each fault, and by the acks of its topic."""
     ev, traffic, settings = c.evidence, c.traffic, c.settings
     assert ev is not None and traffic is not None and settings is not None
-    entries = ev.entries()
-    dlq = ev.dlq()
+    groups = [listeners.GROUP, *sc.groups]
+    entries = {g: ev.entries(g) for g in groups}
+    dlq = {g: ev.dlq(g) for g in groups}
     c.quiesce()
-    return RunData(
-        scenario=sc.name, fsync=sc.fsync, entries=entries, acks=traffic.acks, unknown=traffic.unknown,
-        poison=list(traffic.poison), dlq=dlq, events=list(ev.events), samples=ev.samples,
-        refusals=ev.refusals(), published=ev.published(), beats=c.procs.beat_roles,
+    data = RunData(
+        scenario=sc.name, fsync=sc.fsync, entries=entries[listeners.GROUP], acks=traffic.acks,
+        unknown=traffic.unknown, poison=list(traffic.poison), dlq=dlq[listeners.GROUP], events=list(ev.events),
+        samples=ev.samples, refusals=ev.refusals(), published=ev.published(), beats=c.procs.beat_roles,
         drained=drained, batch=settings.pull_batch_size, max_reconsume=listeners.MAX_RECONSUME,
         suspend_s=listeners.SUSPEND_MS / 1000, enforce=set(sc.enforce),
         pending_ttl_s=settings.pending_ttl_ms / 1000, sweep_interval_s=settings.sweep_interval_ms / 1000,
@@ -512,4 +577,22 @@ def _run_data(sc: Scenario, c: Cluster, drained: bool) -> RunData:
                    else uncommitted_bound(settings.pull_batch_size, settings.consume_concurrency,
                                           settings.consume_message_batch_max_size)
                    if sc.env.get(listeners.ORDERING_ENV) == "concurrent" else 0),
+    )
+    if not sc.groups:
+        return {listeners.GROUP: data}
+    return {g: _group_data(data, g, sc.groups.get(g, listeners.TOPIC), entries[g], dlq[g], c) for g in groups}
+
+
+def _group_data(data: RunData, group: str, topic: str, entries: list[Entry], dlq: list[dict[str, str]],
+                c: Cluster) -> RunData:
+    """``data`` (the run's) as one group's: its calls and DLQ, its topic's acks (and poison, sent
+    to the chaos topic only), its own refusals and lock-table samples, and the faults naming its
+    owned queues (``checker.group_events``). Named ``<scenario>/<group>`` (its report row) but for
+    the chaos group's, which is the scenario's."""
+    assert c.traffic is not None and c.evidence is not None
+    return replace(
+        data, scenario=data.scenario if group == listeners.GROUP else f"{data.scenario}/{group}", group=group,
+        entries=entries, dlq=dlq, acks=c.traffic.acks_of(topic), unknown=c.traffic.unknown_of(topic),
+        poison=data.poison if topic == listeners.TOPIC else [], events=group_events(data.events, group),
+        samples=c.evidence.samples_of(group), refusals=[r for r in data.refusals if r.group == group],
     )

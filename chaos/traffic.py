@@ -75,13 +75,17 @@ class ProducerThread(threading.Thread):
     contiguous. Acks live in this process's memory only.
     """
 
-    def __init__(self, url: str, rate: float, n_keys: int, seed: int = 7, wait_replicas: int | None = None) -> None:
-        super().__init__(name="chaos-producer", daemon=True)
+    def __init__(self, url: str, rate: float, n_keys: int, seed: int = 7, wait_replicas: int | None = None,
+                 topic: str = TOPIC, key_prefix: str = "k") -> None:
+        super().__init__(name=f"chaos-producer-{topic}", daemon=True)
         self.url = url
         self.rate = rate
         #: ``send_orderly(..., wait_replicas=)`` of every send (None: the setting's default, 0).
         self.wait_replicas = wait_replicas
-        self.keys = [f"k{i:04d}" for i in range(n_keys)]
+        self.topic = topic
+        #: Keys of one topic never look like another's: a message run by another topic's listener
+        #: is a stranger in that listener's records (``checker._strangers``).
+        self.keys = [f"{key_prefix}{i:04d}" for i in range(n_keys)]
         self.rng = random.Random(seed)
         self.next_seq = dict.fromkeys(self.keys, 1)
         self.acks: list[Ack] = []
@@ -106,7 +110,8 @@ class ProducerThread(threading.Thread):
                 body = f'{{"k": "{key}", "s": {seq}}}'.encode()
                 while not self.stop_event.is_set():
                     try:
-                        res = producer.send_orderly(TOPIC, body, sharding_key=key, wait_replicas=self.wait_replicas)
+                        res = producer.send_orderly(self.topic, body, sharding_key=key,
+                                                     wait_replicas=self.wait_replicas)
                     except (BrokerUnavailableError, redis.RedisError) as exc:
                         self.unknown.append((key, seq, time.time(), why(exc)))
                         time.sleep(0.05)
@@ -124,30 +129,59 @@ class ProducerThread(threading.Thread):
             producer.close()
 
 
+#: The traffic of a topic other than the chaos one (``groups-kill``): this share of the scenario's
+#: rate, over keys named with this prefix.
+EXTRA_RATE_SHARE = 1 / 3
+EXTRA_KEY_PREFIX = "c"
+
+
 class Traffic:
-    """Steady traffic over the scenario's topic, poison messages on demand, and the drain."""
+    """Steady traffic over the scenario's topic (and its other groups' topics), poison messages on
+    demand, and the drain.
+
+    ``groups``: the consumer groups beyond the chaos one (``groups-kill``) and the queues of the
+    topic each consumes. A topic other than the chaos one gets a producer of its own, at
+    ``EXTRA_RATE_SHARE`` of ``rate``; the drain waits for every group's queues."""
 
     def __init__(self, url: str, brokers: BrokerRegistry, mqs: list[MessageQueue], *,
-                 rate: float, n_keys: int, wait_replicas: int | None = None) -> None:
+                 rate: float, n_keys: int, wait_replicas: int | None = None,
+                 groups: dict[str, list[MessageQueue]] | None = None) -> None:
         self.url = url
         self.brokers = brokers
         self.mqs = mqs
+        self.groups = dict(groups or {})
         self.producer = ProducerThread(url, rate, n_keys, wait_replicas=wait_replicas)
+        #: One producer per other topic, by topic.
+        self.others = {
+            topic: ProducerThread(url, rate * EXTRA_RATE_SHARE, n_keys, seed=8, wait_replicas=wait_replicas,
+                                  topic=topic, key_prefix=EXTRA_KEY_PREFIX)
+            for topic in sorted({q.topic for qs in self.groups.values() for q in qs} - {TOPIC})
+        }
         self.poison: list[Poison] = []
         self.started = False
 
+    @property
+    def producers(self) -> list[ProducerThread]:
+        return [self.producer, *self.others.values()]
+
     def start(self) -> None:
         self.started = True
-        self.producer.start()
+        for p in self.producers:
+            p.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Stop sending; raise if the producer itself failed (its acks would be incomplete)."""
+        """Stop sending; raise if a producer itself failed (its acks would be incomplete)."""
         if not self.started:
             return
-        self.producer.stop_event.set()
-        self.producer.join(timeout)
-        if self.producer.error is not None:
-            raise RuntimeError(f"producer failed: {self.producer.error!r}")
+        for p in self.producers:
+            p.stop_event.set()
+        for p in self.producers:
+            p.join(timeout)
+            if p.error is not None:
+                raise RuntimeError(f"producer of {p.topic} failed: {p.error!r}")
+
+    def _of(self, topic: str) -> ProducerThread:
+        return self.producer if topic == TOPIC else self.others[topic]
 
     @property
     def acks(self) -> list[Ack]:
@@ -156,6 +190,13 @@ class Traffic:
     @property
     def unknown(self) -> list[tuple[str, int, float, str]]:
         return list(self.producer.unknown)
+
+    def acks_of(self, topic: str) -> list[Ack]:
+        """The acknowledged sends to ``topic`` (the chaos topic's are ``acks``)."""
+        return list(self._of(topic).acks)
+
+    def unknown_of(self, topic: str) -> list[tuple[str, int, float, str]]:
+        return list(self._of(topic).unknown)
 
     def send_poison(self, count: int) -> list[Poison]:
         """Send ``count`` poison messages, each to a different queue, among the regular traffic."""
@@ -174,13 +215,14 @@ class Traffic:
         return sent
 
     def drain(self, timeout: float) -> bool:
-        """Wait until every queue's committed offset reached its end (twice in a row)."""
+        """Wait until every queue's committed offset reached its end (twice in a row), in every group."""
         mlog = MessageLog(self.brokers)
         deadline = time.monotonic() + timeout
         streak = 0
+        parties = [(GROUP, mq) for mq in self.mqs] + [(g, mq) for g, qs in self.groups.items() for mq in qs]
         while time.monotonic() < deadline:
             try:
-                lag = sum(mlog.lag(GROUP, mq) for mq in self.mqs)
+                lag = sum(mlog.lag(group, mq) for group, mq in parties)
             except redis.RedisError:
                 lag = -1
             streak = streak + 1 if lag == 0 else 0

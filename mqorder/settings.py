@@ -279,9 +279,10 @@ class Settings(BaseSettings):
     #: once another request has waited for one ``capacity.YIELD_AFTER_S`` (25 ms: its lingering
     #: read is nudged then), or when the queue is reassigned (within a 100 ms read slice).
     consume_linger_ms: int = Field(1000, ge=0, le=10_000)
-    #: While it lingers, a drained request also watches every other idle queue of its subscription
-    #: that its client owns (one blocking read over all of them) and runs whichever gets a message
-    #: first, claimed through begin.lua: with fewer pool slots than queues, sends to idle queues
+    #: While it lingers, a drained request also watches every other idle queue that its client
+    #: owns, of every group with a listener in the process (one blocking read over all of them),
+    #: and runs whichever gets a message first, with that group's listener, claimed through
+    #: begin.lua: with fewer pool slots than queues, sends to idle queues
     #: then skip the wake-up and the new Celery task. Off: it watches its own queue only.
     consume_linger_idle_queues: bool = True
     #: Key-ordered listeners (``@orderly_listener(ordering="key")``): at most this many keys of one

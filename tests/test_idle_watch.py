@@ -21,7 +21,7 @@ from mqorder.consumer.consume_request import ConsumeRequest
 from mqorder.consumer.engine import ConsumerEngine
 from mqorder.consumer.idle_watch import FollowUp, IdleQueueWatch
 from mqorder.consumer.listener import ListenerSpec
-from mqorder.model import MessageQueue
+from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 
 TOPIC, SUB, ME = "tw", "g", "c1"
@@ -37,9 +37,11 @@ def key_for(queue_id: int, n: int = 4) -> str:
 
 
 def owned_idle_queues(settings, r: redis.Redis) -> tuple[Producer, ConsumerEngine]:
-    """Topic ``tw`` with 4 queues, all assigned to and locked by c1, all idle."""
+    """Topic ``tw`` with 4 queues, subscribed by group ``g`` (so a send wakes the owner, or rings
+    its doorbell), all assigned to and locked by c1, all idle."""
     p = Producer(settings=settings)
     p.create_topic(TOPIC, queues=4)
+    p.topics.subscribe(SUB, TOPIC, MessageModel.CLUSTERING)
     eng = ConsumerEngine(settings, ME)
     r.hset(keys.assignment(SUB), mapping={mq.key: ME for mq in QUEUES})
     res = RebalanceLockManager(eng.brokers).assign(SUB, [(mq, ME, f"tok{mq.queue_id}") for mq in QUEUES])
@@ -344,10 +346,11 @@ def test_finish_adopt_hands_the_queue_to_the_watch_only_while_the_caller_holds_i
     def state(mq: MessageQueue) -> dict[str, str]:
         return {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, SUB)).items()}
 
-    assert finish(QUEUES[0], "a") == ["ADOPTED", 0]
+    assert finish(QUEUES[0], "a") == ["ADOPTED", 0, 0]  # offset 0, next 0
     assert state(QUEUES[0])["pending"] == "watch" and state(QUEUES[0])["run"] == "0"
     p.send_orderly(TOPIC, b"x", sharding_key=key_for(1))  # c1 is woken: a request "b" would run
-    assert finish(QUEUES[1], "b") == ["ADOPTED", 0]  # a backlog too: the watch reads it at once
+    # A backlog too: the reply's next offset says so (no doorbell rang), the watch runs it at once.
+    assert finish(QUEUES[1], "b") == ["ADOPTED", 0, 1]
     assert state(QUEUES[1])["pending"] == "watch"
     r.hset(keys.sub_state(QUEUES[2].tag, SUB), "assignee", "c2")  # reassigned meanwhile
     assert finish(QUEUES[2], "c") == ["IDLE"]

@@ -30,7 +30,7 @@ from mqorder.consumer.consumer_state import ConsumerState
 from mqorder.consumer.context import CallContext, ConsumeOrderlyContext, suspend_ms_of
 from mqorder.consumer.escapes import goes_on_up
 from mqorder.consumer.hooks import RefusedContext, global_hooks, run_refused
-from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch, ReadPlan
+from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
 from mqorder.consumer.lease_keeper import keeper
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
 from mqorder.consumer.linger import LingeringReads
@@ -147,9 +147,10 @@ class ConsumeRequest(LingeringReads):
         #: its subscription (the watch covers every group of the process).
         self.switch_to: MessageQueue | None = None
         self.switch_sub = sub
-        self._read_plan: ReadPlan | None = None
-        #: The committed offset this queue was handed to the watch at (``Verb.ADOPTED``).
+        #: The committed offset this queue was handed to the watch at (``Verb.ADOPTED``), and
+        #: whether it had a backlog then (stored while the run held it: no doorbell rang for it).
         self.adopted_at = 0
+        self.adopted_backlog = False
         #: The run this one switched from, whose ``finish.lua`` this run sends with its
         #: ``begin.lua`` (``Verb.SWITCHED``), and its stop.
         self.prior = prior
@@ -838,7 +839,7 @@ class ConsumeRequest(LingeringReads):
         (reassigned meanwhile) it needs a request, which must not wait for this run to linger."""
         assert self.watch is not None
         self.watch.switched(prior.sub, prior.mq, self.sub, self.mq,
-                            prior.adopted_at if done.verb is Verb.ADOPTED else None)
+                            prior.adopted_at if done.verb is Verb.ADOPTED else None, prior.adopted_backlog)
         if done.needs_dispatch:
             self.prior_follow_up = FollowUp(prior.mq, done.target, done.token, done.countdown, sub=prior.sub)
             self.linger_s = 0.0
@@ -905,6 +906,7 @@ class ConsumeRequest(LingeringReads):
                 log.debug("idle nudge of %s not written (%s)", self.mq.key, exc)
         if verb is Verb.ADOPTED:
             self.adopted_at = int(res[1])
+            self.adopted_backlog = len(res) > 2 and int(res[2]) > self.adopted_at
             return Outcome(verb, consumed=self.consumed)
         if verb is Verb.IDLE or verb is Verb.STALE:
             return Outcome(verb, consumed=self.consumed)

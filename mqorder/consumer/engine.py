@@ -117,7 +117,7 @@ class ConsumerEngine(ConsumerState):
             # queue drained, and adopted by the watch when finish.lua could), that queue runs next
             # in this same task, with the adoption token.
             watch.switched(sub, mq, req.switch_sub, req.switch_to,
-                           req.adopted_at if outcome.verb is Verb.ADOPTED else None)
+                           req.adopted_at if outcome.verb is Verb.ADOPTED else None, req.adopted_backlog)
             sub, mq, token = req.switch_sub, req.switch_to, watch.token
             spec = self._listener_of(sub, mq, spec, first_spec)
         if watch is not None:

@@ -1,4 +1,4 @@
-"""``IdleQueueWatch``: a lingering ConsumeRequest waits on every idle queue its client owns, in every group.
+"""``IdleQueueWatch``: a lingering ConsumeRequest watches every idle queue its client owns, in every group.
 
 With fewer pool slots than owned queues (stock ``celery worker``: one slot per core, 8 queues per
 worker), a request that lingers on its own drained queue leaves the worker's other idle queues to
@@ -7,19 +7,23 @@ and the task waits for a slot, which the lingering request gives back within a s
 small, but together they put milliseconds, sometimes tens, between a send and its handling.
 
 Instead the lingering request *adopts* the other idle queues its client owns on the same broker,
-of every subscription this process has a listener for (``adopt.lua``: their pending slot takes this watch's token, so a send wakes nobody), reads
-all of them in its one blocking ``XREAD``, and when one gets a message it ends its own run and
-runs that queue next in the same task, claiming it through ``begin.lua`` like any dispatched
-request (lock, epoch, run mark: the same fencing). When the request stops lingering, ``release``
-ends every adoption through ``finish.lua`` with the same token, which also says who must consume a
-queue that got messages meanwhile (a follow-up the caller dispatches).
+of every subscription this process has a listener for (``adopt.lua``: their pending slot takes
+this watch's token, so a send wakes nobody). A send to an adopted queue rings the client's
+doorbell instead: an entry naming the queue's state key in its nudge stream (``ring_doorbell`` in
+``_append.lua``, for tokens marked ``DOORBELL_MARK``), which the lingering read blocks on beside
+its own queue's log. The request then ends its own run and runs that queue next in the same task,
+with that queue's listener, claiming it through ``begin.lua`` like any dispatched request (lock,
+epoch, run mark: the same fencing). When the request stops lingering, ``release`` ends every
+adoption through ``finish.lua`` with the same token, which also says who must consume a queue
+that got messages meanwhile (a follow-up the caller dispatches).
 
 Every group, not only the request's own: RocketMQ gives each consumer group threads of its own, a
 Celery worker's few pool slots serve them all, and with a watch per group an operator's 60 groups
 at a trickle on two stock workers cost a wake-up and a Celery task for nearly every message (p99
-send to handle 0.8-6 s, where one group measures milliseconds). Two groups of one topic share the
-queue's log stream: the read names it once, from the lowest offset any of them waits at, and each
-party on it is told apart by its own offset (``ReadPlan``).
+send to handle 0.8-6 s, where one group measures milliseconds). A doorbell, not a read of every
+adopted queue's log: an ``XREAD`` blocking on the 240 queues a worker of those 60 groups adopts
+cost Redis 0.6 ms per call, most of its CPU per message. A doorbell trimmed from the nudge stream
+before it was read is made up for by the next renewal (``adopt.lua`` reports a backlog).
 
 An adoption is an ordinary pending request with a short ``pend_until`` renewed while the request
 lingers, so a process that dies while adopting costs at most ``ADOPT_TTL_MS`` plus a sweep on
@@ -77,54 +81,24 @@ class FollowUp:
 
 #: One adopted queue: (its subscription, the queue, its committed offset when adopted).
 Party = tuple[str, MessageQueue, int]
-
-
-def offset_of(entry_id: bytes | str) -> int:
-    """The queue offset of a log stream entry id (``<offset>-<seq>``, ``mqorder.store.append``)."""
-    raw = entry_id if isinstance(entry_id, bytes) else entry_id.encode()
-    return int(raw.split(b"-", 1)[0])
-
-
-def after(offset: int) -> str:
-    """The ``XREAD`` id that reads a log stream from ``offset`` on."""
-    return f"{offset - 1}-1" if offset > 0 else "0-0"
+#: The first character of a watch's token: a send to a queue whose pending request is such a token
+#: (and that is not running) rings its owner's doorbell (``ring_doorbell`` in ``_append.lua``).
+DOORBELL_MARK = "!"
 
 
 @dataclass(frozen=True, slots=True)
 class ReadPlan:
-    """The adopted queues a lingering read of the run on (``sub``, ``exclude``) names
+    """What a lingering read of the run on (``sub``, ``exclude``) offers ``switch.lua``
     (``IdleQueueWatch.plan``)."""
 
     sub: str
     exclude: MessageQueue
-    #: Stream keys and ``XREAD`` ids of every adopted queue's log but ``exclude``'s, each stream
-    #: once, from the lowest offset adopted on it.
-    names: list[str]
-    ids: list[str]
     #: The adopted queues of ``exclude``'s topic and subscription, in the order ``switch.lua`` is
     #: given them, their four keys each (``_switch_keys``) and the committed offsets they were
     #: adopted at.
     offered: list[MessageQueue]
     keys: list[str]
     seen: list[int]
-    #: Every adopted queue by its log stream key (bytes, as a read's reply names it), lowest
-    #: offset first: the queues a read's entries on that stream are news for.
-    parties: dict[bytes, list[Party]]
-    #: The lowest offset adopted on ``exclude``'s own log stream (another group's queue of the
-    #: same topic), or None: the run's own read of its stream starts there then (``_queue_slice``).
-    own_floor: int | None = None
-
-    def behind(self, stream_key: bytes, entries: list[Any]) -> Party | None:
-        """The first adopted queue on ``stream_key`` that ``entries`` (a read's, oldest first) bring
-        messages to: one adopted at an offset at or below the newest entry's."""
-        parties = self.parties.get(stream_key)
-        if not parties or not entries:
-            return None
-        newest = offset_of(entries[-1][0])
-        for party in parties:
-            if party[2] <= newest:
-                return party
-        return None
 
 
 class IdleQueueWatch:
@@ -145,8 +119,9 @@ class IdleQueueWatch:
         self._owned = owned
         self.pending_ttl_ms = pending_ttl_ms
         self.lock_ms = lock_ms
-        #: The pending token of every adopted queue; a queue switched to runs with it.
-        self.token = new_token()
+        #: The pending token of every adopted queue; a queue switched to runs with it. Its mark
+        #: makes a send to an adopted queue ring this client's doorbell.
+        self.token = DOORBELL_MARK + new_token()
         #: Adopted queues: (subscription, log stream key) -> (queue, committed offset when adopted).
         self.adopted: dict[tuple[str, str], tuple[MessageQueue, int]] = {}
         self._refreshed = 0.0
@@ -159,15 +134,19 @@ class IdleQueueWatch:
         #: Queues this client's other runs said went idle (``nudge.idle_entry``): adopted at the
         #: next read, without waiting for the next full refresh.
         self._soon: list[tuple[str, MessageQueue]] = []
+        #: Adopted queues with news, in the order it came (an ordered set of ``adopted`` keys).
+        self.rung: dict[tuple[str, str], None] = {}
+        #: ``adopted`` by state key (``ring``), made on first use after each change.
+        self._by_state: dict[str, tuple[str, str]] | None = None
 
     def _changed(self) -> None:
         self._plan = None
+        self._by_state = None
 
     def plan(self, sub: str, exclude: MessageQueue) -> ReadPlan:
-        """What the lingering read of the run on (``sub``, ``exclude``) names from this watch: every
-        adopted queue but that one (its stream and ``XREAD`` id, each stream once), those of the
-        run's own topic and subscription that ``switch.lua`` may switch to, with their keys and
-        adopted offsets, and which queues each stream's entries are news for.
+        """What the lingering read of the run on (``sub``, ``exclude``) offers ``switch.lua``: the
+        adopted queues of the run's own topic and subscription, with their keys and adopted
+        offsets. (Any other adopted queue that gets a message rings the doorbell: ``ring``.)
 
         Made in one pass over the adopted queues, with each queue's keys spelled once per watch:
         at a trickle nearly every message switches the run to another queue, which changes the
@@ -176,35 +155,45 @@ class IdleQueueWatch:
         cached = self._plan
         if cached is not None and cached.exclude is exclude and cached.sub == sub:
             return cached
-        floors: dict[str, int] = {}
         offered: list[MessageQueue] = []
         ks: list[str] = []
         seen: list[int] = []
-        parties: dict[bytes, list[Party]] = {}
         topic, own = exclude.topic, keys.queue_log(exclude.tag)
-        own_floor: int | None = None
         for (psub, k), (mq, offset) in self.adopted.items():
-            if k == own:
-                if psub == sub:
-                    continue
-                # Another group's queue of the run's topic: the run's own read names the stream.
-                own_floor = offset if own_floor is None else min(own_floor, offset)
-            else:
-                low = floors.get(k)
-                if low is None or offset < low:
-                    floors[k] = offset
-                # A queue of another topic or group runs with its own listener and settings.
-                if psub == sub and mq.topic == topic:
-                    offered.append(mq)
-                    ks += self._switch_keys(psub, k, mq)
-                    seen.append(offset)
-            parties.setdefault(k.encode(), []).append((psub, mq, offset))
-        for group in parties.values():
-            group.sort(key=lambda party: party[2])
-        names = list(floors)
-        plan = self._plan = ReadPlan(sub, exclude, names, [after(floors[k]) for k in names], offered, ks, seen,
-                                     parties, own_floor)
+            # A queue of another topic or group runs with its own listener and settings.
+            if psub == sub and mq.topic == topic and k != own:
+                offered.append(mq)
+                ks += self._switch_keys(psub, k, mq)
+                seen.append(offset)
+        plan = self._plan = ReadPlan(sub, exclude, offered, ks, seen)
         return plan
+
+    def ring(self, state_keys: list[str]) -> None:
+        """Doorbells read from the nudge stream: the adopted queues of these state keys got
+        messages (``ring_doorbell`` in ``_append.lua``); ``next_rung`` hands them out in order.
+        A state key of a queue this watch does not adopt (another watch's, or let go) is skipped."""
+        if not state_keys:
+            return
+        by_state = self._by_state
+        if by_state is None:
+            by_state = self._by_state = {keys.sub_state(mq.tag, sub): (sub, k) for (sub, k), (mq, _) in
+                                         self.adopted.items()}
+        for sk in state_keys:
+            hit = by_state.get(sk)
+            if hit is not None:
+                self.rung[hit] = None
+
+    def next_rung(self, sub: str, running: MessageQueue) -> Party | None:
+        """The first adopted queue with news (its doorbell rang, or a renewal found a backlog),
+        taken off the list; None when there is none. (``sub``, ``running``): the caller's queue."""
+        own = (sub, keys.queue_log(running.tag))
+        while self.rung:
+            key = next(iter(self.rung))
+            del self.rung[key]
+            hit = self.adopted.get(key)
+            if hit is not None and key != own:
+                return (key[0], hit[0], hit[1])
+        return None
 
     def _switch_keys(self, sub: str, stream_key: str, mq: MessageQueue) -> tuple[str, str, str, str]:
         """``switch.lua``'s four keys of an adopted queue (state, log, next, retries), spelled once."""
@@ -266,20 +255,30 @@ class IdleQueueWatch:
         adopted: dict[tuple[str, str], tuple[MessageQueue, int]] = dict(self.adopted) if keep else {}
         for (sub, mq), res in zip(wanted, replies, strict=True):
             if int(res[0]):
-                adopted[(sub, keys.queue_log(mq.tag))] = (mq, int(res[1]))
+                key = (sub, keys.queue_log(mq.tag))
+                adopted[key] = (mq, int(res[1]))
+                if len(res) > 2 and int(res[2]) > int(res[1]):
+                    # A backlog on a queue adopted already: its doorbell entry may have been
+                    # trimmed from the nudge stream before it was read.
+                    self.rung[key] = None
         self.adopted = adopted
         self._changed()
 
     def switched(self, left_sub: str, left: MessageQueue, to_sub: str, to: MessageQueue,
-                 adopted_at: int | None) -> None:
+                 adopted_at: int | None, backlog: bool = False) -> None:
         """The caller's run on (``left_sub``, ``left``) ended and (``to_sub``, ``to``) runs next with
         this watch's token: ``to``'s run ends its adoption. ``adopted_at``: the committed offset
         ``left`` was handed to this watch at, in the same step that ended its run (``finish.lua``
         'adopt'), so no send to it falls between the two; None when it was not (no longer the
-        caller's: the next full refresh finds out again)."""
+        caller's: the next full refresh finds out again). ``backlog``: ``left`` had messages past
+        ``adopted_at`` when it was handed over, stored while its run held it (no doorbell rang)."""
         self.adopted.pop((to_sub, keys.queue_log(to.tag)), None)
+        self.rung.pop((to_sub, keys.queue_log(to.tag)), None)
         if adopted_at is not None:
-            self.adopted[(left_sub, keys.queue_log(left.tag))] = (left, adopted_at)
+            key = (left_sub, keys.queue_log(left.tag))
+            self.adopted[key] = (left, adopted_at)
+            if backlog:
+                self.rung[key] = None
         self._changed()
 
     def took_back(self, sub: str, mq: MessageQueue, adopted_at: int) -> None:
@@ -303,6 +302,7 @@ class IdleQueueWatch:
             return []
         items = [(sub, mq) for (sub, _), (mq, _) in self.adopted.items()]
         self.adopted = {}
+        self.rung.clear()
         self._changed()
         calls = [([keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)],
                   [self.client_id, self.token, "done", new_token(), self.pending_ttl_ms, self.lock_ms])

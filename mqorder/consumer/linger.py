@@ -17,8 +17,8 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from mqorder import keys
 from mqorder.consumer.consumer_state import ConsumerState
-from mqorder.consumer.idle_watch import IdleQueueWatch, Party, ReadPlan, after, offset_of
-from mqorder.consumer.nudge import idle_queues
+from mqorder.consumer.idle_watch import IdleQueueWatch, Party, ReadPlan
+from mqorder.consumer.nudge import doorbells, idle_queues
 from mqorder.consumer.run_types import LOST, NOTHING, SWITCH, WAIT, LoopEnd, Pull, PullKind, Slice, Stop
 from mqorder.model import MessageQueue
 from mqorder.process_queue import ProcessQueue
@@ -64,8 +64,6 @@ class LingeringReads:
     pre_switched: tuple[Any, Any] | None
     #: The adopted queues the last lingering read offered ``switch.lua``, in its order.
     _offered: list[MessageQueue]
-    #: The watch's plan the last lingering read was made from (None: no watch).
-    _read_plan: ReadPlan | None
 
     def _put(self, entries: list[Any], raw_retries: list[Any] | None) -> None:
         raise NotImplementedError  # ConsumeRequest's: messages read go into the run
@@ -105,9 +103,10 @@ class LingeringReads:
                 return pulled
 
     def _queue_slice(self, pipe: Any, until: float, checked: bool = False) -> bool:
-        """Queue one lingering read on ``pipe``: a blocking ``XREAD`` over this queue, this client's
-        nudge stream and the idle queues its watch adopted, then this queue's state. False, with
-        nothing queued, when the linger is over: ``until`` passed or a request waits for a slot.
+        """Queue one lingering read on ``pipe``: a blocking ``XREAD`` over this queue and this
+        client's nudge stream (where a send to a queue its watch adopted rings a doorbell), then
+        this queue's state. False, with nothing queued, when the linger is over: ``until`` passed
+        or a request waits for a slot.
 
         Messages read here did not come through a fenced commit, so the queue's state is read in
         the same round trip, *after* the blocking ``XREAD`` (Redis runs a connection's commands in
@@ -137,21 +136,21 @@ class LingeringReads:
         if self.watch is None:
             self.watch = self.engine.idle_watch(self.sub, self.mq)
         plan = None
-        if self.watch is not None:
-            self.watch.refresh(self.sub, self.mq, self.lease)  # its own round trip, at most every ADOPT_REFRESH_S
-            plan = self.watch.plan(self.sub, self.mq)
-            if plan.own_floor is not None and plan.own_floor < self.pulled_to:
-                # Another group's adopted queue on this queue's stream waits at a lower offset: the
-                # stream is read once, from there (``_slice_result`` tells the two apart).
-                last_id = after(plan.own_floor)
-        self._read_plan = plan
-        names, ids = [self.k_log, keys.linger_nudge(self.client_id)], [last_id, self.engine.nudge_seen]
-        if plan is not None:
-            names += plan.names
-            ids += plan.ids
-        pipe.execute_command("XREAD", "COUNT", self.pull_n, "BLOCK", block_ms, "STREAMS", *names, *ids)
+        watch = self.watch
+        if watch is not None:
+            watch.refresh(self.sub, self.mq, self.lease)  # its own round trip, at most every ADOPT_REFRESH_S
+            plan = watch.plan(self.sub, self.mq)
+            if watch.rung:
+                # An adopted queue has news already (a doorbell read with this queue's messages, a
+                # backlog at a hand-over or a renewal): look, but do not block (once 20 ms of
+                # latency per message at 300 msg/s: the read waited for the next doorbell).
+                block_ms = 0
+        # The adopted queues are not named: a send to one rings the nudge stream (a doorbell).
+        blocking = ("BLOCK", block_ms) if block_ms else ()
+        pipe.execute_command("XREAD", "COUNT", self.pull_n, *blocking, "STREAMS", self.k_log,
+                             keys.linger_nudge(self.client_id), last_id, self.engine.nudge_seen)
         pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
-        if plan is not None and plan.names:
+        if plan is not None and plan.offered:
             self._offer_switch(pipe, plan)
         return True
 
@@ -162,7 +161,7 @@ class LingeringReads:
         trickling message on another queue of the worker then costs one round trip, not two."""
         watch = self.watch
         self._offered = plan.offered
-        if watch is None or not plan.offered:
+        if watch is None:
             return
         self.scripts.queue_in(pipe, "switch", [self.k_state, self.k_next, *plan.keys], [
             self.epoch, self.pulled_to, self._commit_target(),
@@ -249,35 +248,19 @@ class LingeringReads:
         # it, ``_took``; after the local trust lapses, the next listener call touches first.)
         if assignee and text(assignee) != me:
             return NOTHING
-        if not reply:
-            return WAIT
         by_stream = self._take_nudges(reply)
-        plan = self._read_plan if self.watch is not None else None
-        own = self.k_log.encode()
-        entries = by_stream.pop(own, None)
+        entries = by_stream.pop(self.k_log.encode(), None)
         if entries:
-            behind = None
-            if plan is not None and plan.own_floor is not None:
-                # Read from another group's lower offset (``_queue_slice``): this run's messages
-                # are those from ``pulled_to`` on, the others news for that group's queue.
-                behind = plan.behind(own, entries)
-                start = self.pulled_to
-                entries = [e for e in entries if offset_of(e[0]) >= start]
-            if entries:
-                self._put(entries, None)
-                return Pull(PullKind.MESSAGES, len(entries))
-            if behind is not None:
-                return self._switch_to(behind)
-            # Not reached (entries read from the lowest offset are news for the queue adopted
-            # there), and not WAIT, which would take this queue's unread messages for trimmed:
-            # end the run, whose finish.lua sees any backlog and asks for a request.
-            return NOTHING
-        if plan is not None:
-            for key, got in by_stream.items():
-                party = plan.behind(key, got)
-                if party is not None:
-                    # Its entries are only a signal: begin.lua reads them again under the lock.
-                    return self._switch_to(party)
+            self._put(entries, None)
+            return Pull(PullKind.MESSAGES, len(entries))
+        watch = self.watch
+        if watch is not None:
+            # An adopted queue whose doorbell rang (this read's, or one left from a read that
+            # brought this queue's own messages), or whose renewal found a backlog.
+            party = watch.next_rung(self.sub, self.mq)
+            if party is not None:
+                # The doorbell is only a signal: begin.lua reads the queue under the lock.
+                return self._switch_to(party)
         return WAIT
 
     def _switch_to(self, party: Party) -> Pull:
@@ -294,11 +277,14 @@ class LingeringReads:
         nudges = by_stream.pop(keys.linger_nudge(self.client_id).encode(), None)
         if nudges:
             # A request waits for a slot (or an old nudge, seen once): may_linger() decides. Or a
-            # queue of this client went idle: watch it from the next read on.
+            # queue of this client went idle: watch it from the next read on. Or an adopted queue
+            # got a message: its doorbell.
             self.engine.nudge_seen = text(nudges[-1][0])
-            went_idle = idle_queues(nudges)
-            if went_idle and self.watch is not None:
-                self.watch.adopt_soon(went_idle)
+            if self.watch is not None:
+                went_idle = idle_queues(nudges)
+                if went_idle:
+                    self.watch.adopt_soon(went_idle)
+                self.watch.ring(doorbells(nudges))
         return by_stream
 
     def _slice_pulled(self, read: Slice, nxt: int) -> Pull:

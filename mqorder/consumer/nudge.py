@@ -10,6 +10,9 @@ nudge stream (``keys.linger_nudge``) and blocks for a long slice; the worker's m
 sees the requests it received (``mqorder.celery.capacity``), appends to that stream while one
 waits, which ends every lingering read of the client at once.
 
+A send to an idle queue that a lingering request adopted rings the same stream (an ``m`` entry
+naming the queue's state key: ``doorbells``): the read returns and the request runs that queue.
+
 The same stream says "queue X of subscription S just went idle" (an entry with ``s`` and ``q``
 fields, ``idle_entry``): a run that ends without lingering (its worker's slots are busy, or another
 request lingers already) leaves its queue idle and un-watched, so the producer's next message there
@@ -39,8 +42,9 @@ NUDGE_EVERY_S = 0.02
 #: About how many entries a nudge stream keeps: only the newest id matters.
 NUDGE_MAX_LEN = 16
 #: Field of a "request waiting" entry and of a "queue went idle" one (its value: the queue's key,
-#: after a ``SUB_FIELD`` naming the queue's subscription).
-WAITING_FIELD, IDLE_FIELD, SUB_FIELD = b"w", b"q", b"s"
+#: after a ``SUB_FIELD`` naming the queue's subscription), and of a doorbell (its value: the state
+#: key of an adopted queue a send just reached, ``ring_doorbell`` in ``_append.lua``).
+WAITING_FIELD, IDLE_FIELD, SUB_FIELD, DOORBELL_FIELD = b"w", b"q", b"s", b"m"
 
 
 def idle_entry(client_id: str, went_idle: list[tuple[str, str]]) -> tuple[Any, ...]:
@@ -65,6 +69,16 @@ def idle_queues(entries: list[Any]) -> list[tuple[str, str]]:
                 sub = value
             elif name == IDLE_FIELD and sub is not None:
                 out.append((sub, value))
+    return out
+
+
+def doorbells(entries: list[Any]) -> list[str]:
+    """The state keys named by the doorbells among ``entries`` (raw XREAD entries), in order."""
+    out = []
+    for _id, fields in entries:
+        if len(fields) == 2 and fields[0] == DOORBELL_FIELD:
+            v = fields[1]
+            out.append(v.decode() if isinstance(v, bytes) else str(v))
     return out
 
 

@@ -12,7 +12,9 @@
 -- Nil: not a repeat (STALE). Without it the retry read STALE and dropped the request: the queue,
 -- backlog and all, waited out pending_ttl_ms and a sweep.
 local function finished_already(K, A, st)
-  if A[3] == 'adopt' and (A[7] or '') ~= '' and st[3] == A[7] then return {'ADOPTED', tonumber(st[4] or 0)} end
+  if A[3] == 'adopt' and (A[7] or '') ~= '' and st[3] == A[7] then
+    return {'ADOPTED', tonumber(st[4] or 0), tonumber(redis.call('GET', K[2]) or 0)}
+  end
   if (A[4] or '') == '' or st[3] ~= A[4] then return nil end
   local target = st[5] or ''
   if lock_live(st[1], st[2]) then target = st[1] end
@@ -59,8 +61,10 @@ local function finish_run(K, A)
       return idle()
     end
     if A[3] == 'adopt' then
+      -- Handed to the watch with its next offset: a message stored while the run still held the
+      -- queue rang no doorbell (ring_doorbell skips a running queue), so the caller learns of it here.
       redis.call('HSET', K[1], 'run', 0, 'pending', A[7], 'pend_until', now + tonumber(A[8]))
-      return {'ADOPTED', tonumber(st[4] or 0)}
+      return {'ADOPTED', tonumber(st[4] or 0), nxt}
     end
     if A[3] == 'requeue' or backlog then return pend(client, 'REQUEUE') end
     return idle()

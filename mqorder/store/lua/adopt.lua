@@ -12,7 +12,9 @@
 --
 -- KEYS[1] state HASH  KEYS[2] next counter
 -- ARGV[1] client  ARGV[2] token  ARGV[3] ttl_ms (pend_until = now + ttl)
--- Returns {1, offset} (adopted, or already adopted with this token: pend_until renewed) or {0}.
+-- Returns {1, offset, next} (adopted, or already adopted with this token: pend_until renewed;
+-- next past offset: a renewed adoption has a backlog, whose doorbell the caller may have missed)
+-- or {0}.
 -- State HASH fields: see mqorder.keys.sub_state; lock_live, ahead, request_pending: _lock.lua.
 --- @include "_now"
 --- @include "_lock"
@@ -25,6 +27,7 @@ if ahead(st[4]) then return {0} end
 local mine = st[5] == ARGV[2]
 if not mine and request_pending(st[5], st[6]) then return {0} end
 local offset = tonumber(st[7] or 0)
-if not mine and tonumber(redis.call('GET', KEYS[2]) or 0) > offset then return {0} end
+local nxt = tonumber(redis.call('GET', KEYS[2]) or 0)
+if not mine and nxt > offset then return {0} end
 redis.call('HSET', KEYS[1], 'pending', ARGV[2], 'pend_until', now + tonumber(ARGV[3]))
-return {1, offset}
+return {1, offset, nxt}

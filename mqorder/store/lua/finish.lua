@@ -8,7 +8,7 @@
 -- ARGV[7] adopt token, ARGV[8] adopt ttl_ms: action 'adopt' only (see below)
 -- An assignee of NOBODY means "assigned to nobody" (no live client consumes the lane).
 -- State HASH fields: see mqorder.keys.sub_state; lock_live, release_lock: _lock.lua.
--- Returns {'IDLE'}, {'STALE'}, {'ADOPTED', offset}, or {verb, target client, token} with verb one of
+-- Returns {'IDLE'}, {'STALE'}, {'ADOPTED', offset, next offset}, or {verb, target client, token} with verb one of
 --   'REQUEUE' (to the caller), 'HANDOVER' (lock moved to the assignee), 'DISPATCH' (to the owner)
 -- The same call sent again (its reply lost) gets the same answer while its request is still owed
 -- (finished_already in _finish.lua): the caller keeps ARGV[4] for the run's end.

@@ -281,11 +281,14 @@ class IdleQueueWatch:
                 self.rung[key] = None
         self._changed()
 
-    def took_back(self, sub: str, mq: MessageQueue, adopted_at: int) -> None:
+    def took_back(self, sub: str, mq: MessageQueue, adopted_at: int, backlog: bool = False) -> None:
         """``mq`` was handed to this watch at ``adopted_at`` (``switch.lua`` ended its run) although
         the caller does not go on to the queue that switch began, which stays adopted too: both
-        are ended by ``release``."""
-        self.adopted[(sub, keys.queue_log(mq.tag))] = (mq, adopted_at)
+        are ended by ``release``. ``backlog``: as for ``switched``."""
+        key = (sub, keys.queue_log(mq.tag))
+        self.adopted[key] = (mq, adopted_at)
+        if backlog:
+            self.rung[key] = None
         self._changed()
 
     def release(self, via: ConnectionLease | None = None) -> list[FollowUp]:

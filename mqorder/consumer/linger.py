@@ -191,7 +191,8 @@ class LingeringReads:
             return
         log.warning("the commit of %s for %s was refused but the lingering read had switched to %s; "
                     "both queues go back to the watch", self.mq.key, self.sub, self._offered[int(switched[0]) - 1].key)
-        self.watch.took_back(self.sub, self.mq, int(switched[1][1]))
+        done = switched[1]
+        self.watch.took_back(self.sub, self.mq, int(done[1]), len(done) > 2 and int(done[2]) > int(done[1]))
 
     def _slice_replies(self, replies: list[Any]) -> tuple[Any, Any, Any]:
         """(stream read, queue state, ``switch.lua``'s reply or None) of a lingering read's replies

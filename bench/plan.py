@@ -11,7 +11,7 @@ from bench.common import Config
 SECTIONS = ("raw", "mqorder", "costs", "naive", "single_lane", "latency", "celery_broker", "produce", "failover",
             "rebalance", "memory", "growth", "retention", "spark", "spark_audit", "spark_modes", "dedup",
             "transactions", "keys", "concurrent", "durable_send", "sentinel", "cluster", "trickle_cost",
-            "trickle_floor", "idle", "batching", "exporter_scrape")
+            "trickle_floor", "idle", "batching", "exporter_scrape", "groups")
 DEFAULT_CONCURRENCY = 2
 #: Threads-pool worker concurrency of the latency section and of the threads drain row.
 LAT_THREADS_C = 8
@@ -49,6 +49,7 @@ SIZES = {
     "trickle_cost_seconds": (5, 1),  # bench.trickle_cost: per window at 1,000 msg/s, two windows per run
     "trickle_cost_drain": (200_000, 10_000),  # bench.trickle_cost: the drain's backlog, per window
     "trickle_floor_seconds": (5, 1),  # bench.trickle_floor: per run and variant at 1,000 operations/s
+    "groups_seconds": (10, 2),  # bench.groups: per run and source tree at 300 msg/s over 60 groups
     "spark_modes_rows": (200_000, 5_000),  # bench.spark_modes: rows published and counted per mode and round
     "idle_seconds": (60, 5),  # bench.idle: the measured idle window, per layout
     "idle_slow_seconds": (20, 2),  # bench.idle: the window with the SLOWLOG on (the command table)

@@ -58,7 +58,7 @@ class Report:
 
     def render(self) -> str:
         sections = (self.header, self.machine, self.targets, self.throughput, self.consume_cost, self.trickle_cost,
-                    self.trickle_floor, self.idle, self.latency,
+                    self.trickle_floor, self.idle, self.latency, self.groups,
                     self.celery_broker, self.produce, self.batching, self.exporter_scrape, self.dedup, self.durable_send, self.transactions,
                     self.failover, self.sentinel, self.cluster, self.rebalance, self.memory, self.growth, self.retention,
                     self.spark, self.spark_modes, self.keys, self.concurrent, self.history, self.notes)
@@ -410,6 +410,12 @@ class Report:
         from bench import batching
 
         return batching.report_lines(self.res.get("batching") or {})
+
+    def groups(self) -> list[str]:
+        """Many groups at a trickle (``bench.groups``), when it ran."""
+        from bench import groups
+
+        return groups.report_lines(self.res.get("groups") or {})
 
     def exporter_scrape(self) -> list[str]:
         """What a scrape of ``mqorder exporter`` and a ``status --key`` cost (``bench.exporter_scrape``)."""

@@ -292,6 +292,21 @@ def sec_idle(cfg: Config, res: dict[str, Any]) -> None:
     res["idle"]["measured"] = _measured()
 
 
+def sec_groups(cfg: Config, res: dict[str, Any]) -> None:
+    """60 groups at a trickle on two stock workers (``bench.groups``); with ``BENCH_GROUPS_BEFORE=<a
+    source tree>`` (a ``git archive`` of another commit) that tree's workers run beside this one's,
+    interleaved: the same-run A/B the section then shows."""
+    from bench import groups
+    from bench.trickle_cost import CostSpec
+
+    specs = [CostSpec("before", os.environ["BENCH_GROUPS_BEFORE"]), CostSpec("now")] \
+        if os.environ.get("BENCH_GROUPS_BEFORE") else [CostSpec("now")]
+    res["groups"] = groups.run(cfg, specs, shape=groups.GroupsShape(), rate=groups.RATE,
+                               seconds=size(cfg, "groups_seconds"), runs=cfg.runs)
+    # Measured on its own (--only groups) and placed in a RESULTS.md of an earlier full run, as sentinel.
+    res["groups"]["measured"] = _measured()
+
+
 def sec_exporter_scrape(cfg: Config, res: dict[str, Any]) -> None:
     from bench import exporter_scrape
 
@@ -318,6 +333,7 @@ RUNNERS: dict[str, Callable[[Config, dict[str, Any]], None]] = {
     "cluster": sec_cluster, "trickle_cost": sec_trickle_cost,
     "trickle_floor": sec_trickle_floor, "idle": sec_idle, "batching": sec_batching,
     "exporter_scrape": sec_exporter_scrape,
+    "groups": sec_groups,
 }
 
 

@@ -365,7 +365,9 @@ def sub_state(tag: str, sub: str) -> str:
         Token of the queue's one pending ConsumeRequest, ``''`` for none. Set by ``send``
         (waking the owner), ``sweep``, ``assign`` (DISPATCH), ``finish`` (the next request) and
         ``adopt`` (a lingering request of the owner watches the idle queue: ``IdleQueueWatch``;
-        the adoption ends through ``finish`` with the same token);
+        the adoption ends through ``finish`` with the same token; an adoption's token starts with
+        ``!``, and a ``send`` to such a queue that is not running rings the owner's doorbell:
+        ``ring_doorbell`` in ``_append.lua``);
         cleared by ``commit`` and ``finish`` when the queue goes idle, by ``assign`` on a MOVED
         queue with no backlog, and by ``release_lock`` in ``assign`` / ``finish``; *kept* by
         ``unlock_batch`` (the dispatched request stays the queue's one request: see

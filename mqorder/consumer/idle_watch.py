@@ -136,12 +136,13 @@ class IdleQueueWatch:
         self._soon: list[tuple[str, MessageQueue]] = []
         #: Adopted queues with news, in the order it came (an ordered set of ``adopted`` keys).
         self.rung: dict[tuple[str, str], None] = {}
-        #: ``adopted`` by state key (``ring``), made on first use after each change.
-        self._by_state: dict[str, tuple[str, str]] | None = None
+        #: The ``adopted`` key of every queue this watch ever adopted, by its state key (``ring``):
+        #: kept across changes (a doorbell of a queue let go since is skipped by ``next_rung``), so
+        #: a switch, which changes ``adopted``, does not cost a pass over every adopted queue.
+        self._by_state: dict[str, tuple[str, str]] = {}
 
     def _changed(self) -> None:
         self._plan = None
-        self._by_state = None
 
     def plan(self, sub: str, exclude: MessageQueue) -> ReadPlan:
         """What the lingering read of the run on (``sub``, ``exclude``) offers ``switch.lua``: the
@@ -172,12 +173,7 @@ class IdleQueueWatch:
         """Doorbells read from the nudge stream: the adopted queues of these state keys got
         messages (``ring_doorbell`` in ``_append.lua``); ``next_rung`` hands them out in order.
         A state key of a queue this watch does not adopt (another watch's, or let go) is skipped."""
-        if not state_keys:
-            return
         by_state = self._by_state
-        if by_state is None:
-            by_state = self._by_state = {keys.sub_state(mq.tag, sub): (sub, k) for (sub, k), (mq, _) in
-                                         self.adopted.items()}
         for sk in state_keys:
             hit = by_state.get(sk)
             if hit is not None:
@@ -248,15 +244,16 @@ class IdleQueueWatch:
         the adopted queues; otherwise (a full refresh) the queues it refused are no longer adopted."""
         if not wanted:
             return
-        replies = self.scripts.run_pipelined("adopt", [
-            ([keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)], [self.client_id, self.token, ADOPT_TTL_MS])
-            for sub, mq in wanted
-        ], via)
+        calls = [([keys.sub_state(mq.tag, sub), keys.queue_next(mq.tag)], [self.client_id, self.token, ADOPT_TTL_MS])
+                 for sub, mq in wanted]
+        replies = self.scripts.run_pipelined("adopt", calls, via)
         adopted: dict[tuple[str, str], tuple[MessageQueue, int]] = dict(self.adopted) if keep else {}
-        for (sub, mq), res in zip(wanted, replies, strict=True):
+        by_state = self._by_state
+        for (sub, mq), call, res in zip(wanted, calls, replies, strict=True):
             if int(res[0]):
                 key = (sub, keys.queue_log(mq.tag))
                 adopted[key] = (mq, int(res[1]))
+                by_state[call[0][0]] = key
                 if len(res) > 2 and int(res[2]) > int(res[1]):
                     # A backlog on a queue adopted already: its doorbell entry may have been
                     # trimmed from the nudge stream before it was read.
@@ -275,8 +272,7 @@ class IdleQueueWatch:
         self.adopted.pop((to_sub, keys.queue_log(to.tag)), None)
         self.rung.pop((to_sub, keys.queue_log(to.tag)), None)
         if adopted_at is not None:
-            key = (left_sub, keys.queue_log(left.tag))
-            self.adopted[key] = (left, adopted_at)
+            key = self._hand_over(left_sub, left, adopted_at)
             if backlog:
                 self.rung[key] = None
         self._changed()
@@ -285,11 +281,19 @@ class IdleQueueWatch:
         """``mq`` was handed to this watch at ``adopted_at`` (``switch.lua`` ended its run) although
         the caller does not go on to the queue that switch began, which stays adopted too: both
         are ended by ``release``. ``backlog``: as for ``switched``."""
-        key = (sub, keys.queue_log(mq.tag))
-        self.adopted[key] = (mq, adopted_at)
+        key = self._hand_over(sub, mq, adopted_at)
         if backlog:
             self.rung[key] = None
         self._changed()
+
+    def _hand_over(self, sub: str, mq: MessageQueue, adopted_at: int) -> tuple[str, str]:
+        """``mq`` (of ``sub``) adopted at ``adopted_at`` by a run's end, not by ``_adopt``: its key,
+        and its state key known to ``ring`` (the task's first queue was never adopted before)."""
+        tag = mq.tag
+        key = (sub, keys.queue_log(tag))
+        self.adopted[key] = (mq, adopted_at)
+        self._by_state[keys.sub_state(tag, sub)] = key
+        return key
 
     def release(self, via: ConnectionLease | None = None) -> list[FollowUp]:
         """End every adoption (``finish.lua``, action done): an idle queue gets its pending slot

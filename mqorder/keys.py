@@ -163,8 +163,10 @@ def shard_wake_channel(tag: str, client_id: str) -> str:
 
 
 def linger_nudge(client_id: str) -> str:
-    """STREAM a client's lingering ConsumeRequests also read: an entry means "a request of yours
-    waits for a pool slot; give yours back" (``mqorder.consumer.nudge``). One per broker."""
+    """STREAM a client's lingering ConsumeRequests also read (``mqorder.consumer.nudge``): "a request
+    of yours waits for a pool slot; give yours back", "this queue just went idle", or a doorbell
+    ("a queue your lingering request adopted got a message", ``ring_doorbell`` in
+    ``_append.lua``). One per broker."""
     return f"{PREFIX}:nudge:{client_id}"
 
 

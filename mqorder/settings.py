@@ -280,10 +280,10 @@ class Settings(BaseSettings):
     #: read is nudged then), or when the queue is reassigned (within a 100 ms read slice).
     consume_linger_ms: int = Field(1000, ge=0, le=10_000)
     #: While it lingers, a drained request also watches every other idle queue that its client
-    #: owns, of every group with a listener in the process (one blocking read over all of them),
-    #: and runs whichever gets a message first, with that group's listener, claimed through
-    #: begin.lua: with fewer pool slots than queues, sends to idle queues
-    #: then skip the wake-up and the new Celery task. Off: it watches its own queue only.
+    #: owns, of every group with a listener in the process (a send to one rings the worker's
+    #: doorbell), and runs whichever gets a message first, with that group's listener, claimed
+    #: through begin.lua: with fewer pool slots than queues, sends to idle queues then skip the
+    #: wake-up and the new Celery task. Off: it watches its own queue only.
     consume_linger_idle_queues: bool = True
     #: Key-ordered listeners (``@orderly_listener(ordering="key")``): at most this many keys of one
     #: queue are handled at once (one call per key at a time, in offset order per key).

@@ -311,3 +311,35 @@ def test_adopted_queues_with_news_are_run_one_after_another_without_waiting_for_
     assert out.consumed == 3
     p.close()
     eng.brokers.close()
+
+
+def test_a_new_watch_reads_the_doorbells_rung_after_it_was_made_not_older_ones(settings, r, monkeypatch) -> None:
+    """Doorbells left in the nudge stream by an earlier watch (a sibling process's, released since)
+    are not news for a new one: each would cost a switch to a queue with nothing in it. The new
+    watch reads the stream from its newest entry on (``IdleQueueWatch.start_reading``)."""
+    p, eng = owned_idle_queues(settings, r)
+    old = keys.sub_state(QUEUES[2].tag, SUB)
+    r.xadd(keys.linger_nudge(ME), {"m": old})  # rung for a watch gone before this test's
+    rung: list[str] = []
+    ring = IdleQueueWatch.ring
+
+    def spy(self, state_keys):
+        rung.extend(state_keys)
+        return ring(self, state_keys)
+
+    monkeypatch.setattr(IdleQueueWatch, "ring", spy)
+    seen: list[int] = []
+
+    def listener(msgs, ctx):
+        seen.extend(m.queue_id for m in msgs)
+        return ConsumeOrderlyStatus.SUCCESS
+
+    with lingering_run(eng, ListenerSpec(listener, TOPIC, SUB), r) as run:
+        assert wait_until(lambda: r.hget(old, "pending") not in (None, b""))
+        p.send_orderly(TOPIC, b"x", sharding_key=key_for(3))
+        assert wait_until(lambda: seen == [3])
+    (out,) = run.result
+    assert out.consumed == 1
+    assert old not in rung, "the new watch took an older watch's doorbell for news"
+    p.close()
+    eng.brokers.close()

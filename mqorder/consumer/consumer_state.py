@@ -137,7 +137,8 @@ class ConsumerState:
         s = self.settings
         broker = self.brokers.get(mq.broker_name)
         if not s.consume_linger_idle_queues or broker.is_cluster:
-            # On a Redis Cluster one blocking read cannot span the slots of several queues.
+            # On a Redis Cluster a queue and its owner's nudge stream are in different slots: no
+            # doorbell (ring_doorbell skips it), and a blocking read names one slot's keys only.
             return None
 
         def watchable() -> list[tuple[str, MessageQueue]]:

@@ -136,6 +136,11 @@ class IdleQueueWatch:
         self._soon: list[tuple[str, MessageQueue]] = []
         #: Adopted queues with news, in the order it came (an ordered set of ``adopted`` keys).
         self.rung: dict[tuple[str, str], None] = {}
+        #: Where this watch reads the client's nudge stream from (``linger.LingeringReads``): its
+        #: own, not the process's, so that two lingering requests of one process (the threads
+        #: pool) each see every doorbell; and from the stream's end when the watch is made
+        #: (``start_reading``), not from doorbells of queues other watches adopted before it.
+        self.nudge_seen = "0-0"
         #: The ``adopted`` key of every queue this watch ever adopted, by its state key (``ring``):
         #: kept across changes (a doorbell of a queue let go since is skipped by ``next_rung``), so
         #: a switch, which changes ``adopted``, does not cost a pass over every adopted queue.
@@ -180,16 +185,27 @@ class IdleQueueWatch:
                 self.rung[hit] = None
 
     def next_rung(self, sub: str, running: MessageQueue) -> Party | None:
-        """The first adopted queue with news (its doorbell rang, or a renewal found a backlog),
-        taken off the list; None when there is none. (``sub``, ``running``): the caller's queue."""
+        """The first adopted queue with news (its doorbell rang, or a renewal found a backlog);
+        None when there is none. (``sub``, ``running``): the caller's queue. It stays on the list
+        until ``switched`` runs it: a switch that fails on a Redis error before it gets there
+        (the run's last commit) leaves it for the retry, whose own doorbell was read already."""
         own = (sub, keys.queue_log(running.tag))
         while self.rung:
             key = next(iter(self.rung))
-            del self.rung[key]
             hit = self.adopted.get(key)
             if hit is not None and key != own:
                 return (key[0], hit[0], hit[1])
+            del self.rung[key]  # let go since, or the caller's own: no news for the watch
         return None
+
+    def start_reading(self, nudge_key: str, via: ConnectionLease | None = None) -> None:
+        """Read the client's nudge stream from its newest entry on (one round trip, when a lingering
+        request makes the watch): what is older belongs to watches before this one (a sibling
+        process's queues, released since), each of which would cost a switch to an empty queue."""
+        newest = RawPipeline(via or self.redis).execute_command("XREVRANGE", nudge_key, "+", "-", "COUNT", 1).execute()
+        entries = newest[0] if newest else None
+        if entries:
+            self.nudge_seen = text(entries[0][0])
 
     def _switch_keys(self, sub: str, stream_key: str, mq: MessageQueue) -> tuple[str, str, str, str]:
         """``switch.lua``'s four keys of an adopted queue (state, log, next, retries), spelled once."""
@@ -273,6 +289,8 @@ class IdleQueueWatch:
         self.rung.pop((to_sub, keys.queue_log(to.tag)), None)
         if adopted_at is not None:
             key = self._hand_over(left_sub, left, adopted_at)
+            # A doorbell of ``left`` read beside its run's own messages is no news any more.
+            self.rung.pop(key, None)
             if backlog:
                 self.rung[key] = None
         self._changed()

@@ -135,9 +135,13 @@ class LingeringReads:
             return True
         if self.watch is None:
             self.watch = self.engine.idle_watch(self.sub, self.mq)
+            if self.watch is not None:
+                self.watch.start_reading(keys.linger_nudge(self.client_id), self.lease)
         plan = None
         watch = self.watch
+        nudge_seen = self.engine.nudge_seen
         if watch is not None:
+            nudge_seen = watch.nudge_seen
             watch.refresh(self.sub, self.mq, self.lease)  # its own round trip, at most every ADOPT_REFRESH_S
             plan = watch.plan(self.sub, self.mq)
             if watch.rung:
@@ -148,7 +152,7 @@ class LingeringReads:
         # The adopted queues are not named: a send to one rings the nudge stream (a doorbell).
         blocking = ("BLOCK", block_ms) if block_ms else ()
         pipe.execute_command("XREAD", "COUNT", self.pull_n, *blocking, "STREAMS", self.k_log,
-                             keys.linger_nudge(self.client_id), last_id, self.engine.nudge_seen)
+                             keys.linger_nudge(self.client_id), last_id, nudge_seen)
         pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
         if plan is not None and plan.offered:
             self._offer_switch(pipe, plan)
@@ -280,8 +284,9 @@ class LingeringReads:
             # A request waits for a slot (or an old nudge, seen once): may_linger() decides. Or a
             # queue of this client went idle: watch it from the next read on. Or an adopted queue
             # got a message: its doorbell.
-            self.engine.nudge_seen = text(nudges[-1][0])
+            self.engine.nudge_seen = newest = text(nudges[-1][0])
             if self.watch is not None:
+                self.watch.nudge_seen = newest
                 went_idle = idle_queues(nudges)
                 if went_idle:
                     self.watch.adopt_soon(went_idle)

@@ -39,8 +39,10 @@ log = logging.getLogger(__name__)
 #: While requests keep waiting, nudge again at most this often (a read that started between a
 #: nudge and its check sees the next one).
 NUDGE_EVERY_S = 0.02
-#: About how many entries a nudge stream keeps: only the newest id matters.
-NUDGE_MAX_LEN = 16
+#: About how many entries a nudge stream keeps, every writer's cap alike: a lingering read takes
+#: its doorbells from it (``ring_doorbell`` in ``_append.lua`` keeps the same 128), so a smaller
+#: cap of another writer could trim doorbells not read yet.
+NUDGE_MAX_LEN = 128
 #: Field of a "request waiting" entry and of a "queue went idle" one (its value: the queue's key,
 #: after a ``SUB_FIELD`` naming the queue's subscription), and of a doorbell (its value: the state
 #: key of an adopted queue a send just reached, ``ring_doorbell`` in ``_append.lua``).

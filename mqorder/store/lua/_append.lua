@@ -118,6 +118,7 @@ end
 --   Redis Cluster (a shard channel prefix has a brace): nothing adopts queues there.
 local function ring_doorbell(chan, owner, k_state)
   if string.find(chan, '{', 1, true) then return end
+  -- 128: mqorder.consumer.nudge.NUDGE_MAX_LEN, every writer's cap.
   redis.call('XADD', string.sub(chan, 1, -6) .. 'nudge:' .. owner, 'MAXLEN', '~', 128, '*', 'm', k_state)
 end
 

@@ -1,7 +1,8 @@
 -- adopt.lua: a lingering ConsumeRequest takes the pending slot of one more *idle* queue of its
--- client, so that the producer's next message there wakes nobody: the lingering request reads the
--- queue in its blocking read and runs it itself (through begin.lua, with this token), instead of a
--- pub/sub wake-up and a new Celery task waiting for a pool slot.
+-- client, so that the producer's next message there wakes nobody: it rings the request's doorbell
+-- (ring_doorbell in _append.lua, for a token marked '!'), and the request runs the queue itself
+-- (through begin.lua, with this token), instead of a pub/sub wake-up and a new Celery task waiting
+-- for a pool slot.
 --
 -- Only a queue that nothing is happening on is taken: locked by the caller (live lease), assigned
 -- to it (or not assigned yet), no run, no live pending request, and nothing unconsumed (a queue

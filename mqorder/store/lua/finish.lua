@@ -17,9 +17,10 @@
 -- IdleQueueWatch adopted (mqorder.consumer.idle_watch), which the same task runs next. While the
 -- caller still holds the live lock and the queue is still its own (assignee: the caller or nobody
 -- yet), the pending slot passes to the watch (pending = ARGV[7], pend_until = now + ARGV[8]) in
--- this same step, as adopt.lua would set it, backlog or not: the watch's blocking read covers it
--- from its committed offset at once, so a send arriving now wakes nobody and needs no new Celery
--- task (ended as 'done' then adopted in a second call, a send in between took the wake-up path).
+-- this same step, as adopt.lua would set it, backlog or not: a send arriving now rings the
+-- watch's doorbell and needs no new Celery task (ended as 'done' then adopted in a second call, a
+-- send in between took the wake-up path), and the reply's next offset tells the watch of a backlog
+-- stored while the run held the queue (no doorbell rang for that).
 -- Otherwise it ends as 'done'.
 --- @include "_finish"
 return finish_run(KEYS, ARGV)

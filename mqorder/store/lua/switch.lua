@@ -1,8 +1,9 @@
 -- switch.lua: a lingering run's switch to an adopted queue that got messages, decided and done in
 -- the round trip of the lingering read that sees them (mqorder.consumer.linger).
 --
--- A lingering ConsumeRequest blocks on one XREAD over its own drained queue and the idle queues
--- its IdleQueueWatch adopted (adopt.lua). When a message lands on an adopted queue, the run ends
+-- A lingering ConsumeRequest blocks on one XREAD over its own drained queue and its client's nudge
+-- stream, where a send to an idle queue its IdleQueueWatch adopted (adopt.lua) rings a doorbell
+-- (ring_doorbell in _append.lua). When a message lands on an adopted queue, the run ends
 -- its own queue (finish.lua, action 'adopt': handed to the watch) and begins that one (begin.lua,
 -- with the watch's token). Sent as its own round trip after the read, that switch made a
 -- trickling message cost the worker two round trips. This script goes in the read's pipeline,

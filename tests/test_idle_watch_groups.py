@@ -343,3 +343,25 @@ def test_a_new_watch_reads_the_doorbells_rung_after_it_was_made_not_older_ones(s
     assert old not in rung, "the new watch took an older watch's doorbell for news"
     p.close()
     eng.brokers.close()
+
+
+def test_a_renewal_sent_as_a_run_ended_sets_no_run_mark_on_the_adopted_queue(settings, r) -> None:
+    """A lingering request's switched-to runs share its watch's token, and a queue handed back to
+    the watch keeps that token and its epoch (``finish.lua`` 'adopt'). A run-lease renewal
+    (``touch.lua``, a LeaseKeeper tick) arriving just after the run ended must not mark the idle
+    queue running: for the run lease (60 s) sends would neither wake anybody nor ring the
+    doorbell, and the rebalance would leave it BUSY (chaos: 60 s queue stalls after faults)."""
+    p, eng = owned_idle_queues(settings, r)
+    scripts = eng.brokers.get("broker-a").scripts
+    st = keys.sub_state(QUEUES[1].tag, SUB)
+    epoch = int(r.hget(st, "epoch"))
+    token = DOORBELL_MARK + "w1"
+    r.hset(st, mapping={"pending": token, "pend_until": 2**62, "run": 0})  # adopted, as finish 'adopt' leaves it
+    ok = scripts.touch(keys=[st], args=[ME, epoch, token, 60_000, 60_000])
+    assert int(ok[0]) == 1  # still the owner at that epoch and token
+    assert r.hget(st, "run") == b"0", "a renewal after the run ended marked the idle queue running"
+    r.hset(st, "run", 1)  # a run in progress (a mark, however old, until finish clears it)
+    scripts.touch(keys=[st], args=[ME, epoch, token, 60_000, 60_000])
+    assert int(r.hget(st, "run")) > 1  # renewed
+    p.close()
+    eng.brokers.close()

@@ -53,6 +53,19 @@ def own_idle(eng: ConsumerEngine, sub: str, mqs: list[MessageQueue], r) -> None:
             assert ConsumeRequest(eng, spec, sub, mq, f"{sub}-tok{mq.queue_id}").run().verb == "IDLE"
 
 
+def doorbells_read(monkeypatch) -> list[str]:
+    """The state keys of every doorbell a watch reads (``IdleQueueWatch.ring``), as they come."""
+    rung: list[str] = []
+    ring = IdleQueueWatch.ring
+
+    def spy(self, state_keys):
+        rung.extend(state_keys)
+        return ring(self, state_keys)
+
+    monkeypatch.setattr(IdleQueueWatch, "ring", spy)
+    return rung
+
+
 def ended_and_committed(r, sub: str, mqs: list[MessageQueue]) -> None:
     for mq in mqs:
         state = {k.decode(): v.decode() for k, v in r.hgetall(keys.sub_state(mq.tag, sub)).items()}
@@ -128,14 +141,7 @@ def test_two_groups_of_one_topic_each_get_every_message_once_in_order_from_one_l
         return ConsumeOrderlyStatus.SUCCESS
 
     orderly_listener(topic=TOPIC, group=OTHER)(h_listener)
-    rung: list[str] = []
-    ring = IdleQueueWatch.ring
-
-    def spy(self, state_keys):
-        rung.extend(state_keys)
-        return ring(self, state_keys)
-
-    monkeypatch.setattr(IdleQueueWatch, "ring", spy)
+    rung = doorbells_read(monkeypatch)
     try:
         with wakes_of_the_client(r) as wakes, lingering_run(eng, ListenerSpec(g_listener, TOPIC, SUB), r) as run:
             assert wait_until(lambda: all(r.hget(keys.sub_state(mq.tag, OTHER), "pending") not in (None, b"")
@@ -320,14 +326,7 @@ def test_a_new_watch_reads_the_doorbells_rung_after_it_was_made_not_older_ones(s
     p, eng = owned_idle_queues(settings, r)
     old = keys.sub_state(QUEUES[2].tag, SUB)
     r.xadd(keys.linger_nudge(ME), {"m": old})  # rung for a watch gone before this test's
-    rung: list[str] = []
-    ring = IdleQueueWatch.ring
-
-    def spy(self, state_keys):
-        rung.extend(state_keys)
-        return ring(self, state_keys)
-
-    monkeypatch.setattr(IdleQueueWatch, "ring", spy)
+    rung = doorbells_read(monkeypatch)
     seen: list[int] = []
 
     def listener(msgs, ctx):

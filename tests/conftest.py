@@ -105,6 +105,19 @@ def broker_cluster(request: pytest.FixtureRequest) -> Cluster:
 
 
 @pytest.fixture
+def chaos_ledger(redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> Iterator[redis.Redis]:
+    """The chaos listener writing its records to the test's Redis (a fresh client in this process).
+    ``chaos.listeners`` is imported here, not at the top: importing it registers its listeners."""
+    from chaos import listeners
+
+    monkeypatch.setenv("CHAOS_LEDGER_URL", redis_url)
+    monkeypatch.setattr(listeners, "_r", None)
+    yield r
+    if listeners._r is not None:
+        listeners._r.close()
+
+
+@pytest.fixture
 def appender(redis_url: str) -> Iterator[QueueAppender]:
     """The one append path (``QueueAppender``) over topic ``t`` with 2 queues."""
     brokers = BrokerRegistry(redis_url)

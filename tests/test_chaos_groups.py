@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -198,15 +197,6 @@ def test_the_monitor_samples_each_groups_lock_table_apart(redis_url: str, r: red
 # -- the listeners --------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def ledger(redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> Iterator[redis.Redis]:
-    monkeypatch.setenv("CHAOS_LEDGER_URL", redis_url)
-    monkeypatch.setattr(listeners, "_r", None)
-    yield r
-    if listeners._r is not None:
-        listeners._r.close()
-
-
 def _msg(topic: str, key: str, seq: int) -> MessageExt:
     return MessageExt(msg_id="m", topic=topic, broker_name="broker-a", queue_id=2, queue_offset=seq - 1,
                       body=f'{{"k": "{key}", "s": {seq}}}'.encode(), keys=[], tags=None, properties={},
@@ -218,7 +208,7 @@ def _ctx(topic: str, group: str) -> ConsumeOrderlyContext:
                                  still_owner=lambda: True, suspend_current_queue_time_millis=1000, run_id="r1")
 
 
-def test_each_groups_listener_records_into_its_own_list(ledger: redis.Redis) -> None:
+def test_each_groups_listener_records_into_its_own_list(chaos_ledger: redis.Redis) -> None:
     with isolated_listeners():
         listeners._register_groups("queue")
         specs = {g: get_listener(g, t) for g, t in listeners.EXTRA_GROUPS.items()}
@@ -230,7 +220,7 @@ def test_each_groups_listener_records_into_its_own_list(ledger: redis.Redis) -> 
             assert spec is not None
             spec.func([_msg(t, f"{g}-key", 1)], _ctx(t, g))
     listeners.handle([_msg(listeners.TOPIC, "k0001", 1)], _ctx(listeners.TOPIC, listeners.GROUP))
-    got = {name: records.read_all(ledger.lrange(name, 0, -1), Entry)
+    got = {name: records.read_all(chaos_ledger.lrange(name, 0, -1), Entry)
            for name in (records.LEDGER, records.group_ledger(B), records.group_ledger(C))}
     assert [e.key for e in got[records.LEDGER]] == ["k0001"]
     assert [(e.key, e.epoch, e.run, e.queue) for e in got[records.group_ledger(B)]] == [(f"{B}-key", 9, "r1", 2)]

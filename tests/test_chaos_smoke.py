@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import redis
 
 from chaos import listeners, records
 from chaos.checker import Result, RunData, check
@@ -147,17 +145,7 @@ def test_beat_check_counts_rebalances_from_each_beats_publish_records() -> None:
 # -- records written by a real engine run --------------------------------------------------------
 
 
-@pytest.fixture
-def ledger(redis_url: str, r: redis.Redis, monkeypatch: pytest.MonkeyPatch) -> Iterator[redis.Redis]:
-    """The chaos listener writing its records to the test's Redis (a fresh client in this process)."""
-    monkeypatch.setenv("CHAOS_LEDGER_URL", redis_url)
-    monkeypatch.setattr(listeners, "_r", None)
-    yield r
-    if listeners._r is not None:
-        listeners._r.close()
-
-
-def test_a_refused_commit_is_recorded_by_the_hook_and_proves_the_overlap(settings, ledger) -> None:
+def test_a_refused_commit_is_recorded_by_the_hook_and_proves_the_overlap(settings, chaos_ledger) -> None:
     p = Producer(settings=settings)
     p.create_topic(listeners.TOPIC, queues=1)
     for s in (1, 2, 3):
@@ -178,8 +166,8 @@ def test_a_refused_commit_is_recorded_by_the_hook_and_proves_the_overlap(setting
         ConsumeRequest(eng, dataclasses.replace(spec, func=handover_then_handle), listeners.GROUP, MQ, "tok0").run()
     finally:
         eng.brokers.close()
-    entries = records.read_all(ledger.lrange(records.LEDGER, 0, -1), Entry)
-    (rec,) = records.read_all(ledger.lrange(records.REFUSALS, 0, -1), Refusal)
+    entries = records.read_all(chaos_ledger.lrange(records.LEDGER, 0, -1), Entry)
+    (rec,) = records.read_all(chaos_ledger.lrange(records.REFUSALS, 0, -1), Refusal)
 
     assert [e.offset for e in entries] == [0, 1, 2] and {e.run for e in entries} == {rec.run} != {""}
     assert [e.still_owner for e in entries] == [True, False, False]

@@ -30,7 +30,7 @@ from mqorder.consumer.consumer_state import ConsumerState
 from mqorder.consumer.context import CallContext, ConsumeOrderlyContext, suspend_ms_of
 from mqorder.consumer.escapes import goes_on_up
 from mqorder.consumer.hooks import RefusedContext, global_hooks, run_refused
-from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch
+from mqorder.consumer.idle_watch import ADOPT_TTL_MS, FollowUp, IdleQueueWatch, backlog_in
 from mqorder.consumer.lease_keeper import keeper
 from mqorder.consumer.ledger import LedgerBuffer, LedgerOutcome
 from mqorder.consumer.linger import LingeringReads
@@ -906,7 +906,7 @@ class ConsumeRequest(LingeringReads):
                 log.debug("idle nudge of %s not written (%s)", self.mq.key, exc)
         if verb is Verb.ADOPTED:
             self.adopted_at = int(res[1])
-            self.adopted_backlog = len(res) > 2 and int(res[2]) > self.adopted_at
+            self.adopted_backlog = backlog_in(res)
             return Outcome(verb, consumed=self.consumed)
         if verb is Verb.IDLE or verb is Verb.STALE:
             return Outcome(verb, consumed=self.consumed)

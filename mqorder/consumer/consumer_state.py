@@ -20,12 +20,11 @@ from mqorder.consumer.retry import RetrySender
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.process_queue import ProcessQueue
-from mqorder.rebalance.service import parse_assignment
+from mqorder.rebalance.service import parse_raw_assignment, read_assignments
 from mqorder.settings import Settings
 from mqorder.store.append import QueueAppender
 from mqorder.store.brokers import BrokerRegistry
 from mqorder.store.delay import DelayStore
-from mqorder.store.raw_pipe import RawPipeline
 from mqorder.store.replication import ReplicaWait
 from mqorder.store.topics import TopicManager
 
@@ -115,12 +114,8 @@ class ConsumerState:
         now = time.monotonic()
         stale = [sub for sub in subs if (hit := self._owned.get(sub)) is None or now - hit[0] >= OWNED_CACHE_S]
         if stale:
-            pipe = RawPipeline(self.brokers.meta)
-            for sub in stale:
-                pipe.execute_command("HGETALL", keys.assignment(sub))
-            for sub, raw in zip(stale, pipe.execute(), strict=True):
-                pairs = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
-                self._owned[sub] = (now, parse_assignment(pairs, self.client_id))
+            for sub, raw in zip(stale, read_assignments(self.brokers.meta, stale), strict=True):
+                self._owned[sub] = (now, parse_raw_assignment(raw, self.client_id))
         return [self._owned[sub][1] for sub in subs]
 
     def listener_subs(self) -> list[str]:

@@ -79,6 +79,13 @@ class FollowUp:
     sub: str = ""
 
 
+def backlog_in(reply: Any) -> bool:
+    """Whether an adoption's reply (``adopt.lua``'s {1, offset, next}, ``finish.lua``'s
+    {'ADOPTED', offset, next}) says the queue holds messages past its committed offset: no
+    doorbell rang for them, or it may have been trimmed unread."""
+    return len(reply) > 2 and int(reply[2]) > int(reply[1])
+
+
 #: One adopted queue: (its subscription, the queue, its committed offset when adopted).
 Party = tuple[str, MessageQueue, int]
 #: The first character of a watch's token: a send to a queue whose pending request is such a token
@@ -270,7 +277,7 @@ class IdleQueueWatch:
                 key = (sub, keys.queue_log(mq.tag))
                 adopted[key] = (mq, int(res[1]))
                 by_state[call[0][0]] = key
-                if len(res) > 2 and int(res[2]) > int(res[1]):
+                if backlog_in(res):
                     # A backlog on a queue adopted already: its doorbell entry may have been
                     # trimmed from the nudge stream before it was read.
                     self.rung[key] = None

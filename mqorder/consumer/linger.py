@@ -17,7 +17,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from mqorder import keys
 from mqorder.consumer.consumer_state import ConsumerState
-from mqorder.consumer.idle_watch import IdleQueueWatch, Party, ReadPlan
+from mqorder.consumer.idle_watch import IdleQueueWatch, Party, ReadPlan, backlog_in
 from mqorder.consumer.nudge import doorbells, idle_queues
 from mqorder.consumer.run_types import LOST, NOTHING, SWITCH, WAIT, LoopEnd, Pull, PullKind, Slice, Stop
 from mqorder.model import MessageQueue
@@ -196,7 +196,7 @@ class LingeringReads:
         log.warning("the commit of %s for %s was refused but the lingering read had switched to %s; "
                     "both queues go back to the watch", self.mq.key, self.sub, self._offered[int(switched[0]) - 1].key)
         done = switched[1]
-        self.watch.took_back(self.sub, self.mq, int(done[1]), len(done) > 2 and int(done[2]) > int(done[1]))
+        self.watch.took_back(self.sub, self.mq, int(done[1]), backlog_in(done))
 
     def _slice_replies(self, replies: list[Any]) -> tuple[Any, Any, Any]:
         """(stream read, queue state, ``switch.lua``'s reply or None) of a lingering read's replies

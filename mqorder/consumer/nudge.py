@@ -33,6 +33,7 @@ import redis
 
 from mqorder import keys
 from mqorder.store.brokers import BrokerRegistry
+from mqorder.store.replies import text
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +66,7 @@ def idle_queues(entries: list[Any]) -> list[tuple[str, str]]:
     for _id, fields in entries:
         sub = None
         for i in range(0, len(fields) - 1, 2):
-            name, v = fields[i], fields[i + 1]
-            value = v.decode() if isinstance(v, bytes) else str(v)
+            name, value = fields[i], text(fields[i + 1])
             if name == SUB_FIELD:
                 sub = value
             elif name == IDLE_FIELD and sub is not None:
@@ -79,8 +79,7 @@ def doorbells(entries: list[Any]) -> list[str]:
     out = []
     for _id, fields in entries:
         if len(fields) == 2 and fields[0] == DOORBELL_FIELD:
-            v = fields[1]
-            out.append(v.decode() if isinstance(v, bytes) else str(v))
+            out.append(text(fields[1]))
     return out
 
 

@@ -54,10 +54,19 @@ class Dispatch:
     token: str
 
 
-def assigned_queues(meta: redis.Redis, sub: str, client_id: str | None = None) -> list[MessageQueue]:
-    """The queues of ``sub`` the last rebalance assigned (to ``client_id``, or to anyone), sorted:
-    its read hint ``keys.assignment``. The locks, not this hint, decide who consumes."""
-    return parse_assignment(meta.hgetall(keys.assignment(sub)), client_id)
+def read_assignments(meta: redis.Redis, subs: Sequence[str]) -> list[list[Any] | dict[Any, Any]]:
+    """The raw ``HGETALL`` reply of each of ``subs``' assignment hashes, in one round trip
+    (``RawPipeline``: no reply callbacks, no dict built; a flat list, or a map on RESP3)."""
+    pipe = RawPipeline(meta)
+    for sub in subs:
+        pipe.execute_command("HGETALL", keys.assignment(sub))
+    return pipe.execute()
+
+
+def parse_raw_assignment(raw: list[Any] | dict[Any, Any], client_id: str | None = None) -> list[MessageQueue]:
+    """``parse_assignment`` of a raw ``HGETALL`` reply (``read_assignments``)."""
+    return parse_assignment(raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True)),
+                            client_id)
 
 
 def parse_assignment(raw: dict[bytes | str, bytes | str], client_id: str | None = None) -> list[MessageQueue]:
@@ -210,7 +219,9 @@ class RebalanceService:
     # -- lease renewal and sweeping ------------------------------------------------------------------
 
     def assigned_queues(self, sub: str, client_id: str | None = None) -> list[MessageQueue]:
-        """``assigned_queues`` of this service's meta broker, parsed once per change of the hash."""
+        """The queues of ``sub`` the last rebalance assigned (to ``client_id``, or to anyone), sorted:
+        its read hint ``keys.assignment``, parsed once per change of the hash. The locks, not this
+        hint, decide who consumes."""
         return self.assigned_queues_of([sub], client_id)[0]
 
     def assigned_queues_of(self, subs: Sequence[str], client_id: str | None = None) -> list[list[MessageQueue]]:
@@ -221,10 +232,8 @@ class RebalanceService:
         changes only with a rebalance."""
         if not subs:
             return []
-        pipe = RawPipeline(self.brokers.meta)
-        for sub in subs:
-            pipe.execute_command("HGETALL", keys.assignment(sub))
-        return [self._parsed(sub, client_id, raw) for sub, raw in zip(subs, pipe.execute(), strict=True)]
+        raws = read_assignments(self.brokers.meta, subs)
+        return [self._parsed(sub, client_id, raw) for sub, raw in zip(subs, raws, strict=True)]
 
     def _parsed(self, sub: str, client_id: str | None, raw: list[Any] | dict[Any, Any]) -> list[MessageQueue]:
         """The queues of ``HGETALL``'s raw reply (a flat list, or a map on RESP3), parsed only when
@@ -232,8 +241,7 @@ class RebalanceService:
         seen = self._assigned.get((sub, client_id))
         if seen is not None and seen[0] == raw:
             return list(seen[1])
-        pairs = raw if isinstance(raw, dict) else dict(zip(raw[::2], raw[1::2], strict=True))
-        mqs = parse_assignment(pairs, client_id)
+        mqs = parse_raw_assignment(raw, client_id)
         self._assigned[(sub, client_id)] = (raw, mqs)
         return list(mqs)
 

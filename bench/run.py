@@ -297,10 +297,15 @@ def sec_groups(cfg: Config, res: dict[str, Any]) -> None:
     source tree>`` (a ``git archive`` of another commit) that tree's workers run beside this one's,
     interleaved: the same-run A/B the section then shows."""
     from bench import groups
-    from bench.trickle_cost import CostSpec
+    from bench.trickle_cost import CostSpec, parse_spec
 
-    specs = [CostSpec("before", os.environ["BENCH_GROUPS_BEFORE"]), CostSpec("now")] \
-        if os.environ.get("BENCH_GROUPS_BEFORE") else [CostSpec("now")]
+    before = os.environ.get("BENCH_GROUPS_BEFORE")
+    specs = [CostSpec("now")]
+    if before:
+        try:  # a path that holds no mqorder tree is refused, saying how to make one
+            specs.insert(0, parse_spec(f"before={before}"))
+        except ValueError as exc:
+            raise ValueError(f"BENCH_GROUPS_BEFORE={before!r}: {exc}") from None
     res["groups"] = groups.run(cfg, specs, shape=groups.GroupsShape(), rate=groups.RATE,
                                seconds=size(cfg, "groups_seconds"), runs=cfg.runs)
     # Measured on its own (--only groups) and placed in a RESULTS.md of an earlier full run, as sentinel.

@@ -269,10 +269,11 @@ def test_reads_take_max_message_size_as_an_option(redis_url: str) -> None:
 
 def test_a_reply_past_the_limit_is_dropped_and_asked_again_with_fewer_entries(
         redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    # After 64 small messages the next page asks for ~19,000 entries: the ~9 MB of large ones that
-    # follow pass the (lowered) 4 MB limit, so that reply is dropped before it is all in memory and
-    # the page asked again with 16 times fewer entries, until it fits.
+    # With 4 MB pages, after 64 small messages the next page asks for ~19,000 entries: the ~9 MB of
+    # large ones that follow pass the (lowered) 4 MB limit, so that reply is dropped before it is
+    # all in memory and the page asked again with 16 times fewer entries, until it fits.
     bodies = _topic(redis_url, "big", SIZES)
+    monkeypatch.setattr(R, "PAGE_BYTES", 4 * MB)
     monkeypatch.setattr(resp_pages, "MAX_REPLY_BYTES", 4 * MB)
     packed: list[tuple[object, ...]] = []
     _spy(monkeypatch, resp_pages.hiredis, "pack_command", packed)

@@ -210,7 +210,9 @@ def test_pages_of_large_messages_stay_near_page_bytes() -> None:
     big = [[b"%d-0" % i, [b"h", b"{}", b"b", b"x" * (4 << 20), b"s", b"1"]] for i in range(2)]
     assert R.page_rows(big) == 1
     medium = [[b"%d-0" % i, [b"h", b"{}", b"b", b"x" * (64 << 10), b"s", b"1"]] for i in range(2)]
-    assert 60 <= R.page_rows(medium) <= 64  # 4 MB of 64 KB entries
-    small = [[b"%d-0" % i, [b"h", b"{}", b"b", b"x" * 100, b"s", b"1"]] for i in range(2)]
-    assert R.page_rows(small) == R.MAX_PAGE
+    assert R.PAGE_BYTES // (65 << 10) <= R.page_rows(medium) <= R.PAGE_BYTES // (64 << 10)  # of 64 KB entries
+    hundred = [[b"%d-0" % i, [b"h", b"{}", b"b", b"x" * 100, b"s", b"1"]] for i in range(2)]
+    assert R.PAGE_BYTES // 120 <= R.page_rows(hundred) <= R.PAGE_BYTES // 100
+    tiny = [[b"%d-0" % i, [b"h", b"{}", b"b", b"x", b"s", b"1"]] for i in range(2)]
+    assert R.page_rows(tiny) == R.MAX_PAGE
     assert R.FIRST_PAGE * (4 << 20) < 2**31  # the first page of the default largest messages fits

@@ -195,6 +195,64 @@ def test_raw_pages_read_what_xrange_reads(r: redis.Redis, redis_url: str) -> Non
     assert len(client.connection_pool._in_use_connections) == 0
 
 
+def _client_ids(r: redis.Redis) -> set[int]:
+    return {c["id"] for c in r.client_list()}
+
+
+def test_a_page_sent_ahead_is_the_page_asked_for_and_nothing_else(r: redis.Redis, redis_url: str) -> None:
+    """``prefetch`` sends an ``XRANGE`` before it is asked for; the ``xrange`` with the same
+    arguments reads its reply (one request, not two), one with other arguments drops it (its
+    connection closed: an unread reply never answers a later request), and ``close`` with one
+    unread gives no connection with a reply pending back to the pool."""
+    _stream(r, "s:ahead", 300)
+    client = redis.Redis.from_url(redis_url)
+    client.set_response_callback("XRANGE", lambda resp, **_: resp)
+    expected = client.xrange("s:ahead", count=300)
+    sent: list[tuple[object, ...]] = []
+    real = hiredis.pack_command
+
+    def spy(args: tuple[object, ...]) -> bytes:
+        sent.append(args)
+        return real(args)
+
+    pages = RawPages(client)
+    try:
+        first = pages.xrange("s:ahead", "-", "+", 100)
+        pages.prefetch("s:ahead", "(100-0", "+", 100)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(resp_pages.hiredis, "pack_command", spy)
+            second = pages.xrange("s:ahead", "(100-0", "+", 100)
+        assert sent == []  # read, not asked again
+        assert first.entries() + second.entries() == expected[:200]  # type: ignore[union-attr]
+        before = _client_ids(r)
+        pages.prefetch("s:ahead", "(200-0", "+", 100)
+        other = pages.xrange("s:ahead", "(250-0", "+", 10)  # not what was sent ahead
+        assert other.entries() == expected[250:260]  # type: ignore[union-attr]
+        assert _client_ids(r) != before  # the connection holding the unread reply was closed
+        pages.prefetch("s:ahead", "(260-0", "+", 100)
+    finally:
+        pages.close()
+    # The connection with a reply unread was closed before it went back: the pool's next user reads
+    # its own reply, not that page.
+    assert client.xrange("s:ahead", min="1-0", max="1-0") == expected[:1]
+    assert client.ping() is True
+
+
+def test_a_connection_dropped_after_a_page_was_sent_ahead_asks_again(r: redis.Redis, redis_url: str) -> None:
+    _stream(r, "s:ahead-drop", 50)
+    client = redis.Redis.from_url(redis_url, retry=Retry(NoBackoff(), 1))
+    client.set_response_callback("XRANGE", lambda resp, **_: resp)
+    pages = RawPages(client)
+    try:
+        pages.xrange("s:ahead-drop", "-", "+", 10)
+        pages.prefetch("s:ahead-drop", "(10-0", "+", 40)
+        r.client_kill_filter(skipme=True, _type="normal")  # the reader's connection, with its request
+        got = pages.xrange("s:ahead-drop", "(10-0", "+", 40)
+    finally:
+        pages.close()
+    assert got.entries() == client.xrange("s:ahead-drop", count=50)[10:]  # type: ignore[union-attr]
+
+
 def test_a_dropped_connection_is_retried_as_the_client_says(
     r: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -204,12 +262,12 @@ def test_a_dropped_connection_is_retried_as_the_client_says(
     calls = {"n": 0}
     real = RawPages._round_trip
 
-    def flaky(self: RawPages, conn: object, packed: bytes, size: int) -> object:
+    def flaky(self: RawPages, conn: object, packed: bytes, size: int, send: bool = True) -> object:
         calls["n"] += 1
         if calls["n"] == 1:
             conn.disconnect()  # type: ignore[attr-defined]
             raise redis.ConnectionError("dropped")
-        return real(self, conn, packed, size)
+        return real(self, conn, packed, size, send)
 
     monkeypatch.setattr(resp_pages.RawPages, "_round_trip", flaky)
     try:

@@ -229,12 +229,14 @@ def _records(client: redis.Redis, group: str, start: str, end: str) -> Iterator[
                 n = len(page)
                 parts = [_ids_and_records(piece) for piece in pieces(page)] if n else []
                 del page
-            for ids, raws in parts:
-                yield ids, raws
-            if n < pages.asked:  # fewer than asked for: the range is read (a dropped reply asks for fewer)
+            done = n < pages.asked  # fewer than asked for: the range is read (a dropped reply asks for fewer)
+            if not done:
+                last = parts[-1][0][-1]
+                nxt = "(" + _text(last.as_py() if isinstance(last, pa.Scalar) else last)
+                pages.prefetch(key, nxt, end, READ_PAGE)  # Redis builds it while these are consumed
+            yield from parts
+            if done:
                 return
-            last = ids[-1]
-            nxt = "(" + _text(last.as_py() if isinstance(last, pa.Scalar) else last)
     finally:
         pages.close()
 

@@ -325,16 +325,19 @@ def group_pages(conn: Connection, group: RangeGroup) -> Iterator[tuple[QueueRang
 
 def _pages(raw: RawPages, part: QueueRange, first: int) -> Iterator[Page]:
     log_key = keys.queue_log(_mq(part.topic, part.span).tag)
+    hi = f"{part.end - 1}-18446744073709551615"
     nxt, count = part.start, first
     while nxt < part.end:
         with PausedGC():
-            page = raw.xrange(log_key, f"{nxt}-0", f"{part.end - 1}-18446744073709551615", count)
+            page = raw.xrange(log_key, f"{nxt}-0", hi, count)
         if not len(page):
             break
         parts = pieces(page)
-        yield from parts
         nxt = last_offset(parts[-1]) + 1
         count = page_rows(page)
+        if nxt < part.end:  # Redis builds the next page while this one is converted and consumed
+            raw.prefetch(log_key, f"{nxt}-0", hi, count)
+        yield from parts
 
 
 class PausedGC:

@@ -374,6 +374,34 @@ class RawPages:
         #: (``MAX_REPLY_BYTES``). A page shorter than this ends its range; one shorter than the
         #: count a caller asked for may not.
         self.asked = 0
+        #: The ``XRANGE`` sent ahead (``prefetch``) and not read yet: its arguments, packed.
+        self._ahead: tuple[tuple[Any, ...], bytes] | None = None
+
+    def prefetch(self, key: str, lo: str, hi: str, count: int) -> None:
+        """Send the ``XRANGE`` a later ``xrange`` with these arguments will read, so that Redis
+        builds the next page while the caller converts this one (and Spark consumes it): the read
+        then waits for Redis only when Redis is the slower. Nothing is read here; a send that
+        fails is forgotten (``xrange`` asks again), as is any request this one replaces."""
+        if not self._raw or self._conn is None:
+            return
+        if self._ahead is not None:  # never read: its reply would be taken for the next one's
+            self._drop_ahead()
+            return
+        args: tuple[Any, ...] = ("XRANGE", key, lo, hi, "COUNT", count)
+        packed = hiredis.pack_command(args) + _PING
+        try:
+            self._conn.send_packed_command([packed])
+        except Exception:  # noqa: BLE001 - a hint only: xrange sends it again, and raises what it finds
+            self._drop_ahead()
+            return
+        self._ahead = (args, packed)
+
+    def _drop_ahead(self) -> None:
+        """Forget a request sent ahead: its reply is unread, so the connection is closed (the next
+        send reconnects)."""
+        self._ahead = None
+        if self._conn is not None:
+            self._conn.disconnect()
 
     def xrange(self, key: str, lo: str, hi: str, count: int) -> Page:
         """The entries of ``key`` in ``[lo, hi]``, at most ``count``: columns if the page has the
@@ -389,11 +417,21 @@ class RawPages:
         conn = self._conn
         while True:
             args: tuple[Any, ...] = ("XRANGE", key, lo, hi, "COUNT", count)
-            packed = hiredis.pack_command(args) + _PING
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and ahead[0] != args:
+                self._ahead = ahead
+                self._drop_ahead()
+                ahead = None
+            sent = [ahead is not None]  # the first attempt reads what prefetch sent
+            packed = ahead[1] if ahead is not None else hiredis.pack_command(args) + _PING
             size = min(_MAX_FIRST_BUFFER, MAX_REPLY_BYTES, max(_FIRST_BUFFER, int(count * self._entry_bytes * 1.1)))
+
+            def attempt() -> Any:
+                send, sent[0] = not sent[0], False  # noqa: B023 - called within this pass of the loop
+                return self._round_trip(conn, packed, size, send)  # noqa: B023
+
             try:
-                got = conn.retry.call_with_retry(lambda: self._round_trip(conn, packed, size),  # noqa: B023
-                                                 lambda _e: conn.disconnect())
+                got = conn.retry.call_with_retry(attempt, lambda _e: conn.disconnect())
             except _ReplyTooLarge:
                 conn.disconnect()  # the rest of the reply is never read; the next send reconnects
                 if count == 1:
@@ -413,10 +451,12 @@ class RawPages:
             return split_entries(list(self._client.xrange(key, min=lo, max=hi, count=count)))
         return got
 
-    def _round_trip(self, conn: Any, packed: bytes, size: int) -> Any:
-        """Send ``packed`` (the ``XRANGE`` and the ``PING``) and read until both replies are in:
-        the page (``cut``, else hiredis' lists), or ``_ERROR_REPLY``."""
-        conn.send_packed_command([packed])
+    def _round_trip(self, conn: Any, packed: bytes, size: int, send: bool = True) -> Any:
+        """Send ``packed`` (the ``XRANGE`` and the ``PING``; ``send`` False: ``prefetch`` sent it)
+        and read until both replies are in: the page (``cut``, else hiredis' lists), or
+        ``_ERROR_REPLY``."""
+        if send:
+            conn.send_packed_command([packed])
         sock = getattr(conn, "_sock", None)
         if not isinstance(sock, socket.socket):
             raise RedisConnectionError("no socket to read the raw reply from")
@@ -479,7 +519,10 @@ class RawPages:
         return split_entries(first) if filled > MAX_BATCH_BYTES else first
 
     def close(self) -> None:
-        """Give the connection back to its pool."""
+        """Give the connection back to its pool (closed first if a request sent ahead is unread:
+        its reply must never reach the pool's next user)."""
+        if self._ahead is not None:
+            self._drop_ahead()
         conn, self._conn = self._conn, None
         if conn is not None:
             self._client.connection_pool.release(conn)

@@ -253,6 +253,61 @@ def test_a_connection_dropped_after_a_page_was_sent_ahead_asks_again(r: redis.Re
     assert got.entries() == client.xrange("s:ahead-drop", count=50)[10:]  # type: ignore[union-attr]
 
 
+def test_a_send_ahead_interrupted_after_its_bytes_left_never_leaves_its_reply_to_the_pool(
+        r: redis.Redis, redis_url: str) -> None:
+    """A ``KeyboardInterrupt`` (a signal's exception) right after ``prefetch``'s bytes went out: the
+    request is already marked, so ``close`` closes its connection rather than giving a reply nobody
+    will read to the pool's next user (whose ``PING`` would get the page)."""
+    _stream(r, "s:interrupted", 100)
+    client = redis.Redis.from_url(redis_url)
+    pages = RawPages(client)
+    pages.xrange("s:interrupted", "-", "+", 10)
+    conn = pages._conn
+    real = conn.send_packed_command
+
+    def sent_then_interrupted(command: object, check_health: bool = True) -> None:
+        real(command, check_health)
+        raise KeyboardInterrupt
+
+    conn.send_packed_command = sent_then_interrupted
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            pages.prefetch("s:interrupted", "(10-0", "+", 10)
+    finally:
+        del conn.send_packed_command
+        pages.close()
+    time.sleep(0.05)  # the page would be in this socket's buffer by now
+    assert client.ping() is True
+
+
+def test_pages_of_messages_about_a_page_each_are_not_asked_for_ahead(
+        redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reply sent ahead waits in Redis's memory while the page before is converted: with entries
+    about a page each (large messages), the next one is asked for only when it is read."""
+    from mqorder import Producer
+    from mqorder.spark import reader as R
+    from mqorder.spark.options import Connection
+
+    p = Producer(redis_url)
+    try:
+        p.create_topic("ahead-big", queues=1)
+        p.send_orderly_batch("ahead-big", [("k", b"x" * 4096) for _ in range(200)])
+    finally:
+        p.close()
+    prefetched: list[object] = []
+    real = RawPages.prefetch
+    monkeypatch.setattr(RawPages, "prefetch", lambda self, *a: (prefetched.append(a), real(self, *a))[1])
+    conn = Connection(redis_url)
+    spans, limits = R.topic_layout(conn, "ahead-big")
+    group = R.RangeGroup(tuple(R.QueueRange("ahead-big", s, *limits[s.index]) for s in spans))
+    assert sum(b.num_rows for b in R.read_group(conn, group)) == 200
+    assert len(prefetched) > 0  # 1 MB pages of 4 KB messages: the next page asked for ahead
+    prefetched.clear()
+    monkeypatch.setattr(R, "PAGE_BYTES", 4096)  # now each message is about a page
+    assert sum(b.num_rows for b in R.read_group(conn, group)) == 200
+    assert prefetched == []
+
+
 def test_a_dropped_connection_is_retried_as_the_client_says(
     r: redis.Redis, redis_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -335,7 +335,9 @@ def _pages(raw: RawPages, part: QueueRange, first: int) -> Iterator[Page]:
         parts = pieces(page)
         nxt = last_offset(parts[-1]) + 1
         count = page_rows(page)
-        if nxt < part.end:  # Redis builds the next page while this one is converted and consumed
+        # Redis builds the next page while this one is converted and consumed, unless its entries
+        # are each about a page (large messages): a reply sent ahead waits in Redis's memory.
+        if nxt < part.end and count > MIN_PAGE:
             raw.prefetch(log_key, f"{nxt}-0", hi, count)
         yield from parts
 

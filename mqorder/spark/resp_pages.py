@@ -389,12 +389,13 @@ class RawPages:
             return
         args: tuple[Any, ...] = ("XRANGE", key, lo, hi, "COUNT", count)
         packed = hiredis.pack_command(args) + _PING
+        # Marked before it is sent: whatever interrupts the send (a signal's exception too), a
+        # request that may be on its way is never left unmarked on a connection going back.
+        self._ahead = (args, packed)
         try:
             self._conn.send_packed_command([packed])
         except Exception:  # noqa: BLE001 - a hint only: xrange sends it again, and raises what it finds
             self._drop_ahead()
-            return
-        self._ahead = (args, packed)
 
     def _drop_ahead(self) -> None:
         """Forget a request sent ahead: its reply is unread, so the connection is closed (the next
@@ -417,9 +418,8 @@ class RawPages:
         conn = self._conn
         while True:
             args: tuple[Any, ...] = ("XRANGE", key, lo, hi, "COUNT", count)
-            ahead, self._ahead = self._ahead, None
+            ahead = self._ahead  # stays marked until its reply is read (close() then drops it)
             if ahead is not None and ahead[0] != args:
-                self._ahead = ahead
                 self._drop_ahead()
                 ahead = None
             sent = [ahead is not None]  # the first attempt reads what prefetch sent
@@ -433,6 +433,7 @@ class RawPages:
             try:
                 got = conn.retry.call_with_retry(attempt, lambda _e: conn.disconnect())
             except _ReplyTooLarge:
+                self._ahead = None
                 conn.disconnect()  # the rest of the reply is never read; the next send reconnects
                 if count == 1:
                     self.close()
@@ -446,6 +447,7 @@ class RawPages:
                 conn.disconnect()  # whatever is left unread must never reach the pool's next user
                 self.close()
                 raise
+            self._ahead = None  # read: nothing of it is left on the connection
             break
         if got is _ERROR_REPLY:
             return split_entries(list(self._client.xrange(key, min=lo, max=hi, count=count)))

@@ -134,6 +134,11 @@ def rebalance_seen(fingerprint_crc: int) -> str:
     return f"{PREFIX}:rebalance:seen:{fingerprint_crc:08x}"
 
 
+def store_id() -> str:
+    """The store's own id (``mqorder.store.identity``): processes compare stores by it."""
+    return f"{PREFIX}:store:id"
+
+
 def topology_version() -> str:
     """Bumped when a topic is created or a group subscribes to a topic: workers watch it with their
     heartbeat and rebalance at once, so a first message to a new topic waits no beat."""

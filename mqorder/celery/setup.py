@@ -6,7 +6,9 @@ import logging
 
 from celery import Celery
 from celery.app.defaults import DEFAULTS
+from celery.signals import before_task_publish
 
+from mqorder.celery import beat_origin
 from mqorder.celery.app_settings import remember
 from mqorder.celery.bootsteps import ConsumerClientStep
 from mqorder.celery.broker import DERIVED_FROM_STORE, celery_broker, transport_options
@@ -90,6 +92,8 @@ def install(app: Celery, settings: Settings | None = None) -> Celery:
     schedule.update(beat_schedule(settings))
     app.conf.beat_schedule = schedule
     app.steps["worker"].add(ConsumerClientStep)
+    # Beat tasks carry their store's id, so a worker of another store that takes one says so.
+    before_task_publish.connect(beat_origin.on_publish, weak=False, dispatch_uid="mqorder.beat_origin")
     remember(app, settings)
     import_listeners(settings.listener_modules, app)
     return app

@@ -14,6 +14,7 @@ from celery.utils.nodenames import WORKER_DIRECT_EXCHANGE, WORKER_DIRECT_QUEUE_F
 from redis import RedisError
 
 from mqorder import keys
+from mqorder.celery import beat_origin
 from mqorder.celery.app_settings import settings_of
 from mqorder.celery.dispatch import CONSUME_REQUEST, dispatch
 from mqorder.celery.runtime import engine_for
@@ -139,6 +140,7 @@ def consume_request(self, sub: str = "", mq_key: str = "", token: str = "") -> d
 @shared_task(name="mqorder.rebalance", bind=True, ignore_result=True)
 def rebalance(self) -> dict:
     """Recompute the assignment of every group and apply it (beat, and on join/leave)."""
+    beat_origin.check(self.name, self.request, settings_of(self.app))
     report = rebalance_service().rebalance()
     for d in report.dispatches:
         dispatch(self.app, d.sub, d.mq.key, d.token, d.client)
@@ -156,22 +158,24 @@ def rebalance(self) -> dict:
     }
 
 
-@shared_task(name="mqorder.lock_all", ignore_result=True)
-def lock_all() -> dict:
+@shared_task(name="mqorder.lock_all", bind=True, ignore_result=True)
+def lock_all(self) -> dict:
     """Renew the leases of every live client's assigned queues (RocketMQ's 20 s ``lockAll``).
 
     Workers also renew their own leases from their bootstep, so leases never depend on beat alone.
     """
+    beat_origin.check(self.name, self.request, settings_of(self.app))
     return {"locked": rebalance_service().lock_all_clients()}
 
 
 _txn_check: TransactionCheckService | None = None
 
 
-@shared_task(name="mqorder.transaction_check", ignore_result=True)
-def transaction_check() -> dict:
+@shared_task(name="mqorder.transaction_check", bind=True, ignore_result=True)
+def transaction_check(self) -> dict:
     """The transaction check-back (beat, every ``transaction_check_interval_ms``): ask the
     ``@transaction_checker`` of each due half message's topic, commit, roll back or wait."""
+    beat_origin.check(self.name, self.request, settings_of(self.app))
     global _txn_check
     if _txn_check is None:
         s = settings_of()

@@ -1,0 +1,96 @@
+"""A worker that takes another mqorder store's beat task says so.
+
+mqorder's beat tasks (``rebalance``, ``lock_all``, ``transaction_check``) go to Celery's default
+queue. Two applications with stores of their own but one Celery broker and default queue take
+each other's: application B's worker runs A's beat task against B's store, A's store misses the
+run and B's gets it twice (OPERATING.md, "Several applications on one Redis"). Nothing said so.
+
+Whoever publishes a beat task (beat, or a worker asking for a rebalance) stamps it with its
+store's id (``mqorder.store.identity``, a header ``mqorder_store``); the worker that takes it
+compares that id with its own store's and, when they differ, logs a WARNING naming the fix (once
+per other store every ``WARN_EVERY_S``). The task still runs, as before: the warning is the
+change. A task from a publisher that could not read its store's id (Redis down), or from an older
+mqorder, carries no stamp and is not checked.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from mqorder.celery.app_settings import settings_of
+from mqorder.settings import Settings
+from mqorder.store.brokers import BrokerRegistry, redact_url
+from mqorder.store.identity import store_id
+
+log = logging.getLogger("mqorder.celery")
+
+#: The tasks beat sends to Celery's default queue.
+BEAT_TASKS = frozenset({"mqorder.rebalance", "mqorder.lock_all", "mqorder.transaction_check"})
+#: The message header that names the publisher's store.
+HEADER = "mqorder_store"
+#: A worker warns about one other store at most this often.
+WARN_EVERY_S = 600.0
+
+_registries: dict[tuple[str, tuple[tuple[str, str], ...]], BrokerRegistry] = {}
+_warned: dict[str, float] = {}
+
+
+def _registry(settings: Settings) -> BrokerRegistry:
+    """One registry per store for this process (beat publishes every few seconds)."""
+    key = (settings.redis_url, tuple(sorted(settings.brokers.items())))
+    reg = _registries.get(key)
+    if reg is None:
+        reg = _registries[key] = BrokerRegistry(settings.redis_url, settings.brokers)
+    return reg
+
+
+def stamp(task_name: str | None, headers: dict[str, Any] | None, settings: Settings) -> None:
+    """Add the publisher's store id to a beat task's ``headers`` (Celery's ``before_task_publish``)."""
+    if task_name not in BEAT_TASKS or headers is None:
+        return
+    try:
+        headers[HEADER] = store_id(_registry(settings).meta)
+    except Exception:  # the task goes unstamped; Redis being down is said elsewhere
+        log.debug("mqorder: %s sent without its store's id (the store did not answer)", task_name, exc_info=True)
+
+
+def foreign_store_warning(task_name: str, theirs: str | None, settings: Settings) -> str | None:
+    """The warning for a beat task stamped by another store than this worker's, or None."""
+    if not theirs:
+        return None
+    ours = store_id(_registry(settings).meta)
+    if theirs == ours:
+        return None
+    return (f"mqorder: this worker took {task_name} from another mqorder store (store id {theirs}; this worker's "
+            f"store {redact_url(settings.redis_url)} has id {ours}): two applications share one Celery broker and "
+            "default queue, so each runs the other's beat tasks against its own store, and the other's store misses "
+            "them. Give each application its own Celery broker (MQORDER_CELERY_BROKER_URL: its own Redis database "
+            "or RabbitMQ vhost) or, with install(app), its own task_default_queue; see OPERATING.md, "
+            "'Several applications on one Redis'")
+
+
+def check(task_name: str, request: Any, settings: Settings) -> None:
+    """Warn (rate-limited per other store) if ``request`` came from another store's publisher."""
+    theirs = request.get(HEADER) if request is not None else None
+    if not theirs:
+        return
+    try:
+        message = foreign_store_warning(task_name, str(theirs), settings)
+    except Exception:  # a check only: the task itself says what is wrong with the store
+        log.debug("mqorder: could not read this store's id to check %s", task_name, exc_info=True)
+        return
+    if message is None:
+        return
+    now = time.monotonic()
+    if now - _warned.get(str(theirs), -WARN_EVERY_S) >= WARN_EVERY_S:
+        _warned[str(theirs)] = now
+        log.warning(message)
+
+
+def on_publish(sender: str | None = None, headers: dict[str, Any] | None = None, **_: Any) -> None:
+    """Celery's ``before_task_publish`` receiver (``install`` connects it): ``stamp`` with the
+    current application's settings."""
+    if sender in BEAT_TASKS:
+        stamp(sender, headers, settings_of())

@@ -13,6 +13,7 @@ import re
 import time
 from pathlib import Path
 
+import pytest
 import redis
 
 from mqorder.celery import beat_origin
@@ -41,7 +42,8 @@ def test_a_store_id_tells_stores_apart_not_how_their_urls_are_spelt(redis_url: s
     assert store_id(r) not in ("", one)
 
 
-def test_only_a_beat_task_of_another_store_gets_the_warning(redis_url: str) -> None:
+def test_only_a_beat_task_of_another_store_gets_the_warning(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(beat_origin, "_ids", {})  # ids an earlier test's publishes kept (its store was flushed)
     ours, theirs = load_settings(redis_url=on_db(redis_url, 0)), load_settings(redis_url=on_db(redis_url, 1))
     headers: dict[str, object] = {}
     beat_origin.stamp("mqorder.lock_all", headers, theirs)
@@ -55,6 +57,31 @@ def test_only_a_beat_task_of_another_store_gets_the_warning(redis_url: str) -> N
     untouched: dict[str, object] = {}
     beat_origin.stamp("tasks.add", untouched, ours)  # the application's own tasks are left alone
     assert untouched == {}
+
+
+def test_a_publisher_whose_store_does_not_answer_stamps_nothing_and_does_not_ask_every_tick(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beat never waited on the store before: a store that does not answer costs one timeout per
+    ``ID_TTL_S``, not one per beat task, and the tasks go unstamped (so unchecked)."""
+    import socket
+
+    monkeypatch.setattr(beat_origin, "_ids", {})
+    silent = socket.socket()  # accepts connections (the backlog), never answers
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    try:
+        port = silent.getsockname()[1]
+        settings = load_settings(redis_url=f"redis://127.0.0.1:{port}/0?socket_timeout=0.5")
+        t0 = time.monotonic()
+        headers: dict[str, object] = {}
+        beat_origin.stamp("mqorder.lock_all", headers, settings)
+        first = time.monotonic() - t0
+        for name in ("mqorder.rebalance", "mqorder.transaction_check", "mqorder.lock_all"):
+            beat_origin.stamp(name, headers, settings)
+        assert headers == {}
+        assert time.monotonic() - t0 < first + 0.4  # the later ticks did not wait on it again
+    finally:
+        silent.close()
 
 
 def _succeeded(log: Path, task: str) -> int:

@@ -23,7 +23,7 @@ from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from mqorder.rebalance.membership import ClientRegistry, Subscription
 from mqorder.retention.trimmer import RetentionTrimmer
-from mqorder.settings import Settings
+from mqorder.settings import Settings, load_settings
 from mqorder.store.topics import TopicManager
 from tests.support import Cluster, body, ledger, wait_for
 
@@ -243,6 +243,9 @@ def test_a_request_without_a_listener_is_stale_unless_this_node_is_registered_fo
     from mqorder.celery import tasks
 
     monkeypatch.setattr(tasks, "_service", None)
+    # This test's store, not that of whichever Celery app an earlier test of this process left
+    # current (settings_of() reads the current app's): it failed when run after such a test.
+    monkeypatch.setattr(tasks, "settings_of", lambda app=None: load_settings(redis_url=redis_url))
     ClientRegistry(engine.brokers.meta, 60_000).register("w2", [Subscription("g", "t", MessageModel.CLUSTERING)])
     with caplog.at_level(logging.WARNING, logger="mqorder.celery.tasks"):
         assert tasks._no_listener("w1", "g", "t") == {"verb": "STALE_REQUEST"}

@@ -45,15 +45,16 @@ def test_a_store_id_tells_stores_apart_not_how_their_urls_are_spelt(redis_url: s
 def test_only_a_beat_task_of_another_store_gets_the_warning(redis_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(beat_origin, "_ids", {})  # ids an earlier test's publishes kept (its store was flushed)
     ours, theirs = load_settings(redis_url=on_db(redis_url, 0)), load_settings(redis_url=on_db(redis_url, 1))
+    here = (redis.Redis.from_url(ours.redis_url), ours.redis_url)  # the worker's store
     headers: dict[str, object] = {}
     beat_origin.stamp("mqorder.lock_all", headers, theirs)
     other_id = headers[beat_origin.HEADER]
-    message = beat_origin.foreign_store_warning("mqorder.lock_all", str(other_id), ours)
+    message = beat_origin.foreign_store_warning("mqorder.lock_all", str(other_id), *here)
     assert message is not None and str(other_id) in message and "MQORDER_CELERY_BROKER_URL" in message
     mine: dict[str, object] = {}
     beat_origin.stamp("mqorder.rebalance", mine, ours)
-    assert beat_origin.foreign_store_warning("mqorder.rebalance", str(mine[beat_origin.HEADER]), ours) is None
-    assert beat_origin.foreign_store_warning("mqorder.rebalance", None, ours) is None  # an older publisher
+    assert beat_origin.foreign_store_warning("mqorder.rebalance", str(mine[beat_origin.HEADER]), *here) is None
+    assert beat_origin.foreign_store_warning("mqorder.rebalance", None, *here) is None  # an older publisher
     untouched: dict[str, object] = {}
     beat_origin.stamp("tasks.add", untouched, ours)  # the application's own tasks are left alone
     assert untouched == {}

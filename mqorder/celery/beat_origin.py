@@ -25,6 +25,7 @@ import logging
 import time
 from typing import Any
 
+import redis
 from celery import current_app
 
 from mqorder.celery.app_settings import ATTRIBUTE, settings_of
@@ -44,7 +45,7 @@ WARN_EVERY_S = 600.0
 #: long before it tries again).
 ID_TTL_S = 30.0
 
-#: The meta store's registry per store URL (no extra brokers: only the id is read).
+#: A publisher's meta store registry per store URL (no extra brokers: only the id is read).
 _registries: dict[str, BrokerRegistry] = {}
 #: Per store URL: (the id, or None after a failed read; when to read it again).
 _ids: dict[str, tuple[str | None, float]] = {}
@@ -85,28 +86,30 @@ def stamp(task_name: str | None, headers: dict[str, Any] | None, settings: Setti
         headers[HEADER] = found
 
 
-def foreign_store_warning(task_name: str, theirs: str | None, settings: Settings) -> str | None:
-    """The warning for a beat task stamped by another store than this worker's, or None."""
+def foreign_store_warning(task_name: str, theirs: str | None, meta: redis.Redis, store_url: str) -> str | None:
+    """The warning for a beat task stamped by another store than this worker's (``meta``, its
+    meta broker's client, at ``store_url``), or None."""
     if not theirs:
         return None
-    ours = store_id(_registry(settings).meta)
+    ours = store_id(meta)
     if theirs == ours:
         return None
     return (f"mqorder: this worker took {task_name} from another mqorder store (store id {theirs}; this worker's "
-            f"store {redact_url(settings.redis_url)} has id {ours}): two applications share one Celery broker and "
+            f"store {redact_url(store_url)} has id {ours}): two applications share one Celery broker and "
             "default queue, so each runs the other's beat tasks against its own store, and the other's store misses "
             "them. Give each application its own Celery broker (MQORDER_CELERY_BROKER_URL: its own Redis database "
             "or RabbitMQ vhost) or, with install(app), its own task_default_queue; see OPERATING.md, "
             "'Several applications on one Redis'")
 
 
-def check(task_name: str, request: Any, settings: Settings) -> None:
-    """Warn (rate-limited per other store) if ``request`` came from another store's publisher."""
+def check(task_name: str, request: Any, meta: redis.Redis, store_url: str) -> None:
+    """Warn (rate-limited per other store) if ``request`` came from another store's publisher than
+    this worker's (``meta`` at ``store_url``: the store the task runs against)."""
     theirs = request.get(HEADER) if request is not None else None
     if not theirs:
         return
     try:
-        message = foreign_store_warning(task_name, str(theirs), settings)
+        message = foreign_store_warning(task_name, str(theirs), meta, store_url)
     except Exception:  # a check only: the task itself says what is wrong with the store
         log.debug("mqorder: could not read this store's id to check %s", task_name, exc_info=True)
         return

@@ -137,10 +137,15 @@ def consume_request(self, sub: str = "", mq_key: str = "", token: str = "") -> d
     return {"verb": outcome.verb, "consumed": outcome.consumed, "target": outcome.target}
 
 
+def _check_origin(task: Any) -> None:
+    """``beat_origin.check`` of a beat task against the store it runs on (``rebalance_service``'s)."""
+    beat_origin.check(task.name, task.request, rebalance_service().brokers.meta, settings_of().redis_url)
+
+
 @shared_task(name="mqorder.rebalance", bind=True, ignore_result=True)
 def rebalance(self) -> dict:
     """Recompute the assignment of every group and apply it (beat, and on join/leave)."""
-    beat_origin.check(self.name, self.request, settings_of(self.app))
+    _check_origin(self)
     report = rebalance_service().rebalance()
     for d in report.dispatches:
         dispatch(self.app, d.sub, d.mq.key, d.token, d.client)
@@ -164,7 +169,7 @@ def lock_all(self) -> dict:
 
     Workers also renew their own leases from their bootstep, so leases never depend on beat alone.
     """
-    beat_origin.check(self.name, self.request, settings_of(self.app))
+    _check_origin(self)
     return {"locked": rebalance_service().lock_all_clients()}
 
 
@@ -175,7 +180,7 @@ _txn_check: TransactionCheckService | None = None
 def transaction_check(self) -> dict:
     """The transaction check-back (beat, every ``transaction_check_interval_ms``): ask the
     ``@transaction_checker`` of each due half message's topic, commit, roll back or wait."""
-    beat_origin.check(self.name, self.request, settings_of(self.app))
+    _check_origin(self)
     global _txn_check
     if _txn_check is None:
         s = settings_of()

@@ -57,24 +57,25 @@ class _RoundTrips:
         AbstractConnection.send_packed_command = send  # type: ignore[method-assign]
         AbstractConnection.pack_commands = pack  # type: ignore[method-assign]
         try:
-            from mqorder.store.raw_pipe import RawPipeline
-        except ImportError:  # an engine from before RawPipeline
+            from mqorder.store.raw_pipe import ConnectionLease
+        except ImportError:  # an engine from before the consume path's own round trips
             self.raw = None
             return
-        self.raw, self._raw_exec = RawPipeline, RawPipeline.execute
+        self.raw, self._raw_trip = ConnectionLease, ConnectionLease.round_trip
 
-        def raw_exec(pipe: Any, raise_on_error: bool = True) -> Any:
+        def raw_trip(lease: Any, commands: Any, *args: Any) -> Any:
             if threading.get_ident() == me.thread:
-                me.commands += len(pipe) - 1
-            return me._raw_exec(pipe, raise_on_error)
+                me.trips += 1
+                me.commands += len(commands) - 1
+            return me._raw_trip(lease, commands, *args)
 
-        RawPipeline.execute = raw_exec  # type: ignore[method-assign]
+        ConnectionLease.round_trip = raw_trip  # type: ignore[method-assign]
 
     def close(self) -> None:
         self.cls.send_packed_command = self._send  # type: ignore[method-assign]
         self.cls.pack_commands = self._pack  # type: ignore[method-assign]
         if self.raw is not None:
-            self.raw.execute = self._raw_exec  # type: ignore[method-assign]
+            self.raw.round_trip = self._raw_trip  # type: ignore[method-assign]
 
 
 def _key_for(queue_id: int, n: int) -> str:
@@ -88,13 +89,19 @@ def trickle_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> 
     """One pass on a fresh topic; see the module docstring."""
     from mqorder.consumer.engine import ConsumerEngine
     from mqorder.consumer.listener import ListenerSpec
+    from mqorder.model import MessageModel
     from mqorder.rebalance.lock_manager import RebalanceLockManager
     from mqorder.settings import load_settings
+    from mqorder.store.topics import TopicManager
 
     topic, sub, me = f"tr{seed}-{time.monotonic_ns()}", "g-trickle", "c1@trickle"
     settings = load_settings(redis_url=url)
     p = Producer(settings=settings)
     p.create_topic(topic, queues=queues)
+    # What a worker's registration records: the group consumes the topic, so a send wakes its
+    # queues' owner (or rings a lingering request's doorbell). Without it no send reaches the
+    # engine's blocking read, which then finds each message only at its next adoption refresh.
+    TopicManager(p.brokers).subscribe(sub, topic, MessageModel.CLUSTERING)
     mqs = queues_of(topic, queues)
     r = client(url)
     eng = ConsumerEngine(settings, me)

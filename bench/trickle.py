@@ -12,7 +12,10 @@ Reported per message: the engine thread's CPU (``pthread_getcpuclockid``: user +
 thread alone, the producer excluded), the round trips and commands the engine thread sent to Redis
 (counted in redis-py's connection), and the wake-ups published (a send the watch missed).
 
-    python -m bench.trickle --messages 5000 --runs 5
+    python -m bench.trickle --messages 5000 --runs 5 [--floor]
+
+``--floor`` interleaves ``floor_pass``: the same sends read by a bare loop making the same round
+trip (the worker's floor for this shape), and reports the engine's CPU over it, run by run.
 """
 
 from __future__ import annotations
@@ -136,20 +139,7 @@ def trickle_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> 
     t.start()
     try:
         time.sleep(0.3)  # drained queue 0, lingering over all of them
-        clock = time.pthread_getcpuclockid(tid[0])
-        c0, w0, us0 = time.clock_gettime(clock), _wakes(r), _user_sys(tid[0])
-        trips0, cmd0 = counter.trips, counter.commands + counter.trips
-        for i in range(messages):
-            seen.clear()
-            p.send_orderly(topic, b"x", sharding_key=key_of[rng.randrange(queues)])
-            if not seen.wait(5):
-                raise TimeoutError(f"message {i} was not handled within 5 s")
-        while count[0] < messages:
-            time.sleep(0.001)
-        cpu = time.clock_gettime(clock) - c0
-        us = [b - a for a, b in zip(us0, _user_sys(tid[0]), strict=True)]
-        trips, cmds = counter.trips - trips0, counter.commands + counter.trips - cmd0
-        wakes = _wakes(r) - w0
+        out = _drive(p, topic, key_of, rng, messages, seen, count, tid[0], counter, r)
     finally:
         linger.clear()
         t.join(10)
@@ -157,10 +147,117 @@ def trickle_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> 
         p.close()
         r.close()
         eng.brokers.close()
+    return out
+
+
+def _drive(p: Any, topic: str, key_of: list[str], rng: random.Random, messages: int, seen: threading.Event,
+           count: list[int], tid: int, counter: _RoundTrips, r: Any) -> dict[str, float]:
+    """Send ``messages`` one at a time (a random queue each), each after the listener saw the last;
+    the consuming thread ``tid``'s CPU, round trips and commands over them, per message."""
+    queues = len(key_of)
+    clock = time.pthread_getcpuclockid(tid)
+    c0, w0, us0 = time.clock_gettime(clock), _wakes(r), _user_sys(tid)
+    trips0, cmd0 = counter.trips, counter.commands + counter.trips
+    for i in range(messages):
+        seen.clear()
+        p.send_orderly(topic, b"x", sharding_key=key_of[rng.randrange(queues)])
+        if not seen.wait(5):
+            raise TimeoutError(f"message {i} was not handled within 5 s")
+    while count[0] < messages:
+        time.sleep(0.001)
+    cpu = time.clock_gettime(clock) - c0
+    us = [b - a for a, b in zip(us0, _user_sys(tid), strict=True)]
+    trips, cmds = counter.trips - trips0, counter.commands + counter.trips - cmd0
+    wakes = _wakes(r) - w0
     return {"messages": messages, "engine_cpu_us_per_msg": cpu / messages * 1e6,
             "engine_user_us_per_msg": us[0] / messages * 1e6, "engine_sys_us_per_msg": us[1] / messages * 1e6,
             "engine_round_trips_per_msg": trips / messages, "engine_commands_per_msg": cmds / messages,
             "wakes_per_msg": wakes / messages}
+
+
+def floor_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> dict[str, float]:
+    """The worker's floor for ``trickle_pass``'s shape: the same sends, read by a bare loop.
+
+    One thread blocks on every queue's stream at once and, per message, makes the engine's one
+    round trip (a script call with a commit's arguments, the blocking ``XREAD``, an ``HMGET`` of a
+    state hash, a script call with a switch's arguments: ``EVALSHA`` of ``return 0`` for both, on
+    the engine's own connection code, ``ConnectionLease``), decodes the entry (``decode_entries``)
+    and calls the same no-op listener. No lock, no fencing, no run object, no bookkeeping: what
+    any Python worker pays to be woken for a trickling message and acknowledge it in one round
+    trip. ``trickle_pass``'s figure over this one is what the engine's design adds.
+    """
+    from mqorder.codec import decode_entries
+    from mqorder.consumer.context import ConsumeOrderlyContext
+    from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
+
+    topic = f"fl{seed}-{time.monotonic_ns()}"
+    p = Producer(settings=_settings(url))
+    p.create_topic(topic, queues=queues)
+    mqs = queues_of(topic, queues)
+    r = client(url)
+    sha = r.script_load("return 0")
+    logs = [keys.queue_log(mq.tag) for mq in mqs]
+    by_log = {k.encode(): mq for k, mq in zip(logs, mqs, strict=True)}
+    state = keys.sub_state(mqs[0].tag, "g-floor")
+    seen = threading.Event()
+    count = [0]
+    stop = threading.Event()
+
+    def listener(msgs: Any, ctx: Any) -> ConsumeOrderlyStatus:
+        count[0] += len(msgs)
+        seen.set()
+        return ConsumeOrderlyStatus.SUCCESS
+
+    result: list[Any] = []
+    tid: list[int] = []
+    counter = _RoundTrips()
+
+    def work() -> None:
+        tid.append(threading.get_ident())
+        counter.thread = tid[0]
+        lease = ConnectionLease(r)
+        last = dict.fromkeys(logs, "0-0")
+        while not stop.is_set():
+            pipe = RawPipeline(lease)
+            pipe.execute_command("EVALSHA", sha, 3, state, logs[0], logs[1], "c1", 1, "t0", 0, 60000, 60000,
+                                 "0", 0, 0)
+            pipe.execute_command("XREAD", "COUNT", 32, "BLOCK", 100, "STREAMS", *logs, *last.values())
+            pipe.execute_command("HMGET", state, "owner", "epoch", "pending", "assignee")
+            pipe.execute_command("EVALSHA", sha, 4, state, logs[0], logs[1], logs[2], 1, 0, 0, "c1", "t0", 2,
+                                 "t1", 60000, 60000, "w", 300000, "c1", "t0", 60000, 60000, 32, "r")
+            replies = pipe.execute(raise_on_error=True)
+            read = replies[1]
+            if not read:
+                continue
+            for stream, entries in (read.items() if isinstance(read, dict) else read):
+                last[stream.decode()] = entries[-1][0].decode()
+                mq = by_log[stream]
+                listener(decode_entries(mq, entries), ConsumeOrderlyContext(
+                    mq, epoch=1, client_id="c1", group="g-floor", still_owner=bool,
+                    suspend_current_queue_time_millis=1000, run_id="r"))
+        lease.release()
+        result.append(count[0])
+
+    rng = random.Random(seed)
+    key_of = [_key_for(q, queues) for q in range(queues)]
+    t = threading.Thread(target=work, daemon=True)
+    t.start()
+    try:
+        time.sleep(0.3)
+        out = _drive(p, topic, key_of, rng, messages, seen, count, tid[0], counter, r)
+    finally:
+        stop.set()
+        t.join(10)
+        counter.close()
+        p.close()
+        r.close()
+    return out
+
+
+def _settings(url: str) -> Any:
+    from mqorder.settings import load_settings
+
+    return load_settings(redis_url=url)
 
 
 def _user_sys(tid: int) -> tuple[float, float]:
@@ -184,14 +281,27 @@ def main() -> int:
     ap.add_argument("--messages", type=int, default=5000)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--queues", type=int, default=8)
+    ap.add_argument("--floor", action="store_true",
+                    help="also run floor_pass (a bare loop of the same round trip), interleaved run by run")
     args = ap.parse_args()
+    passes = {"trickle": trickle_pass, **({"floor": floor_pass} if args.floor else {})}
+    out: dict[str, list[dict[str, float]]] = {name: [] for name in passes}
     with contextlib.ExitStack() as st:
         srv, _r = redis_and_client(st)
-        trickle_pass(srv.url, messages=200, queues=args.queues, seed=0)  # scripts loaded, imports
-        out = [trickle_pass(srv.url, messages=args.messages, queues=args.queues, seed=1 + i) for i in range(args.runs)]
-    for res in out:
-        log("trickle: " + ", ".join(f"{k} {v:.2f}" for k, v in res.items()))
-    log("trickle medians: " + ", ".join(f"{k} {statistics.median(r[k] for r in out):.2f}" for k in out[0]))
+        for fn in passes.values():
+            fn(srv.url, messages=200, queues=args.queues, seed=0)  # scripts loaded, imports
+        for i in range(args.runs):
+            for name, fn in passes.items():
+                out[name].append(fn(srv.url, messages=args.messages, queues=args.queues, seed=1 + i))
+    for name, res in out.items():
+        for one in res:
+            log(f"{name}: " + ", ".join(f"{k} {v:.2f}" for k, v in one.items()))
+        log(f"{name} medians: " + ", ".join(f"{k} {statistics.median(r[k] for r in res):.2f}" for k in res[0]))
+    if args.floor:
+        cpu = "engine_cpu_us_per_msg"
+        ratios = [e[cpu] / f[cpu] for e, f in zip(out["trickle"], out["floor"], strict=True)]
+        log(f"engine / floor CPU per message: median {statistics.median(ratios):.2f}x "
+            f"({min(ratios):.2f}-{max(ratios):.2f}x, run by run)")
     return 0
 
 

@@ -10,7 +10,7 @@ message in the engine would both break.
 
 from __future__ import annotations
 
-from bench.trickle import trickle_pass
+from bench.trickle import floor_pass, trickle_pass
 from mqorder.testing.embedded import RedisServer
 
 
@@ -22,3 +22,13 @@ def test_a_trickling_message_costs_the_engine_one_round_trip() -> None:
     assert 0.95 <= out["engine_round_trips_per_msg"] <= 1.05, out
     # Every send found the lingering read (a doorbell or its own queue's log): none woke a task.
     assert out["wakes_per_msg"] == 0, out
+
+
+def test_the_floor_pass_reads_each_message_in_one_round_trip() -> None:
+    """``floor_pass`` (the bare loop ``--floor`` compares the engine with) is the same shape: every
+    message reaches its blocking read, one round trip of the engine's four commands each."""
+    with RedisServer() as srv:
+        out = floor_pass(srv.url, messages=300, queues=8, seed=1)
+    assert out["messages"] == 300
+    assert 0.95 <= out["engine_round_trips_per_msg"] <= 1.05, out
+    assert 3.9 <= out["engine_commands_per_msg"] <= 4.1, out

@@ -170,3 +170,13 @@ def ping_refused(url: str, timeout: float = 1.0) -> BaseException:
     finally:
         b.close()
     return exc.value
+
+
+def evalsha_of(command: tuple | bytes) -> str | None:
+    """The script hash an ``EVALSHA`` command of a ``ConnectionLease.round_trip`` calls, None for
+    any other command: queued as a tuple, or packed already (``RawPipeline.execute_packed``:
+    ``switch.lua`` behind a lingering read), as ``*<n>``, ``$7``, ``EVALSHA``, ``$40``, the hash."""
+    if isinstance(command, bytes):
+        parts = command.split(b"\r\n", 5)
+        return parts[4].decode() if len(parts) > 4 and parts[2] == b"EVALSHA" else None
+    return command[1] if command[0] == "EVALSHA" else None

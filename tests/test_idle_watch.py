@@ -23,6 +23,7 @@ from mqorder.consumer.idle_watch import FollowUp, IdleQueueWatch
 from mqorder.consumer.listener import ListenerSpec
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
+from tests.support import evalsha_of
 
 TOPIC, SUB, ME = "tw", "g", "c1"
 QUEUES = [MessageQueue(TOPIC, "broker-a", i) for i in range(4)]
@@ -608,7 +609,7 @@ def test_a_lost_reply_of_a_switch_leaves_no_queue_begun_and_unconsumed(settings,
 
     def round_trip(self, commands):
         replies = original(self, commands)
-        switched = [rep for c, rep in zip(commands, replies, strict=True) if c[0] == "EVALSHA" and c[1] == switch_sha]
+        switched = [rep for c, rep in zip(commands, replies, strict=True) if evalsha_of(c) == switch_sha]
         if not lost and switched and not isinstance(switched[0], Exception) and int(switched[0][0]):
             lost.append(int(switched[0][0]))
             self.release()
@@ -659,14 +660,14 @@ def test_a_switch_behind_a_commit_that_got_noscript_is_taken_not_dropped(setting
     first: list[Any] = []
 
     def round_trip(self, commands):
-        shas = [c[1] for c in commands if c[0] == "EVALSHA"]
+        shas = [evalsha_of(c) for c in commands]
         if first or commit_sha not in shas or switch_sha not in shas:
             return original(self, commands)
         r.script_flush()
         r.script_load(source("switch"))  # another client of this Redis needed it first
         p.send_orderly(TOPIC, b"m1", sharding_key=key_for(1))  # the read returns with it
         replies = original(self, commands)
-        first.append([rep for c, rep in zip(commands, replies, strict=True) if c[0] == "EVALSHA"])
+        first.append([rep for c, rep in zip(commands, replies, strict=True) if evalsha_of(c)])
         time.sleep(pause_s)
         return replies
 
@@ -971,3 +972,49 @@ def test_a_reassignment_during_the_read_behind_a_commit_skips_nothing(settings, 
     # Only offsets 0 and 1 were handled: the committed offset must not pass 2.
     assert int(st["offset"]) == 2, f"committed {st['offset']} with skipped={st.get('skipped')}"
     assert "skipped" not in st or st["skipped"] == "0"
+
+
+def test_the_read_plan_kept_across_switches_is_the_one_made_afresh() -> None:
+    """``IdleQueueWatch.switched`` turns the plan of the run left into the plan of the run switched
+    to (no pass over the adopted queues per trickling message): after every switch of a random
+    walk over two groups and two topics, some switches without a hand-over, the kept plan must be
+    the plan made from the adopted queues as they are (same queues, keys and offsets, same order)."""
+    import random
+
+    import hiredis
+
+    from mqorder.consumer.linger import switch_command
+
+    rng = random.Random(7)
+    queues = [("g", MessageQueue("ta", "broker-a", i)) for i in range(6)]
+    queues += [("g", MessageQueue("tb", "broker-a", i)) for i in range(3)]
+    queues += [("h", MessageQueue("ta", "broker-a", i)) for i in range(4)]
+    watch = IdleQueueWatch(ME, "g", "broker-a", None, None, lambda: [], 30_000, 60_000)
+    running = queues[0]
+    for sub, mq in queues[1:]:
+        watch._hand_over(sub, mq, rng.randrange(100))
+    kept = 0
+    for step in range(600):
+        sub, mq = running
+        plan = watch.plan(sub, mq)
+        adopted = [(s, q) for (s, _k), (q, _o) in watch.adopted.items()]
+        # Mostly a queue the plan offers (what switch.lua takes), sometimes any adopted one.
+        if plan.offered and rng.random() < 0.8:
+            to = (sub, rng.choice(plan.offered))
+        else:
+            to = rng.choice(adopted)
+        adopted_at = None if rng.random() < 0.1 else rng.randrange(1000)
+        watch.switched(sub, mq, to[0], to[1], adopted_at, backlog=rng.random() < 0.2)
+        kept += watch._plan is not None
+        got = watch.plan(*to)
+        watch._changed()
+        fresh = watch.plan(*to)
+        assert (got.offered, got.keys, got.seen) == (fresh.offered, fresh.keys, fresh.seen), step
+        # switch.lua's call, packed from the plan's packed pieces, is the call packed whole.
+        own, args = ["own-state", "own-next"], [step, 7, "c1", "tok", "adopt", 2000, "é"]
+        whole = hiredis.pack_command(("EVALSHA", "f" * 40, 2 + len(got.keys), *own, *got.keys, *args, *got.seen))
+        assert switch_command("f" * 40, own, got, args) == switch_command("f" * 40, own, fresh, args) == whole, step
+        if adopted_at is None:  # the queue left was not handed over: take it back for the walk
+            watch.took_back(sub, mq, rng.randrange(1000))
+        running = to
+    assert kept > 300  # the kept plan is the common case, not the fallback

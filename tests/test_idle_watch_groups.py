@@ -19,7 +19,7 @@ from mqorder import ConsumeOrderlyStatus, keys
 from mqorder.consumer.engine import ConsumerEngine
 from mqorder.consumer.idle_watch import DOORBELL_MARK, IdleQueueWatch
 from mqorder.consumer.listener import ListenerSpec, orderly_listener, unregister_listener
-from mqorder.consumer.nudge import doorbells, idle_entry, idle_queues
+from mqorder.consumer.nudge import idle_entry, read_nudges
 from mqorder.model import MessageModel, MessageQueue
 from mqorder.rebalance.lock_manager import RebalanceLockManager
 from tests.test_idle_watch import (
@@ -206,8 +206,10 @@ def test_a_went_idle_nudge_names_the_group_and_one_without_it_is_skipped() -> No
     reading run's group: the next full refresh adopts the queue anyway."""
     cmd = idle_entry("c1", [("g", "tw:broker-a:0"), ("h%BC%c1", "tw:broker-a:1")])
     fields = list(cmd[cmd.index("*") + 1:])
-    entries = [(b"1-0", [f.encode() for f in fields]), (b"2-0", [b"q", b"tw:broker-a:3"]), (b"3-0", [b"w", b"1"])]
-    assert idle_queues(entries) == [("g", "tw:broker-a:0"), ("h%BC%c1", "tw:broker-a:1")]
+    entries = [(b"1-0", [f.encode() for f in fields]), (b"2-0", [b"q", b"tw:broker-a:3"]), (b"3-0", [b"w", b"1"]),
+               (b"4-0", [b"m", b"state-of-2"])]
+    # One pass gives both: the went-idle queues, and the doorbells between them (here, one).
+    assert read_nudges(entries) == ([("g", "tw:broker-a:0"), ("h%BC%c1", "tw:broker-a:1")], ["state-of-2"])
 
 
 def test_a_send_to_an_adopted_queue_rings_its_owners_doorbell_and_nothing_else_does(settings, r) -> None:
@@ -225,7 +227,7 @@ def test_a_send_to_an_adopted_queue_rings_its_owners_doorbell_and_nothing_else_d
     for qid in (1, 2, 3):
         p.send_orderly(TOPIC, b"x", sharding_key=key_for(qid))
     entries = [(i, [x for kv in f.items() for x in kv]) for i, f in r.xrange(nudge)]
-    assert doorbells(entries) == [st[1]]
+    assert read_nudges(entries)[1] == [st[1]]
     p.close()
     eng.brokers.close()
 

@@ -16,7 +16,7 @@ from mqorder.codec import encode_header
 from mqorder.model import MessageQueue
 from mqorder.store.append import AppendRequest, QueueAppender
 from mqorder.store.log import MessageLog
-from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline, packed_args
 from mqorder.store.scripts import source
 
 MQ0, MQ1 = MessageQueue("t", "broker-a", 0), MessageQueue("t", "broker-a", 1)
@@ -261,3 +261,21 @@ def test_lean_reads_on_resp3_hand_push_messages_to_the_parser_and_keep_maps(redi
     lease.release()
     r.close()
     other.close()
+
+
+def test_a_packed_command_rides_in_a_round_trip_beside_plain_ones(r: redis.Redis) -> None:
+    """``execute_packed``: a command packed by the caller (``packed_args`` after its header) is
+    sent as it is, its reply in its place; and it is refused where a route would need its keys."""
+    r.set("pk", "v")
+    lease = ConnectionLease(r)
+    try:
+        args = ("HMGET", "ph", "a", "é")
+        r.hset("ph", mapping={"a": 1, "é": 2})
+        packed = b"*%d\r\n" % len(args) + packed_args(args)
+        out = RawPipeline(lease).execute_command("GET", "pk").execute_packed(packed).execute_command(
+            "INCR", "pn").execute()
+        assert out == [b"v", [b"1", b"2"], 1]
+    finally:
+        lease.release()
+    with pytest.raises(TypeError, match="ConnectionLease"):
+        RawPipeline(r).execute_packed(packed)

@@ -47,6 +47,7 @@ from mqorder.consumer.run_types import (
     ROLLBACK,
     SUCCESS,
     SUSPEND,
+    SWITCH_END,
     Handled,
     LoopEnd,
     Outcome,
@@ -84,8 +85,62 @@ def exhausted_reason(limit: int, failure: str) -> str:
     return f"max reconsume times {limit} reached (listener kept suspending)"
 
 
+def run_constants(engine: ConsumerState, spec: ListenerSpec) -> dict[str, Any]:
+    """What every run of ``spec``'s listener reads from it and from the engine's settings, as the
+    run's attributes: worked out once per listener and engine (``ConsumerState.run_constants``).
+
+    Why: at a trickle nearly every message is a run of its own (a lingering run switches to the
+    queue it landed on), so a run's construction is paid per message, and these lookups (a
+    pydantic model's attributes take the slow path) and divisions were redone for each. A
+    ``ListenerSpec`` is read when its first run starts (it is registered once, by the decorator,
+    and not changed after)."""
+    cache = engine.run_constants
+    hit = cache.get(id(spec))
+    if hit is not None and hit[0] is spec:
+        return hit[1]
+    s = engine.settings
+    grace = spec.cancel_grace_ms if spec.cancel_grace_ms is not None else DEFAULT_CANCEL_GRACE_MS
+    out: dict[str, Any] = {
+        "batch_max": spec.consume_message_batch_max_size or s.consume_message_batch_max_size,
+        "pull_n": spec.pull_batch_size or s.pull_batch_size,
+        "max_reconsume": spec.max_reconsume_times if spec.max_reconsume_times is not None else s.max_reconsume_times,
+        "suspend_ms": spec.suspend_current_queue_time_millis or s.suspend_current_queue_time_ms,
+        "run_lease_ms": s.run_lease_ms,
+        "lock_ms": s.lock_max_live_time_ms,
+        "pending_ttl_ms": s.pending_ttl_ms,
+        "budget": s.max_time_consume_continuously_ms / 1000,
+        "yield_s": s.consume_yield_after_ms / 1000,
+        "linger_s": s.consume_linger_ms / 1000.0,
+        "max_size": s.max_message_size,
+        "pull_threshold": s.pull_threshold_for_queue,
+        #: How long calls of an async listener may go on after the run lost its queue.
+        "cancel_grace_s": grace / 1000.0,
+    }
+    # Keyed by identity, the spec kept beside its constants (an id is reused only once it is gone).
+    cache[id(spec)] = (spec, out)
+    return out
+
+
 class ConsumeRequest(LingeringReads):
     """One run over (subscription, queue), started with the dispatch ``token`` it was given."""
+
+    # Set from ``run_constants`` (the same for every run of a listener): the consume batch, the
+    # pull batch, the reconsume limit, the suspend, the leases, the time budgets (s), the linger
+    # (s; 0 for a run that must not linger), the largest message, the pulled messages a run holds
+    # at most, the async calls' cancel grace.
+    batch_max: int
+    pull_n: int
+    max_reconsume: int
+    suspend_ms: int
+    run_lease_ms: int
+    lock_ms: int
+    pending_ttl_ms: int
+    budget: float
+    yield_s: float
+    linger_s: float
+    max_size: int
+    pull_threshold: int
+    cancel_grace_s: float
 
     def __init__(
         self, engine: ConsumerState, spec: ListenerSpec, sub: str, mq: MessageQueue, token: str, runner: str = "",
@@ -121,21 +176,13 @@ class ConsumeRequest(LingeringReads):
         self.k_log = keys.queue_log(tag)
         self.k_next = keys.queue_next(tag)
         self.k_retries = keys.sub_retries(tag, sub)
-        self.batch_max = spec.consume_message_batch_max_size or s.consume_message_batch_max_size
-        self.pull_n = spec.pull_batch_size or s.pull_batch_size
-        self.max_reconsume = spec.max_reconsume_times if spec.max_reconsume_times is not None else s.max_reconsume_times
-        self.suspend_ms = spec.suspend_current_queue_time_millis or s.suspend_current_queue_time_ms
-        self.run_lease_ms = s.run_lease_ms
-        self.lock_ms = s.lock_max_live_time_ms
-        self.pending_ttl_ms = s.pending_ttl_ms
-        self.budget = s.max_time_consume_continuously_ms / 1000
-        self.yield_s = s.consume_yield_after_ms / 1000
+        # batch_max, pull_n, max_reconsume, suspend_ms, the lease and time settings, cancel_grace_s:
+        # the same for every run of this listener (``run_constants``).
+        self.__dict__.update(run_constants(engine, spec))
         #: When the run next asks whether another request waits for its slot (``_yield_due``),
         #: and since when it has seen one waiting at every check (0: none seen).
         self._yield_at = float("inf")
         self._waiting_since = 0.0
-        self.linger_s = s.consume_linger_ms / 1000.0
-        self.max_size = s.max_message_size
         self.hooks = [*global_hooks(), *spec.hooks]
         self.stats = engine.stats
         ledger_on = spec.ledger if spec.ledger is not None else s.ledger
@@ -185,9 +232,6 @@ class ConsumeRequest(LingeringReads):
         # The same for async calls, written on the loop's thread only (no lock needed there).
         self._art_sum = 0.0
         self._art_n = 0
-        grace = spec.cancel_grace_ms if spec.cancel_grace_ms is not None else DEFAULT_CANCEL_GRACE_MS
-        #: How long calls of an async listener may go on after the run lost its queue.
-        self.cancel_grace_s = grace / 1000.0
         #: Set when the queue was lost while an awaited call (queue mode) ran: how the loop ends.
         self.call_lost: LoopEnd | None = None
         self._held_checked = time.monotonic()
@@ -342,7 +386,7 @@ class ConsumeRequest(LingeringReads):
         pq = self.pq
         deadline = time.monotonic() + self.budget
         self._start_yield_clock()
-        threshold = self.engine.settings.pull_threshold_for_queue
+        threshold = self.pull_threshold
         while True:
             if pq.dropped:
                 return LoopEnd(Stop.DONE)
@@ -417,7 +461,7 @@ class ConsumeRequest(LingeringReads):
             if pulled.kind is PullKind.LOST:
                 return self._fenced()
         if pulled.kind is PullKind.SWITCH:
-            return LoopEnd(Stop.SWITCH)
+            return SWITCH_END
         if not pulled.count:
             return LoopEnd(Stop.DONE)
         return None

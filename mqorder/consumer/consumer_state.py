@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
 from mqorder import keys
 from mqorder.consumer.dlq import DeadLetterWriter
 from mqorder.consumer.idle_watch import IdleQueueWatch
-from mqorder.consumer.listener import get_listener, registered_listeners
+from mqorder.consumer.listener import ListenerSpec, get_listener, registered_listeners
 from mqorder.consumer.retry import RetrySender
 from mqorder.consumer.stats import ConsumerStatsManager
 from mqorder.model import MessageModel, MessageQueue
@@ -58,6 +59,9 @@ class ConsumerState:
         #: under it need no ``WAIT`` (``ConsumeRequest._epoch_replicated``). A ProcessQueue is per
         #: run, so it cannot hold this.
         self.replicated_epochs: dict[tuple[str, str], int] = {}
+        #: id(ListenerSpec) -> (the spec, what each of its runs reads from it and the settings):
+        #: ``consume_request.run_constants``.
+        self.run_constants: dict[int, tuple[ListenerSpec, dict[str, Any]]] = {}
         self.stats = ConsumerStatsManager()
         #: Whether a drained request may wait for more messages: set by the integration (the
         #: Celery threads pool can tell whether requests are waiting for a slot); never by default.
@@ -82,6 +86,16 @@ class ConsumerState:
         self._owned: dict[str, tuple[float, list[MessageQueue]]] = {}
         #: The newest entry of this client's nudge stream seen by a lingering read (per process).
         self.nudge_seen = "0-0"
+        # Settings read on every run, worked out once (a pydantic model's attribute is a slow
+        # lookup, and at a trickle a run is a message). Re-check the lock before a listener call
+        # once the last confirmation is older than half a heartbeat timeout (RocketMQ: 30 s): a
+        # holder resumed after a pause notices it was replaced before it calls the listener
+        # again, not 30 s later.
+        self._pq_lock_expire_ms = min(settings.client_lock_expire_ms, settings.heartbeat_timeout_ms // 2)
+        self._linger_idle_queues = settings.consume_linger_ms > 0 and settings.consume_linger_idle_queues
+        #: That stream's key, and as a reply names it (spelled once: every lingering read needs it).
+        self.nudge_key = keys.linger_nudge(client_id)
+        self.nudge_key_b = self.nudge_key.encode()
         #: (sub, queue key) whose trimmed messages were logged already: a warning once per queue.
         self.skips_logged: set[tuple[str, str]] = set()
 
@@ -100,8 +114,7 @@ class ConsumerState:
     def nudges_idle(self) -> bool:
         """Whether a run that leaves its queue idle tells this client's lingering requests
         (``nudge.idle_entry``): when requests linger here and watch other queues."""
-        s = self.settings
-        return self.may_linger is not _never and s.consume_linger_ms > 0 and s.consume_linger_idle_queues
+        return self.may_linger is not _never and self._linger_idle_queues
 
     def owned_queues(self, sub: str) -> list[MessageQueue]:
         """Queues of ``sub`` the rebalance assigned to this client (its read hint, at most a second
@@ -153,8 +166,4 @@ class ConsumerState:
                               watchable, s.pending_ttl_ms, s.lock_max_live_time_ms)
 
     def new_process_queue(self) -> ProcessQueue:
-        s = self.settings
-        # Re-check the lock before a listener call once the last confirmation is older than half
-        # a heartbeat timeout (RocketMQ: 30 s): a holder resumed after a pause notices it was
-        # replaced before it calls the listener again, not 30 s later.
-        return ProcessQueue(min(s.client_lock_expire_ms, s.heartbeat_timeout_ms // 2))
+        return ProcessQueue(self._pq_lock_expire_ms)

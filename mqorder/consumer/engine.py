@@ -105,8 +105,10 @@ class ConsumerEngine(ConsumerState):
                 # the queue left with the watch.
                 assert req.switch_to is not None and watch is not None
                 prior = req
+                if req.switch_sub != sub or req.switch_to.topic != spec.topic:
+                    spec = self._listener_of(req.switch_sub, req.switch_to, spec, first_spec)
+                # (else: the same group and topic, so the same listener: the trickle's usual switch)
                 sub, mq, token = req.switch_sub, req.switch_to, watch.token
-                spec = self._listener_of(sub, mq, spec, first_spec)
                 continue
             if req.switch_to is None or watch is None or outcome.needs_dispatch:
                 # No switch; or the queue just left got messages between the read and the end of

@@ -44,7 +44,7 @@ from mqorder import keys
 from mqorder.consumer.nudge import idle_entry
 from mqorder.errors import BrokerUnavailableError
 from mqorder.model import MessageQueue
-from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline, packed_args
 from mqorder.store.replies import text
 from mqorder.tokens import new_token
 
@@ -106,6 +106,11 @@ class ReadPlan:
     offered: list[MessageQueue]
     keys: list[str]
     seen: list[int]
+    #: The same keys and offsets packed (``raw_pipe.packed_args``), one piece per queue:
+    #: ``switch.lua`` is offered behind every lingering read, and packing them anew cost more than
+    #: any other part of that read's command (``LingeringReads._offer_switch``).
+    key_segs: list[bytes]
+    seen_segs: list[bytes]
 
 
 class IdleQueueWatch:
@@ -138,6 +143,8 @@ class IdleQueueWatch:
         self._plan: ReadPlan | None = None
         #: ``switch.lua``'s keys of each queue this watch adopted, by (subscription, log stream key).
         self._keys: dict[tuple[str, str], tuple[str, str, str, str]] = {}
+        #: The same four keys packed (``raw_pipe.packed_args``), spelled once too.
+        self._key_segs: dict[tuple[str, str], bytes] = {}
         #: Queues this client's other runs said went idle (``nudge.idle_entry``): adopted at the
         #: next read, without waiting for the next full refresh.
         self._soon: list[tuple[str, MessageQueue]] = []
@@ -171,14 +178,16 @@ class IdleQueueWatch:
         offered: list[MessageQueue] = []
         ks: list[str] = []
         seen: list[int] = []
+        key_segs: list[bytes] = []
         topic, own = exclude.topic, keys.queue_log(exclude.tag)
         for (psub, k), (mq, offset) in self.adopted.items():
             # A queue of another topic or group runs with its own listener and settings.
             if psub == sub and mq.topic == topic and k != own:
                 offered.append(mq)
                 ks += self._switch_keys(psub, k, mq)
+                key_segs.append(self._key_segs[(psub, k)])
                 seen.append(offset)
-        plan = self._plan = ReadPlan(sub, exclude, offered, ks, seen)
+        plan = self._plan = ReadPlan(sub, exclude, offered, ks, seen, key_segs, [packed_args((o,)) for o in seen])
         return plan
 
     def ring(self, state_keys: list[str]) -> None:
@@ -221,6 +230,7 @@ class IdleQueueWatch:
             tag = mq.tag
             ks = self._keys[(sub, stream_key)] = (keys.sub_state(tag, sub), stream_key, keys.queue_next(tag),
                                                   keys.sub_retries(tag, sub))
+            self._key_segs[(sub, stream_key)] = packed_args(ks)
         return ks
 
     def refresh(self, running_sub: str, running: MessageQueue, via: ConnectionLease | None = None) -> None:
@@ -292,15 +302,52 @@ class IdleQueueWatch:
         'adopt'), so no send to it falls between the two; None when it was not (no longer the
         caller's: the next full refresh finds out again). ``backlog``: ``left`` had messages past
         ``adopted_at`` when it was handed over, stored while its run held it (no doorbell rang)."""
-        self.adopted.pop((to_sub, keys.queue_log(to.tag)), None)
-        self.rung.pop((to_sub, keys.queue_log(to.tag)), None)
-        if adopted_at is not None:
-            key = self._hand_over(left_sub, left, adopted_at)
-            # A doorbell of ``left`` read beside its run's own messages is no news any more.
-            self.rung.pop(key, None)
-            if backlog:
-                self.rung[key] = None
-        self._changed()
+        to_key = (to_sub, keys.queue_log(to.tag))
+        self.adopted.pop(to_key, None)
+        self.rung.pop(to_key, None)
+        if adopted_at is None:
+            self._changed()
+            return
+        plan = self._plan
+        left_new = (left_sub, keys.queue_log(left.tag)) not in self.adopted
+        key = self._hand_over(left_sub, left, adopted_at)
+        # A doorbell of ``left`` read beside its run's own messages is no news any more.
+        self.rung.pop(key, None)
+        if backlog:
+            self.rung[key] = None
+        self._plan = self._plan_after(plan, key, left, to_key, to, adopted_at) if left_new else None
+
+    def _plan_after(self, plan: ReadPlan | None, left_key: tuple[str, str], left: MessageQueue,
+                    to_key: tuple[str, str], to: MessageQueue, adopted_at: int) -> ReadPlan | None:
+        """``plan`` (the run on ``left``'s) made into the plan of the run on ``to`` that follows it,
+        without a pass over the adopted queues: ``to`` leaves the offer and ``left``, handed over at
+        ``adopted_at`` and new to ``adopted`` (so last in its order), joins it. What ``plan``
+        would make from ``adopted`` now, in the same order; None (``plan`` makes it) unless the
+        two runs are of one subscription and topic and ``plan`` was ``left``'s and offered ``to``.
+
+        Why: at a trickle nearly every message is such a switch, and remaking the plan was the
+        largest single piece of the engine's Python per message (a pass over every adopted queue,
+        seven on a stock worker; 240 for one watching 60 groups)."""
+        sub = left_key[0]
+        to_sub, to_log = to_key
+        # (Two groups may adopt one queue: only a switch within the plan's own group keeps it.)
+        if plan is None or plan.exclude is not left or plan.sub != sub or to_sub != sub or to.topic != left.topic:
+            return None
+        # Found by its log key, compared in C (each queue's four keys in a row, the log second;
+        # ``list.index`` of the queue itself ran the dataclass's ``__eq__`` on those before it).
+        try:
+            at = plan.keys.index(to_log)
+        except ValueError:
+            return None
+        i, second = divmod(at, 4)
+        if second != 1 or plan.offered[i] is not to:
+            return None
+        offered = [*plan.offered[:i], *plan.offered[i + 1:], left]
+        ks = [*plan.keys[:4 * i], *plan.keys[4 * i + 4:], *self._switch_keys(sub, left_key[1], left)]
+        seen = [*plan.seen[:i], *plan.seen[i + 1:], adopted_at]
+        key_segs = [*plan.key_segs[:i], *plan.key_segs[i + 1:], self._key_segs[left_key]]
+        seen_segs = [*plan.seen_segs[:i], *plan.seen_segs[i + 1:], packed_args((adopted_at,))]
+        return ReadPlan(sub, to, offered, ks, seen, key_segs, seen_segs)
 
     def took_back(self, sub: str, mq: MessageQueue, adopted_at: int, backlog: bool = False) -> None:
         """``mq`` was handed to this watch at ``adopted_at`` (``switch.lua`` ended its run) although

@@ -18,11 +18,11 @@ from redis.exceptions import NoScriptError, ResponseError
 from mqorder import keys
 from mqorder.consumer.consumer_state import ConsumerState
 from mqorder.consumer.idle_watch import IdleQueueWatch, Party, ReadPlan, backlog_in
-from mqorder.consumer.nudge import doorbells, idle_queues
-from mqorder.consumer.run_types import LOST, NOTHING, SWITCH, WAIT, LoopEnd, Pull, PullKind, Slice, Stop
+from mqorder.consumer.nudge import read_nudges
+from mqorder.consumer.run_types import LOST, NOTHING, SWITCH, SWITCH_END, WAIT, LoopEnd, Pull, PullKind, Slice
 from mqorder.model import MessageQueue
 from mqorder.process_queue import ProcessQueue
-from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
+from mqorder.store.raw_pipe import ConnectionLease, RawPipeline, packed_args
 from mqorder.store.replies import text
 
 log = logging.getLogger(__name__)
@@ -35,6 +35,17 @@ LINGER_SLICE_S = 0.1
 #: Entries of the nudge stream a lingering read takes at once (only the newest id matters, and
 #: "went idle" entries that adopt queues are not used on a Redis Cluster).
 NUDGE_READ_COUNT = 16
+
+
+def switch_command(sha: str, own_keys: list[str], plan: ReadPlan, args: list[Any]) -> bytes:
+    """``EVALSHA`` of ``switch.lua`` (``sha``) packed for ``RawPipeline.execute_packed``: the run's
+    own keys, the plan's keys, ``args``, the plan's offsets. The plan's parts come packed already
+    (``ReadPlan.key_segs``, ``seen_segs``): the same bytes as packing the whole call."""
+    n = 3 + len(own_keys) + len(plan.keys) + len(args) + len(plan.seen)
+    return b"".join([
+        b"*%d\r\n" % n, packed_args(("EVALSHA", sha, len(own_keys) + len(plan.keys), *own_keys)),
+        *plan.key_segs, packed_args(tuple(args)), *plan.seen_segs,
+    ])
 
 
 class LingeringReads:
@@ -152,7 +163,7 @@ class LingeringReads:
         # The adopted queues are not named: a send to one rings the nudge stream (a doorbell).
         blocking = ("BLOCK", block_ms) if block_ms else ()
         pipe.execute_command("XREAD", "COUNT", self.pull_n, *blocking, "STREAMS", self.k_log,
-                             keys.linger_nudge(self.client_id), last_id, nudge_seen)
+                             self.engine.nudge_key, last_id, nudge_seen)
         pipe.execute_command("HMGET", self.k_state, "owner", "epoch", "pending", "assignee")
         if plan is not None and plan.offered:
             self._offer_switch(pipe, plan)
@@ -167,10 +178,10 @@ class LingeringReads:
         self._offered = plan.offered
         if watch is None:
             return
-        self.scripts.queue_in(pipe, "switch", [self.k_state, self.k_next, *plan.keys], [
+        pipe.execute_packed(switch_command(self.scripts.switch.sha, [self.k_state, self.k_next], plan, [
             self.epoch, self.pulled_to, self._commit_target(),
-            *self._finish_call(LoopEnd(Stop.SWITCH))[1], *self._begin_args(watch.token), *plan.seen,
-        ])
+            *self._finish_call(SWITCH_END)[1], *self._begin_args(watch.token),
+        ]))
 
     def _finish_call(self, end: LoopEnd) -> tuple[list[str], list[Any]]:
         raise NotImplementedError  # ConsumeRequest's: finish.lua's keys and arguments
@@ -279,7 +290,7 @@ class LingeringReads:
             return {}
         # RESP2 gives [[stream, entries], ...]; RESP3 gives {stream: entries}.
         by_stream = dict(reply.items()) if isinstance(reply, dict) else {k: v for k, v in reply}
-        nudges = by_stream.pop(keys.linger_nudge(self.client_id).encode(), None)
+        nudges = by_stream.pop(self.engine.nudge_key_b, None)
         if nudges:
             # A request waits for a slot (or an old nudge, seen once): may_linger() decides. Or a
             # queue of this client went idle: watch it from the next read on. Or an adopted queue
@@ -287,10 +298,11 @@ class LingeringReads:
             self.engine.nudge_seen = newest = text(nudges[-1][0])
             if self.watch is not None:
                 self.watch.nudge_seen = newest
-                went_idle = idle_queues(nudges)
+                went_idle, bells = read_nudges(nudges)
                 if went_idle:
                     self.watch.adopt_soon(went_idle)
-                self.watch.ring(doorbells(nudges))
+                if bells:
+                    self.watch.ring(bells)
         return by_stream
 
     def _slice_pulled(self, read: Slice, nxt: int) -> Pull:

@@ -11,7 +11,7 @@ sees the requests it received (``mqorder.celery.capacity``), appends to that str
 waits, which ends every lingering read of the client at once.
 
 A send to an idle queue that a lingering request adopted rings the same stream (an ``m`` entry
-naming the queue's state key: ``doorbells``): the read returns and the request runs that queue.
+naming the queue's state key: ``read_nudges``): the read returns and the request runs that queue.
 
 The same stream says "queue X of subscription S just went idle" (an entry with ``s`` and ``q``
 fields, ``idle_entry``): a run that ends without lingering (its worker's slots are busy, or another
@@ -58,29 +58,27 @@ def idle_entry(client_id: str, went_idle: list[tuple[str, str]]) -> tuple[Any, .
     return ("XADD", keys.linger_nudge(client_id), "MAXLEN", "~", NUDGE_MAX_LEN, "*", *fields)
 
 
-def idle_queues(entries: list[Any]) -> list[tuple[str, str]]:
-    """The (subscription, queue key) named by the "queue went idle" entries among ``entries`` (raw
-    XREAD entries). A queue named without its subscription (an entry of a version before groups
-    were watched together, read after a restart) is skipped: the next full refresh finds it."""
-    out = []
-    for _id, fields in entries:
-        sub = None
-        for i in range(0, len(fields) - 1, 2):
-            name, value = fields[i], text(fields[i + 1])
-            if name == SUB_FIELD:
-                sub = value
-            elif name == IDLE_FIELD and sub is not None:
-                out.append((sub, value))
-    return out
-
-
-def doorbells(entries: list[Any]) -> list[str]:
-    """The state keys named by the doorbells among ``entries`` (raw XREAD entries), in order."""
-    out = []
+def read_nudges(entries: list[Any]) -> tuple[list[tuple[str, str]], list[str]]:
+    """What a batch of nudges (raw XREAD entries of the nudge stream) says, in one pass: the
+    (subscription, queue key) its "queue went idle" entries name, and the state keys its doorbells
+    name, in order. A lingering read takes both from every batch it reads, at a trickle once per
+    message (nearly every entry a doorbell: two fields, looked at once). A queue named without its
+    subscription (an entry of a version before groups were watched together, read after a
+    restart) is skipped: the next full refresh finds it."""
+    idle: list[tuple[str, str]] = []
+    bells: list[str] = []
     for _id, fields in entries:
         if len(fields) == 2 and fields[0] == DOORBELL_FIELD:
-            out.append(text(fields[1]))
-    return out
+            bells.append(text(fields[1]))
+            continue
+        sub = None
+        for i in range(0, len(fields) - 1, 2):
+            name = fields[i]
+            if name == SUB_FIELD:
+                sub = text(fields[i + 1])
+            elif name == IDLE_FIELD and sub is not None:
+                idle.append((sub, text(fields[i + 1])))
+    return idle, bells
 
 
 class LingerNudge:

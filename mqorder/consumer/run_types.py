@@ -73,6 +73,11 @@ class LoopEnd:
     countdown: float = 0.0
 
 
+#: The end of a run that switches to another queue: made once (frozen), as a lingering read offers
+#: a switch behind every read at a trickle and most of those runs end so.
+SWITCH_END = LoopEnd(Stop.SWITCH)
+
+
 class PullKind(StrEnum):
     """What a fenced commit-and-pull, or a lingering read, came back with (``Pull.kind``)."""
 

@@ -87,7 +87,9 @@ class ConnectionLease:
         if self._route is not None:
             return self._route.round_trip(commands, partial)
         n = len(commands)
-        packed = hiredis.pack_command(commands[0]) if n == 1 else b"".join([hiredis.pack_command(c) for c in commands])
+        # A command given as ``bytes`` is packed already (``RawPipeline.execute_packed``).
+        packed = (hiredis.pack_command(commands[0]) if n == 1 and type(commands[0]) is not bytes
+                  else b"".join([c if type(c) is bytes else hiredis.pack_command(c) for c in commands]))
         conn = self._conn
         if conn is None:
             conn = self._conn = self._pool.get_connection()
@@ -189,6 +191,17 @@ class RawPipeline:
         self._commands.append(args)
         return self
 
+    def execute_packed(self, command: bytes) -> RawPipeline:
+        """Queue one command packed already (RESP: ``packed_args`` of its words and arguments
+        after its ``*<count>`` header), for a command most of whose arguments are the same bytes
+        call after call (``switch.lua``'s keys of every adopted queue, on every lingering read).
+        On a ``ConnectionLease`` off a Redis Cluster only: a cluster route reads a command's keys."""
+        source = self._source
+        if not isinstance(source, ConnectionLease) or source.on_cluster:
+            raise TypeError("a packed command goes on a ConnectionLease off a Redis Cluster")
+        self._commands.append(command)  # type: ignore[arg-type]  # round_trip sends bytes as they are
+        return self
+
     def __len__(self) -> int:
         return len(self._commands)
 
@@ -214,6 +227,13 @@ class RawPipeline:
                 if isinstance(r, Exception):
                     raise r
         return replies
+
+
+def packed_args(args: tuple[Any, ...]) -> bytes:
+    """``args`` packed as RESP bulk strings without the array header (what ``hiredis`` gives after
+    ``*<count>\r\n``): pieces of a command put together with ``execute_packed``."""
+    data = hiredis.pack_command(args)
+    return data[data.index(b"\n") + 1:]
 
 
 def _round_trip(conn: Any, packed: bytes, n: int, lean: bool) -> list[Any]:

@@ -219,11 +219,11 @@ def floor_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> di
         last = dict.fromkeys(logs, "0-0")
         while not stop.is_set():
             pipe = RawPipeline(lease)
-            pipe.execute_command("EVALSHA", sha, 3, state, logs[0], logs[1], "c1", 1, "t0", 0, 60000, 60000,
+            pipe.execute_command("EVALSHA", sha, 3, state, logs[0], logs[-1], "c1", 1, "t0", 0, 60000, 60000,
                                  "0", 0, 0)
             pipe.execute_command("XREAD", "COUNT", 32, "BLOCK", 100, "STREAMS", *logs, *last.values())
             pipe.execute_command("HMGET", state, "owner", "epoch", "pending", "assignee")
-            pipe.execute_command("EVALSHA", sha, 4, state, logs[0], logs[1], logs[2], 1, 0, 0, "c1", "t0", 2,
+            pipe.execute_command("EVALSHA", sha, 4, state, logs[0], logs[-1], state, 1, 0, 0, "c1", "t0", 2,
                                  "t1", 60000, 60000, "w", 300000, "c1", "t0", 60000, 60000, 32, "r")
             replies = pipe.execute(raise_on_error=True)
             read = replies[1]

@@ -180,15 +180,17 @@ def floor_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> di
 
     One thread blocks on every queue's stream at once and, per message, makes the engine's one
     round trip (a script call with a commit's arguments, the blocking ``XREAD``, an ``HMGET`` of a
-    state hash, a script call with a switch's arguments: ``EVALSHA`` of ``return 0`` for both, on
-    the engine's own connection code, ``ConnectionLease``), decodes the entry (``decode_entries``)
-    and calls the same no-op listener. No lock, no fencing, no run object, no bookkeeping: what
+    state hash, a script call with a switch's keys and arguments, its candidates packed once as the
+    engine's are: ``EVALSHA`` of ``return 0`` for both, on the engine's own connection code,
+    ``ConnectionLease``), decodes the entry (``decode_entries``) and calls the same no-op listener. No lock, no fencing, no run object, no bookkeeping: what
     any Python worker pays to be woken for a trickling message and acknowledge it in one round
     trip. ``trickle_pass``'s figure over this one is what the engine's design adds.
     """
     from mqorder.codec import decode_entries
     from mqorder.consumer.context import ConsumeOrderlyContext
-    from mqorder.store.raw_pipe import ConnectionLease, RawPipeline
+    from mqorder.consumer.idle_watch import ReadPlan
+    from mqorder.consumer.linger import switch_command
+    from mqorder.store.raw_pipe import ConnectionLease, RawPipeline, packed_args
 
     topic = f"fl{seed}-{time.monotonic_ns()}"
     p = Producer(settings=_settings(url))
@@ -217,14 +219,22 @@ def floor_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> di
         counter.thread = tid[0]
         lease = ConnectionLease(r)
         last = dict.fromkeys(logs, "0-0")
+        # switch.lua's call as the engine makes it, its candidates (the other queues, four keys
+        # and an offset each) packed once, as the engine's watch packs its adopted queues.
+        others = mqs[1:]
+        plan_keys = [k for mq in others for k in (keys.sub_state(mq.tag, "g-floor"), keys.queue_log(mq.tag),
+                                                    keys.queue_next(mq.tag), keys.sub_retries(mq.tag, "g-floor"))]
+        plan = ReadPlan("g-floor", mqs[0], others, plan_keys, [0] * len(others),
+                        [packed_args(tuple(plan_keys[4 * i:4 * i + 4])) for i in range(len(others))],
+                        [packed_args((0,)) for _ in others])
         while not stop.is_set():
             pipe = RawPipeline(lease)
             pipe.execute_command("EVALSHA", sha, 3, state, logs[0], logs[-1], "c1", 1, "t0", 0, 60000, 60000,
                                  "0", 0, 0)
             pipe.execute_command("XREAD", "COUNT", 32, "BLOCK", 100, "STREAMS", *logs, *last.values())
             pipe.execute_command("HMGET", state, "owner", "epoch", "pending", "assignee")
-            pipe.execute_command("EVALSHA", sha, 4, state, logs[0], logs[-1], state, 1, 0, 0, "c1", "t0", 2,
-                                 "t1", 60000, 60000, "w", 300000, "c1", "t0", 60000, 60000, 32, "r")
+            pipe.execute_packed(switch_command(sha, [state, keys.queue_next(mqs[0].tag)], plan, [
+                1, 0, 0, "c1", "t0", "switch", "t1", 60000, 60000, "!w", 2000, "c1", "!w", 60000, 60000, 32, "r"]))
             replies = pipe.execute(raise_on_error=True)
             read = replies[1]
             if not read:

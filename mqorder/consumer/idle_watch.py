@@ -93,10 +93,11 @@ Party = tuple[str, MessageQueue, int]
 DOORBELL_MARK = "!"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ReadPlan:
     """What a lingering read of the run on (``sub``, ``exclude``) offers ``switch.lua``
-    (``IdleQueueWatch.plan``)."""
+    (``IdleQueueWatch.plan``). Not frozen (nothing changes one once made): one is made per
+    trickling message, and a frozen dataclass sets each field through ``object.__setattr__``."""
 
     sub: str
     exclude: MessageQueue

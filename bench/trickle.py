@@ -27,6 +27,7 @@ import statistics
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from bench.common import client, log, queues_of, redis_and_client
@@ -110,69 +111,80 @@ def trickle_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> 
     eng = ConsumerEngine(settings, me)
     r.hset(keys.assignment(sub), mapping={mq.key: me for mq in mqs})
     RebalanceLockManager(eng.brokers).assign(sub, [(mq, me, f"t{mq.queue_id}") for mq in mqs])
-    seen = threading.Event()
-    count = [0]
-
-    def listener(msgs: Any, ctx: Any) -> ConsumeOrderlyStatus:
-        count[0] += len(msgs)
-        seen.set()
-        return ConsumeOrderlyStatus.SUCCESS
-
     linger = threading.Event()
     linger.set()
     eng.may_linger = linger.is_set
-    spec = ListenerSpec(listener, topic, sub)
+    one = _Pass()
+    spec = ListenerSpec(one.listener, topic, sub)
     r.hset(keys.sub_state(mqs[0].tag, sub), mapping={"pending": "t0", "pend_until": 2**62})
-    result: list[Any] = []
-    tid: list[int] = []
-
-    counter = _RoundTrips()
-
-    def work() -> None:
-        tid.append(threading.get_ident())
-        counter.thread = tid[0]
-        result.append(eng.run(spec, sub, mqs[0], "t0"))
-
-    rng = random.Random(seed)
-    key_of = [_key_for(q, queues) for q in range(queues)]
-    t = threading.Thread(target=work, daemon=True)
-    t.start()
+    one.start(lambda: eng.run(spec, sub, mqs[0], "t0"))
     try:
         time.sleep(0.3)  # drained queue 0, lingering over all of them
-        out = _drive(p, topic, key_of, rng, messages, seen, count, tid[0], counter, r)
+        out = one.drive(p, topic, [_key_for(q, queues) for q in range(queues)], random.Random(seed), messages, r)
     finally:
         linger.clear()
-        t.join(10)
-        counter.close()
+        one.stop()
         p.close()
         r.close()
         eng.brokers.close()
     return out
 
 
-def _drive(p: Any, topic: str, key_of: list[str], rng: random.Random, messages: int, seen: threading.Event,
-           count: list[int], tid: int, counter: _RoundTrips, r: Any) -> dict[str, float]:
-    """Send ``messages`` one at a time (a random queue each), each after the listener saw the last;
-    the consuming thread ``tid``'s CPU, round trips and commands over them, per message."""
-    queues = len(key_of)
-    clock = time.pthread_getcpuclockid(tid)
-    c0, w0, us0 = time.clock_gettime(clock), _wakes(r), _user_sys(tid)
-    trips0, cmd0 = counter.trips, counter.commands + counter.trips
-    for i in range(messages):
-        seen.clear()
-        p.send_orderly(topic, b"x", sharding_key=key_of[rng.randrange(queues)])
-        if not seen.wait(5):
-            raise TimeoutError(f"message {i} was not handled within 5 s")
-    while count[0] < messages:
-        time.sleep(0.001)
-    cpu = time.clock_gettime(clock) - c0
-    us = [b - a for a, b in zip(us0, _user_sys(tid), strict=True)]
-    trips, cmds = counter.trips - trips0, counter.commands + counter.trips - cmd0
-    wakes = _wakes(r) - w0
-    return {"messages": messages, "engine_cpu_us_per_msg": cpu / messages * 1e6,
-            "engine_user_us_per_msg": us[0] / messages * 1e6, "engine_sys_us_per_msg": us[1] / messages * 1e6,
-            "engine_round_trips_per_msg": trips / messages, "engine_commands_per_msg": cmds / messages,
-            "wakes_per_msg": wakes / messages}
+class _Pass:
+    """What both passes share: the no-op listener (a count, and an event set at each call), the
+    consuming thread (its CPU is the figure), the round trips counted on it, and the sends."""
+
+    def __init__(self) -> None:
+        self.seen = threading.Event()
+        self.count = 0
+        self.counter = _RoundTrips()
+        self.tid = 0
+        self._thread: threading.Thread | None = None
+
+    def listener(self, msgs: Any, ctx: Any) -> ConsumeOrderlyStatus:
+        self.count += len(msgs)
+        self.seen.set()
+        return ConsumeOrderlyStatus.SUCCESS
+
+    def start(self, body: Callable[[], object]) -> None:
+        """Run ``body`` in the consuming thread."""
+        def run() -> None:
+            self.tid = self.counter.thread = threading.get_ident()
+            body()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Wait for the consuming thread (its body told to end) and stop counting."""
+        if self._thread is not None:
+            self._thread.join(10)
+        self.counter.close()
+
+    def drive(self, p: Any, topic: str, key_of: list[str], rng: random.Random, messages: int,
+              r: Any) -> dict[str, float]:
+        """Send ``messages`` one at a time (a random queue each), each after the listener saw the
+        last; the consuming thread's CPU, round trips and commands over them, per message."""
+        queues, tid, counter, seen = len(key_of), self.tid, self.counter, self.seen
+        clock = time.pthread_getcpuclockid(tid)
+        c0, w0, us0 = time.clock_gettime(clock), _wakes(r), _user_sys(tid)
+        trips0, cmd0 = counter.trips, counter.commands + counter.trips
+        start = self.count
+        for i in range(messages):
+            seen.clear()
+            p.send_orderly(topic, b"x", sharding_key=key_of[rng.randrange(queues)])
+            if not seen.wait(5):
+                raise TimeoutError(f"message {i} was not handled within 5 s")
+        while self.count - start < messages:
+            time.sleep(0.001)
+        cpu = time.clock_gettime(clock) - c0
+        us = [b - a for a, b in zip(us0, _user_sys(tid), strict=True)]
+        trips, cmds = counter.trips - trips0, counter.commands + counter.trips - cmd0
+        wakes = _wakes(r) - w0
+        return {"messages": messages, "engine_cpu_us_per_msg": cpu / messages * 1e6,
+                "engine_user_us_per_msg": us[0] / messages * 1e6, "engine_sys_us_per_msg": us[1] / messages * 1e6,
+                "engine_round_trips_per_msg": trips / messages, "engine_commands_per_msg": cmds / messages,
+                "wakes_per_msg": wakes / messages}
 
 
 def floor_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> dict[str, float]:
@@ -201,22 +213,10 @@ def floor_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> di
     logs = [keys.queue_log(mq.tag) for mq in mqs]
     by_log = {k.encode(): mq for k, mq in zip(logs, mqs, strict=True)}
     state = keys.sub_state(mqs[0].tag, "g-floor")
-    seen = threading.Event()
-    count = [0]
     stop = threading.Event()
-
-    def listener(msgs: Any, ctx: Any) -> ConsumeOrderlyStatus:
-        count[0] += len(msgs)
-        seen.set()
-        return ConsumeOrderlyStatus.SUCCESS
-
-    result: list[Any] = []
-    tid: list[int] = []
-    counter = _RoundTrips()
+    one = _Pass()
 
     def work() -> None:
-        tid.append(threading.get_ident())
-        counter.thread = tid[0]
         lease = ConnectionLease(r)
         last = dict.fromkeys(logs, "0-0")
         # switch.lua's call as the engine makes it, its candidates (the other queues, four keys
@@ -242,23 +242,18 @@ def floor_pass(url: str, *, messages: int, queues: int = 8, seed: int = 1) -> di
             for stream, entries in (read.items() if isinstance(read, dict) else read):
                 last[stream.decode()] = entries[-1][0].decode()
                 mq = by_log[stream]
-                listener(decode_entries(mq, entries), ConsumeOrderlyContext(
+                one.listener(decode_entries(mq, entries), ConsumeOrderlyContext(
                     mq, epoch=1, client_id="c1", group="g-floor", still_owner=bool,
                     suspend_current_queue_time_millis=1000, run_id="r"))
         lease.release()
-        result.append(count[0])
 
-    rng = random.Random(seed)
-    key_of = [_key_for(q, queues) for q in range(queues)]
-    t = threading.Thread(target=work, daemon=True)
-    t.start()
+    one.start(work)
     try:
         time.sleep(0.3)
-        out = _drive(p, topic, key_of, rng, messages, seen, count, tid[0], counter, r)
+        out = one.drive(p, topic, [_key_for(q, queues) for q in range(queues)], random.Random(seed), messages, r)
     finally:
         stop.set()
-        t.join(10)
-        counter.close()
+        one.stop()
         p.close()
         r.close()
     return out

@@ -142,10 +142,9 @@ class IdleQueueWatch:
         #: ``plan``'s last answer: read on every lingering read, it changes only with the adopted
         #: queues (``_changed`` forgets it).
         self._plan: ReadPlan | None = None
-        #: ``switch.lua``'s keys of each queue this watch adopted, by (subscription, log stream key).
-        self._keys: dict[tuple[str, str], tuple[str, str, str, str]] = {}
-        #: The same four keys packed (``raw_pipe.packed_args``), spelled once too.
-        self._key_segs: dict[tuple[str, str], bytes] = {}
+        #: ``switch.lua``'s keys of each queue this watch adopted, by (subscription, log stream key),
+        #: and the same four keys packed (``raw_pipe.packed_args``).
+        self._keys: dict[tuple[str, str], tuple[tuple[str, str, str, str], bytes]] = {}
         #: Queues this client's other runs said went idle (``nudge.idle_entry``): adopted at the
         #: next read, without waiting for the next full refresh.
         self._soon: list[tuple[str, MessageQueue]] = []
@@ -185,8 +184,9 @@ class IdleQueueWatch:
             # A queue of another topic or group runs with its own listener and settings.
             if psub == sub and mq.topic == topic and k != own:
                 offered.append(mq)
-                ks += self._switch_keys(psub, k, mq)
-                key_segs.append(self._key_segs[(psub, k)])
+                four, seg = self._switch_keys(psub, k, mq)
+                ks += four
+                key_segs.append(seg)
                 seen.append(offset)
         plan = self._plan = ReadPlan(sub, exclude, offered, ks, seen, key_segs, [packed_args((o,)) for o in seen])
         return plan
@@ -224,15 +224,15 @@ class IdleQueueWatch:
         if entries:
             self.nudge_seen = text(entries[0][0])
 
-    def _switch_keys(self, sub: str, stream_key: str, mq: MessageQueue) -> tuple[str, str, str, str]:
-        """``switch.lua``'s four keys of an adopted queue (state, log, next, retries), spelled once."""
-        ks = self._keys.get((sub, stream_key))
-        if ks is None:
+    def _switch_keys(self, sub: str, stream_key: str, mq: MessageQueue) -> tuple[tuple[str, str, str, str], bytes]:
+        """``switch.lua``'s four keys of an adopted queue (state, log, next, retries), and packed,
+        spelled once."""
+        hit = self._keys.get((sub, stream_key))
+        if hit is None:
             tag = mq.tag
-            ks = self._keys[(sub, stream_key)] = (keys.sub_state(tag, sub), stream_key, keys.queue_next(tag),
-                                                  keys.sub_retries(tag, sub))
-            self._key_segs[(sub, stream_key)] = packed_args(ks)
-        return ks
+            four = (keys.sub_state(tag, sub), stream_key, keys.queue_next(tag), keys.sub_retries(tag, sub))
+            hit = self._keys[(sub, stream_key)] = (four, packed_args(four))
+        return hit
 
     def refresh(self, running_sub: str, running: MessageQueue, via: ConnectionLease | None = None) -> None:
         """Adopt the idle owned queues not adopted yet (at most every ``ADOPT_REFRESH_S``) and renew
@@ -344,9 +344,10 @@ class IdleQueueWatch:
         if second != 1 or plan.offered[i] is not to:
             return None
         offered = [*plan.offered[:i], *plan.offered[i + 1:], left]
-        ks = [*plan.keys[:4 * i], *plan.keys[4 * i + 4:], *self._switch_keys(sub, left_key[1], left)]
+        four, seg = self._switch_keys(sub, left_key[1], left)
+        ks = [*plan.keys[:4 * i], *plan.keys[4 * i + 4:], *four]
         seen = [*plan.seen[:i], *plan.seen[i + 1:], adopted_at]
-        key_segs = [*plan.key_segs[:i], *plan.key_segs[i + 1:], self._key_segs[left_key]]
+        key_segs = [*plan.key_segs[:i], *plan.key_segs[i + 1:], seg]
         seen_segs = [*plan.seen_segs[:i], *plan.seen_segs[i + 1:], packed_args((adopted_at,))]
         return ReadPlan(sub, to, offered, ks, seen, key_segs, seen_segs)
 

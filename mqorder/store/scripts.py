@@ -376,9 +376,8 @@ class Scripts:
 
     if TYPE_CHECKING:
         # For type checkers only (the scripts are set in ``__init__``): at run time a class with
-        # ``__getattr__`` makes every attribute lookup on its objects take the slow generic path
-        # (callgrind: 4 % of a trickling message's instructions in the engine, ``queue_in``,
-        # ``call`` and the scripts looked up on every round trip).
+        # ``__getattr__`` sends every attribute lookup on its objects down the slow generic path
+        # (``queue_in``, ``call`` and a script are looked up on every round trip of a run).
         def __getattr__(self, name: str) -> Any:
             raise AttributeError(name)
 

@@ -289,6 +289,10 @@ def main() -> int:
     ap.add_argument("--floor", action="store_true",
                     help="also run floor_pass (a bare loop of the same round trip), interleaved run by run")
     args = ap.parse_args()
+    for name in ("messages", "runs", "queues"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name} must be at least 1 (got {getattr(args, name)}): a pass needs a queue, a message "
+                     "and a run to measure")
     passes = {"trickle": trickle_pass, **({"floor": floor_pass} if args.floor else {})}
     out: dict[str, list[dict[str, float]]] = {name: [] for name in passes}
     with contextlib.ExitStack() as st:

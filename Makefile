@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: test test-fast demo docs chaos bench lint install redis clean
 
-$(STAMP): pyproject.toml setup.py mqorder/spark/_resp.c
+$(STAMP): pyproject.toml setup.py mqorder/spark/_resp.c mqorder/store/_pack.c
 	@command -v redis-server >/dev/null || { echo "installing redis-server"; \
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server) >/dev/null; }
 	@command -v java >/dev/null || { echo "installing a Java 17 runtime for Spark"; \
@@ -91,4 +91,4 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build mqorder/spark/_resp*.so
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info build mqorder/spark/_resp*.so mqorder/store/_pack*.so

@@ -8,7 +8,7 @@ annotation, and a pool checkout and release per round trip, each recording obser
 (redis-py 8). Profiled in a stock prefork child at 1,000 msg/s, the checkout and release alone
 were about a fifth of its CPU.
 
-``RawPipeline`` keeps what the consume path needs: commands packed by hiredis into one write, the
+``RawPipeline`` keeps what the consume path needs: commands packed into one write (``packing``), the
 replies read in order, an error reply kept in its place (``raise_on_error=False``) or the first
 one raised, the client's ``Retry`` around the round trip with the connection dropped after a
 failure (as ``Pipeline.execute`` does), no ``MULTI`` (like ``pipeline(transaction=False)``). It
@@ -28,10 +28,11 @@ import time
 import weakref
 from typing import Any
 
-import hiredis
 import redis
 from redis.connection import AbstractConnection
 from redis.exceptions import ResponseError
+
+from mqorder.store.packing import pack_commands
 
 try:  # redis-py's hiredis parser (5.x-8.x): the lean reads use it when the connection does
     from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
@@ -88,8 +89,7 @@ class ConnectionLease:
             return self._route.round_trip(commands, partial)
         n = len(commands)
         # A command given as ``bytes`` is packed already (``RawPipeline.execute_packed``).
-        packed = (hiredis.pack_command(commands[0]) if n == 1 and type(commands[0]) is not bytes
-                  else b"".join([c if type(c) is bytes else hiredis.pack_command(c) for c in commands]))
+        packed = pack_commands(commands)
         conn = self._conn
         if conn is None:
             conn = self._conn = self._pool.get_connection()
@@ -232,7 +232,7 @@ class RawPipeline:
 def packed_args(args: tuple[Any, ...]) -> bytes:
     """``args`` packed as RESP bulk strings without the array header (what ``hiredis`` gives after
     ``*<count>\r\n``): pieces of a command put together with ``execute_packed``."""
-    data = hiredis.pack_command(args)
+    data = pack_commands((args,))
     return data[data.index(b"\n") + 1:]
 
 

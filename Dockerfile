@@ -40,9 +40,10 @@ COPY README.md setup.py ./
 # Only the package: the checkout's workers/, tasks/ and config/ (the reference app) are not
 # installed; the image runs the package's own stock app, mqorder.app. setup.py builds the two
 # optional C extensions with the gcc above: mqorder.store._pack, which packs every round trip's
-# commands (a trickling worker's packing costs it ~13 % fewer instructions), and the Spark
-# readers' mqorder.spark._resp (small; the image runs no Spark). No build isolation: the build
-# backend is already in the venv, so this step needs no network.
+# commands (a trickling worker spends ~13 % fewer instructions with it), and the Spark readers'
+# mqorder.spark._resp (small; the image runs no Spark). With BUILD_DEPS empty (`make test`'s
+# build) or a base without Python's headers, both are skipped and hiredis packs instead. No
+# build isolation: the build backend is already in the venv, so this step needs no network.
 COPY mqorder ./mqorder
 RUN /opt/mqorder/bin/pip install . --no-deps --no-build-isolation
 

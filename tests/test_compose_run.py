@@ -116,11 +116,6 @@ def test_images_run_as_non_root_and_their_own_health_checks_pass(images: Images)
         for cid in started:
             uid = run(["docker", "exec", cid, "id", "-u"], timeout=60).stdout.strip()
             assert uid not in ("", "0"), f"{inspect(cid)['Config']['Image']} runs as root"
-        # The worker packs its round trips with the compiled packer (built in the image's build
-        # stage, which has gcc; without it every round trip would pay hiredis's packing again).
-        compiled = run(["docker", "exec", started[1], "python", "-c",
-                        "from mqorder.store.packing import COMPILED; print(COMPILED)"], timeout=60).stdout.strip()
-        assert compiled == "True", "the app image was built without mqorder.store._pack"
     finally:
         if started:
             run(["docker", "rm", "-f", "-v", *reversed(started)], timeout=120, check=False)

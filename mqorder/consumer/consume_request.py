@@ -270,21 +270,21 @@ class ConsumeRequest(LingeringReads):
 
         After a switch, the finish of the run left (``prior``) goes in the same round trip: the
         two scripts touch two different queues, and neither depends on the other's reply."""
-        begin = ("begin", [self.k_state, self.k_log, self.k_next, self.k_retries], self._begin_args(self.token))
         prior = self.prior
         if prior is None:
-            res = self.scripts.call(*begin, via=self.lease)
+            res = self.scripts.call(*self._begin_call(), via=self.lease)
         else:
             assert prior.deferred_end is not None
             if prior.pre_switched is not None:
-                # switch.lua ran both behind the prior's last read. Taken once: a retry of this
-                # run after a Redis error sends them again (finish then answers STALE, and
-                # begin.lua reads the queue as it is now, not as it was at the switch).
+                # switch.lua ran both behind the prior's last read (the trickle's usual switch).
+                # Taken once: a retry of this run after a Redis error sends them again (finish
+                # then answers STALE, and begin.lua reads the queue as it is now, not as it was
+                # at the switch).
                 done, res = prior.pre_switched
                 prior.pre_switched = None
             else:
-                done, res = self.scripts.run_many([("finish", *prior._finish_call(prior.deferred_end)), begin],
-                                                  self.lease)
+                done, res = self.scripts.run_many(
+                    [("finish", *prior._finish_call(prior.deferred_end)), self._begin_call()], self.lease)
             self._after_prior(prior, prior._ended(done, prior.deferred_end))
             # Ended: let it go (a chain of switches must not keep every run it ever made alive).
             self.prior = None
@@ -303,6 +303,10 @@ class ConsumeRequest(LingeringReads):
             return self._finish(LoopEnd(Stop.REQUEUE, REPLICA_WAIT_REQUEUE_S))
         self._begun(res)
         return None
+
+    def _begin_call(self) -> tuple[str, list[str], list[Any]]:
+        """``begin.lua``'s call for this run: script, keys, arguments."""
+        return "begin", [self.k_state, self.k_log, self.k_next, self.k_retries], self._begin_args(self.token)
 
     def _begin_args(self, token: str) -> list[Any]:
         """``begin.lua``'s arguments for a run of this task execution with ``token`` (this run's,

@@ -16,7 +16,7 @@ from collections import defaultdict
 import pytest
 
 from mqorder import ConsumeConcurrentlyStatus, ConsumeOrderlyStatus, concurrent_listener, keys, orderly_listener
-from mqorder.consumer.async_loop import BLOCKED_S, ProcessLoop
+from mqorder.consumer.async_loop import BLOCKED_S, FOREIGN_QUIET_S, ProcessLoop
 from mqorder.consumer.engine import ConsumerEngine
 from mqorder.consumer.hooks import ConsumeMessageContext, ConsumeMessageHook
 from mqorder.consumer.listener import ListenerSpec, get_listener, unregister_listener
@@ -560,6 +560,23 @@ def test_a_revoked_key_run_cancels_its_hanging_call_and_counts_no_reconsume(env)
     assert dlq == []
 
 
+def wait_for_a_quiet_loop(timeout: float = 10.0) -> None:
+    """Wait until nothing of an earlier test of this process is on the process's loop (a call
+    still being cancelled, a task, another thread's work within ``FOREIGN_QUIET_S``): only then is
+    a run the process's only one, which ``ProcessLoop.claim`` requires. (Under a loaded parallel
+    ``make test-fast`` an earlier test's cancelled call could still be in flight here.)"""
+    loop = ProcessLoop.get()
+
+    def quiet() -> bool:
+        return (not (loop.in_flight or loop._pending or loop._background) and loop._owner is None
+                and loop._runs == 0 and time.monotonic() - loop._foreign_at >= FOREIGN_QUIET_S)
+
+    deadline = time.monotonic() + timeout
+    while not quiet():
+        assert time.monotonic() < deadline, "the process's loop still holds an earlier test's work"
+        time.sleep(0.01)
+
+
 def test_a_run_gives_the_loop_back_when_it_ends_and_background_tasks_go_on(env) -> None:
     """The only run of a process drives the loop in its own thread (``ProcessLoop.claim``); when
     it ends the loop's own thread runs it again: a task the listener left behind keeps running."""
@@ -581,6 +598,7 @@ def test_a_run_gives_the_loop_back_when_it_ends_and_background_tasks_go_on(env) 
             asyncio.get_running_loop().create_task(ticker())
         return await rec(msgs, ctx)
 
+    wait_for_a_quiet_loop()
     drain(eng, ListenerSpec(listener, "t", "g", ordering="key", key_concurrency=8))
     assert dict(rec.seen) == dict(sent)
     assert rec.threads == {threading.get_ident()}  # the run drove the loop itself

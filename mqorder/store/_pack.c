@@ -9,10 +9,11 @@
  * str (its UTF-8, cached on the str object by CPython), bytes and int arguments are written
  * straight into one buffer, lengths and ints formatted by hand.
  *
- * The bytes are exactly hiredis's (tests/test_pack.py compares them over random commands). A
- * command holding anything else (a float, a memoryview, a subclass of str, bytes or int, an int
- * beyond 64 bits, a type hiredis refuses) is handed to `fallback` (hiredis.pack_command), whose
- * bytes or error are the caller's: behaviour at the edges stays hiredis's.
+ * The bytes are exactly hiredis's (tests/test_pack.py compares them over random commands). Ints
+ * beyond 64 bits and floats are written as their repr, as hiredis writes them (but a repr that
+ * fails raises here, where hiredis crashes). A command holding anything else (a memoryview, a
+ * subclass of str, bytes or int, a bool, a type hiredis refuses) is handed to `fallback`
+ * (hiredis.pack_command), whose bytes or error are the caller's.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -75,6 +76,19 @@ static int put_bulk(Out *o, const char *s, size_t n) {
     return 0;
 }
 
+/* The repr of an int or a float as one bulk string (hiredis's spelling of both); -1: an error
+ * (set: a repr that raised, or an int too long to spell, ValueError). */
+static int put_repr(Out *o, PyObject *item) {
+    PyObject *repr = PyObject_Repr(item);
+    if (repr == NULL)
+        return -1;
+    Py_ssize_t len;
+    const char *s = PyUnicode_AsUTF8AndSize(repr, &len);
+    int r = s == NULL ? -1 : put_bulk(o, s, (size_t)len);
+    Py_DECREF(repr);
+    return r;
+}
+
 /* 1: packed; 0: an argument this packer leaves to the fallback (nothing written is kept);
  * -1: an error (set). */
 static int pack_tuple(Out *o, PyObject *cmd) {
@@ -100,17 +114,25 @@ static int pack_tuple(Out *o, PyObject *cmd) {
         } else if (PyLong_CheckExact(item)) {
             int overflow = 0;
             long long v = PyLong_AsLongLongAndOverflow(item, &overflow);
-            if (overflow || (v == -1 && PyErr_Occurred())) {
-                PyErr_Clear();
-                o->len = start;
-                return 0;
+            if (overflow) {
+                /* Beyond 64 bits: its repr, as hiredis writes it (hiredis does not check for a
+                 * failed repr, an int past sys.get_int_max_str_digits(), and crashes on it). */
+                if (put_repr(o, item) < 0)
+                    return -1;
+                continue;
             }
+            if (v == -1 && PyErr_Occurred())
+                return -1;
             char tmp[24];
             char *end = tmp + sizeof(tmp);
             char *p = digits_u(v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v, end);
             if (v < 0)
                 *--p = '-';
             if (put_bulk(o, p, (size_t)(end - p)) < 0)
+                return -1;
+        } else if (PyFloat_Check(item)) {
+            /* Its repr (a subclass's own, as hiredis takes any float), checked for failure. */
+            if (put_repr(o, item) < 0)
                 return -1;
         } else {
             o->len = start;
@@ -142,27 +164,25 @@ static PyObject *pack_commands(PyObject *self, PyObject *args) {
         return NULL;
     Out o = {NULL, 0, 0};
     PyObject *result = NULL;
-    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *cmd = items[i];
-        if (PyBytes_CheckExact(cmd)) { /* packed already (RawPipeline.execute_packed) */
-            if (put_bytes_of(&o, cmd) < 0)
-                goto done;
-            continue;
-        }
-        int r = PyTuple_CheckExact(cmd) ? pack_tuple(&o, cmd) : 0;
-        if (r < 0)
-            goto done;
+    /* The size and each command are read again at every step, and each command held while it is
+     * packed: a repr or the fallback may run Python code (a float subclass's __repr__, another
+     * thread) that changes a list of commands, as iterating the list in Python would see it. */
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *cmd = PySequence_Fast_GET_ITEM(seq, i);
+        Py_INCREF(cmd);
+        int r;
+        if (PyBytes_CheckExact(cmd)) /* packed already (RawPipeline.execute_packed) */
+            r = put_bytes_of(&o, cmd) < 0 ? -1 : 1;
+        else
+            r = PyTuple_CheckExact(cmd) ? pack_tuple(&o, cmd) : 0;
         if (r == 0) {
             PyObject *b = PyObject_CallOneArg(fallback, cmd);
-            if (b == NULL)
-                goto done;
-            int bad = put_bytes_of(&o, b);
-            Py_DECREF(b);
-            if (bad < 0)
-                goto done;
+            r = b == NULL ? -1 : (put_bytes_of(&o, b) < 0 ? -1 : 1);
+            Py_XDECREF(b);
         }
+        Py_DECREF(cmd);
+        if (r < 0)
+            goto done;
     }
     result = PyBytes_FromStringAndSize(o.buf ? o.buf : "", (Py_ssize_t)o.len);
 done:

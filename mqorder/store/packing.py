@@ -6,8 +6,10 @@ time with ``hiredis.pack_command`` (an sds copy per argument, an int's repr thro
 length formatted with ``sprintf``), that was 16 % of a trickling worker's instructions. The
 optional extension ``mqorder.store._pack`` packs the whole round trip in one call into one buffer
 (its source says how); it gives hiredis's bytes exactly (``tests/test_pack.py``) and hands any
-command it does not take (a float, a memoryview, a subclass, a huge int, a bad type) to hiredis,
-whose bytes or error stand. Without a C compiler at install time, hiredis packs everything.
+command it does not take (a memoryview, a subclass of str, bytes or int, a bool, a bad type) to
+hiredis, whose bytes or error stand. (An int too long to spell, or a float whose repr raises,
+raises here; hiredis crashes on both.) Without a C compiler at install time, hiredis packs
+everything.
 """
 
 from __future__ import annotations
@@ -45,5 +47,8 @@ else:  # pragma: no cover - exercised where the extension is not built
 
 
 def pack_command(args: tuple[Any, ...]) -> bytes:
-    """One command as RESP (``hiredis.pack_command``'s bytes and errors)."""
+    """One command as RESP (``hiredis.pack_command``'s bytes and errors: anything but a tuple,
+    bytes included, is refused as hiredis refuses it)."""
+    if type(args) is not tuple:
+        return _hiredis_pack(args)
     return pack_commands((args,))

@@ -32,7 +32,7 @@ import redis
 from redis.connection import AbstractConnection
 from redis.exceptions import ResponseError
 
-from mqorder.store.packing import pack_commands
+from mqorder.store.packing import pack_command, pack_commands
 
 try:  # redis-py's hiredis parser (5.x-8.x): the lean reads use it when the connection does
     from redis._parsers.hiredis import NOT_ENOUGH_DATA as _NOT_ENOUGH_DATA
@@ -232,7 +232,7 @@ class RawPipeline:
 def packed_args(args: tuple[Any, ...]) -> bytes:
     """``args`` packed as RESP bulk strings without the array header (what ``hiredis`` gives after
     ``*<count>\r\n``): pieces of a command put together with ``execute_packed``."""
-    data = pack_commands((args,))
+    data = pack_command(args)
     return data[data.index(b"\n") + 1:]
 
 

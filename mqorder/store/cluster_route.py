@@ -2,7 +2,7 @@
 
 On a cluster, every command goes to the primary that serves its key's hash slot. redis-py's
 ``RedisCluster`` does that for its own commands and pipelines; mqorder's consume path sends its
-round trips through ``ConnectionLease`` instead (raw ``EVALSHA``\\s packed by hiredis, no
+round trips through ``ConnectionLease`` instead (raw ``EVALSHA``\\s packed in one call, no
 response callbacks; ``mqorder.store.raw_pipe``), so this module gives that path the same routing:
 
 * **by slot, per node, in one round trip**: the commands of a round trip are grouped by the
@@ -50,7 +50,6 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-import hiredis
 import redis
 from redis.cluster import PRIMARY, ClusterNode, RedisCluster
 from redis.crc import key_slot
@@ -63,6 +62,10 @@ from redis.exceptions import (
     TryAgainError,
 )
 
+from mqorder.store.packing import pack_commands
+
+#: Sent before a command redirected by ASK (its reply skipped).
+_ASKING = ("ASKING",)
 #: Redirections (MOVED, ASK) and TRYAGAIN/CLUSTERDOWN answers followed within one round trip
 #: before giving up with the last error.
 MAX_REDIRECTS = 16
@@ -139,15 +142,15 @@ def _packed(commands: list[tuple[Any, ...]], idxs: list[int], asking: dict[int, 
             ) -> tuple[bytes, list[bool]]:
     """One node's commands in one write (``ASKING`` before each asked one), and which replies to
     skip (``ASKING``'s)."""
-    packed: list[bytes] = []
+    node: list[Any] = []
     discard: list[bool] = []
     for i in idxs:
         if i in asking:
-            packed.append(hiredis.pack_command(("ASKING",)))
+            node.append(_ASKING)
             discard.append(True)
-        packed.append(hiredis.pack_command(commands[i]))
+        node.append(commands[i])
         discard.append(False)
-    return b"".join(packed), discard
+    return pack_commands(node), discard
 
 
 def _read_into(replies: dict[int, Any], conn: Any, idxs: list[int], discard: list[bool]) -> None:

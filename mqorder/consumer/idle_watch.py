@@ -310,8 +310,9 @@ class IdleQueueWatch:
             self._changed()
             return
         plan = self._plan
-        left_new = (left_sub, keys.queue_log(left.tag)) not in self.adopted
+        before = len(self.adopted)
         key = self._hand_over(left_sub, left, adopted_at)
+        left_new = len(self.adopted) > before  # (its key spelled once, by ``_hand_over``)
         # A doorbell of ``left`` read beside its run's own messages is no news any more.
         self.rung.pop(key, None)
         if backlog:
